@@ -1,0 +1,261 @@
+"""Turns one step's logits into tokens: the only place blitzllm samples.
+
+Owns ``SamplingMetadata.build`` (per-request ``SamplingParams`` -> batched device
+tensors), the logit pipeline (repetition / frequency / presence penalties, min_tokens
+bans, temperature, top-k, top-p, min-p), greedy and seeded random sampling, and the
+raw-distribution logprobs returned with each token.
+
+Random rows use the exponential race argmax(p / E), E ~ Exp(1), where E comes from a
+counter-based hash of (seed, step, token id). There is no RNG state and no host sync,
+and a request draws the same token whatever batch it sits in and wherever in it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from blitzllm.sampling_params import SamplingParams
+
+_M32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9
+
+
+# --------------------------------------------------------------------------- noise
+def _fmix32_(h: Tensor) -> Tensor:
+    """murmur3's 32-bit finalizer, in place, on int64 values in [0, 2**32).
+
+    The int64 products may wrap past 2**63; their low 32 bits are still exact and the
+    mask after each multiply keeps only those, so CPU and CUDA agree bit for bit.
+    """
+    h.bitwise_xor_(h >> 16)
+    h.mul_(0x85EBCA6B).bitwise_and_(_M32)
+    h.bitwise_xor_(h >> 13)
+    h.mul_(0xC2B2AE35).bitwise_and_(_M32)
+    h.bitwise_xor_(h >> 16)
+    return h
+
+
+def hash_bits(seeds: Tensor, steps: Tensor, vocab_size: int) -> Tensor:
+    """[B, V] int64 in [0, 2**32): a hash of (seeds[b], steps[b], token id v)."""
+    key = _fmix32_((seeds & _M32) ^ _GOLDEN)
+    key = _fmix32_(key ^ ((seeds >> 32) & _M32))
+    key = _fmix32_(key ^ (steps & _M32))
+    tok = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
+    tok = _fmix32_((tok * _GOLDEN + 0x7F4A7C15) & _M32)
+    return _fmix32_(key[:, None] ^ tok[None, :])
+
+
+def exponential_noise(seeds: Tensor, steps: Tensor, vocab_size: int) -> Tensor:
+    """[B, V] float32 Exp(1) samples, a pure function of (seed, step, token id)."""
+    # Top 24 bits -> u = (k + 0.5) / 2**24, exact in float32 and strictly inside (0, 1).
+    u = (hash_bits(seeds, steps, vocab_size) >> 8).to(torch.float32)
+    return u.add_(0.5).mul_(1.0 / 2**24).log_().neg_()
+
+
+# ------------------------------------------------------------------------ metadata
+@dataclass
+class SamplingRow:
+    """Host-side description of one row of the batch."""
+    params: SamplingParams
+    seed: int  # always set (the engine derives one for unseeded requests); [0, 2**63)
+    prompt_ids: list[int]
+    output_ids: list[int]  # tokens generated so far by this sequence
+    eos_token_id: Optional[int]
+
+
+def _pad(lists: list[list[int]], pad: int, device) -> Tensor:
+    width = max(1, max(len(x) for x in lists))
+    out = torch.full((len(lists), width), pad, dtype=torch.int64)
+    for i, ids in enumerate(lists):
+        if ids:
+            out[i, :len(ids)] = torch.as_tensor(ids, dtype=torch.int64)
+    return out.to(device, non_blocking=True)
+
+
+@dataclass
+class SamplingMetadata:
+    """Device tensors for one step; all [B] unless noted."""
+    temperature: Tensor  # float32, 0 = greedy
+    top_p: Tensor  # float32 (1 for greedy rows)
+    top_k: Tensor  # int64, 0 = disabled (also for greedy rows and k >= V)
+    min_p: Tensor  # float32 (0 for greedy rows)
+    presence_penalty: Tensor  # float32
+    frequency_penalty: Tensor  # float32
+    repetition_penalty: Tensor  # float32
+    seeds: Tensor  # int64
+    steps: Tensor  # int64: len(output_ids), the index of the token being sampled
+    prompt_tokens: Optional[Tensor]  # [B, Lp] int64 padded with V; None: no repetition penalty
+    output_tokens: Optional[Tensor]  # [B, Lo] int64 padded with V; None: no penalties
+    banned_tokens: Optional[Tensor]  # [B, K] int64 padded with -1; None: nothing banned
+    max_num_logprobs: int
+    all_greedy: bool
+    any_greedy: bool
+    # Host flags for fast paths; True is always safe (only skips work when False).
+    any_top_k_top_p: bool = True
+    any_min_p: bool = True
+
+    @classmethod
+    def build(cls, rows: list[SamplingRow], vocab_size: int, device) -> "SamplingMetadata":
+        V = vocab_size
+        ps = [r.params for r in rows]
+        greedy = [p.temperature == 0.0 for p in ps]
+        top_k = [0 if g or p.top_k <= 0 or p.top_k >= V else p.top_k for p, g in zip(ps, greedy)]
+        top_p = [1.0 if g else p.top_p for p, g in zip(ps, greedy)]
+        min_p = [0.0 if g else p.min_p for p, g in zip(ps, greedy)]
+        floats = torch.tensor(
+            [[p.temperature for p in ps], top_p, min_p, [p.presence_penalty for p in ps],
+             [p.frequency_penalty for p in ps], [p.repetition_penalty for p in ps]],
+            dtype=torch.float32).reshape(6, len(rows)).to(device, non_blocking=True)
+        ints = torch.tensor(
+            [top_k, [r.seed for r in rows], [len(r.output_ids) for r in rows]],
+            dtype=torch.int64).reshape(3, len(rows)).to(device, non_blocking=True)
+
+        # Only rows that use a penalty ship their tokens; the others stay all padding.
+        prompt_tokens = output_tokens = None
+        if any(p.uses_penalties for p in ps):
+            output_tokens = _pad([r.output_ids if p.uses_penalties else []
+                                  for r, p in zip(rows, ps)], V, device)
+            if any(p.repetition_penalty != 1.0 for p in ps):
+                prompt_tokens = _pad([r.prompt_ids if p.repetition_penalty != 1.0 else []
+                                      for r, p in zip(rows, ps)], V, device)
+
+        bans = []
+        for r, p in zip(rows, ps):
+            ids: list[int] = []
+            if len(r.output_ids) < p.min_tokens:
+                eos = [] if r.eos_token_id is None else [r.eos_token_id]
+                ids = sorted({t for t in eos + list(p.stop_token_ids) if 0 <= t < V})
+            bans.append(ids)
+        banned_tokens = _pad(bans, -1, device) if any(bans) else None
+
+        return cls(
+            temperature=floats[0], top_p=floats[1], min_p=floats[2],
+            presence_penalty=floats[3], frequency_penalty=floats[4],
+            repetition_penalty=floats[5],
+            top_k=ints[0], seeds=ints[1], steps=ints[2],
+            prompt_tokens=prompt_tokens, output_tokens=output_tokens,
+            banned_tokens=banned_tokens,
+            max_num_logprobs=max((p.logprobs or 0 for p in ps), default=0),
+            all_greedy=all(greedy), any_greedy=any(greedy),
+            any_top_k_top_p=any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p),
+            any_min_p=any(m > 0.0 for m in min_p),
+        )
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: Tensor  # [B] int64
+    logprobs: Tensor  # [B] float32, chosen token under log_softmax(raw logits)
+    top_ids: Optional[Tensor]  # [B, N] int64, N = max_num_logprobs; raw-distribution top-N
+    top_logprobs: Optional[Tensor]  # [B, N] float32
+
+
+# ------------------------------------------------------------------------- sampler
+def _mask_of(tokens: Tensor, vocab_size: int) -> Tensor:
+    """[B, V] bool: which ids appear in each row of a V-padded [B, L] token tensor."""
+    seen = torch.zeros(tokens.shape[0], vocab_size + 1, dtype=torch.bool, device=tokens.device)
+    return seen.scatter_(1, tokens, True)[:, :vocab_size]
+
+
+def _top_k_top_p(x: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """Mask (-inf) outside top-k, then outside the top-p nucleus. One sort per call.
+
+    top-k keeps every token tied with the k-th largest logit; top-p keeps the smallest
+    prefix (by descending prob) whose mass reaches top_p, so the top token always stays.
+    """
+    V = x.shape[-1]
+    xs, order = x.sort(dim=-1, descending=True)
+    k = torch.where((top_k <= 0) | (top_k > V), V, top_k)
+    kth = xs.gather(1, (k - 1)[:, None])
+    xs = xs.masked_fill(xs < kth, float("-inf"))
+    probs = xs.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    p = top_p[:, None]
+    xs = xs.masked_fill((mass_before >= p) & (p < 1.0), float("-inf"))
+    return torch.empty_like(x).scatter_(1, order, xs)
+
+
+class Sampler(torch.nn.Module):
+    """Stateless: everything per-step comes in through ``SamplingMetadata``."""
+
+    def forward(self, logits: Tensor, md: SamplingMetadata) -> SamplerOutput:
+        raw = logits.float()
+        x = self._penalize(raw, md)
+        if md.all_greedy:
+            tokens = x.argmax(dim=-1)
+        else:
+            probs = self._shape(x, md).softmax(dim=-1)
+            noise = exponential_noise(md.seeds, md.steps, raw.shape[-1])
+            tokens = probs.div_(noise).argmax(dim=-1)
+            if md.any_greedy:
+                tokens = torch.where(md.temperature == 0, x.argmax(dim=-1), tokens)
+        return self._output(raw, tokens, md)
+
+    def processed_logits(self, logits: Tensor, md: SamplingMetadata) -> Tensor:
+        """[B, V] float32 logits that random rows sample from (-inf = removed).
+
+        Greedy rows get their penalized, banned logits without temperature or
+        top-k / top-p / min-p: their argmax is the token ``forward`` picks.
+        """
+        raw = logits.float()
+        x = self._penalize(raw, md)
+        if md.all_greedy:
+            return x.clone() if x is logits else x
+        y = self._shape(x, md)
+        if md.any_greedy:
+            y = torch.where((md.temperature == 0)[:, None], x, y)
+        return y
+
+    # -- pipeline stages ------------------------------------------------------------
+    @staticmethod
+    def _penalize(x: Tensor, md: SamplingMetadata) -> Tensor:
+        """Penalties and min_tokens bans; returns a new tensor when anything applies."""
+        B, V = x.shape
+        seen = counts = None
+        if md.output_tokens is not None:
+            out = md.output_tokens
+            counts = torch.zeros(B, V + 1, dtype=torch.float32, device=x.device)
+            counts = counts.scatter_add_(1, out, torch.ones(out.shape, dtype=torch.float32,
+                                                            device=x.device))[:, :V]
+            seen = counts > 0
+        if md.prompt_tokens is not None:
+            in_prompt = _mask_of(md.prompt_tokens, V)
+            seen = in_prompt if seen is None else seen | in_prompt
+        if seen is not None:
+            rp = md.repetition_penalty[:, None]
+            x = torch.where(seen, torch.where(x > 0, x / rp, x * rp), x)
+        if counts is not None:
+            x = (x - md.frequency_penalty[:, None] * counts
+                 - md.presence_penalty[:, None] * (counts > 0).float())
+        if md.banned_tokens is not None:
+            b = md.banned_tokens
+            x = x.masked_fill(_mask_of(torch.where((b < 0) | (b >= V), V, b), V),
+                              float("-inf"))
+        return x
+
+    @staticmethod
+    def _shape(x: Tensor, md: SamplingMetadata) -> Tensor:
+        """Temperature, top-k, top-p, min-p (greedy rows pass through temperature 1)."""
+        t = md.temperature
+        x = x / torch.where(t > 0, t, torch.ones_like(t))[:, None]
+        if md.any_top_k_top_p:
+            x = _top_k_top_p(x, md.top_k, md.top_p)
+        if md.any_min_p:
+            # p < min_p * p_max  <=>  logit < max_logit + log(min_p); log(0) = -inf keeps all.
+            floor = x.amax(dim=-1, keepdim=True) + md.min_p.log()[:, None]
+            x = x.masked_fill(x < floor, float("-inf"))
+        return x
+
+    @staticmethod
+    def _output(raw: Tensor, tokens: Tensor, md: SamplingMetadata) -> SamplerOutput:
+        lse = raw.logsumexp(dim=-1)
+        chosen = raw.gather(1, tokens[:, None]).squeeze(1) - lse
+        top_ids = top_lp = None
+        if md.max_num_logprobs > 0:
+            vals, top_ids = raw.topk(md.max_num_logprobs, dim=-1)
+            top_lp = vals - lse[:, None]
+        return SamplerOutput(token_ids=tokens, logprobs=chosen, top_ids=top_ids,
+                             top_logprobs=top_lp)
