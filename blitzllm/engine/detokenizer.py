@@ -1,0 +1,235 @@
+"""Incremental (streaming) detokenization with stop-string handling.
+
+One :class:`IncrementalDetokenizer` lives per sequence. The engine feeds it the newly sampled
+token ids after every step and gets back the text delta that is safe to stream.
+
+Decoding works on a small sliding window of token ids instead of re-decoding the whole output:
+
+* ``_window`` holds the ids from the *prefix offset* on. ``_window[:_read]`` (the prefix) is
+  text that has already been turned into output; its decoded length is ``_prefix_len``.
+* Each step decodes the window and takes the characters past the prefix. Decoding the prefix
+  together with the new ids gives the new tokens their context (leading spaces of
+  sentencepiece pieces, bytes that a byte-level token shares with its neighbours).
+* When the window decodes to text that does not end in U+FFFD, the byte stream is at a
+  character boundary: the window slides (prefix := the ids just read) and stays a few tokens
+  long, so the work per step is O(new tokens).
+* When it ends in U+FFFD (a multi-byte character is still incomplete) the window keeps growing
+  and only the text before the trailing U+FFFD run is taken; that text can no longer change.
+
+Stop strings are searched in the decoded text that has not been emitted yet. The longest
+suffix of it that is a proper prefix of some stop string is held back, so emitted text never
+contains the start of a stop string that may still complete, and deltas stay append-only.
+When several stop strings match, the one that completes first (smallest end offset) wins, and
+on a tie the one starting first; this is what a strict token-by-token scan would see, so the
+result does not depend on how many tokens arrive per ``add`` call.
+
+Relation to ``tokenizer.decode(generated_ids, skip_special_tokens=...)`` (without stop strings):
+
+* byte-level BPE (GPT-2 / SmolLM2 / Llama-3 style): the deltas add up to exactly that string.
+* sentencepiece style (Metaspace pieces, decoder strips one leading space): the prompt tail is
+  decoded as context, so a first piece "\u2581Paris" streams as " Paris" -- the generated part
+  of ``decode(prompt + generated)``, as vLLM does. With an empty prompt (or one that decodes to
+  nothing) it equals ``decode(generated)``.
+* Space clean-up (``clean_up_tokenization_spaces``) is never applied: it is not incremental.
+* If a byte-fallback model emits *invalid* UTF-8, HF's ``ByteFallback`` turns the whole run of
+  ``<0xXX>`` tokens into U+FFFD, including valid bytes that were already streamed; the streamed
+  text keeps those bytes (deltas are append-only), so it can differ from ``decode`` there.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable, Optional, Sequence, Union
+
+_REPLACEMENT = "\ufffd"
+# Prompt tokens decoded ahead of the first generated ids, for their leading-space context.
+_PROMPT_CONTEXT_TOKENS = 5
+_MAX_PROMPT_CONTEXT_TOKENS = 64
+
+
+def _make_decoder(tokenizer, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    """Return ``ids -> text`` without tokenization-space cleanup (which is not incremental)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # fast (Rust) tokenizers
+    if backend is not None and callable(getattr(backend, "decode", None)):
+        decode = backend.decode
+
+        def fast(ids: list[int]) -> str:
+            return decode(ids, skip_special_tokens=skip_special_tokens)
+        return fast
+
+    def slow(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
+                                clean_up_tokenization_spaces=False)
+    return slow
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of generated token ids into append-only text deltas.
+
+    Args:
+        tokenizer: a ``transformers`` tokenizer (fast or slow).
+        prompt_ids: the prompt's token ids; its last few give the first generated tokens
+            their leading-space context.
+        skip_special_tokens: drop special tokens from the text (as ``tokenizer.decode``).
+        stop: stop strings; the output is cut at the first one that completes.
+        include_stop_str_in_output: keep the matched stop string at the end of the output.
+    """
+
+    def __init__(self, tokenizer, prompt_ids: Sequence[int], *,
+                 skip_special_tokens: bool = True,
+                 stop: Union[str, Iterable[str], None] = (),
+                 include_stop_str_in_output: bool = False):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = bool(skip_special_tokens)
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        self.stop: list[str] = list(dict.fromkeys(s for s in stop if s))
+        self.include_stop_str_in_output = bool(include_stop_str_in_output)
+
+        self.stopped: bool = False
+        self.stop_reason: Optional[str] = None
+        self.finished: bool = False
+        self.num_generated_tokens: int = 0
+
+        # Proper prefixes of the stop strings, for the hold-back lookahead.
+        self._stop_prefixes = frozenset(s[:i] for s in self.stop for i in range(1, len(s)))
+        self._max_stop_prefix = max((len(s) for s in self.stop), default=1) - 1
+
+        self._decode = _make_decoder(tokenizer, self.skip_special_tokens)
+
+        context, context_text = self._prompt_context(prompt_ids)
+
+        self._window: list[int] = context        # ids from the prefix offset on
+        self._read: int = len(context)           # _window[:_read] is the prefix
+        self._prefix_len: int = len(context_text)
+        self._taken: int = 0                     # chars past the prefix already moved to _pending
+        self._pending: str = ""                  # decoded text not emitted yet (stop lookahead)
+        self._out: list[str] = []
+        self._out_text: Optional[str] = ""
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def output_text(self) -> str:
+        """All text emitted so far (the concatenation of the returned deltas)."""
+        if self._out_text is None:
+            self._out_text = "".join(self._out)
+            self._out = [self._out_text] if self._out_text else []
+        return self._out_text
+
+    def add(self, token_ids: Union[int, Sequence[int]]) -> str:
+        """Feed newly generated token ids; return the text delta that is safe to emit now."""
+        if self.stopped or self.finished:
+            return ""
+        if not hasattr(token_ids, "__len__"):  # a single id (int / numpy integer)
+            token_ids = (token_ids,)
+        if not len(token_ids):
+            return ""
+        self.num_generated_tokens += len(token_ids)
+        self._window.extend(int(t) for t in token_ids)
+        self._advance(final=False)
+        return self._emit(final=False)
+
+    def finish(self) -> str:
+        """End of generation (length / EOS): flush everything held back, return the delta.
+
+        An incomplete UTF-8 sequence at the very end is emitted as decoded (U+FFFD).
+        """
+        if self.stopped or self.finished:
+            self.finished = True
+            return ""
+        self.finished = True
+        self._advance(final=True)
+        return self._emit(final=True)
+
+    # ------------------------------------------------------------------ internals
+
+    def _prompt_context(self, prompt_ids: Sequence[int]) -> tuple[list[int], str]:
+        """The prompt tail decoded ahead of the output, and its text.
+
+        Normally the last few tokens; widened when they decode to nothing (e.g. only skipped
+        special tokens) or end in U+FFFD (the tail starts inside a character that was split
+        into byte tokens). If the prompt itself ends inside a multi-byte character, there is no
+        context: the output is decoded on its own rather than merged with the prompt's bytes.
+        """
+        n = len(prompt_ids)
+        if n == 0:
+            return [], ""
+        for k in (_PROMPT_CONTEXT_TOKENS, 4 * _PROMPT_CONTEXT_TOKENS, _MAX_PROMPT_CONTEXT_TOKENS):
+            k = min(k, n)
+            context = [int(t) for t in prompt_ids[n - k:]]
+            text = self._decode(context)
+            if (text and not text.endswith(_REPLACEMENT)) or k == n:
+                break
+        if text.endswith(_REPLACEMENT):
+            return [], ""
+        return context, text
+
+    def _advance(self, final: bool) -> None:
+        """Decode the window and move the newly stable text into ``_pending``."""
+        text = self._decode(self._window)
+        start = self._prefix_len + self._taken
+        if final or not text.endswith(_REPLACEMENT):
+            if len(text) > start:
+                self._pending += text[start:]
+            if len(text) > self._prefix_len and not final:
+                # Character boundary reached: slide the window, the ids just read become the
+                # new prefix.
+                prefix = self._window[self._read:]
+                self._window = prefix
+                self._read = len(prefix)
+                self._prefix_len = len(self._decode(prefix))
+                self._taken = 0
+            return
+        # The text ends in an incomplete character: take what precedes the trailing U+FFFD run
+        # (it cannot change any more) and keep the ids unread until the character completes.
+        stable = len(text.rstrip(_REPLACEMENT))
+        if stable > start:
+            self._pending += text[start:stable]
+            self._taken = stable - self._prefix_len
+
+    def _emit(self, final: bool) -> str:
+        pending = self._pending
+        if not pending:
+            return ""
+        if self.stop:
+            best = None  # (end, start, stop string)
+            for s in self.stop:
+                i = pending.find(s)
+                if i >= 0:
+                    key = (i + len(s), i, s)
+                    if best is None or key[:2] < best[:2]:
+                        best = key
+            if best is not None:
+                end, begin, s = best
+                delta = pending[:end if self.include_stop_str_in_output else begin]
+                self._pending = ""
+                self.stopped = True
+                self.stop_reason = s
+                return self._append(delta)
+            if not final:
+                hold = self._held_back(pending)
+                if hold:
+                    self._pending = pending[len(pending) - hold:]
+                    return self._append(pending[:len(pending) - hold])
+        self._pending = ""
+        return self._append(pending)
+
+    def _held_back(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+        prefixes = self._stop_prefixes
+        for k in range(min(self._max_stop_prefix, len(text)), 0, -1):
+            if text[-k:] in prefixes:
+                return k
+        return 0
+
+    def _append(self, delta: str) -> str:
+        if delta:
+            self._out.append(delta)
+            self._out_text = None
+        return delta
+
+    def __repr__(self) -> str:
+        return (f"IncrementalDetokenizer(tokens={self.num_generated_tokens}, "
+                f"chars={len(self.output_text)}, stopped={self.stopped}, "
+                f"stop_reason={self.stop_reason!r})")
