@@ -1,0 +1,109 @@
+"""Frozen engine configuration: the model's shape, the KV cache, the scheduler.
+
+``ModelConfig.from_hf`` reads a Hugging Face ``config.json`` dict; derived values are
+properties. Nothing here touches tensors or devices.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    bos_token_id: Optional[int] = None
+    eos_token_ids: tuple = ()
+    hf_config: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_layers * self.kv_size * dtype_bytes
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], num_layers: Optional[int] = None) -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        if not archs:
+            raise ValueError("config.json has no 'architectures' entry")
+        arch = archs[0]
+        text = cfg.get("text_config") or cfg
+        heads = text["num_attention_heads"]
+        hidden = text["hidden_size"]
+        head_dim = text.get("head_dim") or hidden // heads
+        eos = text.get("eos_token_id", cfg.get("eos_token_id"))
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        rope_scaling = text.get("rope_scaling")
+        rope_theta = text.get("rope_theta")
+        rp = text.get("rope_parameters")  # transformers >= 5 layout
+        if isinstance(rp, dict):
+            rope_theta = rope_theta or rp.get("rope_theta")
+            if rp.get("rope_type", "default") != "default":
+                rope_scaling = rope_scaling or rp
+        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
+            rope_scaling = None
+        layers = text["num_hidden_layers"]
+        if num_layers is not None:
+            if num_layers < 1:
+                raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+            layers = min(layers, num_layers)
+        return cls(
+            architecture=arch,
+            vocab_size=text["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=text["intermediate_size"],
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=text.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            rms_norm_eps=text.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta or 10000.0),
+            rope_scaling=dict(rope_scaling) if rope_scaling else None,
+            max_position_embeddings=text.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            attention_bias=bool(text.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            qk_norm=arch.startswith("Qwen3"),
+            bos_token_id=text.get("bos_token_id", cfg.get("bos_token_id")),
+            eos_token_ids=eos_ids,
+            hf_config=dict(cfg),
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int = 0
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")

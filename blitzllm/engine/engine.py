@@ -1,0 +1,289 @@
+"""The engine: owns requests, runs scheduler -> model runner -> sampler each ``step()``, and
+turns sampled tokens into per-request events (new tokens, text deltas, finish reasons).
+
+Synchronous and single-threaded; ``async_engine.py`` wraps it for the server.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+
+from ..config import CacheConfig, ModelConfig, SchedulerConfig
+from ..layers.sampler import SamplingRow
+from ..loader.source import resolve_model
+from ..runner.model_runner import ModelRunner, build_model
+from ..sampling_params import SamplingParams
+from .detokenizer import IncrementalDetokenizer
+from .kv_cache import KVCacheManager
+from .request import Request, Status
+from .scheduler import Scheduler
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+CPU_KV_BUDGET_BYTES = 2 << 30
+
+
+@dataclass
+class EngineArgs:
+    model: str = "smollm2"
+    dtype: Optional[Union[str, torch.dtype]] = None
+    device: Optional[str] = None
+    load_format: str = "auto"
+    max_model_len: Optional[int] = None
+    kv_cache_blocks: Optional[int] = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: Optional[int] = None
+    seed: int = 0
+    num_layers: Optional[int] = None
+    gpu_memory_utilization: float = 0.9
+
+
+@dataclass
+class StepEvent:
+    """What one step did for one completion of a request."""
+    request_id: str
+    index: int
+    new_token_ids: list
+    text: str
+    logprobs: Optional[list]
+    finish_reason: Optional[str] = None
+    stop_reason: object = None
+
+
+def resolve_device(device: Optional[str]) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but CUDA is not available")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
+    return dev
+
+
+def resolve_dtype(dtype, device: torch.device, config_dtype: Optional[str]) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        if device.type == "cpu":
+            return torch.float32
+        return torch.float16 if config_dtype == "float16" else torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+class Engine:
+    def __init__(self, args: EngineArgs):
+        t0 = time.perf_counter()
+        self.args = args
+        if not isinstance(args.block_size, int) or args.block_size < 1 or args.block_size & (args.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {args.block_size}")
+        self.device = resolve_device(args.device)
+        src = resolve_model(args.model, args.load_format)
+        self.model_config = cfg = ModelConfig.from_hf(src.hf_config, args.num_layers)
+        self.dtype = resolve_dtype(args.dtype, self.device, src.torch_dtype)
+        self.tokenizer = src.tokenizer_loader()
+        model = build_model(src, cfg, self.device, self.dtype, args.seed)
+        num_blocks = self._num_blocks(cfg)
+        capacity = num_blocks * args.block_size
+        max_len = args.max_model_len
+        if max_len is not None and (not isinstance(max_len, int) or max_len < 2):
+            raise ValueError(f"max_model_len must be an integer >= 2, got {max_len!r}")
+        if max_len is not None and max_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len must be <= {cfg.max_position_embeddings} "
+                             f"(the model's max_position_embeddings), got {max_len}")
+        if max_len is not None and max_len > capacity:
+            raise ValueError(f"max_model_len {max_len} exceeds the KV cache capacity of {capacity} tokens "
+                             f"({num_blocks} blocks of {args.block_size}); raise kv_cache_blocks")
+        self.max_model_len = max_len or min(cfg.max_position_embeddings, capacity)
+        budget = args.max_num_batched_tokens or max(2048 if self.device.type == "cpu" else 8192, args.max_num_seqs)
+        self.sched_config = SchedulerConfig(args.max_num_seqs, budget, self.max_model_len)
+        self.cache_config = CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        self.scheduler = Scheduler(self.sched_config, self.kv)
+        self.runner = ModelRunner(model, cfg, self.cache_config, self.device, self.dtype)
+        self.requests: dict[str, list[Request]] = {}   # parent id -> its n sequences
+        self._arrival = itertools.count()
+        self._rng = random.Random(args.seed)
+        self.eos_token_ids = self._eos_ids()
+        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0}
+        self.load_time_s = time.perf_counter() - t0
+
+    # ---- setup -------------------------------------------------------------------
+    def _num_blocks(self, cfg: ModelConfig) -> int:
+        a = self.args
+        if a.kv_cache_blocks is not None:
+            if not isinstance(a.kv_cache_blocks, int) or a.kv_cache_blocks < 1:
+                raise ValueError(f"kv_cache_blocks must be an integer >= 1, got {a.kv_cache_blocks!r}")
+            return a.kv_cache_blocks
+        per_block = cfg.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8) * a.block_size
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            reserve = 4 << 30  # activations, logits, graphs
+            budget = int(total * a.gpu_memory_utilization) - (total - free) - reserve
+        else:
+            budget = CPU_KV_BUDGET_BYTES
+        want = -(-cfg.max_position_embeddings // a.block_size) * max(1, min(a.max_num_seqs, 64))
+        return max(1, min(budget // per_block, want))
+
+    def _eos_ids(self) -> tuple:
+        ids = list(self.model_config.eos_token_ids)
+        tok_eos = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None
+        if tok_eos is not None and tok_eos not in ids:
+            ids.insert(0, tok_eos)
+        return tuple(i for i in ids if i is not None)
+
+    # ---- requests ----------------------------------------------------------------
+    def tokenize(self, prompt: Union[str, list]) -> list:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer (dummy-weight preset): pass prompts as token ids")
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)
+        raise ValueError("a prompt must be a string or a list of token ids")
+
+    def add_request(self, request_id: str, prompt: Union[str, list], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params must be a SamplingParams")
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.tokenize(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        V = self.model_config.vocab_size
+        if any(t < 0 or t >= V for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {V})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens, which leaves no room to generate within "
+                             f"max_model_len={self.max_model_len}")
+        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                             f"max_model_len={self.max_model_len}")
+        if any(t >= V for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {V})")
+        seqs = []
+        for i in range(params.n):
+            if params.seed is not None:
+                seed = params.seed if i == 0 else (params.seed * 1_000_003 + i) % (2**63)
+            else:
+                seed = self._rng.getrandbits(63)
+            req = Request(request_id=f"{request_id}#{i}", prompt_token_ids=list(ids), params=params,
+                          seed=seed, arrival=next(self._arrival), eos_token_ids=self.eos_token_ids,
+                          max_total_tokens=self.max_model_len,
+                          prompt=prompt if isinstance(prompt, str) else None)
+            if self.tokenizer is not None:
+                req.detok = IncrementalDetokenizer(
+                    self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
+                    stop=list(params.stop), include_stop_str_in_output=params.include_stop_str_in_output)
+            seqs.append(req)
+        self.requests[request_id] = seqs
+        for r in seqs:
+            self.scheduler.add(r)
+        self.counters["prompt_tokens"] += len(ids)
+
+    def abort_request(self, request_id: str) -> bool:
+        seqs = self.requests.pop(request_id, None)
+        if seqs is None:
+            return False
+        for r in seqs:
+            if not r.finished:
+                self.scheduler.remove(r)
+                r.status, r.finish_reason = Status.FINISHED, "abort"
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the step ----------------------------------------------------------------
+    def step(self) -> list[StepEvent]:
+        seqs = self.scheduler.schedule()
+        if not seqs:
+            return []
+        sampling = [s for s in seqs if s.samples]
+        rows = [SamplingRow(params=s.req.params, seed=s.req.seed, prompt_ids=s.req.prompt_token_ids,
+                            output_ids=s.req.output_token_ids,
+                            eos_token_id=s.req.eos_token_ids[0] if s.req.eos_token_ids else None)
+                for s in sampling]
+        batch = [(s.req.token_slice(s.start, s.end), s.start, s.end) for s in seqs]
+        tables = [self.kv.block_table(s.req.request_id) for s in seqs]
+        sample_idx = [i for i, s in enumerate(seqs) if s.samples]
+        result = self.runner.execute(batch, tables, sample_idx, rows)
+        self.scheduler.step_done(seqs)
+        events = []
+        now = time.monotonic()
+        for j, s in enumerate(sampling):
+            top = result.top[j] if result.top is not None else None
+            events.append(self._append_token(s.req, result.token_ids[j], result.logprobs[j], top, now))
+        return events
+
+    def _append_token(self, req: Request, tok: int, lp: float, top, now: float) -> StepEvent:
+        p = req.params
+        req.output_token_ids.append(tok)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        self.counters["generation_tokens"] += 1
+        lps = None
+        if p.logprobs is not None:
+            d = {tok: lp}
+            for tid, tlp in (top or [])[: p.logprobs]:
+                d.setdefault(tid, tlp)
+            lps = [d]
+            req.output_logprobs.append(d)
+        n_out = len(req.output_token_ids)
+        reason, stop_reason = None, None
+        text = ""
+        can_stop = n_out >= max(1, p.min_tokens)
+        if can_stop and not p.ignore_eos and tok in req.eos_token_ids:
+            reason = "stop"
+        elif can_stop and tok in p.stop_token_ids:
+            reason, stop_reason = "stop", tok
+        # a stop token's own text is not part of the output; stop strings cut the text
+        if req.detok is not None and reason is None:
+            text = req.detok.add([tok])
+            if req.detok.stopped:
+                reason, stop_reason = "stop", req.detok.stop_reason
+        if reason is None and ((p.max_tokens is not None and n_out >= p.max_tokens)
+                               or req.num_tokens >= req.max_total_tokens):
+            reason = "length"
+        if reason is not None:
+            if req.detok is not None and not req.detok.stopped:
+                text += req.detok.finish()
+            self._finish(req, reason, stop_reason)
+        return StepEvent(req.request_id.rsplit("#", 1)[0], int(req.request_id.rsplit("#", 1)[1]),
+                         [tok], text, lps, reason, stop_reason)
+
+    def _finish(self, req: Request, reason: str, stop_reason) -> None:
+        req.status, req.finish_reason, req.stop_reason = Status.FINISHED, reason, stop_reason
+        self.scheduler.remove(req)
+        parent = req.request_id.rsplit("#", 1)[0]
+        seqs = self.requests.get(parent)
+        if seqs is not None and all(r.finished for r in seqs):
+            del self.requests[parent]
+            self.counters["finished_requests"] += 1
+
+    # ---- introspection -----------------------------------------------------------
+    def stats(self) -> dict:
+        return {
+            "kv_blocks_total": self.kv.num_blocks,
+            "kv_blocks_free": self.kv.num_free_blocks,
+            "kv_cache_usage": self.kv.usage,
+            "prefix_cache_hit_tokens": self.kv.hit_tokens,
+            "prefix_cache_queried_tokens": self.kv.queried_tokens,
+            "preemptions": self.scheduler.num_preemptions,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            **self.counters,
+        }

@@ -1,0 +1,96 @@
+"""A request (one sequence) as the engine tracks it, and the outputs handed back."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list
+    params: SamplingParams
+    seed: int
+    arrival: int                  # arrival order
+    eos_token_ids: tuple = ()
+    max_total_tokens: int = 0     # prompt + output cap (context length)
+    prompt: Optional[str] = None
+    output_token_ids: list = field(default_factory=list)
+    output_logprobs: list = field(default_factory=list)   # per token {id: logprob} or None
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    status: Status = Status.WAITING
+    finish_reason: Optional[str] = None
+    stop_reason: object = None
+    detok: object = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: Optional[float] = None
+    num_cached_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, end: int) -> list:
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    @property
+    def finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list
+    logprobs: Optional[list]
+    finish_reason: Optional[str]
+    stop_reason: object = None
+    cumulative_logprob: Optional[float] = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list
+    outputs: list
+    finished: bool
+    num_cached_tokens: int = 0
+
+    # convenience accessors for the first (usually only) completion
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list:
+        return self.outputs[0].token_ids
+
+    @property
+    def logprobs(self):
+        return self.outputs[0].logprobs
+
+    @property
+    def finish_reason(self):
+        return self.outputs[0].finish_reason

@@ -1,0 +1,111 @@
+"""Continuous batching: each step, catch every request's computed tokens up to its known
+tokens within a token budget. Running decodes go first, then running prefills (chunked),
+then waiting requests in arrival order. When blocks run out, the newest running request is
+preempted (recompute: its blocks are freed, it goes back to the front of the queue).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from ..config import SchedulerConfig
+from .kv_cache import KVCacheManager
+from .request import Request, Status
+
+
+@dataclass
+class ScheduledSeq:
+    req: Request
+    start: int        # first token index computed this step
+    num_tokens: int   # tokens computed this step
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the request's last known token: a token is sampled."""
+        return self.end == self.req.num_tokens
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager):
+        self.cfg = cfg
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free_request(req.request_id)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free_request(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = Status.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.cfg.max_num_batched_tokens
+        out: list[ScheduledSeq] = []
+        # decodes (one new token) before chunked prefills, each group oldest first
+        order = sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, r.arrival))
+        scheduled = set()
+        for req in order:
+            if budget <= 0:
+                break
+            if req not in self.running:  # preempted as a victim below
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
+                victim = max((r for r in self.running if r.request_id not in scheduled),
+                             key=lambda r: r.arrival)
+                self._preempt(victim)
+                if victim is req:
+                    break
+            else:
+                out.append(ScheduledSeq(req, req.num_computed_tokens, n))
+                scheduled.add(req.request_id)
+                budget -= n
+        # newly admitted requests, in arrival order
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            req = self.waiting[0]
+            if req.request_id not in self.kv.tables:
+                req.num_computed_tokens = self.kv.match_prefix(req.request_id, req.all_token_ids)
+                req.num_cached_tokens = max(req.num_cached_tokens, req.num_computed_tokens)
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
+                if not self.running and not out:
+                    # nothing else holds blocks: it can never fit
+                    raise RuntimeError("KV cache too small for a single request")
+                self.kv.free_request(req.request_id)  # release prefix hits while it waits
+                req.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            out.append(ScheduledSeq(req, req.num_computed_tokens, n))
+            budget -= n
+        return out
+
+    def step_done(self, seqs: list[ScheduledSeq]) -> None:
+        """Record that the scheduled tokens now have their KV written."""
+        bs = self.kv.block_size
+        for s in seqs:
+            s.req.num_computed_tokens = s.end
+            if s.end // bs > len(self.kv.hashes.get(s.req.request_id, ())):
+                self.kv.commit(s.req.request_id, s.req.all_token_ids, s.end)

@@ -1,0 +1,327 @@
+"""Attention over the paged KV cache: split-K decode and varlen causal prefill.
+
+Both kernels handle GQA by packing the G = Hq // Hkv query heads that share a
+kv head into the rows of one tile, so every K/V tile is read once per kv head.
+Scores and softmax statistics are fp32 (exp2 with the scale folded in); the
+probabilities are cast to the cache dtype for the P @ V product, as flash
+attention does. Neither launcher syncs with the host, so both can be captured
+in a CUDA graph (the decode grid depends only on B, Hkv and the SM count).
+"""
+from typing import Optional
+
+import torch
+
+from ._common import device_sms, next_pow2, tl, triton, use_triton
+
+_LOG2E = 1.4426950408889634
+_NEG = -1.0e30  # finite "minus infinity" for running maxima: avoids inf - inf
+
+
+@triton.jit
+def _attn_tile(
+    acc, m_i, l_i, q, k_ptr, v_ptr, bt_ptr, start_n, kv_end, q_pos, qk_scale,
+    stride_kb, stride_kt, stride_vb, stride_vt, offs_d, dmask,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+):
+    """One online-softmax step over keys [start_n, start_n + BLOCK_N) (< kv_end).
+    qk_scale is scale * log2(e); q_pos [M] are the rows' positions (if CAUSAL)."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    valid = offs_n < kv_end
+    blk = tl.load(bt_ptr + offs_n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    tok = offs_n % BLOCK_SIZE
+    kmask = valid[:, None] & dmask[None, :]
+    k = tl.load(k_ptr + (blk * stride_kb + tok * stride_kt)[:, None] + offs_d[None, :],
+                mask=kmask, other=0.0)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * qk_scale
+    keep = valid[None, :]
+    if CAUSAL:
+        keep = keep & (offs_n[None, :] <= q_pos[:, None])
+    s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_ptr + (blk * stride_vb + tok * stride_vt)[:, None] + offs_d[None, :],
+                mask=kmask, other=0.0)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
+    stride_qb, stride_qh, stride_ob, stride_oh,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+    qk_scale, G,
+    NUM_SPLITS: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    # Each split takes a BLOCK_N-aligned chunk of this sequence's context.
+    # (plain arithmetic, not tl.cdiv: that one is itself a jit function)
+    chunk = ((seq_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    dmask = offs_d < D
+    heads = kvh * G + offs_g
+    gmask = offs_g < G
+    qmask = gmask[:, None] & dmask[None, :]
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=qmask, other=0.0)
+    acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
+    m_i = tl.full([G_PAD], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([G_PAD], dtype=tl.float32)
+    q_pos = tl.zeros([G_PAD], dtype=tl.int32)  # unused: decode needs only the bound
+    bt = bt_ptr + b.to(tl.int64) * stride_bt
+    for start_n in range(start, end, BLOCK_N):
+        acc, m_i, l_i = _attn_tile(
+            acc, m_i, l_i, q, k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh, bt,
+            start_n, end, q_pos, qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
+            offs_d, dmask,
+            BLOCK_N, BLOCK_SIZE, False, IEEE)
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=qmask)
+    else:
+        # partials laid out [B, Hq, NUM_SPLITS] (+ [D_PAD] for acc)
+        row = (b * (tl.num_programs(1) * G) + heads).to(tl.int64) * NUM_SPLITS + split
+        tl.store(m_ptr + row, m_i, mask=gmask)
+        tl.store(l_ptr + row, l_i, mask=gmask)
+        tl.store(acc_ptr + row[:, None] * D_PAD + offs_d[None, :], acc, mask=gmask[:, None])
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    m_ptr, l_ptr, acc_ptr, out_ptr, stride_ob, stride_oh, Hq,
+    NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    row = (b * Hq + h).to(tl.int64) * NUM_SPLITS
+    offs_s = tl.arange(0, S_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    smask = offs_s < NUM_SPLITS
+    m = tl.load(m_ptr + row + offs_s, mask=smask, other=-1.0e30)
+    l = tl.load(l_ptr + row + offs_s, mask=smask, other=0.0)
+    acc = tl.load(acc_ptr + (row + offs_s)[:, None] * D_PAD + offs_d[None, :],
+                  mask=smask[:, None], other=0.0)
+    w = tl.exp2(m - tl.max(m, axis=0))
+    total = tl.sum(w * l, axis=0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
+             out.to(out_ptr.dtype.element_ty), mask=offs_d < D)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+    qk_scale, G,
+    G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr,
+):
+    qb = tl.program_id(0)
+    b = tl.program_id(1)
+    kvh = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    if qb * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    prefix = seq_len - q_len
+    # rows = BLOCK_Q queries x G_PAD heads (query-major)
+    offs_r = tl.arange(0, BLOCK_Q * G_PAD)
+    qi = qb * BLOCK_Q + offs_r // G_PAD
+    g = offs_r % G_PAD
+    rmask = (qi < q_len) & (g < G)
+    offs_d = tl.arange(0, D_PAD)
+    dmask = offs_d < D
+    mask = rmask[:, None] & dmask[None, :]
+    tok = (q_start + qi).to(tl.int64)
+    head = kvh * G + g
+    q = tl.load(q_ptr + (tok * stride_qt + head * stride_qh)[:, None] + offs_d[None, :],
+                mask=mask, other=0.0)
+    # padded rows get the block's last position so they never see an empty row
+    q_pos = prefix + tl.minimum(qi, q_len - 1)
+    acc = tl.zeros([BLOCK_Q * G_PAD, D_PAD], dtype=tl.float32)
+    m_i = tl.full([BLOCK_Q * G_PAD], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_Q * G_PAD], dtype=tl.float32)
+    bt = bt_ptr + b.to(tl.int64) * stride_bt
+    kp = k_ptr + kvh * stride_kh
+    vp = v_ptr + kvh * stride_vh
+    first_pos = prefix + qb * BLOCK_Q
+    last_pos = tl.minimum(first_pos + BLOCK_Q, seq_len)  # exclusive key bound
+    # keys before the block's first query are visible to every row: no mask
+    full_end = (first_pos // BLOCK_N) * BLOCK_N
+    for start_n in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _attn_tile(
+            acc, m_i, l_i, q, kp, vp, bt, start_n, last_pos, q_pos, qk_scale,
+            stride_kb, stride_kt, stride_vb, stride_vt, offs_d, dmask,
+            BLOCK_N, BLOCK_SIZE, False, IEEE)
+    for start_n in range(full_end, last_pos, BLOCK_N):
+        acc, m_i, l_i = _attn_tile(
+            acc, m_i, l_i, q, kp, vp, bt, start_n, last_pos, q_pos, qk_scale,
+            stride_kb, stride_kt, stride_vb, stride_vt, offs_d, dmask,
+            BLOCK_N, BLOCK_SIZE, True, IEEE)
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + (tok * stride_ot + head * stride_oh)[:, None] + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_cache(q, k_cache, v_cache):
+    assert k_cache.shape == v_cache.shape and k_cache.dim() == 4
+    hq, d = q.shape[1], q.shape[2]
+    hkv = k_cache.shape[2]
+    assert k_cache.shape[3] == d and hq % hkv == 0
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    return hq, hkv, d
+
+
+def _default_splits(q, b, hkv):
+    # enough programs to cover the GPU about twice, at most 64 splits
+    want = triton.cdiv(2 * device_sms(q), max(1, b * hkv))
+    return max(1, min(64, next_pow2(want) if want > 1 else 1))
+
+
+def paged_decode_attention_triton(
+    q, k_cache, v_cache, block_tables, seq_lens, scale,
+    num_splits: Optional[int] = None, block_n: Optional[int] = None,
+):
+    hq, hkv, d = _check_cache(q, k_cache, v_cache)
+    B = q.shape[0]
+    out = torch.empty_like(q)
+    if B == 0:
+        return out
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    g = hq // hkv
+    s = num_splits or _default_splits(q, B, hkv)
+    g_pad, d_pad = max(16, next_pow2(g)), next_pow2(d)
+    bn = block_n or (64 if d_pad <= 128 else 32)
+    ieee = q.dtype == torch.float32
+    if s > 1:
+        m = torch.empty((B, hq, s), dtype=torch.float32, device=q.device)
+        l_ = torch.empty_like(m)
+        acc = torch.empty((B, hq, s, d_pad), dtype=torch.float32, device=q.device)
+    else:
+        m = l_ = acc = out
+    _decode_kernel[(B, hkv, s)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, m, l_, acc,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        float(scale) * _LOG2E, g,
+        NUM_SPLITS=s, G_PAD=g_pad, D=d, D_PAD=d_pad, BLOCK_N=bn,
+        BLOCK_SIZE=k_cache.shape[1], IEEE=ieee, num_warps=4, num_stages=2,
+    )
+    if s > 1:
+        _decode_reduce_kernel[(B, hq)](
+            m, l_, acc, out, out.stride(0), out.stride(1), hq,
+            NUM_SPLITS=s, S_PAD=next_pow2(s), D=d, D_PAD=d_pad, num_warps=4,
+        )
+    return out
+
+
+def paged_prefill_attention_triton(
+    q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_q_len,
+    block_m: Optional[int] = None, block_n: Optional[int] = None,
+):
+    hq, hkv, d = _check_cache(q, k_cache, v_cache)
+    out = torch.empty_like(q)
+    B = seq_lens.shape[0]
+    if q.shape[0] == 0 or B == 0 or max_q_len <= 0:
+        return out
+    g = hq // hkv
+    g_pad, d_pad = next_pow2(g), next_pow2(d)
+    rows = max(block_m or (128 if d_pad <= 128 else 64), 16, g_pad)
+    block_q = rows // g_pad
+    bn = block_n or (64 if d_pad <= 128 else 32)
+    grid = (triton.cdiv(int(max_q_len), block_q), B, hkv)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        float(scale) * _LOG2E, g,
+        G_PAD=g_pad, BLOCK_Q=block_q, D=d, D_PAD=d_pad, BLOCK_N=bn,
+        BLOCK_SIZE=k_cache.shape[1], IEEE=q.dtype == torch.float32,
+        num_warps=8 if rows >= 128 else 4, num_stages=2,
+    )
+    return out
+
+
+# ---------------------------------------------------------------- references
+def _gather_kv(cache, table_row, n):
+    bs = cache.shape[1]
+    nb = (n + bs - 1) // bs
+    return cache[table_row[:nb].long()].reshape(nb * bs, *cache.shape[2:])[:n].float()
+
+
+def _ref_attend(q, k, v, q_pos, scale):
+    """q [L, Hq, D], k/v [N, Hkv, D] (fp32); q_pos [L] positions; -> [L, Hq, D] fp32."""
+    g = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(g, dim=1)
+    v = v.repeat_interleave(g, dim=1)
+    s = torch.einsum("lhd,nhd->hln", q.float(), k) * scale
+    kpos = torch.arange(k.shape[0], device=q.device)
+    s = s.masked_fill(kpos[None, None, :] > q_pos[None, :, None], float("-inf"))
+    return torch.einsum("hln,nhd->lhd", torch.softmax(s, dim=-1), v)
+
+
+def reference_paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale):
+    out = torch.zeros_like(q)
+    for b, n in enumerate(seq_lens.tolist()):
+        if n <= 0:
+            continue
+        k = _gather_kv(k_cache, block_tables[b], n)
+        v = _gather_kv(v_cache, block_tables[b], n)
+        pos = torch.tensor([n - 1], device=q.device)
+        out[b] = _ref_attend(q[b:b + 1], k, v, pos, scale)[0].to(q.dtype)
+    return out
+
+
+def reference_paged_prefill_attention(
+    q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_q_len=None
+):
+    out = torch.zeros_like(q)
+    qsl = query_start_loc.tolist()
+    for b, n in enumerate(seq_lens.tolist()):
+        s0, s1 = qsl[b], qsl[b + 1]
+        if s1 <= s0:
+            continue
+        k = _gather_kv(k_cache, block_tables[b], n)
+        v = _gather_kv(v_cache, block_tables[b], n)
+        pos = torch.arange(n - (s1 - s0), n, device=q.device)
+        out[s0:s1] = _ref_attend(q[s0:s1], k, v, pos, scale).to(q.dtype)
+    return out
+
+
+# ------------------------------------------------------------------- public
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale):
+    """q [B, Hq, D], one query per sequence at position seq_len - 1 -> [B, Hq, D]."""
+    if use_triton(q):
+        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    return reference_paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+def paged_prefill_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
+                            scale, max_q_len):
+    """Varlen causal attention of q [T, Hq, D] over the paged cache -> [T, Hq, D]."""
+    fn = paged_prefill_attention_triton if use_triton(q) else reference_paged_prefill_attention
+    return fn(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_q_len)

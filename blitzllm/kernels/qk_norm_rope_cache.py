@@ -1,0 +1,196 @@
+"""Fused per-head q/k RMSNorm (Qwen3) + neox rotary + paged KV-cache write.
+
+One launch handles a whole step: program (t, 0) rotates the q heads of token
+t, (t, 1) the k heads (stored straight into ``k_cache``), (t, 2) copies the v
+heads into ``v_cache``. Slots < 0 are not written.
+
+Numerics (shared with ``reference_qk_norm_rope_cache``): the optional norm is
+HF style (fp32 normalize, round to the model dtype, times weight, round); the
+rotation is done in fp32 with the fp32 cos/sin cache and rounded once.
+"""
+from typing import Optional
+
+import torch
+
+from ._common import next_pow2, tl, triton, use_triton
+
+
+@triton.jit
+def _norm_rope_heads(
+    src_ptr, w_ptr, cs_ptr, heads, eps,
+    HAS_NORM: tl.constexpr, H_PAD: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr, ROT: tl.constexpr,
+):
+    """Load ``heads`` rows of D contiguous values at src_ptr, norm + rotate them.
+    Returns an fp32 [H_PAD, D_PAD] tile (rows >= heads are garbage-free zeros)."""
+    HALF: tl.constexpr = ROT // 2
+    offs_h = tl.arange(0, H_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    hmask = offs_h < heads
+    mask = hmask[:, None] & (offs_d[None, :] < D)
+    # partner of dim d inside the rotated part: d + HALF (first half), d - HALF (second)
+    in_rot = offs_d < ROT
+    first = offs_d < HALF
+    partner = tl.where(first, offs_d + HALF, offs_d - HALF)
+    partner = tl.where(in_rot, partner, offs_d)
+    pmask = hmask[:, None] & in_rot[None, :]
+    base = src_ptr + offs_h[:, None] * D
+    x = tl.load(base + offs_d[None, :], mask=mask, other=0.0)
+    xp = tl.load(base + partner[None, :], mask=pmask, other=0.0)
+    dtype = x.dtype
+    xf = x.to(tl.float32)
+    xpf = xp.to(tl.float32)
+    if HAS_NORM:
+        rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)
+        w = tl.load(w_ptr + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+        wp = tl.load(w_ptr + partner, mask=in_rot, other=0.0).to(tl.float32)
+        xf = (xf * rstd[:, None]).to(dtype).to(tl.float32) * w[None, :]
+        xf = xf.to(dtype).to(tl.float32)
+        xpf = (xpf * rstd[:, None]).to(dtype).to(tl.float32) * wp[None, :]
+        xpf = xpf.to(dtype).to(tl.float32)
+    cs_idx = tl.where(first, offs_d, offs_d - HALF)
+    cos = tl.load(cs_ptr + cs_idx, mask=in_rot, other=1.0)
+    sin = tl.load(cs_ptr + HALF + cs_idx, mask=in_rot, other=0.0)
+    sign = tl.where(first, -1.0, 1.0)
+    return xf * cos[None, :] + sign[None, :] * xpf * sin[None, :]
+
+
+@triton.jit
+def _qk_norm_rope_cache_kernel(
+    qkv_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr,
+    q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_qkv, stride_cs, stride_qo_t,
+    stride_cb, stride_ct, stride_vb, stride_vt,
+    Hq, Hkv, eps,
+    BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
+    HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr, ROT: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    row_ptr = qkv_ptr + t * stride_qkv
+    offs_d = tl.arange(0, D_PAD)
+    dmask = offs_d < D
+    if part == 0:
+        pos = tl.load(pos_ptr + t)
+        q = _norm_rope_heads(row_ptr, qw_ptr, cs_ptr + pos * stride_cs, Hq, eps,
+                             HAS_NORM, HQ_PAD, D, D_PAD, ROT)
+        offs_h = tl.arange(0, HQ_PAD)
+        ptrs = q_out_ptr + t * stride_qo_t + offs_h[:, None] * D + offs_d[None, :]
+        tl.store(ptrs, q.to(q_out_ptr.dtype.element_ty),
+                 mask=(offs_h[:, None] < Hq) & dmask[None, :])
+    else:
+        slot = tl.load(slot_ptr + t)
+        if slot >= 0:
+            blk = slot // BLOCK_SIZE
+            off = slot % BLOCK_SIZE
+            offs_h = tl.arange(0, HKV_PAD)
+            mask = (offs_h[:, None] < Hkv) & dmask[None, :]
+            if part == 1:
+                pos = tl.load(pos_ptr + t)
+                k = _norm_rope_heads(row_ptr + Hq * D, kw_ptr, cs_ptr + pos * stride_cs, Hkv,
+                                     eps, HAS_NORM, HKV_PAD, D, D_PAD, ROT)
+                dst = k_cache_ptr + blk * stride_cb + off * stride_ct
+                tl.store(dst + offs_h[:, None] * D + offs_d[None, :],
+                         k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+            else:
+                src = row_ptr + (Hq + Hkv) * D
+                v = tl.load(src + offs_h[:, None] * D + offs_d[None, :], mask=mask, other=0.0)
+                dst = v_cache_ptr + blk * stride_vb + off * stride_vt
+                tl.store(dst + offs_h[:, None] * D + offs_d[None, :],
+                         v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def _check(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, rotary_dim):
+    rot = head_dim if rotary_dim is None else int(rotary_dim)
+    assert rot % 2 == 0 and 0 < rot <= head_dim
+    assert qkv.shape[-1] == (num_heads + 2 * num_kv_heads) * head_dim
+    for c in (k_cache, v_cache):
+        assert c.shape[2:] == (num_kv_heads, head_dim), c.shape
+        assert c.stride(3) == 1 and c.stride(2) == head_dim, "cache head/dim must be contiguous"
+    return rot
+
+
+def fused_qk_norm_rope_cache_triton(
+    qkv, positions, cos_sin_cache, num_heads, num_kv_heads, head_dim,
+    k_cache, v_cache, slot_mapping,
+    q_norm_weight=None, k_norm_weight=None, eps=1e-6, rotary_dim=None,
+):
+    rot = _check(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, rotary_dim)
+    assert cos_sin_cache.shape[-1] == rot and cos_sin_cache.stride(-1) == 1
+    assert (q_norm_weight is None) == (k_norm_weight is None)
+    if qkv.stride(-1) != 1:
+        qkv = qkv.contiguous()
+    T = qkv.shape[0]
+    q = torch.empty((T, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if T == 0:
+        return q
+    has_norm = q_norm_weight is not None
+    qw = q_norm_weight if has_norm else qkv
+    kw = k_norm_weight if has_norm else qkv
+    d_pad = next_pow2(head_dim)
+    hq_pad = next_pow2(num_heads)
+    _qk_norm_rope_cache_kernel[(T, 3)](
+        qkv, positions, cos_sin_cache, qw, kw,
+        q, k_cache, v_cache, slot_mapping,
+        qkv.stride(0), cos_sin_cache.stride(0), q.stride(0),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        num_heads, num_kv_heads, float(eps),
+        BLOCK_SIZE=k_cache.shape[1], HAS_NORM=has_norm,
+        HQ_PAD=hq_pad, HKV_PAD=next_pow2(num_kv_heads),
+        D=head_dim, D_PAD=d_pad, ROT=rot,
+        num_warps=4 if hq_pad * d_pad <= 4096 else 8,
+    )
+    return q
+
+
+def _ref_head_norm(x, w, eps):
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (normed.float() * w.float()).to(x.dtype)
+
+
+def _ref_rope(x, cos, sin, rot):
+    """x [T, H, D] (model dtype); cos/sin [T, rot/2] fp32 -> fp32 rotated x."""
+    xf = x.float()
+    half = rot // 2
+    x1, x2 = xf[..., :half], xf[..., half:rot]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, xf[..., rot:]], dim=-1)
+
+
+def reference_qk_norm_rope_cache(
+    qkv, positions, cos_sin_cache, num_heads, num_kv_heads, head_dim,
+    k_cache, v_cache, slot_mapping,
+    q_norm_weight=None, k_norm_weight=None, eps=1e-6, rotary_dim=None,
+):
+    rot = _check(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, rotary_dim)
+    T = qkv.shape[0]
+    q, k, v = qkv.view(T, -1, head_dim).split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+    if q_norm_weight is not None:
+        q = _ref_head_norm(q, q_norm_weight, eps)
+        k = _ref_head_norm(k, k_norm_weight, eps)
+    cs = cos_sin_cache.index_select(0, positions.long()).float()
+    cos, sin = cs[:, : rot // 2], cs[:, rot // 2:]
+    q = _ref_rope(q, cos, sin, rot).to(qkv.dtype)
+    k = _ref_rope(k, cos, sin, rot)
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    bs = k_cache.shape[1]
+    blk, off = slots // bs, slots % bs
+    k_cache[blk, off] = k[keep].to(k_cache.dtype)
+    v_cache[blk, off] = v[keep].to(v_cache.dtype)
+    return q.contiguous()
+
+
+def fused_qk_norm_rope_cache(
+    qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+    num_heads: int, num_kv_heads: int, head_dim: int,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    q_norm_weight: Optional[torch.Tensor] = None, k_norm_weight: Optional[torch.Tensor] = None,
+    eps: float = 1e-6, rotary_dim: Optional[int] = None,
+) -> torch.Tensor:
+    """qkv [T, (Hq+2Hkv)*D] -> q [T, Hq, D]; rotated k and raw v go to the cache."""
+    fn = fused_qk_norm_rope_cache_triton if use_triton(qkv) else reference_qk_norm_rope_cache
+    return fn(qkv, positions, cos_sin_cache, num_heads, num_kv_heads, head_dim,
+              k_cache, v_cache, slot_mapping, q_norm_weight, k_norm_weight, eps, rotary_dim)

@@ -1,0 +1,115 @@
+"""RMSNorm and fused residual-add + RMSNorm.
+
+Numerics follow HF ``LlamaRMSNorm``: the row is normalized in fp32, cast to the
+input dtype, then multiplied by ``weight`` (the product rounded to the input
+dtype). The fused variant first forms ``new_residual = x + residual`` in the
+input dtype (as HF does with ``hidden_states = residual + hidden_states``) and
+normalizes that rounded sum.
+"""
+from typing import Optional, Tuple
+
+import torch
+
+from ._common import next_pow2, tl, triton, use_triton
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    stride_x, stride_r, stride_o, stride_ro,
+    N, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    dtype = x.dtype
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
+        tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / N
+    normed = (xf * tl.rsqrt(var + eps)).to(dtype)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    y = normed.to(tl.float32) * w.to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    t2 = t.reshape(-1, t.shape[-1])
+    if t2.stride(-1) != 1:
+        t2 = t2.contiguous()
+    return t2
+
+
+def _launch(x, residual, weight, eps):
+    n = x.shape[-1]
+    x2 = _as_rows(x)
+    rows = x2.shape[0]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out2 = out.view(-1, n)
+    if residual is not None:
+        r2 = _as_rows(residual)
+        res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        ro2 = res_out.view(-1, n)
+    else:
+        r2, res_out, ro2 = x2, None, out2
+    if rows > 0:
+        block = next_pow2(n)
+        num_warps = 4 if block <= 2048 else (8 if block <= 8192 else 16)
+        _rms_norm_kernel[(rows,)](
+            x2, r2, weight, out2, ro2,
+            x2.stride(0), r2.stride(0), out2.stride(0), ro2.stride(0),
+            n, float(eps),
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps,
+        )
+    return out, res_out
+
+
+# ----------------------------------------------------------------- launchers
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _launch(x, None, weight, eps)[0]
+
+
+def fused_add_rms_norm_triton(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    assert x.shape == residual.shape and x.dtype == residual.dtype
+    return _launch(x, residual, weight, eps)
+
+
+# ---------------------------------------------------------------- references
+def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    var = xf.pow(2).mean(-1, keepdim=True)
+    normed = (xf * torch.rsqrt(var + eps)).to(x.dtype)
+    return (weight.float() * normed.float()).to(x.dtype)
+
+
+def reference_fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    new_residual = (x.float() + residual.float()).to(x.dtype)
+    return reference_rms_norm(new_residual, weight, eps), new_residual
+
+
+# ------------------------------------------------------------------- public
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """RMSNorm over the last dim of ``x`` (any leading shape); returns a new tensor."""
+    if use_triton(x):
+        return rms_norm_triton(x, weight, eps)
+    return reference_rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float = 1e-6
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Returns ``(rms_norm(x + residual), x + residual)``; ``residual=None`` means
+    the first layer: ``(rms_norm(x), x)``."""
+    if residual is None:
+        return rms_norm(x, weight, eps), x
+    if use_triton(x):
+        return fused_add_rms_norm_triton(x, residual, weight, eps)
+    return reference_fused_add_rms_norm(x, residual, weight, eps)

@@ -1,0 +1,66 @@
+"""Rotary position embedding (neox / rotate-half layout, as HF Llama and Qwen).
+
+Builds ``cos_sin_cache [max_positions, rotary_dim]`` (cos in the first half, sin in the
+second), the layout the fused Triton kernel reads too. Scaling: default, linear, llama3.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def _inv_freq(rotary_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
+    inv = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+    if not scaling:
+        return inv
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv / scaling["factor"]
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_len = scaling["original_max_position_embeddings"]
+        low_wl, high_wl = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv
+        smooth = (old_len / wavelen - low) / (high - low)
+        mid = (1 - smooth) * inv / factor + smooth * inv
+        out = torch.where(wavelen > low_wl, inv / factor, inv)
+        is_mid = (wavelen <= low_wl) & (wavelen >= high_wl)
+        return torch.where(is_mid, mid, out)
+    raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: linear, llama3")
+
+
+def build_cos_sin_cache(rotary_dim: int, max_positions: int, base: float,
+                        scaling: dict | None = None) -> torch.Tensor:
+    # float32 like HF, so positions round the same way as the oracle
+    inv = _inv_freq(rotary_dim, base, scaling).float()
+    t = torch.arange(max_positions, dtype=torch.float32)
+    freqs = torch.outer(t, inv)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+def apply_rotary_torch(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; rotates the first rotary_dim dims of every head."""
+    rot = cos_sin.shape[-1]
+    cs = cos_sin.index_select(0, positions)
+    cos, sin = cs[:, None, : rot // 2], cs[:, None, rot // 2:]
+    xr = x[..., :rot].float()
+    x1, x2 = xr[..., : rot // 2], xr[..., rot // 2:]
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    if rot == x.shape[-1]:
+        return out
+    return torch.cat([out, x[..., rot:]], dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, rotary_dim: int, max_positions: int, base: float, scaling: dict | None = None):
+        super().__init__()
+        self.rotary_dim = rotary_dim
+        self.register_buffer("cos_sin_cache", build_cos_sin_cache(rotary_dim, max_positions, base, scaling),
+                             persistent=False)
+
+    def forward(self, positions, q, k):
+        return (apply_rotary_torch(q, positions, self.cos_sin_cache),
+                apply_rotary_torch(k, positions, self.cos_sin_cache))

@@ -1,0 +1,94 @@
+"""The offline API: ``LLM(...).generate(prompts, params)`` and ``.chat(messages, params)``."""
+from __future__ import annotations
+
+import itertools
+from typing import Optional, Sequence, Union
+
+from .engine.engine import Engine, EngineArgs
+from .engine.request import CompletionOutput, RequestOutput
+from .sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2", dtype=None, device: Optional[str] = None,
+                 load_format: str = "auto", max_model_len: Optional[int] = None,
+                 kv_cache_blocks: Optional[int] = None, block_size: int = 16,
+                 enable_prefix_caching: bool = True, max_num_seqs: int = 256,
+                 max_num_batched_tokens: Optional[int] = None, seed: int = 0, **kwargs):
+        self.engine = Engine(EngineArgs(
+            model=model, dtype=dtype, device=device, load_format=load_format, max_model_len=max_model_len,
+            kv_cache_blocks=kv_cache_blocks, block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, seed=seed, **kwargs))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if params is None:
+            params = SamplingParams()
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        rids = []
+        try:
+            for prompt, p in zip(prompts, plist):
+                rid = f"gen-{next(self._ids)}"
+                self.engine.add_request(rid, prompt, p)
+                rids.append(rid)
+        except ValueError:
+            for rid in rids:
+                self.engine.abort_request(rid)
+            raise
+        acc = {rid: [{"ids": [], "text": [], "lps": [], "reason": None, "stop": None} for _ in range(p.n)]
+               for rid, p in zip(rids, plist)}
+        while self.engine.has_unfinished():
+            for ev in self.engine.step():
+                slot = acc[ev.request_id][ev.index]
+                slot["ids"].extend(ev.new_token_ids)
+                slot["text"].append(ev.text)
+                if ev.logprobs is not None:
+                    slot["lps"].extend(ev.logprobs)
+                if ev.finish_reason is not None:
+                    slot["reason"], slot["stop"] = ev.finish_reason, ev.stop_reason
+        outs = []
+        for rid, prompt, p in zip(rids, prompts, plist):
+            comps = [CompletionOutput(i, "".join(s["text"]), s["ids"],
+                                      s["lps"] if p.logprobs is not None else None, s["reason"], s["stop"])
+                     for i, s in enumerate(acc[rid])]
+            ptoks = self.engine.tokenize(prompt)
+            outs.append(RequestOutput(rid, prompt if isinstance(prompt, str) else None, ptoks, comps, True))
+        return outs
+
+    def apply_chat_template(self, messages: list) -> list:
+        tok = self.engine.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ValueError("this model has no chat template")
+        _check_messages(messages)
+        ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def chat(self, messages, params: Optional[SamplingParams] = None) -> Union[RequestOutput, list]:
+        """One conversation (a list of {role, content}) or a list of conversations."""
+        single = bool(messages) and isinstance(messages[0], dict)
+        convs = [messages] if single else list(messages)
+        outs = self.generate([self.apply_chat_template(c) for c in convs], params)
+        return outs
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+
+def _check_messages(messages) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ValueError("each message must be a dict with string 'role' and 'content'")

@@ -1,0 +1,105 @@
+"""GGUF files: HF-style config from the metadata, and a stream of HF-named tensors,
+dequantized one at a time (llama.cpp's q/k row permutation undone for Llama).
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+import torch
+
+_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def _reader(path):
+    try:
+        import gguf
+    except ImportError:  # pragma: no cover - gguf is a declared dependency
+        raise ValueError("reading .gguf files needs the 'gguf' package: pip install gguf") from None
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:
+        raise ValueError(f"cannot read GGUF file {path}: {e}") from None
+
+
+def _field(reader, key, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    v = f.contents()
+    return v
+
+
+def gguf_config(reader) -> dict:
+    arch = _field(reader, "general.architecture")
+    if arch not in _ARCH:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(sorted(_ARCH))}")
+    g = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
+    heads = int(g("attention.head_count"))
+    hidden = int(g("embedding_length"))
+    names = {t.name for t in reader.tensors}
+    vocab = g("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    return {
+        "architectures": [_ARCH[arch]],
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(g("feed_forward_length")),
+        "num_hidden_layers": int(g("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(g("attention.head_count_kv", heads)),
+        "head_dim": int(g("attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(g("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(g("context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": int(eos) if eos is not None else None,
+    }
+
+
+def _hf_name(name: str) -> str | None:
+    parts = name.split(".")
+    if parts[0] == "blk":
+        sub = _LAYER_NAMES.get(parts[2])
+        return None if sub is None else f"model.layers.{parts[1]}.{sub}.{parts[3]}"
+    top = _TOP_NAMES.get(parts[0])
+    return None if top is None else f"{top}.{parts[1]}"
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's interleaving of rotary halves in q/k rows."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def iter_gguf_tensors(reader, config: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    import gguf
+    is_llama = config["architectures"][0] == "LlamaForCausalLM"
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        if name is None:
+            continue
+        shape = tuple(int(s) for s in reversed(t.shape))
+        arr = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
+        if is_llama and name.endswith(("q_proj.weight", "q_proj.bias")):
+            arr = _unpermute(arr, config["num_attention_heads"])
+        elif is_llama and name.endswith(("k_proj.weight", "k_proj.bias")):
+            arr = _unpermute(arr, config["num_key_value_heads"])
+        if not arr.flags.writeable or arr.dtype != np.float32:
+            arr = np.array(arr, dtype=np.float32)
+        yield name, torch.from_numpy(np.ascontiguousarray(arr))
+
+
+def open_gguf(path):
+    reader = _reader(path)
+    return reader, gguf_config(reader)

