@@ -1,0 +1,28 @@
+"""Engine options shared by every ``blitz`` subcommand (generate, chat, serve, bench)."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default="smollm2",
+                   help="HF folder, .gguf file, 'smollm2' (default), 'preset:<name>' or a hub id")
+    g.add_argument("--dtype", default=None, help="auto | float32 | bfloat16 | float16")
+    g.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+    g.add_argument("--load-format", default="auto", help="auto | dummy | safetensors | gguf")
+    g.add_argument("--num-layers", type=int, default=None, help="keep only the first N layers (speed work)")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--kv-cache-blocks", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(a: argparse.Namespace) -> dict:
+    return dict(model=a.model, dtype=a.dtype, device=a.device, load_format=a.load_format,
+                num_layers=a.num_layers, max_model_len=a.max_model_len, kv_cache_blocks=a.kv_cache_blocks,
+                block_size=a.block_size, enable_prefix_caching=not a.no_prefix_caching,
+                max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, seed=a.seed)
