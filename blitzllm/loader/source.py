@@ -73,7 +73,13 @@ def _preset_source(name: str) -> ModelSource:
     if not p.exists():
         raise ValueError(f"unknown preset {name!r}; available: {', '.join(list_presets())}")
     cfg = json.loads(p.read_text())
-    return ModelSource("preset", None, cfg, None, None, lambda: None, cfg.get("torch_dtype"))
+
+    def tokenizer():
+        from .tokenizer import dummy_tokenizer
+        eos = cfg.get("eos_token_id")
+        return dummy_tokenizer(cfg["vocab_size"], eos[0] if isinstance(eos, list) else eos)
+
+    return ModelSource("preset", None, cfg, None, None, tokenizer, cfg.get("torch_dtype"))
 
 
 def _hub_source(repo_id: str) -> ModelSource:

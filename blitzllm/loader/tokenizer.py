@@ -43,3 +43,29 @@ def load_gguf_tokenizer(path: Path):
     except OSError:
         pass  # read-only home: no cache, still works
     return tok
+
+
+_DUMMY_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>: {{ m['content'] }}\n{% endfor %}"
+                   "{% if add_generation_prompt %}<assistant>: {% endif %}")
+
+
+def dummy_tokenizer(vocab_size: int, eos_token_id: int | None):
+    """A character-level tokenizer for dummy-weight presets (which ship no tokenizer), so
+    text prompts, chat and the server work on them: printable ASCII maps to ids 1..95,
+    every other id decodes to ``<id>``; the eos id decodes to nothing."""
+    _quiet_transformers()
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    eos = eos_token_id if eos_token_id is not None and 96 <= eos_token_id < vocab_size else vocab_size - 1
+    vocab = {"<unk>": 0}
+    for c in range(32, 127):
+        vocab[chr(c)] = len(vocab)
+    vocab["\n"] = len(vocab)
+    for i in range(len(vocab), vocab_size):
+        vocab["<|eos|>" if i == eos else f"<{i}>"] = i
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|eos|>", unk_token="<unk>")
+    tok.chat_template = _DUMMY_TEMPLATE
+    return tok

@@ -94,10 +94,57 @@ def bench_small():
         print(f"qk_norm_rope_cache       {T:<7}{t * 1e6:<8.1f}{2 * qkv.numel() * 2 / t / 1e9:.0f}")
 
 
+def sweep():
+    hq, hkv, d, dt = 32, 8, 128, torch.bfloat16
+    print("decode sweep: B ctx | splits block_n stages early_v -> us")
+    for b, ctx in [(1, 512), (1, 4096), (1, 32768), (32, 2048)]:
+        kc, vc, tables, seq = make_cache([ctx] * b, hkv, d, 16, dt)
+        q = torch.randn(b, hq, d, device="cuda", dtype=dt)
+        res = []
+        for s in ([None, 32] if b == 1 else [None, 2]):
+            for bn in [32, 64, 128]:
+                for st in [1, 2]:
+                    for ev in [False, True]:
+                        t = bench(lambda: pa.paged_decode_attention_triton(
+                            q, kc, vc, tables, seq, 0.1, num_splits=s, block_n=bn,
+                            num_stages=st, early_v=ev))
+                        res.append((t * 1e6, s, bn, st, ev))
+        res.sort(key=lambda r: r[0])
+        dflt = [r for r in res if r[1] is None and r[2] == 64 and r[3] == 2 and r[4]]
+        print(f"  {b} {ctx} default {dflt[0][0]:.1f}us; best:",
+              "; ".join(f"{r[0]:.1f}us s={r[1]} bn={r[2]} st={r[3]} ev={r[4]}" for r in res[:4]))
+    print("prefill sweep: T | block_m block_n warps stages -> TFLOP/s")
+    for n in [1024, 4096]:
+        kc, vc, tables, seq = make_cache([n], hkv, d, 16, dt)
+        q = torch.randn(n, hq, d, device="cuda", dtype=dt)
+        qsl = torch.tensor([0, n], dtype=torch.int32, device="cuda")
+        flops = 4 * n * n * hq * d / 2
+        res = []
+        for bm in [64, 128]:
+            for bn in [32, 64, 128]:
+                for w in [4, 8]:
+                    for st in [2, 3]:
+                        try:
+                            t = bench(lambda: pa.paged_prefill_attention_triton(
+                                q, kc, vc, qsl, seq, tables, 0.1, n, block_m=bm, block_n=bn,
+                                num_warps=w, num_stages=st))
+                        except Exception as e:  # e.g. out of shared memory
+                            print("   fail", bm, bn, w, st, type(e).__name__)
+                            continue
+                        res.append((flops / t / 1e12, bm, bn, w, st))
+        res.sort(key=lambda r: -r[0])
+        print(f"  {n}:", "; ".join(f"{r[0]:.0f} bm={r[1]} bn={r[2]} w={r[3]} st={r[4]}"
+                                  for r in res[:5]))
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sweep", action="store_true")
     a = ap.parse_args()
+    if a.sweep:
+        sweep()
+        raise SystemExit
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), "SMs", torch.cuda.get_device_properties(0).multi_processor_count)
     bench_small()

