@@ -22,7 +22,7 @@ def _attn_tile(
     acc, m_i, l_i, q, k_ptr, v_ptr, bt_ptr, start_n, kv_end, q_pos, qk_scale,
     stride_kb, stride_kt, stride_vb, stride_vt, offs_d, dmask,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+    CAUSAL: tl.constexpr, IEEE: tl.constexpr, EARLY_V: tl.constexpr,
 ):
     """One online-softmax step over keys [start_n, start_n + BLOCK_N) (< kv_end).
     qk_scale is scale * log2(e); q_pos [M] are the rows' positions (if CAUSAL)."""
@@ -33,6 +33,9 @@ def _attn_tile(
     kmask = valid[:, None] & dmask[None, :]
     k = tl.load(k_ptr + (blk * stride_kb + tok * stride_kt)[:, None] + offs_d[None, :],
                 mask=kmask, other=0.0)
+    v_off = (blk * stride_vb + tok * stride_vt)[:, None] + offs_d[None, :]
+    if EARLY_V:  # issue the V load before the softmax: shorter latency chain (decode)
+        v = tl.load(v_ptr + v_off, mask=kmask, other=0.0)
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -46,8 +49,8 @@ def _attn_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = tl.load(v_ptr + (blk * stride_vb + tok * stride_vt)[:, None] + offs_d[None, :],
-                mask=kmask, other=0.0)
+    if not EARLY_V:
+        v = tl.load(v_ptr + v_off, mask=kmask, other=0.0)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
     else:
@@ -63,6 +66,7 @@ def _decode_kernel(
     qk_scale, G,
     NUM_SPLITS: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr,
+    EARLY_V: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -92,7 +96,7 @@ def _decode_kernel(
             acc, m_i, l_i, q, k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh, bt,
             start_n, end, q_pos, qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
             offs_d, dmask,
-            BLOCK_N, BLOCK_SIZE, False, IEEE)
+            BLOCK_N, BLOCK_SIZE, False, IEEE, EARLY_V)
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
@@ -173,12 +177,12 @@ def _prefill_kernel(
         acc, m_i, l_i = _attn_tile(
             acc, m_i, l_i, q, kp, vp, bt, start_n, last_pos, q_pos, qk_scale,
             stride_kb, stride_kt, stride_vb, stride_vt, offs_d, dmask,
-            BLOCK_N, BLOCK_SIZE, False, IEEE)
+            BLOCK_N, BLOCK_SIZE, False, IEEE, False)
     for start_n in range(full_end, last_pos, BLOCK_N):
         acc, m_i, l_i = _attn_tile(
             acc, m_i, l_i, q, kp, vp, bt, start_n, last_pos, q_pos, qk_scale,
             stride_kb, stride_kt, stride_vb, stride_vt, offs_d, dmask,
-            BLOCK_N, BLOCK_SIZE, True, IEEE)
+            BLOCK_N, BLOCK_SIZE, True, IEEE, False)
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(out_ptr + (tok * stride_ot + head * stride_oh)[:, None] + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -189,27 +193,28 @@ def _check_cache(q, k_cache, v_cache):
     hq, d = q.shape[1], q.shape[2]
     hkv = k_cache.shape[2]
     assert k_cache.shape[3] == d and hq % hkv == 0
-    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     return hq, hkv, d
 
 
 def _default_splits(q, b, hkv):
-    # enough programs to cover the GPU about twice, at most 64 splits
+    # enough programs to cover the GPU about twice, at most 32 splits
     want = triton.cdiv(2 * device_sms(q), max(1, b * hkv))
-    return max(1, min(64, next_pow2(want) if want > 1 else 1))
+    return max(1, min(32, next_pow2(want)))
 
 
 def paged_decode_attention_triton(
     q, k_cache, v_cache, block_tables, seq_lens, scale,
     num_splits: Optional[int] = None, block_n: Optional[int] = None,
+    num_stages: int = 2, early_v: bool = True,
 ):
     hq, hkv, d = _check_cache(q, k_cache, v_cache)
     B = q.shape[0]
+    if q.stride(2) != 1:
+        q = q.contiguous()
     out = torch.empty_like(q)
     if B == 0:
         return out
-    if q.stride(2) != 1:
-        q = q.contiguous()
     g = hq // hkv
     s = num_splits or _default_splits(q, B, hkv)
     g_pad, d_pad = max(16, next_pow2(g)), next_pow2(d)
@@ -228,7 +233,8 @@ def paged_decode_attention_triton(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         float(scale) * _LOG2E, g,
         NUM_SPLITS=s, G_PAD=g_pad, D=d, D_PAD=d_pad, BLOCK_N=bn,
-        BLOCK_SIZE=k_cache.shape[1], IEEE=ieee, num_warps=4, num_stages=2,
+        BLOCK_SIZE=k_cache.shape[1], IEEE=ieee, EARLY_V=early_v,
+        num_warps=4, num_stages=num_stages,
     )
     if s > 1:
         _decode_reduce_kernel[(B, hq)](
@@ -241,8 +247,11 @@ def paged_decode_attention_triton(
 def paged_prefill_attention_triton(
     q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_q_len,
     block_m: Optional[int] = None, block_n: Optional[int] = None,
+    num_warps: Optional[int] = None, num_stages: int = 3,
 ):
     hq, hkv, d = _check_cache(q, k_cache, v_cache)
+    if q.stride(2) != 1:
+        q = q.contiguous()
     out = torch.empty_like(q)
     B = seq_lens.shape[0]
     if q.shape[0] == 0 or B == 0 or max_q_len <= 0:
@@ -261,7 +270,7 @@ def paged_prefill_attention_triton(
         float(scale) * _LOG2E, g,
         G_PAD=g_pad, BLOCK_Q=block_q, D=d, D_PAD=d_pad, BLOCK_N=bn,
         BLOCK_SIZE=k_cache.shape[1], IEEE=q.dtype == torch.float32,
-        num_warps=8 if rows >= 128 else 4, num_stages=2,
+        num_warps=num_warps or (8 if rows >= 128 else 4), num_stages=num_stages,
     )
     return out
 
