@@ -61,6 +61,28 @@ def _fix_interpreter_bf16_dot():
     builder.create_dot = create_dot
 
 
+def _reimport_triton_if_compiled_early():
+    """@triton.jit (triton's own tl.sum & co. included) picks interpreter or
+    compiler when the module is imported. If something imported triton before
+    this file set TRITON_INTERPRET, re-import triton's Python modules (its C
+    extension is kept) and blitzllm.kernels so the tests here are interpreted.
+    Modules that already hold the old objects keep them (CUDA-only paths)."""
+    import sys
+
+    if HAS_CUDA or "triton" not in sys.modules:
+        return
+    if type(getattr(sys.modules.get("triton.language"), "sum", None)).__name__ \
+            == "InterpretedFunction":
+        return
+    for name in list(sys.modules):
+        if (name == "triton" or name.startswith("triton.")) and not name.startswith("triton._C"):
+            del sys.modules[name]
+        elif name == "blitzllm.kernels" or name.startswith("blitzllm.kernels."):
+            del sys.modules[name]
+    import triton.language  # noqa: F401
+
+
+_reimport_triton_if_compiled_early()
 _fix_interpreter_scalar_index()
 _fix_interpreter_bf16_dot()
 
