@@ -1,0 +1,245 @@
+"""An asyncio front for the synchronous ``Engine``: the engine loads and steps in one
+background thread; adds and aborts reach it through a thread-safe command queue that is
+drained between steps, and each step's events are handed to the event loop in one
+``call_soon_threadsafe`` and routed to per-request async streams.
+
+Knows nothing about HTTP; the server maps its exceptions to status codes.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import traceback
+from typing import Callable, Optional
+
+from ..sampling_params import SamplingParams
+from .engine import Engine, StepEvent
+
+log = logging.getLogger("blitzllm.engine")
+
+
+class EngineNotReadyError(RuntimeError):
+    """The model is still loading (or failed to load)."""
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is over its bound; try again later."""
+
+
+class EngineStepError(RuntimeError):
+    """The engine failed while running this request (an internal error, not the client's)."""
+
+
+class RequestStream:
+    """The events of one request (all n completions), in order. Iterate with ``async for``;
+    iteration ends once every completion has finished."""
+
+    def __init__(self, request_id: str, n: int, arrival: float):
+        self.request_id = request_id
+        self.n = n
+        self.arrival = arrival
+        self.first_token_time: Optional[float] = None
+        self.finished = False
+        self._last_token_time = [None] * n
+        self._remaining = n
+        self._queue: asyncio.Queue = asyncio.Queue()
+
+    def _put(self, item) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self):
+        return self._iterate()
+
+    async def _iterate(self):
+        done = 0
+        while done < self.n:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finish_reason is not None:
+                done += 1
+            yield item
+
+
+class AsyncEngine:
+    """``factory`` builds the Engine (in the background thread, so loading does not block
+    the event loop). ``observer`` (optional) gets ``first_token(s)``, ``inter_token(s)`` and
+    ``finished(e2e_s, reason)`` calls on the event loop thread."""
+
+    def __init__(self, factory: Callable[[], Engine], max_waiting: int = 1024, observer=None,
+                 on_load_error: Optional[Callable[[BaseException], None]] = None):
+        self._factory = factory
+        self.max_waiting = max_waiting
+        self.observer = observer
+        self._on_load_error = on_load_error
+        self.engine: Optional[Engine] = None
+        self.ready = False
+        self.load_error: Optional[BaseException] = None
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}   # touched on the event loop thread only
+        self._pending_adds = 0
+        self._stats: Optional[dict] = None
+        self._stop = False
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._thread: Optional[threading.Thread] = None
+
+    # ---- lifecycle (event loop thread) ---------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="blitz-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stop = True
+        self._cmds.put(("wake",))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ---- requests (event loop thread) ----------------------------------------------
+    def stats(self) -> Optional[dict]:
+        """The engine's counters as of the end of its last step (None while loading)."""
+        return self._stats
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._streams)
+
+    async def add_request(self, request_id: str, prompt, params: SamplingParams) -> RequestStream:
+        """Queue a request; returns its stream once the engine accepted it. Raises
+        ValueError (the engine's user-facing message), EngineNotReadyError or QueueFullError."""
+        if not self.ready:
+            raise EngineNotReadyError(str(self.load_error) if self.load_error else "the model is still loading")
+        waiting = (self._stats or {}).get("num_waiting", 0) + self._pending_adds
+        if waiting >= self.max_waiting:
+            raise QueueFullError(f"{waiting} requests are waiting (bound {self.max_waiting}); retry later")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream = RequestStream(request_id, params.n, time.monotonic())
+        self._streams[request_id] = stream
+        fut = self._loop.create_future()
+        self._pending_adds += 1
+        self._cmds.put(("add", request_id, prompt, params, fut))
+        try:
+            await fut
+        except BaseException:  # rejected, or the caller went away before the engine saw it
+            self.abort(request_id)
+            raise
+        finally:
+            self._pending_adds -= 1
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its KV blocks (no-op once it finished)."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and not stream.finished:
+            self._cmds.put(("abort", request_id))
+
+    # ---- delivery (event loop thread, scheduled by the engine thread) --------------
+    def _deliver(self, events: list, t: float) -> None:
+        obs = self.observer
+        for ev in events:
+            s = self._streams.get(ev.request_id)
+            if s is None:
+                continue  # aborted while this step ran
+            last = s._last_token_time[ev.index]
+            if obs is not None:
+                if s.first_token_time is None:
+                    obs.first_token(t - s.arrival)
+                elif last is not None:
+                    obs.inter_token(t - last)
+            if s.first_token_time is None:
+                s.first_token_time = t
+            s._last_token_time[ev.index] = t
+            s._put(ev)
+            if ev.finish_reason is not None:
+                s._remaining -= 1
+                if s._remaining == 0:
+                    s.finished = True
+                    del self._streams[ev.request_id]
+                    if obs is not None:
+                        obs.finished(t - s.arrival, ev.finish_reason)
+
+    def _resolve(self, results: list) -> None:
+        for fut, exc in results:
+            if fut.done():
+                continue
+            if exc is None:
+                fut.set_result(None)
+            else:
+                fut.set_exception(exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for rid, s in list(self._streams.items()):
+            s._put(exc)
+            s.finished = True
+            del self._streams[rid]
+
+    def _loaded(self, error: Optional[BaseException]) -> None:
+        if error is None:
+            self.ready = True
+        else:
+            self.load_error = error
+            if self._on_load_error is not None:
+                self._on_load_error(error)
+
+    # ---- the engine thread ---------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self.engine = self._factory()
+            self._stats = self.engine.stats()
+        except BaseException as e:  # reported to the server, which exits with the message
+            if not isinstance(e, ValueError):
+                log.error("model load failed:\n%s", traceback.format_exc())
+            self._loop.call_soon_threadsafe(self._loaded, e)
+            return
+        self._loop.call_soon_threadsafe(self._loaded, None)
+        eng = self.engine
+        while not self._stop:
+            self._drain(block=not eng.has_unfinished())
+            if self._stop:
+                break
+            if eng.has_unfinished():
+                try:
+                    events = eng.step()
+                except Exception as e:  # an engine bug: fail what is in flight, keep serving
+                    log.error("engine step failed:\n%s", traceback.format_exc())
+                    for rid in list(eng.requests):
+                        eng.abort_request(rid)
+                    err = EngineStepError(f"internal engine error: {type(e).__name__}: {e}")
+                    self._loop.call_soon_threadsafe(self._fail_all, err)
+                    events = []
+                if events:
+                    self._loop.call_soon_threadsafe(self._deliver, events, time.monotonic())
+            self._stats = eng.stats()
+
+    def _drain(self, block: bool) -> None:
+        cmds = []
+        try:
+            cmds.append(self._cmds.get(timeout=0.5) if block else self._cmds.get_nowait())
+            while True:
+                cmds.append(self._cmds.get_nowait())
+        except queue.Empty:
+            pass
+        if not cmds:
+            return
+        eng = self.engine
+        results = []
+        for cmd in cmds:
+            if cmd[0] == "add":
+                _, rid, prompt, params, fut = cmd
+                try:
+                    eng.add_request(rid, prompt, params)
+                    results.append((fut, None))
+                except Exception as e:  # ValueError: the client's fault; others: ours
+                    if not isinstance(e, ValueError):
+                        log.error("add_request failed:\n%s", traceback.format_exc())
+                        e = EngineStepError(f"internal engine error: {type(e).__name__}: {e}")
+                    results.append((fut, e))
+            elif cmd[0] == "abort":
+                eng.abort_request(cmd[1])
+        if results:
+            self._loop.call_soon_threadsafe(self._resolve, results)
+        self._stats = eng.stats()

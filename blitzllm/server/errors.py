@@ -1,0 +1,135 @@
+"""OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` for every
+failure, the exception handlers that guarantee it (no FastAPI 422s, no bare 500s for client
+mistakes), and the size-limited JSON body reader."""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("blitzllm.server")
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+          429: "rate_limit_error", 503: "service_unavailable_error"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: Optional[str] = None,
+                 code: Optional[str] = None, type: Optional[str] = None,
+                 headers: Optional[dict] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: Optional[str] = None, code: Optional[str] = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "model", "function-after"}
+
+
+def _loc(loc) -> Optional[str]:
+    """Dotted field path, without pydantic's union member tags (``str``, ``list[int]``...)."""
+    parts = [str(p) for p in loc if p != "body" and not (isinstance(p, str) and (
+        p in _TYPE_TAGS or "[" in p or p.startswith(("function-", "is-instance", "tagged-union"))))]
+    return ".".join(parts) or None
+
+
+def from_validation_error(err) -> APIError:
+    """The first pydantic error, as a 400 naming the field."""
+    errs = err.errors()
+    e = errs[0] if errs else {"loc": (), "msg": str(err)}
+    param = _loc(e.get("loc", ()))
+    if e.get("type") == "missing":
+        return bad_request(f"'{param}' is a required field", param=param, code="missing_field")
+    msg = e.get("msg", "invalid value")
+    if len(errs) > 1 and param:  # a union: no single member message fits, name the field
+        msg = "invalid type or value"
+    got = e.get("input")
+    got_s = f" (got {json.dumps(got)[:80]})" if _jsonable(got) and not isinstance(got, dict) else ""
+    return bad_request(f"{param}: {msg}{got_s}" if param else f"{msg}{got_s}", param=param, code="invalid_value")
+
+
+def _jsonable(x) -> bool:
+    try:
+        json.dumps(x)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+async def read_json(request: Request, limit: int) -> dict:
+    """The request body as a JSON object; 413 over ``limit`` bytes, 400 when not UTF-8 JSON."""
+    cl = request.headers.get("content-length")
+    if cl is not None:
+        try:
+            if int(cl) > limit:
+                raise APIError(413, f"the request body ({cl} bytes) exceeds the limit of {limit} bytes",
+                               code="request_too_large")
+        except ValueError:
+            raise bad_request("invalid Content-Length header") from None
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"the request body exceeds the limit of {limit} bytes", code="request_too_large")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad_request(f"the request body is not valid UTF-8 (byte {e.start})", code="invalid_encoding") from None
+    if not text.strip():
+        raise bad_request("the request body is empty; expected a JSON object", code="invalid_json")
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise bad_request(f"the request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
+                          code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise bad_request("the request body must be a JSON object", code="invalid_json")
+    return obj
+
+
+def parse_body(model: type[BaseModel], obj: dict) -> BaseModel:
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        return from_validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        msg = exc.detail if isinstance(exc.detail, str) else "HTTP error"
+        if exc.status_code == 404:
+            msg = f"no route {request.method} {request.url.path}"
+        return APIError(exc.status_code, msg, headers=getattr(exc, "headers", None)).response()
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return APIError(500, f"internal server error: {type(exc).__name__}", type="server_error").response()
