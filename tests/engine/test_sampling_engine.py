@@ -1,0 +1,82 @@
+"""Sampling through the whole engine: seeded reproducibility regardless of batch, n>1,
+stop strings and stop tokens, logprobs shape."""
+import torch
+
+from blitzllm import LLM, SamplingParams
+
+
+def _prompts(n, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 320, (int(L),), generator=g).tolist() for L in torch.randint(3, 30, (n,), generator=g)]
+
+
+def test_seeded_sampling_reproducible_across_batches(tiny_llama):
+    llm = LLM(str(tiny_llama[0]), device="cpu", kv_cache_blocks=128)
+    target = [7, 8, 9, 10, 11]
+    p = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=1234, ignore_eos=True)
+    alone = llm.generate([target], p)[0].token_ids
+    again = llm.generate([target], p)[0].token_ids
+    others = _prompts(5)
+    mixed = llm.generate(others[:3] + [target] + others[3:],
+                         [SamplingParams(temperature=0.8, max_tokens=9, ignore_eos=True)] * 3 + [p]
+                         + [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] * 2)
+    assert alone == again == mixed[3].token_ids
+    other_seed = llm.generate([target], p.clone(seed=99))[0].token_ids
+    assert other_seed != alone
+
+
+def test_unseeded_requests_follow_engine_seed(tiny_llama):
+    p = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    a = LLM(str(tiny_llama[0]), device="cpu", kv_cache_blocks=64, seed=3).generate([[1, 2, 3]], p)[0].token_ids
+    b = LLM(str(tiny_llama[0]), device="cpu", kv_cache_blocks=64, seed=3).generate([[1, 2, 3]], p)[0].token_ids
+    assert a == b
+
+
+def test_n_samples_are_distinct(tiny_llama):
+    llm = LLM(str(tiny_llama[0]), device="cpu", kv_cache_blocks=128)
+    out = llm.generate([[4, 5, 6]], SamplingParams(n=4, temperature=1.0, max_tokens=12, ignore_eos=True, seed=7))[0]
+    seqs = [tuple(c.token_ids) for c in out.outputs]
+    assert len(seqs) == 4 and len(set(seqs)) == 4
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert llm.stats()["kv_blocks_free"] == 128
+
+
+def test_logprobs_shape(tiny_llama):
+    llm = LLM(str(tiny_llama[0]), device="cpu", kv_cache_blocks=64)
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.5, max_tokens=6, logprobs=3, ignore_eos=True, seed=1))[0]
+    assert len(out.logprobs) == 6
+    for tok, d in zip(out.token_ids, out.logprobs):
+        assert tok in d and 3 <= len(d) <= 4
+        assert all(v <= 0 for v in d.values())
+        top3 = sorted(d.values(), reverse=True)[:3]
+        assert abs(sum(torch.tensor(top3).exp()).item()) <= 1.0 + 1e-5
+
+
+def test_stop_strings_cut_across_token_boundaries(smollm2_llm):
+    llm = smollm2_llm
+    q = [{"role": "user", "content": "Count from 1 to 20, separated by commas."}]
+    full = llm.chat(q, SamplingParams(temperature=0, max_tokens=60))[0]
+    # a stop string that spans several tokens ("7", "\n", "8")
+    stop = "7\n8"
+    assert stop in full.text
+    cut = llm.chat(q, SamplingParams(temperature=0, max_tokens=60, stop=[stop]))[0]
+    assert cut.finish_reason == "stop" and cut.outputs[0].stop_reason == stop
+    assert cut.text == full.text[: full.text.index(stop)]
+    keep = llm.chat(q, SamplingParams(temperature=0, max_tokens=60, stop=[stop], include_stop_str_in_output=True))[0]
+    assert keep.text == full.text[: full.text.index(stop) + len(stop)]
+    assert stop not in cut.text
+    # stop_token_ids: stop at the token generated at step 3
+    t3 = full.token_ids[3]
+    st = llm.chat(q, SamplingParams(temperature=0, max_tokens=60, stop_token_ids=[t3]))[0]
+    assert st.token_ids == full.token_ids[: full.token_ids.index(t3) + 1] and st.finish_reason == "stop"
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+
+
+def test_min_tokens_and_max_tokens(smollm2_llm):
+    q = [{"role": "user", "content": "Say hi."}]
+    short = smollm2_llm.chat(q, SamplingParams(temperature=0, max_tokens=64))[0]
+    assert short.finish_reason == "stop" and len(short.token_ids) < 64
+    longer = smollm2_llm.chat(q, SamplingParams(temperature=0, max_tokens=64, min_tokens=len(short.token_ids) + 5))[0]
+    assert len(longer.token_ids) >= len(short.token_ids) + 5
+    capped = smollm2_llm.chat(q, SamplingParams(temperature=0, max_tokens=3))[0]
+    assert len(capped.token_ids) == 3 and capped.finish_reason == "length"

