@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 
@@ -58,45 +57,53 @@ def _gather(cache, block_row, length):
     return cache[block_row[:nblk].long()].flatten(0, 1)[:length]
 
 
+def _grouped_attention(q, k, v, mask, scale):
+    """q [Hkv, G, Q, D], k/v [Hkv, L, D], mask [Q, L] or broadcastable -> [Hkv, G, Q, D].
+    GQA without materialising repeated k/v: the G query heads of a kv head share one matmul."""
+    hkv, g, nq, d = q.shape
+    s = torch.matmul(q.reshape(hkv, g * nq, d), k.transpose(1, 2)).view(hkv, g, nq, -1).float() * scale
+    s = s.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s, dim=-1).to(v.dtype)
+    return torch.matmul(p.view(hkv, g * nq, -1), v).view(hkv, g, nq, d)
+
+
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def forward(self, q, k, v, k_cache, v_cache, md, scale):
         write_kv_torch(k, v, k_cache, v_cache, md.slot_mapping)
-        hq, hkv = q.shape[1], k_cache.shape[2]
+        hq, hkv, d = q.shape[1], k_cache.shape[2], q.shape[2]
         group = hq // hkv
         if md.is_pure_decode:
             return self._decode(q, k_cache, v_cache, md, scale, group)
         out = torch.empty_like(q)
         start = 0
         for b, (ql, sl) in enumerate(zip(md.q_lens_host, md.seq_lens_host)):
-            kb = _gather(k_cache, md.block_tables[b], sl).transpose(0, 1)
-            vb = _gather(v_cache, md.block_tables[b], sl).transpose(0, 1)
-            if group > 1:
-                kb, vb = kb.repeat_interleave(group, 0), vb.repeat_interleave(group, 0)
-            qb = q[start:start + ql].transpose(0, 1)
+            kb = _gather(k_cache, md.block_tables[b], sl).transpose(0, 1).to(q.dtype)  # [Hkv, L, D]
+            vb = _gather(v_cache, md.block_tables[b], sl).transpose(0, 1).to(q.dtype)
+            qb = q[start:start + ql].view(ql, hkv, group, d).permute(1, 2, 0, 3)  # [Hkv, G, Q, D]
             qpos = torch.arange(sl - ql, sl, device=q.device)
             mask = torch.arange(sl, device=q.device)[None, :] <= qpos[:, None]
-            o = F.scaled_dot_product_attention(qb, kb.to(qb.dtype), vb.to(qb.dtype), attn_mask=mask, scale=scale)
-            out[start:start + ql] = o.transpose(0, 1)
+            o = _grouped_attention(qb, kb, vb, mask, scale)
+            out[start:start + ql] = o.permute(2, 0, 1, 3).reshape(ql, hq, d)
             start += ql
         return out
 
     @staticmethod
     def _decode(q, k_cache, v_cache, md, scale, group):
-        bs = k_cache.shape[1]
+        bs, hkv = k_cache.shape[1], k_cache.shape[2]
         nblk = (md.max_seq_len + bs - 1) // bs
         bt = md.block_tables[:, :nblk].long()
-        B = q.shape[0]
-        kb = k_cache[bt].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
-        vb = v_cache[bt].flatten(1, 2).transpose(1, 2)
-        if group > 1:
-            kb, vb = kb.repeat_interleave(group, 1), vb.repeat_interleave(group, 1)
+        B, hq, d = q.shape
+        kb = k_cache[bt].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
+        vb = v_cache[bt].flatten(1, 2).transpose(1, 2).to(q.dtype)
         L = kb.shape[2]
+        qg = q.view(B, hkv, group, d)
+        s = torch.matmul(qg, kb.transpose(2, 3)).float() * scale  # [B, Hkv, G, L]
         mask = torch.arange(L, device=q.device)[None, :] < md.seq_lens[:, None].long()
-        o = F.scaled_dot_product_attention(q[:, :, None, :], kb.to(q.dtype), vb.to(q.dtype),
-                                           attn_mask=mask[:, None, None, :], scale=scale)
-        return o[:, :, 0, :].reshape(B, q.shape[1], q.shape[2])
+        s = s.masked_fill(~mask[:, None, None, :], float("-inf"))
+        p = torch.softmax(s, dim=-1).to(vb.dtype)
+        return torch.matmul(p, vb).reshape(B, hq, d)
 
 
 @dataclass

@@ -119,3 +119,24 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
             if "bias" in name:
                 std = 0.02
             p.normal_(0.0, std, generator=gen)
+
+
+def export_hf_state_dict(model: torch.nn.Module) -> dict:
+    """The inverse of ``load_weights``: HF checkpoint names -> tensors (views, no copies),
+    packed parameters split back into their shards. Lets a peer run on our exact weights."""
+    inverse = {}
+    for ck, (packed, idx) in getattr(model, "packed_modules", {}).items():
+        inverse.setdefault(packed, {})[idx] = ck
+    modules = dict(model.named_modules())
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        mod_name, _, leaf = name.rpartition(".")
+        mod = modules[mod_name]
+        short = mod_name.rpartition(".")[2]
+        if isinstance(mod, PackedLinear) and short in inverse:
+            prefix = mod_name.rpartition(".")[0]
+            for idx, ck in inverse[short].items():
+                out[f"{prefix}.{ck}.{leaf}"] = p.data[mod.shard_slice(idx)]
+        else:
+            out[name] = p.data
+    return out

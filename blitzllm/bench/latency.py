@@ -1,0 +1,133 @@
+"""Decode latency at a fixed batch, beside the memory-bandwidth roofline.
+
+`blitz bench latency --model M --batch-size B --input-len I --output-len O [--compare hf]`
+prints (and with --json writes) tokens_per_s, ms_per_token, ttft_s, bytes_per_step,
+copy_bandwidth_Bps, roofline_fraction, kernels_per_step / kernels_per_layer (CUDA).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+
+from ..cli_args import engine_kwargs
+from ..sampling_params import SamplingParams
+from .roofline import copy_bandwidth, count_kernels, kv_bytes_per_step, weight_bytes_per_step
+
+
+def add_args(p, add_engine_args) -> None:
+    add_engine_args(p)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--compare", choices=["hf"], default=None, help="also time transformers on the same weights")
+    p.add_argument("--json", default=None, help="write the results to this file")
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _prompts(B, I, vocab, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab - 100, (B, I), generator=g)
+
+
+def _timed_run(eng, prompts, output_len, tag):
+    """Runs B requests to completion; returns (ttft_s, per-decode-step seconds)."""
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    dev = eng.device
+    _sync(dev)
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts.tolist()):
+        eng.add_request(f"{tag}-{i}", p, params)
+    steps, ttft = [], None
+    last = t0
+    while eng.has_unfinished():
+        eng.step()  # returns after the sampled tokens reached the host
+        now = time.perf_counter()
+        if ttft is None:
+            ttft = now - t0
+        else:
+            steps.append(now - last)
+        last = now
+    return ttft, steps
+
+
+def run(a) -> int:
+    from ..llm import LLM
+    B, I, O = a.batch_size, a.input_len, a.output_len
+    if B < 1 or I < 1 or O < 2:
+        raise ValueError("--batch-size and --input-len must be >= 1 and --output-len >= 2")
+    kw = engine_kwargs(a)
+    kw["max_num_batched_tokens"] = kw["max_num_batched_tokens"] or max(B * I, 2048)
+    kw["max_num_seqs"] = max(kw["max_num_seqs"], B)
+    kw["enable_prefix_caching"] = False  # every run must compute its prompt
+    if kw["max_model_len"] is None:
+        kw["max_model_len"] = I + O
+    llm = LLM(**kw)
+    eng = llm.engine
+    cfg, dev = eng.model_config, eng.device
+    _timed_run(eng, _prompts(B, I, cfg.vocab_size, 1), min(O, 8), "warm")
+    ttft, steps = _timed_run(eng, _prompts(B, I, cfg.vocab_size, 2), O, "run")
+    step_s = sum(steps) / len(steps)
+    dtype_bytes = torch.finfo(eng.dtype).bits // 8
+    w_bytes = weight_bytes_per_step(eng.runner.model, B)
+    kv_bytes = kv_bytes_per_step(cfg, [I + O // 2] * B, dtype_bytes)
+    bw = copy_bandwidth(dev)
+    res = {
+        "model": a.model, "device": str(dev), "dtype": str(eng.dtype).replace("torch.", ""),
+        "num_layers": cfg.num_layers, "batch_size": B, "input_len": I, "output_len": O,
+        "tokens_per_s": B / step_s, "tokens_per_s_per_user": 1.0 / step_s, "ms_per_token": step_s * 1e3,
+        "ttft_s": ttft, "bytes_per_step": w_bytes + kv_bytes, "weight_bytes_per_step": w_bytes,
+        "kv_bytes_per_step": kv_bytes, "copy_bandwidth_Bps": bw,
+        "roofline_fraction": (w_bytes + kv_bytes) / bw / step_s,
+    }
+    if dev.type == "cuda":
+        res.update(_kernel_counts(eng, cfg, B, I))
+    if a.compare == "hf":
+        res.update(_compare_hf(eng, cfg, B, I, O, dev, res["tokens_per_s"]))
+    _print(res)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+def _kernel_counts(eng, cfg, B, I) -> dict:
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    for i, p in enumerate(_prompts(B, I, cfg.vocab_size, 3).tolist()):
+        eng.add_request(f"prof-{i}", p, params)
+    eng.step()  # prefill
+    eng.step()
+    n = count_kernels(eng.step, eng.device)
+    for i in range(B):
+        eng.abort_request(f"prof-{i}")
+    return {"kernels_per_step": n, "kernels_per_layer": n / cfg.num_layers}
+
+
+def _compare_hf(eng, cfg, B, I, O, dev, ours_tps) -> dict:
+    from .hf_peer import build_hf_peer, hf_decode_seconds_per_token
+    hf = build_hf_peer(eng.runner.model, cfg)
+    prompts = _prompts(B, I, cfg.vocab_size, 4).to(dev)
+    out = {}
+    eager = hf_decode_seconds_per_token(hf, prompts, O, compiled=False)
+    out["hf_eager_tokens_per_s"] = B / eager
+    out["speedup_vs_hf_eager"] = ours_tps / out["hf_eager_tokens_per_s"]
+    if dev.type == "cuda":
+        comp = hf_decode_seconds_per_token(hf, prompts, O, compiled=True)
+        out["hf_compiled_tokens_per_s"] = B / comp
+        out["speedup_vs_hf_compiled"] = ours_tps / out["hf_compiled_tokens_per_s"]
+    return out
+
+
+def _print(res: dict) -> None:
+    w = max(len(k) for k in res)
+    for k, v in res.items():
+        if isinstance(v, float):
+            v = f"{v:.4g}" if abs(v) < 1e5 else f"{v:.4e}"
+        print(f"{k:<{w}}  {v}")
+    sys.stdout.flush()

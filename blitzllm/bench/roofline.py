@@ -1,0 +1,62 @@
+"""Hardware limits for the benchmarks: measured copy bandwidth, bytes one decode step must
+read (weights + KV cache), and the profiler's kernel-launch count."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: int = 10) -> float:
+    """Bytes moved per second (read + write) by a large device-to-device copy."""
+    n = nbytes // 4
+    if device.type == "cpu":
+        n = min(n, (256 << 20) // 4)
+        iters = 5
+    a = torch.empty(n, dtype=torch.float32, device=device).fill_(1.0)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(iters):
+        b.copy_(a)
+    sync(device)
+    dt = (time.perf_counter() - t) / iters
+    return 2 * a.numel() * 4 / dt
+
+
+def weight_bytes_per_step(model: torch.nn.Module, batch: int) -> int:
+    """Every parameter is read once per step, except the embedding table, of which only the
+    looked-up rows are read (unless it is tied to the lm_head, which reads all of it)."""
+    seen, total = set(), 0
+    embed = getattr(getattr(model, "model", model), "embed_tokens", None)
+    lm_head = getattr(model, "lm_head", None)
+    tied = embed is not None and lm_head is not None and lm_head.weight is embed.weight
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if embed is not None and p is embed.weight and not tied:
+            total += batch * p.shape[1] * p.element_size()
+        else:
+            total += p.numel() * p.element_size()
+    return total
+
+
+def kv_bytes_per_step(cfg, context_lens: list, dtype_bytes: int) -> int:
+    return sum(context_lens) * cfg.kv_bytes_per_token(dtype_bytes)
+
+
+def count_kernels(fn, device: torch.device) -> int:
+    """Number of device kernels one call of ``fn`` launches (CUDA only)."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize(device)
+    n = 0
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            n += 1
+    return n
