@@ -13,10 +13,12 @@ import queue
 import threading
 import time
 import traceback
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from ..sampling_params import SamplingParams
-from .engine import Engine, StepEvent
+
+if TYPE_CHECKING:
+    from .engine import Engine
 
 log = logging.getLogger("blitzllm.engine")
 
@@ -69,13 +71,13 @@ class AsyncEngine:
     the event loop). ``observer`` (optional) gets ``first_token(s)``, ``inter_token(s)`` and
     ``finished(e2e_s, reason)`` calls on the event loop thread."""
 
-    def __init__(self, factory: Callable[[], Engine], max_waiting: int = 1024, observer=None,
+    def __init__(self, factory: Callable[[], "Engine"], max_waiting: int = 1024, observer=None,
                  on_load_error: Optional[Callable[[BaseException], None]] = None):
         self._factory = factory
         self.max_waiting = max_waiting
         self.observer = observer
         self._on_load_error = on_load_error
-        self.engine: Optional[Engine] = None
+        self.engine: Optional["Engine"] = None
         self.ready = False
         self.load_error: Optional[BaseException] = None
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
@@ -240,6 +242,6 @@ class AsyncEngine:
                     results.append((fut, e))
             elif cmd[0] == "abort":
                 eng.abort_request(cmd[1])
+        self._stats = eng.stats()   # before resolving, so a new waiter is counted by the bound
         if results:
             self._loop.call_soon_threadsafe(self._resolve, results)
-        self._stats = eng.stats()

@@ -44,6 +44,8 @@ class EngineArgs:
     seed: int = 0
     num_layers: Optional[int] = None
     gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+    attention_backend: str = "auto"   # auto | torch | triton
 
 
 @dataclass
@@ -113,7 +115,9 @@ class Engine:
         self.cache_config = CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching)
         self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.sched_config, self.kv)
-        self.runner = ModelRunner(model, cfg, self.cache_config, self.device, self.dtype)
+        self.runner = ModelRunner(model, cfg, self.cache_config, self.device, self.dtype,
+                                  max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
+                                  enforce_eager=args.enforce_eager, attention_backend=args.attention_backend)
         self.requests: dict[str, list[Request]] = {}   # parent id -> its n sequences
         self._arrival = itertools.count()
         self._rng = random.Random(args.seed)

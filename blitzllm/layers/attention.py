@@ -35,11 +35,12 @@ class AttentionMetadata:
 
 
 class AttentionBackend:
-    """Writes this step's k/v into the paged cache and attends over it."""
+    """Per layer and step: optional per-head q/k norm, rotary, writing k/v into the paged
+    cache, and attention over it. ``layer`` is the ``Attention`` module (heads, norms, rotary)."""
 
     name = "base"
 
-    def forward(self, q, k, v, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, layer: "Attention", positions, qkv, k_cache, v_cache, md: AttentionMetadata):
         raise NotImplementedError
 
 
@@ -70,8 +71,18 @@ def _grouped_attention(q, k, v, mask, scale):
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def forward(self, q, k, v, k_cache, v_cache, md, scale):
+    def forward(self, layer, positions, qkv, k_cache, v_cache, md):
+        T = qkv.shape[0]
+        hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        q, k, v = q.view(T, hq, d), k.view(T, hkv, d), v.view(T, hkv, d)
+        if layer.q_norm is not None:
+            q, k = layer.q_norm(q), layer.k_norm(k)
+        q, k = layer.rotary(positions, q, k)
         write_kv_torch(k, v, k_cache, v_cache, md.slot_mapping)
+        return self.attend(q, k_cache, v_cache, md, layer.scale)
+
+    def attend(self, q, k_cache, v_cache, md, scale):
         hq, hkv, d = q.shape[1], k_cache.shape[2], q.shape[2]
         group = hq // hkv
         if md.is_pure_decode:
@@ -134,17 +145,83 @@ def get_forward_context() -> ForwardContext:
     return _CURRENT[0]
 
 
+class TritonAttentionBackend(AttentionBackend):
+    """CUDA: one fused kernel for q/k norm + rotary + cache write, then paged attention
+    (split-K flash decoding for pure decode steps, varlen causal prefill otherwise)."""
+
+    name = "triton"
+
+    def forward(self, layer, positions, qkv, k_cache, v_cache, md):
+        from ..kernels.paged_attention import paged_decode_attention_triton, paged_prefill_attention_triton
+        from ..kernels.qk_norm_rope_cache import fused_qk_norm_rope_cache_triton
+        qn, kn = layer.q_norm, layer.k_norm
+        q = fused_qk_norm_rope_cache_triton(
+            qkv, positions, layer.rotary.cos_sin_cache, layer.num_heads, layer.num_kv_heads, layer.head_dim,
+            k_cache, v_cache, md.slot_mapping,
+            q_norm_weight=qn.weight if qn is not None else None,
+            k_norm_weight=kn.weight if kn is not None else None,
+            eps=qn.eps if qn is not None else 1e-6, rotary_dim=layer.rotary.rotary_dim)
+        if md.is_pure_decode:
+            return paged_decode_attention_triton(q, k_cache, v_cache, md.block_tables, md.seq_lens, layer.scale)
+        if md.num_seqs == 1 and md.q_lens_host[0] == md.seq_lens_host[0] >= _SDPA_MIN_LEN:
+            return _long_prompt_sdpa(q, k_cache, v_cache, md, layer.scale)
+        return paged_prefill_attention_triton(q, k_cache, v_cache, md.query_start_loc, md.seq_lens,
+                                              md.block_tables, layer.scale, md.max_q_len)
+
+
+_SDPA_MIN_LEN = 2048
+
+
+def _long_prompt_sdpa(q, k_cache, v_cache, md, scale):
+    """A single uncached long prompt: its k/v sit in the cache contiguous per block; gather
+    them once and use torch's flash attention (faster than our paged prefill kernel at
+    these lengths)."""
+    import torch.nn.functional as F
+    n = md.seq_lens_host[0]
+    g = q.shape[1] // k_cache.shape[2]
+    k = _gather(k_cache, md.block_tables[0], n).transpose(0, 1)
+    v = _gather(v_cache, md.block_tables[0], n).transpose(0, 1)
+    if g > 1:
+        k, v = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], is_causal=True, scale=scale)
+    return o[0].transpose(0, 1)
+
+
+def select_backend(device: torch.device, name: str = "auto") -> AttentionBackend:
+    """auto: Triton on CUDA when it imports, else the torch reference."""
+    if name not in ("auto", "torch", "triton"):
+        raise ValueError(f"attention_backend must be auto, torch or triton; got {name!r}")
+    from ..kernels._common import HAS_TRITON
+    if name == "triton" and (device.type != "cuda" or not HAS_TRITON):
+        raise ValueError("attention_backend='triton' needs a CUDA device and the triton package")
+    if name == "triton" or (name == "auto" and device.type == "cuda" and HAS_TRITON):
+        return TritonAttentionBackend()
+    return TorchAttentionBackend()
+
+
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int,
-                 scale: Optional[float] = None):
+    """Attention over the paged cache from a packed qkv projection output."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int, rotary,
+                 q_norm=None, k_norm=None, scale: Optional[float] = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.layer_idx = layer_idx
+        self.rotary = rotary
+        self._norms = (q_norm, k_norm)  # a tuple: owned (and named) by the caller, not registered here
         self.scale = scale if scale is not None else head_dim ** -0.5
 
-    def forward(self, q, k, v):
-        """q [T, Hq, D], k/v [T, Hkv, D] (already normed and rotated) -> [T, Hq*D]."""
+    @property
+    def q_norm(self):
+        return self._norms[0]
+
+    @property
+    def k_norm(self):
+        return self._norms[1]
+
+    def forward(self, positions, qkv):
+        """qkv [T, (Hq + 2 Hkv) * D] -> [T, Hq * D]."""
         ctx = get_forward_context()
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        out = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.attn_metadata, self.scale)
+        out = ctx.backend.forward(self, positions, qkv, k_cache, v_cache, ctx.attn_metadata)
         return out.reshape(out.shape[0], -1)

@@ -21,26 +21,15 @@ class DecoderAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding):
         super().__init__()
         d = cfg.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
         self.qkv_proj = PackedLinear(cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], bias=cfg.attention_bias)
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size)
+        # q_norm / k_norm live here so checkpoint names (self_attn.q_norm) match HF
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.rotary = rotary
-        self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, d, layer_idx)
+        self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, d, layer_idx, rotary, self.q_norm, self.k_norm)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.num_heads * self.head_dim,
-                                          self.num_kv_heads * self.head_dim,
-                                          self.num_kv_heads * self.head_dim], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        return self.o_proj(self.attn(positions, self.qkv_proj(x)))
 
 
 class DenseMLP(nn.Module):

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from ..config import CacheConfig, ModelConfig
-from ..layers.attention import AttentionMetadata, ForwardContext, TorchAttentionBackend, forward_context
+from ..layers.attention import AttentionMetadata, ForwardContext, forward_context, select_backend
 from ..layers.sampler import Sampler, SamplingMetadata, SamplingRow
 from ..loader.source import ModelSource
 from ..loader.weights import init_dummy_weights, load_weights
@@ -50,18 +50,25 @@ def build_model(src: ModelSource, cfg: ModelConfig, device: torch.device, dtype:
 
 
 class ModelRunner:
-    def __init__(self, model, cfg: ModelConfig, cache: CacheConfig, device, dtype):
+    def __init__(self, model, cfg: ModelConfig, cache: CacheConfig, device, dtype,
+                 max_num_seqs: int = 256, max_model_len: int = 4096, enforce_eager: bool = False,
+                 attention_backend: str = "auto"):
         self.model = model
         self.cfg = cfg
         self.cache_cfg = cache
         self.device = device
         self.dtype = dtype
-        self.backend = TorchAttentionBackend()
+        self.backend = select_backend(device, attention_backend)
         self.sampler = Sampler()
         shape = (cache.num_blocks, cache.block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
                            torch.zeros(shape, dtype=dtype, device=device)) for _ in range(cfg.num_layers)]
-        self.max_blocks_per_seq = 1
+        self.graphs = None
+        if device.type == "cuda" and not enforce_eager and self.backend.name == "triton":
+            from .cuda_graphs import DecodeGraphs
+            width = -(-max_model_len // cache.block_size)
+            self.graphs = DecodeGraphs(model, self.kv_caches, self.backend, device, max_num_seqs, width)
+            self.graphs.capture()
 
     def _to_dev(self, data, dtype):
         return torch.tensor(data, dtype=dtype, device="cpu").to(self.device, non_blocking=True)
@@ -88,16 +95,37 @@ class ModelRunner:
             q_lens_host=q_lens, seq_lens_host=lens)
         return self._to_dev(ids, torch.int64), self._to_dev(pos, torch.int64), md, qsl
 
+    def _decode_graph(self, seqs, block_tables) -> torch.Tensor:
+        bs = self.cache_cfg.block_size
+        ids, pos, slots, lens = [], [], [], []
+        for (toks, start, end), table in zip(seqs, block_tables):
+            ids.append(toks[0])
+            pos.append(start)
+            slots.append(table[start // bs] * bs + start % bs)
+            lens.append(end)
+        width = max(len(t) for t in block_tables)
+        bt = [t + [0] * (width - len(t)) for t in block_tables]
+        packed = torch.tensor([ids, pos, slots, lens], dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
+        bt_dev = torch.tensor(bt, dtype=torch.int32).pin_memory().to(self.device, non_blocking=True)
+        return self.graphs.run(packed, bt_dev)
+
     @torch.inference_mode()
     def execute(self, seqs, block_tables, sample_idx: list[int], rows: list[SamplingRow]) -> StepResult:
         """Run one step. ``sample_idx`` lists the batch rows that sample a token."""
-        input_ids, positions, md, qsl = self.prepare(seqs, block_tables)
-        with forward_context(ForwardContext(md, self.kv_caches, self.backend)):
-            hidden = self.model(input_ids, positions)
-        if not sample_idx:
-            return StepResult([], [], None)
-        last = torch.tensor([qsl[i + 1] - 1 for i in sample_idx], device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, last))
+        if self.graphs is not None and all(e - s == 1 for _, s, e in seqs) and self.graphs.can_run(len(seqs)):
+            logits = self._decode_graph(seqs, block_tables)
+            if not sample_idx:
+                return StepResult([], [], None)
+            if len(sample_idx) != len(seqs):
+                logits = logits[torch.tensor(sample_idx, device=self.device)]
+        else:
+            input_ids, positions, md, qsl = self.prepare(seqs, block_tables)
+            with forward_context(ForwardContext(md, self.kv_caches, self.backend)):
+                hidden = self.model(input_ids, positions)
+            if not sample_idx:
+                return StepResult([], [], None)
+            last = torch.tensor([qsl[i + 1] - 1 for i in sample_idx], device=self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, last))
         smd = SamplingMetadata.build(rows, self.cfg.vocab_size, self.device)
         out = self.sampler(logits, smd)
         tokens = out.token_ids.tolist()

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One device call: GPU tests, then the latency benchmarks of issue 4 (table printed last).
+# Usage on the GPU machine, from the repo root: bash scripts/gpu_run.sh [quick]
+set -u
+OUT=${OUT:-/tmp/blitz_out}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+export PYTHONUNBUFFERED=1 BLITZ_NO_PROGRESS=1 TOKENIZERS_PARALLELISM=false
+B="python3 -m blitzllm.cli bench latency"
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+timeout 240 python3 -m pytest -q -m gpu tests -x -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/gpu_tests.log"
+run() { name=$1; shift; echo "== $name: $*"; timeout 300 $B "$@" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1; echo "rc=$?"; tail -4 "$OUT/$name.log"; }
+run qwen06_b1 --model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8
+run llama_b1 --model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --compare hf
+run llama_ttft10k --model preset:llama-3.1-8b --batch-size 1 --input-len 10000 --output-len 4 --max-num-seqs 1 --enforce-eager
+run llama_b64 --model preset:llama-3.1-8b --batch-size 64 --input-len 1000 --output-len 64 --max-num-seqs 64
+python3 - "$OUT" <<'PY'
+import json, sys, glob, os
+keys = ["tokens_per_s", "ms_per_token", "ttft_s", "roofline_fraction", "kernels_per_layer",
+        "speedup_vs_hf_eager", "speedup_vs_hf_compiled", "hf_compiled_tokens_per_s", "copy_bandwidth_Bps"]
+print("run".ljust(16), *[k[:14].rjust(15) for k in keys])
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
+    r = json.load(open(f))
+    cells = []
+    for k in keys:
+        v = r.get(k)
+        cells.append(("-" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))).rjust(15))
+    print(os.path.basename(f)[:-5].ljust(16), *cells)
+PY

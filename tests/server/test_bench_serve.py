@@ -1,0 +1,68 @@
+"""``blitz bench serve`` against a running ``blitz serve``: runs, reports, writes its JSON."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from blitzllm.bench.serve import find_mt_bench
+
+
+def bench(srv, tmp_path, *args) -> tuple:
+    out = tmp_path / "result.json"
+    cmd = [sys.executable, "-m", "blitzllm.cli", "bench", "serve", "--base-url", srv.url, "--save-json", str(out),
+           "--no-progress", *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return p.stdout, json.loads(out.read_text())
+
+
+def test_bench_serve_mt_bench(smol_server, tmp_path):
+    stdout, doc = bench(smol_server, tmp_path, "--dataset", "mt-bench", "--num-prompts", "3", "--concurrency", "3",
+                        "--output-len", "4")
+    for line in ("Successful requests:", "Request throughput (req/s):", "Output token throughput (tok/s):",
+                 "Median TTFT (ms):", "P99 ITL (ms):", "Mean TPOT (ms):", "Median E2EL (ms):"):
+        assert line in stdout
+    assert doc["successful_requests"] == 3 and doc["failed_requests"] == 0
+    assert doc["total_output_tokens"] == 12            # ignore_eos: exactly --output-len each
+    assert doc["total_input_tokens"] > 0
+    assert doc["output_throughput"] > 0 and doc["ttft_ms"]["median"] > 0
+    assert len(doc["ttfts_s"]) == 3 and all(len(x) >= 1 for x in doc["itls_s"])
+    assert doc["config"]["model"] == "smollm2"
+
+
+def test_bench_serve_random_with_plot(smol_server, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "dist.png"
+    _, doc = bench(smol_server, tmp_path, "--dataset", "random", "--input-len", "12", "--output-len", "3",
+                   "--num-prompts", "4", "--concurrency", "2", "--request-rate", "50", "--plot", str(png))
+    assert doc["successful_requests"] == 4
+    assert doc["total_input_tokens"] == 4 * 12 and doc["total_output_tokens"] == 4 * 3
+    assert png.stat().st_size > 1000
+
+
+def test_bench_serve_jsonl_file(smol_server, tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt": "Once upon a time"}) + "\n"
+                    + json.dumps({"messages": [{"role": "user", "content": "Hi"}], "output_len": 2}) + "\n")
+    _, doc = bench(smol_server, tmp_path, "--dataset", str(data), "--num-prompts", "2", "--concurrency", "2",
+                   "--output-len", "3")
+    assert doc["successful_requests"] == 2 and doc["total_output_tokens"] == 5
+
+
+def test_find_mt_bench():
+    p = find_mt_bench()
+    assert p.name == "mt_bench_questions.jsonl" and p.is_file()
+    assert find_mt_bench(str(p)) == p
+    with pytest.raises(ValueError):
+        find_mt_bench(str(Path("/nonexistent/q.jsonl")))
+
+
+def test_bench_serve_unreachable_is_a_user_error(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "blitzllm.cli", "bench", "serve", "--base-url", "http://127.0.0.1:9",
+                        "--num-prompts", "1"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert "cannot reach" in p.stderr and "Traceback" not in p.stderr
