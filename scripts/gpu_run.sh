@@ -10,12 +10,19 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1 BLITZ_NO_PROGRESS=1 TOKENIZERS_PARALLELISM=false
 B="python3 -m blitzllm.cli bench latency"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-timeout 240 python3 -m pytest -q -m gpu tests -x -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/gpu_tests.log"
-run() { name=$1; shift; echo "== $name: $*"; timeout 300 $B "$@" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1; echo "rc=$?"; tail -4 "$OUT/$name.log"; }
-run qwen06_b1 --model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8
-run llama_b1 --model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --compare hf
-run llama_ttft10k --model preset:llama-3.1-8b --batch-size 1 --input-len 10000 --output-len 4 --max-num-seqs 1 --enforce-eager
-run llama_b64 --model preset:llama-3.1-8b --batch-size 64 --input-len 1000 --output-len 64 --max-num-seqs 64
+MODE=${1:-full}
+if [ "$MODE" != "bench" ]; then
+  timeout 170 python3 -m pytest -q -m gpu tests/kernels tests/test_gpu_e2e.py -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/gpu_tests.log"
+fi
+run() { t=$1; name=$2; shift 2; echo "== $name: $*"; timeout $t $B "$@" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1; echo "rc=$?"; grep -v "^\[" "$OUT/$name.log" | tail -3; }
+run 70 qwen06_b1 --model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8
+if [ "$MODE" = "quick" ]; then
+  run 80 llama_b1 --model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8
+else
+  run 220 llama_b1 --model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --compare hf
+  run 90 llama_b64 --model preset:llama-3.1-8b --batch-size 64 --input-len 1000 --output-len 64 --max-num-seqs 64
+fi
+run 70 llama_ttft10k --model preset:llama-3.1-8b --batch-size 1 --input-len 10000 --output-len 4 --max-num-seqs 1 --enforce-eager
 python3 - "$OUT" <<'PY'
 import json, sys, glob, os
 keys = ["tokens_per_s", "ms_per_token", "ttft_s", "roofline_fraction", "kernels_per_layer",
