@@ -21,21 +21,20 @@ _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "
 
 def _reader(path):
     try:
-        import gguf
+        import gguf  # noqa: F401  (its codecs dequantize)
     except ImportError:  # pragma: no cover - gguf is a declared dependency
         raise ValueError("reading .gguf files needs the 'gguf' package: pip install gguf") from None
+    from .gguf_reader import GGUFFile
     try:
-        return gguf.GGUFReader(str(path))
+        return GGUFFile(path)
+    except ValueError:
+        raise
     except Exception as e:
         raise ValueError(f"cannot read GGUF file {path}: {e}") from None
 
 
 def _field(reader, key, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    v = f.contents()
-    return v
+    return reader.fields.get(key, default)
 
 
 def gguf_config(reader) -> dict:
@@ -46,7 +45,8 @@ def gguf_config(reader) -> dict:
     heads = int(g("attention.head_count"))
     hidden = int(g("embedding_length"))
     names = {t.name for t in reader.tensors}
-    vocab = g("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    tokens = reader.fields.get("tokenizer.ggml.tokens", 0)
+    vocab = g("vocab_size") or (tokens if isinstance(tokens, int) else len(tokens))
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     return {
         "architectures": [_ARCH[arch]],
@@ -90,7 +90,7 @@ def iter_gguf_tensors(reader, config: dict) -> Iterator[tuple[str, torch.Tensor]
         if name is None:
             continue
         shape = tuple(int(s) for s in reversed(t.shape))
-        arr = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
+        arr = gguf.quants.dequantize(reader.tensor_data(t), t.tensor_type).reshape(shape)
         if is_llama and name.endswith(("q_proj.weight", "q_proj.bias")):
             arr = _unpermute(arr, config["num_attention_heads"])
         elif is_llama and name.endswith(("k_proj.weight", "k_proj.bias")):
