@@ -22,7 +22,9 @@ def add_args(p, add_engine_args) -> None:
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--compare", choices=["hf"], default=None, help="also time transformers on the same weights")
+    p.add_argument("--compare", default=None,
+                   help="comma list of peers timed in the same run: hf (transformers on the same weights), "
+                        "llamacpp (llama-cpp-python on the same .gguf, CPU)")
     p.add_argument("--json", default=None, help="write the results to this file")
 
 
@@ -88,8 +90,14 @@ def run(a) -> int:
     }
     if dev.type == "cuda":
         res.update(_kernel_counts(eng, cfg, B, I))
-    if a.compare == "hf":
+    peers = [x.strip() for x in (a.compare or "").split(",") if x.strip()]
+    bad = [x for x in peers if x not in ("hf", "llamacpp")]
+    if bad:
+        raise ValueError(f"--compare takes hf and/or llamacpp, got {', '.join(bad)}")
+    if "hf" in peers:
         res.update(_compare_hf(eng, cfg, B, I, O, dev, res["tokens_per_s"]))
+    if "llamacpp" in peers:
+        res.update(_compare_llamacpp(a.model, cfg, B, I, O, res["tokens_per_s"]))
     _print(res)
     if a.json:
         with open(a.json, "w") as f:
@@ -122,6 +130,37 @@ def _compare_hf(eng, cfg, B, I, O, dev, ours_tps) -> dict:
         out["hf_compiled_tokens_per_s"] = B / comp
         out["speedup_vs_hf_compiled"] = ours_tps / out["hf_compiled_tokens_per_s"]
     return out
+
+
+def _compare_llamacpp(model, cfg, B, I, O, ours_tps) -> dict:
+    """llama.cpp through llama-cpp-python on the same GGUF file (its own quantized kernels)."""
+    from pathlib import Path
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        raise ValueError("--compare llamacpp needs llama-cpp-python: pip install llama-cpp-python") from None
+    from ..loader.source import smollm2_path
+    path = smollm2_path() if model == "smollm2" else Path(model)
+    if path.suffix != ".gguf" or B != 1:
+        raise ValueError("--compare llamacpp needs a .gguf model (or smollm2) and --batch-size 1")
+    import os
+    lm = Llama(model_path=str(path), n_ctx=I + O + 8, n_threads=os.cpu_count(), verbose=False)
+    prompt = _prompts(1, I, cfg.vocab_size, 5)[0].tolist()
+
+    def decode_time(n):
+        lm.reset()
+        t = time.perf_counter()
+        first = None
+        for i, _ in enumerate(lm.generate(prompt, temp=0.0, reset=True)):
+            if i == 0:
+                first = time.perf_counter()
+            if i + 1 >= n:
+                break
+        return time.perf_counter() - first
+
+    decode_time(8)
+    per_tok = decode_time(O) / (O - 1)
+    return {"llamacpp_tokens_per_s": 1.0 / per_tok, "speedup_vs_llamacpp": ours_tps * per_tok}
 
 
 def _print(res: dict) -> None:
