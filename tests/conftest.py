@@ -7,6 +7,9 @@ import os
 import pytest
 import torch
 
+# Triton kernels run under the interpreter on CPU-only machines (set before triton loads)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("BLITZ_NO_PROGRESS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
