@@ -7,6 +7,7 @@ probabilities are cast to the cache dtype for the P @ V product, as flash
 attention does. Neither launcher syncs with the host, so both can be captured
 in a CUDA graph (the decode grid depends only on B, Hkv and the SM count).
 """
+import functools
 from typing import Optional
 
 import torch
@@ -60,13 +61,13 @@ def _attn_tile(
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
     qk_scale, G,
     NUM_SPLITS: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr,
-    EARLY_V: tl.constexpr,
+    EARLY_V: tl.constexpr, FUSED_REDUCE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -107,6 +108,31 @@ def _decode_kernel(
         tl.store(m_ptr + row, m_i, mask=gmask)
         tl.store(l_ptr + row, l_i, mask=gmask)
         tl.store(acc_ptr + row[:, None] * D_PAD + offs_d[None, :], acc, mask=gmask[:, None])
+        if FUSED_REDUCE:
+            # The split that finishes last for this (sequence, kv head) combines all of
+            # them: one launch instead of two. acq_rel orders the partial stores above.
+            slot = cnt_ptr + b * tl.num_programs(1) + kvh
+            done = tl.atomic_add(slot, 1, sem="acq_rel")
+            if done == NUM_SPLITS - 1:
+                base = (b * (tl.num_programs(1) * G) + heads).to(tl.int64) * NUM_SPLITS
+                m_all = tl.full([G_PAD], -1.0e30, dtype=tl.float32)
+                l_all = tl.zeros([G_PAD], dtype=tl.float32)
+                o_all = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
+                for sp in range(NUM_SPLITS):
+                    m_s = tl.load(m_ptr + base + sp, mask=gmask, other=-1.0e30, cache_modifier=".cg")
+                    l_s = tl.load(l_ptr + base + sp, mask=gmask, other=0.0, cache_modifier=".cg")
+                    a_s = tl.load(acc_ptr + (base + sp)[:, None] * D_PAD + offs_d[None, :],
+                                  mask=gmask[:, None], other=0.0, cache_modifier=".cg")
+                    m_new = tl.maximum(m_all, m_s)
+                    w_old = tl.exp2(m_all - m_new)
+                    w_s = tl.exp2(m_s - m_new)
+                    l_all = l_all * w_old + l_s * w_s
+                    o_all = o_all * w_old[:, None] + a_s * w_s[:, None]
+                    m_all = m_new
+                out = o_all / tl.where(l_all > 0.0, l_all, 1.0)[:, None]
+                o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+                tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=qmask)
+                tl.atomic_xchg(slot, 0)  # ready for the next launch (CUDA graph replays too)
 
 
 @triton.jit
@@ -203,10 +229,19 @@ def _default_splits(q, b, hkv):
     return max(1, min(32, next_pow2(want)))
 
 
+_MAX_COUNTERS = 1 << 16
+
+
+@functools.lru_cache(maxsize=None)
+def _split_counters(device: torch.device) -> torch.Tensor:
+    """Zeroed arrival counters for the fused split-K reduce; every launch leaves them at 0."""
+    return torch.zeros(_MAX_COUNTERS, dtype=torch.int32, device=device)
+
+
 def paged_decode_attention_triton(
     q, k_cache, v_cache, block_tables, seq_lens, scale,
     num_splits: Optional[int] = None, block_n: Optional[int] = None,
-    num_stages: int = 2, early_v: bool = True,
+    num_stages: int = 2, early_v: bool = True, fused_reduce: bool = True,
 ):
     hq, hkv, d = _check_cache(q, k_cache, v_cache)
     B = q.shape[0]
@@ -220,23 +255,25 @@ def paged_decode_attention_triton(
     g_pad, d_pad = max(16, next_pow2(g)), next_pow2(d)
     bn = block_n or (64 if d_pad <= 128 else 32)
     ieee = q.dtype == torch.float32
+    fused = fused_reduce and s > 1 and B * hkv <= _MAX_COUNTERS
     if s > 1:
         m = torch.empty((B, hq, s), dtype=torch.float32, device=q.device)
         l_ = torch.empty_like(m)
         acc = torch.empty((B, hq, s, d_pad), dtype=torch.float32, device=q.device)
     else:
         m = l_ = acc = out
+    cnt = _split_counters(q.device) if fused else seq_lens
     _decode_kernel[(B, hkv, s)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, m, l_, acc,
+        q, k_cache, v_cache, block_tables, seq_lens, out, m, l_, acc, cnt,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         float(scale) * _LOG2E, g,
         NUM_SPLITS=s, G_PAD=g_pad, D=d, D_PAD=d_pad, BLOCK_N=bn,
-        BLOCK_SIZE=k_cache.shape[1], IEEE=ieee, EARLY_V=early_v,
+        BLOCK_SIZE=k_cache.shape[1], IEEE=ieee, EARLY_V=early_v, FUSED_REDUCE=fused,
         num_warps=4, num_stages=num_stages,
     )
-    if s > 1:
+    if s > 1 and not fused:
         _decode_reduce_kernel[(B, hq)](
             m, l_, acc, out, out.stride(0), out.stride(1), hq,
             NUM_SPLITS=s, S_PAD=next_pow2(s), D=d, D_PAD=d_pad, num_warps=4,

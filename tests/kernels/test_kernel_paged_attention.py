@@ -38,17 +38,19 @@ DECODE = [  # seq_lens, Hq, Hkv, D, block_size
 ]
 
 
-@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("num_splits,fused_reduce", [(1, True), (4, True), (4, False)])
 @pytest.mark.parametrize("case", DECODE)
-def test_decode(case, num_splits, device):
+def test_decode(case, num_splits, fused_reduce, device):
     seq_lens, hq, hkv, d, bs = case
     dtype = torch.float32
     kc, vc, tables, seq = make_cache(seq_lens, hkv, d, bs, dtype, device)
     q = torch.randn(len(seq_lens), hq, d).to(device, dtype)
     scale = 1 / math.sqrt(d)
-    out = paged_decode_attention_triton(q, kc, vc, tables, seq, scale, num_splits=num_splits)
     ref = reference_paged_decode_attention(q, kc, vc, tables, seq, scale)
-    torch.testing.assert_close(out, ref, atol=TOL[dtype], rtol=TOL[dtype])
+    for _ in range(2):  # the second launch checks that the fused reduce left its counters at 0
+        out = paged_decode_attention_triton(q, kc, vc, tables, seq, scale, num_splits=num_splits,
+                                            fused_reduce=fused_reduce)
+        torch.testing.assert_close(out, ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
