@@ -118,6 +118,7 @@ class Engine:
         self.runner = ModelRunner(model, cfg, self.cache_config, self.device, self.dtype,
                                   max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
                                   enforce_eager=args.enforce_eager, attention_backend=args.attention_backend)
+        self.scheduler.lookahead = self.runner.graphs is not None
         self.requests: dict[str, list[Request]] = {}   # parent id -> its n sequences
         self._arrival = itertools.count()
         self._rng = random.Random(args.seed)

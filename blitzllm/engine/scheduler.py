@@ -36,6 +36,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.lookahead = False  # set by the engine when its runner pipelines decode steps
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -71,6 +72,11 @@ class Scheduler:
             if req not in self.running:  # preempted as a victim below
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            # decodes reserve the next token's slot too when blocks are plentiful: the
+            # runner may compute one step ahead (its pipelined decode)
+            if (n == 1 and self.lookahead and self.kv.num_free_blocks > self.cfg.max_num_seqs
+                    and req.num_computed_tokens + 2 <= self.cfg.max_model_len):
+                self.kv.allocate(req.request_id, req.num_computed_tokens + 2)
             while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
                 victim = max((r for r in self.running if r.request_id not in scheduled),
                              key=lambda r: r.arrival)

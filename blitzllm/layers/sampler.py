@@ -98,7 +98,9 @@ class SamplingMetadata:
     any_min_p: bool = True
 
     @classmethod
-    def build(cls, rows: list[SamplingRow], vocab_size: int, device) -> "SamplingMetadata":
+    def build(cls, rows: list[SamplingRow], vocab_size: int, device, extra_steps: int = 0) -> "SamplingMetadata":
+        """``extra_steps``: sample as if each row had that many more output tokens (the
+        runner's decode look-ahead; only for rows without penalties)."""
         V = vocab_size
         ps = [r.params for r in rows]
         greedy = [p.temperature == 0.0 for p in ps]
@@ -110,7 +112,7 @@ class SamplingMetadata:
              [p.frequency_penalty for p in ps], [p.repetition_penalty for p in ps]],
             dtype=torch.float32).reshape(6, len(rows)).to(device, non_blocking=True)
         ints = torch.tensor(
-            [top_k, [r.seed for r in rows], [len(r.output_ids) for r in rows]],
+            [top_k, [r.seed for r in rows], [len(r.output_ids) + extra_steps for r in rows]],
             dtype=torch.int64).reshape(3, len(rows)).to(device, non_blocking=True)
 
         # Only rows that use a penalty ship their tokens; the others stay all padding.
@@ -125,7 +127,7 @@ class SamplingMetadata:
         bans = []
         for r, p in zip(rows, ps):
             ids: list[int] = []
-            if len(r.output_ids) < p.min_tokens:
+            if len(r.output_ids) + extra_steps < p.min_tokens:
                 eos = [] if r.eos_token_id is None else [r.eos_token_id]
                 ids = sorted({t for t in eos + list(p.stop_token_ids) if 0 <= t < V})
             bans.append(ids)

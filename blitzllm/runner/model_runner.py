@@ -64,6 +64,7 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
                            torch.zeros(shape, dtype=dtype, device=device)) for _ in range(cfg.num_layers)]
         self.graphs = None
+        self._ahead = None  # (key, SamplerOutput) of a launched look-ahead decode step
         if device.type == "cuda" and not enforce_eager and self.backend.name == "triton":
             from .cuda_graphs import DecodeGraphs
             width = -(-max_model_len // cache.block_size)
@@ -95,43 +96,89 @@ class ModelRunner:
             q_lens_host=q_lens, seq_lens_host=lens)
         return self._to_dev(ids, torch.int64), self._to_dev(pos, torch.int64), md, qsl
 
-    def _decode_graph(self, seqs, block_tables) -> torch.Tensor:
+    def _decode_inputs(self, seqs, block_tables, ahead: int = 0):
+        """Host lists for a pure-decode step, ``ahead`` positions past the given one;
+        None if a row's block table does not reach that far."""
         bs = self.cache_cfg.block_size
-        ids, pos, slots, lens = [], [], [], []
-        for (toks, start, end), table in zip(seqs, block_tables):
-            ids.append(toks[0])
-            pos.append(start)
-            slots.append(table[start // bs] * bs + start % bs)
-            lens.append(end)
+        pos, slots, lens = [], [], []
+        for (_, start, end), table in zip(seqs, block_tables):
+            p = start + ahead
+            if p // bs >= len(table):
+                return None
+            pos.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+            lens.append(end + ahead)
+        return pos, slots, lens
+
+    def _launch_decode_graph(self, ids, pos, slots, lens, block_tables) -> torch.Tensor:
+        """ids: host list or a device tensor (the previous step's sampled tokens)."""
         width = max(len(t) for t in block_tables)
         bt = [t + [0] * (width - len(t)) for t in block_tables]
-        packed = torch.tensor([ids, pos, slots, lens], dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
+        host = torch.tensor([pos, slots, lens], dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
+        ids_dev = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.int64).to(self.device)
+        packed = torch.cat([ids_dev[None], host])
         bt_dev = torch.tensor(bt, dtype=torch.int32).pin_memory().to(self.device, non_blocking=True)
         return self.graphs.run(packed, bt_dev)
+
+    def _decode_step(self, seqs, block_tables, rows):
+        """Pure decode through the CUDA graphs, one step pipelined: right after sampling
+        step N, step N+1 is launched on the sampled tokens (still on the device), so the
+        host's bookkeeping overlaps the GPU. The look-ahead is used only if the next call
+        asks for exactly that step; otherwise it is dropped (its KV writes are rewritten)."""
+        cur = self._decode_inputs(seqs, block_tables)
+        key = (tuple(cur[0]), tuple(cur[1]), tuple((r.seed, len(r.output_ids), id(r.params)) for r in rows))
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == key:
+            out = ahead[1]
+        else:
+            logits = self._launch_decode_graph([t[0] for t, _, _ in seqs], *cur, block_tables)
+            out = self.sampler(logits, SamplingMetadata.build(rows, self.cfg.vocab_size, self.device))
+        host = _to_host_async(out)
+        nxt = self._decode_inputs(seqs, block_tables, ahead=1)
+        if nxt is not None and not any(r.params.uses_penalties for r in rows):
+            logits = self._launch_decode_graph(out.token_ids, *nxt, block_tables)
+            nout = self.sampler(logits, SamplingMetadata.build(rows, self.cfg.vocab_size, self.device, extra_steps=1))
+            nkey = (tuple(nxt[0]), tuple(nxt[1]), tuple((r.seed, len(r.output_ids) + 1, id(r.params)) for r in rows))
+            self._ahead = (nkey, nout)
+        return host
 
     @torch.inference_mode()
     def execute(self, seqs, block_tables, sample_idx: list[int], rows: list[SamplingRow]) -> StepResult:
         """Run one step. ``sample_idx`` lists the batch rows that sample a token."""
-        if self.graphs is not None and all(e - s == 1 for _, s, e in seqs) and self.graphs.can_run(len(seqs)):
-            logits = self._decode_graph(seqs, block_tables)
-            if not sample_idx:
-                return StepResult([], [], None)
-            if len(sample_idx) != len(seqs):
-                logits = logits[torch.tensor(sample_idx, device=self.device)]
-        else:
-            input_ids, positions, md, qsl = self.prepare(seqs, block_tables)
-            with forward_context(ForwardContext(md, self.kv_caches, self.backend)):
-                hidden = self.model(input_ids, positions)
-            if not sample_idx:
-                return StepResult([], [], None)
-            last = torch.tensor([qsl[i + 1] - 1 for i in sample_idx], device=self.device)
-            logits = self.model.compute_logits(hidden.index_select(0, last))
+        if (self.graphs is not None and all(e - s == 1 for _, s, e in seqs) and len(sample_idx) == len(seqs)
+                and self.graphs.can_run(len(seqs))):
+            return _host_result(self._decode_step(seqs, block_tables, rows))
+        self._ahead = None
+        input_ids, positions, md, qsl = self.prepare(seqs, block_tables)
+        with forward_context(ForwardContext(md, self.kv_caches, self.backend)):
+            hidden = self.model(input_ids, positions)
+        if not sample_idx:
+            return StepResult([], [], None)
+        last = torch.tensor([qsl[i + 1] - 1 for i in sample_idx], device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, last))
         smd = SamplingMetadata.build(rows, self.cfg.vocab_size, self.device)
-        out = self.sampler(logits, smd)
-        tokens = out.token_ids.tolist()
-        lps = out.logprobs.tolist()
-        top = None
-        if out.top_ids is not None:
-            ti, tl = out.top_ids.tolist(), out.top_logprobs.tolist()
-            top = [list(zip(a, b)) for a, b in zip(ti, tl)]
-        return StepResult(tokens, lps, top)
+        return _host_result(_to_host_async(self.sampler(logits, smd)))
+
+
+def _to_host_async(out):
+    """Start copying a SamplerOutput to the host; returns (tensors, event) without waiting."""
+    tensors = [out.token_ids, out.logprobs]
+    if out.top_ids is not None:
+        tensors += [out.top_ids, out.top_logprobs]
+    if tensors[0].device.type != "cuda":
+        return tensors, None
+    host = [t.to("cpu", non_blocking=True) for t in tensors]
+    ev = torch.cuda.Event()
+    ev.record()
+    return host, ev
+
+
+def _host_result(pending) -> StepResult:
+    tensors, ev = pending
+    if ev is not None:
+        ev.synchronize()
+    tokens, lps = tensors[0].tolist(), tensors[1].tolist()
+    top = None
+    if len(tensors) > 2:
+        top = [list(zip(a, b)) for a, b in zip(tensors[2].tolist(), tensors[3].tolist())]
+    return StepResult(tokens, lps, top)
