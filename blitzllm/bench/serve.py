@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import math
 import os
@@ -145,8 +146,13 @@ async def send_one(client, base_url: str, req: BenchRequest, model: str, args) -
                     res.prompt_tokens = obj["usage"].get("prompt_tokens", res.prompt_tokens)
                     res.output_tokens = obj["usage"].get("completion_tokens", 0)
                 for ch in obj.get("choices") or []:
-                    text = (ch.get("delta") or {}).get("content") if req.chat else ch.get("text")
-                    if text:
+                    if req.chat:
+                        delta = ch.get("delta") or {}
+                        text, is_role = delta.get("content"), "role" in delta
+                    else:
+                        text, is_role = ch.get("text"), False
+                    # a token arrived: new text, or an empty non-final delta (a model with no tokenizer)
+                    if text or (text == "" and not is_role and ch.get("finish_reason") is None):
                         now = time.perf_counter()
                         if last is None:
                             res.ttft = now - t0
@@ -286,12 +292,15 @@ def _server_model(args) -> tuple:
 def add_args(p: argparse.ArgumentParser, add_engine_args=None) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="model id to send (default: the server's first model)")
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    p.add_argument("--api-key", default=os.environ.get("BLITZ_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+                   help="bearer key (default: $BLITZ_API_KEY, else $OPENAI_API_KEY)")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--concurrency", type=int, default=1, help="requests in flight at most")
-    p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (default: all at once)")
+    p.add_argument("--request-rate", type=float, default=math.inf,
+                   help="Poisson arrivals per second (default: all at once)")
     p.add_argument("--dataset", default="random", help="random | mt-bench | FILE.jsonl")
-    p.add_argument("--dataset-path", default=None, help="the mt-bench questions file (default: found under shared/data)")
+    p.add_argument("--dataset-path", default=None,
+                   help="the mt-bench questions file (default: found under shared/data)")
     p.add_argument("--input-len", type=int, default=1024, help="prompt tokens (random dataset)")
     p.add_argument("--output-len", type=int, default=128, help="output tokens per request (ignore_eos)")
     p.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS")
@@ -309,11 +318,8 @@ def run(args) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {lo}, got {getattr(args, name)}")
     if not args.request_rate > 0:
         raise ValueError(f"--request-rate must be > 0, got {args.request_rate}")
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401 - fail before the run, not after it
-        except ImportError:
-            raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # fail before the run, not after
+        raise ValueError("--plot needs matplotlib: pip install matplotlib")
     model, vocab = _server_model(args)
     requests = build_requests(args, vocab)
     print(f"blitz bench serve: {len(requests)} requests to {args.base_url} (model {model}, dataset "
@@ -323,7 +329,7 @@ def run(args) -> int:
     print(format_summary(s))
     if args.save_json:
         cfg = {k: (v if not (isinstance(v, float) and math.isinf(v)) else "inf") for k, v in vars(args).items()
-               if isinstance(v, (str, int, float, bool, type(None)))}
+               if isinstance(v, (str, int, float, bool, type(None))) and k != "api_key"}
         doc = {"config": {**cfg, "model": model}, **s,
                "ttfts_s": [r.ttft for r in results], "e2els_s": [r.e2el for r in results],
                "itls_s": [r.itl for r in results], "output_lens": [r.output_tokens for r in results],

@@ -24,6 +24,8 @@ from ..engine.async_engine import AsyncEngine
 from .errors import APIError, install_error_handlers, parse_body, read_json
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .chat import create_chat_completion
+from .completions import create_completion
 from .serving import Serving
 
 log = logging.getLogger("blitzllm.server")
@@ -137,7 +139,7 @@ def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
     async def chat_completions(request: Request):
         try:
             guard(request)
-            return await serving.chat(await body(request, ChatCompletionRequest), request)
+            return await create_chat_completion(serving, await body(request, ChatCompletionRequest), request)
         except APIError as e:
             raise counted(e)
 
@@ -145,7 +147,7 @@ def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
     async def completions(request: Request):
         try:
             guard(request)
-            return await serving.completions(await body(request, CompletionRequest), request)
+            return await create_completion(serving, await body(request, CompletionRequest), request)
         except APIError as e:
             raise counted(e)
 

@@ -29,6 +29,7 @@ class ServerProcess:
         self.api_key = api_key
         self.log_path = log_path
         self.health_codes: list = []   # every /health status seen while starting
+        self.loading_response = None   # a completion request sent while the model loads
         env = dict(os.environ, TRANSFORMERS_VERBOSITY="error", TOKENIZERS_PARALLELISM="false", BLITZ_NO_PROGRESS="1")
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen([sys.executable, "-m", "blitzllm.cli", "serve", "--port", str(self.port),
@@ -45,6 +46,9 @@ class ServerProcess:
                 self.health_codes.append(code)
                 if code == 200:
                     return
+                if self.loading_response is None:
+                    self.loading_response = httpx.post(self.url + "/v1/completions", headers=self.headers(),
+                                                       json={"prompt": "Hi", "max_tokens": 1}, timeout=5)
             except httpx.HTTPError:
                 pass
             time.sleep(0.25)

@@ -1,0 +1,143 @@
+"""POST /v1/completions: prompt(s) as text or token ids -> one engine request per prompt
+(n sequences each) -> a text_completion body or SSE stream; choice index = prompt * n + i."""
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from ..engine.async_engine import EngineStepError
+from .errors import bad_request
+from .protocol import CompletionRequest
+from .serving import SSE_DONE, Serving, SSEResponse, lp_value, merge, pick, sse, usage
+
+
+def _completion_prompts(s: Serving, prompt) -> list:
+    """[(ids, echo_text)] for str | list[str] | list[int] | list[list[int]]."""
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif not prompt:
+        raise bad_request("prompt must not be empty", param="prompt")
+    elif isinstance(prompt[0], int):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    out = []
+    for p in prompts:
+        if isinstance(p, str):
+            tok = s.need_tokenizer("pass the prompt as token ids")
+            ids = tok.encode(p, add_special_tokens=True)
+            out.append((ids, p))
+        else:
+            if not p:
+                raise bad_request("prompt must not be empty", param="prompt")
+            if any(t < 0 or t >= s.vocab_size for t in p):
+                raise bad_request(f"prompt token ids must be in [0, {s.vocab_size})", param="prompt")
+            out.append((list(p), None))
+    return out
+
+
+def _cmpl_logprobs(s: Serving, token_ids, lps, k, offset) -> dict:
+    """The legacy completions logprobs: parallel lists, top-k as {token text: logprob}."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for tid, d in zip(token_ids, lps or []):
+        text = s.tok_str(tid)
+        tokens.append(text)
+        token_lps.append(lp_value(d.get(tid, -9999.0)))
+        top = sorted(d.items(), key=lambda kv: -kv[1])[:k] if k else [(tid, d.get(tid, -9999.0))]
+        tops.append({s.tok_str(t): lp_value(v) for t, v in top})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _echo_text(s: Serving, ids, text) -> str:
+    if text is not None:
+        return text
+    return s.tokenizer.decode(ids) if s.tokenizer is not None else ""
+
+
+async def create_completion(s: Serving, req: CompletionRequest, raw: Request) -> Response:
+    s.check_model(req.model)
+    if req.suffix:
+        raise bad_request("suffix is not supported", param="suffix")
+    if req.best_of is not None and req.best_of != pick(req.n, 1):
+        raise bad_request("best_of is not supported (it must be null or equal n)", param="best_of")
+    if req.echo and req.logprobs is not None:
+        raise bad_request("echo with logprobs (prompt logprobs) is not supported", param="echo")
+    params = s.sampling_params(req, pick(req.max_tokens, 16), req.logprobs)
+    prompts = _completion_prompts(s, req.prompt)
+    base = f"cmpl-{uuid.uuid4().hex}"
+    rids = [f"{base}-{j}" for j in range(len(prompts))]
+    streams = []
+    try:
+        for rid, (ids, _) in zip(rids, prompts):
+            streams.append(await s.submit(rid, ids, params, "prompt"))
+    except BaseException:
+        for rid in rids:
+            s.aengine.abort(rid)
+        raise
+    created = int(time.time())
+    n, k = params.n, req.logprobs
+    prompt_tokens = sum(len(ids) for ids, _ in prompts)
+    echoes = [_echo_text(s, ids, text) if req.echo else "" for ids, text in prompts]
+    if req.stream:
+        opts = req.stream_options
+
+        def close():
+            for rid in rids:
+                s.aengine.abort(rid)
+
+        return SSEResponse(_cmpl_sse(s, base, created, streams, n, k, echoes, prompt_tokens,
+                                     bool(opts and opts.include_usage),
+                                     bool(opts and opts.continuous_usage_stats)), on_close=close)
+    result = await s.until_done_or_gone(raw, s.collect(streams, n), rids)
+    if result is None:
+        return Response(status_code=499)
+    choices = []
+    for i, c in enumerate(result):
+        echo = echoes[i // n]
+        choices.append({"index": i, "text": echo + "".join(c["text"]),
+                        "logprobs": _cmpl_logprobs(s, c["ids"], c["lps"], k, len(echo)) if k is not None
+                        else None, "finish_reason": c["reason"], "stop_reason": c["stop"]})
+    ntok = sum(len(c["ids"]) for c in result)
+    return JSONResponse({"id": base, "object": "text_completion", "created": created, "model": s.model_name,
+                         "choices": choices, "usage": usage(prompt_tokens, ntok)})
+
+
+async def _cmpl_sse(s: Serving, base, created, streams, n, k, echoes, prompt_tokens, include_usage, continuous):
+    head = {"id": base, "object": "text_completion", "created": created, "model": s.model_name}
+    ntok = 0
+    offsets = {}
+    try:
+        for j, echo in enumerate(echoes):
+            for i in range(n):
+                offsets[j * n + i] = len(echo)
+                if echo:
+                    yield sse({**head, "choices": [{"index": j * n + i, "text": echo, "logprobs": None,
+                                                    "finish_reason": None}]})
+        async for j, ev in merge(streams):
+            ntok += len(ev.new_token_ids)
+            # skip empty deltas (text held back for stop strings or partial UTF-8); a model
+            # without a tokenizer streams one empty chunk per token so clients see progress
+            if not ev.text and ev.finish_reason is None and k is None and s.tokenizer is not None:
+                continue
+            idx = j * n + ev.index
+            lp = None
+            if k is not None:
+                lp = _cmpl_logprobs(s, ev.new_token_ids, ev.logprobs, k, offsets[idx])
+            offsets[idx] += len(ev.text)
+            choice = {"index": idx, "text": ev.text, "logprobs": lp, "finish_reason": ev.finish_reason}
+            if ev.finish_reason is not None:
+                choice["stop_reason"] = ev.stop_reason
+            chunk = {**head, "choices": [choice]}
+            if continuous and include_usage:
+                chunk["usage"] = usage(prompt_tokens, ntok)
+            yield sse(chunk)
+        if include_usage:
+            yield sse({**head, "choices": [], "usage": usage(prompt_tokens, ntok)})
+    except EngineStepError as e:
+        yield s.stream_error(e)
+    yield SSE_DONE
