@@ -1,0 +1,183 @@
+"""AsyncEngine against a scripted fake engine (no model): batching across requests, errors,
+aborts, the waiting bound, and surviving an engine failure."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from blitzllm.engine.async_engine import (AsyncEngine, EngineNotReadyError, EngineStepError, QueueFullError)
+from blitzllm.engine.engine import StepEvent
+from blitzllm.sampling_params import SamplingParams
+
+
+class FakeEngine:
+    """Each step emits one token for every request, up to max_num_seqs of them (the rest wait)."""
+
+    def __init__(self, max_num_seqs: int = 64, step_s: float = 0.002):
+        self.requests: dict = {}
+        self.max_num_seqs = max_num_seqs
+        self.step_s = step_s
+        self.batch_sizes: list = []
+        self.fail_next = False
+        self.thread_ids: set = set()
+
+    def add_request(self, rid, prompt, params):
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        self.requests[rid] = {"left": params.max_tokens, "n": params.n, "done": 0}
+
+    def abort_request(self, rid):
+        return self.requests.pop(rid, None) is not None
+
+    def has_unfinished(self):
+        return bool(self.requests)
+
+    def step(self):
+        self.thread_ids.add(threading.get_ident())
+        time.sleep(self.step_s)
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("boom")
+        batch = list(self.requests.items())[: self.max_num_seqs]
+        self.batch_sizes.append(len(batch))
+        events = []
+        for rid, st in batch:
+            st["left"] -= 1
+            st["done"] += 1
+            fin = "length" if st["left"] == 0 else None
+            for i in range(st["n"]):
+                events.append(StepEvent(rid, i, [st["done"]], f"t{st['done']} ", None, fin))
+            if fin:
+                del self.requests[rid]
+        return events
+
+    def stats(self):
+        running = min(len(self.requests), self.max_num_seqs)
+        return {"num_running": running, "num_waiting": len(self.requests) - running, "kv_cache_usage": 0.0}
+
+
+def run(coro_fn, engine, **kw):
+    async def main():
+        ae = AsyncEngine(lambda: engine, **kw)
+        ae.start()
+        for _ in range(200):
+            if ae.ready:
+                break
+            await asyncio.sleep(0.01)
+        try:
+            return await coro_fn(ae)
+        finally:
+            ae.shutdown()
+    return asyncio.run(main())
+
+
+async def collect(ae, rid, max_tokens=5, n=1):
+    stream = await ae.add_request(rid, [1, 2, 3], SamplingParams(max_tokens=max_tokens, n=n))
+    out = {}
+    async for ev in stream:
+        out.setdefault(ev.index, []).append((ev.text, ev.finish_reason))
+    return out
+
+
+def test_requests_are_batched_and_complete():
+    eng = FakeEngine()
+
+    async def go(ae):
+        return await asyncio.gather(*(collect(ae, f"r{i}", max_tokens=5, n=1 + i % 2) for i in range(16)))
+
+    results = run(go, eng)
+    for i, out in enumerate(results):
+        assert sorted(out) == list(range(1 + i % 2))
+        for seq in out.values():
+            assert [t for t, _ in seq] == [f"t{k} " for k in range(1, 6)]
+            assert [f for _, f in seq] == [None] * 4 + ["length"]
+    assert max(eng.batch_sizes) > 1            # many requests shared steps
+    assert len(eng.thread_ids) == 1 and threading.get_ident() not in eng.thread_ids
+
+
+def test_add_error_is_raised_to_the_caller_and_serving_goes_on():
+    async def go(ae):
+        with pytest.raises(ValueError, match="empty"):
+            await ae.add_request("bad", [], SamplingParams(max_tokens=2))
+        return await collect(ae, "good", max_tokens=2)
+
+    assert run(go, FakeEngine())[0][-1][1] == "length"
+
+
+def test_abort_mid_stream_frees_the_request():
+    eng = FakeEngine(step_s=0.01)
+
+    async def go(ae):
+        stream = await ae.add_request("long", [1], SamplingParams(max_tokens=10_000))
+        got = 0
+        async for _ in stream:
+            got += 1
+            if got == 3:
+                break
+        ae.abort("long")
+        for _ in range(100):
+            if not eng.requests:
+                break
+            await asyncio.sleep(0.01)
+        return got
+
+    assert run(go, eng) == 3
+    assert eng.requests == {}
+
+
+def test_waiting_bound_raises_queue_full():
+    eng = FakeEngine(max_num_seqs=1, step_s=0.01)
+
+    async def go(ae):
+        a = await ae.add_request("a", [1], SamplingParams(max_tokens=10_000))
+        b = await ae.add_request("b", [1], SamplingParams(max_tokens=10_000))
+        with pytest.raises(QueueFullError):
+            await ae.add_request("c", [1], SamplingParams(max_tokens=2))
+        ae.abort("a")
+        ae.abort("b")
+        del a, b
+        await asyncio.sleep(0.05)
+        return await collect(ae, "d", max_tokens=2)
+
+    assert run(go, eng, max_waiting=1)[0][-1][1] == "length"
+
+
+def test_engine_failure_fails_in_flight_requests_then_recovers():
+    eng = FakeEngine(step_s=0.01)
+
+    async def go(ae):
+        stream = await ae.add_request("x", [1], SamplingParams(max_tokens=10_000))
+        eng.fail_next = True
+        with pytest.raises(EngineStepError):
+            async for _ in stream:
+                pass
+        return await collect(ae, "y", max_tokens=3)
+
+    assert run(go, eng)[0][-1] == ("t3 ", "length")
+    assert eng.requests == {}
+
+
+def test_not_ready_and_load_failure():
+    errors = []
+
+    def factory():
+        raise ValueError("no such model")
+
+    async def go():
+        ae = AsyncEngine(factory, on_load_error=errors.append)
+        with pytest.raises(EngineNotReadyError):
+            await ae.add_request("a", [1], SamplingParams())
+        ae.start()
+        for _ in range(200):
+            if errors:
+                break
+            await asyncio.sleep(0.01)
+        with pytest.raises(EngineNotReadyError, match="no such model"):
+            await ae.add_request("a", [1], SamplingParams())
+        ae.shutdown()
+
+    asyncio.run(go())
+    assert [str(e) for e in errors] == ["no such model"]
