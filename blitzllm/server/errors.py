@@ -73,6 +73,21 @@ def _jsonable(x) -> bool:
         return False
 
 
+class _NonFinite(ValueError):
+    pass
+
+
+def _no_constant(name: str):
+    raise _NonFinite(name)
+
+
+def _finite_float(text: str) -> float:
+    x = float(text)
+    if x != x or x in (float("inf"), float("-inf")):
+        raise _NonFinite(text)
+    return x
+
+
 async def read_json(request: Request, limit: int) -> dict:
     """The request body as a JSON object; 413 over ``limit`` bytes, 400 when not UTF-8 JSON."""
     cl = request.headers.get("content-length")
@@ -97,10 +112,15 @@ async def read_json(request: Request, limit: int) -> dict:
     if not text.strip():
         raise bad_request("the request body is empty; expected a JSON object", code="invalid_json")
     try:
-        obj = json.loads(text)
+        obj = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
     except json.JSONDecodeError as e:
         raise bad_request(f"the request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
                           code="invalid_json") from None
+    except _NonFinite as e:
+        raise bad_request(f"the request body holds a non-finite number ({e}); JSON numbers must be finite",
+                          code="invalid_json") from None
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply", code="invalid_json") from None
     if not isinstance(obj, dict):
         raise bad_request("the request body must be a JSON object", code="invalid_json")
     return obj
