@@ -23,6 +23,7 @@ else
   run 90 llama_b64 --model preset:llama-3.1-8b --batch-size 64 --input-len 1000 --output-len 64 --max-num-seqs 64
 fi
 run 70 llama_ttft10k --model preset:llama-3.1-8b --batch-size 1 --input-len 10000 --output-len 4 --max-num-seqs 1 --enforce-eager
+if [ "$MODE" = "all" ]; then bash scripts/gpu_serve.sh; fi
 python3 - "$OUT" <<'PY'
 import json, sys, glob, os
 keys = ["tokens_per_s", "ms_per_token", "ttft_s", "roofline_fraction", "kernels_per_layer",
