@@ -97,9 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("chat", help="interactive multi-turn chat")
     _add_sampling_args(c)
     add_engine_args(c)
-    from .server.app import add_serve_args
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    add_serve_args(s)
+    try:
+        from .server.app import add_serve_args
+    except ImportError as e:  # the server stack is missing or broken: the rest of the CLI still works
+        s.set_defaults(serve_import_error=f"blitz serve needs fastapi and uvicorn ({e}): pip install fastapi uvicorn")
+    else:
+        add_serve_args(s)
     add_engine_args(s)
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_cmd", parser_class=_Parser)
@@ -121,6 +125,8 @@ def main(argv=None) -> int:
         if a.cmd == "chat":
             return cmd_chat(a)
         if a.cmd == "serve":
+            if getattr(a, "serve_import_error", None):
+                raise ValueError(a.serve_import_error)
             from .server.app import run_server
             return run_server(a)
         if a.cmd == "bench":
