@@ -69,7 +69,7 @@ def run(a) -> int:
     kw["max_num_seqs"] = max(kw["max_num_seqs"], B)
     kw["enable_prefix_caching"] = False  # every run must compute its prompt
     if kw["max_model_len"] is None:
-        kw["max_model_len"] = I + O
+        kw["max_model_len"] = I + max(O, 8)
     llm = LLM(**kw)
     eng = llm.engine
     cfg, dev = eng.model_config, eng.device
@@ -106,15 +106,15 @@ def run(a) -> int:
 
 
 def _kernel_counts(eng, cfg, B, I) -> dict:
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     for i, p in enumerate(_prompts(B, I, cfg.vocab_size, 3).tolist()):
         eng.add_request(f"prof-{i}", p, params)
     eng.step()  # prefill
     eng.step()
-    n = count_kernels(eng.step, eng.device)
+    n, names = count_kernels(eng.step, eng.device)
     for i in range(B):
         eng.abort_request(f"prof-{i}")
-    return {"kernels_per_step": n, "kernels_per_layer": n / cfg.num_layers}
+    return {"kernels_per_step": n, "kernels_per_layer": n / cfg.num_layers, "kernel_names": names}
 
 
 def _compare_hf(eng, cfg, B, I, O, dev, ours_tps) -> dict:
@@ -166,6 +166,8 @@ def _compare_llamacpp(model, cfg, B, I, O, ours_tps) -> dict:
 def _print(res: dict) -> None:
     w = max(len(k) for k in res)
     for k, v in res.items():
+        if isinstance(v, dict):
+            continue  # detail for the JSON file
         if isinstance(v, float):
             v = f"{v:.4g}" if abs(v) < 1e5 else f"{v:.4e}"
         print(f"{k:<{w}}  {v}")

@@ -48,15 +48,17 @@ def kv_bytes_per_step(cfg, context_lens: list, dtype_bytes: int) -> int:
     return sum(context_lens) * cfg.kv_bytes_per_token(dtype_bytes)
 
 
-def count_kernels(fn, device: torch.device) -> int:
-    """Number of device kernels one call of ``fn`` launches (CUDA only)."""
+def count_kernels(fn, device: torch.device):
+    """Device kernels one call of ``fn`` launches (CUDA only): (count, {name: count})."""
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize(device)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize(device)
-    n = 0
+    names: dict = {}
     for evt in prof.events():
-        if evt.device_type == torch.autograd.DeviceType.CUDA:
-            n += 1
-    return n
+        if evt.device_type == torch.autograd.DeviceType.CUDA and "memcpy" not in evt.name.lower() \
+                and "memset" not in evt.name.lower():
+            key = evt.name[:80]
+            names[key] = names.get(key, 0) + 1
+    return sum(names.values()), dict(sorted(names.items(), key=lambda kv: -kv[1]))
