@@ -238,14 +238,14 @@ def test_disconnect_mid_stream_frees_blocks(smol_server):
     with httpx.Client(timeout=60) as h:
         with h.stream("POST", smol_server.url + "/v1/completions", json=body) as r:
             assert r.status_code == 200
-            n = 0
+            lines = []
             for line in r.iter_lines():
                 if line.startswith("data:"):
-                    n += 1
-                    if n == 3:
+                    lines.append(line)
+                    if len(lines) == 3:
                         break
             held = smol_server.metrics()
-            assert held["blitz_kv_cache_usage_perc"] > 0 and held["blitz_num_requests_running"] == 1
+            assert held["blitz_kv_cache_usage_perc"] > 0 and held["blitz_num_requests_running"] == 1, (held, lines)
     t0 = time.monotonic()
     m = wait_idle(smol_server, timeout=2.0)
     assert m["blitz_kv_cache_usage_perc"] == 0, m

@@ -1,0 +1,126 @@
+"""The FastAPI app of ``blitz serve``: routes, API-key guard, lifecycle (the engine starts
+loading in the background when the app starts; /health is 503 until it is ready)."""
+from __future__ import annotations
+
+import copy
+import hmac
+import logging
+import time
+from contextlib import asynccontextmanager
+from typing import Callable, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from ..engine.async_engine import AsyncEngine
+from .app import ServeConfig
+from .chat import create_chat_completion
+from .completions import create_completion
+from .errors import APIError, install_error_handlers, parse_body, read_json
+from .metrics import CONTENT_TYPE, ServerMetrics
+from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .serving import Serving
+
+log = logging.getLogger("blitzllm.server")
+
+
+def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
+              on_load_error: Optional[Callable[[BaseException], None]] = None) -> FastAPI:
+    """``engine_factory`` builds the Engine (default: from ``cfg.engine_kwargs``)."""
+    from ..engine.engine import Engine, EngineArgs
+
+    metrics = ServerMetrics(cfg.model_name, lambda: aengine.stats())
+
+    def load():
+        t0 = time.perf_counter()
+        engine = engine_factory() if engine_factory is not None else Engine(EngineArgs(**cfg.engine_kwargs))
+        tok = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
+        serving.setup(engine, tok)
+        log.info("model %s loaded in %.1fs: max_model_len=%d, %d KV blocks", cfg.model_name,
+                 time.perf_counter() - t0, engine.max_model_len, engine.kv.num_blocks)
+        return engine
+
+    aengine = AsyncEngine(load, max_waiting=cfg.max_waiting_requests, observer=metrics,
+                          on_load_error=on_load_error)
+    aliases = (str(cfg.engine_kwargs["model"]),) if "model" in cfg.engine_kwargs else ()
+    serving = Serving(aengine, cfg.model_name, aliases)
+    expected_auth = f"Bearer {cfg.api_key}".encode() if cfg.api_key else None
+
+    @asynccontextmanager
+    async def lifespan(app):
+        aengine.start()
+        yield
+        aengine.shutdown()
+
+    app = FastAPI(title="blitzllm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.aengine, app.state.serving, app.state.metrics = aengine, serving, metrics
+    install_error_handlers(app)
+
+    def guard(request: Request, need_engine: bool = True) -> None:
+        if expected_auth is not None:
+            got = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(got, expected_auth):
+                raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                               code="invalid_api_key")
+        if need_engine and not aengine.ready:
+            raise APIError(503, "the model is still loading" if aengine.load_error is None
+                           else f"the model failed to load: {aengine.load_error}",
+                           code="model_loading", headers={"Retry-After": "5"})
+
+    async def body(request: Request, model):
+        return parse_body(model, await read_json(request, cfg.max_request_bytes))
+
+    def counted(status_exc: APIError):
+        metrics.rejected(status_exc.status)
+        return status_exc
+
+    @app.get("/health")
+    async def health():
+        if aengine.ready:
+            return JSONResponse({"status": "ok"})
+        msg = "loading" if aengine.load_error is None else f"load failed: {aengine.load_error}"
+        return APIError(503, f"the model is not ready: {msg}", code="model_loading",
+                        headers={"Retry-After": "5"}).response()
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def list_models(request: Request):
+        guard(request, need_engine=False)
+        return JSONResponse(serving.models())
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str, request: Request):
+        guard(request, need_engine=False)
+        serving.check_model(model_id)
+        return JSONResponse(serving.model_card())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        try:
+            guard(request)
+            return await create_chat_completion(serving, await body(request, ChatCompletionRequest), request)
+        except APIError as e:
+            raise counted(e)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        try:
+            guard(request)
+            return await create_completion(serving, await body(request, CompletionRequest), request)
+        except APIError as e:
+            raise counted(e)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        guard(request)
+        return JSONResponse(serving.tokenize(await body(request, TokenizeRequest)))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        guard(request)
+        return JSONResponse(serving.detokenize(await body(request, DetokenizeRequest)))
+
+    return app
