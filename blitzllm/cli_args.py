@@ -9,6 +9,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="smollm2",
                    help="HF folder, .gguf file, 'smollm2' (default), 'preset:<name>' or a hub id")
     g.add_argument("--dtype", default=None, help="auto | float32 | bfloat16 | float16")
+    g.add_argument("--weight-dtype", default=None,
+                   help="store linear weights in this dtype (e.g. bfloat16 on CPU: half the bytes per token)")
     g.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     g.add_argument("--load-format", default="auto", help="auto | dummy | safetensors | gguf")
     g.add_argument("--num-layers", type=int, default=None, help="keep only the first N layers (speed work)")
@@ -27,4 +29,4 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 num_layers=a.num_layers, max_model_len=a.max_model_len, kv_cache_blocks=a.kv_cache_blocks,
                 block_size=a.block_size, enable_prefix_caching=not a.no_prefix_caching,
                 max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, seed=a.seed,
-                enforce_eager=a.enforce_eager)
+                enforce_eager=a.enforce_eager, weight_dtype=a.weight_dtype)

@@ -82,6 +82,7 @@ def run(a) -> int:
     bw = copy_bandwidth(dev)
     res = {
         "model": a.model, "device": str(dev), "dtype": str(eng.dtype).replace("torch.", ""),
+        "weight_dtype": str(eng.weight_dtype).replace("torch.", ""),
         "num_layers": cfg.num_layers, "batch_size": B, "input_len": I, "output_len": O,
         "tokens_per_s": B / step_s, "tokens_per_s_per_user": 1.0 / step_s, "ms_per_token": step_s * 1e3,
         "ttft_s": ttft, "bytes_per_step": w_bytes + kv_bytes, "weight_bytes_per_step": w_bytes,
@@ -95,7 +96,7 @@ def run(a) -> int:
     if bad:
         raise ValueError(f"--compare takes hf and/or llamacpp, got {', '.join(bad)}")
     if "hf" in peers:
-        res.update(_compare_hf(eng, cfg, B, I, O, dev, res["tokens_per_s"]))
+        res.update(_compare_hf(a, eng, cfg, B, I, O, dev, res["tokens_per_s"]))
     if "llamacpp" in peers:
         res.update(_compare_llamacpp(a.model, cfg, B, I, O, res["tokens_per_s"]))
     _print(res)
@@ -117,9 +118,15 @@ def _kernel_counts(eng, cfg, B, I) -> dict:
     return {"kernels_per_step": n, "kernels_per_layer": n / cfg.num_layers, "kernel_names": names}
 
 
-def _compare_hf(eng, cfg, B, I, O, dev, ours_tps) -> dict:
+def _compare_hf(a, eng, cfg, B, I, O, dev, ours_tps) -> dict:
     from .hf_peer import build_hf_peer, hf_decode_seconds_per_token
-    hf = build_hf_peer(eng.runner.model, cfg)
+    model = eng.runner.model
+    if eng.weight_dtype != eng.dtype:
+        # our weights are stored in another dtype: the peer runs the model in its plain dtype
+        from ..loader.source import resolve_model
+        from ..runner.model_runner import build_model
+        model = build_model(resolve_model(a.model, a.load_format), cfg, dev, eng.dtype, a.seed)
+    hf = build_hf_peer(model, cfg)
     prompts = _prompts(B, I, cfg.vocab_size, 4).to(dev)
     out = {}
     eager = hf_decode_seconds_per_token(hf, prompts, O, compiled=False)

@@ -17,7 +17,24 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight, self.bias)
+        w = self.weight
+        if x.dtype != w.dtype:  # weight-only lower precision (CPU bf16 weights, fp32 activations)
+            return nn.functional.linear(x.to(w.dtype), w, self.bias).to(x.dtype)
+        return nn.functional.linear(x, w, self.bias)
+
+
+def cast_linear_weights(model: nn.Module, dtype: torch.dtype) -> None:
+    """Store every Linear's weights in ``dtype`` (activations keep the model dtype). A
+    tied lm_head gets its own copy, so the embedding lookup keeps full precision."""
+    lm_head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if lm_head is not None and embed is not None and lm_head.weight is embed.weight:
+        lm_head.weight = nn.Parameter(embed.weight.detach().clone(), requires_grad=False)
+    for mod in model.modules():
+        if isinstance(mod, Linear):
+            mod.weight.data = mod.weight.data.to(dtype)
+            if mod.bias is not None:
+                mod.bias.data = mod.bias.data.to(dtype)
 
 
 class PackedLinear(Linear):

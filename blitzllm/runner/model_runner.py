@@ -28,7 +28,8 @@ class StepResult:
     top: Optional[list]       # per sampled sequence: list of (id, logprob), or None
 
 
-def build_model(src: ModelSource, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int):
+def build_model(src: ModelSource, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int,
+                weight_dtype: Optional[torch.dtype] = None):
     cls = get_model_class(cfg.architecture)
     with torch.device("meta"):
         model = cls(cfg)
@@ -45,6 +46,9 @@ def build_model(src: ModelSource, cfg: ModelConfig, device: torch.device, dtype:
         init_dummy_weights(model, seed)
     else:
         load_weights(model, src.tensors(), src.num_tensors)
+    if weight_dtype is not None and weight_dtype != dtype:
+        from ..layers.linear import cast_linear_weights
+        cast_linear_weights(model, weight_dtype)
     model.eval()
     return model
 

@@ -32,3 +32,20 @@ def test_tied_embeddings_and_sharded_index(tmp_path):
     prompt = [5, 9, 100, 3, 44, 7]
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
     assert out.token_ids == hf_greedy(hf, prompt, 16)
+
+
+def test_bf16_weights_fp32_activations(tmp_path):
+    """weight_dtype='bfloat16' stores linear weights in bf16 (half the bytes on CPU) while
+    activations, norms, the embedding and the KV cache stay fp32: close to the fp32 run."""
+    make_tiny_checkpoint("llama", tmp_path, seed=3, tie_word_embeddings=True)
+    prompt = [3, 14, 15, 92, 65, 35]
+    p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    full = LLM(str(tmp_path), device="cpu", dtype="float32", kv_cache_blocks=16)
+    half = LLM(str(tmp_path), device="cpu", dtype="float32", weight_dtype="bfloat16", kv_cache_blocks=16)
+    m = half.engine.runner.model
+    assert m.lm_head.weight.dtype == torch.bfloat16 and m.model.embed_tokens.weight.dtype == torch.float32
+    assert m.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
+    a = full.generate([prompt], p)[0]
+    b = half.generate([prompt], p)[0]
+    assert a.token_ids[0] == b.token_ids[0]
+    assert abs(a.logprobs[0][a.token_ids[0]] - b.logprobs[0][b.token_ids[0]]) < 0.05
