@@ -13,8 +13,8 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 MODE=${1:-full}
 if [ "$MODE" = "final" ]; then
   run() { t=$1; name=$2; shift 2; echo "== $name: $*"; timeout $t $B "$@" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1; echo "rc=$?"; grep -v "^\\[" "$OUT/$name.log" | tail -3; }
-  run 80 llama_ttft10k --model preset:llama-3.1-8b --batch-size 1 --input-len 10000 --output-len 4 --max-num-seqs 1
-  bash scripts/gpu_serve.sh
+  run 60 llama_ttft10k --model preset:llama-3.1-8b --batch-size 1 --input-len 10000 --output-len 4 --max-num-seqs 1
+  timeout 150 bash scripts/gpu_serve.sh
   exit 0
 fi
 if [ "$MODE" != "bench" ]; then

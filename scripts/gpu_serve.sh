@@ -18,6 +18,6 @@ bs() { c=$1; n=$2; echo "== concurrency $c, $n prompts"
   timeout 200 python3 -m blitzllm.cli bench serve --base-url http://127.0.0.1:$PORT --dataset random \
     --input-len 1000 --output-len 1000 --num-prompts $n --concurrency $c --no-progress \
     --save-json "$OUT/serve_c$c.json" 2>&1 | tail -22 | tee "$OUT/serve_c$c.log"; }
-bs 1 3
+bs 1 2
 bs 256 256
 kill $SP; wait $SP 2>/dev/null
