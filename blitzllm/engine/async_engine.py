@@ -1,7 +1,9 @@
-"""An asyncio front for the synchronous ``Engine``: the engine loads and steps in one
-background thread; adds and aborts reach it through a thread-safe command queue that is
-drained between steps, and each step's events are handed to the event loop in one
-``call_soon_threadsafe`` and routed to per-request async streams.
+"""An asyncio front for the synchronous ``Engine``: the engine loads and steps in one thread
+of its own (a background thread from ``start()``, or the caller's thread in
+``run_forever()``: the server gives it the main thread and serves HTTP from a second
+one); adds and aborts reach it through a thread-safe command queue drained between steps,
+and each step's events are handed to the event loop in one ``call_soon_threadsafe`` and
+routed to per-request async streams.
 
 Knows nothing about HTTP; the server maps its exceptions to status codes.
 """
@@ -33,6 +35,10 @@ class QueueFullError(RuntimeError):
 
 class EngineStepError(RuntimeError):
     """The engine failed while running this request (an internal error, not the client's)."""
+
+
+class EngineStoppedError(EngineStepError):
+    """The engine stopped (server shutdown) before this request finished."""
 
 
 class RequestStream:
@@ -87,18 +93,33 @@ class AsyncEngine:
         self._stop = False
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
+        self._bound = threading.Event()
 
-    # ---- lifecycle (event loop thread) ---------------------------------------------
+    # ---- lifecycle -----------------------------------------------------------------
     def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="blitz-engine", daemon=True)
+        """Run the engine in a background thread (call from the event loop)."""
+        self.bind(asyncio.get_running_loop())
+        self._thread = threading.Thread(target=self.run_forever, name="blitz-engine", daemon=True)
         self._thread.start()
 
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Name the event loop that receives the streams (for ``run_forever`` elsewhere)."""
+        self._loop = loop
+        self._bound.set()
+
     def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the engine loop (any thread); joins the background thread of ``start()``."""
         self._stop = True
         self._cmds.put(("wake",))
-        if self._thread is not None:
+        self._bound.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        loop = self._loop
+        if loop is not None and not loop.is_closed():  # end in-flight streams now
+            try:
+                loop.call_soon_threadsafe(self._fail_all, EngineStoppedError("the server is shutting down"))
+            except RuntimeError:
+                pass  # the loop closed meanwhile
 
     # ---- requests (event loop thread) ----------------------------------------------
     def stats(self) -> Optional[dict]:
@@ -188,11 +209,16 @@ class AsyncEngine:
                 self._on_load_error(error)
 
     # ---- the engine thread ---------------------------------------------------------
-    def _run(self) -> None:
+    def run_forever(self) -> None:
+        """Load the engine, then step it until ``shutdown()``, in the calling thread. Waits for
+        ``bind()`` first; returns early if loading fails (``load_error`` says why)."""
+        self._bound.wait()
+        if self._stop:
+            return
         try:
             self.engine = self._factory()
             self._stats = self.engine.stats()
-        except BaseException as e:  # reported to the server, which exits with the message
+        except Exception as e:  # reported to the server, which exits with the message
             if not isinstance(e, ValueError):
                 log.error("model load failed:\n%s", traceback.format_exc())
             self._loop.call_soon_threadsafe(self._loaded, e)

@@ -2,6 +2,7 @@
 loading in the background when the app starts; /health is 503 until it is ready)."""
 from __future__ import annotations
 
+import asyncio
 import copy
 import hmac
 import logging
@@ -25,8 +26,11 @@ log = logging.getLogger("blitzllm.server")
 
 
 def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
-              on_load_error: Optional[Callable[[BaseException], None]] = None) -> FastAPI:
-    """``engine_factory`` builds the Engine (default: from ``cfg.engine_kwargs``)."""
+              on_load_error: Optional[Callable[[BaseException], None]] = None,
+              engine_thread: bool = True) -> FastAPI:
+    """``engine_factory`` builds the Engine (default: from ``cfg.engine_kwargs``). With
+    ``engine_thread`` the app runs the engine in a background thread of its own; without,
+    the caller runs ``app.state.aengine.run_forever()`` in a thread it chooses."""
     from ..engine.engine import Engine, EngineArgs
 
     metrics = ServerMetrics(cfg.model_name, lambda: aengine.stats())
@@ -48,7 +52,10 @@ def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
 
     @asynccontextmanager
     async def lifespan(app):
-        aengine.start()
+        if engine_thread:
+            aengine.start()
+        else:
+            aengine.bind(asyncio.get_running_loop())
         yield
         aengine.shutdown()
 

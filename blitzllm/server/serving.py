@@ -14,7 +14,8 @@ from typing import Optional
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from ..engine.async_engine import AsyncEngine, EngineNotReadyError, QueueFullError
+from ..engine.async_engine import (AsyncEngine, EngineNotReadyError, EngineStepError, EngineStoppedError,
+                                   QueueFullError)
 from ..sampling_params import SamplingParams
 from .errors import APIError, bad_request
 from .protocol import DetokenizeRequest, TokenizeRequest
@@ -165,7 +166,12 @@ class Serving:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=0.5)
                 if done:
-                    return task.result()
+                    try:
+                        return task.result()
+                    except EngineStoppedError as e:
+                        raise APIError(503, str(e), code="shutting_down") from None
+                    except EngineStepError as e:
+                        raise APIError(500, str(e), type="server_error") from None
                 if await raw.is_disconnected():
                     task.cancel()
                     return None
@@ -176,6 +182,8 @@ class Serving:
                 self.aengine.abort(rid)
 
     def stream_error(self, e: Exception) -> bytes:
+        if isinstance(e, EngineStoppedError):
+            return sse(APIError(503, str(e), code="shutting_down").body())
         return sse(APIError(500, str(e), type="server_error").body())
 
     def chat_prompt(self, messages, add_generation_prompt: bool = True) -> list:

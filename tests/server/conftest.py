@@ -94,6 +94,7 @@ def smol_server(tmp_path_factory):
         yield srv
     finally:
         srv.stop()
+    assert srv.proc.returncode == 0, f"SIGTERM should stop the server cleanly:\n{srv.log()}"
 
 
 def _tiny_llama(folder: Path) -> Path:

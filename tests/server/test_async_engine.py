@@ -181,3 +181,29 @@ def test_not_ready_and_load_failure():
 
     asyncio.run(go())
     assert [str(e) for e in errors] == ["no such model"]
+
+
+def test_run_forever_in_a_thread_of_the_callers_choosing_and_shutdown_ends_streams():
+    """The server's layout: the engine loop runs where the caller says (the main thread
+    there); shutdown() ends in-flight streams with EngineStoppedError."""
+    from blitzllm.engine.async_engine import EngineStoppedError
+    eng = FakeEngine(step_s=0.01)
+
+    async def go():
+        ae = AsyncEngine(lambda: eng)
+        ae.bind(asyncio.get_running_loop())
+        t = threading.Thread(target=ae.run_forever, daemon=True)
+        t.start()
+        while not ae.ready:
+            await asyncio.sleep(0.01)
+        done = await collect(ae, "a", max_tokens=3)
+        stream = await ae.add_request("b", [1], SamplingParams(max_tokens=10_000))
+        ae.shutdown()
+        with pytest.raises(EngineStoppedError):
+            async for _ in stream:
+                pass
+        t.join(5)
+        return done, t.is_alive()
+
+    done, alive = asyncio.run(go())
+    assert done[0][-1] == ("t3 ", "length") and not alive
