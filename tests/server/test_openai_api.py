@@ -238,14 +238,18 @@ def test_disconnect_mid_stream_frees_blocks(smol_server):
     with httpx.Client(timeout=60) as h:
         with h.stream("POST", smol_server.url + "/v1/completions", json=body) as r:
             assert r.status_code == 200
+            # keep the line iterator alive: closing it (a `break` out of a for loop drops it)
+            # closes the connection, which is the disconnect this test makes only below
+            it = r.iter_lines()
             lines = []
-            for line in r.iter_lines():
+            while len(lines) < 3:
+                line = next(it)
                 if line.startswith("data:"):
                     lines.append(line)
-                    if len(lines) == 3:
-                        break
             held = smol_server.metrics()
-            assert held["blitz_kv_cache_usage_perc"] > 0 and held["blitz_num_requests_running"] == 1, (held, lines)
+            seen = {k: v for k, v in held.items() if k.startswith(("blitz_kv", "blitz_num_req", "blitz_gen"))}
+            assert held["blitz_kv_cache_usage_perc"] > 0 and held["blitz_num_requests_running"] == 1, (seen, lines)
+            del it
     t0 = time.monotonic()
     m = wait_idle(smol_server, timeout=2.0)
     assert m["blitz_kv_cache_usage_perc"] == 0, m
