@@ -100,6 +100,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     """RMSNorm over the last dim of ``x`` (any leading shape); returns a new tensor."""
     if use_triton(x):
         return rms_norm_triton(x, weight, eps)
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        # torch's op computes the same fp32 expression in one call (the CPU path is
+        # dominated by per-op overhead); lower precisions keep the reference's roundings
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
     return reference_rms_norm(x, weight, eps)
 
 
@@ -112,4 +116,7 @@ def fused_add_rms_norm(
         return rms_norm(x, weight, eps), x
     if use_triton(x):
         return fused_add_rms_norm_triton(x, residual, weight, eps)
+    if x.dtype == torch.float32:
+        new_residual = x + residual
+        return rms_norm(new_residual, weight, eps), new_residual
     return reference_fused_add_rms_norm(x, residual, weight, eps)

@@ -7,11 +7,13 @@ layers read it from there. Nothing here knows about requests or the scheduler.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 from torch import nn
+
+from .rotary import apply_rotary_tables, rotary_tables
 
 
 @dataclass
@@ -24,6 +26,7 @@ class AttentionMetadata:
     max_seq_len: int
     q_lens_host: list
     seq_lens_host: list
+    padded: bool = False           # slot_mapping may hold negative (padding) entries
 
     @property
     def num_seqs(self) -> int:
@@ -44,12 +47,13 @@ class AttentionBackend:
         raise NotImplementedError
 
 
-def write_kv_torch(k, v, k_cache, v_cache, slot_mapping):
+def write_kv_torch(k, v, k_cache, v_cache, slot_mapping, padded: bool = True):
     nb, bs, h, d = k_cache.shape
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    k_cache.view(nb * bs, h, d).index_copy_(0, slots, k[keep].to(k_cache.dtype))
-    v_cache.view(nb * bs, h, d).index_copy_(0, slots, v[keep].to(v_cache.dtype))
+    if padded:  # the boolean mask costs a host sync; unpadded batches skip it
+        keep = slot_mapping >= 0
+        slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
+    k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def _gather(cache, block_row, length):
@@ -74,18 +78,28 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, layer, positions, qkv, k_cache, v_cache, md):
         T = qkv.shape[0]
         hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
-        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-        q, k, v = q.view(T, hq, d), k.view(T, hkv, d), v.view(T, hkv, d)
+        heads = qkv.view(T, hq + 2 * hkv, d)
+        v = heads[:, hq + hkv:]
         if layer.q_norm is not None:
-            q, k = layer.q_norm(q), layer.k_norm(k)
-        q, k = layer.rotary(positions, q, k)
-        write_kv_torch(k, v, k_cache, v_cache, md.slot_mapping)
+            qk = torch.cat([layer.q_norm(heads[:, :hq]), layer.k_norm(heads[:, hq:hq + hkv])], 1)
+        else:
+            qk = heads[:, :hq + hkv]
+        # q and k rotate together, with cos/sin gathered once per step for all layers
+        scratch = get_forward_context().scratch if _CURRENT else {}
+        key = ("rope", id(layer.rotary))
+        if key not in scratch:
+            scratch[key] = rotary_tables(layer.rotary.cos_sin_cache, positions)
+        qk = apply_rotary_tables(qk, *scratch[key])
+        q, k = qk[:, :hq], qk[:, hq:]
+        write_kv_torch(k, v, k_cache, v_cache, md.slot_mapping, md.padded)
         return self.attend(q, k_cache, v_cache, md, layer.scale)
 
     def attend(self, q, k_cache, v_cache, md, scale):
         hq, hkv, d = q.shape[1], k_cache.shape[2], q.shape[2]
         group = hq // hkv
         if md.is_pure_decode:
+            if md.num_seqs == 1 and not md.padded:
+                return _single_decode_sdpa(q, k_cache, v_cache, md, scale)
             return self._decode(q, k_cache, v_cache, md, scale, group)
         out = torch.empty_like(q)
         start = 0
@@ -122,6 +136,7 @@ class ForwardContext:
     attn_metadata: AttentionMetadata
     kv_caches: list          # per layer (k_cache, v_cache)
     backend: AttentionBackend
+    scratch: dict = field(default_factory=dict)  # per-step values shared by the layers
 
 
 _CURRENT: list = []
@@ -170,6 +185,19 @@ class TritonAttentionBackend(AttentionBackend):
 
 
 _SDPA_MIN_LEN = 2048
+
+
+def _single_decode_sdpa(q, k_cache, v_cache, md, scale):
+    """One sequence, one new token: no mask needed, so torch's fused attention (one op on
+    the CPU path, where per-op overhead dominates a batch-1 decode)."""
+    import torch.nn.functional as F
+    n = md.seq_lens_host[0]
+    hq, hkv = q.shape[1], k_cache.shape[2]
+    k = _gather(k_cache, md.block_tables[0], n).transpose(0, 1).to(q.dtype)  # [Hkv, L, D]
+    v = _gather(v_cache, md.block_tables[0], n).transpose(0, 1).to(q.dtype)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], scale=scale,
+                                       enable_gqa=hq != hkv)
+    return o[0].transpose(0, 1)
 
 
 def _long_prompt_sdpa(q, k_cache, v_cache, md, scale):

@@ -54,6 +54,26 @@ def apply_rotary_torch(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.
     return torch.cat([out, x[..., rot:]], dim=-1)
 
 
+def rotary_tables(cos_sin: torch.Tensor, positions: torch.Tensor):
+    """Per-step tables for ``apply_rotary_tables``: (cos, sin), each [T, 1, rotary_dim]
+    float32 with the half repeated (sin negated in its first half, the rotate-half sign)."""
+    half = cos_sin.shape[-1] // 2
+    cs = cos_sin.index_select(0, positions)
+    c, s = cs[:, :half], cs[:, half:]
+    return torch.cat([c, c], -1)[:, None], torch.cat([-s, s], -1)[:, None]
+
+
+def apply_rotary_tables(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Same values as ``apply_rotary_torch`` (x1*c - x2*s, x2*c + x1*s, each rounded once)
+    in four tensor ops: x*cos + swap_halves(x)*sin_signed."""
+    rot = cos.shape[-1]
+    xf = x.float()
+    if rot != x.shape[-1]:
+        return torch.cat([apply_rotary_tables(xf[..., :rot], cos, sin_signed), xf[..., rot:]], -1).to(x.dtype)
+    half = rot // 2
+    return (xf * cos + torch.cat([xf[..., half:], xf[..., :half]], -1) * sin_signed).to(x.dtype)
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, rotary_dim: int, max_positions: int, base: float, scaling: dict | None = None):
         super().__init__()

@@ -45,7 +45,7 @@ class DecodeGraphs:
         bs = self.kv_caches[0][0].shape[1]
         return AttentionMetadata(self.slot_mapping[:b], self.query_start_loc[:b + 1], self.seq_lens[:b],
                                  self.block_tables[:b], max_q_len=1, max_seq_len=width * bs,
-                                 q_lens_host=[1] * b, seq_lens_host=[1] * b)
+                                 q_lens_host=[1] * b, seq_lens_host=[1] * b, padded=True)
 
     def _forward(self, b: int) -> torch.Tensor:
         with forward_context(ForwardContext(self._metadata(b), self.kv_caches, self.backend)):
