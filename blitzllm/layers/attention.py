@@ -56,10 +56,16 @@ def write_kv_torch(k, v, k_cache, v_cache, slot_mapping, padded: bool = True):
     v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def _gather(cache, block_row, length):
-    bs = cache.shape[1]
-    nblk = (length + bs - 1) // bs
-    return cache[block_row[:nblk].long()].flatten(0, 1)[:length]
+def _block_index(block_row, length, bs):
+    return block_row[:(length + bs - 1) // bs].long()
+
+
+def _gather(cache, block_row, length, index=None):
+    """One sequence's first ``length`` cache rows, [length, Hkv, D]; ``index`` is its
+    ``_block_index`` when the caller already has it."""
+    if index is None:
+        index = _block_index(block_row, length, cache.shape[1])
+    return cache.index_select(0, index).flatten(0, 1)[:length]
 
 
 def _grouped_attention(q, k, v, mask, scale):
@@ -193,8 +199,11 @@ def _single_decode_sdpa(q, k_cache, v_cache, md, scale):
     import torch.nn.functional as F
     n = md.seq_lens_host[0]
     hq, hkv = q.shape[1], k_cache.shape[2]
-    k = _gather(k_cache, md.block_tables[0], n).transpose(0, 1).to(q.dtype)  # [Hkv, L, D]
-    v = _gather(v_cache, md.block_tables[0], n).transpose(0, 1).to(q.dtype)
+    scratch = get_forward_context().scratch if _CURRENT else {}
+    if "blocks" not in scratch:  # the same for every layer of this step
+        scratch["blocks"] = _block_index(md.block_tables[0], n, k_cache.shape[1])
+    k = _gather(k_cache, None, n, scratch["blocks"]).transpose(0, 1).to(q.dtype)  # [Hkv, L, D]
+    v = _gather(v_cache, None, n, scratch["blocks"]).transpose(0, 1).to(q.dtype)
     o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], scale=scale,
                                        enable_gqa=hq != hkv)
     return o[0].transpose(0, 1)

@@ -9,6 +9,9 @@ import torch
 from torch import nn
 
 
+_WEIGHT_ONLY_MAX_ROWS = 4  # up to this many rows, weight-only layers compute in the weight dtype
+
+
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
@@ -19,6 +22,11 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if x.dtype != w.dtype:  # weight-only lower precision (CPU bf16 weights, fp32 activations)
+            if x.numel() > _WEIGHT_ONLY_MAX_ROWS * x.shape[-1]:
+                # many rows (prefill): a CPU low-precision GEMM is compute bound and slow;
+                # widening the weight once costs only a read of it
+                bias = None if self.bias is None else self.bias.to(x.dtype)
+                return nn.functional.linear(x, w.to(x.dtype), bias)
             return nn.functional.linear(x.to(w.dtype), w, self.bias).to(x.dtype)
         return nn.functional.linear(x, w, self.bias)
 
