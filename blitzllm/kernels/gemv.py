@@ -1,0 +1,247 @@
+"""Skinny GEMM ``y = x @ W^T (+ bias)`` for decode: x [M <= 16, K], W [N, K] row-major.
+
+At batch 1-16 a linear layer is bound by reading W from HBM; the work per weight
+is M multiply-adds. One launch reads every weight once, for all M rows, with
+16-byte vector loads along K (W's contiguous dimension). Two ways to spread it:
+
+(a) split over N (``SPLIT_K == 1``): program n owns BLOCK_N output columns,
+    loops over K in BLOCK_K chunks ([BLOCK_N, BLOCK_K] tile of W plus the
+    [M, BLOCK_K] slice of x, which stays in L2) and writes its [M, BLOCK_N]
+    block. Enough when cdiv(N, BLOCK_N) alone fills the GPU (qkv, gate_up, lm_head).
+(b) split-K in the same launch (``SPLIT_K > 1``), for small N (o_proj / down,
+    small models): program (n, s) reduces the s-th BLOCK_K-aligned K range and
+    adds its fp32 partial into a workspace (relaxed atomics), then, after a CTA
+    barrier, bumps the n-tile's arrival counter (acq_rel). The program arriving
+    last reads the total from L2, adds the bias, writes the output and zeroes its
+    workspace tile and counter: no second reduce kernel, and the next call (or
+    CUDA-graph replay) starts clean. Partials are summed in arrival order, so
+    split-K results are not bitwise reproducible run to run.
+
+The product is either elementwise fp32 FMAs into a [BLOCK_N, M, BLOCK_K]
+accumulator reduced over K once at the end (``DOT=False``: M <= 2; x is loaded
+through pointers broadcast over N, so it lands in W's register layout), or
+``tl.dot`` on tensor cores (``DOT=True``: from M = 3 on, M FMAs per weight would
+crowd the memory stream). fp32 accumulation either way (IEEE dot for fp32).
+
+With ``silu_mul_input`` x is [M, 2K] (gate | up) and the GEMV input is
+``silu(gate) * up`` with the numerics of ``activation.silu_and_mul``, computed
+on the fly (the [M, K] intermediate never exists). Every N tile recomputes the
+silu of its K range (every warp of it, with DOT), hence wide N tiles then.
+
+No host sync and no allocation per call besides the output: the split-K
+workspace and counters are cached per (device, size), so once a first call
+(warm-up) has created them the calls can be captured in a CUDA graph.
+"""
+import functools
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ._common import device_sms, next_pow2, tl, triton, use_triton
+from .activation import reference_silu_and_mul, silu_and_mul
+
+GEMV_MAX_ROWS = 16
+_FMA_ACC_REGS = 32  # fp32 accumulator registers per thread allowed in the FMA path
+_CONFIG_KEYS = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "DOT", "num_warps", "num_stages")
+
+
+@triton.jit
+def _gemv_input(x_ptrs, mask, K, SILU_MUL: tl.constexpr):
+    """A tile of x; with SILU_MUL x_ptrs point at the gate and the tile is silu(gate) * up."""
+    a = tl.load(x_ptrs, mask=mask, other=0.0)
+    if SILU_MUL:  # the numerics of activation.silu_and_mul
+        up = tl.load(x_ptrs + K, mask=mask, other=0.0)
+        g = a.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(up.dtype)
+        a = (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
+    return a
+
+
+@triton.jit
+def _gemv_store(acc, b_ptr, out_ptrs, on, N, omask, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + on, mask=on < N, other=0.0).to(tl.float32)
+    tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, K, stride_xm, stride_wn, stride_om, k_per_split, n_splits,
+    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
+    SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    offs_m = tl.arange(0, M_PAD)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.program_id(1) * k_per_split + tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn
+    if DOT:  # W tile [BN, BK], x tile [M_PAD, BK], accumulator [M_PAD, BN]
+        om, on = offs_m[:, None], offs_n[None, :]
+        w_k = offs_k[None, :]
+        w_ptrs = w_rows[:, None] + w_k
+        w_mask = offs_n[:, None] < N
+        acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    else:  # [BN, M_PAD, BK] products, accumulator [BN, M_PAD] after the final reduction
+        om, on = offs_m[None, :], offs_n[:, None]
+        w_k = offs_k[None, None, :]
+        w_ptrs = w_rows[:, None, None] + w_k
+        w_mask = offs_n[:, None, None] < N
+        acc = tl.zeros([BLOCK_N, M_PAD, BLOCK_K], dtype=tl.float32)
+    if DOT or SILU_MUL:  # one x tile [M_PAD, BK] (the silu is not recomputed per column)
+        x_k = offs_k[None, :]
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + x_k
+        x_mask = offs_m[:, None] < M
+    else:  # x pointers broadcast over N give x the register layout of W: no shuffles
+        x_k = w_k
+        x_ptrs = tl.broadcast_to(x_ptr + om[:, :, None] * stride_xm + x_k, (BLOCK_N, M_PAD, BLOCK_K))
+        x_mask = om[:, :, None] < M
+    # a uniform trip count (the last split may run a few fully masked chunks)
+    for k in range(0, k_per_split, BLOCK_K):
+        # W is streamed once: evict it first, keep x and the workspace in L2
+        w = tl.load(w_ptrs + k, mask=w_mask & (w_k < K - k), other=0.0, eviction_policy="evict_first")
+        a = _gemv_input(x_ptrs + k, x_mask & (x_k < K - k), K, SILU_MUL)
+        if DOT:
+            if IEEE:
+                acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(w), acc)
+        else:  # elementwise fp32 FMAs, one reduction over K at the end
+            if SILU_MUL:
+                a = a[None, :, :]
+            acc += a.to(tl.float32) * w.to(tl.float32)
+    if not DOT:
+        acc = tl.sum(acc, axis=2)
+    omask = (om < M) & (on < N)
+    out_ptrs = out_ptr + om * stride_om + on
+    if SPLIT:
+        ws_ptrs = ws_ptr + om * N + on
+        tl.atomic_add(ws_ptrs, acc, mask=omask, sem="relaxed")
+        tl.debug_barrier()  # every thread's partial is issued before the release below
+        done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+        if done == n_splits - 1:  # last split of this n-tile: all partials are visible
+            acc = tl.load(ws_ptrs, mask=omask, other=0.0, cache_modifier=".cg")  # from L2
+            tl.debug_barrier()  # replicated elements: every copy is read before the reset
+            tl.store(ws_ptrs, tl.zeros_like(acc), mask=omask)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch
+            _gemv_store(acc, b_ptr, out_ptrs, on, N, omask, HAS_BIAS)
+    else:
+        _gemv_store(acc, b_ptr, out_ptrs, on, N, omask, HAS_BIAS)
+
+
+def _pick_split(n_tiles: int, K: int, block_k: int, sms: int) -> int:
+    """Split K only when the n-tiles alone give fewer than 2x SMs programs; then aim at 4x."""
+    if n_tiles >= 2 * sms:
+        return 1
+    return max(1, min(triton.cdiv(4 * sms, n_tiles), triton.cdiv(K, block_k)))
+
+
+def gemv_config(M: int, N: int, K: int, dtype: torch.dtype, sms: int, config: Optional[dict] = None,
+                silu_mul_input: bool = False) -> dict:
+    """Launch parameters: the heuristic, overridden by the keys given in ``config``
+    (a config without SPLIT_K gets the heuristic split for its BLOCK_N / BLOCK_K)."""
+    config = dict(config or {})
+    unknown = set(config) - set(_CONFIG_KEYS)
+    if unknown:
+        raise KeyError(f"unknown gemv config keys {sorted(unknown)}; expected {_CONFIG_KEYS}")
+    dot = bool(config.get("DOT", M > 2))
+    vec_k = 32 * 16 // dtype.itemsize  # a warp-wide row of 16-byte vectors: 256 bf16, 128 fp32
+    if dot and silu_mul_input:  # every warp evaluates the silu of its whole x tile:
+        bn, bn_min, bk, warps = 64, 64, vec_k // 2, 2  # wide N tiles, few warps
+    elif dot:  # a wider N tile re-reads x from L2 less often
+        bn, bn_min, bk, warps = (32 if M > 8 else 16), 16, vec_k, 4
+    else:
+        bn, bn_min, bk, warps = 16, 4, 2 * vec_k, 4
+    bk = config.get("BLOCK_K") or min(bk, max(16, next_pow2(K)))
+    warps = config.get("num_warps", warps)
+    if not dot:  # the fp32 accumulator [BN, M_PAD, BK] within the register budget
+        bn = max(1, min(bn, _FMA_ACC_REGS * 32 * warps // (next_pow2(M) * bk)))
+        bn_min = min(bn, bn_min)
+    if "BLOCK_N" in config:
+        bn = config["BLOCK_N"]
+    else:  # narrower tiles first, split-K only when that is not enough
+        while bn > bn_min and triton.cdiv(N, bn) < 2 * sms:
+            bn //= 2
+    split = config.get("SPLIT_K") or _pick_split(triton.cdiv(N, bn), K, bk, sms)
+    chunks = triton.cdiv(K, bk)
+    split = triton.cdiv(chunks, triton.cdiv(chunks, split))  # what BLOCK_K-aligned ranges give
+    return {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "DOT": dot,
+            "num_warps": warps, "num_stages": config.get("num_stages", 3 if dot else 2)}
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_config(M, N, K, dtype, sms, items, silu_mul_input):  # spares the host per call
+    return gemv_config(M, N, K, dtype, sms, dict(items), silu_mul_input)
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """Zeroed split-K workspace / counters (power-of-two sizes); each launch leaves them at 0."""
+    return torch.zeros(numel, dtype=dtype, device=device)
+
+
+def gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+                silu_mul_input: bool = False, out: Optional[torch.Tensor] = None,
+                config: Optional[dict] = None) -> torch.Tensor:
+    """x [M, K] (or [M, 2K] gate|up with silu_mul_input), w [N, K] -> [M, N] in x.dtype."""
+    assert x.dim() == 2 and w.dim() == 2 and x.dtype == w.dtype, "x [M, K] and w [N, K] of one dtype"
+    M, (N, K) = x.shape[0], w.shape
+    assert x.shape[1] == (2 * K if silu_mul_input else K), "x width must be K (2K with silu_mul_input)"
+    assert M <= GEMV_MAX_ROWS, f"gemv handles at most {GEMV_MAX_ROWS} rows"
+    assert w.stride(1) == 1, "w must be row-major (contiguous along K)"
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if bias is not None:
+        assert bias.shape == (N,)
+        bias = bias.contiguous()
+    if out is None:
+        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    assert out.shape == (M, N) and out.stride(1) == 1
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        return out.copy_(bias.expand(M, N) if bias is not None else torch.zeros_like(out))
+    cfg = _cached_config(M, N, K, x.dtype, device_sms(x), tuple(sorted((config or {}).items())),
+                         silu_mul_input)
+    bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    n_splits, n_tiles = cfg["SPLIT_K"], triton.cdiv(N, bn)
+    k_per_split = triton.cdiv(triton.cdiv(K, bk), n_splits) * bk  # the last range may be ragged
+    split = n_splits > 1
+    ws = _zeros(x.device, torch.float32, next_pow2(M * N)) if split else out
+    cnt = _zeros(x.device, torch.int32, next_pow2(n_tiles)) if split else out
+    m_pad = next_pow2(M)  # tl.dot pads small M itself
+    _gemv_kernel[(n_tiles, n_splits)](
+        x, w, bias if bias is not None else w, out, ws, cnt,
+        M, N, K, x.stride(0), w.stride(0), out.stride(0), k_per_split, n_splits,
+        M_PAD=m_pad, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, DOT=cfg["DOT"],
+        IEEE=x.dtype == torch.float32, SILU_MUL=silu_mul_input, HAS_BIAS=bias is not None,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out
+
+
+def reference_linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                     silu_mul_input: bool = False) -> torch.Tensor:
+    """fp32 product (+ bias) rounded once to x.dtype; the silu-mul input rounded as unfused."""
+    if silu_mul_input:
+        x = reference_silu_and_mul(x)
+    y = x.float() @ w.float().t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+           silu_mul_input: bool = False) -> torch.Tensor:
+    """``F.linear(x, w, bias)`` (of ``silu_and_mul(x)`` with silu_mul_input) for x [..., K].
+    The GEMV kernel takes CUDA bf16/fp16 inputs of at most 16 rows; the rest goes to torch."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if (use_triton(x) and 0 < rows <= GEMV_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+            and w.dtype == x.dtype and w.stride(-1) == 1):
+        y = gemv_triton(x.reshape(rows, x.shape[-1]), w, bias, silu_mul_input=silu_mul_input)
+        return y.view(*x.shape[:-1], w.shape[0])
+    if silu_mul_input:
+        x = silu_and_mul(x)
+    return F.linear(x, w, bias)
