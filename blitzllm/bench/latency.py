@@ -112,10 +112,12 @@ def _kernel_counts(eng, cfg, B, I) -> dict:
         eng.add_request(f"prof-{i}", p, params)
     eng.step()  # prefill
     eng.step()
-    n, names = count_kernels(eng.step, eng.device)
+    n, names, micros = count_kernels(eng.step, eng.device)
     for i in range(B):
         eng.abort_request(f"prof-{i}")
-    return {"kernels_per_step": n, "kernels_per_layer": n / cfg.num_layers, "kernel_names": names}
+    return {"kernels_per_step": n, "kernels_per_layer": n / cfg.num_layers, "kernel_names": names,
+            "kernel_time_us": {k: round(v, 1) for k, v in micros.items()},
+            "kernel_busy_us": round(sum(micros.values()), 1)}
 
 
 def _compare_hf(a, eng, cfg, B, I, O, dev, ours_tps) -> dict:

@@ -49,16 +49,20 @@ def kv_bytes_per_step(cfg, context_lens: list, dtype_bytes: int) -> int:
 
 
 def count_kernels(fn, device: torch.device):
-    """Device kernels one call of ``fn`` launches (CUDA only): (count, {name: count})."""
+    """Device kernels one call of ``fn`` launches (CUDA only):
+    (count, {name: count}, {name: summed kernel microseconds})."""
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize(device)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize(device)
     names: dict = {}
+    micros: dict = {}
     for evt in prof.events():
         if evt.device_type == torch.autograd.DeviceType.CUDA and "memcpy" not in evt.name.lower() \
                 and "memset" not in evt.name.lower():
             key = evt.name[:80]
             names[key] = names.get(key, 0) + 1
-    return sum(names.values()), dict(sorted(names.items(), key=lambda kv: -kv[1]))
+            micros[key] = micros.get(key, 0.0) + evt.time_range.elapsed_us()
+    return (sum(names.values()), dict(sorted(names.items(), key=lambda kv: -kv[1])),
+            dict(sorted(micros.items(), key=lambda kv: -kv[1])))

@@ -5,8 +5,16 @@ the loader copies each checkpoint tensor into its slice through ``load_shard``.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
+
+from ..kernels.activation import silu_and_mul
+from ..kernels.gemv import linear as gemv_linear
+
+# BLITZ_GEMV=0 sends CUDA decode GEMMs back to cuBLAS (for A/B benchmarks)
+GEMV_ENABLED = os.environ.get("BLITZ_GEMV", "1") != "0"
 
 
 _WEIGHT_ONLY_MAX_ROWS = 4  # up to this many rows, weight-only layers compute in the weight dtype
@@ -19,8 +27,14 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, silu_mul_input: bool = False) -> torch.Tensor:
+        """x [..., in] -> [..., out]. With ``silu_mul_input`` x is [..., 2*in] (gate, up) and
+        the layer applies ``silu(gate) * up`` first, fused into the GEMV on CUDA decode."""
         w = self.weight
+        if x.is_cuda and GEMV_ENABLED and x.dtype == w.dtype:
+            return gemv_linear(x, w, self.bias, silu_mul_input=silu_mul_input)
+        if silu_mul_input:
+            x = silu_and_mul(x)
         if x.dtype != w.dtype:  # weight-only lower precision (CPU bf16 weights, fp32 activations)
             if x.numel() > _WEIGHT_ONLY_MAX_ROWS * x.shape[-1]:
                 # many rows (prefill): a CPU low-precision GEMM is compute bound and slow;

@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..layers.activation import silu_and_mul
 from ..layers.attention import Attention
 from ..layers.linear import Linear, PackedLinear
 from ..layers.norm import RMSNorm
@@ -39,7 +38,7 @@ class DenseMLP(nn.Module):
         self.down_proj = Linear(inter, hidden)
 
     def forward(self, x):
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x), silu_mul_input=True)
 
 
 class DecoderLayer(nn.Module):

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One device call for the decode fast path: GPU tests, the GEMV sweep, and latency A/B
+# (Triton GEMV vs cuBLAS via BLITZ_GEMV). Usage: bash scripts/gpu_session.sh [tests|gemv|lat|serve]...
+set -u
+OUT=${OUT:-/tmp/blitz_out}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+export PYTHONUNBUFFERED=1 BLITZ_NO_PROGRESS=1 TOKENIZERS_PARALLELISM=false
+B="python3 -m blitzllm.cli bench latency"
+run() { t=$1; name=$2; shift 2; echo "== $name: $*"; timeout $t $B "$@" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1; echo "rc=$?"; grep -v "^\[" "$OUT/$name.log" | grep -E "tokens_per_s |ms_per|roofline|kernels_per_layer|ttft|speedup|busy" ; }
+for part in "$@"; do case $part in
+  tests) timeout 200 python3 -m pytest -q -m gpu tests/kernels tests/test_gpu_e2e.py -p no:cacheprovider -x 2>&1 | tail -15 | tee "$OUT/gpu_tests.log" ;;
+  gemv) timeout 200 python3 scripts/bench_gemv.py --budget-s 150 2>&1 | tail -40 ;;
+  lat) run 80 qwen06_b1 --model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8
+       BLITZ_GEMV=0 run 80 qwen06_b1_cublas --model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8
+       run 90 llama_b1 --model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8
+       BLITZ_GEMV=0 run 90 llama_b1_cublas --model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 ;;
+  latcmp) run 240 llama_b1 --model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --compare hf ;;
+  b64) run 100 llama_b64 --model preset:llama-3.1-8b --batch-size 64 --input-len 1000 --output-len 64 --max-num-seqs 64 ;;
+  ttft) run 70 llama_ttft10k --model preset:llama-3.1-8b --batch-size 1 --input-len 10000 --output-len 4 --max-num-seqs 1 --enforce-eager ;;
+  gen1k) run 80 llama_1k1k --model preset:llama-3.1-8b --batch-size 1 --input-len 1000 --output-len 1000 --max-num-seqs 8 ;;
+  serve) timeout 200 bash scripts/gpu_serve.sh ;;
+esac; done
+python3 - "$OUT" <<'PY'
+import json, sys, glob, os
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
+    r = json.load(open(f))
+    if "kernel_time_us" in r:
+        print(os.path.basename(f), "busy_us", r.get("kernel_busy_us"), "top:", list(r["kernel_time_us"].items())[:8])
+PY
