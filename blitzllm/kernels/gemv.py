@@ -132,16 +132,30 @@ def _gemv_kernel(
 
 
 def _pick_split(n_tiles: int, K: int, block_k: int, sms: int) -> int:
-    """Split K only when the n-tiles alone give fewer than 2x SMs programs; then aim at 4x."""
-    if n_tiles >= 2 * sms:
+    """Split K only when the n-tiles alone leave SMs idle; then aim at about 4x SMs programs
+    (the H200 sweep: a split beside >= 1 program per SM only added atomics)."""
+    if n_tiles >= sms:
         return 1
     return max(1, min(triton.cdiv(4 * sms, n_tiles), triton.cdiv(K, block_k)))
+
+
+def prefer_gemv(M: int, N: int, K: int, silu_mul_input: bool = False) -> bool:
+    """Whether the GEMV beats cuBLAS for this shape (measured on the H200 with CUDA graphs,
+    scripts/bench_gemv.py): up to 2 rows it wins or ties up to ~32M weights and, with the
+    silu-and-mul fused, at any size (one kernel instead of two); with more rows only the
+    smaller matrices gain (split-K where cuBLAS leaves SMs idle)."""
+    if M <= 2:
+        return silu_mul_input or N * K <= (32 << 20)
+    return N * K <= (16 << 20)
 
 
 def gemv_config(M: int, N: int, K: int, dtype: torch.dtype, sms: int, config: Optional[dict] = None,
                 silu_mul_input: bool = False) -> dict:
     """Launch parameters: the heuristic, overridden by the keys given in ``config``
-    (a config without SPLIT_K gets the heuristic split for its BLOCK_N / BLOCK_K)."""
+    (a config without SPLIT_K gets the heuristic split for its BLOCK_N / BLOCK_K).
+    Heuristic from the H200 sweep: up to 2 rows, FMA tiles of 2048-8192 weights with about
+    4 programs per SM and no split (n16 k512 with 8 warps for wide N); more rows, tensor-core
+    tiles n16 k256 with split-K only when the N tiles leave SMs idle."""
     config = dict(config or {})
     unknown = set(config) - set(_CONFIG_KEYS)
     if unknown:
@@ -149,21 +163,21 @@ def gemv_config(M: int, N: int, K: int, dtype: torch.dtype, sms: int, config: Op
     dot = bool(config.get("DOT", M > 2))
     vec_k = 32 * 16 // dtype.itemsize  # a warp-wide row of 16-byte vectors: 256 bf16, 128 fp32
     if dot and silu_mul_input:  # every warp evaluates the silu of its whole x tile:
-        bn, bn_min, bk, warps = 64, 64, vec_k // 2, 2  # wide N tiles, few warps
-    elif dot:  # a wider N tile re-reads x from L2 less often
-        bn, bn_min, bk, warps = (32 if M > 8 else 16), 16, vec_k, 4
+        bn, bk, warps = 64, vec_k // 2, 2  # wide N tiles, few warps
+    elif dot:
+        bn, bk, warps = 16, vec_k, 4
+    elif N >= 6144:
+        bn, bk, warps = 16, 2 * vec_k, 8
     else:
-        bn, bn_min, bk, warps = 16, 4, 2 * vec_k, 4
+        bn = 8
+        while bn > 2 and N // bn < 4 * sms:
+            bn //= 2
+        bk, warps = (4 if bn == 2 else 2) * vec_k, 4
     bk = config.get("BLOCK_K") or min(bk, max(16, next_pow2(K)))
     warps = config.get("num_warps", warps)
     if not dot:  # the fp32 accumulator [BN, M_PAD, BK] within the register budget
         bn = max(1, min(bn, _FMA_ACC_REGS * 32 * warps // (next_pow2(M) * bk)))
-        bn_min = min(bn, bn_min)
-    if "BLOCK_N" in config:
-        bn = config["BLOCK_N"]
-    else:  # narrower tiles first, split-K only when that is not enough
-        while bn > bn_min and triton.cdiv(N, bn) < 2 * sms:
-            bn //= 2
+    bn = config.get("BLOCK_N", bn)
     split = config.get("SPLIT_K") or _pick_split(triton.cdiv(N, bn), K, bk, sms)
     chunks = triton.cdiv(K, bk)
     split = triton.cdiv(chunks, triton.cdiv(chunks, split))  # what BLOCK_K-aligned ranges give
@@ -239,7 +253,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None
     The GEMV kernel takes CUDA bf16/fp16 inputs of at most 16 rows; the rest goes to torch."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if (use_triton(x) and 0 < rows <= GEMV_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
-            and w.dtype == x.dtype and w.stride(-1) == 1):
+            and w.dtype == x.dtype and w.stride(-1) == 1
+            and prefer_gemv(rows, w.shape[0], w.shape[1], silu_mul_input)):
         y = gemv_triton(x.reshape(rows, x.shape[-1]), w, bias, silu_mul_input=silu_mul_input)
         return y.view(*x.shape[:-1], w.shape[0])
     if silu_mul_input:

@@ -73,9 +73,16 @@ def _decode_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    # Each split takes a BLOCK_N-aligned chunk of this sequence's context.
-    # (plain arithmetic, not tl.cdiv: that one is itself a jit function)
-    chunk = ((seq_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    # Each split takes a run of BLOCK_N tiles of this sequence's context. A split costs a
+    # serial tile loop and the combine a serial loop over the active splits, so a short
+    # context uses only about sqrt(tiles) splits of about sqrt(tiles) tiles each; the rest
+    # of the grid exits at once. (plain arithmetic: tl.cdiv is itself a jit function)
+    n_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
+    root = tl.sqrt(n_tiles.to(tl.float32)).to(tl.int32)
+    root = tl.where(root * root < n_tiles, root + 1, root)
+    per = tl.maximum(tl.maximum((n_tiles + NUM_SPLITS - 1) // NUM_SPLITS, root), 1)
+    n_active = (n_tiles + per - 1) // per
+    chunk = per * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
@@ -105,9 +112,10 @@ def _decode_kernel(
     else:
         # partials laid out [B, Hq, NUM_SPLITS] (+ [D_PAD] for acc)
         row = (b * (tl.num_programs(1) * G) + heads).to(tl.int64) * NUM_SPLITS + split
-        tl.store(m_ptr + row, m_i, mask=gmask)
-        tl.store(l_ptr + row, l_i, mask=gmask)
-        tl.store(acc_ptr + row[:, None] * D_PAD + offs_d[None, :], acc, mask=gmask[:, None])
+        keep = gmask & ((split < n_active) | (not FUSED_REDUCE))  # the fused combine skips idle splits
+        tl.store(m_ptr + row, m_i, mask=keep)
+        tl.store(l_ptr + row, l_i, mask=keep)
+        tl.store(acc_ptr + row[:, None] * D_PAD + offs_d[None, :], acc, mask=keep[:, None])
         if FUSED_REDUCE:
             # The split that finishes last for this (sequence, kv head) combines all of
             # them: one launch instead of two. acq_rel orders the partial stores above.
@@ -118,7 +126,7 @@ def _decode_kernel(
                 m_all = tl.full([G_PAD], -1.0e30, dtype=tl.float32)
                 l_all = tl.zeros([G_PAD], dtype=tl.float32)
                 o_all = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
-                for sp in range(NUM_SPLITS):
+                for sp in range(n_active):
                     m_s = tl.load(m_ptr + base + sp, mask=gmask, other=-1.0e30, cache_modifier=".cg")
                     l_s = tl.load(l_ptr + base + sp, mask=gmask, other=0.0, cache_modifier=".cg")
                     a_s = tl.load(acc_ptr + (base + sp)[:, None] * D_PAD + offs_d[None, :],

@@ -6,7 +6,7 @@ pytest.importorskip("triton")
 
 from blitzllm.kernels import gemv as gv  # noqa: E402
 from blitzllm.kernels.activation import reference_silu_and_mul  # noqa: E402
-from blitzllm.kernels.gemv import gemv_config, gemv_triton, linear, reference_linear  # noqa: E402
+from blitzllm.kernels.gemv import gemv_config, prefer_gemv, gemv_triton, linear, reference_linear  # noqa: E402
 
 # relative to max |ref|; bf16: the interpreter rounds fp32 -> bf16 toward zero
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -93,16 +93,18 @@ def test_config_heuristic():
     bf16, sms = torch.bfloat16, 132
     for m in (1, 4, 16):
         for n, k in [(6144, 4096), (4096, 14336), (1024, 2048), (151936, 1024)]:
-            c = gemv_config(m, n, k, bf16, sms)
-            programs = -(-n // c["BLOCK_N"]) * c["SPLIT_K"]
-            assert programs >= 2 * sms and c["BLOCK_K"] >= 256 and c["DOT"] == (m > 2)
-            if -(-n // c["BLOCK_N"]) >= 2 * sms:
-                assert c["SPLIT_K"] == 1
-            c = gemv_config(m, n, k, bf16, sms, silu_mul_input=True)  # wide N tiles with dot
-            tiles, chunks = -(-n // c["BLOCK_N"]), -(-k // c["BLOCK_K"])
-            assert tiles * c["SPLIT_K"] >= min(2 * sms, tiles * chunks)
-            assert (c["BLOCK_N"] == 64) == c["DOT"]
-    assert gemv_config(1, 1024, 2048, bf16, sms)["SPLIT_K"] > 1  # too few n-tiles alone
+            for silu in (False, True):
+                c = gemv_config(m, n, k, bf16, sms, silu_mul_input=silu)
+                tiles, chunks = -(-n // c["BLOCK_N"]), -(-k // c["BLOCK_K"])
+                # at least a program per SM, 16-byte loads, tensor cores from 3 rows on
+                assert tiles * c["SPLIT_K"] >= min(sms, tiles * chunks)
+                assert c["BLOCK_K"] >= 128 and c["DOT"] == (m > 2)
+                if tiles >= sms:
+                    assert c["SPLIT_K"] == 1  # no atomics when the N tiles fill the GPU
+                if silu and c["DOT"]:
+                    assert c["BLOCK_N"] == 64  # wide N tiles: fewer silu recomputations
+    assert gemv_config(4, 1024, 2048, bf16, sms)["SPLIT_K"] > 1  # too few n-tiles alone
+    assert gemv_config(1, 1024, 2048, bf16, sms)["BLOCK_N"] == 2  # narrow FMA tiles instead
     assert gemv_config(1, 64, 16, torch.float32, 8)["BLOCK_K"] == 16  # not wider than K
     c = gemv_config(1, 4096, 4096, bf16, sms, {"BLOCK_N": 64, "DOT": True})
     assert c["BLOCK_N"] == 64 and c["SPLIT_K"] > 1 and c["DOT"]  # 64 n-tiles: split for the rest
@@ -110,6 +112,13 @@ def test_config_heuristic():
     assert gemv_config(1, 4096, 520, bf16, sms, {"BLOCK_N": 64, "SPLIT_K": 3})["SPLIT_K"] == 2
     with pytest.raises(KeyError):
         gemv_config(1, 64, 64, bf16, sms, {"BLOCK_M": 16})
+
+
+def test_prefer_gemv_policy():
+    # cuBLAS keeps the big matrices with several rows; the fused silu GEMV wins at 1-2 rows
+    assert prefer_gemv(1, 4096, 1024) and prefer_gemv(16, 1024, 3072, True)
+    assert not prefer_gemv(1, 28672, 4096) and prefer_gemv(1, 4096, 14336, True)
+    assert not prefer_gemv(4, 4096, 14336, True) and not prefer_gemv(16, 6144, 4096)
 
 
 def test_linear_dispatch_cpu_uses_torch():

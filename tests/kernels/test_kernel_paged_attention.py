@@ -35,6 +35,7 @@ DECODE = [  # seq_lens, Hq, Hkv, D, block_size
     ([16, 17, 32, 7], 6, 2, 64, 16),
     ([300], 3, 1, 128, 16),
     ([33, 64, 5], 4, 4, 64, 32),
+    ([700, 5, 130], 4, 2, 32, 16),  # more tiles than splits: some splits idle, some long
 ]
 
 
