@@ -10,7 +10,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="HF folder, .gguf file, 'smollm2' (default), 'preset:<name>' or a hub id")
     g.add_argument("--dtype", default=None, help="auto | float32 | bfloat16 | float16")
     g.add_argument("--weight-dtype", default=None,
-                   help="store linear weights in this dtype (e.g. bfloat16 on CPU: half the bytes per token)")
+                   help="store linear weights in this dtype: bfloat16 | float16 | int4 (CPU; int4 = GGUF Q4_1-style "
+                        "groups of 32, lm_head in bf16), activations keep --dtype")
     g.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     g.add_argument("--load-format", default="auto", help="auto | dummy | safetensors | gguf")
     g.add_argument("--num-layers", type=int, default=None, help="keep only the first N layers (speed work)")

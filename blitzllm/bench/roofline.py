@@ -41,6 +41,9 @@ def weight_bytes_per_step(model: torch.nn.Module, batch: int) -> int:
             total += batch * p.shape[1] * p.element_size()
         else:
             total += p.numel() * p.element_size()
+    for name, b in model.named_buffers():  # weight-only int4 layers keep packed buffers
+        if name.endswith(("qweight", "qscales_zeros")):
+            total += b.numel() * b.element_size()
     return total
 
 

@@ -47,7 +47,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     attention_backend: str = "auto"   # auto | torch | triton
-    weight_dtype: Optional[str] = None  # e.g. bfloat16 weights with float32 activations on CPU
+    weight_dtype: Optional[str] = None  # bfloat16 / float16 / int4 weights, float32 activations (CPU)
     warmup: bool = True               # CUDA: compile the kernels a first request needs at start-up
 
 
@@ -100,7 +100,13 @@ class Engine:
         self.model_config = cfg = ModelConfig.from_hf(src.hf_config, args.num_layers)
         self.dtype = resolve_dtype(args.dtype, self.device, src.torch_dtype)
         self.tokenizer = src.tokenizer_loader()
-        self.weight_dtype = resolve_dtype(args.weight_dtype, self.device, None) if args.weight_dtype else self.dtype
+        if args.weight_dtype == "int4":
+            if self.device.type != "cpu":
+                raise ValueError("weight_dtype='int4' runs on the CPU only (torch's int4 CPU kernel)")
+            self.weight_dtype = "int4"
+        else:
+            self.weight_dtype = (resolve_dtype(args.weight_dtype, self.device, None)
+                                 if args.weight_dtype else self.dtype)
         model = build_model(src, cfg, self.device, self.dtype, args.seed, self.weight_dtype)
         num_blocks = self._num_blocks(cfg)
         capacity = num_blocks * args.block_size

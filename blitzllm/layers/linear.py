@@ -26,10 +26,15 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.register_buffer("qweight", None)  # packed int4, set by quantize_int4
+        self.register_buffer("qscales_zeros", None)
+        self.group_size = 0
 
     def forward(self, x: torch.Tensor, silu_mul_input: bool = False) -> torch.Tensor:
         """x [..., in] -> [..., out]. With ``silu_mul_input`` x is [..., 2*in] (gate, up) and
         the layer applies ``silu(gate) * up`` first, fused into the GEMV on CUDA decode."""
+        if self.qweight is not None:
+            return self._int4_forward(silu_and_mul(x) if silu_mul_input else x)
         w = self.weight
         if x.is_cuda and GEMV_ENABLED and x.dtype == w.dtype:
             return gemv_linear(x, w, self.bias, silu_mul_input=silu_mul_input)
@@ -45,6 +50,53 @@ class Linear(nn.Module):
         return nn.functional.linear(x, w, self.bias)
 
 
+    # ---- weight-only int4 (CPU) -------------------------------------------------------
+    def quantize_int4(self, group_size: int = 32) -> None:
+        """Asymmetric int4 per group of ``group_size`` input weights, w = (q - 8) * scale + zero,
+        the GGUF Q4_1 form: a Q4_0 / Q4_1 checkpoint's groups come back on the same grid
+        (min and max of a group are levels 0 and 15), up to the bf16 rounding of scale and
+        zero that torch's int4 CPU kernel takes. Other weights are genuinely quantized."""
+        w = self.weight.detach().float()
+        n, k = w.shape
+        g = w.view(n, k // group_size, group_size)
+        lo, hi = g.amin(-1), g.amax(-1)
+        scale = (hi - lo) / 15
+        step = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.round((g - lo[..., None]) / step[..., None]).clamp_(0, 15).to(torch.int32).view(n, k)
+        zero = lo + 8 * scale
+        self.qscales_zeros = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        self.qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        self.group_size = group_size
+        self.weight = None
+        if self.bias is not None:
+            self.bias.data = self.bias.data.float()
+
+    def _int4_forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group_size, self.qscales_zeros)
+        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias.to(x.dtype)
+
+
+INT4_GROUP = 32
+
+
+def quantize_linear_weights_int4(model: nn.Module, group_size: int = INT4_GROUP) -> int:
+    """weight_dtype='int4' (CPU): every decoder Linear whose input size is a multiple of
+    ``group_size`` becomes weight-only int4; the lm_head keeps bf16 weights (GGUF files
+    store it in 8 bits, which int4 would not reproduce). Returns the layers quantized."""
+    if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        raise ValueError("weight_dtype='int4' needs torch >= 2.5 (its int4 CPU kernel)")
+    cast_linear_weights(model, torch.bfloat16)
+    lm_head = getattr(model, "lm_head", None)
+    done = 0
+    for mod in model.modules():
+        if isinstance(mod, Linear) and mod is not lm_head and mod.in_features % group_size == 0:
+            mod.quantize_int4(group_size)
+            done += 1
+    return done
+
+
 def cast_linear_weights(model: nn.Module, dtype: torch.dtype) -> None:
     """Store every Linear's weights in ``dtype`` (activations keep the model dtype). A
     tied lm_head gets its own copy, so the embedding lookup keeps full precision."""
@@ -53,7 +105,7 @@ def cast_linear_weights(model: nn.Module, dtype: torch.dtype) -> None:
     if lm_head is not None and embed is not None and lm_head.weight is embed.weight:
         lm_head.weight = nn.Parameter(embed.weight.detach().clone(), requires_grad=False)
     for mod in model.modules():
-        if isinstance(mod, Linear):
+        if isinstance(mod, Linear) and mod.weight is not None:
             mod.weight.data = mod.weight.data.to(dtype)
             if mod.bias is not None:
                 mod.bias.data = mod.bias.data.to(dtype)

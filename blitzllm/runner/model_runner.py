@@ -29,7 +29,7 @@ class StepResult:
 
 
 def build_model(src: ModelSource, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int,
-                weight_dtype: Optional[torch.dtype] = None):
+                weight_dtype=None):
     cls = get_model_class(cfg.architecture)
     with torch.device("meta"):
         model = cls(cfg)
@@ -46,7 +46,12 @@ def build_model(src: ModelSource, cfg: ModelConfig, device: torch.device, dtype:
         init_dummy_weights(model, seed)
     else:
         load_weights(model, src.tensors(), src.num_tensors)
-    if weight_dtype is not None and weight_dtype != dtype:
+    if weight_dtype == "int4":
+        if device.type != "cpu":
+            raise ValueError("weight_dtype='int4' runs on the CPU only (torch's int4 CPU kernel)")
+        from ..layers.linear import quantize_linear_weights_int4
+        quantize_linear_weights_int4(model)
+    elif weight_dtype is not None and weight_dtype != dtype:
         from ..layers.linear import cast_linear_weights
         cast_linear_weights(model, weight_dtype)
     model.eval()

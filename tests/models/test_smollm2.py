@@ -48,3 +48,22 @@ def test_chat_answers_sensibly(smollm2_llm):
                            SamplingParams(temperature=0, max_tokens=20))[0]
     assert "Paris" in out.text
     assert out.finish_reason == "stop"
+
+
+def test_int4_weights_reencode_the_q4_gguf(smollm2_llm):
+    """weight_dtype='int4' re-encodes the GGUF's Q4_1 groups on their own grid: every packed
+    layer reproduces the fp32 layer's output up to bf16 rounding, and greedy answers agree
+    with the fp32 engine."""
+    from blitzllm import LLM
+    llm = LLM("smollm2", dtype="float32", device="cpu", weight_dtype="int4")
+    q_layer = llm.engine.runner.model.model.layers[3].mlp.gate_up_proj
+    f_layer = smollm2_llm.engine.runner.model.model.layers[3].mlp.gate_up_proj
+    assert q_layer.weight is None and q_layer.qweight.dtype == torch.uint8
+    x = torch.randn(5, f_layer.in_features, generator=torch.Generator().manual_seed(0))
+    ref, got = f_layer(x), q_layer(x)
+    assert (got - ref).abs().max() <= 1e-2 * ref.abs().max()  # bf16 activations + scales
+    p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS[:3]]
+    for a, b in zip(llm.generate(prompts, p), smollm2_llm.generate(prompts, p)):
+        assert a.token_ids[:4] == b.token_ids[:4]
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
