@@ -47,14 +47,24 @@ _CONFIG_KEYS = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "DOT", "num_warps", "num_stages
 
 
 @triton.jit
-def _gemv_input(x_ptrs, mask, K, SILU_MUL: tl.constexpr):
-    """A tile of x; with SILU_MUL x_ptrs point at the gate and the tile is silu(gate) * up."""
+def _gemv_input(x_ptrs, mask, K, SILU_MUL: tl.constexpr, NORM: tl.constexpr, RESID: tl.constexpr,
+                r_ptrs, nw_ptrs, rstd):
+    """A tile of x; with SILU_MUL x_ptrs point at the gate and the tile is silu(gate) * up;
+    with NORM the tile is rms_norm(x (+ residual)) given the rows' rstd (the rounding steps
+    of kernels/rmsnorm.py)."""
     a = tl.load(x_ptrs, mask=mask, other=0.0)
     if SILU_MUL:  # the numerics of activation.silu_and_mul
         up = tl.load(x_ptrs + K, mask=mask, other=0.0)
         g = a.to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(up.dtype)
         a = (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
+    if NORM:
+        if RESID:
+            r = tl.load(r_ptrs, mask=mask, other=0.0)
+            a = (a.to(tl.float32) + r.to(tl.float32)).to(r.dtype)
+        nw = tl.load(nw_ptrs, mask=mask, other=0.0)
+        normed = (a.to(tl.float32) * rstd).to(a.dtype)
+        a = (nw.to(tl.float32) * normed.to(tl.float32)).to(a.dtype)
     return a
 
 
@@ -67,11 +77,11 @@ def _gemv_store(acc, b_ptr, out_ptrs, on, N, omask, HAS_BIAS: tl.constexpr):
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr,
-    M, N, K, stride_xm, stride_wn, stride_om, k_per_split, n_splits,
+    x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, r_ptr, nw_ptr, ro_ptr,
+    M, N, K, stride_xm, stride_wn, stride_om, k_per_split, n_splits, stride_rm, stride_rom, eps,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
-    SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESID: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     offs_m = tl.arange(0, M_PAD)
@@ -98,11 +108,39 @@ def _gemv_kernel(
         x_k = w_k
         x_ptrs = tl.broadcast_to(x_ptr + om[:, :, None] * stride_xm + x_k, (BLOCK_N, M_PAD, BLOCK_K))
         x_mask = om[:, :, None] < M
+    rstd = tl.zeros([M_PAD], dtype=tl.float32)
+    r_ptrs = x_ptrs
+    nw_ptrs = x_ptrs
+    if NORM:  # RMSNorm prologue: every program reduces the whole (small) rows itself
+        ss = tl.zeros([M_PAD], dtype=tl.float32)
+        rows = offs_m[:, None]
+        first = (pid_n == 0) & (tl.program_id(1) == 0)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)[None, :]
+            mk = (rows < M) & (kk < K)
+            v = tl.load(x_ptr + rows * stride_xm + kk, mask=mk, other=0.0)
+            if RESID:
+                r = tl.load(r_ptr + rows * stride_rm + kk, mask=mk, other=0.0)
+                v = (v.to(tl.float32) + r.to(tl.float32)).to(r.dtype)
+                if first:  # one program writes the new residual stream
+                    tl.store(ro_ptr + rows * stride_rom + kk, v, mask=mk)
+            vf = v.to(tl.float32)
+            ss += tl.sum(vf * vf, axis=1)
+        rstd = 1.0 / tl.sqrt(ss / K + eps)
+        if DOT or SILU_MUL:
+            rstd = rstd[:, None]
+            r_ptrs = r_ptr + offs_m[:, None] * stride_rm + x_k
+            nw_ptrs = tl.broadcast_to(nw_ptr + x_k, (M_PAD, BLOCK_K))
+        else:
+            rstd = rstd[None, :, None]
+            r_ptrs = tl.broadcast_to(r_ptr + om[:, :, None] * stride_rm + x_k, (BLOCK_N, M_PAD, BLOCK_K))
+            nw_ptrs = tl.broadcast_to(nw_ptr + x_k, (BLOCK_N, M_PAD, BLOCK_K))
     # a uniform trip count (the last split may run a few fully masked chunks)
     for k in range(0, k_per_split, BLOCK_K):
         # W is streamed once: evict it first, keep x and the workspace in L2
         w = tl.load(w_ptrs + k, mask=w_mask & (w_k < K - k), other=0.0, eviction_policy="evict_first")
-        a = _gemv_input(x_ptrs + k, x_mask & (x_k < K - k), K, SILU_MUL)
+        a = _gemv_input(x_ptrs + k, x_mask & (x_k < K - k), K, SILU_MUL, NORM, RESID,
+                        r_ptrs + k, nw_ptrs + k, rstd)
         if DOT:
             if IEEE:
                 acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
@@ -198,8 +236,14 @@ def _zeros(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor
 
 def gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                 silu_mul_input: bool = False, out: Optional[torch.Tensor] = None,
-                config: Optional[dict] = None) -> torch.Tensor:
-    """x [M, K] (or [M, 2K] gate|up with silu_mul_input), w [N, K] -> [M, N] in x.dtype."""
+                config: Optional[dict] = None, norm_weight: Optional[torch.Tensor] = None,
+                residual: Optional[torch.Tensor] = None, eps: float = 1e-6):
+    """x [M, K] (or [M, 2K] gate|up with silu_mul_input), w [N, K] -> [M, N] in x.dtype.
+    With ``norm_weight`` the GEMV input is ``rms_norm(x + residual)`` (``rms_norm(x)``
+    without residual) and the call returns ``(out, x + residual)`` (``(out, x)``)."""
+    norm = norm_weight is not None
+    assert not (norm and silu_mul_input), "norm prologue and silu-mul input do not combine"
+    assert residual is None or norm, "residual only with norm_weight"
     assert x.dim() == 2 and w.dim() == 2 and x.dtype == w.dtype, "x [M, K] and w [N, K] of one dtype"
     M, (N, K) = x.shape[0], w.shape
     assert x.shape[1] == (2 * K if silu_mul_input else K), "x width must be K (2K with silu_mul_input)"
@@ -213,6 +257,15 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
     if out is None:
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     assert out.shape == (M, N) and out.stride(1) == 1
+    resid = residual is not None
+    if resid:
+        assert residual.shape == x.shape and residual.dtype == x.dtype
+        if residual.stride(1) != 1:
+            residual = residual.contiguous()
+    new_res = torch.empty_like(x) if resid else x
+    if norm and (M == 0 or N == 0 or K == 0):  # degenerate: the unfused way
+        normed = _torch_norm(x, residual, norm_weight, eps)
+        return out.copy_(F.linear(normed, w, bias)), (x + residual if resid else x)
     if M == 0 or N == 0:
         return out
     if K == 0:
@@ -226,14 +279,25 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
     ws = _zeros(x.device, torch.float32, next_pow2(M * N)) if split else out
     cnt = _zeros(x.device, torch.int32, next_pow2(n_tiles)) if split else out
     m_pad = next_pow2(M)  # tl.dot pads small M itself
+    r = residual if resid else x
     _gemv_kernel[(n_tiles, n_splits)](
-        x, w, bias if bias is not None else w, out, ws, cnt,
+        x, w, bias if bias is not None else w, out, ws, cnt, r,
+        norm_weight if norm else w, new_res,
         M, N, K, x.stride(0), w.stride(0), out.stride(0), k_per_split, n_splits,
+        r.stride(0), new_res.stride(0), float(eps),
         M_PAD=m_pad, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, DOT=cfg["DOT"],
         IEEE=x.dtype == torch.float32, SILU_MUL=silu_mul_input, HAS_BIAS=bias is not None,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        NORM=norm, RESID=resid, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    return out
+    return (out, new_res) if norm else out
+
+
+def _torch_norm(x, residual, norm_weight, eps):
+    """The unfused numerics: rms_norm(x + residual) via kernels/rmsnorm.py's references."""
+    from .rmsnorm import reference_fused_add_rms_norm, reference_rms_norm
+    if residual is None:
+        return reference_rms_norm(x, norm_weight, eps)
+    return reference_fused_add_rms_norm(x, residual, norm_weight, eps)[0]
 
 
 def reference_linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -260,3 +324,21 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None
     if silu_mul_input:
         x = silu_and_mul(x)
     return F.linear(x, w, bias)
+
+
+def norm_linear(x: torch.Tensor, residual: Optional[torch.Tensor], w: torch.Tensor,
+                bias: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float):
+    """Pre-norm projection: ``(linear(rms_norm(x + residual)), x + residual)`` (``residual``
+    None: ``(linear(rms_norm(x)), x)``). On CUDA decode the norm runs as the GEMV's prologue
+    (one launch instead of two); elsewhere the norm op and ``linear``."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if (use_triton(x) and 0 < rows <= GEMV_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+            and w.dtype == x.dtype and w.stride(-1) == 1 and norm_weight.dtype == x.dtype
+            and prefer_gemv(rows, w.shape[0], w.shape[1])):
+        x2 = x.reshape(rows, x.shape[-1])
+        r2 = residual.reshape(rows, x.shape[-1]) if residual is not None else None
+        y, new_res = gemv_triton(x2, w, bias, norm_weight=norm_weight, residual=r2, eps=eps)
+        return y.view(*x.shape[:-1], w.shape[0]), new_res.view(x.shape)
+    from .rmsnorm import fused_add_rms_norm
+    normed, new_res = fused_add_rms_norm(x, residual, norm_weight, eps)
+    return linear(normed, w, bias), new_res

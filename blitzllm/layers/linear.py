@@ -12,6 +12,7 @@ from torch import nn
 
 from ..kernels.activation import silu_and_mul
 from ..kernels.gemv import linear as gemv_linear
+from ..kernels.gemv import norm_linear
 
 # BLITZ_GEMV=0 sends CUDA decode GEMMs back to cuBLAS (for A/B benchmarks)
 GEMV_ENABLED = os.environ.get("BLITZ_GEMV", "1") != "0"
@@ -49,6 +50,16 @@ class Linear(nn.Module):
             return nn.functional.linear(x.to(w.dtype), w, self.bias).to(x.dtype)
         return nn.functional.linear(x, w, self.bias)
 
+
+    def forward_norm(self, x: torch.Tensor, residual, norm) -> tuple:
+        """Pre-norm block entry: ``(self(norm(x + residual)), x + residual)``; ``norm`` is the
+        RMSNorm module. On CUDA decode the norm is the GEMV's prologue (one kernel)."""
+        if self.qweight is None and x.is_cuda and GEMV_ENABLED and x.dtype == self.weight.dtype:
+            return norm_linear(x, residual, self.weight, self.bias, norm.weight, norm.eps)
+        if residual is None:
+            return self(norm(x)), x
+        h, residual = norm(x, residual)
+        return self(h), residual
 
     # ---- weight-only int4 (CPU) -------------------------------------------------------
     def quantize_int4(self, group_size: int = 32) -> None:

@@ -50,13 +50,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions, x, residual):
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        # each RMSNorm (with the residual add) enters the projection after it, so CUDA
+        # decode runs it as that GEMV's prologue
+        attn, mlp = self.self_attn, self.mlp
+        qkv, residual = attn.qkv_proj.forward_norm(x, residual, self.input_layernorm)
+        x = attn.o_proj(attn.attn(positions, qkv))
+        gate_up, residual = mlp.gate_up_proj.forward_norm(x, residual, self.post_attention_layernorm)
+        return mlp.down_proj(gate_up, silu_mul_input=True), residual
 
 
 class DecoderModel(nn.Module):

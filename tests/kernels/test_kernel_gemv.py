@@ -6,7 +6,7 @@ pytest.importorskip("triton")
 
 from blitzllm.kernels import gemv as gv  # noqa: E402
 from blitzllm.kernels.activation import reference_silu_and_mul  # noqa: E402
-from blitzllm.kernels.gemv import gemv_config, prefer_gemv, gemv_triton, linear, reference_linear  # noqa: E402
+from blitzllm.kernels.gemv import gemv_config, norm_linear, prefer_gemv, gemv_triton, linear, reference_linear  # noqa: E402
 
 # relative to max |ref|; bf16: the interpreter rounds fp32 -> bf16 toward zero
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -87,6 +87,28 @@ def test_split_k_workspace_resets(cfg, device):
     close(gemv_triton(x2, w2, config=CONFIGS[cfg]), reference_linear(x2, w2), torch.float32)
     for buf in (gv._zeros(x.device, torch.float32, 1024), gv._zeros(x.device, torch.int32, 4)):
         assert not buf.any()
+
+
+@pytest.mark.parametrize("cfg", list(CONFIGS))
+@pytest.mark.parametrize("resid", [False, True])
+@pytest.mark.parametrize("dtype,m,k", [(torch.float32, 1, 33), (torch.float32, 3, 260),
+                                       (torch.bfloat16, 16, 96)])
+def test_norm_prologue(dtype, m, k, resid, cfg, device):
+    """norm_weight (+ residual): the GEMV of rms_norm(x + residual), and x + residual back."""
+    from blitzllm.kernels.rmsnorm import reference_fused_add_rms_norm, reference_rms_norm
+    x, w, b = make(m, 40, k, dtype, device)
+    nw = (1 + 0.1 * torch.randn(k)).to(device, dtype)
+    r = torch.randn(m, k).to(device, dtype) if resid else None
+    y, new_res = gemv_triton(x, w, b, norm_weight=nw, residual=r, eps=1e-5, config=CONFIGS[cfg])
+    if resid:
+        normed, want_res = reference_fused_add_rms_norm(x, r, nw, 1e-5)
+        close(new_res, want_res, dtype)  # (the interpreter's bf16 rounds toward zero)
+    else:
+        normed, want_res = reference_rms_norm(x, nw, 1e-5), x
+        assert new_res is x
+    close(y, reference_linear(normed, w, b), dtype)
+    y2, _ = norm_linear(x, r, w, b, nw, 1e-5)  # CPU dispatch: the unfused torch path
+    close(y2, reference_linear(normed, w, b), dtype)
 
 
 def test_config_heuristic():
