@@ -26,6 +26,10 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     qk_norm: bool = False
+    # MLA (DeepSeek): the cache holds one compressed latent plus the rope key per token and
+    # layer (kv_lora_rank + qk_rope_head_dim values), not per-head k and v
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple = ()
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)
@@ -38,8 +42,21 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def kv_cache_entry(self) -> tuple[int, int, int]:
+        """(tensors per layer, heads, dim) of one cached token: (2, Hkv, D) for k and v,
+        (1, 1, kv_lora_rank + qk_rope_head_dim) for MLA's latent cache."""
+        if self.is_mla:
+            return 1, 1, self.kv_lora_rank + self.qk_rope_head_dim
+        return 2, self.num_kv_heads, self.head_dim
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_layers * self.kv_size * dtype_bytes
+        n, h, d = self.kv_cache_entry
+        return n * self.num_layers * h * d * dtype_bytes
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], num_layers: Optional[int] = None) -> "ModelConfig":
@@ -71,7 +88,7 @@ class ModelConfig:
             architecture=arch,
             vocab_size=text["vocab_size"],
             hidden_size=hidden,
-            intermediate_size=text["intermediate_size"],
+            intermediate_size=text.get("intermediate_size", 0),
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=text.get("num_key_value_heads") or heads,
@@ -83,6 +100,8 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
             attention_bias=bool(text.get("attention_bias", arch == "Qwen2ForCausalLM")),
             qk_norm=arch.startswith("Qwen3"),
+            kv_lora_rank=int(text.get("kv_lora_rank") or 0),
+            qk_rope_head_dim=int(text.get("qk_rope_head_dim") or 0) if text.get("kv_lora_rank") else 0,
             bos_token_id=text.get("bos_token_id", cfg.get("bos_token_id")),
             eos_token_ids=eos_ids,
             hf_config=dict(cfg),

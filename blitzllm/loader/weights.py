@@ -42,6 +42,10 @@ def load_weights(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tens
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
     packed = getattr(model, "packed_modules", {})
+    # a model with weights that are not a plain copy or a packed shard (stacked MoE experts,
+    # MTP layers) claims them first: load_custom_weight(name, tensor) -> the keys it loaded,
+    # or None when the name is not its business
+    custom = getattr(model, "load_custom_weight", None)
     loaded: set[str] = set()
     bar = _progress(total or 0, "loading weights")
     for name, tensor in tensors:
@@ -49,6 +53,12 @@ def load_weights(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tens
             bar.update(1)
         if "rotary_emb.inv_freq" in name:
             continue
+        if custom is not None:
+            keys = custom(name, tensor)
+            if keys is not None:
+                loaded.update(keys)
+                del tensor
+                continue
         target, shard = name, None
         parts = name.split(".")
         for i, p in enumerate(parts):
@@ -90,9 +100,14 @@ def _is_unused_layer(name: str, model) -> bool:
 def _check_complete(model, params, modules, loaded):
     missing = []
     tied = {id(p) for n, p in params.items() if n in loaded}
+    required = getattr(model, "required_load_keys", None)  # pairs with load_custom_weight
     for n, p in params.items():
         mod = modules[n.rsplit(".", 1)[0]] if "." in n else model
-        if isinstance(mod, PackedLinear) and n.endswith(("weight", "bias")):
+        need = required(n) if required is not None else None
+        if need is not None:
+            if all(k in loaded for k in need):
+                continue
+        elif isinstance(mod, PackedLinear) and n.endswith(("weight", "bias")):
             need = [f"{n}#{i}" for i in range(len(mod.shard_sizes))]
             if all(k in loaded for k in need):
                 continue

@@ -58,6 +58,18 @@ def build_model(src: ModelSource, cfg: ModelConfig, device: torch.device, dtype:
     return model
 
 
+def allocate_kv_caches(cfg: ModelConfig, cache: CacheConfig, dtype, device) -> list:
+    """Per layer (k_cache, v_cache), each [num_blocks, block_size, heads, dim]; MLA models
+    get (latent_cache, None) with one head of kv_lora_rank + qk_rope_head_dim values."""
+    n, heads, dim = cfg.kv_cache_entry
+    shape = (cache.num_blocks, cache.block_size, heads, dim)
+    out = []
+    for _ in range(cfg.num_layers):
+        k = torch.zeros(shape, dtype=dtype, device=device)
+        out.append((k, torch.zeros(shape, dtype=dtype, device=device) if n == 2 else None))
+    return out
+
+
 class ModelRunner:
     def __init__(self, model, cfg: ModelConfig, cache: CacheConfig, device, dtype,
                  max_num_seqs: int = 256, max_model_len: int = 4096, enforce_eager: bool = False,
@@ -69,9 +81,7 @@ class ModelRunner:
         self.dtype = dtype
         self.backend = select_backend(device, attention_backend)
         self.sampler = Sampler()
-        shape = (cache.num_blocks, cache.block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
-                           torch.zeros(shape, dtype=dtype, device=device)) for _ in range(cfg.num_layers)]
+        self.kv_caches = allocate_kv_caches(cfg, cache, dtype, device)
         self.graphs = None
         self._ahead = None  # (key, SamplerOutput) of a launched look-ahead decode step
         if device.type == "cuda" and not enforce_eager and self.backend.name == "triton":
