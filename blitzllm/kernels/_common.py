@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -41,3 +42,38 @@ def device_sms(t: torch.Tensor) -> int:
     if t.is_cuda:
         return num_sms(t.device.index if t.device.index is not None else torch.cuda.current_device())
     return 8
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> tuple:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def pdl_enabled(t: torch.Tensor) -> bool:
+    """Programmatic dependent launch (Hopper+): a kernel launched with it may start while
+    the kernel before it finishes; it does its independent work (index math, weight loads)
+    and then waits (``pdl_wait``) for the previous kernel's writes. ``BLITZ_PDL=0`` turns it
+    off."""
+    if not (HAS_TRITON and t.is_cuda) or os.environ.get("BLITZ_PDL", "1") == "0":
+        return False
+    idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    return _capability(idx)[0] >= 9
+
+
+def pdl_launch_kwargs(enabled: bool) -> dict:
+    """Extra launch options for ``pdl_enabled`` launches (the interpreter takes none)."""
+    return {"launch_pdl": True} if enabled else {}
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """Wait until the previous kernel's writes are visible (no-op without PDL)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def pdl_launch_dependents(USE_PDL: tl.constexpr):
+    """Let the next PDL kernel launch once every program of this one got here."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()

@@ -33,15 +33,19 @@ workspace and counters are cached per (device, size), so once a first call
 (warm-up) has created them the calls can be captured in a CUDA graph.
 """
 import functools
+import os
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from ._common import device_sms, next_pow2, tl, triton, use_triton
+from ._common import (device_sms, next_pow2, pdl_enabled, pdl_launch_dependents, pdl_launch_kwargs, pdl_wait,
+                      tl, triton, use_triton)
 from .activation import reference_silu_and_mul, silu_and_mul
 
 GEMV_MAX_ROWS = 16
+# BLITZ_GEMV_NORM=0: pre-norms run as their own kernel instead of the GEMV prologue (A/B)
+_NORM_PROLOGUE = os.environ.get("BLITZ_GEMV_NORM", "1") != "0"
 _FMA_ACC_REGS = 32  # fp32 accumulator registers per thread allowed in the FMA path
 _CONFIG_KEYS = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "DOT", "num_warps", "num_stages")
 
@@ -69,6 +73,21 @@ def _gemv_input(x_ptrs, mask, K, SILU_MUL: tl.constexpr, NORM: tl.constexpr, RES
 
 
 @triton.jit
+def _gemv_accumulate(acc, a, w, DOT: tl.constexpr, IEEE: tl.constexpr, SILU_MUL: tl.constexpr):
+    """acc += a @ w^T: tensor cores (DOT) or elementwise fp32 FMAs reduced over K at the end."""
+    if DOT:
+        if IEEE:
+            acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(w), acc)
+    else:
+        if SILU_MUL:
+            a = a[None, :, :]
+        acc += a.to(tl.float32) * w.to(tl.float32)
+    return acc
+
+
+@triton.jit
 def _gemv_store(acc, b_ptr, out_ptrs, on, N, omask, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:
         acc += tl.load(b_ptr + on, mask=on < N, other=0.0).to(tl.float32)
@@ -82,6 +101,7 @@ def _gemv_kernel(
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
     SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESID: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     offs_m = tl.arange(0, M_PAD)
@@ -108,6 +128,9 @@ def _gemv_kernel(
         x_k = w_k
         x_ptrs = tl.broadcast_to(x_ptr + om[:, :, None] * stride_xm + x_k, (BLOCK_N, M_PAD, BLOCK_K))
         x_mask = om[:, :, None] < M
+    if USE_PDL:  # W does not depend on the kernel before: its first tile loads while that one ends
+        w_first = tl.load(w_ptrs, mask=w_mask & (w_k < K), other=0.0, eviction_policy="evict_first")
+    pdl_wait(USE_PDL)
     rstd = tl.zeros([M_PAD], dtype=tl.float32)
     r_ptrs = x_ptrs
     nw_ptrs = x_ptrs
@@ -135,21 +158,19 @@ def _gemv_kernel(
             rstd = rstd[None, :, None]
             r_ptrs = tl.broadcast_to(r_ptr + om[:, :, None] * stride_rm + x_k, (BLOCK_N, M_PAD, BLOCK_K))
             nw_ptrs = tl.broadcast_to(nw_ptr + x_k, (BLOCK_N, M_PAD, BLOCK_K))
+    k_begin = 0
+    if USE_PDL:  # the prefetched first tile
+        a = _gemv_input(x_ptrs, x_mask & (x_k < K), K, SILU_MUL, NORM, RESID, r_ptrs, nw_ptrs, rstd)
+        acc = _gemv_accumulate(acc, a, w_first, DOT, IEEE, SILU_MUL)
+        k_begin = BLOCK_K
     # a uniform trip count (the last split may run a few fully masked chunks)
-    for k in range(0, k_per_split, BLOCK_K):
+    for k in range(k_begin, k_per_split, BLOCK_K):
         # W is streamed once: evict it first, keep x and the workspace in L2
         w = tl.load(w_ptrs + k, mask=w_mask & (w_k < K - k), other=0.0, eviction_policy="evict_first")
         a = _gemv_input(x_ptrs + k, x_mask & (x_k < K - k), K, SILU_MUL, NORM, RESID,
                         r_ptrs + k, nw_ptrs + k, rstd)
-        if DOT:
-            if IEEE:
-                acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, tl.trans(w), acc)
-        else:  # elementwise fp32 FMAs, one reduction over K at the end
-            if SILU_MUL:
-                a = a[None, :, :]
-            acc += a.to(tl.float32) * w.to(tl.float32)
+        acc = _gemv_accumulate(acc, a, w, DOT, IEEE, SILU_MUL)
+    pdl_launch_dependents(USE_PDL)
     if not DOT:
         acc = tl.sum(acc, axis=2)
     omask = (om < M) & (on < N)
@@ -279,6 +300,7 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
     ws = _zeros(x.device, torch.float32, next_pow2(M * N)) if split else out
     cnt = _zeros(x.device, torch.int32, next_pow2(n_tiles)) if split else out
     m_pad = next_pow2(M)  # tl.dot pads small M itself
+    pdl = pdl_enabled(x)
     r = residual if resid else x
     _gemv_kernel[(n_tiles, n_splits)](
         x, w, bias if bias is not None else w, out, ws, cnt, r,
@@ -287,7 +309,8 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
         r.stride(0), new_res.stride(0), float(eps),
         M_PAD=m_pad, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, DOT=cfg["DOT"],
         IEEE=x.dtype == torch.float32, SILU_MUL=silu_mul_input, HAS_BIAS=bias is not None,
-        NORM=norm, RESID=resid, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        NORM=norm, RESID=resid, USE_PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **pdl_launch_kwargs(pdl),
     )
     return (out, new_res) if norm else out
 
@@ -332,7 +355,8 @@ def norm_linear(x: torch.Tensor, residual: Optional[torch.Tensor], w: torch.Tens
     None: ``(linear(rms_norm(x)), x)``). On CUDA decode the norm runs as the GEMV's prologue
     (one launch instead of two); elsewhere the norm op and ``linear``."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (use_triton(x) and 0 < rows <= GEMV_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+    if (_NORM_PROLOGUE and use_triton(x) and 0 < rows <= GEMV_MAX_ROWS
+            and x.dtype in (torch.bfloat16, torch.float16)
             and w.dtype == x.dtype and w.stride(-1) == 1 and norm_weight.dtype == x.dtype
             and prefer_gemv(rows, w.shape[0], w.shape[1])):
         x2 = x.reshape(rows, x.shape[-1])

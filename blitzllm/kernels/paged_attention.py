@@ -12,7 +12,8 @@ from typing import Optional
 
 import torch
 
-from ._common import device_sms, next_pow2, tl, triton, use_triton
+from ._common import (device_sms, next_pow2, pdl_enabled, pdl_launch_dependents, pdl_launch_kwargs, pdl_wait,
+                      tl, triton, use_triton)
 
 _LOG2E = 1.4426950408889634
 _NEG = -1.0e30  # finite "minus infinity" for running maxima: avoids inf - inf
@@ -67,11 +68,12 @@ def _decode_kernel(
     qk_scale, G,
     NUM_SPLITS: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr,
-    EARLY_V: tl.constexpr, FUSED_REDUCE: tl.constexpr,
+    EARLY_V: tl.constexpr, FUSED_REDUCE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    pdl_wait(USE_PDL)  # q and this step's k/v come from the kernel before
     seq_len = tl.load(seq_lens_ptr + b)
     # Each split takes a run of BLOCK_N tiles of this sequence's context. A split costs a
     # serial tile loop and the combine a serial loop over the active splits, so a short
@@ -105,6 +107,7 @@ def _decode_kernel(
             start_n, end, q_pos, qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
             offs_d, dmask,
             BLOCK_N, BLOCK_SIZE, False, IEEE, EARLY_V)
+    pdl_launch_dependents(USE_PDL)
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
@@ -271,6 +274,7 @@ def paged_decode_attention_triton(
     else:
         m = l_ = acc = out
     cnt = _split_counters(q.device) if fused else seq_lens
+    pdl = pdl_enabled(q) and (s == 1 or fused)
     _decode_kernel[(B, hkv, s)](
         q, k_cache, v_cache, block_tables, seq_lens, out, m, l_, acc, cnt,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -279,7 +283,7 @@ def paged_decode_attention_triton(
         float(scale) * _LOG2E, g,
         NUM_SPLITS=s, G_PAD=g_pad, D=d, D_PAD=d_pad, BLOCK_N=bn,
         BLOCK_SIZE=k_cache.shape[1], IEEE=ieee, EARLY_V=early_v, FUSED_REDUCE=fused,
-        num_warps=4, num_stages=num_stages,
+        USE_PDL=pdl, num_warps=4, num_stages=num_stages, **pdl_launch_kwargs(pdl),
     )
     if s > 1 and not fused:
         _decode_reduce_kernel[(B, hq)](

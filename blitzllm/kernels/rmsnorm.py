@@ -10,7 +10,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ._common import next_pow2, tl, triton, use_triton
+from ._common import next_pow2, pdl_enabled, pdl_launch_dependents, pdl_launch_kwargs, pdl_wait, tl, triton, use_triton
 
 
 @triton.jit
@@ -18,11 +18,13 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     stride_x, stride_r, stride_o, stride_ro,
     N, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    pdl_wait(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     dtype = x.dtype
     if HAS_RESIDUAL:
@@ -32,7 +34,7 @@ def _rms_norm_kernel(
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / N
     normed = (xf * tl.rsqrt(var + eps)).to(dtype)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    pdl_launch_dependents(USE_PDL)
     y = normed.to(tl.float32) * w.to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -57,6 +59,7 @@ def _launch(x, residual, weight, eps):
     else:
         r2, res_out, ro2 = x2, None, out2
     if rows > 0:
+        pdl = pdl_enabled(x2)
         block = next_pow2(n)
         num_warps = 4 if block <= 2048 else (8 if block <= 8192 else 16)
         _rms_norm_kernel[(rows,)](
@@ -64,6 +67,7 @@ def _launch(x, residual, weight, eps):
             x2.stride(0), r2.stride(0), out2.stride(0), ro2.stride(0),
             n, float(eps),
             HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps,
+            USE_PDL=pdl, **pdl_launch_kwargs(pdl),
         )
     return out, res_out
 
