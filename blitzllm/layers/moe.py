@@ -1,0 +1,192 @@
+"""Sparse mixture-of-experts block: a router (``gate``), stacked expert weights and the
+checkpoint mapping of per-expert tensors onto them. Shared by Qwen3-MoE, MiniMax-M2 and
+DeepSeek-V3; the routing ops come from ``kernels/moe.py`` (Triton on CUDA when its dispatch
+functions exist, the torch references otherwise). Knows nothing about attention or models.
+
+Building a block (``FusedMoE(hidden, inter, num_experts, top_k, **routing)``)::
+
+    Qwen3-MoE    FusedMoE(H, I, E, K, scoring="softmax", renormalize=cfg.norm_topk_prob)
+    MiniMax-M2   FusedMoE(H, I, E, K, scoring="sigmoid", correction_bias="block",
+                          expert_names=("w1", "w3", "w2"))
+    DeepSeek-V3  FusedMoE(H, I, E, K, scoring="sigmoid", correction_bias="gate",
+                          n_group=8, topk_group=4, renormalize=True,
+                          scaling=routed_scaling_factor, shared_experts=DenseMLP(H, I * n_shared))
+
+``correction_bias`` says where the checkpoint keeps ``e_score_correction_bias``: on the
+router (``mlp.gate.e_score_correction_bias``, DeepSeek) or on the block itself
+(``block_sparse_moe.e_score_correction_bias``, MiniMax); the parameter lives at that name
+so it loads as a plain copy. ``shared_experts`` is any module mapping [T, H] -> [T, H]
+(a dense gated MLP); its output is added to the routed experts' output, and it is named
+``<block>.shared_experts`` like the HF checkpoints.
+
+Parameter names: ``<block>.gate.weight`` [E, H], ``<block>.w13`` [E, 2I, H] (gate rows then
+up rows, the layout of transformers' fused ``experts.gate_up_proj``), ``<block>.w2`` [E, H, I]
+(``experts.down_proj``). ``load_expert_weight`` / ``expert_load_keys`` are the model's
+``load_custom_weight`` / ``required_load_keys`` for them; ``hf_expert_tensors`` the inverse.
+"""
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..kernels import moe as moe_ops
+
+# dispatch functions of kernels/moe.py when they exist (Triton on CUDA, torch otherwise)
+_router_gemm = getattr(moe_ops, "router_gemm", moe_ops.reference_router_gemm)
+_select_experts = getattr(moe_ops, "select_experts", moe_ops.reference_select_experts)
+_fused_moe = getattr(moe_ops, "fused_moe", moe_ops.reference_fused_moe)
+
+SCORINGS = ("softmax", "sigmoid")
+
+
+class Router(nn.Module):
+    """The gate: ``weight`` [E, H], optional ``e_score_correction_bias`` [E] (selection only)."""
+
+    def __init__(self, hidden: int, num_experts: int, correction_bias: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False) \
+            if correction_bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> fp32 router logits [T, E]."""
+        return _router_gemm(x, self.weight)
+
+
+class FusedMoE(nn.Module):
+    """Routed experts (top-k of E) plus optional shared experts; forward x [T, H] -> [T, H]."""
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
+                 scoring: str = "softmax", correction_bias: Optional[str] = None,
+                 n_group: int = 1, topk_group: int = 1, renormalize: bool = True, scaling: float = 1.0,
+                 shared_experts: Optional[nn.Module] = None,
+                 expert_names: tuple = ("gate_proj", "up_proj", "down_proj")):
+        super().__init__()
+        if scoring not in SCORINGS:
+            raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
+        if correction_bias not in (None, "gate", "block"):
+            raise ValueError(f"correction_bias must be None, 'gate' or 'block', got {correction_bias!r}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+        if n_group > 1 and (num_experts % n_group or not 1 <= topk_group <= n_group):
+            raise ValueError(f"n_group={n_group} must divide num_experts={num_experts} and "
+                             f"topk_group={topk_group} must be in [1, n_group]")
+        self.hidden, self.intermediate = hidden, intermediate
+        self.num_experts, self.top_k = num_experts, top_k
+        self.scoring, self.n_group, self.topk_group = scoring, n_group, topk_group
+        self.renormalize, self.scaling = renormalize, float(scaling)
+        self.expert_names = tuple(expert_names)  # checkpoint names of (gate, up, down) per expert
+        self.gate = Router(hidden, num_experts, correction_bias == "gate")
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False) \
+            if correction_bias == "block" else None
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.shared_experts = shared_experts
+
+    @property
+    def correction_bias(self) -> Optional[torch.Tensor]:
+        b = self.e_score_correction_bias
+        return self.gate.e_score_correction_bias if b is None else b
+
+    def route(self, x: torch.Tensor):
+        """x [T, H] -> (topk weights [T, K] fp32, topk ids [T, K] int32)."""
+        return _select_experts(self.gate(x), self.top_k, self.scoring, self.correction_bias,
+                               self.n_group, self.topk_group, self.renormalize, self.scaling)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        out = _fused_moe(x, self.w13, self.w2, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+# ---- checkpoint mapping --------------------------------------------------------------
+
+# <block>.experts.<e>.<proj>.weight (per expert, as checkpoints on disk) or
+# <block>.experts.gate_up_proj / .down_proj (transformers' fused in-memory layout)
+_PER_EXPERT = re.compile(r"^(?P<block>.+)\.experts\.(?P<e>\d+)\.(?P<proj>\w+)\.weight$")
+_FUSED = re.compile(r"^(?P<block>.+)\.experts\.(?P<proj>gate_up_proj|down_proj)$")
+HF_FUSED_NAMES = {"w13": "gate_up_proj", "w2": "down_proj"}
+
+
+def _key(block: str, e: int, part: str) -> str:
+    return f"{block}.experts.{e}.{part}"
+
+
+def _stacked_keys(block: str, moe: "FusedMoE", leaf: str) -> list:
+    """Load keys of every expert's slice of the stacked parameter ``leaf`` (w13 or w2)."""
+    names = moe.expert_names[:2] if leaf == "w13" else moe.expert_names[2:]
+    return [_key(block, e, p) for e in range(moe.num_experts) for p in names]
+
+
+def load_expert_weight(model: nn.Module, name: str, tensor: torch.Tensor) -> Optional[list]:
+    """A ``load_custom_weight`` for expert tensors: copies ``name`` into the stacked weights
+    of the ``FusedMoE`` it belongs to and returns the load keys it filled. None when
+    ``name`` is not an expert tensor of this model (the loader then skips layers past a
+    ``num_layers`` override and rejects the rest)."""
+    m = _PER_EXPERT.match(name) or _FUSED.match(name)
+    if m is None:
+        return None
+    block = m["block"]
+    moe = _find_module(model, block)
+    if not isinstance(moe, FusedMoE):
+        return None
+    proj = m["proj"]
+    inter = moe.intermediate
+    with torch.no_grad():
+        if m.groupdict().get("e") is not None:
+            e = int(m["e"])
+            if not 0 <= e < moe.num_experts or proj not in moe.expert_names:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
+            part = moe.expert_names.index(proj)
+            dst = moe.w13[e, part * inter:(part + 1) * inter] if part < 2 else moe.w2[e]
+            _copy(dst, tensor, name)
+            return [_key(block, e, proj)]
+        leaf = "w13" if proj == "gate_up_proj" else "w2"
+        _copy(getattr(moe, leaf), tensor, name)
+        return _stacked_keys(block, moe, leaf)
+
+
+def expert_load_keys(model: nn.Module, param_name: str) -> Optional[list]:
+    """A ``required_load_keys``: the per-expert keys that must all be loaded for a stacked
+    parameter (``<block>.w13`` / ``<block>.w2``); None for any other parameter."""
+    block, _, leaf = param_name.rpartition(".")
+    if leaf not in HF_FUSED_NAMES:
+        return None
+    moe = _find_module(model, block)
+    return _stacked_keys(block, moe, leaf) if isinstance(moe, FusedMoE) else None
+
+
+def hf_expert_tensors(block: str, moe: FusedMoE, leaf: str, param: torch.Tensor,
+                      per_expert: bool = False) -> dict:
+    """The inverse of ``load_expert_weight`` for one stacked parameter: transformers' fused
+    names (views) or, with ``per_expert``, the checkpoint's per-expert names (views)."""
+    if not per_expert:
+        return {f"{block}.experts.{HF_FUSED_NAMES[leaf]}": param}
+    gate, up, down = moe.expert_names
+    inter, out = moe.intermediate, {}
+    for e in range(moe.num_experts):
+        if leaf == "w13":
+            out[f"{_key(block, e, gate)}.weight"] = param[e, :inter]
+            out[f"{_key(block, e, up)}.weight"] = param[e, inter:]
+        else:
+            out[f"{_key(block, e, down)}.weight"] = param[e]
+    return out
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(src.shape)}, model {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+def _find_module(model: nn.Module, path: str) -> Optional[nn.Module]:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
+
