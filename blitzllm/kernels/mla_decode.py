@@ -3,12 +3,213 @@ absorbed form: W_kv_b's key half is folded into the query and its value half app
 the output by the caller, so attention reads only the cache.
 
 Cache: [num_blocks, block_size, 1, R + P] per layer: the normalised compressed latent
-(R = kv_lora_rank) then the rotated rope key (P = qk_rope_head_dim). This file holds the
-torch reference; the Triton kernel sits next to it with the same signature.
+(R = kv_lora_rank) then the rotated rope key (P = qk_rope_head_dim). Every head attends
+to the same latent rows, so a Triton program takes a block of BLOCK_H heads and a run of
+cache tiles: each [BLOCK_N, R + P] tile is loaded once and used by both products,
+S = q_latent @ c^T + q_rope @ k_rope^T and acc += softmax(S) @ c (fp32 online softmax,
+exp2 with the scale folded in). At DeepSeek-V3's H = 128 that is ~240 flops per cache
+byte: the kernel is bound by tensor-core throughput as much as by HBM, so it needs every
+SM busy even at batch 1. The context is split (split-K) so that batch x head blocks x
+splits fills the GPU about once; a sequence whose context fits one split writes its
+output directly, longer ones leave normalised fp32 partials and a log-sum-exp that a
+second, small launch combines per (sequence, head). The combine is a separate launch
+(unlike paged_attention's fused one) because a split's partial is BLOCK_H x R fp32
+(128 KB at 64 x 512): one program combining 64 of them serially would take longer than
+the attention. Neither launch syncs with the host and the grid depends only on shapes,
+so the op can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+
+from ._common import device_sms, next_pow2, tl, triton, use_triton
+
+_LOG2E = 1.4426950408889634
+_MAX_SPLITS = 128
+
+
+@triton.jit
+def _split_plan(seq_len, num_splits, BLOCK_N: tl.constexpr):
+    """(tiles per split, active splits) of a sequence: its BLOCK_N tiles spread evenly
+    over at most num_splits splits; split 0 is active even for an empty sequence."""
+    n_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
+    per = tl.maximum((n_tiles + num_splits - 1) // num_splits, 1)
+    n_active = tl.maximum((n_tiles + per - 1) // per, 1)
+    return per, n_active
+
+
+@triton.jit
+def _mla_split_kernel(
+    qn_ptr, qr_ptr, cache_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_ptr, lse_ptr,
+    stride_qnb, stride_qnh, stride_qrb, stride_qrh, stride_cb, stride_ct, stride_bt,
+    stride_ob, stride_oh, H, qk_scale,
+    R: tl.constexpr, P: tl.constexpr, R_PAD: tl.constexpr, P_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    hb = tl.program_id(0)  # fastest axis: the head blocks of one tile run side by side (L2 reuse)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+    num_splits = tl.num_programs(1)
+    seq_len = tl.load(seq_lens_ptr + b)
+    per, n_active = _split_plan(seq_len, num_splits, BLOCK_N)
+    if split >= n_active:
+        return
+    start = split * per * BLOCK_N
+    end = tl.minimum(start + per * BLOCK_N, seq_len)
+
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    offs_r = tl.arange(0, R_PAD)
+    offs_p = tl.arange(0, P_PAD)
+    rmask = offs_r < R
+    pmask = offs_p < P
+    b64 = b.to(tl.int64)
+    qn = tl.load(qn_ptr + b64 * stride_qnb + heads[:, None] * stride_qnh + offs_r[None, :],
+                 mask=hmask[:, None] & rmask[None, :], other=0.0)
+    qr = tl.load(qr_ptr + b64 * stride_qrb + heads[:, None] * stride_qrh + offs_p[None, :],
+                 mask=hmask[:, None] & pmask[None, :], other=0.0)
+    acc = tl.zeros([BLOCK_H, R_PAD], dtype=tl.float32)
+    m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)  # finite: no inf - inf
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    bt = bt_ptr + b64 * stride_bt
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        valid = offs_n < end
+        blk = tl.load(bt + offs_n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        row = cache_ptr + blk * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct
+        c = tl.load(row[:, None] + offs_r[None, :], mask=valid[:, None] & rmask[None, :], other=0.0)
+        kr = tl.load(row[:, None] + R + offs_p[None, :], mask=valid[:, None] & pmask[None, :],
+                     other=0.0)
+        if IEEE:
+            s = tl.dot(qn, tl.trans(c), input_precision="ieee")
+            s = tl.dot(qr, tl.trans(kr), s, input_precision="ieee")
+        else:
+            s = tl.dot(qn, tl.trans(c))
+            s = tl.dot(qr, tl.trans(kr), s)
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, c, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
+        m_i = m_new
+    safe_l = tl.where(l_i > 0.0, l_i, 1.0)
+    out = acc / safe_l[:, None]
+    omask = hmask[:, None] & rmask[None, :]
+    if n_active == 1:  # the whole context in this split: final output, no combine
+        tl.store(out_ptr + b64 * stride_ob + heads[:, None] * stride_oh + offs_r[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=omask)
+    else:  # partials [B, H, num_splits] (+ [R_PAD]): normalised output and base-2 lse
+        prow = (b64 * H + heads) * num_splits + split
+        tl.store(part_ptr + prow[:, None] * R_PAD + offs_r[None, :], out, mask=omask)
+        tl.store(lse_ptr + prow, m_i + tl.log2(safe_l), mask=hmask)
+
+
+@triton.jit
+def _mla_combine_kernel(
+    part_ptr, lse_ptr, seq_lens_ptr, out_ptr, stride_ob, stride_oh, H, num_splits,
+    R: tl.constexpr, R_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    S_CHUNK: tl.constexpr,
+):
+    """out[b, h, r-chunk] = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max)."""
+    h = tl.program_id(0)
+    rb = tl.program_id(1)
+    b = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    per, n_active = _split_plan(seq_len, num_splits, BLOCK_N)
+    if n_active == 1:  # the split kernel wrote this row itself
+        return
+    prow = (b.to(tl.int64) * H + h) * num_splits
+    offs_s = tl.arange(0, S_CHUNK)
+    offs_r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    top = tl.full([S_CHUNK], -1.0e30, dtype=tl.float32)
+    for s0 in range(0, n_active, S_CHUNK):
+        lse = tl.load(lse_ptr + prow + s0 + offs_s, mask=s0 + offs_s < n_active, other=-1.0e30)
+        top = tl.maximum(top, lse)
+    top_all = tl.max(top, axis=0)
+    total = tl.zeros([S_CHUNK], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for s0 in range(0, n_active, S_CHUNK):  # S_CHUNK partial rows a step: many loads in flight
+        smask = s0 + offs_s < n_active
+        lse = tl.load(lse_ptr + prow + s0 + offs_s, mask=smask, other=0.0)
+        w = tl.where(smask, tl.exp2(lse - top_all), 0.0)
+        o = tl.load(part_ptr + (prow + s0 + offs_s)[:, None] * R_PAD + offs_r[None, :],
+                    mask=smask[:, None], other=0.0)
+        acc += tl.sum(o * w[:, None], axis=0)
+        total += w
+    out = acc / tl.sum(total, axis=0)
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_r,
+             out.to(out_ptr.dtype.element_ty), mask=offs_r < R)
+
+
+def mla_config(B: int, H: int, R: int, max_ctx: int, sms: int, config: Optional[dict] = None) -> dict:
+    """Launch settings: heads per program, tokens per tile, warps, stages, context splits.
+    Entries of `config` override the heuristic (the benchmark sweeps them)."""
+    cfg = dict(config or {})
+    block_h = cfg.get("BLOCK_H") or (64 if H > 32 else max(16, next_pow2(H)))
+    block_n = cfg.get("BLOCK_N") or (32 if next_pow2(R) >= 256 else 16)
+    hb = triton.cdiv(H, block_h)
+    # One wave: batch x head blocks x splits <= resident programs (a 64-head program holds
+    # ~128 fp32 acc registers a thread and ~150 KB of shared memory: one per SM; smaller
+    # ones fit two), never more splits than tiles in the widest context.
+    per_sm = 1 if block_h >= 64 else 2
+    splits = cfg.get("SPLITS") or max(1, sms * per_sm // max(1, B * hb))
+    splits = max(1, min(splits, _MAX_SPLITS, triton.cdiv(max(1, max_ctx), block_n)))
+    return dict(BLOCK_H=block_h, BLOCK_N=block_n, SPLITS=splits,
+                num_warps=cfg.get("num_warps") or (8 if block_h >= 64 else 4),
+                num_stages=cfg.get("num_stages") or 2)
+
+
+def mla_decode_triton(q_latent, q_rope, cache, block_tables, seq_lens, scale,
+                      config: Optional[dict] = None):
+    """Same contract as reference_mla_decode; `config` overrides mla_config's choices."""
+    B, H, R = q_latent.shape
+    P = q_rope.shape[2]
+    assert cache.dim() == 4 and cache.shape[2] == 1 and cache.shape[3] == R + P, cache.shape
+    assert q_rope.shape[:2] == (B, H) and cache.stride(3) == 1
+    out = torch.empty_like(q_latent)
+    if B == 0 or H == 0:
+        return out
+    if q_latent.dtype != cache.dtype:  # the products run in the cache's precision
+        q_latent = q_latent.to(cache.dtype)
+    if q_rope.dtype != cache.dtype:
+        q_rope = q_rope.to(cache.dtype)
+    if q_latent.stride(2) != 1:
+        q_latent = q_latent.contiguous()
+    if q_rope.stride(2) != 1:
+        q_rope = q_rope.contiguous()
+    bs = cache.shape[1]
+    cfg = mla_config(B, H, R, block_tables.shape[1] * bs, device_sms(q_latent), config)
+    s, r_pad = cfg["SPLITS"], next_pow2(R)
+    if s > 1:
+        part = torch.empty((B, H, s, r_pad), dtype=torch.float32, device=out.device)
+        lse = torch.empty((B, H, s), dtype=torch.float32, device=out.device)
+    else:
+        part = lse = out  # never touched: every sequence has one split
+    grid = (triton.cdiv(H, cfg["BLOCK_H"]), s, B)
+    _mla_split_kernel[grid](
+        q_latent, q_rope, cache, block_tables, seq_lens, out, part, lse,
+        q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
+        cache.stride(0), cache.stride(1), block_tables.stride(0),
+        out.stride(0), out.stride(1), H, float(scale) * _LOG2E,
+        R=R, P=P, R_PAD=r_pad, P_PAD=next_pow2(P), BLOCK_H=cfg["BLOCK_H"],
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_SIZE=bs, IEEE=cache.dtype == torch.float32,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if s > 1:
+        block_r = min(r_pad, 128)
+        _mla_combine_kernel[(H, r_pad // block_r, B)](
+            part, lse, seq_lens, out, out.stride(0), out.stride(1), H, s,
+            R=R, R_PAD=r_pad, BLOCK_R=block_r, BLOCK_N=cfg["BLOCK_N"],
+            S_CHUNK=min(32, next_pow2(s)), num_warps=4,
+        )
+    return out
 
 
 def reference_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
@@ -27,3 +228,12 @@ def reference_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
         s = (q_latent[b].float() @ kv[:, :R].t() + q_rope[b].float() @ kv[:, R:].t()) * scale
         out[b] = (torch.softmax(s, dim=-1) @ kv[:, :R]).to(out.dtype)
     return out
+
+
+def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
+               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Absorbed MLA decode (see reference_mla_decode for shapes): the Triton kernels for
+    CUDA tensors (no host sync: CUDA-graph safe), the torch reference otherwise."""
+    if use_triton(q_latent):
+        return mla_decode_triton(q_latent, q_rope, cache, block_tables, seq_lens, scale)
+    return reference_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, scale)
