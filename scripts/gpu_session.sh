@@ -23,6 +23,10 @@ for part in "$@"; do case $part in
        L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        run 80 qwen_pdl1_norm1 $Q; BLITZ_PDL=0 run 80 qwen_pdl0_norm1 $Q; BLITZ_GEMV_NORM=0 run 80 qwen_pdl1_norm0 $Q
        run 90 llama_pdl1_norm1 $L; BLITZ_GEMV_NORM=0 run 90 llama_pdl1_norm0 $L; BLITZ_PDL=0 run 90 llama_pdl0_norm1 $L ;;
+  ab2) Q="--model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
+       L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
+       run 80 qwen_norm1 $Q; BLITZ_GEMV_NORM=0 run 80 qwen_norm0 $Q; BLITZ_GEMV_NORM=0 BLITZ_GEMV_PREFETCH=0 run 80 qwen_norm0_pf0 $Q
+       run 90 llama_norm1 $L; BLITZ_GEMV_NORM=0 run 90 llama_norm0 $L; BLITZ_GEMV_NORM=0 BLITZ_GEMV_PREFETCH=0 run 90 llama_norm0_pf0 $L ;;
   latcmp) run 240 llama_b1 --model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --compare hf ;;
   b64) run 100 llama_b64 --model preset:llama-3.1-8b --batch-size 64 --input-len 1000 --output-len 64 --max-num-seqs 64 ;;
   ttft) run 70 llama_ttft10k --model preset:llama-3.1-8b --batch-size 1 --input-len 10000 --output-len 4 --max-num-seqs 1 --enforce-eager ;;

@@ -46,6 +46,8 @@ from .activation import reference_silu_and_mul, silu_and_mul
 GEMV_MAX_ROWS = 16
 # BLITZ_GEMV_NORM=0: pre-norms run as their own kernel instead of the GEMV prologue (A/B)
 _NORM_PROLOGUE = os.environ.get("BLITZ_GEMV_NORM", "1") != "0"
+# BLITZ_GEMV_PREFETCH=0: the FMA path loads each W tile when it needs it (A/B)
+_FMA_PREFETCH = os.environ.get("BLITZ_GEMV_PREFETCH", "1") != "0"
 _FMA_ACC_REGS = 32  # fp32 accumulator registers per thread allowed in the FMA path
 _CONFIG_KEYS = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "DOT", "num_warps", "num_stages")
 
@@ -101,7 +103,7 @@ def _gemv_kernel(
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
     SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESID: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     offs_m = tl.arange(0, M_PAD)
@@ -128,8 +130,11 @@ def _gemv_kernel(
         x_k = w_k
         x_ptrs = tl.broadcast_to(x_ptr + om[:, :, None] * stride_xm + x_k, (BLOCK_N, M_PAD, BLOCK_K))
         x_mask = om[:, :, None] < M
-    if USE_PDL:  # W does not depend on the kernel before: its first tile loads while that one ends
-        w_first = tl.load(w_ptrs, mask=w_mask & (w_k < K), other=0.0, eviction_policy="evict_first")
+    # W does not depend on the kernel before: its first tile loads (with PDL, while that
+    # kernel ends). The FMA path then keeps the next tile's load in flight during each
+    # tile's FMAs (registers double-buffered; Triton pipelines only loads feeding tl.dot).
+    if PREFETCH:
+        w_cur = tl.load(w_ptrs, mask=w_mask & (w_k < K), other=0.0, eviction_policy="evict_first")
     pdl_wait(USE_PDL)
     rstd = tl.zeros([M_PAD], dtype=tl.float32)
     r_ptrs = x_ptrs
@@ -158,18 +163,28 @@ def _gemv_kernel(
             rstd = rstd[None, :, None]
             r_ptrs = tl.broadcast_to(r_ptr + om[:, :, None] * stride_rm + x_k, (BLOCK_N, M_PAD, BLOCK_K))
             nw_ptrs = tl.broadcast_to(nw_ptr + x_k, (BLOCK_N, M_PAD, BLOCK_K))
-    k_begin = 0
-    if USE_PDL:  # the prefetched first tile
-        a = _gemv_input(x_ptrs, x_mask & (x_k < K), K, SILU_MUL, NORM, RESID, r_ptrs, nw_ptrs, rstd)
-        acc = _gemv_accumulate(acc, a, w_first, DOT, IEEE, SILU_MUL)
-        k_begin = BLOCK_K
     # a uniform trip count (the last split may run a few fully masked chunks)
-    for k in range(k_begin, k_per_split, BLOCK_K):
-        # W is streamed once: evict it first, keep x and the workspace in L2
-        w = tl.load(w_ptrs + k, mask=w_mask & (w_k < K - k), other=0.0, eviction_policy="evict_first")
-        a = _gemv_input(x_ptrs + k, x_mask & (x_k < K - k), K, SILU_MUL, NORM, RESID,
-                        r_ptrs + k, nw_ptrs + k, rstd)
-        acc = _gemv_accumulate(acc, a, w, DOT, IEEE, SILU_MUL)
+    if PREFETCH and not DOT:
+        for k in range(0, k_per_split, BLOCK_K):
+            nk = k + BLOCK_K  # the next tile of this split, if any
+            w_next = tl.load(w_ptrs + nk, mask=w_mask & (w_k < K - nk) & (nk < k_per_split), other=0.0,
+                             eviction_policy="evict_first")
+            a = _gemv_input(x_ptrs + k, x_mask & (x_k < K - k), K, SILU_MUL, NORM, RESID,
+                            r_ptrs + k, nw_ptrs + k, rstd)
+            acc = _gemv_accumulate(acc, a, w_cur, DOT, IEEE, SILU_MUL)
+            w_cur = w_next
+    else:
+        k_begin = 0
+        if PREFETCH:  # the prefetched first tile (tensor-core path with PDL)
+            a = _gemv_input(x_ptrs, x_mask & (x_k < K), K, SILU_MUL, NORM, RESID, r_ptrs, nw_ptrs, rstd)
+            acc = _gemv_accumulate(acc, a, w_cur, DOT, IEEE, SILU_MUL)
+            k_begin = BLOCK_K
+        for k in range(k_begin, k_per_split, BLOCK_K):
+            # W is streamed once: evict it first, keep x and the workspace in L2
+            w = tl.load(w_ptrs + k, mask=w_mask & (w_k < K - k), other=0.0, eviction_policy="evict_first")
+            a = _gemv_input(x_ptrs + k, x_mask & (x_k < K - k), K, SILU_MUL, NORM, RESID,
+                            r_ptrs + k, nw_ptrs + k, rstd)
+            acc = _gemv_accumulate(acc, a, w, DOT, IEEE, SILU_MUL)
     pdl_launch_dependents(USE_PDL)
     if not DOT:
         acc = tl.sum(acc, axis=2)
@@ -309,7 +324,8 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
         r.stride(0), new_res.stride(0), float(eps),
         M_PAD=m_pad, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, DOT=cfg["DOT"],
         IEEE=x.dtype == torch.float32, SILU_MUL=silu_mul_input, HAS_BIAS=bias is not None,
-        NORM=norm, RESID=resid, USE_PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        NORM=norm, RESID=resid, USE_PDL=pdl, PREFETCH=pdl or (_FMA_PREFETCH and not cfg["DOT"]),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **pdl_launch_kwargs(pdl),
     )
     return (out, new_res) if norm else out

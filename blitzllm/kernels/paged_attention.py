@@ -61,6 +61,39 @@ def _attn_tile(
 
 
 @triton.jit
+def _combine_splits(m_ptr, l_ptr, acc_ptr, out_ptr, b, head0, G, n_active, base, stride_ob, stride_oh,
+                    NUM_SPLITS: tl.constexpr, G_COMB: tl.constexpr, COMBINE: tl.constexpr,
+                    D: tl.constexpr, D_PAD: tl.constexpr):
+    """Merge the first n_active split partials of query heads [head0, head0 + G) (rows
+    base + g * NUM_SPLITS + split) and write the output: COMBINE splits per round, their
+    loads issued together ([G_COMB, COMBINE, D_PAD] tiles from L2)."""
+    offs_g = tl.arange(0, G_COMB)
+    offs_s = tl.arange(0, COMBINE)
+    offs_d = tl.arange(0, D_PAD)
+    gmask = offs_g < G
+    m_all = tl.full([G_COMB], -1.0e30, dtype=tl.float32)
+    l_all = tl.zeros([G_COMB], dtype=tl.float32)
+    o_all = tl.zeros([G_COMB, D_PAD], dtype=tl.float32)
+    for s0 in range(0, n_active, COMBINE):
+        rows = base + offs_g[:, None] * NUM_SPLITS + s0 + offs_s[None, :]   # [G_COMB, COMBINE]
+        ok = gmask[:, None] & ((s0 + offs_s) < n_active)[None, :]
+        m_s = tl.load(m_ptr + rows, mask=ok, other=-1.0e30, cache_modifier=".cg")
+        l_s = tl.load(l_ptr + rows, mask=ok, other=0.0, cache_modifier=".cg")
+        a_s = tl.load(acc_ptr + rows[:, :, None] * D_PAD + offs_d[None, None, :],
+                      mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m_all, tl.max(m_s, axis=1))
+        w_old = tl.exp2(m_all - m_new)
+        w_s = tl.exp2(m_s - m_new[:, None])
+        l_all = l_all * w_old + tl.sum(l_s * w_s, axis=1)
+        o_all = o_all * w_old[:, None] + tl.sum(a_s * w_s[:, :, None], axis=1)
+        m_all = m_new
+    out = o_all / tl.where(l_all > 0.0, l_all, 1.0)[:, None]
+    heads = head0 + offs_g
+    o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & (offs_d < D)[None, :])
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr,
     stride_qb, stride_qh, stride_ob, stride_oh,
@@ -69,20 +102,19 @@ def _decode_kernel(
     NUM_SPLITS: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr,
     EARLY_V: tl.constexpr, FUSED_REDUCE: tl.constexpr, USE_PDL: tl.constexpr,
+    G_COMB: tl.constexpr, COMBINE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     pdl_wait(USE_PDL)  # q and this step's k/v come from the kernel before
     seq_len = tl.load(seq_lens_ptr + b)
-    # Each split takes a run of BLOCK_N tiles of this sequence's context. A split costs a
-    # serial tile loop and the combine a serial loop over the active splits, so a short
-    # context uses only about sqrt(tiles) splits of about sqrt(tiles) tiles each; the rest
-    # of the grid exits at once. (plain arithmetic: tl.cdiv is itself a jit function)
+    # Each split takes a run of BLOCK_N tiles of this sequence's context, as few as spread
+    # the context over the splits (one tile each for a short context); idle splits exit at
+    # once. The combine reads COMBINE splits per round, so it costs only a few L2 round
+    # trips. (plain arithmetic: tl.cdiv is itself a jit function)
     n_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
-    root = tl.sqrt(n_tiles.to(tl.float32)).to(tl.int32)
-    root = tl.where(root * root < n_tiles, root + 1, root)
-    per = tl.maximum(tl.maximum((n_tiles + NUM_SPLITS - 1) // NUM_SPLITS, root), 1)
+    per = tl.maximum((n_tiles + NUM_SPLITS - 1) // NUM_SPLITS, 1)
     n_active = (n_tiles + per - 1) // per
     chunk = per * BLOCK_N
     start = split * chunk
@@ -125,24 +157,9 @@ def _decode_kernel(
             slot = cnt_ptr + b * tl.num_programs(1) + kvh
             done = tl.atomic_add(slot, 1, sem="acq_rel")
             if done == NUM_SPLITS - 1:
-                base = (b * (tl.num_programs(1) * G) + heads).to(tl.int64) * NUM_SPLITS
-                m_all = tl.full([G_PAD], -1.0e30, dtype=tl.float32)
-                l_all = tl.zeros([G_PAD], dtype=tl.float32)
-                o_all = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
-                for sp in range(n_active):
-                    m_s = tl.load(m_ptr + base + sp, mask=gmask, other=-1.0e30, cache_modifier=".cg")
-                    l_s = tl.load(l_ptr + base + sp, mask=gmask, other=0.0, cache_modifier=".cg")
-                    a_s = tl.load(acc_ptr + (base + sp)[:, None] * D_PAD + offs_d[None, :],
-                                  mask=gmask[:, None], other=0.0, cache_modifier=".cg")
-                    m_new = tl.maximum(m_all, m_s)
-                    w_old = tl.exp2(m_all - m_new)
-                    w_s = tl.exp2(m_s - m_new)
-                    l_all = l_all * w_old + l_s * w_s
-                    o_all = o_all * w_old[:, None] + a_s * w_s[:, None]
-                    m_all = m_new
-                out = o_all / tl.where(l_all > 0.0, l_all, 1.0)[:, None]
-                o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-                tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=qmask)
+                _combine_splits(m_ptr, l_ptr, acc_ptr, out_ptr, b, kvh * G, G, n_active,
+                                (b * (tl.num_programs(1) * G) + kvh * G).to(tl.int64) * NUM_SPLITS,
+                                stride_ob, stride_oh, NUM_SPLITS, G_COMB, COMBINE, D, D_PAD)
                 tl.atomic_xchg(slot, 0)  # ready for the next launch (CUDA graph replays too)
 
 
@@ -275,6 +292,8 @@ def paged_decode_attention_triton(
         m = l_ = acc = out
     cnt = _split_counters(q.device) if fused else seq_lens
     pdl = pdl_enabled(q) and (s == 1 or fused)
+    g_comb = next_pow2(g)  # the combine's tiles hold the real heads only
+    combine = max(1, min(next_pow2(s), 4096 // (g_comb * d_pad)))
     _decode_kernel[(B, hkv, s)](
         q, k_cache, v_cache, block_tables, seq_lens, out, m, l_, acc, cnt,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -283,7 +302,8 @@ def paged_decode_attention_triton(
         float(scale) * _LOG2E, g,
         NUM_SPLITS=s, G_PAD=g_pad, D=d, D_PAD=d_pad, BLOCK_N=bn,
         BLOCK_SIZE=k_cache.shape[1], IEEE=ieee, EARLY_V=early_v, FUSED_REDUCE=fused,
-        USE_PDL=pdl, num_warps=4, num_stages=num_stages, **pdl_launch_kwargs(pdl),
+        USE_PDL=pdl, G_COMB=g_comb, COMBINE=combine,
+        num_warps=4, num_stages=num_stages, **pdl_launch_kwargs(pdl),
     )
     if s > 1 and not fused:
         _decode_reduce_kernel[(B, hq)](
