@@ -26,25 +26,42 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: int = 10)
     return 2 * a.numel() * 4 / dt
 
 
+def expected_active_experts(num_experts: int, top_k: int, batch: int) -> float:
+    """Distinct experts a step of ``batch`` tokens touches when each token picks top_k of
+    num_experts uniformly (what balanced routing approaches): E * (1 - (1 - K/E)^B)."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
+
+
 def weight_bytes_per_step(model: torch.nn.Module, batch: int) -> int:
-    """Every parameter is read once per step, except the embedding table, of which only the
-    looked-up rows are read (unless it is tied to the lm_head, which reads all of it)."""
+    """Bytes of weights one decode step reads: every parameter once, except the embedding
+    table, of which only the looked-up rows are read (unless it is tied to the lm_head,
+    which reads all of it); MoE expert stacks (modules with ``w13``/``w2`` and
+    ``num_experts``/``top_k``) count only the experts expected active for ``batch`` tokens
+    (``expected_active_experts``); MTP heads (``mtp.``), which decoding does not run, count
+    nothing."""
     seen, total = set(), 0
     embed = getattr(getattr(model, "model", model), "embed_tokens", None)
     lm_head = getattr(model, "lm_head", None)
     tied = embed is not None and lm_head is not None and lm_head.weight is embed.weight
+    expert_share = {}
+    for mod in model.modules():
+        if all(hasattr(mod, a) for a in ("w13", "w2", "num_experts", "top_k")):
+            frac = expected_active_experts(mod.num_experts, mod.top_k, batch) / mod.num_experts
+            expert_share[id(mod.w13)] = expert_share[id(mod.w2)] = frac
     for name, p in model.named_parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
+        if name.startswith("mtp.") or ".mtp." in name:
+            continue
         if embed is not None and p is embed.weight and not tied:
             total += batch * p.shape[1] * p.element_size()
         else:
-            total += p.numel() * p.element_size()
+            total += p.numel() * p.element_size() * expert_share.get(id(p), 1.0)
     for name, b in model.named_buffers():  # weight-only int4 layers keep packed buffers
         if name.endswith(("qweight", "qscales_zeros")):
             total += b.numel() * b.element_size()
-    return total
+    return int(total)
 
 
 def kv_bytes_per_step(cfg, context_lens: list, dtype_bytes: int) -> int:

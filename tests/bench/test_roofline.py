@@ -1,0 +1,37 @@
+"""Roofline byte counts: dense parameters once, MoE experts by expected activity, MTP none."""
+import torch
+from torch import nn
+
+from blitzllm.bench.roofline import expected_active_experts, weight_bytes_per_step
+
+
+class _Experts(nn.Module):
+    def __init__(self, e, k, h, i):
+        super().__init__()
+        self.num_experts, self.top_k = e, k
+        self.w13 = nn.Parameter(torch.zeros(e, 2 * i, h))
+        self.w2 = nn.Parameter(torch.zeros(e, h, i))
+
+
+class _Toy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.dense = nn.Linear(8, 8, bias=False)           # 64 params
+        self.moe = _Experts(e=16, k=2, h=8, i=4)            # 16 * (64 + 32) params
+        self.mtp = nn.Linear(8, 8, bias=False)              # not run by decoding
+
+
+def test_expected_active_experts_limits():
+    assert expected_active_experts(128, 8, 1) == 8            # one token: exactly its top-k
+    assert abs(expected_active_experts(128, 8, 10**6) - 128) < 1e-9
+    # two tokens: 8 + 8 minus the expected overlap 8 * 8 / 128
+    assert abs(expected_active_experts(128, 8, 2) - (16 - 64 / 128)) < 1e-9
+
+
+def test_weight_bytes_count_active_experts_only():
+    m = _Toy()
+    per_expert = (2 * 4 * 8 + 8 * 4) * 4  # fp32 bytes of one expert's w13 + w2
+    dense = 64 * 4
+    assert weight_bytes_per_step(m, 1) == dense + 2 * per_expert
+    want = dense + expected_active_experts(16, 2, 4) * per_expert
+    assert abs(weight_bytes_per_step(m, 4) - want) <= 1
