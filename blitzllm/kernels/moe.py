@@ -1,19 +1,36 @@
 """Mixture-of-experts ops: router GEMM (fp32 logits), expert selection (softmax or
 sigmoid+bias scoring, grouped top-k, renormalise, scale) and the expert computation.
 
-This file holds the plain-torch references the model layers use off-GPU; the Triton
-kernels (router GEMM, fused routing, fused grouped MoE) sit next to them with the same
-signatures. Nothing here knows about models or checkpoints.
+Each op has its plain-torch reference (what the model layers use off-GPU) and a Triton
+path for CUDA tensors behind the same public function: ``router_gemm``, ``select_experts``,
+``fused_moe``. The fused expert computation (token sorting, grouped GEMMs, combine) lives
+in ``fused_moe.py``. Nothing here knows about models or checkpoints.
 
 Shapes: x [T, H]; router weight [E, H]; w13 [E, 2I, H] (gate rows then up rows);
 w2 [E, H, I]; topk weights [T, K] fp32; topk ids [T, K] int32.
+
+Router GEMM (decode: T <= 16, E <= 256, H <= 7168): bound by reading the [E, H] weight
+once. Programs own BLOCK_E experts x a BLOCK_H-aligned range of H (split-H when the E
+tiles alone leave SMs idle); the product is fp32 FMAs for T <= 2 and ``tl.dot`` (fp32
+accumulate) from 3 tokens on. Split partials go to a cached fp32 workspace; the last
+split of a tile to finish (arrival counter) adds them in split order, so the logits are
+bitwise reproducible, and resets the counter (graph-capturable after a first call).
+
+Routing: one program per token holds the whole row [n_group, E / n_group] in registers:
+scores, group scores, group top-k, top-k by repeated argmax (lowest expert id on ties),
+the unbiased weights re-read from the chosen logits, renormalise and scale.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from ._common import (device_sms, next_pow2, pdl_enabled, pdl_launch_dependents, pdl_launch_kwargs, pdl_wait,
+                      tl, triton, use_triton)
+from .fused_moe import fused_moe_triton
 
 
 def reference_router_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -76,3 +93,280 @@ def reference_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         y = (a @ w2[e].t()).to(x.dtype)
         out.index_add_(0, tok, y.float() * topk_weights.reshape(-1)[rows, None].float())
     return out.to(x.dtype)
+
+
+# ---- router GEMM ----------------------------------------------------------------------
+
+ROUTER_CONFIG_KEYS = ("BLOCK_T", "BLOCK_E", "BLOCK_H", "SPLIT_H", "DOT", "num_warps", "num_stages")
+
+
+@triton.jit
+def _router_acc(acc, a, w, DOT: tl.constexpr, WIDEN: tl.constexpr):
+    if DOT:  # a [BT, BH], w [BE, BH], acc [BT, BE]
+        if WIDEN:
+            acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(w), acc)
+    else:  # a [BT, BE, BH] (broadcast over E), acc [BT, BE, BH]
+        acc += a.to(tl.float32) * w.to(tl.float32)[None, :, :]
+    return acc
+
+
+@triton.jit
+def _router_gemm_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, T, E, H, stride_xt, stride_we, stride_ot,
+                        h_per_split, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+                        SPLIT: tl.constexpr, DOT: tl.constexpr, WIDEN: tl.constexpr, USE_PDL: tl.constexpr):
+    pid_e, pid_s, pid_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    kk = tl.arange(0, BLOCK_H)
+    h0 = pid_s * h_per_split  # this split's H range: [h0, h0 + h_per_split), BLOCK_H-aligned
+    h_left = H - h0
+    w_ptrs = w_ptr + offs_e.to(tl.int64)[:, None] * stride_we + h0 + kk[None, :]  # [BE, BH]
+    w_rows = offs_e[:, None] < E
+    x_rows = x_ptr + offs_t.to(tl.int64) * stride_xt + h0
+    if DOT:
+        x_ptrs = x_rows[:, None] + kk[None, :]
+        x_ok = offs_t[:, None] < T
+        x_k = kk[None, :]
+        acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    else:  # x pointers broadcast over E: the x tile lands in the product's register layout
+        x_ptrs = tl.broadcast_to(x_rows[:, None, None] + kk[None, None, :], (BLOCK_T, BLOCK_E, BLOCK_H))
+        x_ok = offs_t[:, None, None] < T
+        x_k = kk[None, None, :]
+        acc = tl.zeros([BLOCK_T, BLOCK_E, BLOCK_H], dtype=tl.float32)
+    # the weight does not depend on the kernel before: its first tile loads while that one ends
+    w = tl.load(w_ptrs, mask=w_rows & (kk[None, :] < h_left), other=0.0, eviction_policy="evict_first")
+    pdl_wait(USE_PDL)
+    for k in range(0, h_per_split, BLOCK_H):
+        a = tl.load(x_ptrs + k, mask=x_ok & (x_k < h_left - k), other=0.0)
+        acc = _router_acc(acc, a, w, DOT, WIDEN)
+        nxt = k + BLOCK_H  # the next tile loads before this one is consumed (a masked no-op at the end)
+        w = tl.load(w_ptrs + nxt, mask=w_rows & (kk[None, :] < h_left - nxt) & (nxt < h_per_split),
+                    other=0.0, eviction_policy="evict_first")
+    pdl_launch_dependents(USE_PDL)
+    if not DOT:
+        acc = tl.sum(acc, axis=2)
+    om, on = offs_t[:, None], offs_e[None, :]
+    omask = (om < T) & (on < E)
+    out_ptrs = out_ptr + om.to(tl.int64) * stride_ot + on
+    if SPLIT == 1:
+        tl.store(out_ptrs, acc, mask=omask)
+    else:  # partials in ws [SPLIT, T, E]; the tile's last split to arrive sums them in order
+        ws_ptrs = ws_ptr + om * E + on
+        tl.store(ws_ptrs + pid_s * T * E, acc, mask=omask)
+        tl.debug_barrier()  # every thread's partial is stored before the release below
+        tile = pid_t * tl.num_programs(0) + pid_e
+        if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
+            total = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+            for s in tl.static_range(SPLIT):
+                total += tl.load(ws_ptrs + s * T * E, mask=omask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptrs, total, mask=omask)
+            tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch
+
+
+def router_config(T: int, E: int, H: int, x_dtype: torch.dtype, w_dtype: torch.dtype, sms: int,
+                  config: Optional[dict] = None) -> dict:
+    """Launch parameters: the heuristic, overridden by the keys given in ``config``.
+    Decode (T <= 16): narrow E tiles and 16-byte loads along H (chunks of 2-4 warp-wide rows,
+    narrowed to 64 columns at the least while there are fewer chunks than SMs), with split-H
+    up to about 2 programs per SM; fp32 FMAs up to 2 tokens, tensor cores from 3 (fp32 or mixed
+    dtypes: fp32 IEEE dot). Larger T: 64 x 64 tensor-core tiles, split only to fill the SMs."""
+    config = dict(config or {})
+    unknown = set(config) - set(ROUTER_CONFIG_KEYS)
+    if unknown:
+        raise KeyError(f"unknown router config keys {sorted(unknown)}; expected {ROUTER_CONFIG_KEYS}")
+    dot = bool(config.get("DOT", T > 2))
+    wide = x_dtype == torch.float32 or x_dtype != w_dtype
+    warp_row = 32 * 16 // w_dtype.itemsize  # a warp's row of 16-byte vectors: 256 bf16, 128 fp32
+    if not dot:
+        bt, be, bh, warps = next_pow2(T), 4, 2 * warp_row, 4
+    elif T <= 16:
+        bt, be, bh, warps = next_pow2(T), 16, warp_row, 4
+    else:
+        bt, be, bh, warps = 64, min(64, max(16, next_pow2(E))), 32 if wide else 64, 4
+    bt, be = config.get("BLOCK_T", bt), config.get("BLOCK_E", be)
+    tiles = triton.cdiv(E, be) * triton.cdiv(T, bt)
+    bh = min(bh, max(16, next_pow2(H)))
+    while tiles * triton.cdiv(H, bh) < sms and bh > 64:  # short H: narrower chunks to split over
+        bh //= 2
+    bh = config.get("BLOCK_H", bh)
+    chunks = triton.cdiv(H, bh)
+    split = config.get("SPLIT_H") or (1 if tiles >= sms else min(chunks, triton.cdiv(2 * sms, tiles), 32))
+    split = triton.cdiv(chunks, triton.cdiv(chunks, split))  # no empty ranges
+    return {"BLOCK_T": bt, "BLOCK_E": be, "BLOCK_H": bh, "SPLIT_H": split, "DOT": dot,
+            "num_warps": config.get("num_warps", warps), "num_stages": config.get("num_stages", 3 if dot else 2)}
+
+
+@functools.lru_cache(maxsize=1024)
+def _router_config_cached(T, E, H, x_dtype, w_dtype, sms, items):
+    return router_config(T, E, H, x_dtype, w_dtype, sms, dict(items))
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """Cached split-H workspace / arrival counters (power-of-two sizes; counters stay 0
+    between launches). Shared by the calls on one device: one stream at a time."""
+    return torch.zeros(numel, dtype=dtype, device=device)
+
+
+def router_gemm_triton(x: torch.Tensor, weight: torch.Tensor, *, config: Optional[dict] = None) -> torch.Tensor:
+    """x [T, H] (bf16 / fp16 / fp32) @ weight [E, H]^T -> fp32 logits [T, E], fp32 accumulate."""
+    assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], "x [T, H] and weight [E, H]"
+    T, H = x.shape
+    E = weight.shape[0]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    out = torch.empty(T, E, dtype=torch.float32, device=x.device)
+    if T == 0 or E == 0:
+        return out
+    if H == 0:
+        return out.zero_()
+    cfg = _router_config_cached(T, E, H, x.dtype, weight.dtype, device_sms(x),
+                                tuple(sorted((config or {}).items())))
+    bh, split = cfg["BLOCK_H"], cfg["SPLIT_H"]
+    grid = (triton.cdiv(E, cfg["BLOCK_E"]), split, triton.cdiv(T, cfg["BLOCK_T"]))
+    ws = _zeros(x.device, torch.float32, next_pow2(split * T * E)) if split > 1 else out
+    cnt = _zeros(x.device, torch.int32, next_pow2(grid[0] * grid[2])) if split > 1 else out
+    pdl = pdl_enabled(x)
+    _router_gemm_kernel[grid](
+        x, weight, out, ws, cnt, T, E, H, x.stride(0), weight.stride(0), out.stride(0),
+        triton.cdiv(triton.cdiv(H, bh), split) * bh,
+        BLOCK_T=cfg["BLOCK_T"], BLOCK_E=cfg["BLOCK_E"], BLOCK_H=bh, SPLIT=split, DOT=cfg["DOT"],
+        WIDEN=x.dtype == torch.float32 or x.dtype != weight.dtype, USE_PDL=pdl,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch_kwargs(pdl))
+    return out
+
+
+# ---- expert selection -----------------------------------------------------------------
+
+@triton.jit
+def _select_experts_kernel(logits_ptr, bias_ptr, w_out_ptr, id_out_ptr, stride_l, scaling,
+                           GROUP: tl.constexpr, N_GROUP: tl.constexpr, NG_PAD: tl.constexpr,
+                           G_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
+                           K_PAD: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           RENORM: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_l
+    grp = tl.arange(0, NG_PAD)
+    col = tl.arange(0, G_PAD)
+    expert = grp[:, None] * GROUP + col[None, :]  # the row as [group, expert in group]
+    valid = (grp[:, None] < N_GROUP) & (col[None, :] < GROUP)
+    logit = tl.load(row_ptr + expert, mask=valid, other=float("-inf"))
+    mx = 0.0
+    denom = 1.0
+    if SIGMOID:
+        score = 1.0 / (1.0 + tl.exp(-logit))
+    else:
+        mx = tl.max(tl.max(logit, axis=1), axis=0)
+        p = tl.exp(logit - mx)
+        denom = tl.sum(tl.sum(p, axis=1), axis=0)
+        score = p / denom
+    choice = score
+    if HAS_BIAS:  # the correction bias steers the choice, not the weights
+        choice = score + tl.load(bias_ptr + expert, mask=valid, other=0.0).to(tl.float32)
+    choice = tl.where(valid, choice, float("-inf"))
+    if N_GROUP > 1:
+        gscore = tl.max(choice, axis=1)
+        if HAS_BIAS:  # a group scores the sum of its two best
+            first = tl.argmax(choice, axis=1)
+            gscore += tl.max(tl.where(col[None, :] == first[:, None], float("-inf"), choice), axis=1)
+        gscore = tl.where(grp < N_GROUP, gscore, float("-inf"))
+        keep = grp < 0
+        for _ in tl.static_range(TOPK_GROUP):
+            g = tl.argmax(gscore, axis=0)
+            keep = keep | (grp == g)
+            gscore = tl.where(grp == g, float("-inf"), gscore)
+        # experts of the other groups rank below every eligible one (and above the padding)
+        choice = tl.where(keep[:, None] | ~valid, choice, -3.4028234663852886e38)
+    flat = tl.reshape(choice, [NG_PAD * G_PAD])
+    pos = tl.arange(0, NG_PAD * G_PAD)
+    k = tl.arange(0, K_PAD)
+    ids = tl.zeros([K_PAD], dtype=tl.int32)
+    for i in tl.static_range(TOP_K):  # best first; the lowest expert id among equals
+        f = tl.argmax(flat, axis=0)
+        ids = tl.where(k == i, (f // G_PAD) * GROUP + f % G_PAD, ids)
+        flat = tl.where(pos == f, float("-inf"), flat)
+    kmask = k < TOP_K
+    picked = tl.load(row_ptr + ids, mask=kmask, other=0.0)  # the chosen logits again (cached)
+    if SIGMOID:
+        w = 1.0 / (1.0 + tl.exp(-picked))
+    else:
+        w = tl.exp(picked - mx) / denom
+    w = tl.where(kmask, w, 0.0)
+    if RENORM:
+        w = w / (tl.sum(w, axis=0) + 1e-20)
+    w = w * scaling
+    tl.store(w_out_ptr + row * TOP_K + k, w, mask=kmask)
+    tl.store(id_out_ptr + row * TOP_K + k, ids, mask=kmask)
+
+
+def check_routing(num_experts: int, top_k: int, scoring: str, bias: Optional[torch.Tensor],
+                  n_group: int, topk_group: int) -> None:
+    """ValueError naming the argument when the routing settings do not fit E experts."""
+    if scoring not in ("softmax", "sigmoid"):
+        raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+    if n_group < 1 or num_experts % n_group:
+        raise ValueError(f"n_group must be >= 1 and divide the {num_experts} experts, got {n_group}")
+    if n_group > 1 and not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group must be in [1, n_group={n_group}], got {topk_group}")
+    if n_group > 1 and bias is not None and num_experts // n_group < 2:
+        raise ValueError("grouped top-k with a bias needs at least 2 experts per group")
+    if bias is not None and bias.shape != (num_experts,):
+        raise ValueError(f"bias must have shape ({num_experts},), got {tuple(bias.shape)}")
+
+
+def select_experts_triton(logits: torch.Tensor, top_k: int, scoring: str = "softmax",
+                          bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: int = 1,
+                          renormalize: bool = True, scaling: float = 1.0):
+    """``reference_select_experts`` in one kernel: (weights [T, K] fp32, ids [T, K] int32)."""
+    T, E = logits.shape
+    check_routing(E, top_k, scoring, bias, n_group, topk_group)
+    logits = logits.float()
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
+    if T == 0:
+        return weights, ids
+    group = E // n_group
+    ng_pad, g_pad = next_pow2(n_group), next_pow2(group)
+    _select_experts_kernel[(T,)](
+        logits, bias.contiguous() if bias is not None else logits, weights, ids, logits.stride(0), float(scaling),
+        GROUP=group, N_GROUP=n_group, NG_PAD=ng_pad, G_PAD=g_pad, TOPK_GROUP=topk_group if n_group > 1 else 1,
+        TOP_K=top_k, K_PAD=next_pow2(top_k), SIGMOID=scoring == "sigmoid", HAS_BIAS=bias is not None,
+        RENORM=bool(renormalize), num_warps=1 if ng_pad * g_pad <= 512 else 4)
+    return weights, ids
+
+
+
+# ---- public ops -----------------------------------------------------------------------
+
+def router_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 router logits [T, E] of x [T, H]: the Triton GEMM for CUDA tensors, torch otherwise."""
+    if use_triton(x):
+        return router_gemm_triton(x, weight)
+    return reference_router_gemm(x, weight)
+
+
+def select_experts(logits: torch.Tensor, top_k: int, scoring: str = "softmax",
+                   bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: int = 1,
+                   renormalize: bool = True, scaling: float = 1.0):
+    """(weights [T, K] fp32, ids [T, K] int32) of the experts each token goes to; see
+    ``reference_select_experts``. One Triton kernel for CUDA tensors, torch otherwise."""
+    check_routing(logits.shape[-1], top_k, scoring, bias, n_group, topk_group)
+    fn = select_experts_triton if use_triton(logits) else reference_select_experts
+    return fn(logits, top_k, scoring, bias, n_group, topk_group, renormalize, scaling)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """sum_k weight[t, k] * expert_{ids[t, k]}(x_t) -> [T, H] in x's dtype (see
+    ``reference_fused_moe``): sorted grouped GEMMs in Triton for CUDA tensors, torch otherwise."""
+    if use_triton(x):
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
+    return reference_fused_moe(x, w13, w2, topk_weights, topk_ids)

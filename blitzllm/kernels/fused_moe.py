@@ -1,0 +1,298 @@
+"""Fused MoE experts on Triton: ``out[t] = sum_k w[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t))``
+with e = ids[t, k]; the torch reference is ``moe.reference_fused_moe`` (same numerics:
+each expert's output rounded to x's dtype, the weighted sum in fp32).
+
+Four launches, no host sync, fixed grid sizes (CUDA-graph capturable):
+
+1. ``moe_align_block_size``: the T*K (token, k) entries sorted by expert (stable), each
+   expert's run padded to a multiple of BLOCK_M with the sentinel T*K; per block its
+   expert (-1 past the end) and the padded total. One program when T*K is small (decode),
+   else a counting pass over slices and a scatter pass (two launches).
+2. grouped GEMM gate/up: program (m-block, n-tile) gathers the block's x rows and
+   multiplies them by its expert's gate rows and up rows (two accumulators); the epilogue
+   applies silu(gate) * up and writes the activated intermediate [T*K, I].
+3. grouped GEMM down on that intermediate -> each entry's expert output [T*K, H] in x's dtype.
+4. combine: out[t] = sum_k w[t, k] * y[t*K + k] in fp32 (fixed order: deterministic).
+
+Block sizes: BLOCK_M follows the expected rows per chosen expert (16 at decode, where the
+kernels stream the chosen experts' weights: narrow N tiles, deep K tiles, 4 stages, so the
+grid covers the SMs; 64-128 for prefill with 64-128 wide N tiles). Padding rows are masked.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from ._common import device_sms, next_pow2, tl, triton
+
+MOE_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+ALIGN_ONE_PROGRAM_MAX = 256  # (token, k) entries sorted by a single program
+ALIGN_SLICE = 256  # entries per program of the two-pass sort (at most ALIGN_MAX_PROGRAMS)
+ALIGN_MAX_PROGRAMS = 128
+
+
+# ---- sorting the entries by expert ------------------------------------------------------
+
+@triton.jit
+def _count_experts(ids_ptr, start, stop, n_entries, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    experts = tl.arange(0, E_PAD)
+    counts = tl.zeros([E_PAD], dtype=tl.int32)
+    for c in range(start, stop, CHUNK):
+        i = c + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + i, mask=i < n_entries, other=-1)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    return counts
+
+
+@triton.jit
+def _fill(ptr, start, stop, value, BLOCK: tl.constexpr):
+    for q in range(start, stop, BLOCK):
+        offs = q + tl.arange(0, BLOCK)
+        tl.store(ptr + offs, tl.zeros([BLOCK], dtype=tl.int32) + value, mask=offs < stop)
+
+
+@triton.jit
+def _moe_count_kernel(ids_ptr, counts_ptr, sorted_ptr, n_entries, n_sorted, per_prog, pad_per_prog,
+                      E_PAD: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr):
+    """Pass 1 of the two-pass sort: program p counts the experts of its slice of entries
+    into counts[p] and writes the sentinel over its share of the sorted ids."""
+    p = tl.program_id(0)
+    q = p * pad_per_prog
+    _fill(sorted_ptr, q, tl.minimum(q + pad_per_prog, n_sorted), n_entries, FILL)
+    counts = _count_experts(ids_ptr, p * per_prog, (p + 1) * per_prog, n_entries, E_PAD, CHUNK)
+    tl.store(counts_ptr + p * E_PAD + tl.arange(0, E_PAD), counts)
+
+
+@triton.jit
+def _moe_align_kernel(ids_ptr, counts_ptr, sorted_ptr, expert_ptr, total_ptr,
+                      n_entries, n_sorted, n_blocks, per_prog,
+                      BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
+                      FILL: tl.constexpr, COUNTED: tl.constexpr):
+    """Scatter of the entries to their sorted slots (program p: its slice, in order); program
+    0 also writes the padded total and each block's expert. Without COUNTED there is one
+    program and it pads and counts first."""
+    p = tl.program_id(0)
+    experts = tl.arange(0, E_PAD)
+    if COUNTED:  # expert totals, and the entries of the slices before this one
+        totals = tl.zeros([E_PAD], dtype=tl.int32)
+        before = tl.zeros([E_PAD], dtype=tl.int32)
+        n_prog = tl.num_programs(0)
+        for r in range(0, n_prog, CHUNK):
+            rows = r + tl.arange(0, CHUNK)[:, None]
+            c = tl.load(counts_ptr + rows * E_PAD + experts[None, :], mask=rows < n_prog, other=0)
+            totals += tl.sum(c, axis=0)
+            before += tl.sum(tl.where(rows < p, c, 0), axis=0)
+    else:
+        _fill(sorted_ptr, 0, n_sorted, n_entries, FILL)
+        totals = _count_experts(ids_ptr, 0, per_prog, n_entries, E_PAD, CHUNK)
+        before = tl.zeros([E_PAD], dtype=tl.int32)
+        tl.debug_barrier()  # the sentinels are stored before the scatter overwrites some
+    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    cursor = ends - padded + before  # the next free slot of each expert for this program
+    for c in range(p * per_prog, (p + 1) * per_prog, CHUNK):
+        i = c + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + i, mask=i < n_entries, other=-1)
+        hit = (ids[:, None] == experts[None, :]).to(tl.int32)  # [CHUNK, E_PAD] one-hot
+        slot = tl.sum(hit * (cursor[None, :] + tl.cumsum(hit, axis=0) - 1), axis=1)
+        tl.store(sorted_ptr + slot, i, mask=tl.sum(hit, axis=1) > 0)  # (ids outside [0, E) dropped)
+        cursor += tl.sum(hit, axis=0)
+    if p == 0:
+        total = tl.sum(padded, axis=0)
+        tl.store(total_ptr, total)
+        for b0 in range(0, n_blocks, CHUNK):
+            b = b0 + tl.arange(0, CHUNK)
+            row = b * BLOCK_M
+            e = tl.sum((ends[None, :] <= row[:, None]).to(tl.int32), axis=1)
+            tl.store(expert_ptr + b, tl.where(row < total, e, -1), mask=b < n_blocks)
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Sort the (token, k) entries of ``topk_ids`` [T, K] by expert for BLOCK_M-row GEMM blocks.
+
+    Returns ``sorted_ids`` [S] int32 (entry t*K + k; each expert's run starts at a block
+    boundary and is padded with the sentinel T*K), ``block_expert`` [S / block_m] int32
+    (-1 for blocks past the end) and ``total`` [1] int32 (the padded length used). S is the
+    worst case T*K + min(E, T*K) * (block_m - 1), rounded up to whole blocks, so the sizes
+    depend on shapes only. Entries keep their order within an expert."""
+    ids = topk_ids.reshape(-1)
+    if ids.dtype != torch.int32 or not ids.is_contiguous():
+        ids = ids.to(torch.int32).contiguous()
+    n = ids.numel()
+    n_blocks = triton.cdiv(n + min(num_experts, n) * (block_m - 1), block_m)
+    n_sorted = n_blocks * block_m
+    dev = ids.device
+    sorted_ids = torch.empty(n_sorted, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(n_blocks, dtype=torch.int32, device=dev)
+    total = torch.empty(1, dtype=torch.int32, device=dev)
+    if n == 0:
+        return sorted_ids, block_expert, total.zero_()
+    e_pad = next_pow2(num_experts)
+    chunk = min(max(16, min(64, 8192 // e_pad)), max(16, next_pow2(n)))
+    fill = 1024
+    if n <= ALIGN_ONE_PROGRAM_MAX:
+        _moe_align_kernel[(1,)](ids, total, sorted_ids, block_expert, total, n, n_sorted, n_blocks,
+                                triton.cdiv(n, chunk) * chunk, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk,
+                                FILL=fill, COUNTED=False, num_warps=4)
+        return sorted_ids, block_expert, total
+    per_prog = triton.cdiv(triton.cdiv(n, min(ALIGN_MAX_PROGRAMS, triton.cdiv(n, ALIGN_SLICE))), chunk) * chunk
+    progs = triton.cdiv(n, per_prog)
+    counts = torch.empty(progs, e_pad, dtype=torch.int32, device=dev)
+    _moe_count_kernel[(progs,)](ids, counts, sorted_ids, n, n_sorted, per_prog, triton.cdiv(n_sorted, progs),
+                                E_PAD=e_pad, CHUNK=chunk, FILL=fill, num_warps=4)
+    _moe_align_kernel[(progs,)](ids, counts, sorted_ids, block_expert, total, n, n_sorted, n_blocks, per_prog,
+                                BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, FILL=fill, COUNTED=True, num_warps=4)
+    return sorted_ids, block_expert, total
+
+
+# ---- grouped GEMMs and the combine ------------------------------------------------------
+
+@triton.jit
+def _mma(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
+                     N, KD, n_entries, row_div, stride_a, stride_we, stride_wn, stride_o,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GATED: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+    """out[entry, n] = A[entry // row_div] . W[e, n] for the BLOCK_M sorted entries of one
+    expert e. GATED: W holds gate rows [0, N) and up rows [N, 2N); the output is
+    silu(gate) * up with the reference's rounding steps."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
+        return
+    expert = tl.load(expert_ptr + pid_m).to(tl.int64)
+    entry = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = entry < n_entries
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + (entry // row_div).to(tl.int64)[:, None] * stride_a + offs_k[None, :]
+    b_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
+    n_ok = offs_n[None, :] < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, KD, BLOCK_K):
+        if EVEN_K:
+            a_mask = row_ok[:, None]
+            b_mask = n_ok
+        else:
+            a_mask = row_ok[:, None] & (offs_k[None, :] < KD - k)
+            b_mask = n_ok & (offs_k[:, None] < KD - k)
+        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+        acc = _mma(a, tl.load(b_ptrs, mask=b_mask, other=0.0), acc, IEEE)
+        if GATED:
+            acc_up = _mma(a, tl.load(b_ptrs + N * stride_wn, mask=b_mask, other=0.0), acc_up, IEEE)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    dt = out_ptr.dtype.element_ty
+    res = acc.to(dt)
+    if GATED:  # silu in fp32 rounded to dt, times up (as activation.silu_and_mul)
+        g = res.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(dt)
+        res = (act.to(tl.float32) * acc_up.to(dt).to(tl.float32)).to(dt)
+    o_ptrs = out_ptr + entry.to(tl.int64)[:, None] * stride_o + offs_n[None, :]
+    tl.store(o_ptrs, res, mask=row_ok[:, None] & n_ok)
+
+
+@triton.jit
+def _moe_combine_kernel(y_ptr, tw_ptr, out_ptr, H, stride_o, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = offs < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        y = tl.load(y_ptr + (t * TOP_K + k) * H + offs, mask=mask, other=0.0)
+        acc += y.to(tl.float32) * tl.load(tw_ptr + t * TOP_K + k)
+    tl.store(out_ptr + t * stride_o + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def expected_rows_per_expert(tokens: int, top_k: int, num_experts: int) -> float:
+    """Mean rows of a chosen expert when T tokens pick K of E uniformly."""
+    entries = tokens * top_k
+    chosen = num_experts * (1.0 - (1.0 - 1.0 / num_experts) ** entries)
+    return entries / max(chosen, 1.0)
+
+
+def moe_config(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, dtype: torch.dtype,
+               sms: int, config: Optional[dict] = None):
+    """(gate/up config, down config): the heuristic, with the keys of ``config`` applied to both.
+    Few rows per expert (decode): BLOCK_M 16 and N tiles narrowed (64 -> 16) until the
+    chosen experts' tiles give >= 2 programs per SM, K tiles of 256 bytes, 4 stages.
+    Many rows (prefill): 64 x 128 tiles (64 x 64 x 2 gated), BLOCK_M 128 from 256 rows on."""
+    config = dict(config or {})
+    unknown = set(config) - set(MOE_CONFIG_KEYS)
+    if unknown:
+        raise KeyError(f"unknown fused-moe config keys {sorted(unknown)}; expected {MOE_CONFIG_KEYS}")
+    rows = expected_rows_per_expert(tokens, top_k, num_experts)
+    chosen = tokens * top_k / rows
+    bm = 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows < 256 else 128
+    bm = config.get("BLOCK_M", bm)
+    cfgs = []
+    for n, kd, gated in ((inter, hidden, True), (hidden, inter, False)):
+        if bm <= 32:  # bound by the weight stream
+            bn, bk, warps, stages = 64, 256 // dtype.itemsize, 4, 4
+            while bn > 16 and chosen * triton.cdiv(n, bn) < 2 * sms:
+                bn //= 2
+        else:
+            bn, bk, warps, stages = (64 if gated else 128), 128 // dtype.itemsize, 4 if bm <= 64 else 8, 3
+        cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": min(bk, max(16, next_pow2(kd))),
+               "num_warps": warps, "num_stages": stages}
+        cfg.update(config)
+        cfgs.append(cfg)
+    return tuple(cfgs)
+
+
+@functools.lru_cache(maxsize=1024)
+def _moe_config_cached(tokens, top_k, num_experts, hidden, inter, dtype, sms, items):
+    return moe_config(tokens, top_k, num_experts, hidden, inter, dtype, sms, dict(items))
+
+
+def _grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_entries, row_div, n, gated, cfg):
+    kd = a.shape[1]
+    grid = (block_expert.numel(), triton.cdiv(n, cfg["BLOCK_N"]))
+    _moe_gemm_kernel[grid](a, w, out, sorted_ids, block_expert, total, n, kd, n_entries, row_div,
+                           a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+                           BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                           GATED=gated, EVEN_K=kd % cfg["BLOCK_K"] == 0, IEEE=a.dtype == torch.float32,
+                           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor, *, config: Optional[dict] = None) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk weights / ids [T, K] -> [T, H] in x's dtype.
+    ``config`` overrides MOE_CONFIG_KEYS of both GEMMs (tests, benchmarks)."""
+    assert x.dim() == 2 and w13.dim() == 3 and w2.dim() == 3, "x [T, H], w13 [E, 2I, H], w2 [E, H, I]"
+    T, H = x.shape
+    E, two_i, _ = w13.shape
+    inter = two_i // 2
+    K = topk_ids.shape[-1]
+    assert w13.shape == (E, 2 * inter, H) and w2.shape == (E, H, inter), "w13 [E, 2I, H] and w2 [E, H, I]"
+    assert topk_ids.shape == (T, K) and topk_weights.shape == (T, K), "topk weights / ids [T, K]"
+    assert x.dtype == w13.dtype == w2.dtype, "x, w13 and w2 of one dtype"
+    assert w13.stride(2) == 1 and w2.stride(2) == 1, "expert weights must be contiguous along their last dim"
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(T, H, dtype=x.dtype, device=x.device)
+    if T == 0 or H == 0:
+        return out
+    if inter == 0 or K == 0:
+        return out.zero_()
+    up_cfg, down_cfg = _moe_config_cached(T, K, E, H, inter, x.dtype, device_sms(x),
+                                          tuple(sorted((config or {}).items())))
+    sorted_ids, block_expert, total = moe_align_block_size(topk_ids, E, up_cfg["BLOCK_M"])
+    n = T * K
+    act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, w13, act, sorted_ids, block_expert, total, n, K, inter, True, up_cfg)
+    y = torch.empty(n, H, dtype=x.dtype, device=x.device)
+    _grouped_gemm(act, w2, y, sorted_ids, block_expert, total, n, 1, H, False, down_cfg)
+    tw = topk_weights.to(torch.float32).contiguous()
+    block_h = min(1024, next_pow2(H))
+    _moe_combine_kernel[(T, triton.cdiv(H, block_h))](y, tw, out, H, out.stride(0), TOP_K=K, BLOCK_H=block_h,
+                                                      num_warps=4)
+    return out

@@ -1,0 +1,294 @@
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from blitzllm.kernels import moe  # noqa: E402
+from blitzllm.kernels.fused_moe import (  # noqa: E402
+    fused_moe_triton, moe_align_block_size, moe_config)
+from blitzllm.kernels.moe import (  # noqa: E402
+    reference_fused_moe, reference_router_gemm, reference_select_experts, router_config,
+    router_gemm_triton, select_experts_triton)
+
+# relative to max |ref|; bf16: the interpreter rounds fp32 -> bf16 toward zero
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def close(out, ref, tol):
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * ref.float().abs().max().item())
+
+
+# ---- router GEMM ----------------------------------------------------------------------
+
+ROUTER_CONFIGS = {  # BLOCK_H 32 with H 33 / 260: ragged chunks; H 260 / SPLIT 3: a short last range
+    "fma": {"DOT": False, "BLOCK_E": 4, "BLOCK_H": 64, "SPLIT_H": 1},
+    "fma-split": {"DOT": False, "BLOCK_E": 8, "BLOCK_H": 32, "SPLIT_H": 3},
+    "dot": {"DOT": True, "BLOCK_E": 16, "BLOCK_H": 32, "SPLIT_H": 1},
+    "dot-split": {"DOT": True, "BLOCK_E": 16, "BLOCK_H": 32, "SPLIT_H": 3},
+    "auto": None,
+}
+
+
+@pytest.mark.parametrize("cfg", list(ROUTER_CONFIGS))
+@pytest.mark.parametrize("t,e,h", [(1, 7, 33), (2, 64, 260), (3, 130, 96), (16, 60, 260), (17, 20, 48)])
+def test_router_gemm_fp32(t, e, h, cfg, device):
+    x = torch.randn(t, h).to(device)
+    w = (torch.randn(e, h) / h ** 0.5).to(device)
+    out = router_gemm_triton(x, w, config=ROUTER_CONFIGS[cfg])
+    assert out.shape == (t, e) and out.dtype == torch.float32
+    close(out, reference_router_gemm(x, w), 1e-5)
+
+
+@pytest.mark.parametrize("cfg", ["fma-split", "dot-split", "auto"])
+@pytest.mark.parametrize("wdt", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("t", [1, 5])
+def test_router_gemm_half(t, wdt, cfg, device):
+    """bf16 / fp16 inputs (the weight possibly kept in fp32): products exact in fp32."""
+    xdt = torch.float16 if wdt == torch.float16 else torch.bfloat16
+    x = torch.randn(t, 260).to(device, xdt)
+    w = (torch.randn(72, 260) / 16).to(device, wdt)
+    out = router_gemm_triton(x, w, config=ROUTER_CONFIGS[cfg])
+    assert out.dtype == torch.float32
+    close(out, reference_router_gemm(x, w), 1e-5)
+
+
+@pytest.mark.parametrize("cfg", ["fma-split", "dot-split"])
+def test_router_split_deterministic_and_resets(cfg, device):
+    x, w = torch.randn(4, 260).to(device), torch.randn(40, 260).to(device)
+    first = router_gemm_triton(x, w, config=ROUTER_CONFIGS[cfg])
+    assert torch.equal(router_gemm_triton(x, w, config=ROUTER_CONFIGS[cfg]), first)  # fixed split order
+    x2, w2 = torch.randn(3, 96).to(device), torch.randn(24, 96).to(device)  # the same cached counters
+    close(router_gemm_triton(x2, w2, config=ROUTER_CONFIGS[cfg]), reference_router_gemm(x2, w2), 1e-5)
+    assert not moe._zeros(x.device, torch.int32, 4).any()
+
+
+def test_router_config_heuristic():
+    bf16, sms = torch.bfloat16, 132
+    for e, h in [(128, 2048), (256, 7168), (256, 3072)]:
+        for t in (1, 2, 4, 16):
+            c = router_config(t, e, h, bf16, bf16, sms)
+            programs = -(-e // c["BLOCK_E"]) * c["SPLIT_H"]
+            assert c["DOT"] == (t > 2) and c["BLOCK_H"] >= 64 and programs >= sms
+            assert c["SPLIT_H"] <= min(32, -(-h // c["BLOCK_H"]))
+    big = router_config(4096, 256, 7168, bf16, bf16, sms)
+    assert big["SPLIT_H"] == 1 and big["BLOCK_T"] == 64
+    assert router_config(64, 256, 7168, bf16, bf16, sms)["SPLIT_H"] <= 32  # (unrolled reduction)
+    assert router_config(1, 8, 16, torch.float32, torch.float32, 8)["BLOCK_H"] == 16  # not wider than H
+    with pytest.raises(KeyError):
+        router_config(1, 8, 16, bf16, bf16, 8, {"BLOCK_N": 4})
+
+
+# ---- expert selection -------------------------------------------------------------------
+
+def routing_inputs(t, e, scoring, with_bias, n_group, seed=0):
+    """Logits (and bias) whose selections have no near-ties: with a bias the biased scores
+    are a jittered permutation of a spaced grid (scores = choice - bias, logits through the
+    inverse sigmoid / log), else spaced logits; rows whose group scores come within 2e-5
+    are drawn again."""
+    g = torch.Generator().manual_seed(seed)
+    bias = (torch.rand(e, generator=g, dtype=torch.float64) - 0.5) * 0.5 if with_bias else None
+    rows = []
+    while len(rows) < t:
+        grid = (torch.randperm(e, generator=g).double() + 0.3 * torch.rand(e, generator=g, dtype=torch.float64)) / e
+        if with_bias:
+            choice = 0.3 + 0.4 * grid
+            score = choice - bias
+            if scoring == "softmax":
+                score = score - score.min() + 0.05  # still choice = softmax(logit) + bias' after a shift
+                score = score / score.sum()
+                choice = score + bias
+                logit = score.log()
+            else:
+                logit = torch.log(score / (1 - score))
+        else:
+            logit = 6 * grid - 3
+            choice = logit
+        if n_group > 1:
+            grouped = choice.view(n_group, -1)
+            gs = grouped.topk(2, -1).values.sum(-1) if with_bias else grouped.max(-1).values
+            gs = gs.sort().values
+            if (gs[1:] - gs[:-1]).min() < 2e-5:
+                continue
+        if with_bias and ((c := choice.sort().values)[1:] - c[:-1]).min() < 2e-5:
+            continue
+        rows.append(logit)
+    return torch.stack(rows).float(), (bias.float() if with_bias else None)
+
+
+def by_id(weights, ids):
+    order = ids.long().argsort(dim=-1)
+    return weights.gather(1, order), ids.long().gather(1, order)
+
+
+ROUTINGS = {  # (E, top_k, scoring, bias, n_group, topk_group, renormalize, scaling)
+    "qwen3": (128, 8, "softmax", False, 1, 1, True, 1.0),
+    "softmax-60-raw": (60, 4, "softmax", False, 1, 1, False, 1.0),
+    "deepseek-v3": (256, 8, "sigmoid", True, 8, 4, True, 2.5),
+    "minimax-m2": (256, 8, "sigmoid", True, 1, 1, True, 1.0),
+    "sigmoid-groupmax": (96, 6, "sigmoid", False, 4, 2, False, 1.0),
+    "softmax-bias-3groups": (48, 10, "softmax", True, 3, 2, True, 1.5),
+    "tiny": (6, 1, "softmax", False, 1, 1, True, 1.0),
+}
+
+
+@pytest.mark.parametrize("name", list(ROUTINGS))
+@pytest.mark.parametrize("t", [1, 3, 17])
+def test_select_experts(t, name, device):
+    e, k, scoring, with_bias, ng, tg, renorm, scaling = ROUTINGS[name]
+    logits, bias = routing_inputs(t, e, scoring, with_bias, ng, seed=t)
+    args = (k, scoring, bias, ng, tg, renorm, scaling)
+    ref_w, ref_ids = reference_select_experts(logits, *args)
+    w, ids = select_experts_triton(logits.to(device), k, scoring, bias.to(device) if with_bias else None,
+                                   ng, tg, renorm, scaling)
+    assert w.shape == ids.shape == (t, k) and w.dtype == torch.float32 and ids.dtype == torch.int32
+    w, ids = by_id(w.cpu(), ids.cpu())
+    ref_w, ref_ids = by_id(ref_w, ref_ids)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
+
+
+def test_select_experts_lowest_id_on_ties(device):
+    logits = torch.zeros(2, 12)
+    logits[1, 5] = 1.0
+    _, ids = select_experts_triton(logits.to(device), 3)
+    assert ids.cpu().tolist() == [[0, 1, 2], [5, 0, 1]]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(scoring="relu"), "scoring"), (dict(top_k=0), "top_k"), (dict(top_k=17), "top_k"),
+    (dict(n_group=3), "n_group"), (dict(n_group=4, topk_group=5), "topk_group"),
+    (dict(n_group=16, bias=torch.zeros(16)), "2 experts per group"), (dict(bias=torch.zeros(15)), "bias"),
+])
+def test_select_experts_errors(kwargs, match):
+    args = dict(top_k=2)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        moe.select_experts(torch.randn(2, 16), **args)
+
+
+# ---- sorting by expert ------------------------------------------------------------------
+
+def expected_alignment(ids, e, bm):
+    flat = ids.reshape(-1).long()
+    n = flat.numel()
+    runs, experts = [], []
+    for ex in range(e):
+        rows = (flat == ex).nonzero().squeeze(1)
+        if len(rows):
+            pad = -len(rows) % bm
+            runs.append(torch.cat([rows, torch.full((pad,), n)]))
+            experts += [ex] * ((len(rows) + pad) // bm)
+    return torch.cat(runs), torch.tensor(experts)
+
+
+@pytest.mark.parametrize("t,k,e,bm", [(1, 1, 4, 16), (1, 8, 128, 16), (3, 2, 5, 16), (17, 4, 33, 32),
+                                      (40, 7, 9, 16), (300, 2, 64, 64), (97, 6, 256, 16)])
+def test_moe_align_block_size(t, k, e, bm, device):
+    g = torch.Generator().manual_seed(t * 1000 + e)
+    hot = torch.rand(e, generator=g) ** 4  # skewed: a few busy experts, some idle
+    ids = torch.multinomial(hot.expand(t, e), k, generator=g).int()
+    sorted_ids, block_expert, total = moe_align_block_size(ids.to(device), e, bm)
+    want_ids, want_experts = expected_alignment(ids, e, bm)
+    n = t * k
+    assert sorted_ids.numel() % bm == 0 and sorted_ids.numel() >= n + min(e, n) * (bm - 1)
+    assert int(total) == want_ids.numel()
+    sorted_ids, block_expert = sorted_ids.cpu().long(), block_expert.cpu().long()
+    assert torch.equal(sorted_ids[:int(total)], want_ids)
+    assert (sorted_ids[int(total):] == n).all()
+    assert torch.equal(block_expert[:len(want_experts)], want_experts)
+    assert (block_expert[len(want_experts):] == -1).all()
+
+
+# ---- fused experts ----------------------------------------------------------------------
+
+def moe_inputs(t, e, k, h, inter, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=g)
+    w13 = torch.randn(e, 2 * inter, h, generator=g) / h ** 0.5
+    w2 = torch.randn(e, h, inter, generator=g) / inter ** 0.5
+    weights, ids = reference_select_experts(torch.randn(t, e, generator=g), k)
+    return (x.to(device, dtype), w13.to(device, dtype), w2.to(device, dtype), weights.to(device), ids.to(device))
+
+
+MOE_CONFIGS = {
+    "m16-even": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16},  # K tiles divide H and I
+    "m16-ragged": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32},  # I = 40 / 24: ragged K and N tiles
+    "m32": {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 32},
+    "auto": None,
+}
+
+
+@pytest.mark.parametrize("t,e,k,h,inter,cfg", [
+    *[(1, 8, 2, 64, 40, c) for c in MOE_CONFIGS], *[(3, 6, 3, 48, 24, c) for c in MOE_CONFIGS],
+    (17, 10, 2, 64, 40, "m16-ragged"), (17, 10, 2, 64, 40, "auto")])
+def test_fused_moe_fp32(t, e, k, h, inter, cfg, device):
+    x, w13, w2, weights, ids = moe_inputs(t, e, k, h, inter, torch.float32, device, seed=t)
+    out = fused_moe_triton(x, w13, w2, weights, ids, config=MOE_CONFIGS[cfg])
+    assert out.shape == (t, h) and out.dtype == torch.float32
+    close(out, reference_fused_moe(x, w13, w2, weights, ids), TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("t,cfg", [(1, "auto"), (17, "m16-ragged")])
+def test_fused_moe_half(t, cfg, dtype, device):
+    x, w13, w2, weights, ids = moe_inputs(t, 12, 4, 64, 40, dtype, device, seed=t)
+    out = fused_moe_triton(x, w13, w2, weights, ids, config=MOE_CONFIGS[cfg])
+    assert out.dtype == dtype
+    close(out, reference_fused_moe(x, w13, w2, weights, ids), TOL[dtype])
+
+
+def test_fused_moe_two_pass_sort(device):
+    """T*K above the one-program sort: the counting pass and the scatter pass."""
+    x, w13, w2, weights, ids = moe_inputs(70, 10, 4, 32, 24, torch.float32, device, seed=1)
+    out = fused_moe_triton(x, w13, w2, weights, ids, config={"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32})
+    close(out, reference_fused_moe(x, w13, w2, weights, ids), TOL[torch.float32])
+
+
+def test_moe_config_heuristic():
+    bf16, sms = torch.bfloat16, 132
+    for t in (1, 4, 16):  # decode: memory-bound tiles that cover the SMs
+        for cfg, n in zip(moe_config(t, 8, 128, 2048, 768, bf16, sms), (768, 2048)):
+            assert cfg["BLOCK_M"] == 16 and cfg["BLOCK_K"] == 128 and cfg["num_stages"] == 4
+            assert min(128, t * 8) * math.ceil(n / cfg["BLOCK_N"]) >= sms
+    up, down = moe_config(4096, 8, 128, 2048, 768, bf16, sms)
+    assert up["BLOCK_M"] == down["BLOCK_M"] == 128 and up["BLOCK_N"] == 64 and down["BLOCK_N"] == 128
+    assert moe_config(256, 8, 128, 2048, 768, bf16, sms)[0]["BLOCK_M"] <= 32  # ~16 rows per expert
+    assert moe_config(1, 2, 8, 64, 40, torch.float32, 8, {"BLOCK_N": 32})[1]["BLOCK_N"] == 32
+    with pytest.raises(KeyError):
+        moe_config(1, 2, 8, 64, 40, bf16, 8, {"SPLIT_K": 2})
+
+
+# ---- dispatch -------------------------------------------------------------------------------
+
+def test_dispatch_cpu_uses_reference():
+    x, w13, w2, weights, ids = moe_inputs(5, 8, 2, 32, 16, torch.float32, "cpu")
+    gate = torch.randn(8, 32)
+    assert torch.equal(moe.router_gemm(x, gate), reference_router_gemm(x, gate))
+    logits, bias = torch.randn(5, 8), torch.randn(8)
+    got = moe.select_experts(logits, 2, "sigmoid", bias, 2, 1, True, 2.0)
+    want = reference_select_experts(logits, 2, "sigmoid", bias, 2, 1, True, 2.0)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert torch.equal(moe.fused_moe(x, w13, w2, weights, ids), reference_fused_moe(x, w13, w2, weights, ids))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_model_shapes():
+    dev, dt = "cuda", torch.bfloat16
+    for (e, h), name in [((128, 2048), "qwen3"), ((256, 7168), "deepseek-v3"), ((256, 3072), "minimax-m2")]:
+        w = torch.randn(e, h, device=dev, dtype=dt) / h ** 0.5
+        for t in (1, 4, 16, 100):
+            x = torch.randn(t, h, device=dev, dtype=dt)
+            close(moe.router_gemm(x, w), reference_router_gemm(x, w), 1e-4)
+            _, k, scoring, with_bias, ng, tg, renorm, scaling = ROUTINGS[name]
+            logits, bias = routing_inputs(t, e, scoring, with_bias, ng, seed=t)
+            got = by_id(*moe.select_experts(logits.to(dev), k, scoring, bias.to(dev) if with_bias else None,
+                                            ng, tg, renorm, scaling))
+            want = by_id(*reference_select_experts(logits, k, scoring, bias, ng, tg, renorm, scaling))
+            assert torch.equal(got[1].cpu(), want[1])
+            torch.testing.assert_close(got[0].cpu(), want[0], rtol=1e-5, atol=1e-6)
+    for t in (1, 16, 256, 2000):
+        x, w13, w2, weights, ids = moe_inputs(t, 128, 8, 2048, 768, dt, dev, seed=t)
+        close(moe.fused_moe(x, w13, w2, weights, ids), reference_fused_moe(x, w13, w2, weights, ids), 2e-2)
