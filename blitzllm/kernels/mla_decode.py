@@ -47,7 +47,7 @@ def _mla_split_kernel(
     stride_ob, stride_oh, H, qk_scale,
     R: tl.constexpr, P: tl.constexpr, R_PAD: tl.constexpr, P_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, RELOAD: tl.constexpr,
 ):
     hb = tl.program_id(0)  # fastest axis: the head blocks of one tile run side by side (L2 reuse)
     split = tl.program_id(1)
@@ -94,6 +94,9 @@ def _mla_split_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
+        if RELOAD:  # the PV product reads the tile again (L1/L2) rather than reusing c
+            c = tl.load(row[:, None] + offs_r[None, :], mask=valid[:, None] & rmask[None, :],
+                        other=0.0)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p, c, input_precision="ieee")
         else:
@@ -148,22 +151,27 @@ def _mla_combine_kernel(
              out.to(out_ptr.dtype.element_ty), mask=offs_r < R)
 
 
-def mla_config(B: int, H: int, R: int, max_ctx: int, sms: int, config: Optional[dict] = None) -> dict:
+def mla_config(B: int, H: int, R: int, max_ctx: int, sms: int, config: Optional[dict] = None,
+               fp32: bool = False) -> dict:
     """Launch settings: heads per program, tokens per tile, warps, stages, context splits.
-    Entries of `config` override the heuristic (the benchmark sweeps them)."""
+    Entries of `config` override the heuristic (the benchmark sweeps them).
+
+    From sm_90 compiles at R = 512, P = 64 (ptxas, no spills): 64 heads x 32 tokens with
+    8 warps is wgmma with q and a double-buffered tile in shared memory (~147 KB, ~243
+    registers: one program per SM); 32 heads need 8 warps (4 spill); 16 heads x 32
+    tokens with 4 warps is mma.sync at ~226 registers, two per SM. An fp32 cache runs
+    exact fp32 FMA products, whose operands live in registers: 16 x 16 tiles."""
     cfg = dict(config or {})
-    block_h = cfg.get("BLOCK_H") or (64 if H > 32 else max(16, next_pow2(H)))
-    block_n = cfg.get("BLOCK_N") or (32 if next_pow2(R) >= 256 else 16)
+    block_h = cfg.get("BLOCK_H") or (16 if fp32 else 64 if H > 32 else max(16, next_pow2(H)))
+    block_n = cfg.get("BLOCK_N") or (16 if fp32 or next_pow2(R) < 256 else 32)
+    warps = cfg.get("num_warps") or (4 if block_h <= 16 else 8)
     hb = triton.cdiv(H, block_h)
-    # One wave: batch x head blocks x splits <= resident programs (a 64-head program holds
-    # ~128 fp32 acc registers a thread and ~150 KB of shared memory: one per SM; smaller
-    # ones fit two), never more splits than tiles in the widest context.
-    per_sm = 1 if block_h >= 64 else 2
-    splits = cfg.get("SPLITS") or max(1, sms * per_sm // max(1, B * hb))
+    # One wave: batch x head blocks x splits <= resident programs (about 8 warps an SM),
+    # never more splits than tiles in the widest context.
+    splits = cfg.get("SPLITS") or max(1, sms * max(1, 8 // warps) // max(1, B * hb))
     splits = max(1, min(splits, _MAX_SPLITS, triton.cdiv(max(1, max_ctx), block_n)))
-    return dict(BLOCK_H=block_h, BLOCK_N=block_n, SPLITS=splits,
-                num_warps=cfg.get("num_warps") or (8 if block_h >= 64 else 4),
-                num_stages=cfg.get("num_stages") or 2)
+    return dict(BLOCK_H=block_h, BLOCK_N=block_n, SPLITS=splits, num_warps=warps,
+                num_stages=cfg.get("num_stages") or 2, RELOAD=bool(cfg.get("RELOAD", False)))
 
 
 def mla_decode_triton(q_latent, q_rope, cache, block_tables, seq_lens, scale,
@@ -185,21 +193,22 @@ def mla_decode_triton(q_latent, q_rope, cache, block_tables, seq_lens, scale,
     if q_rope.stride(2) != 1:
         q_rope = q_rope.contiguous()
     bs = cache.shape[1]
-    cfg = mla_config(B, H, R, block_tables.shape[1] * bs, device_sms(q_latent), config)
-    s, r_pad = cfg["SPLITS"], next_pow2(R)
+    cfg = mla_config(B, H, R, block_tables.shape[1] * bs, device_sms(q_latent), config,
+                     fp32=cache.dtype == torch.float32)
+    s, r_pad, p_pad = cfg["SPLITS"], max(16, next_pow2(R)), max(16, next_pow2(P))
     if s > 1:
         part = torch.empty((B, H, s, r_pad), dtype=torch.float32, device=out.device)
         lse = torch.empty((B, H, s), dtype=torch.float32, device=out.device)
-    else:
-        part = lse = out  # never touched: every sequence has one split
+    else:  # never touched (every sequence has one split); fp32 keeps one compiled variant
+        part = lse = torch.empty(1, dtype=torch.float32, device=out.device)
     grid = (triton.cdiv(H, cfg["BLOCK_H"]), s, B)
     _mla_split_kernel[grid](
         q_latent, q_rope, cache, block_tables, seq_lens, out, part, lse,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
         cache.stride(0), cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1), H, float(scale) * _LOG2E,
-        R=R, P=P, R_PAD=r_pad, P_PAD=next_pow2(P), BLOCK_H=cfg["BLOCK_H"],
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_SIZE=bs, IEEE=cache.dtype == torch.float32,
+        R=R, P=P, R_PAD=r_pad, P_PAD=p_pad, BLOCK_H=cfg["BLOCK_H"],
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_SIZE=bs, IEEE=cache.dtype == torch.float32, RELOAD=cfg["RELOAD"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if s > 1:
@@ -207,7 +216,7 @@ def mla_decode_triton(q_latent, q_rope, cache, block_tables, seq_lens, scale,
         _mla_combine_kernel[(H, r_pad // block_r, B)](
             part, lse, seq_lens, out, out.stride(0), out.stride(1), H, s,
             R=R, R_PAD=r_pad, BLOCK_R=block_r, BLOCK_N=cfg["BLOCK_N"],
-            S_CHUNK=min(32, next_pow2(s)), num_warps=4,
+            S_CHUNK=8 if s <= 8 else 32, num_warps=4,
         )
     return out
 

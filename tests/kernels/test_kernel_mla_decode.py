@@ -56,15 +56,17 @@ def test_mla_decode_heuristic_config(device):
     check([100], 3, 64, 16, 16, torch.bfloat16, device)
 
 
-def test_mla_decode_head_blocks_and_uneven_splits(device):
+@pytest.mark.parametrize("reload", [False, True])
+def test_mla_decode_head_blocks_and_uneven_splits(reload, device):
     # 20 heads in two blocks of 16 (the second mostly padding); 7 tiles over 3 splits
     check([100, 40], 20, 32, 16, 16, torch.float32, device,
-          config={"BLOCK_H": 16, "BLOCK_N": 16, "SPLITS": 3})
+          config={"BLOCK_H": 16, "BLOCK_N": 16, "SPLITS": 3, "RELOAD": reload})
 
 
 def test_mla_decode_non_pow2_dims(device):
     # R pads to 256: the combine takes it in two 128-wide chunks, the second part padding
     check([23, 9], 5, 136, 24, 16, torch.float32, device, config={"SPLITS": 2})
+    check([23, 9], 2, 32, 8, 16, torch.float32, device, config={"SPLITS": 2})  # P pads to 16
 
 
 def test_mla_decode_empty_sequence_gives_zeros(device):
@@ -86,6 +88,8 @@ def test_mla_config_fills_the_gpu_once():
     assert plan(8, 128)[1] == 8 and plan(32, 128)[1] == 2 and plan(64, 128)[1] == 1
     # 16 heads (8-way tensor parallel): two 16-head programs per SM, at most 128 splits
     assert plan(1, 16) == (16, 128, 4) and plan(8, 16)[1] == 33
+    assert plan(1, 32) == (32, 128, 8) and plan(4, 32)[1] == 33  # 8 warps: one per SM
+    assert mla_config(1, 128, 512, 32768, 132, fp32=True)["BLOCK_H"] == 16
     assert plan(1, 128, max_ctx=64)[1] == 2  # never more splits than tiles
     assert plan(1, 128, max_ctx=64, SPLITS=5, BLOCK_N=16)[1] == 4
 
