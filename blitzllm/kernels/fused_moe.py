@@ -152,8 +152,10 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
 @triton.jit
 def _mma(a, b, acc, IEEE: tl.constexpr):
     if IEEE:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
 
 
 @triton.jit
