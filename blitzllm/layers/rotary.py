@@ -1,7 +1,8 @@
 """Rotary position embedding (neox / rotate-half layout, as HF Llama and Qwen).
 
 Builds ``cos_sin_cache [max_positions, rotary_dim]`` (cos in the first half, sin in the
-second), the layout the fused Triton kernel reads too. Scaling: default, linear, llama3.
+second), the layout the fused Triton kernel reads too. Scaling: default, linear, llama3, and
+yarn (whose attention factor multiplies the cached cos and sin, as transformers does).
 """
 from __future__ import annotations
 
@@ -11,11 +12,54 @@ import torch
 from torch import nn
 
 
-def _inv_freq(rotary_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
+def _rope_kind(scaling: dict | None):
+    return scaling.get("rope_type", scaling.get("type")) if scaling else None
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched ``scale`` times."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(rotary_dim: int, base: float, scaling: dict, max_positions: int) -> tuple[torch.Tensor, float]:
+    """(inv_freq, attention_factor) as transformers' ``_compute_yarn_parameters``: frequencies
+    blend from extrapolated (fast, high dims kept) to interpolated (slow, divided by
+    ``factor``) over a linear ramp between the beta_fast and beta_slow correction dims.
+    Computed in float32 like the oracle."""
+    old_len = scaling.get("original_max_position_embeddings") or max_positions
+    factor = scaling.get("factor") or max_positions / old_len
+    attn = scaling.get("attention_factor")
+    if attn is None:
+        mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all:
+            attn = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
+        else:
+            attn = yarn_mscale(factor)
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations):
+        return rotary_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
+    keep = 1 - ramp  # 1: extrapolate (high-frequency dims), 0: interpolate
+    inv = (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+    return inv.double(), float(attn)
+
+
+def _inv_freq(rotary_dim: int, base: float, scaling: dict | None, max_positions: int = 0) -> torch.Tensor:
     inv = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
     if not scaling:
         return inv
-    kind = scaling.get("rope_type", scaling.get("type"))
+    kind = _rope_kind(scaling)
+    if kind == "yarn":
+        return _yarn(rotary_dim, base, scaling, max_positions)[0]
     if kind == "linear":
         return inv / scaling["factor"]
     if kind == "llama3":
@@ -29,16 +73,22 @@ def _inv_freq(rotary_dim: int, base: float, scaling: dict | None) -> torch.Tenso
         out = torch.where(wavelen > low_wl, inv / factor, inv)
         is_mid = (wavelen <= low_wl) & (wavelen >= high_wl)
         return torch.where(is_mid, mid, out)
-    raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: linear, llama3")
+    raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: linear, llama3, yarn")
 
 
 def build_cos_sin_cache(rotary_dim: int, max_positions: int, base: float,
                         scaling: dict | None = None) -> torch.Tensor:
     # float32 like HF, so positions round the same way as the oracle
-    inv = _inv_freq(rotary_dim, base, scaling).float()
+    if _rope_kind(scaling) == "yarn":
+        inv, attn = _yarn(rotary_dim, base, scaling, max_positions)
+    else:
+        inv, attn = _inv_freq(rotary_dim, base, scaling), 1.0
     t = torch.arange(max_positions, dtype=torch.float32)
-    freqs = torch.outer(t, inv)
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    freqs = torch.outer(t, inv.float())
+    cos, sin = freqs.cos(), freqs.sin()
+    if attn != 1.0:
+        cos, sin = cos * attn, sin * attn
+    return torch.cat([cos, sin], dim=-1)
 
 
 def apply_rotary_torch(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
