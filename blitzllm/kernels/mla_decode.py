@@ -12,10 +12,10 @@ byte: the kernel is bound by tensor-core throughput as much as by HBM, so it nee
 SM busy even at batch 1. The context is split (split-K) so that batch x head blocks x
 splits fills the GPU about once; a sequence whose context fits one split writes its
 output directly, longer ones leave normalised fp32 partials and a log-sum-exp that a
-second, small launch combines per (sequence, head). The combine is a separate launch
-(unlike paged_attention's fused one) because a split's partial is BLOCK_H x R fp32
-(128 KB at 64 x 512): one program combining 64 of them serially would take longer than
-the attention. Neither launch syncs with the host and the grid depends only on shapes,
+second, small launch combines per (sequence, head, 128-wide slice of R). That combine is
+a launch of its own (paged_attention folds it into the last split) because a split's
+partial is BLOCK_H x R fp32 (128 KB at 64 x 512): one program combining 64 of them
+serially would take longer than the attention. Neither launch syncs with the host and the grid depends only on shapes,
 so the op can be captured in a CUDA graph.
 """
 from __future__ import annotations
@@ -125,7 +125,7 @@ def _mla_combine_kernel(
     rb = tl.program_id(1)
     b = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    per, n_active = _split_plan(seq_len, num_splits, BLOCK_N)
+    _, n_active = _split_plan(seq_len, num_splits, BLOCK_N)
     if n_active == 1:  # the split kernel wrote this row itself
         return
     prow = (b.to(tl.int64) * H + h) * num_splits
