@@ -1,0 +1,186 @@
+"""Multi-head latent attention (DeepSeek-V2/V3 MLA) over the paged latent cache.
+
+Per token and layer the cache keeps only the normalised compressed latent (kv_lora_rank
+values) and the rotated rope key (qk_rope_head_dim values), one [NB, BS, 1, R + P] tensor
+from the forward context. Pure decode steps run in the absorbed form (W_kv_b's key half
+folded into the query, attention over latents only via ``kernels/mla_decode.py``, W_kv_b's
+value half applied after); prefill and mixed steps expand the cached latents of each
+sequence to per-head keys and values. Knows nothing about the scheduler or the model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..kernels import mla_decode as mla_ops
+from .attention import _gather, get_forward_context
+from .linear import Linear, PackedLinear
+from .norm import RMSNorm
+from .rotary import apply_rotary_tables, rotary_tables, yarn_mscale
+
+# the dispatcher (Triton on CUDA) when kernels/mla_decode.py has one, else the torch reference
+_mla_decode = getattr(mla_ops, "mla_decode", mla_ops.reference_mla_decode)
+
+_LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers builds them with the default eps
+
+
+@dataclass(frozen=True)
+class MLADims:
+    hidden: int
+    num_heads: int
+    q_lora_rank: Optional[int]   # None: a full-rank q_proj
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True  # rope dims come in (x0, x1) pairs (DeepSeek); False: rotate-half
+    attention_bias: bool = False
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def cache_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def softmax_scale(self, rope_scaling: Optional[dict]) -> float:
+        """qk_head_dim^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2 when the rope
+        scaling sets mscale_all_dim (transformers' ``yarn_apply_mscale``)."""
+        scale = self.qk_head_dim ** -0.5
+        if rope_scaling and rope_scaling.get("mscale_all_dim"):
+            scale *= yarn_mscale(rope_scaling["factor"], rope_scaling["mscale_all_dim"]) ** 2
+        return scale
+
+
+class LatentUpProjection(nn.Module):
+    """``kv_b_proj``: latent [.., R] -> per head (k_nope, v). A plain weight, not a ``Linear``:
+    the absorbed decode reads its key and value halves as matrices, so low-precision
+    weight casts and int4 packing leave it alone."""
+
+    def __init__(self, d: MLADims):
+        super().__init__()
+        self.d = d
+        self.weight = nn.Parameter(torch.empty(d.num_heads * (d.qk_nope_head_dim + d.v_head_dim), d.kv_lora_rank))
+
+    def _halves(self):
+        d = self.d
+        w = self.weight.view(d.num_heads, d.qk_nope_head_dim + d.v_head_dim, d.kv_lora_rank)
+        return w[:, :d.qk_nope_head_dim], w[:, d.qk_nope_head_dim:]  # W_uk [H, N, R], W_uv [H, V, R]
+
+    def expand(self, latent: torch.Tensor):
+        """latent [L, R] -> (k_nope [L, H, N], v [L, H, V])."""
+        d = self.d
+        kv = nn.functional.linear(latent, self.weight).view(-1, d.num_heads, d.qk_nope_head_dim + d.v_head_dim)
+        return kv[..., :d.qk_nope_head_dim], kv[..., d.qk_nope_head_dim:]
+
+    def absorb_query(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """q_nope [B, H, N] -> q_nope W_uk, [B, H, R]: the query in latent space."""
+        return torch.bmm(q_nope.transpose(0, 1), self._halves()[0]).transpose(0, 1)
+
+    def values(self, o_latent: torch.Tensor) -> torch.Tensor:
+        """o_latent [B, H, R] -> [B, H, V]: the attention output through W_uv."""
+        return torch.bmm(o_latent.transpose(0, 1), self._halves()[1].transpose(1, 2)).transpose(0, 1)
+
+
+def write_latent_cache(entry: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, padded: bool):
+    """entry [T, R + P] into cache [NB, BS, 1, R + P] at ``slot_mapping`` (negative: skip).
+    Without a host sync (CUDA-graph safe): a padding row repeats the write of the real row
+    with the highest slot, the same value to the same place. (Only when every row is
+    padding, as in graph capture before any request exists, slot 0 takes a junk write.)"""
+    if padded:
+        keep = slot_mapping >= 0
+        j = slot_mapping.argmax()
+        slot_mapping = torch.where(keep, slot_mapping, slot_mapping[j].clamp(min=0))
+        entry = torch.where(keep[:, None], entry, entry[j])
+    cache.view(-1, cache.shape[-1]).index_copy_(0, slot_mapping, entry.to(cache.dtype))
+
+
+class MLAttention(nn.Module):
+    """Checkpoint names as HF (``self_attn.q_a_proj`` ...); ``q_a_proj`` (or ``q_proj``) and
+    ``kv_a_proj_with_mqa`` read the same input, so they are packed into one GEMM,
+    ``fused_qkv_a_proj`` (see ``packed_modules``)."""
+
+    def __init__(self, d: MLADims, layer_idx: int, rotary, scale: float):
+        super().__init__()
+        self.d, self.layer_idx, self.rotary, self.scale = d, layer_idx, rotary, scale
+        h = d.num_heads
+        first = d.q_lora_rank if d.q_lora_rank else h * d.qk_head_dim
+        if not d.q_lora_rank and d.attention_bias:
+            raise ValueError("attention_bias with q_lora_rank=null is not supported (q_proj has no bias "
+                             "but kv_a_proj_with_mqa has one, so they cannot share a packed GEMM)")
+        self.fused_qkv_a_proj = PackedLinear(d.hidden, [first, d.cache_dim], bias=d.attention_bias)
+        if d.q_lora_rank:
+            self.q_a_layernorm = RMSNorm(d.q_lora_rank, _LATENT_NORM_EPS)
+            self.q_b_proj = Linear(d.q_lora_rank, h * d.qk_head_dim)
+        self.kv_a_layernorm = RMSNorm(d.kv_lora_rank, _LATENT_NORM_EPS)
+        self.kv_b_proj = LatentUpProjection(d)
+        self.o_proj = Linear(h * d.v_head_dim, d.hidden, bias=d.attention_bias)
+
+    @staticmethod
+    def packed_modules(d: MLADims) -> dict:
+        first = "q_a_proj" if d.q_lora_rank else "q_proj"
+        return {first: ("fused_qkv_a_proj", 0), "kv_a_proj_with_mqa": ("fused_qkv_a_proj", 1)}
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.attend(positions, self.fused_qkv_a_proj(x))
+
+    def forward_norm(self, positions, x, residual, norm):
+        """Pre-norm entry, as ``Linear.forward_norm``: (attn(norm(x + residual)), x + residual)."""
+        qkv_a, residual = self.fused_qkv_a_proj.forward_norm(x, residual, norm)
+        return self.attend(positions, qkv_a), residual
+
+    def attend(self, positions: torch.Tensor, qkv_a: torch.Tensor) -> torch.Tensor:
+        """Output of ``fused_qkv_a_proj`` [T, first + R + P] -> [T, hidden]."""
+        d, T = self.d, qkv_a.shape[0]
+        q, kv_a = qkv_a.split([qkv_a.shape[1] - d.cache_dim, d.cache_dim], dim=1)
+        if d.q_lora_rank:
+            q = self.q_b_proj(self.q_a_layernorm(q.contiguous()))
+        q = q.view(T, d.num_heads, d.qk_head_dim)
+        q_nope = q[..., :d.qk_nope_head_dim]
+        latent = self.kv_a_layernorm(kv_a[:, :d.kv_lora_rank].contiguous())
+        pe = self._rope(positions, torch.cat([q[..., d.qk_nope_head_dim:], kv_a[:, None, d.kv_lora_rank:]], 1))
+        q_pe, k_pe = pe[:, :-1], pe[:, -1]
+        ctx = get_forward_context()
+        cache, md = ctx.kv_caches[self.layer_idx][0], ctx.attn_metadata
+        write_latent_cache(torch.cat([latent, k_pe], -1), cache, md.slot_mapping, md.padded)
+        if md.is_pure_decode:
+            q_latent = self.kv_b_proj.absorb_query(q_nope)
+            o_latent = _mla_decode(q_latent.contiguous(), q_pe.contiguous(), cache, md.block_tables,
+                                   md.seq_lens, self.scale)
+            out = self.kv_b_proj.values(o_latent)
+        else:
+            out = self._prefill(torch.cat([q_nope, q_pe], -1), cache, md)
+        return self.o_proj(out.reshape(T, d.num_heads * d.v_head_dim))
+
+    def _rope(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotate x [T, heads, P] (q's heads then the shared k); interleaved pairs are laid
+        out as rotate-half halves first, the order transformers' interleaved rope returns."""
+        if self.d.rope_interleave:
+            x = torch.cat([x[..., 0::2], x[..., 1::2]], -1)
+        scratch = get_forward_context().scratch
+        key = ("rope", id(self.rotary))
+        if key not in scratch:  # the same tables for every layer of this step
+            scratch[key] = rotary_tables(self.rotary.cos_sin_cache, positions)
+        return apply_rotary_tables(x, *scratch[key])
+
+    def _prefill(self, q: torch.Tensor, cache: torch.Tensor, md) -> torch.Tensor:
+        """q [T, H, N + P] -> [T, H, V]: causal attention per sequence over its whole cached
+        context (earlier chunks and prefix-cache hits included), latents expanded per head."""
+        d = self.d
+        out = q.new_empty(q.shape[0], d.num_heads, d.v_head_dim)
+        start = 0
+        for b, (ql, sl) in enumerate(zip(md.q_lens_host, md.seq_lens_host)):
+            kv = _gather(cache, md.block_tables[b], sl)[:, 0].to(q.dtype)  # [L, R + P]
+            k_nope, v = self.kv_b_proj.expand(kv[:, :d.kv_lora_rank])
+            k = torch.cat([k_nope, kv[:, None, d.kv_lora_rank:].expand(-1, d.num_heads, -1)], -1)
+            s = torch.matmul(q[start:start + ql].transpose(0, 1), k.permute(1, 2, 0)).float() * self.scale
+            qpos = torch.arange(sl - ql, sl, device=q.device)
+            s = s.masked_fill(torch.arange(sl, device=q.device)[None, :] > qpos[:, None], float("-inf"))
+            p = torch.softmax(s, dim=-1).to(v.dtype)  # [H, Q, L]
+            out[start:start + ql] = torch.matmul(p, v.transpose(0, 1)).transpose(0, 1)
+            start += ql
+        return out

@@ -1,0 +1,221 @@
+"""DeepSeek-V3: multi-head latent attention (``layers/mla.py``), the first
+``first_k_dense_replace`` layers with a dense MLP, the others (every ``moe_layer_freq``) a
+``FusedMoE`` with sigmoid scores, ``e_score_correction_bias`` for selection, grouped top-k
+over ``n_group`` / ``topk_group``, renormalised weights times ``routed_scaling_factor`` and
+``n_shared_experts`` shared experts.
+
+Multi-token-prediction layers (``model.layers.{num_hidden_layers + i}``, DeepSeek's MTP
+modules) are loaded, when the checkpoint has them, into ``mtp``: weights only, forward
+never runs them (speculative decoding will). They are created on the first MTP tensor, so a
+checkpoint without them (transformers drops them) or dummy weights cost nothing.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..layers.linear import Linear
+from ..layers.mla import MLADims, MLAttention
+from ..layers.moe import FusedMoE, expert_load_keys, load_expert_weight
+from ..layers.norm import RMSNorm
+from ..layers.rotary import RotaryEmbedding
+from .llama import DenseMLP
+
+
+@dataclass(frozen=True)
+class DeepseekV3Args:
+    """The DeepSeek fields of the HF config that ``ModelConfig`` does not carry."""
+    mla: MLADims
+    moe_intermediate_size: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_shared_experts: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    first_k_dense_replace: int
+    moe_layer_freq: int
+    num_mtp_layers: int
+    checkpoint_layers: int  # num_hidden_layers of the checkpoint (the MTP layers follow it)
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> "DeepseekV3Args":
+        t = cfg.hf_config.get("text_config") or cfg.hf_config
+        mla = MLADims(
+            hidden=cfg.hidden_size, num_heads=cfg.num_heads, q_lora_rank=t.get("q_lora_rank") or None,
+            kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=t["qk_nope_head_dim"],
+            qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=t["v_head_dim"],
+            rope_interleave=bool(t.get("rope_interleave", True)), attention_bias=cfg.attention_bias)
+        return cls(
+            mla=mla, moe_intermediate_size=t.get("moe_intermediate_size") or 0,
+            n_routed_experts=t.get("n_routed_experts") or 0, num_experts_per_tok=t.get("num_experts_per_tok") or 0,
+            n_shared_experts=t.get("n_shared_experts") or 0, n_group=t.get("n_group") or 1,
+            topk_group=t.get("topk_group") or 1, norm_topk_prob=bool(t.get("norm_topk_prob", True)),
+            routed_scaling_factor=float(t.get("routed_scaling_factor") or 1.0),
+            first_k_dense_replace=t.get("first_k_dense_replace") or 0, moe_layer_freq=t.get("moe_layer_freq") or 1,
+            num_mtp_layers=t.get("num_nextn_predict_layers") or 0, checkpoint_layers=t["num_hidden_layers"])
+
+    def is_moe_layer(self, idx: int) -> bool:
+        """By the layer's checkpoint index (an MTP layer counts from num_hidden_layers)."""
+        return self.n_routed_experts > 0 and idx >= self.first_k_dense_replace and idx % self.moe_layer_freq == 0
+
+
+def _make_mlp(cfg: ModelConfig, a: DeepseekV3Args, idx: int) -> nn.Module:
+    if not a.is_moe_layer(idx):
+        return DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+    shared = DenseMLP(cfg.hidden_size, a.moe_intermediate_size * a.n_shared_experts) if a.n_shared_experts else None
+    return FusedMoE(cfg.hidden_size, a.moe_intermediate_size, a.n_routed_experts, a.num_experts_per_tok,
+                    scoring="sigmoid", correction_bias="gate", n_group=a.n_group, topk_group=a.topk_group,
+                    renormalize=a.norm_topk_prob, scaling=a.routed_scaling_factor, shared_experts=shared)
+
+
+class DeepseekV3DecoderLayer(nn.Module):
+    """``idx``: the checkpoint index (dense or MoE); ``cache_idx``: its KV cache slot."""
+
+    def __init__(self, cfg: ModelConfig, a: DeepseekV3Args, idx: int, rotary: RotaryEmbedding,
+                 cache_idx: Optional[int] = None):
+        super().__init__()
+        scale = a.mla.softmax_scale(cfg.rope_scaling)
+        self.self_attn = MLAttention(a.mla, idx if cache_idx is None else cache_idx, rotary, scale)
+        self.mlp = _make_mlp(cfg, a, idx)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, x, residual):
+        # pre-norms enter the projection after them (a GEMV prologue on CUDA decode)
+        x, residual = self.self_attn.forward_norm(positions, x, residual, self.input_layernorm)
+        mlp = self.mlp
+        if isinstance(mlp, DenseMLP):
+            gate_up, residual = mlp.gate_up_proj.forward_norm(x, residual, self.post_attention_layernorm)
+            return mlp.down_proj(gate_up, silu_mul_input=True), residual
+        h, residual = self.post_attention_layernorm(x, residual)
+        return mlp(h), residual
+
+
+class SharedHead(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.head = Linear(cfg.hidden_size, cfg.vocab_size)
+
+
+class MTPLayer(DeepseekV3DecoderLayer):
+    """One DeepSeek MTP module: a decoder layer plus ``enorm`` / ``hnorm`` (of the next
+    token's embedding and of the previous hidden state), ``eh_proj`` [H, 2H] and
+    ``shared_head`` (norm + its own copy of the output head). The checkpoint's
+    ``embed_tokens`` copy is the main embedding (DeepSeek shares it) and is not kept."""
+
+    def __init__(self, cfg: ModelConfig, a: DeepseekV3Args, i: int, rotary: RotaryEmbedding):
+        super().__init__(cfg, a, a.checkpoint_layers + i, rotary, cache_idx=cfg.num_layers + i)
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size)
+        self.shared_head = SharedHead(cfg)
+
+
+class MTPModules(nn.Module):
+    """Weights of the MTP layers, ``layers.{i}`` = checkpoint layer num_hidden_layers + i."""
+
+    def __init__(self, cfg: ModelConfig, a: DeepseekV3Args, rotary: RotaryEmbedding):
+        super().__init__()
+        self.layers = nn.ModuleList(MTPLayer(cfg, a, i, rotary) for i in range(a.num_mtp_layers))
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(self, cfg: ModelConfig, a: DeepseekV3Args):
+        super().__init__()
+        self.rotary = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                      cfg.rope_scaling)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(cfg, a, i, self.rotary) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids, positions):
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
+        return self.norm(x, residual)[0]
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if not cfg.is_mla:
+            raise ValueError("DeepseekV3ForCausalLM needs kv_lora_rank > 0 in config.json")
+        self.config = cfg
+        self.args = a = DeepseekV3Args.from_config(cfg)
+        # checkpoint sub-name -> (packed parameter sub-name, shard index)
+        self.packed_modules = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+                               **MLAttention.packed_modules(a.mla)}
+        self.model = DeepseekV3Model(cfg, a)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.mtp: Optional[MTPModules] = None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Flat tokens [T] -> final hidden states [T, hidden]."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    # ---- loading ------------------------------------------------------------------
+    def load_custom_weight(self, name: str, tensor: torch.Tensor) -> Optional[list]:
+        m = _LAYER.match(name)
+        if m is not None and 0 <= int(m[1]) - self.args.checkpoint_layers < self.args.num_mtp_layers:
+            return self._load_mtp(int(m[1]) - self.args.checkpoint_layers, m[2], tensor)
+        return load_expert_weight(self, name, tensor)
+
+    def required_load_keys(self, param_name: str) -> Optional[list]:
+        return expert_load_keys(self, param_name)
+
+    def _load_mtp(self, i: int, rest: str, tensor: torch.Tensor) -> list:
+        if rest.startswith("embed_tokens."):
+            return []  # DeepSeek's MTP shares the main embedding
+        if self.mtp is None:
+            self.mtp = self._new_mtp()
+        local = f"layers.{i}.{rest}"
+        keys = load_expert_weight(self.mtp, local, tensor)
+        if keys is None:
+            keys = [_copy_packed(self.mtp, self.packed_modules, local, tensor)]
+        return [f"mtp.{k}" for k in keys]
+
+    def _new_mtp(self) -> MTPModules:
+        ref = self.model.norm.weight
+        with torch.device(ref.device):
+            mtp = MTPModules(self.config, self.args, self.model.rotary)
+        for p in mtp.parameters():  # not .to(): the rotary tables it shares stay float32
+            p.data = p.data.to(ref.dtype)
+        return mtp
+
+
+def _copy_packed(root: nn.Module, packed: dict, name: str, tensor: torch.Tensor) -> str:
+    """Copy checkpoint tensor ``name`` (relative to ``root``) into its parameter, or into its
+    shard of a packed one; returns the load key."""
+    *path, leaf = name.split(".")
+    shard = None
+    if len(path) and path[-1] in packed:
+        path[-1], shard = packed[path[-1]]
+    try:
+        mod = root.get_submodule(".".join(path))
+        param = getattr(mod, leaf)
+    except AttributeError:
+        param = None
+    if not isinstance(param, torch.Tensor):
+        raise ValueError(f"checkpoint tensor {name!r} has no place in DeepSeek's MTP layers")
+    dst = param if shard is None else param[mod.shard_slice(shard)]
+    if tuple(dst.shape) != tuple(tensor.shape):
+        raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, model {tuple(dst.shape)}")
+    with torch.no_grad():
+        dst.copy_(tensor)
+    return ".".join(path + [leaf]) + ("" if shard is None else f"#{shard}")
