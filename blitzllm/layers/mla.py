@@ -93,9 +93,9 @@ def write_latent_cache(entry: torch.Tensor, cache: torch.Tensor, slot_mapping: t
     padding, as in graph capture before any request exists, slot 0 takes a junk write.)"""
     if padded:
         keep = slot_mapping >= 0
-        j = slot_mapping.argmax()
-        slot_mapping = torch.where(keep, slot_mapping, slot_mapping[j].clamp(min=0))
-        entry = torch.where(keep[:, None], entry, entry[j])
+        j = slot_mapping.argmax().view(1)  # index_select, not [j]: a 0-dim index reads it on the host
+        slot_mapping = torch.where(keep, slot_mapping, slot_mapping.index_select(0, j).clamp(min=0))
+        entry = torch.where(keep[:, None], entry, entry.index_select(0, j))
     cache.view(-1, cache.shape[-1]).index_copy_(0, slot_mapping, entry.to(cache.dtype))
 
 
