@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """MLA decode benchmark: blitzllm's Triton kernel at DeepSeek-V3 shapes vs the HBM floor.
 
-    python3 scripts/bench_mla.py [--batches 1,8,32] [--ctxs 1024,4096,16384] [--budget-s 75]
+    python3 scripts/bench_mla.py [--batches 1,8,32] [--ctxs 1024,4096,16384] [--budget-s 60]
     python3 scripts/bench_mla.py --smoke     # CPU: tiny shapes under TRITON_INTERPRET=1
 
 Shapes: H = 128 heads (and H = 16, 8-way tensor parallel, at the longest context),
@@ -9,9 +9,10 @@ R = 512, P = 64, bf16 latent cache in pages of 16, every sequence at the full co
 shuffled block tables. First a large device copy measures the bandwidth (2 x bytes /
 time). Per shape, the heuristic config and a few alternatives (until --budget-s has
 passed) are checked against reference_mla_decode (max abs error / max |ref|) and timed
-by replaying a CUDA graph of back-to-back calls (bench_gemv's), each on its own copy of
-the cache (>= 256 MB in all, so reads come from HBM, not the 50 MB L2). "frac" = time to read
-the latent cache bytes (B * ctx * 576 * 2) at the measured bandwidth / kernel time.
+by replaying a CUDA graph of back-to-back calls (bench_gemv's), each on its own copy
+of the cache (>= 256 MB in all, so reads come from HBM, not the 50 MB L2). "frac" =
+time to read the latent cache bytes (B * ctx * 576 * 2) at the measured bandwidth /
+kernel time.
 At H = 128 MLA decode does ~240 flops per cache byte, above the H200's tensor-core /
 HBM ratio (~200): frac < 1 is expected there, and the TFLOP/s column says how close
 the kernel is to the compute side. Also times the torch reference at one small shape.
@@ -56,75 +57,85 @@ def make_inputs(torch, b, h, ctx, dtype, dev, copies, r=R, p=P, bs=BS):
     return q[..., :r], q[..., r:], cache, tables, seq
 
 
-def run(args):
+def bench_shape(env, h, b, ctx):
+    """Check and time the heuristic and (within the budget) the variants at one shape."""
     import torch
     from bench_gemv import time_graph  # graph of back-to-back calls, one input copy each
 
-    from blitzllm.bench.roofline import copy_bandwidth
     from blitzllm.kernels._common import device_sms
     from blitzllm.kernels.mla_decode import mla_config, mla_decode_triton, reference_mla_decode
 
-    smoke = args.smoke
-    dev, dt = ("cpu" if smoke else "cuda"), torch.bfloat16
-    r, p = (64, 16) if smoke else (R, P)
+    r, p, dt = env.r, env.p, torch.bfloat16
+    cache_bytes = b * ctx * (r + p) * dt.itemsize
+    copies = 1 if env.smoke else max(1, math.ceil(MIN_BYTES / cache_bytes))
+    ql, qr, cache, tables, seq = make_inputs(torch, b, h, ctx, dt, env.dev, copies, r, p)
+    ref = reference_mla_decode(ql, qr, cache, tables[0], seq, env.scale).float()
+    flops = 2 * b * ctx * h * (2 * r + p)
+    sms = device_sms(ql)
+    base = mla_config(b, h, r, ctx, sms)
+    seen, rows = set(), []
+    for name, over in variants(h):
+        if time.time() - env.t0 > env.budget_s and name != "heuristic":
+            break
+        if isinstance(over, str):
+            over = dict(SPLITS=max(1, base["SPLITS"] // 2) if over == "half" else 2 * base["SPLITS"])
+        cfg = mla_config(b, h, r, ctx, sms, over)
+        key = tuple(sorted(cfg.items()))
+        if key in seen:
+            continue
+        seen.add(key)
+        rec = dict(H=h, B=b, ctx=ctx, variant=name, config=cfg, cache_bytes=cache_bytes)
+
+        def fn(table, cfg=cfg):
+            return mla_decode_triton(ql, qr, cache, table, seq, env.scale, config=cfg)
+
+        def rel_err():
+            return (fn(tables[0]).float() - ref).abs().max().item() / ref.abs().max().item()
+        try:
+            rec["rel_err"] = rel_err()
+            if not env.smoke:
+                us = time_graph(fn, list(tables), torch)
+                rec["rel_err"] = max(rec["rel_err"], rel_err())  # still right after the replays
+                rec.update(us=us, floor_us=cache_bytes / env.bw * 1e6, tflops=flops / us / 1e6)
+                rec["frac"] = rec["floor_us"] / us
+        except Exception as e:  # a config that does not compile / fit: report, go on
+            rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        rows.append(rec)
+        print(f"H={h:<4d}B={b:<3d}ctx={ctx:<6d}{name:10s}{cfg_str(cfg):26s}{outcome(rec)}", flush=True)
+    return rows
+
+
+def run(args):
+    import torch
+
+    from blitzllm.bench.roofline import copy_bandwidth
+    from blitzllm.kernels.mla_decode import reference_mla_decode
+
     torch.manual_seed(0)
-    t0 = time.time()
-    bw = None if smoke else copy_bandwidth(torch.device("cuda"), 2 << 30)
-    if bw:
-        print(f"device copy bandwidth: {bw / 1e9:.0f} GB/s", flush=True)
+    smoke = args.smoke
+    env = argparse.Namespace(smoke=smoke, dev="cpu" if smoke else "cuda", t0=time.time(),
+                             budget_s=args.budget_s, scale=192 ** -0.5,
+                             r=64 if smoke else R, p=16 if smoke else P,
+                             bw=None if smoke else copy_bandwidth(torch.device("cuda"), 2 << 30))
+    if env.bw:
+        print(f"device copy bandwidth: {env.bw / 1e9:.0f} GB/s", flush=True)
     batches = [int(v) for v in args.batches.split(",")]
     ctxs = [int(v) for v in args.ctxs.split(",")]
     shapes = [(128, b, c) for b in batches for c in ctxs] + [(16, b, max(ctxs)) for b in batches]
     if smoke:
         shapes = [(16, 1, 100), (3, 2, 33)]
-    scale = 192 ** -0.5
     results, summary = [], []
     for h, b, ctx in shapes:
-        cache_bytes = b * ctx * (r + p) * dt.itemsize
-        copies = 1 if smoke else max(1, math.ceil(MIN_BYTES / cache_bytes))
-        ql, qr, cache, tables, seq = make_inputs(torch, b, h, ctx, dt, dev, copies, r, p)
-        ref = reference_mla_decode(ql, qr, cache, tables[0], seq, scale).float()
-        flops = 2 * b * ctx * h * (2 * r + p)
-        sms = device_sms(ql)
-        base = mla_config(b, h, r, ctx, sms)
-        seen, rows = set(), []
-        for name, over in variants(h):
-            if time.time() - t0 > args.budget_s and name != "heuristic":
-                break
-            if isinstance(over, str):
-                over = dict(SPLITS=max(1, base["SPLITS"] // 2) if over == "half" else 2 * base["SPLITS"])
-            cfg = mla_config(b, h, r, ctx, sms, over)
-            key = tuple(sorted(cfg.items()))
-            if key in seen:
-                continue
-            seen.add(key)
-            rec = dict(H=h, B=b, ctx=ctx, variant=name, config=cfg, cache_bytes=cache_bytes)
-
-            def fn(table, cfg=cfg):
-                return mla_decode_triton(ql, qr, cache, table, seq, scale, config=cfg)
-
-            def rel_err():
-                return (fn(tables[0]).float() - ref).abs().max().item() / ref.abs().max().item()
-            try:
-                rec["rel_err"] = rel_err()
-                if not smoke:
-                    us = time_graph(fn, list(tables), torch)
-                    rec["rel_err"] = max(rec["rel_err"], rel_err())  # still right after the replays
-                    rec.update(us=us, floor_us=cache_bytes / bw * 1e6, tflops=flops / us / 1e6)
-                    rec["frac"] = rec["floor_us"] / us
-            except Exception as e:  # a config that does not compile / fit: report, go on
-                rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            rows.append(rec)
-            print(f"H={h:<4d}B={b:<3d}ctx={ctx:<6d}{name:10s}{cfg_str(cfg):26s}{outcome(rec)}", flush=True)
+        rows = bench_shape(env, h, b, ctx)
         results += rows
         summary.append(summarize(rows))
-        write_json(bw, results, summary, None)
-        del ql, qr, cache, tables, seq, ref
+        write_json(env.bw, results, summary, None)
         if not smoke:
-            torch.cuda.empty_cache()
-    ref_us = None if smoke else time_reference(torch, reference_mla_decode, scale)
-    write_json(bw, results, summary, ref_us)
-    print(f"\n== summary (bf16, BS={BS}, R={r}, P={p}; CUDA-graph timings; {time.time() - t0:.0f} s)")
+            torch.cuda.empty_cache()  # this shape's inputs and graph pool
+    ref_us = None if smoke else time_reference(torch, reference_mla_decode, env.scale)
+    write_json(env.bw, results, summary, ref_us)
+    print(f"\n== summary (bf16, BS={BS}, R={env.r}, P={env.p}; CUDA-graph timings; "
+          f"{time.time() - env.t0:.0f} s)")
     if ref_us:
         print(f"torch reference at H=128 B=1 ctx=1024: {ref_us:.0f} us a call")
     cols = [("H", "H", "d"), ("B", "B", "d"), ("ctx", "ctx", "d"), ("floor us", "floor_us", ".1f"),
@@ -192,7 +203,7 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="CPU check under the Triton interpreter, no timing")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--ctxs", default="1024,4096,16384")
-    ap.add_argument("--budget-s", type=float, default=75.0,
+    ap.add_argument("--budget-s", type=float, default=60.0,
                     help="after this many seconds only the heuristic config is timed")
     args = ap.parse_args()
     if args.smoke:
