@@ -27,6 +27,12 @@ for part in "$@"; do case $part in
        L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        run 80 qwen_norm1 $Q; BLITZ_GEMV_NORM=0 run 80 qwen_norm0 $Q; BLITZ_GEMV_NORM=0 BLITZ_GEMV_PREFETCH=0 run 80 qwen_norm0_pf0 $Q
        run 90 llama_norm1 $L; BLITZ_GEMV_NORM=0 run 90 llama_norm0 $L; BLITZ_GEMV_NORM=0 BLITZ_GEMV_PREFETCH=0 run 90 llama_norm0_pf0 $L ;;
+  moek) timeout 200 python3 scripts/bench_moe.py --budget-s 100 2>&1 | tail -30
+        timeout 120 python3 scripts/bench_mla.py 2>&1 | tail -16 ;;
+  moelat) run 150 q30b_b1 --model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8
+       run 150 q30b_b32 --model preset:qwen3-30b-a3b --batch-size 32 --input-len 128 --output-len 128 --max-num-seqs 32
+       run 150 dsv3_l8_b1 --model preset:deepseek-v3 --num-layers 8 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8
+       run 150 mm2_l8_b1 --model preset:minimax-m2 --num-layers 8 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8 ;;
   latcmp) run 240 llama_b1 --model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --compare hf ;;
   b64) run 100 llama_b64 --model preset:llama-3.1-8b --batch-size 64 --input-len 1000 --output-len 64 --max-num-seqs 64 ;;
   ttft) run 70 llama_ttft10k --model preset:llama-3.1-8b --batch-size 1 --input-len 10000 --output-len 4 --max-num-seqs 1 --enforce-eager ;;
