@@ -25,7 +25,8 @@ from typing import Optional
 
 import torch
 
-from ._common import device_sms, next_pow2, tl, triton
+from ._common import (device_sms, next_pow2, pdl_enabled, pdl_launch_dependents, pdl_launch_kwargs, pdl_wait,
+                      tl, triton)
 
 MOE_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 ALIGN_ONE_PROGRAM_MAX = 256  # (token, k) entries sorted by a single program
@@ -55,13 +56,15 @@ def _fill(ptr, start, stop, value, BLOCK: tl.constexpr):
 
 @triton.jit
 def _moe_count_kernel(ids_ptr, counts_ptr, sorted_ptr, n_entries, n_sorted, per_prog, pad_per_prog,
-                      E_PAD: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr):
+                      E_PAD: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr, USE_PDL: tl.constexpr):
     """Pass 1 of the two-pass sort: program p counts the experts of its slice of entries
     into counts[p] and writes the sentinel over its share of the sorted ids."""
+    pdl_wait(USE_PDL)
     p = tl.program_id(0)
     q = p * pad_per_prog
     _fill(sorted_ptr, q, tl.minimum(q + pad_per_prog, n_sorted), n_entries, FILL)
     counts = _count_experts(ids_ptr, p * per_prog, (p + 1) * per_prog, n_entries, E_PAD, CHUNK)
+    pdl_launch_dependents(USE_PDL)
     tl.store(counts_ptr + p * E_PAD + tl.arange(0, E_PAD), counts)
 
 
@@ -69,10 +72,11 @@ def _moe_count_kernel(ids_ptr, counts_ptr, sorted_ptr, n_entries, n_sorted, per_
 def _moe_align_kernel(ids_ptr, counts_ptr, sorted_ptr, expert_ptr, total_ptr,
                       n_entries, n_sorted, n_blocks, per_prog,
                       BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
-                      FILL: tl.constexpr, COUNTED: tl.constexpr):
+                      FILL: tl.constexpr, COUNTED: tl.constexpr, USE_PDL: tl.constexpr):
     """Scatter of the entries to their sorted slots (program p: its slice, in order); program
     0 also writes the padded total and each block's expert. Without COUNTED there is one
     program and it pads and counts first."""
+    pdl_wait(USE_PDL)
     p = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
     if COUNTED:  # expert totals, and the entries of the slices before this one
@@ -99,6 +103,7 @@ def _moe_align_kernel(ids_ptr, counts_ptr, sorted_ptr, expert_ptr, total_ptr,
         slot = tl.sum(hit * (cursor[None, :] + tl.cumsum(hit, axis=0) - 1), axis=1)
         tl.store(sorted_ptr + slot, i, mask=tl.sum(hit, axis=1) > 0)  # (ids outside [0, E) dropped)
         cursor += tl.sum(hit, axis=0)
+    pdl_launch_dependents(USE_PDL)
     if p == 0:
         total = tl.sum(padded, axis=0)
         tl.store(total_ptr, total)
@@ -132,18 +137,19 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     e_pad = next_pow2(num_experts)
     chunk = min(max(16, min(64, 8192 // e_pad)), max(16, next_pow2(n)))
     fill = 1024
+    pdl = pdl_enabled(ids)
+    common = dict(E_PAD=e_pad, CHUNK=chunk, FILL=fill, USE_PDL=pdl, num_warps=4, **pdl_launch_kwargs(pdl))
     if n <= ALIGN_ONE_PROGRAM_MAX:
         _moe_align_kernel[(1,)](ids, total, sorted_ids, block_expert, total, n, n_sorted, n_blocks,
-                                triton.cdiv(n, chunk) * chunk, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk,
-                                FILL=fill, COUNTED=False, num_warps=4)
+                                triton.cdiv(n, chunk) * chunk, BLOCK_M=block_m, COUNTED=False, **common)
         return sorted_ids, block_expert, total
     per_prog = triton.cdiv(triton.cdiv(n, min(ALIGN_MAX_PROGRAMS, triton.cdiv(n, ALIGN_SLICE))), chunk) * chunk
     progs = triton.cdiv(n, per_prog)
     counts = torch.empty(progs, e_pad, dtype=torch.int32, device=dev)
     _moe_count_kernel[(progs,)](ids, counts, sorted_ids, n, n_sorted, per_prog, triton.cdiv(n_sorted, progs),
-                                E_PAD=e_pad, CHUNK=chunk, FILL=fill, num_warps=4)
+                                **common)
     _moe_align_kernel[(progs,)](ids, counts, sorted_ids, block_expert, total, n, n_sorted, n_blocks, per_prog,
-                                BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, FILL=fill, COUNTED=True, num_warps=4)
+                                BLOCK_M=block_m, COUNTED=True, **common)
     return sorted_ids, block_expert, total
 
 
@@ -162,10 +168,11 @@ def _mma(a, b, acc, IEEE: tl.constexpr):
 def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
                      N, KD, n_entries, row_div, stride_a, stride_we, stride_wn, stride_o,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GATED: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+                     GATED: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr):
     """out[entry, n] = A[entry // row_div] . W[e, n] for the BLOCK_M sorted entries of one
     expert e. GATED: W holds gate rows [0, N) and up rows [N, 2N); the output is
     silu(gate) * up with the reference's rounding steps."""
+    pdl_wait(USE_PDL)  # (PDL launches write nothing before this)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
         return
@@ -192,6 +199,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
             acc_up = _mma(a, tl.load(b_ptrs + N * stride_wn, mask=b_mask, other=0.0), acc_up, IEEE)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    pdl_launch_dependents(USE_PDL)
     dt = out_ptr.dtype.element_ty
     res = acc.to(dt)
     if GATED:  # silu in fp32 rounded to dt, times up (as activation.silu_and_mul)
@@ -203,7 +211,9 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
 
 
 @triton.jit
-def _moe_combine_kernel(y_ptr, tw_ptr, out_ptr, H, stride_o, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+def _moe_combine_kernel(y_ptr, tw_ptr, out_ptr, H, stride_o, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+                        USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = offs < H
@@ -211,6 +221,7 @@ def _moe_combine_kernel(y_ptr, tw_ptr, out_ptr, H, stride_o, TOP_K: tl.constexpr
     for k in tl.static_range(TOP_K):
         y = tl.load(y_ptr + (t * TOP_K + k) * H + offs, mask=mask, other=0.0)
         acc += y.to(tl.float32) * tl.load(tw_ptr + t * TOP_K + k)
+    pdl_launch_dependents(USE_PDL)
     tl.store(out_ptr + t * stride_o + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -258,11 +269,13 @@ def _moe_config_cached(tokens, top_k, num_experts, hidden, inter, dtype, sms, it
 def _grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_entries, row_div, n, gated, cfg):
     kd = a.shape[1]
     grid = (block_expert.numel(), triton.cdiv(n, cfg["BLOCK_N"]))
+    pdl = pdl_enabled(a)
     _moe_gemm_kernel[grid](a, w, out, sorted_ids, block_expert, total, n, kd, n_entries, row_div,
                            a.stride(0), w.stride(0), w.stride(1), out.stride(0),
                            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                            GATED=gated, EVEN_K=kd % cfg["BLOCK_K"] == 0, IEEE=a.dtype == torch.float32,
-                           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                           USE_PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                           **pdl_launch_kwargs(pdl))
 
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -295,6 +308,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     _grouped_gemm(act, w2, y, sorted_ids, block_expert, total, n, 1, H, False, down_cfg)
     tw = topk_weights.to(torch.float32).contiguous()
     block_h = min(1024, next_pow2(H))
+    pdl = pdl_enabled(x)
     _moe_combine_kernel[(T, triton.cdiv(H, block_h))](y, tw, out, H, out.stride(0), TOP_K=K, BLOCK_H=block_h,
-                                                      num_warps=4)
+                                                      USE_PDL=pdl, num_warps=4, **pdl_launch_kwargs(pdl))
     return out

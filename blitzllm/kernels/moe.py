@@ -247,7 +247,8 @@ def _select_experts_kernel(logits_ptr, bias_ptr, w_out_ptr, id_out_ptr, stride_l
                            GROUP: tl.constexpr, N_GROUP: tl.constexpr, NG_PAD: tl.constexpr,
                            G_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
                            K_PAD: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           RENORM: tl.constexpr):
+                           RENORM: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_l
     grp = tl.arange(0, NG_PAD)
@@ -289,6 +290,7 @@ def _select_experts_kernel(logits_ptr, bias_ptr, w_out_ptr, id_out_ptr, stride_l
         f = tl.argmax(flat, axis=0)
         ids = tl.where(k == i, (f // G_PAD) * GROUP + f % G_PAD, ids)
         flat = tl.where(pos == f, float("-inf"), flat)
+    pdl_launch_dependents(USE_PDL)
     kmask = k < TOP_K
     picked = tl.load(row_ptr + ids, mask=kmask, other=0.0)  # the chosen logits again (cached)
     if SIGMOID:
@@ -335,22 +337,35 @@ def select_experts_triton(logits: torch.Tensor, top_k: int, scoring: str = "soft
         return weights, ids
     group = E // n_group
     ng_pad, g_pad = next_pow2(n_group), next_pow2(group)
+    pdl = pdl_enabled(logits)
     _select_experts_kernel[(T,)](
         logits, bias.contiguous() if bias is not None else logits, weights, ids, logits.stride(0), float(scaling),
         GROUP=group, N_GROUP=n_group, NG_PAD=ng_pad, G_PAD=g_pad, TOPK_GROUP=topk_group if n_group > 1 else 1,
         TOP_K=top_k, K_PAD=next_pow2(top_k), SIGMOID=scoring == "sigmoid", HAS_BIAS=bias is not None,
-        RENORM=bool(renormalize), num_warps=1 if ng_pad * g_pad <= 512 else 4)
+        RENORM=bool(renormalize), USE_PDL=pdl, num_warps=1 if ng_pad * g_pad <= 512 else 4, **pdl_launch_kwargs(pdl))
     return weights, ids
 
 
 
 # ---- public ops -----------------------------------------------------------------------
 
+ROUTER_TRITON_MAX_T = 64  # beyond: cuBLAS with an fp32 output (where torch has mm(out_dtype=))
+
+
+@functools.lru_cache(maxsize=None)
+def _mm_out_dtype() -> bool:
+    return hasattr(torch.ops.aten.mm, "dtype")
+
+
 def router_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """fp32 router logits [T, E] of x [T, H]: the Triton GEMM for CUDA tensors, torch otherwise."""
-    if use_triton(x):
-        return router_gemm_triton(x, weight)
-    return reference_router_gemm(x, weight)
+    """fp32 router logits [T, E] of x [T, H]: the Triton GEMM for CUDA tensors (prefill-sized
+    half-precision batches: cuBLAS writing fp32), torch otherwise."""
+    if not use_triton(x):
+        return reference_router_gemm(x, weight)
+    if (x.shape[0] > ROUTER_TRITON_MAX_T and x.dtype == weight.dtype
+            and x.dtype in (torch.bfloat16, torch.float16) and _mm_out_dtype()):
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)
+    return router_gemm_triton(x, weight)
 
 
 def select_experts(logits: torch.Tensor, top_k: int, scoring: str = "softmax",
