@@ -39,10 +39,10 @@ def variants(h):
     """(name, config overrides) timed at each shape; the heuristic is the first."""
     if h > 32:
         alts = [("n64", dict(BLOCK_N=64)), ("n16", dict(BLOCK_N=16)), ("stages3", dict(num_stages=3)),
-                ("reload", dict(RELOAD=True)), ("h32", dict(BLOCK_H=32)), ("h16", dict(BLOCK_H=16))]
+                ("h32", dict(BLOCK_H=32)), ("h16", dict(BLOCK_H=16))]
     else:
         alts = [("stages3", dict(num_stages=3)), ("n16s3", dict(BLOCK_N=16, num_stages=3)),
-                ("w8", dict(num_warps=8)), ("reload", dict(RELOAD=True))]
+                ("w8", dict(num_warps=8))]
     return [("heuristic", {})] + alts + [("splits/2", "half"), ("splits*2", "double")]
 
 
@@ -161,8 +161,7 @@ def outcome(rec):
 
 
 def cfg_str(c):
-    return (f"h{c['BLOCK_H']} n{c['BLOCK_N']} s{c['SPLITS']} w{c['num_warps']} st{c['num_stages']}"
-            + (" reload" if c["RELOAD"] else ""))
+    return f"h{c['BLOCK_H']} n{c['BLOCK_N']} s{c['SPLITS']} w{c['num_warps']} st{c['num_stages']}"
 
 
 def time_reference(torch, reference, scale, reps=10):

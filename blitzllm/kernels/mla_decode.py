@@ -47,7 +47,7 @@ def _mla_split_kernel(
     stride_ob, stride_oh, H, qk_scale,
     R: tl.constexpr, P: tl.constexpr, R_PAD: tl.constexpr, P_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    IEEE: tl.constexpr, RELOAD: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     hb = tl.program_id(0)  # fastest axis: the head blocks of one tile run side by side (L2 reuse)
     split = tl.program_id(1)
@@ -94,9 +94,6 @@ def _mla_split_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if RELOAD:  # the PV product reads the tile again (L1/L2) rather than reusing c
-            c = tl.load(row[:, None] + offs_r[None, :], mask=valid[:, None] & rmask[None, :],
-                        other=0.0)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p, c, input_precision="ieee")
         else:
@@ -171,7 +168,7 @@ def mla_config(B: int, H: int, R: int, max_ctx: int, sms: int, config: Optional[
     splits = cfg.get("SPLITS") or max(1, sms * max(1, 8 // warps) // max(1, B * hb))
     splits = max(1, min(splits, _MAX_SPLITS, triton.cdiv(max(1, max_ctx), block_n)))
     return dict(BLOCK_H=block_h, BLOCK_N=block_n, SPLITS=splits, num_warps=warps,
-                num_stages=cfg.get("num_stages") or 2, RELOAD=bool(cfg.get("RELOAD", False)))
+                num_stages=cfg.get("num_stages") or 2)
 
 
 def mla_decode_triton(q_latent, q_rope, cache, block_tables, seq_lens, scale,
@@ -208,7 +205,7 @@ def mla_decode_triton(q_latent, q_rope, cache, block_tables, seq_lens, scale,
         cache.stride(0), cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1), H, float(scale) * _LOG2E,
         R=R, P=P, R_PAD=r_pad, P_PAD=p_pad, BLOCK_H=cfg["BLOCK_H"],
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_SIZE=bs, IEEE=cache.dtype == torch.float32, RELOAD=cfg["RELOAD"],
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_SIZE=bs, IEEE=cache.dtype == torch.float32,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if s > 1:

@@ -56,11 +56,10 @@ def test_mla_decode_heuristic_config(device):
     check([100], 3, 64, 16, 16, torch.bfloat16, device)
 
 
-@pytest.mark.parametrize("reload", [False, True])
-def test_mla_decode_head_blocks_and_uneven_splits(reload, device):
+def test_mla_decode_head_blocks_and_uneven_splits(device):
     # 20 heads in two blocks of 16 (the second mostly padding); 7 tiles over 3 splits
     check([100, 40], 20, 32, 16, 16, torch.float32, device,
-          config={"BLOCK_H": 16, "BLOCK_N": 16, "SPLITS": 3, "RELOAD": reload})
+          config={"BLOCK_H": 16, "BLOCK_N": 16, "SPLITS": 3})
 
 
 def test_mla_decode_non_pow2_dims(device):
