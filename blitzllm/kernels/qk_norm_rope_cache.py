@@ -1,4 +1,8 @@
-"""Fused per-head q/k RMSNorm (Qwen3) + neox rotary + paged KV-cache write.
+"""Fused q/k RMSNorm + neox rotary + paged KV-cache write.
+
+The norm is per head (Qwen3: weights of D values, one rstd per head) or, with
+``full_width_norm``, over all heads of q and of k at once (MiniMax-M2: weights of
+Hq*D and Hkv*D values, one rstd per token for q and one for k).
 
 One launch handles a whole step: program (t, 0) rotates the q heads of token
 t, (t, 1) the k heads (stored straight into ``k_cache``), (t, 2) copies the v
@@ -18,11 +22,12 @@ from ._common import next_pow2, tl, triton, use_triton
 @triton.jit
 def _norm_rope_heads(
     src_ptr, w_ptr, cs_ptr, heads, eps,
-    HAS_NORM: tl.constexpr, H_PAD: tl.constexpr,
+    HAS_NORM: tl.constexpr, FULL_NORM: tl.constexpr, H_PAD: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr, ROT: tl.constexpr,
 ):
     """Load ``heads`` rows of D contiguous values at src_ptr, norm + rotate them.
-    Returns an fp32 [H_PAD, D_PAD] tile (rows >= heads are garbage-free zeros)."""
+    Returns an fp32 [H_PAD, D_PAD] tile (rows >= heads are garbage-free zeros).
+    FULL_NORM: one rstd over all heads*D values, weights indexed by head*D + d."""
     HALF: tl.constexpr = ROT // 2
     offs_h = tl.arange(0, H_PAD)
     offs_d = tl.arange(0, D_PAD)
@@ -41,12 +46,19 @@ def _norm_rope_heads(
     xf = x.to(tl.float32)
     xpf = xp.to(tl.float32)
     if HAS_NORM:
-        rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)
-        w = tl.load(w_ptr + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-        wp = tl.load(w_ptr + partner, mask=in_rot, other=0.0).to(tl.float32)
-        xf = (xf * rstd[:, None]).to(dtype).to(tl.float32) * w[None, :]
+        if FULL_NORM:
+            rstd = tl.rsqrt(tl.sum(tl.sum(xf * xf, axis=1), axis=0) / (heads * D) + eps)
+            w = tl.load(w_ptr + offs_h[:, None] * D + offs_d[None, :], mask=mask, other=0.0)
+            wp = tl.load(w_ptr + offs_h[:, None] * D + partner[None, :], mask=pmask, other=0.0)
+            xf = (xf * rstd).to(dtype).to(tl.float32) * w.to(tl.float32)
+            xpf = (xpf * rstd).to(dtype).to(tl.float32) * wp.to(tl.float32)
+        else:
+            rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)
+            w = tl.load(w_ptr + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+            wp = tl.load(w_ptr + partner, mask=in_rot, other=0.0).to(tl.float32)
+            xf = (xf * rstd[:, None]).to(dtype).to(tl.float32) * w[None, :]
+            xpf = (xpf * rstd[:, None]).to(dtype).to(tl.float32) * wp[None, :]
         xf = xf.to(dtype).to(tl.float32)
-        xpf = (xpf * rstd[:, None]).to(dtype).to(tl.float32) * wp[None, :]
         xpf = xpf.to(dtype).to(tl.float32)
     cs_idx = tl.where(first, offs_d, offs_d - HALF)
     cos = tl.load(cs_ptr + cs_idx, mask=in_rot, other=1.0)
@@ -62,7 +74,7 @@ def _qk_norm_rope_cache_kernel(
     stride_qkv, stride_cs, stride_qo_t,
     stride_cb, stride_ct, stride_vb, stride_vt,
     Hq, Hkv, eps,
-    BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr, FULL_NORM: tl.constexpr,
     HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr, ROT: tl.constexpr,
 ):
@@ -74,7 +86,7 @@ def _qk_norm_rope_cache_kernel(
     if part == 0:
         pos = tl.load(pos_ptr + t)
         q = _norm_rope_heads(row_ptr, qw_ptr, cs_ptr + pos * stride_cs, Hq, eps,
-                             HAS_NORM, HQ_PAD, D, D_PAD, ROT)
+                             HAS_NORM, FULL_NORM, HQ_PAD, D, D_PAD, ROT)
         offs_h = tl.arange(0, HQ_PAD)
         ptrs = q_out_ptr + t * stride_qo_t + offs_h[:, None] * D + offs_d[None, :]
         tl.store(ptrs, q.to(q_out_ptr.dtype.element_ty),
@@ -89,7 +101,7 @@ def _qk_norm_rope_cache_kernel(
             if part == 1:
                 pos = tl.load(pos_ptr + t)
                 k = _norm_rope_heads(row_ptr + Hq * D, kw_ptr, cs_ptr + pos * stride_cs, Hkv,
-                                     eps, HAS_NORM, HKV_PAD, D, D_PAD, ROT)
+                                     eps, HAS_NORM, FULL_NORM, HKV_PAD, D, D_PAD, ROT)
                 dst = k_cache_ptr + blk * stride_cb + off * stride_ct
                 tl.store(dst + offs_h[:, None] * D + offs_d[None, :],
                          k.to(k_cache_ptr.dtype.element_ty), mask=mask)
@@ -101,7 +113,11 @@ def _qk_norm_rope_cache_kernel(
                          v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def _check(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, rotary_dim):
+def _check(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, rotary_dim,
+           q_norm_weight=None, k_norm_weight=None, full_width_norm=False):
+    if q_norm_weight is not None:
+        wide = (num_heads * head_dim, num_kv_heads * head_dim) if full_width_norm else (head_dim, head_dim)
+        assert (q_norm_weight.numel(), k_norm_weight.numel()) == wide, (q_norm_weight.shape, k_norm_weight.shape)
     rot = head_dim if rotary_dim is None else int(rotary_dim)
     assert rot % 2 == 0 and 0 < rot <= head_dim
     assert qkv.shape[-1] == (num_heads + 2 * num_kv_heads) * head_dim
@@ -114,9 +130,10 @@ def _check(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, rotary_dim)
 def fused_qk_norm_rope_cache_triton(
     qkv, positions, cos_sin_cache, num_heads, num_kv_heads, head_dim,
     k_cache, v_cache, slot_mapping,
-    q_norm_weight=None, k_norm_weight=None, eps=1e-6, rotary_dim=None,
+    q_norm_weight=None, k_norm_weight=None, eps=1e-6, rotary_dim=None, full_width_norm=False,
 ):
-    rot = _check(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, rotary_dim)
+    rot = _check(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, rotary_dim,
+                 q_norm_weight, k_norm_weight, full_width_norm)
     assert cos_sin_cache.shape[-1] == rot and cos_sin_cache.stride(-1) == 1
     assert (q_norm_weight is None) == (k_norm_weight is None)
     if qkv.stride(-1) != 1:
@@ -136,7 +153,7 @@ def fused_qk_norm_rope_cache_triton(
         qkv.stride(0), cos_sin_cache.stride(0), q.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         num_heads, num_kv_heads, float(eps),
-        BLOCK_SIZE=k_cache.shape[1], HAS_NORM=has_norm,
+        BLOCK_SIZE=k_cache.shape[1], HAS_NORM=has_norm, FULL_NORM=bool(full_width_norm),
         HQ_PAD=hq_pad, HKV_PAD=next_pow2(num_kv_heads),
         D=head_dim, D_PAD=d_pad, ROT=rot,
         num_warps=4 if hq_pad * d_pad <= 4096 else 8,
@@ -162,12 +179,16 @@ def _ref_rope(x, cos, sin, rot):
 def reference_qk_norm_rope_cache(
     qkv, positions, cos_sin_cache, num_heads, num_kv_heads, head_dim,
     k_cache, v_cache, slot_mapping,
-    q_norm_weight=None, k_norm_weight=None, eps=1e-6, rotary_dim=None,
+    q_norm_weight=None, k_norm_weight=None, eps=1e-6, rotary_dim=None, full_width_norm=False,
 ):
-    rot = _check(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, rotary_dim)
+    rot = _check(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, rotary_dim,
+                 q_norm_weight, k_norm_weight, full_width_norm)
     T = qkv.shape[0]
     q, k, v = qkv.view(T, -1, head_dim).split([num_heads, num_kv_heads, num_kv_heads], dim=1)
-    if q_norm_weight is not None:
+    if q_norm_weight is not None and full_width_norm:
+        q = _ref_head_norm(q.reshape(T, -1), q_norm_weight, eps).view(T, num_heads, head_dim)
+        k = _ref_head_norm(k.reshape(T, -1), k_norm_weight, eps).view(T, num_kv_heads, head_dim)
+    elif q_norm_weight is not None:
         q = _ref_head_norm(q, q_norm_weight, eps)
         k = _ref_head_norm(k, k_norm_weight, eps)
     cs = cos_sin_cache.index_select(0, positions.long()).float()
@@ -188,9 +209,10 @@ def fused_qk_norm_rope_cache(
     num_heads: int, num_kv_heads: int, head_dim: int,
     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
     q_norm_weight: Optional[torch.Tensor] = None, k_norm_weight: Optional[torch.Tensor] = None,
-    eps: float = 1e-6, rotary_dim: Optional[int] = None,
+    eps: float = 1e-6, rotary_dim: Optional[int] = None, full_width_norm: bool = False,
 ) -> torch.Tensor:
     """qkv [T, (Hq+2Hkv)*D] -> q [T, Hq, D]; rotated k and raw v go to the cache."""
     fn = fused_qk_norm_rope_cache_triton if use_triton(qkv) else reference_qk_norm_rope_cache
     return fn(qkv, positions, cos_sin_cache, num_heads, num_kv_heads, head_dim,
-              k_cache, v_cache, slot_mapping, q_norm_weight, k_norm_weight, eps, rotary_dim)
+              k_cache, v_cache, slot_mapping, q_norm_weight, k_norm_weight, eps, rotary_dim,
+              full_width_norm)

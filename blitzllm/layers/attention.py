@@ -86,7 +86,11 @@ class TorchAttentionBackend(AttentionBackend):
         hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
         heads = qkv.view(T, hq + 2 * hkv, d)
         v = heads[:, hq + hkv:]
-        if layer.q_norm is not None:
+        if layer.q_norm is not None and getattr(layer, "full_width_qk_norm", False):
+            # one RMSNorm over all q heads together, one over all k heads (MiniMax-M2)
+            q = layer.q_norm(qkv[:, :hq * d]).view(T, hq, d)
+            qk = torch.cat([q, layer.k_norm(qkv[:, hq * d:(hq + hkv) * d]).view(T, hkv, d)], 1)
+        elif layer.q_norm is not None:
             qk = torch.cat([layer.q_norm(heads[:, :hq]), layer.k_norm(heads[:, hq:hq + hkv])], 1)
         else:
             qk = heads[:, :hq + hkv]
@@ -181,7 +185,8 @@ class TritonAttentionBackend(AttentionBackend):
             k_cache, v_cache, md.slot_mapping,
             q_norm_weight=qn.weight if qn is not None else None,
             k_norm_weight=kn.weight if kn is not None else None,
-            eps=qn.eps if qn is not None else 1e-6, rotary_dim=layer.rotary.rotary_dim)
+            eps=qn.eps if qn is not None else 1e-6, rotary_dim=layer.rotary.rotary_dim,
+            full_width_norm=getattr(layer, "full_width_qk_norm", False))
         if md.is_pure_decode:
             return paged_decode_attention_triton(q, k_cache, v_cache, md.block_tables, md.seq_lens, layer.scale)
         if md.num_seqs == 1 and md.q_lens_host[0] == md.seq_lens_host[0] >= _SDPA_MIN_LEN:
@@ -237,11 +242,14 @@ def select_backend(device: torch.device, name: str = "auto") -> AttentionBackend
 
 
 class Attention(nn.Module):
-    """Attention over the paged cache from a packed qkv projection output."""
+    """Attention over the paged cache from a packed qkv projection output. The optional
+    q/k norms are per head (weights of head_dim values) or, with ``full_width_qk_norm``,
+    over all heads of q (Hq * D values) and of k (Hkv * D) at once."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int, rotary,
-                 q_norm=None, k_norm=None, scale: Optional[float] = None):
+                 q_norm=None, k_norm=None, scale: Optional[float] = None, full_width_qk_norm: bool = False):
         super().__init__()
+        self.full_width_qk_norm = full_width_qk_norm
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.layer_idx = layer_idx
         self.rotary = rotary

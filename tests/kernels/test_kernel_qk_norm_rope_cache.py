@@ -26,9 +26,10 @@ def make_case(T, hq, hkv, d, rot, bs, dtype, norm, device="cpu", num_blocks=6):
     kc = torch.randn(num_blocks, bs, hkv, d).to(device, dtype)
     vc = torch.randn(num_blocks, bs, hkv, d).to(device, dtype)
     qw = kw = None
-    if norm:
-        qw = (1 + 0.3 * torch.randn(d)).to(device, dtype)
-        kw = (1 + 0.3 * torch.randn(d)).to(device, dtype)
+    if norm:  # True / "head": per-head weights of d; "full": over all heads (MiniMax-M2)
+        full = norm == "full"
+        qw = (1 + 0.3 * torch.randn(hq * d if full else d)).to(device, dtype)
+        kw = (1 + 0.3 * torch.randn(hkv * d if full else d)).to(device, dtype)
     return qkv, pos, cs, kc, vc, slots.to(device), qw, kw
 
 
@@ -38,6 +39,8 @@ CASES = [  # T, Hq, Hkv, D, rotary_dim, block_size, norm
     (7, 6, 2, 64, 32, 32, True),   # partial rotary + GQA 3
     (5, 3, 1, 128, 128, 16, True),
     (33, 4, 4, 128, 64, 16, False),
+    (7, 6, 2, 64, 32, 16, "full"),  # full-width q/k norm + partial rotary (MiniMax-M2)
+    (3, 5, 1, 32, 32, 16, "full"),  # odd head count: padded rows stay out of the norm
 ]
 
 
@@ -47,10 +50,11 @@ def test_fused_qk_norm_rope_cache(case, dtype, device):
     T, hq, hkv, d, rot, bs, norm = case
     qkv, pos, cs, kc, vc, slots, qw, kw = make_case(T, hq, hkv, d, rot, bs, dtype, norm, device)
     kc2, vc2 = kc.clone(), vc.clone()
+    full = norm == "full"
     q = fused_qk_norm_rope_cache_triton(qkv, pos, cs, hq, hkv, d, kc, vc, slots, qw, kw,
-                                        1e-6, rot)
+                                        1e-6, rot, full)
     q_ref = reference_qk_norm_rope_cache(qkv, pos, cs, hq, hkv, d, kc2, vc2, slots, qw, kw,
-                                         1e-6, rot)
+                                         1e-6, rot, full)
     assert q.shape == (T, hq, d) and q.dtype == dtype
     tol = TOL[dtype]
     torch.testing.assert_close(q.float(), q_ref.float(), atol=tol * 4, rtol=tol)
@@ -69,6 +73,22 @@ def test_reference_matches_hf_formula():
     sin = torch.cat([cs[pos, rot // 2:]] * 2, -1)[:, None]
     rot_half = torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1)
     torch.testing.assert_close(q, x * cos + rot_half * sin, atol=1e-5, rtol=1e-5)
+
+
+def test_reference_full_width_matches_hf_formula():
+    """Full-width mode is MiniMax-M2's attention: RMSNorm over the whole q (Hq*D) and k
+    (Hkv*D) projection outputs, then split into heads, then partial rotary."""
+    T, hq, hkv, d, rot = 4, 4, 2, 32, 16
+    qkv, pos, cs, kc, vc, slots, qw, kw = make_case(T, hq, hkv, d, rot, 16, torch.float32, "full")
+    q = reference_qk_norm_rope_cache(qkv, pos, cs, hq, hkv, d, kc, vc, slots, qw, kw, 1e-6, rot, True)
+    x = qkv[:, :hq * d]
+    x = (qw * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))).view(T, hq, d)
+    cos = torch.cat([cs[pos, : rot // 2]] * 2, -1)[:, None]
+    sin = torch.cat([cs[pos, rot // 2:]] * 2, -1)[:, None]
+    xr = x[..., :rot]
+    rot_half = torch.cat([-xr[..., rot // 2:], xr[..., : rot // 2]], -1)
+    want = torch.cat([xr * cos + rot_half * sin, x[..., rot:]], -1)
+    torch.testing.assert_close(q, want, atol=1e-5, rtol=1e-5)
 
 
 def test_strided_qkv_view(device):
@@ -97,3 +117,45 @@ def test_gpu_qk_norm_rope_cache_bf16(norm):
     torch.testing.assert_close(q.float(), q_ref.float(), atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(kc.float(), kc2.float(), atol=2e-2, rtol=1e-2)
     assert torch.equal(vc, vc2)
+
+
+@pytest.mark.parametrize("full_width", [False, True])
+def test_triton_backend_matches_torch_backend(full_width, device):
+    """The attention backends agree on a layer with q/k norms (per head, or MiniMax-M2's
+    full width) and partial rotary: a prefill of two sequences, then one decode step."""
+    from blitzllm.layers.attention import (Attention, AttentionMetadata, ForwardContext, TorchAttentionBackend,
+                                           TritonAttentionBackend, forward_context)
+    from blitzllm.layers.norm import RMSNorm
+    from blitzllm.layers.rotary import RotaryEmbedding
+    hq, hkv, d, rot, bs = 4, 2, 32, 16, 16
+    qn = RMSNorm(hq * d if full_width else d)
+    kn = RMSNorm(hkv * d if full_width else d)
+    with torch.no_grad():
+        qn.weight.normal_(1.0, 0.3)
+        kn.weight.normal_(1.0, 0.3)
+    layer = Attention(hq, hkv, d, 0, RotaryEmbedding(rot, 256, 10000.0), qn.to(device), kn.to(device),
+                      full_width_qk_norm=full_width).to(device)
+    tables = torch.tensor([[3, 1, 0], [2, 5, 4]], dtype=torch.int32, device=device)
+
+    def step(backend, caches, starts, ends):
+        pos = torch.cat([torch.arange(s, e) for s, e in zip(starts, ends)]).to(device)
+        slots = torch.stack([tables[b, p // bs].long() * bs + p % bs
+                             for b, (s, e) in enumerate(zip(starts, ends)) for p in range(s, e)])
+        q_lens = [e - s for s, e in zip(starts, ends)]
+        md = AttentionMetadata(
+            slot_mapping=slots, query_start_loc=torch.tensor([0, q_lens[0], sum(q_lens)], dtype=torch.int32,
+                                                             device=device),
+            seq_lens=torch.tensor(ends, dtype=torch.int32, device=device), block_tables=tables,
+            max_q_len=max(q_lens), max_seq_len=max(ends), q_lens_host=q_lens, seq_lens_host=list(ends))
+        qkv = torch.randn(len(pos), (hq + 2 * hkv) * d, generator=torch.Generator().manual_seed(len(pos))).to(device)
+        with forward_context(ForwardContext(md, [caches], backend)):
+            return layer(pos, qkv)
+
+    outs = {}
+    for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
+        caches = tuple(torch.zeros(6, bs, hkv, d, device=device) for _ in range(2))
+        prefill = step(backend, caches, [0, 0], [19, 7])
+        decode = step(backend, caches, [19, 7], [20, 8])
+        outs[backend.name] = (prefill, decode, *caches)
+    for want, got in zip(outs["torch"], outs["triton"]):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
