@@ -32,14 +32,15 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..kernels import moe as moe_ops
-
-# dispatch functions of kernels/moe.py when they exist (Triton on CUDA, torch otherwise)
-_router_gemm = getattr(moe_ops, "router_gemm", moe_ops.reference_router_gemm)
-_select_experts = getattr(moe_ops, "select_experts", moe_ops.reference_select_experts)
-_fused_moe = getattr(moe_ops, "fused_moe", moe_ops.reference_fused_moe)
-
 SCORINGS = ("softmax", "sigmoid")
+
+
+def _op(name: str):
+    """kernels/moe.py's dispatch function ``name`` (Triton on CUDA, torch otherwise), or its
+    ``reference_<name>`` where the dispatcher does not exist. Imported on first use, so a
+    dense model never loads the MoE kernels."""
+    from ..kernels import moe as ops
+    return getattr(ops, name, None) or getattr(ops, f"reference_{name}")
 
 
 class Router(nn.Module):
@@ -53,7 +54,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> fp32 router logits [T, E]."""
-        return _router_gemm(x, self.weight)
+        return _op("router_gemm")(x, self.weight)
 
 
 class FusedMoE(nn.Module):
@@ -93,12 +94,12 @@ class FusedMoE(nn.Module):
 
     def route(self, x: torch.Tensor):
         """x [T, H] -> (topk weights [T, K] fp32, topk ids [T, K] int32)."""
-        return _select_experts(self.gate(x), self.top_k, self.scoring, self.correction_bias,
-                               self.n_group, self.topk_group, self.renormalize, self.scaling)
+        return _op("select_experts")(self.gate(x), self.top_k, self.scoring, self.correction_bias,
+                                      self.n_group, self.topk_group, self.renormalize, self.scaling)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
-        out = _fused_moe(x, self.w13, self.w2, weights, ids)
+        out = _op("fused_moe")(x, self.w13, self.w2, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
