@@ -1,5 +1,9 @@
 """Copy a stream of HF-named checkpoint tensors into a model, packing shards as the model
 declares (``packed_modules``); or fill it with dummy weights. One tensor in flight at a time.
+
+Model-declared mappings: ``packed_modules`` (checkpoint sub-name -> packed parameter shard),
+``hf_module_renames`` (transformers' module name -> ours, accepted on load and written on
+export), ``load_custom_weight`` / ``required_load_keys`` (stacked MoE experts and the like).
 """
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from typing import Iterable, Iterator
 import torch
 
 from ..layers.linear import PackedLinear
+from ..layers.moe import HF_FUSED_NAMES, FusedMoE, Router, hf_expert_tensors
 
 
 def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -46,6 +51,7 @@ def load_weights(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tens
     # MTP layers) claims them first: load_custom_weight(name, tensor) -> the keys it loaded,
     # or None when the name is not its business
     custom = getattr(model, "load_custom_weight", None)
+    renames = getattr(model, "hf_module_renames", {})
     loaded: set[str] = set()
     bar = _progress(total or 0, "loading weights")
     for name, tensor in tensors:
@@ -53,6 +59,8 @@ def load_weights(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tens
             bar.update(1)
         if "rotary_emb.inv_freq" in name:
             continue
+        if renames:
+            name = _rename_parts(name, renames)
         if custom is not None:
             keys = custom(name, tensor)
             if keys is not None:
@@ -89,6 +97,11 @@ def load_weights(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tens
     _check_complete(model, params, modules, loaded)
 
 
+def _rename_parts(name: str, renames: dict) -> str:
+    """Replace whole dotted components of ``name`` per ``renames``."""
+    return ".".join(renames.get(p, p) for p in name.split("."))
+
+
 def _is_unused_layer(name: str, model) -> bool:
     """Layers past a ``num_layers`` override are skipped, not errors."""
     parts = name.split(".")
@@ -121,27 +134,72 @@ def _check_complete(model, params, modules, loaded):
 
 def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
     """Random weights with sane scales (norms at 1), drawn in place on the model's device:
-    for speed work, where the values do not change the time."""
+    for speed work, where the values do not change the time.
+
+    MoE models route like a trained model (one trained with a load-balancing loss) does,
+    so a benchmark sees tokens spread evenly over the experts, not a few hot experts:
+
+    - every router row has the same norm (rows orthonormal when E <= H), so no expert's
+      logit is systematically larger, and ``e_score_correction_bias`` is zero;
+    - the token embedding (when not tied to the lm_head) has std 2 * sqrt(num_layers),
+      not 0.02, so at every depth the router input is mostly the token's own embedding:
+      an isotropic, token-specific direction. With 0.02 the residual stream is the sum of
+      the layer outputs, which are anisotropic (attention writes through a subspace of
+      Hkv * D dims) and shared along a sequence (attention averages over the context),
+      so experts aligned with those directions take most tokens: max/min expert load
+      4-9x over 2k random tokens. With the larger embedding the load is close to a
+      uniform multinomial draw at 2 and at 40 layers (chi-square per degree of freedom
+      about 1.1 against 0.9 for independent uniform choices); tests/models/
+      test_moe_models.py measures the histogram."""
     gens: dict = {}
+    routers = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, Router)}
+    routers |= {n for n, _ in model.named_parameters() if n.endswith("mlp.gate.weight")}
+    lm_head = getattr(model, "lm_head", None)
+    tied = lm_head is not None and any(lm_head.weight is p for n, p in model.named_parameters() if "embed" in n)
+    layers = getattr(getattr(model, "config", None), "num_layers", 1)
+    embed_std = 2.0 * layers ** 0.5 if routers and not tied else 0.02
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.fill_(1.0)
                 continue
+            if name.endswith("e_score_correction_bias"):
+                p.zero_()
+                continue
             gen = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
+            if name in routers:
+                p.copy_(_balanced_router(p.shape[0], p.shape[1], gen, p.device))
+                continue
             fan_in = p.shape[-1] if p.dim() > 1 else 1
-            std = 0.02 if "embed" in name else fan_in ** -0.5
+            std = embed_std if "embed" in name else fan_in ** -0.5
             if "bias" in name:
                 std = 0.02
             p.normal_(0.0, std, generator=gen)
 
 
-def export_hf_state_dict(model: torch.nn.Module) -> dict:
-    """The inverse of ``load_weights``: HF checkpoint names -> tensors (views, no copies),
-    packed parameters split back into their shards. Lets a peer run on our exact weights."""
+def _balanced_router(experts: int, hidden: int, gen, device) -> torch.Tensor:
+    """[E, H] rows of unit norm (orthonormal when E <= H): logits of a unit-RMS input have
+    std 1 for every expert."""
+    g = torch.randn(max(experts, hidden), min(experts, hidden), generator=gen, device=device)
+    if experts <= hidden:
+        q, _ = torch.linalg.qr(g)          # [H, E], orthonormal columns
+        return q.t().contiguous()
+    return g / g.norm(dim=1, keepdim=True)  # [E, H], E > H: unit rows
+
+
+def export_hf_state_dict(model: torch.nn.Module, per_expert: bool = False) -> dict:
+    """The inverse of ``load_weights``: HF names -> tensors (views, no copies), packed
+    parameters split back into their shards. Lets a peer run on our exact weights.
+
+    By default the names are transformers' module names (``load_state_dict`` on a
+    transformers model): MoE experts as its fused ``experts.gate_up_proj`` [E, 2I, H] and
+    ``experts.down_proj`` [E, H, I], modules under ``hf_module_renames``' names. With
+    ``per_expert`` they are the checkpoint-file names (what ``save_pretrained`` writes):
+    ``experts.<e>.<gate|up|down name>.weight`` per expert, modules under our names."""
     inverse = {}
     for ck, (packed, idx) in getattr(model, "packed_modules", {}).items():
         inverse.setdefault(packed, {})[idx] = ck
+    renames = {} if per_expert else {ours: theirs for theirs, ours in getattr(model, "hf_module_renames", {}).items()}
     modules = dict(model.named_modules())
     out = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -152,6 +210,10 @@ def export_hf_state_dict(model: torch.nn.Module) -> dict:
             prefix = mod_name.rpartition(".")[0]
             for idx, ck in inverse[short].items():
                 out[f"{prefix}.{ck}.{leaf}"] = p.data[mod.shard_slice(idx)]
+        elif isinstance(mod, FusedMoE) and leaf in HF_FUSED_NAMES:
+            out.update(hf_expert_tensors(mod_name, mod, leaf, p.data, per_expert))
         else:
             out[name] = p.data
+    if renames:
+        out = {_rename_parts(k, renames): v for k, v in out.items()}
     return out

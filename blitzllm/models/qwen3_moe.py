@@ -1,0 +1,54 @@
+"""Qwen3-MoE: the Qwen3 decoder (per-head q/k RMSNorm) with a sparse MoE block in place of
+the dense MLP: softmax routing over ``num_experts``, top ``num_experts_per_tok``, the
+selected weights renormalised when ``norm_topk_prob``. Layers in ``mlp_only_layers``, and
+those not on the ``decoder_sparse_step`` grid, keep a dense MLP of ``intermediate_size``.
+
+Checkpoint names: ``mlp.gate.weight`` (router) and ``mlp.experts.<e>.{gate,up,down}_proj.weight``
+(or transformers' fused ``mlp.experts.gate_up_proj`` / ``down_proj``), stacked at load time.
+"""
+from __future__ import annotations
+
+from ..config import ModelConfig
+from ..layers.moe import FusedMoE, expert_load_keys, load_expert_weight
+from ..layers.rotary import RotaryEmbedding
+from .llama import DecoderLayer, LlamaForCausalLM
+
+
+def hf_text_config(cfg: ModelConfig) -> dict:
+    return cfg.hf_config.get("text_config") or cfg.hf_config
+
+
+def num_routed_experts(hf: dict) -> int:
+    """The routed expert count under its several spellings (Qwen, Mixtral/MiniMax, DeepSeek)."""
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if hf.get(key):
+            return int(hf[key])
+    return 0
+
+
+class MoECausalLM(LlamaForCausalLM):
+    """A decoder whose MLPs may be ``FusedMoE`` blocks: their stacked expert weights load
+    through the helpers of layers/moe.py."""
+
+    def load_custom_weight(self, name, tensor):
+        return load_expert_weight(self, name, tensor)
+
+    def required_load_keys(self, param_name):
+        return expert_load_keys(self, param_name)
+
+
+class Qwen3MoeForCausalLM(MoECausalLM):
+    @staticmethod
+    def is_sparse_layer(hf: dict, idx: int) -> bool:
+        step = hf.get("decoder_sparse_step", 1) or 1
+        return (idx not in (hf.get("mlp_only_layers") or []) and num_routed_experts(hf) > 0
+                and (idx + 1) % step == 0)
+
+    def make_layer(self, cfg: ModelConfig, idx: int, rotary: RotaryEmbedding):
+        hf = hf_text_config(cfg)
+        if not self.is_sparse_layer(hf, idx):
+            return DecoderLayer(cfg, idx, rotary)
+        moe = FusedMoE(cfg.hidden_size, hf["moe_intermediate_size"], num_routed_experts(hf),
+                       hf["num_experts_per_tok"], scoring="softmax",
+                       renormalize=bool(hf.get("norm_topk_prob", False)))
+        return DecoderLayer(cfg, idx, rotary, moe)
