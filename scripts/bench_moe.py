@@ -231,14 +231,46 @@ def summarize(results):
                 and r.get("err", 0) <= 5e-2 and not r.get("mismatch_rows")]
         heur = next((r for r in ours if r["variant"] in ("heuristic", "triton")), None)
         best = min(ours, key=lambda r: r["us"]) if ours else None
+        eager = next((r["us"] for r in rs if r["variant"] == "heuristic-eager"), None)
         errs = [r[k] for r in results if (r["section"], r["model"], r["T"]) == key
                 and r["variant"] not in ("torch", "reference") for k in ("err", "err_w") if k in r]
+        best = best or {}
         rows.append(dict(section=key[0], model=key[1], T=key[2], base_us=base and base["us"],
-                         heur_us=heur and heur["us"], best_us=best and best["us"], best=best.get("label", "-") if best else "-",
+                         heur_us=heur and heur["us"], best_us=best.get("us"), best=best.get("label", "-"),
                          speedup=base["us"] / heur["us"] if base and heur else None,
-                         best_gbps=best and best.get("gbps"), max_err=max(errs) if errs else None,
+                         best_gbps=best.get("gbps"), eager_us=eager, max_err=max(errs) if errs else None,
                          mismatch_rows=sum(r.get("mismatch_rows", 0) for r in rs)))
     return rows
+
+
+def print_summary(summary, seconds):
+    """Two compact tables: router / routing / whole gate per (model, T), then fused experts."""
+    f = lambda v, p=1: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
+    get = {(s["section"], s["model"], s["T"]): s for s in summary}
+    print(f"\n== summary ({seconds:.0f} s; bf16; us per call, CUDA-graph replay; x = torch / Triton heuristic)")
+    print(f"{'model':14s}{'T':>3s} | {'router torch':>12s} {'triton':>7s} {'best':>6s} {'x':>5s} | "
+          f"{'select torch':>12s} {'triton':>7s} {'x':>5s} | {'gate torch':>10s} {'triton':>7s} {'x':>5s} | "
+          f"{'max err':>7s} {'mism':>4s}")
+    for (section, model, t), r in get.items():
+        if section != "router":
+            continue
+        sel, gate = get.get(("select", model, t), {}), get.get(("gate", model, t), {})
+        errs = [v for v in (r["max_err"], sel.get("max_err"), gate.get("max_err")) if v is not None]
+        print(f"{model:14s}{t:3d} | {f(r['base_us']):>12s} {f(r['heur_us']):>7s} {f(r['best_us']):>6s} "
+              f"{f(r['speedup'], 2):>5s} | {f(sel.get('base_us')):>12s} {f(sel.get('heur_us')):>7s} "
+              f"{f(sel.get('speedup'), 2):>5s} | {f(gate.get('base_us')):>10s} {f(gate.get('heur_us')):>7s} "
+              f"{f(gate.get('speedup'), 2):>5s} | {max(errs) if errs else float('nan'):7.1e} "
+              f"{sel.get('mismatch_rows', 0) + gate.get('mismatch_rows', 0):4d}")
+    print(f"{'fused experts':14s}{'T':>3s} | {'reference':>9s} {'triton':>7s} {'eager':>7s} {'best':>7s} {'x':>6s} "
+          f"{'GB/s':>5s} {'max err':>7s}  best config (gate/up | down)")
+    for (section, model, t), r in get.items():
+        if section == "moe":
+            print(f"{model:14s}{t:3d} | {f(r['base_us']):>9s} {f(r['heur_us']):>7s} {f(r['eager_us']):>7s} "
+                  f"{f(r['best_us']):>7s} "
+                  f"{f(r['speedup'], 1):>6s} {f(r['best_gbps'], 0):>5s} "
+                  f"{'-' if r['max_err'] is None else format(r['max_err'], '.1e'):>7s}  {r['best']}")
+    print("(fused experts: the reference is timed eagerly (it syncs the host), 'eager' = Triton timed so too; "
+          "GB/s = chosen experts' weights / best time; mism = rows whose experts differ)")
 
 
 def run(args):
@@ -252,17 +284,7 @@ def run(args):
     bench_fused_moe(b, dev, dt, [int(v) for v in args.moe_ts.split(",")])
     summary = summarize(b.results)
     b.write_json(summary)
-    print(f"\n== summary ({time.time() - b.t0:.0f} s; bf16; times in us, graph replay unless noted; "
-          f"speedup = baseline / Triton heuristic)")
-    print(f"{'section':8s}{'model':15s}{'T':>4s} {'torch/ref':>9s} {'triton':>8s} {'best':>8s} {'speedup':>7s} "
-          f"{'GB/s':>6s} {'max err':>8s} {'mism':>4s}  best config")
-    f = lambda v, p=1: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
-    for s in summary:
-        print(f"{s['section']:8s}{s['model']:15s}{s['T']:4d} {f(s['base_us']):>9s} {f(s['heur_us']):>8s} "
-              f"{f(s['best_us']):>8s} {f(s['speedup'], 2):>7s} {f(s['best_gbps'], 0):>6s} "
-              f"{'-' if s['max_err'] is None else format(s['max_err'], '.1e'):>8s} {s['mismatch_rows']:4d}  "
-              f"{s['best']}")
-    print("(moe: the reference is timed eagerly (it syncs the host); routing 'mism' = rows whose experts differ)")
+    print_summary(summary, time.time() - b.t0)
     tol = 5e-2 if args.smoke else 2e-2  # (the interpreter rounds to bf16 toward zero)
     bad = [r for r in b.results if "error" in r or r.get("err", 0) > tol or r.get("mismatch_rows")]
     print(f"{len(bad)} variant(s) failed, exceeded {tol:g} relative error or chose other experts")
