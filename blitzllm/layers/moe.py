@@ -26,6 +26,7 @@ up rows, the layout of transformers' fused ``experts.gate_up_proj``), ``<block>.
 """
 from __future__ import annotations
 
+import os
 import re
 from typing import Optional
 
@@ -98,11 +99,35 @@ class FusedMoE(nn.Module):
                                       self.n_group, self.topk_group, self.renormalize, self.scaling)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared, side = None, None
+        if self.shared_experts is not None and x.is_cuda and SHARED_EXPERT_STREAM:
+            # the shared experts run on a second stream, beside routing + routed experts
+            # (fork/join with events, so CUDA-graph capture records both branches)
+            main = torch.cuda.current_stream(x.device)
+            side = _side_stream(x.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                shared = self.shared_experts(x)
         weights, ids = self.route(x)
         out = _op("fused_moe")(x, self.w13, self.w2, weights, ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        if side is not None:
+            main.wait_stream(side)
+        elif self.shared_experts is not None:
+            shared = self.shared_experts(x)
+        return out if shared is None else out + shared
+
+
+# BLITZ_SHARED_EXPERT_STREAM=0 runs shared experts on the main stream (A/B benchmarks)
+SHARED_EXPERT_STREAM = os.environ.get("BLITZ_SHARED_EXPERT_STREAM", "1") != "0"
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device):
+    """One side stream per device for the shared experts (made on first use)."""
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device=key)
+    return _SIDE_STREAMS[key]
 
 
 # ---- checkpoint mapping --------------------------------------------------------------
