@@ -26,6 +26,7 @@ up rows, the layout of transformers' fused ``experts.gate_up_proj``), ``<block>.
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 from typing import Optional
@@ -119,15 +120,16 @@ class FusedMoE(nn.Module):
 
 # BLITZ_SHARED_EXPERT_STREAM=0 runs shared experts on the main stream (A/B benchmarks)
 SHARED_EXPERT_STREAM = os.environ.get("BLITZ_SHARED_EXPERT_STREAM", "1") != "0"
-_SIDE_STREAMS: dict = {}
 
 
 def _side_stream(device: torch.device):
-    """One side stream per device for the shared experts (made on first use)."""
-    key = device.index if device.index is not None else torch.cuda.current_device()
-    if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(device=key)
-    return _SIDE_STREAMS[key]
+    """The side stream of a device for the shared experts (made on first use)."""
+    return _stream_for(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _stream_for(index: int):
+    return torch.cuda.Stream(device=index)
 
 
 # ---- checkpoint mapping --------------------------------------------------------------

@@ -24,7 +24,7 @@ from ..layers.mla import MLADims, MLAttention
 from ..layers.moe import FusedMoE, expert_load_keys, load_expert_weight
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
-from .llama import DenseMLP
+from .llama import DenseMLP, LlamaForCausalLM, mlp_forward_norm
 
 
 @dataclass(frozen=True)
@@ -90,12 +90,7 @@ class DeepseekV3DecoderLayer(nn.Module):
     def forward(self, positions, x, residual):
         # pre-norms enter the projection after them (a GEMV prologue on CUDA decode)
         x, residual = self.self_attn.forward_norm(positions, x, residual, self.input_layernorm)
-        mlp = self.mlp
-        if isinstance(mlp, DenseMLP):
-            gate_up, residual = mlp.gate_up_proj.forward_norm(x, residual, self.post_attention_layernorm)
-            return mlp.down_proj(gate_up, silu_mul_input=True), residual
-        h, residual = self.post_attention_layernorm(x, residual)
-        return mlp(h), residual
+        return mlp_forward_norm(self.mlp, x, residual, self.post_attention_layernorm)
 
 
 class SharedHead(nn.Module):
@@ -109,7 +104,9 @@ class MTPLayer(DeepseekV3DecoderLayer):
     """One DeepSeek MTP module: a decoder layer plus ``enorm`` / ``hnorm`` (of the next
     token's embedding and of the previous hidden state), ``eh_proj`` [H, 2H] and
     ``shared_head`` (norm + its own copy of the output head). The checkpoint's
-    ``embed_tokens`` copy is the main embedding (DeepSeek shares it) and is not kept."""
+    ``embed_tokens`` copy is the main embedding (DeepSeek shares it) and is not kept.
+    ``forward`` is the inherited decoder block; speculative decoding composes the rest
+    (eh_proj over [enorm(embedding), hnorm(hidden)] before it, shared_head after)."""
 
     def __init__(self, cfg: ModelConfig, a: DeepseekV3Args, i: int, rotary: RotaryEmbedding):
         super().__init__(cfg, a, a.checkpoint_layers + i, rotary, cache_idx=cfg.num_layers + i)
@@ -127,47 +124,24 @@ class MTPModules(nn.Module):
         self.layers = nn.ModuleList(MTPLayer(cfg, a, i, rotary) for i in range(a.num_mtp_layers))
 
 
-class DeepseekV3Model(nn.Module):
-    def __init__(self, cfg: ModelConfig, a: DeepseekV3Args):
-        super().__init__()
-        self.rotary = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                      cfg.rope_scaling)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(cfg, a, i, self.rotary) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, input_ids, positions):
-        x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual)
-        return self.norm(x, residual)[0]
-
-
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
-class DeepseekV3ForCausalLM(nn.Module):
+class DeepseekV3ForCausalLM(LlamaForCausalLM):
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
         if not cfg.is_mla:
             raise ValueError("DeepseekV3ForCausalLM needs kv_lora_rank > 0 in config.json")
-        self.config = cfg
-        self.args = a = DeepseekV3Args.from_config(cfg)
-        # checkpoint sub-name -> (packed parameter sub-name, shard index)
-        self.packed_modules = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-                               **MLAttention.packed_modules(a.mla)}
-        self.model = DeepseekV3Model(cfg, a)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.args = DeepseekV3Args.from_config(cfg)  # read by make_layer during super().__init__
+        super().__init__(cfg)
+        self.packed_modules = {**LlamaForCausalLM.packed_modules, **MLAttention.packed_modules(self.args.mla)}
         self.mtp: Optional[MTPModules] = None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Flat tokens [T] -> final hidden states [T, hidden]."""
-        return self.model(input_ids, positions)
+    def make_layer(self, cfg: ModelConfig, idx: int, rotary: RotaryEmbedding) -> nn.Module:
+        return DeepseekV3DecoderLayer(cfg, self.args, idx, rotary)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    @staticmethod
+    def rotary_dim(cfg: ModelConfig) -> int:
+        return cfg.qk_rope_head_dim
 
     # ---- loading ------------------------------------------------------------------
     def load_custom_weight(self, name: str, tensor: torch.Tensor) -> Optional[list]:
@@ -193,7 +167,7 @@ class DeepseekV3ForCausalLM(nn.Module):
     def _new_mtp(self) -> MTPModules:
         ref = self.model.norm.weight
         with torch.device(ref.device):
-            mtp = MTPModules(self.config, self.args, self.model.rotary)
+            mtp = MTPModules(self.config, self.args, self.model.layers[0].self_attn.rotary)
         for p in mtp.parameters():  # not .to(): the rotary tables it shares stay float32
             p.data = p.data.to(ref.dtype)
         return mtp

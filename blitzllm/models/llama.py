@@ -71,11 +71,17 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, getattr(self, self.mlp_name)
         qkv, residual = attn.qkv_proj.forward_norm(x, residual, self.input_layernorm)
         x = attn.o_proj(attn.attn(positions, qkv))
-        if isinstance(mlp, DenseMLP):
-            gate_up, residual = mlp.gate_up_proj.forward_norm(x, residual, self.post_attention_layernorm)
-            return mlp.down_proj(gate_up, silu_mul_input=True), residual
-        h, residual = self.post_attention_layernorm(x, residual)
-        return mlp(h), residual
+        return mlp_forward_norm(mlp, x, residual, self.post_attention_layernorm)
+
+
+def mlp_forward_norm(mlp: nn.Module, x: torch.Tensor, residual, norm) -> tuple:
+    """The post-attention half of a pre-norm block: (mlp(norm(x + residual)), x + residual).
+    A ``DenseMLP`` takes the norm as its gate_up GEMV's prologue (CUDA decode)."""
+    if isinstance(mlp, DenseMLP):
+        gate_up, residual = mlp.gate_up_proj.forward_norm(x, residual, norm)
+        return mlp.down_proj(gate_up, silu_mul_input=True), residual
+    h, residual = norm(x, residual)
+    return mlp(h), residual
 
 
 class DecoderModel(nn.Module):
