@@ -133,7 +133,9 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
             raise ValueError("DeepseekV3ForCausalLM needs kv_lora_rank > 0 in config.json")
         self.args = DeepseekV3Args.from_config(cfg)  # read by make_layer during super().__init__
         super().__init__(cfg)
-        self.packed_modules = {**LlamaForCausalLM.packed_modules, **MLAttention.packed_modules(self.args.mla)}
+        # checkpoint sub-name -> (packed parameter sub-name, shard index)
+        self.packed_modules = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+                               **MLAttention.packed_modules(self.args.mla)}
         self.mtp: Optional[MTPModules] = None
 
     def make_layer(self, cfg: ModelConfig, idx: int, rotary: RotaryEmbedding) -> nn.Module:
