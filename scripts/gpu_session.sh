@@ -25,8 +25,8 @@ for part in "$@"; do case $part in
        run 90 llama_pdl1_norm1 $L; BLITZ_GEMV_NORM=0 run 90 llama_pdl1_norm0 $L; BLITZ_PDL=0 run 90 llama_pdl0_norm1 $L ;;
   ab2) Q="--model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
-       run 80 qwen_norm1 $Q; BLITZ_GEMV_NORM=0 run 80 qwen_norm0 $Q; BLITZ_GEMV_NORM=0 BLITZ_GEMV_PREFETCH=0 run 80 qwen_norm0_pf0 $Q
-       run 90 llama_norm1 $L; BLITZ_GEMV_NORM=0 run 90 llama_norm0 $L; BLITZ_GEMV_NORM=0 BLITZ_GEMV_PREFETCH=0 run 90 llama_norm0_pf0 $L ;;
+       run 80 qwen_norm1 $Q; BLITZ_GEMV_NORM=0 run 80 qwen_norm0 $Q
+       run 90 llama_norm1 $L; BLITZ_GEMV_NORM=0 run 90 llama_norm0 $L ;;
   moek) timeout 200 python3 scripts/bench_moe.py --budget-s 100 2>&1 | tail -30
         timeout 120 python3 scripts/bench_mla.py 2>&1 | tail -16 ;;
   moelat) run 150 q30b_b1 --model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8
