@@ -1,0 +1,208 @@
+"""Speculative verification: exact rejection sampling of draft tokens, batched on the device.
+
+Owns turning the target's logits at each request's k draft positions + 1 bonus position into
+the accepted draft prefix and one more token. It reuses the ``Sampler``'s logit pipeline,
+so the distribution p at every position is exactly what non-speculative sampling would draw
+from. It knows nothing about proposers, KV caches or the scheduler.
+
+Interface (what the engine calls)::
+
+    md = build_spec_metadata(rows, drafts, vocab_size, device)   # one row per position
+    out = rejection_sample(target_logits, drafts, md, draft_probs=None)
+    # out.output_tokens [B, K+1] (-1 padded), out.num_accepted [B], out.logprobs [B, K+1]
+
+- ``rows``: the requests' ``SamplingRow`` as for ``SamplingMetadata.build``; ``drafts``:
+  ``list[list[int]]`` (request b has k_b = len(drafts[b]) >= 0 drafts; K = max k_b).
+- ``target_logits`` [sum(k_b + 1), V]: request b's rows are contiguous, in request order:
+  the logits that score drafts[b][0..k_b-1] and then the bonus position.
+- ``draft_probs`` [sum(k_b), V], rows in the same flat order as the drafts: the draft's final
+  (processed) distribution q each draft token was sampled from. ``None``: the proposer is
+  deterministic (n-gram, greedy draft model) and q is a one-hot at the draft token.
+- Request b emits ``output_tokens[b, :num_accepted[b] + 1]``: the accepted drafts, then the
+  correction token (first rejection) or the bonus token (all k_b accepted).
+  ``logprobs``/``top_ids``/``top_logprobs`` follow the Sampler (raw distribution), per slot.
+
+Rule, per position i of a random row: accept draft x with probability min(1, p_i(x)/q_i(x))
+(implemented as ``u * q(x) < p(x)``, u ~ U(0,1)); on the first rejection draw from
+normalise(max(0, p_i - q_i)); after k accepts draw the bonus from p_{k+1}. Greedy rows
+(temperature 0) accept exactly while the draft equals the argmax of the processed logits;
+the correction / bonus is that argmax. All of it is row-wise tensor work: no host sync, no
+Python loop over positions or the vocabulary.
+
+Penalties and min_tokens: position i of request b is only ever used when its drafts 0..i-1
+were all accepted, so its history is known in advance: output_ids + drafts[:i].
+``build_spec_metadata`` gives each position that history (and step = len(output_ids) + i),
+so count-based penalties, repetition penalty and min_tokens bans at position i see exactly
+the tokens accepted before it, through the Sampler's own ``SamplingMetadata.build``.
+
+Reproducibility: every draw is a pure function of (seed, step of that output position):
+the acceptance uniform is a hash of (seed, step, a salt no token id reaches), the residual
+and bonus draws are the Sampler's exponential race with ``exponential_noise(seed, step)``.
+A seeded request gives the same tokens in any batch; a request with k = 0 gets exactly the
+token ``Sampler.forward`` would give.
+
+``synthetic_acceptance_rate`` (benchmark mode only): accept each draft with that forced
+probability, independent of p and q (rejections still emit the residual / argmax token).
+This does NOT preserve the target distribution; outputs produced so must be labelled.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from blitzllm.layers.sampler import (_GOLDEN, _M32, Sampler, SamplingMetadata, SamplingRow,
+                                     _fmix32_, exponential_noise)
+
+# Salt of the acceptance uniform: the hash_bits mix of token id 2**32 - 1, which no real
+# token id reaches, so the uniform never coincides with a token's exponential noise.
+_ACCEPT_SALT = 0xFFFFFFFF
+_SAMPLER = Sampler()
+
+
+class _LengthOnly(Sequence):
+    """``output_ids`` of a penalty-free position: ``SamplingMetadata.build`` reads only its
+    length (steps, min_tokens), so the history is not copied."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        raise TypeError("token ids of a penalty-free row are not shipped")
+
+
+def spec_rows(rows: Sequence[SamplingRow], drafts: Sequence[Sequence[int]]) -> list[SamplingRow]:
+    """One ``SamplingRow`` per verified position: request b's row i has history
+    output_ids + drafts[b][:i], for i = 0..k_b."""
+    if len(rows) != len(drafts):
+        raise ValueError(f"drafts must have one list per row ({len(rows)}), got {len(drafts)}")
+    out = []
+    for r, d in zip(rows, drafts):
+        d = list(d)
+        for i in range(len(d) + 1):
+            hist = (list(r.output_ids) + d[:i] if r.params.uses_penalties
+                    else _LengthOnly(len(r.output_ids) + i))
+            out.append(SamplingRow(params=r.params, seed=r.seed, prompt_ids=r.prompt_ids,
+                                   output_ids=hist, eos_token_id=r.eos_token_id))
+    return out
+
+
+def build_spec_metadata(rows: Sequence[SamplingRow], drafts: Sequence[Sequence[int]],
+                        vocab_size: int, device, extra_steps: int = 0) -> SamplingMetadata:
+    """``SamplingMetadata`` with sum(k_b + 1) rows, one per verified position."""
+    return SamplingMetadata.build(spec_rows(rows, drafts), vocab_size, device, extra_steps)
+
+
+def accept_uniform(seeds: Tensor, steps: Tensor) -> Tensor:
+    """[N] float32 in (0, 1): a hash of (seed, step, salt), independent of the token noise."""
+    key = _fmix32_((seeds & _M32) ^ _GOLDEN)
+    key = _fmix32_(key ^ ((seeds >> 32) & _M32))
+    key = _fmix32_(key ^ (steps & _M32))
+    salt = _fmix32_(torch.tensor([(_ACCEPT_SALT * _GOLDEN + 0x7F4A7C15) & _M32],
+                                 dtype=torch.int64, device=seeds.device))
+    u = (_fmix32_(key ^ salt) >> 8).to(torch.float32)
+    return u.add_(0.5).mul_(1.0 / 2**24)
+
+
+@dataclass
+class RejectionOutput:
+    output_tokens: Tensor  # [B, K+1] int64, -1 after the num_accepted + 1 emitted tokens
+    num_accepted: Tensor  # [B] int64, accepted drafts (emitted = num_accepted + 1)
+    logprobs: Tensor  # [B, K+1] float32 (raw distribution), nan where not emitted
+    top_ids: Optional[Tensor]  # [B, K+1, N] int64, N = md.max_num_logprobs
+    top_logprobs: Optional[Tensor]  # [B, K+1, N] float32
+
+
+def _layout(num_drafts: Sequence[int]):
+    """Per verified row (host tensors): request index, position, whether it scores a draft."""
+    nd = torch.as_tensor(list(num_drafts), dtype=torch.int64)
+    req = torch.repeat_interleave(torch.arange(len(nd)), nd + 1)
+    start = torch.cumsum(nd + 1, 0) - (nd + 1)
+    pos = torch.arange(len(req)) - start[req]
+    return req, pos, pos < nd[req]
+
+
+def rejection_sample(target_logits: Tensor, drafts: Sequence[Sequence[int]],
+                     md: SamplingMetadata, draft_probs: Optional[Tensor] = None,
+                     synthetic_acceptance_rate: Optional[float] = None) -> RejectionOutput:
+    """Verify every request's drafts at once; see the module docstring."""
+    raw = target_logits.float()
+    N, V = raw.shape
+    B = len(drafts)
+    num_drafts = [len(d) for d in drafts]
+    K = max(num_drafts, default=0)
+    dev = raw.device
+    if N != sum(num_drafts) + B or md.temperature.shape[0] != N:
+        raise ValueError(f"target_logits and md need sum(k_b + 1) = {sum(num_drafts) + B} "
+                         f"rows, got {N} and {md.temperature.shape[0]}")
+    if draft_probs is not None and tuple(draft_probs.shape) != (sum(num_drafts), V):
+        raise ValueError(f"draft_probs must be [{sum(num_drafts)}, {V}], "
+                         f"got {list(draft_probs.shape)}")
+    if synthetic_acceptance_rate is not None and not 0.0 <= synthetic_acceptance_rate <= 1.0:
+        raise ValueError(f"synthetic_acceptance_rate must be in [0, 1], "
+                         f"got {synthetic_acceptance_rate}")
+
+    req, pos, is_draft = _layout(num_drafts)
+    draft_tok = torch.zeros(N, dtype=torch.int64)  # 0 on bonus rows (never emitted there)
+    draft_tok[is_draft] = torch.tensor([t for d in drafts for t in d], dtype=torch.int64)
+    draft_rows = is_draft.nonzero().squeeze(1)
+    req, pos, is_draft, draft_tok, draft_rows = (
+        t.to(dev, non_blocking=True) for t in (req, pos, is_draft, draft_tok, draft_rows))
+
+    x = _SAMPLER.processed_logits(raw, md)  # greedy rows: penalized logits
+    greedy = md.temperature == 0
+    argmax = x.argmax(dim=-1)
+    if md.all_greedy:
+        accept, token = draft_tok == argmax, argmax
+    else:
+        p = x.softmax(dim=-1)
+        q = torch.zeros_like(p)
+        if draft_probs is None:
+            q[draft_rows, draft_tok[draft_rows]] = 1.0
+        else:
+            q[draft_rows] = draft_probs.to(dev, torch.float32)
+        p_x = p.gather(1, draft_tok[:, None]).squeeze(1)
+        q_x = q.gather(1, draft_tok[:, None]).squeeze(1)
+        accept = accept_uniform(md.seeds, md.steps) * q_x < p_x
+        # Residual max(0, p - q) (= p on bonus rows); back to p if rounding emptied it.
+        resid = (p - q).clamp_(min=0.0)
+        empty = resid.sum(dim=-1, keepdim=True) <= 0
+        resid = torch.where(empty, p, resid)
+        token = resid.div_(exponential_noise(md.seeds, md.steps, V)).argmax(dim=-1)
+        if md.any_greedy:
+            accept = torch.where(greedy, draft_tok == argmax, accept)
+            token = torch.where(greedy, argmax, token)
+    if synthetic_acceptance_rate is not None:
+        accept = accept_uniform(md.seeds, md.steps) < synthetic_acceptance_rate
+
+    # Padded [B, K+1] views; accepted prefix length via a cumulative product.
+    slot = req * (K + 1) + pos
+    acc_pad = torch.zeros(B * (K + 1), dtype=torch.int64, device=dev)
+    acc_pad[slot] = (accept & is_draft).long()
+    num_accepted = acc_pad.view(B, K + 1).cumprod(dim=1).sum(dim=1)
+    n_acc = num_accepted[req]
+    emitted = torch.where(pos < n_acc, draft_tok, token)
+    keep = pos <= n_acc
+
+    out = Sampler._output(raw, emitted, md)
+    tokens = torch.full((B * (K + 1),), -1, dtype=torch.int64, device=dev)
+    tokens[slot] = torch.where(keep, emitted, -1)
+    logprobs = torch.full((B * (K + 1),), float("nan"), device=dev)
+    logprobs[slot] = torch.where(keep, out.logprobs, float("nan"))
+    top_ids = top_lp = None
+    if out.top_ids is not None:
+        n = out.top_ids.shape[1]
+        top_ids = torch.full((B * (K + 1), n), -1, dtype=torch.int64, device=dev)
+        top_ids[slot] = torch.where(keep[:, None], out.top_ids, -1)
+        top_lp = torch.full((B * (K + 1), n), float("nan"), device=dev)
+        top_lp[slot] = torch.where(keep[:, None], out.top_logprobs, float("nan"))
+        top_ids, top_lp = top_ids.view(B, K + 1, n), top_lp.view(B, K + 1, n)
+    return RejectionOutput(output_tokens=tokens.view(B, K + 1), num_accepted=num_accepted,
+                           logprobs=logprobs.view(B, K + 1), top_ids=top_ids,
+                           top_logprobs=top_lp)
