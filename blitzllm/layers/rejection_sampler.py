@@ -162,16 +162,19 @@ def rejection_sample(target_logits: Tensor, drafts: Sequence[Sequence[int]],
         accept, token = draft_tok == argmax, argmax
     else:
         p = x.softmax(dim=-1)
-        q = torch.zeros_like(p)
-        if draft_probs is None:
-            q[draft_rows, draft_tok[draft_rows]] = 1.0
-        else:
-            q[draft_rows] = draft_probs.to(dev, torch.float32)
         p_x = p.gather(1, draft_tok[:, None]).squeeze(1)
-        q_x = q.gather(1, draft_tok[:, None]).squeeze(1)
+        # Residual max(0, p - q), = p on bonus rows (q = 0 there).
+        if draft_probs is None:  # q one-hot: q(x) = 1, residual = p without x
+            q_x = is_draft.float()
+            resid = p.clone()
+            resid[draft_rows, draft_tok[draft_rows]] = 0.0
+        else:
+            q = torch.zeros_like(p)
+            q[draft_rows] = draft_probs.to(dev, torch.float32)
+            q_x = q.gather(1, draft_tok[:, None]).squeeze(1)
+            resid = (p - q).clamp_(min=0.0)
         accept = accept_uniform(md.seeds, md.steps) * q_x < p_x
-        # Residual max(0, p - q) (= p on bonus rows); back to p if rounding emptied it.
-        resid = (p - q).clamp_(min=0.0)
+        # Back to p where rounding emptied the residual (p == q: rejection is then moot).
         empty = resid.sum(dim=-1, keepdim=True) <= 0
         resid = torch.where(empty, p, resid)
         token = resid.div_(exponential_noise(md.seeds, md.steps, V)).argmax(dim=-1)

@@ -147,6 +147,12 @@ def test_greedy_accepts_matching_prefix_and_corrects_with_argmax():
         assert (res.output_tokens[b, n:] == -1).all()
         assert res.logprobs[b, :n].isfinite().all() and res.logprobs[b, n:].isnan().all()
     lsm = logits.log_softmax(-1).view(B, K + 1, 50)
+    # Same rule for greedy rows in a batch with a random row (the mixed path).
+    rnd = torch.randn(K + 1, 50, generator=g)
+    rows = [row(seed=b, temperature=0.0) for b in range(B)] + [row(seed=9, temperature=1.0)]
+    mixed = rejection_sample(torch.cat([logits, rnd]), drafts + [[0] * K],
+                             build_spec_metadata(rows, drafts + [[0] * K], 50, "cpu"))
+    assert torch.equal(mixed.output_tokens[:B], res.output_tokens)
     assert torch.allclose(res.logprobs[5], lsm[5].gather(1, res.output_tokens[5][:, None])[:, 0])
 
 
