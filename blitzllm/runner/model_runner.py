@@ -33,7 +33,8 @@ def build_model(src: ModelSource, cfg: ModelConfig, device: torch.device, dtype:
     cls = get_model_class(cfg.architecture)
     with torch.device("meta"):
         model = cls(cfg)
-    model = model.to_empty(device=device).to(dtype)
+    # cast on the meta device first: allocating in fp32 and then casting needs twice the memory
+    model = model.to(dtype).to_empty(device=device)
     # buffers computed at init (rotary tables) are lost by to_empty: rebuild them
     for mod in model.modules():
         if hasattr(mod, "cos_sin_cache"):
@@ -177,6 +178,19 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, last))
         smd = SamplingMetadata.build(rows, self.cfg.vocab_size, self.device)
         return _host_result(_to_host_async(self.sampler(logits, smd)))
+
+
+    @torch.inference_mode()
+    def score(self, seqs, block_tables, sample_idx: list[int], counts: list[int]) -> torch.Tensor:
+        """Eager forward that returns the logits of the last ``counts[j]`` positions of
+        batch row ``sample_idx[j]`` (a speculative verify step: each drafting row scores
+        its k drafts plus the bonus position), stacked in row order: [sum(counts), V]."""
+        self._ahead = None
+        input_ids, positions, md, qsl = self.prepare(seqs, block_tables)
+        with forward_context(ForwardContext(md, self.kv_caches, self.backend)):
+            hidden = self.model(input_ids, positions)
+        idx = [p for i, c in zip(sample_idx, counts) for p in range(qsl[i + 1] - c, qsl[i + 1])]
+        return self.model.compute_logits(hidden.index_select(0, torch.tensor(idx, device=self.device)))
 
 
 def _to_host_async(out):
