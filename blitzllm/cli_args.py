@@ -23,6 +23,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'; keys: '
+                        "method (ngram | draft_model), num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, "
+                        "model (draft), synthetic_acceptance_rate (benchmark only: forced acceptance)")
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
@@ -30,4 +34,5 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 num_layers=a.num_layers, max_model_len=a.max_model_len, kv_cache_blocks=a.kv_cache_blocks,
                 block_size=a.block_size, enable_prefix_caching=not a.no_prefix_caching,
                 max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, seed=a.seed,
-                enforce_eager=a.enforce_eager, weight_dtype=a.weight_dtype)
+                enforce_eager=a.enforce_eager, weight_dtype=a.weight_dtype,
+                speculative_config=a.speculative_config)

@@ -16,13 +16,13 @@ class LLM:
                  enable_prefix_caching: bool = True, max_num_seqs: int = 256,
                  max_num_batched_tokens: Optional[int] = None, seed: int = 0,
                  num_layers: Optional[int] = None, enforce_eager: bool = False, attention_backend: str = "auto",
-                 weight_dtype: Optional[str] = None, **kwargs):
+                 weight_dtype: Optional[str] = None, speculative_config=None, **kwargs):
         self.engine = Engine(EngineArgs(
             model=model, dtype=dtype, device=device, load_format=load_format, max_model_len=max_model_len,
             kv_cache_blocks=kv_cache_blocks, block_size=block_size, enable_prefix_caching=enable_prefix_caching,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, seed=seed,
             num_layers=num_layers, enforce_eager=enforce_eager, attention_backend=attention_backend,
-            weight_dtype=weight_dtype, **kwargs))
+            weight_dtype=weight_dtype, speculative_config=speculative_config, **kwargs))
         self._ids = itertools.count()
 
     @property

@@ -74,8 +74,11 @@ def run(a) -> int:
     eng = llm.engine
     cfg, dev = eng.model_config, eng.device
     _timed_run(eng, _prompts(B, I, cfg.vocab_size, 1), min(O, 8), "warm")
+    if eng.spec is not None:
+        eng.spec.reset_counters()
     ttft, steps = _timed_run(eng, _prompts(B, I, cfg.vocab_size, 2), O, "run")
-    step_s = sum(steps) / len(steps)
+    # per generated token after the first (a speculative step may emit several)
+    step_s = sum(steps) / (O - 1)
     dtype_bytes = torch.finfo(eng.dtype).bits // 8
     w_bytes = weight_bytes_per_step(eng.runner.model, B)
     kv_bytes = kv_bytes_per_step(cfg, [I + O // 2] * B, dtype_bytes)
@@ -89,6 +92,8 @@ def run(a) -> int:
         "kv_bytes_per_step": kv_bytes, "copy_bandwidth_Bps": bw,
         "roofline_fraction": (w_bytes + kv_bytes) / bw / step_s,
     }
+    if eng.spec is not None:
+        res.update(_spec_stats(eng))
     if dev.type == "cuda":
         res.update(_kernel_counts(eng, cfg, B, I))
     peers = [x.strip() for x in (a.compare or "").split(",") if x.strip()]
@@ -104,6 +109,17 @@ def run(a) -> int:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=2)
     return 0
+
+
+def _spec_stats(eng) -> dict:
+    """Speculation counters of the timed run; synthetic acceptance is labelled as such."""
+    s = eng.stats()
+    out = {k: s[k] for k in ("spec_method", "spec_num_speculative_tokens", "spec_synthetic")}
+    if s["spec_synthetic"]:
+        out["spec_synthetic_acceptance_rate"] = s["spec_synthetic_acceptance_rate"]
+    out.update({k: s[k] for k in ("spec_draft_tokens", "spec_accepted_tokens", "spec_mean_acceptance_length")})
+    out["spec_acceptance_per_position"] = " ".join(f"{a:.3f}" for a in s["spec_acceptance_per_position"])
+    return out
 
 
 def _kernel_counts(eng, cfg, B, I) -> dict:

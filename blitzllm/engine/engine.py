@@ -19,6 +19,7 @@ from ..layers.sampler import SamplingRow
 from ..loader.source import resolve_model
 from ..runner.model_runner import ModelRunner, build_model
 from ..sampling_params import SamplingParams
+from ..spec.config import parse_speculative_config
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache import KVCacheManager
 from .request import Request, Status
@@ -49,6 +50,7 @@ class EngineArgs:
     attention_backend: str = "auto"   # auto | torch | triton
     weight_dtype: Optional[str] = None  # bfloat16 / float16 / int4 weights, float32 activations (CPU)
     warmup: bool = True               # CUDA: compile the kernels a first request needs at start-up
+    speculative_config: Optional[Union[str, dict]] = None  # see blitzllm/spec/config.py
 
 
 @dataclass
@@ -96,6 +98,7 @@ class Engine:
         if not isinstance(args.block_size, int) or args.block_size < 1 or args.block_size & (args.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {args.block_size}")
         self.device = resolve_device(args.device)
+        spec_cfg = parse_speculative_config(args.speculative_config)
         src = resolve_model(args.model, args.load_format)
         self.model_config = cfg = ModelConfig.from_hf(src.hf_config, args.num_layers)
         self.dtype = resolve_dtype(args.dtype, self.device, src.torch_dtype)
@@ -129,6 +132,15 @@ class Engine:
                                   max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
                                   enforce_eager=args.enforce_eager, attention_backend=args.attention_backend)
         self.scheduler.lookahead = self.runner.graphs is not None
+        self.spec = None
+        if spec_cfg is not None:
+            from ..spec.decoder import SpecDecoder
+            from ..spec.proposers import build_proposer
+            proposer = build_proposer(spec_cfg, target_cfg=cfg, device=self.device, dtype=self.dtype,
+                                      num_blocks=num_blocks, block_size=args.block_size,
+                                      max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
+                                      seed=args.seed, attention_backend=args.attention_backend)
+            self.spec = SpecDecoder(spec_cfg, proposer, self.kv, budget)
         self.requests: dict[str, list[Request]] = {}   # parent id -> its n sequences
         self._arrival = itertools.count()
         self._rng = random.Random(args.seed)
@@ -178,6 +190,8 @@ class Engine:
         self.kv.hit_tokens = self.kv.queried_tokens = 0
         self.scheduler.num_preemptions = 0
         self.counters = dict.fromkeys(self.counters, 0)
+        if self.spec is not None:
+            self.spec.reset_counters()
         torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0
         print(f"[blitz] warm-up requests (kernel compilation) took {dt:.1f}s", file=sys.stderr)
@@ -246,6 +260,8 @@ class Engine:
         for r in seqs:
             if not r.finished:
                 self.scheduler.remove(r)
+                if self.spec is not None:
+                    self.spec.finish(r.request_id)
                 r.status, r.finish_reason = Status.FINISHED, "abort"
         return True
 
@@ -257,11 +273,11 @@ class Engine:
         seqs = self.scheduler.schedule()
         if not seqs:
             return []
+        drafts = self.spec.propose(seqs) if self.spec is not None else None
+        if drafts is not None:
+            return self._spec_step(seqs, drafts)
         sampling = [s for s in seqs if s.samples]
-        rows = [SamplingRow(params=s.req.params, seed=s.req.seed, prompt_ids=s.req.prompt_token_ids,
-                            output_ids=s.req.output_token_ids,
-                            eos_token_id=s.req.eos_token_ids[0] if s.req.eos_token_ids else None)
-                for s in sampling]
+        rows = [self._row(s.req) for s in sampling]
         batch = [(s.req.token_slice(s.start, s.end), s.start, s.end) for s in seqs]
         tables = [self.kv.block_table(s.req.request_id) for s in seqs]
         sample_idx = [i for i, s in enumerate(seqs) if s.samples]
@@ -273,6 +289,46 @@ class Engine:
             top = result.top[j] if result.top is not None else None
             events.append(self._append_token(s.req, result.token_ids[j], result.logprobs[j], top, now))
         return events
+
+    def _spec_step(self, seqs, drafts) -> list[StepEvent]:
+        """A step where some decodes carry drafts: the target scores every draft position
+        plus the bonus one in one (eager) forward; each request emits its accepted drafts
+        and one more token, cut at the first stop; KV of rejected drafts is rolled back."""
+        sample_idx = [i for i, s in enumerate(seqs) if s.samples]
+        batch = [(s.req.token_slice(s.start, s.end) + d, s.start, s.end + len(d)) for s, d in zip(seqs, drafts)]
+        tables = [self.kv.block_table(s.req.request_id) for s in seqs]
+        logits = self.runner.score(batch, tables, sample_idx, [len(drafts[i]) + 1 for i in sample_idx])
+        rows = [self._row(seqs[i].req) for i in sample_idx]
+        self.spec.select_probs(sample_idx)
+        verified = self.spec.verify(self.runner.sampler, logits, rows, [drafts[i] for i in sample_idx],
+                                    self.model_config.vocab_size, self.device)
+        self.scheduler.step_done([s for s, d in zip(seqs, drafts) if not d])
+        events, now = [], time.monotonic()
+        for i, v in zip(sample_idx, verified):
+            s = seqs[i]
+            evs = []
+            for j, tok in enumerate(v.tokens):
+                top = v.top[j] if v.top is not None else None
+                evs.append(self._append_token(s.req, tok, v.logprobs[j], top, now))
+                if s.req.finished:
+                    break
+            if drafts[i] and not s.req.finished:
+                self.spec.rollback(s.req, s.end, v.num_accepted)
+            ev = evs[0]
+            for e in evs[1:]:
+                ev.new_token_ids += e.new_token_ids
+                ev.text += e.text
+                if ev.logprobs is not None:
+                    ev.logprobs += e.logprobs
+                ev.finish_reason, ev.stop_reason = e.finish_reason, e.stop_reason
+            events.append(ev)
+        return events
+
+    @staticmethod
+    def _row(req: Request) -> SamplingRow:
+        return SamplingRow(params=req.params, seed=req.seed, prompt_ids=req.prompt_token_ids,
+                           output_ids=req.output_token_ids,
+                           eos_token_id=req.eos_token_ids[0] if req.eos_token_ids else None)
 
     def _append_token(self, req: Request, tok: int, lp: float, top, now: float) -> StepEvent:
         p = req.params
@@ -313,6 +369,8 @@ class Engine:
     def _finish(self, req: Request, reason: str, stop_reason) -> None:
         req.status, req.finish_reason, req.stop_reason = Status.FINISHED, reason, stop_reason
         self.scheduler.remove(req)
+        if self.spec is not None:
+            self.spec.finish(req.request_id)
         parent = req.request_id.rsplit("#", 1)[0]
         seqs = self.requests.get(parent)
         if seqs is not None and all(r.finished for r in seqs):
@@ -331,4 +389,5 @@ class Engine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             **self.counters,
+            **(self.spec.stats() if self.spec is not None else {}),
         }

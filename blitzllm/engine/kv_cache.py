@@ -118,6 +118,24 @@ class KVCacheManager:
                 self.cached.setdefault(h, blk.id)
             parent = h
 
+    def trim(self, rid: str, num_tokens: int) -> None:
+        """Shrink the request's table to the blocks that ``num_tokens`` tokens fill (the
+        roll-back of rejected speculative tokens); freed tail blocks go back to the pool
+        and hashes of blocks past the kept tokens are forgotten."""
+        table = self.tables.get(rid)
+        if table is None:
+            return
+        keep = -(-num_tokens // self.block_size)
+        while len(table) > keep:
+            blk = self.blocks[table.pop()]
+            blk.ref -= 1
+            assert blk.ref >= 0
+            if blk.ref == 0:
+                self.free[blk.id] = None
+        hashes = self.hashes.get(rid)
+        if hashes is not None:
+            del hashes[num_tokens // self.block_size:]
+
     def free_request(self, rid: str) -> None:
         table = self.tables.pop(rid, None)
         self.hashes.pop(rid, None)

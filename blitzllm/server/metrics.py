@@ -55,6 +55,15 @@ class _EngineCollector:
         yield counter("blitz_num_preemptions", "Sequences preempted for lack of KV blocks.", s.get("preemptions", 0))
         yield counter("blitz_prompt_tokens", "Prompt tokens of accepted requests.", s.get("prompt_tokens", 0))
         yield counter("blitz_generation_tokens", "Generated tokens.", s.get("generation_tokens", 0))
+        if "spec_draft_tokens" in s:
+            yield counter("blitz_spec_draft_tokens_total", "Draft tokens proposed by speculative decoding.",
+                          s["spec_draft_tokens"])
+            yield counter("blitz_spec_accepted_tokens_total", "Draft tokens the target accepted.",
+                          s["spec_accepted_tokens"])
+            yield gauge("blitz_spec_mean_acceptance_length", "Tokens emitted per verify step of a drafting "
+                        "request (accepted drafts + 1).", s["spec_mean_acceptance_length"])
+            yield gauge("blitz_spec_synthetic", "1 when acceptance is forced (benchmark mode): outputs are not "
+                        "the model's.", 1.0 if s.get("spec_synthetic") else 0.0)
 
 
 class ServerMetrics:

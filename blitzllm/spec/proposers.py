@@ -1,0 +1,173 @@
+"""Draft proposers: given the requests about to decode, guess their next tokens.
+
+Interface (``Proposer``): ``propose(reqs, limits) -> Proposal`` with up to ``limits[i]``
+draft token ids per request (possibly none) and, optionally, the draft distributions the
+drafts were sampled from (``probs[i]``: [len(drafts[i]), V] or None for greedy / point
+drafts); ``finish(rid)`` drops any per-request state. Heads (EAGLE-3, MTP) plug in by
+implementing the same two methods.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from ..config import CacheConfig, ModelConfig
+from ..engine.kv_cache import KVCacheManager
+from ..layers.sampler import SamplingRow
+from ..sampling_params import SamplingParams
+from .config import SpeculativeConfig
+
+
+@dataclass
+class Proposal:
+    drafts: list            # per request: list of draft token ids
+    probs: Optional[list] = None   # per request: [len(drafts), V] tensor or None; None: all point drafts
+
+
+class Proposer:
+    def propose(self, reqs: Sequence, limits: Sequence[int]) -> Proposal:
+        raise NotImplementedError
+
+    def finish(self, rid: str) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {}
+
+
+def ngram_lookup(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list:
+    """Prompt lookup: the longest suffix n-gram (n_max down to n_min) that occurred earlier
+    in ``tokens``; returns up to k tokens that followed its latest earlier occurrence."""
+    L = len(tokens)
+    if k <= 0:
+        return []
+    for n in range(min(n_max, L - 1), n_min - 1, -1):
+        suffix = list(tokens[L - n:])
+        first = suffix[0]
+        for i in range(L - n - 1, -1, -1):
+            if tokens[i] == first and list(tokens[i:i + n]) == suffix:
+                return list(tokens[i + n:i + n + k])
+    return []
+
+
+class NgramProposer(Proposer):
+    def __init__(self, spec: SpeculativeConfig):
+        self.spec = spec
+
+    def propose(self, reqs, limits) -> Proposal:
+        s = self.spec
+        return Proposal([ngram_lookup(r.all_token_ids, lim, s.prompt_lookup_min, s.prompt_lookup_max)
+                         for r, lim in zip(reqs, limits)])
+
+
+_GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class DraftModelProposer(Proposer):
+    """A smaller model with the target's vocabulary, its own ModelRunner and its own paged
+    KV pool (no prefix caching). Per request it remembers which tokens its cache holds;
+    each call keeps the prefix that still agrees with the request (rejected drafts fall
+    away), catches up the rest in one batched forward that also yields the first draft,
+    then decodes greedily for the remaining steps."""
+
+    def __init__(self, spec: SpeculativeConfig, target_cfg: ModelConfig, device, dtype, num_blocks: int,
+                 block_size: int, max_num_seqs: int, max_model_len: int, seed: int,
+                 attention_backend: str = "auto"):
+        from ..loader.source import resolve_model
+        from ..runner.model_runner import ModelRunner, build_model
+        self.spec = spec
+        src = resolve_model(spec.model, "auto")
+        cfg = ModelConfig.from_hf(src.hf_config, None)
+        if cfg.vocab_size != target_cfg.vocab_size:
+            raise ValueError(f"speculative_config.model has vocab_size {cfg.vocab_size}, the target has "
+                             f"{target_cfg.vocab_size}; the draft must share the target's tokenizer")
+        if cfg.max_position_embeddings < max_model_len:
+            raise ValueError(f"speculative_config.model supports {cfg.max_position_embeddings} positions, "
+                             f"fewer than max_model_len={max_model_len}")
+        self.cfg = cfg
+        model = build_model(src, cfg, device, dtype, seed)
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.runner = ModelRunner(model, cfg, CacheConfig(block_size, num_blocks, False), device, dtype,
+                                  max_num_seqs=max_num_seqs, max_model_len=max_model_len, enforce_eager=True,
+                                  attention_backend=attention_backend)
+        self.tokens: dict[str, list] = {}   # request id -> tokens whose KV the draft cache holds
+
+    def finish(self, rid: str) -> None:
+        self.kv.free_request(rid)
+        self.tokens.pop(rid, None)
+
+    def stats(self) -> dict:
+        return {"spec_draft_kv_blocks_total": self.kv.num_blocks,
+                "spec_draft_kv_blocks_free": self.kv.num_free_blocks}
+
+    def _row(self) -> SamplingRow:
+        return SamplingRow(params=_GREEDY, seed=0, prompt_ids=[], output_ids=[], eos_token_id=None)
+
+    def propose(self, reqs, limits) -> Proposal:
+        drafts = [[] for _ in reqs]
+        active = []   # (index, request id, tokens, limit)
+        for i, (r, lim) in enumerate(zip(reqs, limits)):
+            if lim <= 0:
+                continue
+            rid, toks = r.request_id, r.all_token_ids
+            n = len(toks)
+            keep = min(_common_prefix(self.tokens.get(rid, ()), toks), n - 1)
+            if rid in self.kv.tables:
+                self.kv.trim(rid, keep)
+            else:
+                self.kv.tables[rid], self.kv.hashes[rid] = [], []
+                keep = 0
+            self.tokens[rid] = toks[:keep]
+            # the cache will hold every known token plus all drafts but the last
+            if not self.kv.allocate(rid, n + lim - 1):
+                # make room: drop the state of requests not drafting now (preempted or
+                # waiting ones), then retry once
+                busy = {q.request_id for q in reqs}
+                for other in [o for o in self.tokens if o not in busy]:
+                    self.finish(other)
+                if not self.kv.allocate(rid, n + lim - 1):
+                    self.finish(rid)   # still no room: draft nothing for it this step
+                    continue
+            active.append((i, rid, toks, lim, keep))
+        if not active:
+            return Proposal(drafts)
+        # step 1: catch up (one chunk per request) and draft the first token
+        batch = [(toks[keep:], keep, len(toks)) for _, _, toks, _, keep in active]
+        tables = [self.kv.block_table(rid) for _, rid, _, _, _ in active]
+        res = self.runner.execute(batch, tables, list(range(len(active))), [self._row() for _ in active])
+        for (i, rid, toks, _, _), t in zip(active, res.token_ids):
+            drafts[i].append(t)
+            self.tokens[rid] = list(toks)
+        # steps 2..k: one token per still-drafting request
+        step = 1
+        while True:
+            live = [a for a in active if a[3] > step]
+            if not live:
+                break
+            batch = [([drafts[i][-1]], len(toks) + step - 1, len(toks) + step) for i, _, toks, _, _ in live]
+            tables = [self.kv.block_table(rid) for _, rid, _, _, _ in live]
+            res = self.runner.execute(batch, tables, list(range(len(live))), [self._row() for _ in live])
+            for (i, rid, _, _, _), t in zip(live, res.token_ids):
+                self.tokens[rid].append(drafts[i][-1])
+                drafts[i].append(t)
+            step += 1
+        # blocks reserved beyond what the cache now holds go back to the pool
+        for i, rid, _, _, _ in active:
+            self.kv.trim(rid, len(self.tokens[rid]))
+        return Proposal(drafts)
+
+
+def build_proposer(spec: SpeculativeConfig, **target) -> Proposer:
+    if spec.method == "ngram":
+        return NgramProposer(spec)
+    if spec.method == "draft_model":
+        return DraftModelProposer(spec, **target)
+    raise ValueError(f"speculative_config.method {spec.method!r} is not available yet")

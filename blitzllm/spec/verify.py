@@ -1,0 +1,88 @@
+"""Verification of drafts: the target's logits at each request's k draft positions + the
+bonus position -> the tokens the request emits this step.
+
+Uses ``layers/rejection_sampler.py`` (exact rejection sampling, any sampling settings).
+``_match_target`` is the simpler cross-check the tests swap in (``_rs = None``): each
+position is sampled by the ordinary ``Sampler`` with that position's history (output +
+accepted drafts) and drafts are accepted while they equal what the target itself drew.
+That is exact too (the sampler is a pure function of seed, step and logits) and even
+reproduces non-speculative tokens one for one, at a lower acceptance for random rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..layers.sampler import Sampler, SamplingMetadata, SamplingRow
+
+from ..layers import rejection_sampler as _rs
+
+
+@dataclass
+class Verified:
+    tokens: list      # emitted token ids: accepted drafts, then the correction / bonus token
+    logprobs: list    # chosen-token logprob per emitted token
+    top: Optional[list]   # per emitted token: list of (id, logprob), or None
+    num_accepted: int
+
+
+def _position_rows(rows, drafts) -> list:
+    out = []
+    for r, d in zip(rows, drafts):
+        for i in range(len(d) + 1):
+            out.append(SamplingRow(params=r.params, seed=r.seed, prompt_ids=r.prompt_ids,
+                                   output_ids=list(r.output_ids) + list(d[:i]), eos_token_id=r.eos_token_id))
+    return out
+
+
+def _synthetic_accept(seed: int, step: int, rate: float) -> bool:
+    h = hash((seed, step, 0x5EC0DE)) & 0xFFFFFF
+    return (h + 0.5) / 2**24 < rate
+
+
+def _match_target(sampler: Sampler, logits, rows, drafts, vocab_size, device, synthetic_rate) -> list:
+    md = SamplingMetadata.build(_position_rows(rows, drafts), vocab_size, device)
+    out = sampler(logits, md)
+    toks, lps = out.token_ids.tolist(), out.logprobs.tolist()
+    top = None
+    if out.top_ids is not None:
+        top = [list(zip(a, b)) for a, b in zip(out.top_ids.tolist(), out.top_logprobs.tolist())]
+    res, base = [], 0
+    for r, d in zip(rows, drafts):
+        m = 0
+        while m < len(d) and (_synthetic_accept(r.seed, len(r.output_ids) + m, synthetic_rate)
+                              if synthetic_rate is not None else d[m] == toks[base + m]):
+            m += 1
+        emitted = list(d[:m]) + [toks[base + m]]
+        sl = slice(base, base + m + 1)
+        res.append(Verified(emitted, lps[sl], top[sl] if top is not None else None, m))
+        base += len(d) + 1
+    return res
+
+
+def _rejection(logits, rows, drafts, vocab_size, device, synthetic_rate, draft_probs) -> list:
+    md = _rs.build_spec_metadata(rows, drafts, vocab_size, device)
+    out = _rs.rejection_sample(logits, drafts, md, draft_probs=draft_probs,
+                               synthetic_acceptance_rate=synthetic_rate)
+    toks, nacc = out.output_tokens.tolist(), out.num_accepted.tolist()
+    lps = out.logprobs.tolist()
+    top_ids = out.top_ids.tolist() if out.top_ids is not None else None
+    top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+    res = []
+    for b in range(len(drafts)):
+        n = nacc[b] + 1
+        top = [list(zip(top_ids[b][i], top_lp[b][i])) for i in range(n)] if top_ids is not None else None
+        res.append(Verified(toks[b][:n], lps[b][:n], top, nacc[b]))
+    return res
+
+
+@torch.inference_mode()
+def verify(sampler: Sampler, logits, rows: list, drafts: list, vocab_size: int, device,
+           synthetic_rate: Optional[float] = None, draft_probs=None) -> list:
+    """logits: [sum(len(d) + 1), V], each request's rows contiguous (its draft positions,
+    then the bonus position). Returns one ``Verified`` per request."""
+    if _rs is not None:
+        return _rejection(logits, rows, drafts, vocab_size, device, synthetic_rate, draft_probs)
+    return _match_target(sampler, logits, rows, drafts, vocab_size, device, synthetic_rate)
