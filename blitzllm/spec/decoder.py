@@ -81,7 +81,7 @@ class SpecDecoder:
             for d, p in zip(drafts, self._sampled_probs):
                 if not d:
                     continue
-                if p is None:
+                if p is None or p.shape[0] != len(d):   # point drafts: q is one-hot
                     p = torch.zeros(len(d), vocab_size, device=device)
                     p[torch.arange(len(d)), torch.tensor(d)] = 1.0
                 parts.append(p.to(device, torch.float32))

@@ -11,10 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import torch
+
 from ..config import CacheConfig, ModelConfig
 from ..engine.kv_cache import KVCacheManager
-from ..layers.sampler import SamplingRow
-from ..sampling_params import SamplingParams
+from ..layers.sampler import SamplingMetadata, SamplingRow, exponential_noise
 from .config import SpeculativeConfig
 
 
@@ -60,7 +61,7 @@ class NgramProposer(Proposer):
                          for r, lim in zip(reqs, limits)])
 
 
-_GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
+_DRAFT_SALT = 0x5DEECE66D  # the draft's noise must be independent of the target's draws
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -108,11 +109,29 @@ class DraftModelProposer(Proposer):
         return {"spec_draft_kv_blocks_total": self.kv.num_blocks,
                 "spec_draft_kv_blocks_free": self.kv.num_free_blocks}
 
-    def _row(self) -> SamplingRow:
-        return SamplingRow(params=_GREEDY, seed=0, prompt_ids=[], output_ids=[], eos_token_id=None)
+    @torch.inference_mode()
+    def _draw(self, reqs, drafts, batch, tables) -> tuple:
+        """One draft forward; each request's next draft token under its own sampling
+        settings (history: its output + drafts so far). Greedy requests take the argmax
+        (q = None); random ones sample q with noise salted apart from the target's draws
+        and return q, the processed distribution the rejection sampler needs."""
+        logits = self.runner.score(batch, tables, list(range(len(batch))), [1] * len(batch))
+        rows = [SamplingRow(params=r.params, seed=(r.seed ^ _DRAFT_SALT) & (2**63 - 1), prompt_ids=r.prompt_token_ids,
+                            output_ids=list(r.output_token_ids) + d,
+                            eos_token_id=r.eos_token_ids[0] if r.eos_token_ids else None)
+                for r, d in zip(reqs, drafts)]
+        md = SamplingMetadata.build(rows, self.cfg.vocab_size, self.runner.device)
+        x = self.runner.sampler.processed_logits(logits, md)
+        if md.all_greedy:
+            return x.argmax(dim=-1).tolist(), [None] * len(rows)
+        q = x.softmax(dim=-1)
+        noise = exponential_noise(md.seeds, md.steps, x.shape[-1])
+        tokens = torch.where(md.temperature == 0, x.argmax(dim=-1), (q / noise).argmax(dim=-1)).tolist()
+        return tokens, [None if r.params.temperature == 0 else q[j] for j, r in enumerate(rows)]
 
     def propose(self, reqs, limits) -> Proposal:
         drafts = [[] for _ in reqs]
+        probs = [[] for _ in reqs]
         active = []   # (index, request id, tokens, limit)
         for i, (r, lim) in enumerate(zip(reqs, limits)):
             if lim <= 0:
@@ -142,9 +161,10 @@ class DraftModelProposer(Proposer):
         # step 1: catch up (one chunk per request) and draft the first token
         batch = [(toks[keep:], keep, len(toks)) for _, _, toks, _, keep in active]
         tables = [self.kv.block_table(rid) for _, rid, _, _, _ in active]
-        res = self.runner.execute(batch, tables, list(range(len(active))), [self._row() for _ in active])
-        for (i, rid, toks, _, _), t in zip(active, res.token_ids):
+        toks_out, qs = self._draw([reqs[a[0]] for a in active], [[] for _ in active], batch, tables)
+        for (i, rid, toks, _, _), t, q in zip(active, toks_out, qs):
             drafts[i].append(t)
+            probs[i].append(q)
             self.tokens[rid] = list(toks)
         # steps 2..k: one token per still-drafting request
         step = 1
@@ -154,15 +174,17 @@ class DraftModelProposer(Proposer):
                 break
             batch = [([drafts[i][-1]], len(toks) + step - 1, len(toks) + step) for i, _, toks, _, _ in live]
             tables = [self.kv.block_table(rid) for _, rid, _, _, _ in live]
-            res = self.runner.execute(batch, tables, list(range(len(live))), [self._row() for _ in live])
-            for (i, rid, _, _, _), t in zip(live, res.token_ids):
+            toks_out, qs = self._draw([reqs[a[0]] for a in live], [list(drafts[a[0]]) for a in live], batch, tables)
+            for (i, rid, _, _, _), t, q in zip(live, toks_out, qs):
                 self.tokens[rid].append(drafts[i][-1])
                 drafts[i].append(t)
+                probs[i].append(q)
             step += 1
         # blocks reserved beyond what the cache now holds go back to the pool
         for i, rid, _, _, _ in active:
             self.kv.trim(rid, len(self.tokens[rid]))
-        return Proposal(drafts)
+        stacked = [torch.stack(p) if p and p[0] is not None else None for p in probs]
+        return Proposal(drafts, stacked if any(p is not None for p in stacked) else None)
 
 
 def build_proposer(spec: SpeculativeConfig, **target) -> Proposer:

@@ -245,3 +245,18 @@ def test_bench_latency_prints_spec_counters(tiny_llama, capsys):
     assert lines["spec_synthetic"].strip() == "True" and lines["spec_synthetic_acceptance_rate"].strip() == "0.9"
     assert float(lines["spec_mean_acceptance_length"]) >= 1.0
     assert len(lines["spec_acceptance_per_position"].split()) == 3
+
+
+def test_sampled_self_draft_is_accepted(tiny_llama):
+    """A draft model samples random requests from its own processed distribution q and
+    hands q to the rejection sampler; with the target as its own draft q == p, so (up to
+    rounding) every draft is accepted at any temperature / top-p."""
+    target = str(tiny_llama[0])
+    spec = {"method": "draft_model", "num_speculative_tokens": 3, "model": target}
+    llm = LLM(target, device="cpu", kv_cache_blocks=256, speculative_config=spec)
+    params = [SamplingParams(temperature=t, top_p=tp, max_tokens=24, seed=5 + i, ignore_eos=True)
+              for i, (t, tp) in enumerate([(1.0, 1.0), (0.7, 0.8), (1.3, 0.95), (0.0, 1.0)])]
+    outs = llm.generate(_prompts(4), params)
+    assert all(len(o.token_ids) == 24 for o in outs)
+    s = _check_stats(llm, spec)
+    assert s["spec_accepted_tokens"] >= 0.95 * s["spec_draft_tokens"] > 0
