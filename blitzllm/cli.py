@@ -109,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = b.add_subparsers(dest="bench_cmd", parser_class=_Parser)
     from .bench import register_bench_commands
     register_bench_commands(bsub, add_engine_args)
+    from .spec.train_draft import add_train_draft_args
+    add_train_draft_args(sub.add_parser("train-draft", help="train an EAGLE-3 draft head from the engine's hidden states"))
     return p
 
 
@@ -133,6 +135,8 @@ def main(argv=None) -> int:
             if getattr(a, "bench_func", None) is None:
                 p.error("bench needs a subcommand: " + ", ".join(sorted(b for b in ("latency", "serve", "throughput"))))
             return a.bench_func(a)
+        if a.cmd == "train-draft":
+            return a.func(a)
     except ValueError as e:
         print(f"blitz: error: {e}", file=sys.stderr)
         return 2

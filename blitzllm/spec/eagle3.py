@@ -1,0 +1,234 @@
+"""EAGLE-3 draft head: one decoder layer fed with the token embedding and a projection of
+the target's hidden states from three layers (low / middle / high), with its own final
+norm and lm_head (the target's, frozen); saved as a folder (config.json + model.safetensors).
+
+Also owns the capture of those target hidden states: forward hooks on the target's decoder
+layers record them during the engine's own forward passes (no engine edits).
+
+The head is plain torch (autograd for ``blitz train-draft``, CPU or GPU). Its attention
+runs over the draft's own sequence: position t attends to the "verified" entries <= t
+(built from target features) plus its own draft steps at t (the EAGLE-3 training-time-test
+mask), so training sees exactly what drafting sees. Knows nothing about the scheduler.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..layers.rotary import apply_rotary_torch, build_cos_sin_cache
+
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+
+
+def default_layer_ids(num_layers: int) -> list:
+    """Outputs of layers 1, L/2 - 1 and L - 4 (the hidden states entering layers 2, L/2
+    and L - 3), clamped for very shallow models."""
+    L = num_layers
+    return [min(1, L - 1), max(L // 2 - 1, 0), max(L - 4, 0)]
+
+
+@dataclass
+class Eagle3Config:
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    target_hidden_size: int
+    layer_ids: list = field(default_factory=list)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    architecture: str = "Eagle3DraftHead"
+
+    @classmethod
+    def from_target(cls, cfg, layer_ids: Optional[list] = None) -> "Eagle3Config":
+        """The draft layer mirrors a target layer's widths (``cfg``: blitzllm ModelConfig)."""
+        return cls(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                   num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                   vocab_size=cfg.vocab_size, target_hidden_size=cfg.hidden_size,
+                   layer_ids=list(layer_ids or default_layer_ids(cfg.num_layers)),
+                   rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+                   max_position_embeddings=cfg.max_position_embeddings)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Eagle3Config":
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+class Eagle3Head(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.config = cfg
+        H, D = cfg.hidden_size, cfg.head_dim
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, H)
+        self.embed_tokens.weight.requires_grad_(False)   # the target's, frozen
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, H, bias=False)
+        self.input_norm = nn.RMSNorm(H, eps=cfg.rms_norm_eps)
+        self.hidden_norm = nn.RMSNorm(H, eps=cfg.rms_norm_eps)
+        self.q_proj = nn.Linear(2 * H, cfg.num_heads * D, bias=False)
+        self.k_proj = nn.Linear(2 * H, cfg.num_kv_heads * D, bias=False)
+        self.v_proj = nn.Linear(2 * H, cfg.num_kv_heads * D, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * D, H, bias=False)
+        self.post_attention_norm = nn.RMSNorm(H, eps=cfg.rms_norm_eps)
+        self.gate_proj = nn.Linear(H, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(H, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, H, bias=False)
+        self.norm = nn.RMSNorm(H, eps=cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(H, cfg.vocab_size, bias=False)
+        self.lm_head.weight.requires_grad_(False)   # the target's, frozen
+        self.register_buffer("cos_sin", build_cos_sin_cache(D, cfg.max_position_embeddings, cfg.rope_theta),
+                             persistent=False)
+
+    # ---- building blocks -------------------------------------------------------------
+    def project(self, feats: torch.Tensor) -> torch.Tensor:
+        """Target features [T, 3 * target_hidden] -> the layer's hidden input [T, H]."""
+        return self.fc(feats.to(self.fc.weight.dtype))
+
+    def qkv(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
+        """hidden [T, H] (projected target features or a previous draft step's output),
+        tokens [T] (the token following each hidden's position) -> rotated q, k and v."""
+        c = self.config
+        x = torch.cat([self.input_norm(self.embed_tokens(tokens)), self.hidden_norm(hidden)], -1)
+        T = x.shape[0]
+        q = apply_rotary_torch(self.q_proj(x).view(T, c.num_heads, c.head_dim), positions, self.cos_sin)
+        k = apply_rotary_torch(self.k_proj(x).view(T, c.num_kv_heads, c.head_dim), positions, self.cos_sin)
+        return q, k, self.v_proj(x).view(T, c.num_kv_heads, c.head_dim)
+
+    def attend(self, q, k, v, mask) -> torch.Tensor:
+        """q [Tq, Hq, D], k/v [Tk, Hkv, D], mask [Tq, Tk] (True = visible) -> [Tq, Hq * D]."""
+        g = self.config.num_heads // self.config.num_kv_heads
+        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                           attn_mask=mask)
+        return o.transpose(0, 1).reshape(q.shape[0], -1)
+
+    def finish_layer(self, attn_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """o_proj + residual, then the MLP block; returns the layer output (pre final norm)."""
+        h = residual + self.o_proj(attn_out)
+        m = self.post_attention_norm(h)
+        return h + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(out)).float()
+
+    # ---- training: one sequence, ``steps`` draft steps (training-time test) ------------
+    def forward_steps(self, feats: torch.Tensor, tokens: torch.Tensor, steps: int) -> list:
+        """feats [T, 3Ht]: target features of positions 0..T-1; tokens [T + steps]: token
+        ids of positions 1..T+steps (token t+1+j is step j's input at position t).
+        Returns per step j the layer output [T, H] (``logits`` of row t predict the token
+        at position t + 2 + j). Step j's query at row t attends to step-0 keys <= t and to
+        steps 1..j at row t."""
+        T = feats.shape[0]
+        pos = torch.arange(T, device=feats.device)
+        causal = pos[None, :] <= pos[:, None]
+        eye = torch.eye(T, dtype=torch.bool, device=feats.device)
+        hidden = self.project(feats)
+        ks, vs, out = [], [], []
+        for j in range(steps):
+            q, k, v = self.qkv(hidden, tokens[j:j + T], pos + j)
+            ks.append(k)
+            vs.append(v)
+            mask = torch.cat([causal] + [eye] * j, 1)
+            hidden = self.finish_layer(self.attend(q, torch.cat(ks), torch.cat(vs), mask), hidden)
+            out.append(hidden)
+        return out
+
+    # ---- save / load -----------------------------------------------------------------
+    def save(self, path: str) -> None:
+        from safetensors.torch import save_file
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, CONFIG), "w") as f:
+            json.dump(asdict(self.config), f, indent=2)
+        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()},
+                  os.path.join(path, WEIGHTS))
+
+    @classmethod
+    def load(cls, path: str, device="cpu", dtype=torch.float32) -> "Eagle3Head":
+        from safetensors.torch import load_file
+        cfg_path, w_path = os.path.join(path, CONFIG), os.path.join(path, WEIGHTS)
+        if not (os.path.isfile(cfg_path) and os.path.isfile(w_path)):
+            raise ValueError(f"speculative_config.model {path!r} is not an EAGLE-3 head folder "
+                             f"({CONFIG} + {WEIGHTS}, as written by `blitz train-draft`)")
+        with open(cfg_path) as f:
+            cfg = Eagle3Config.from_dict(json.load(f))
+        head = cls(cfg)
+        head.load_state_dict(load_file(w_path))
+        return head.to(device, dtype).eval()
+
+    @classmethod
+    def from_target(cls, model, cfg, layer_ids: Optional[list] = None) -> "Eagle3Head":
+        """A fresh head for ``model`` (a blitzllm causal LM): embedding and lm_head copied
+        (frozen), final norm from the target's (trained); fc starts as the identity
+        on the high layer's features (a logit-lens start); the layer starts small."""
+        head = cls(Eagle3Config.from_target(cfg, layer_ids))
+        H = cfg.hidden_size
+        with torch.no_grad():
+            head.embed_tokens.weight.copy_(model.model.embed_tokens.weight.float())
+            head.lm_head.weight.copy_(model.lm_head.weight.float())
+            head.norm.weight.copy_(model.model.norm.weight.float())
+            head.fc.weight.mul_(0.1)
+            head.fc.weight[:, 2 * H:] += torch.eye(H)
+            head.o_proj.weight.mul_(0.1)
+            head.down_proj.weight.mul_(0.1)
+        return head
+
+
+class HiddenCapture:
+    """Forward hooks on the target's decoder layers ``layer_ids``: every forward of the
+    model appends its features [T, 3 * hidden] (the outputs x + residual of the three
+    layers, row order = the step's flat token order) and positions [T] to ``records``.
+    Use as a context manager; hooks are removed on exit. CUDA-graph replays bypass hooks:
+    capture from eager forwards (prefill, or enforce_eager)."""
+
+    def __init__(self, model, layer_ids: list):
+        self.model = model
+        self.layer_ids = list(layer_ids)
+        self.records: list = []
+        self._cur: dict = {}
+        self._positions = None
+        self._handles = []
+
+    def __enter__(self) -> "HiddenCapture":
+        layers = self.model.model.layers
+        for i in sorted(set(self.layer_ids)):
+            self._handles.append(layers[i].register_forward_hook(self._layer_hook(i)))
+        self._handles.append(self.model.model.register_forward_pre_hook(self._pre_hook))
+        self._handles.append(self.model.model.register_forward_hook(self._post_hook))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _layer_hook(self, i):
+        def hook(mod, inp, out):
+            x, residual = out
+            self._cur[i] = (x + residual if residual is not None else x).detach().float()
+        return hook
+
+    def _pre_hook(self, mod, args):
+        self._cur = {}
+        self._positions = args[1].detach() if len(args) > 1 else None
+
+    def _post_hook(self, mod, args, out):
+        feats = torch.cat([self._cur[i] for i in self.layer_ids], -1)
+        self.records.append((feats, self._positions))
+        self._cur = {}
+
+    def take(self) -> tuple:
+        """All records since the last take, concatenated: (features [T, 3H], positions [T])."""
+        recs, self.records = self.records, []
+        if not recs:
+            return None, None
+        return torch.cat([f for f, _ in recs]), torch.cat([p for _, p in recs])

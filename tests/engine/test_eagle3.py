@@ -1,0 +1,146 @@
+"""EAGLE-3 head (blitzllm/spec/eagle3.py) and `blitz train-draft` (spec/train_draft.py):
+shapes, save/load, hidden-state capture from the engine's own forward equals the
+transformers oracle's hidden states, and online training learns a repetitive corpus."""
+import json
+
+import pytest
+import torch
+
+from blitzllm import LLM
+from blitzllm.cli import main
+from blitzllm.spec.eagle3 import Eagle3Config, Eagle3Head, HiddenCapture, default_layer_ids
+from blitzllm.spec.train_draft import (Sample, capture_features, load_prompts, make_optimizer, parse_range,
+                                       sample_loss, train_on)
+
+from tests.conftest import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny4(tmp_path_factory):
+    """4 layers, so three distinct un-normed layer outputs exist (HF's last hidden state is
+    after the final norm)."""
+    path = tmp_path_factory.mktemp("tiny-llama-4l")
+    model = make_tiny_checkpoint("llama", path, seed=3, num_hidden_layers=4)
+    llm = LLM(str(path), device="cpu", kv_cache_blocks=128, enable_prefix_caching=False, max_num_seqs=4,
+              max_num_batched_tokens=16)
+    return llm, model
+
+
+def _head(llm, layer_ids=(0, 1, 2)) -> Eagle3Head:
+    torch.manual_seed(0)
+    return Eagle3Head.from_target(llm.engine.runner.model, llm.engine.model_config, list(layer_ids))
+
+
+def test_default_layer_ids():
+    assert default_layer_ids(30) == [1, 14, 26]
+    assert default_layer_ids(2) == [1, 0, 0]
+
+
+def test_head_shapes_and_step_mask(tiny4):
+    llm, _ = tiny4
+    head = _head(llm)
+    c = head.config
+    T, steps = 9, 3
+    feats = torch.randn(T, 3 * c.target_hidden_size)
+    tokens = torch.randint(0, c.vocab_size, (T + steps,))
+    with torch.no_grad():
+        outs = head.forward_steps(feats, tokens, steps)
+        assert len(outs) == steps and all(o.shape == (T, c.hidden_size) for o in outs)
+        assert head.logits(outs[0]).shape == (T, c.vocab_size)
+        # causal: rows < 5 do not depend on features / tokens of later rows, at any step
+        feats2, tokens2 = feats.clone(), tokens.clone()
+        feats2[5:] += 1.0
+        tokens2[5 + steps:] = (tokens2[5 + steps:] + 1) % c.vocab_size
+        outs2 = head.forward_steps(feats2, tokens2, steps)
+    for o, o2 in zip(outs, outs2):
+        torch.testing.assert_close(o[:5], o2[:5])
+        assert not torch.allclose(o[5:], o2[5:])
+
+
+def test_save_load_round_trip(tiny4, tmp_path):
+    llm, _ = tiny4
+    head = _head(llm)
+    with torch.no_grad():
+        head.fc.weight.add_(0.01)   # not just the init
+    head.save(str(tmp_path / "h"))
+    cfg = json.loads((tmp_path / "h" / "config.json").read_text())
+    assert cfg["layer_ids"] == [0, 1, 2] and cfg["architecture"] == "Eagle3DraftHead"
+    back = Eagle3Head.load(str(tmp_path / "h"))
+    assert back.config == head.config
+    feats = torch.randn(6, 3 * head.config.target_hidden_size)
+    tokens = torch.randint(0, head.config.vocab_size, (8,))
+    with torch.no_grad():
+        a, b = head.forward_steps(feats, tokens, 2), back.forward_steps(feats, tokens, 2)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(head.logits(x), back.logits(y))
+    with pytest.raises(ValueError, match="EAGLE-3 head folder"):
+        Eagle3Head.load(str(tmp_path))
+
+
+def test_capture_equals_hf_hidden_states(tiny4):
+    """Features recorded by hooks during the engine's own prefill (split into chunks by a
+    small token budget) equal transformers' per-layer hidden states."""
+    llm, hf = tiny4
+    ids = torch.randint(1, 320, (37,), generator=torch.Generator().manual_seed(1)).tolist()
+    with HiddenCapture(llm.engine.runner.model, [2, 0, 1]) as cap:
+        s = capture_features(llm, cap, ids, prompt_len=5)
+    assert s.feats.shape == (36, 3 * 64)
+    with torch.no_grad():
+        hs = hf(torch.tensor([ids[:-1]]), output_hidden_states=True).hidden_states
+    ref = torch.cat([hs[3][0], hs[1][0], hs[2][0]], -1)   # hidden_states[i + 1] = output of layer i
+    torch.testing.assert_close(s.feats, ref, atol=2e-4, rtol=1e-4)
+    # hooks are gone after the block
+    assert not any(m._forward_hooks for m in llm.engine.runner.model.model.layers)
+
+
+def test_training_learns_repetitive_corpus(tiny4):
+    llm, _ = tiny4
+    head = _head(llm)
+    opt = make_optimizer(head, 3e-3)
+    g = torch.Generator().manual_seed(2)
+    samples = []
+    with HiddenCapture(llm.engine.runner.model, head.config.layer_ids) as cap:
+        for _ in range(3):
+            pattern = torch.randint(1, 320, (7,), generator=g).tolist()
+            samples.append(capture_features(llm, cap, pattern * 6, prompt_len=1))
+
+    def evaluate():
+        with torch.no_grad():
+            res = [sample_loss(head, s, 2) for s in samples]
+        loss = sum(float(r[0]) for r in res) / len(res)
+        acc = sum(r[1][0][0] for r in res) / sum(r[1][0][1] for r in res)
+        return loss, acc
+
+    loss0, acc0 = evaluate()
+    for _ in range(15):
+        for s in samples:
+            train_on(head, opt, s, 2)
+    loss1, acc1 = evaluate()
+    assert loss1 < 0.3 * loss0
+    assert acc1 > 0.9 > acc0 + 0.3
+
+
+def test_prompt_file_and_range(tmp_path):
+    f = tmp_path / "q.jsonl"
+    f.write_text("\n".join(json.dumps({"question_id": i, "turns": [f"q{i}", "second"]}) for i in range(80, 90)))
+    assert load_prompts(str(f), parse_range("81-83")) == [(81, "q81"), (82, "q82"), (83, "q83")]
+    with pytest.raises(ValueError, match="prompt-range"):
+        parse_range("81")
+    with pytest.raises(ValueError, match="no prompts"):
+        load_prompts(str(f), (200, 300))
+
+
+def test_cli_train_draft_user_errors(tmp_path, capsys):
+    assert main(["train-draft", "--model", "x", "--prompts", str(tmp_path / "missing.jsonl"),
+                 "--out", str(tmp_path / "o")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+    assert main(["train-draft", "--model", "x", "--prompts", "p", "--out", "o", "--epochs", "0"]) == 2
+    assert "--epochs must be >= 1" in capsys.readouterr().err
+
+
+def test_sample_without_answer_targets_is_skipped():
+    cfg = Eagle3Config(hidden_size=16, intermediate_size=32, num_heads=2, num_kv_heads=1, head_dim=8,
+                       vocab_size=50, target_hidden_size=16, layer_ids=[0, 0, 0])
+    head = Eagle3Head(cfg)
+    loss, stats = sample_loss(head, Sample(torch.randn(3, 48), torch.tensor([1, 2, 3, 4]), prompt_len=4), 2)
+    assert loss is None and stats == [(0, 0), (0, 0)]
