@@ -232,3 +232,108 @@ class HiddenCapture:
         if not recs:
             return None, None
         return torch.cat([f for f, _ in recs]), torch.cat([p for _, p in recs])
+
+
+class Eagle3Proposer:
+    """Drafts k tokens per request with an EAGLE-3 head from the target's hidden states of
+    the engine's own forwards (``HiddenCapture`` hooks; the runner's ``prepare`` is wrapped
+    to learn each forward's row segments, and the KV manager's block tables tell whose
+    segment it was). Per request it keeps the features and token of every verified
+    position and the head's step-0 K/V of those positions; each call trims both to what
+    still agrees with the request (rejected drafts fall away), extends the K/V with the
+    new positions, then runs k draft steps greedily (point drafts, exact under rejection
+    sampling). A request whose features are incomplete (a prefix-cache hit skipped its
+    prefill, or CUDA-graph decodes bypassed the hooks) drafts nothing."""
+
+    def __init__(self, head: Eagle3Head, runner, kv):
+        from .proposers import Proposal
+        self._proposal = Proposal
+        self.head, self.runner, self.kv = head, runner, kv
+        self.cap = HiddenCapture(runner.model, head.config.layer_ids).__enter__()
+        self._segments = []   # per eager forward: [(toks, start, end, block at start)]
+        prepare = runner.prepare
+
+        def recording_prepare(seqs, block_tables):
+            bs = kv.block_size
+            self._segments.append([(list(t), s, e, tab[s // bs] if s // bs < len(tab) else None)
+                                   for (t, s, e), tab in zip(seqs, block_tables)])
+            return prepare(seqs, block_tables)
+        runner.prepare = recording_prepare
+        self.toks: dict = {}    # rid -> input token of each position whose features we hold
+        self.feats: dict = {}   # rid -> [m, 3H] features of those positions
+        self.cache: dict = {}   # rid -> (tokens used, k [c, Hkv, D], v [c, Hkv, D]) of step-0 entries
+
+    def finish(self, rid: str) -> None:
+        for d in (self.toks, self.feats, self.cache):
+            d.pop(rid, None)
+
+    def stats(self) -> dict:
+        return {}
+
+    def _ingest(self) -> None:
+        """File the features of the forwards since the last call under their requests."""
+        recs, segs = self.cap.records, self._segments
+        self.cap.records, self._segments = [], []
+        owner = {}
+        bs = self.kv.block_size
+        for rid, tab in self.kv.tables.items():
+            for b in tab:
+                owner.setdefault(b, []).append(rid)
+        for (feats, _), seg in zip(recs, segs):
+            row = 0
+            for toks, start, end, blk in seg:
+                n = end - start
+                for rid in owner.get(blk, ()):
+                    if len(self.kv.tables[rid]) > start // bs and self.kv.tables[rid][start // bs] == blk:
+                        self._append(rid, start, toks, feats[row:row + n])
+                row += n
+
+    def _append(self, rid, start, toks, feats) -> None:
+        have = self.toks.get(rid, [])
+        if start > len(have):
+            return   # a gap: wait for a full re-prefill
+        self.toks[rid] = have[:start] + list(toks)
+        old = self.feats.get(rid)
+        self.feats[rid] = feats if old is None or start == 0 else torch.cat([old[:start], feats])
+
+    @torch.inference_mode()
+    def propose(self, reqs, limits):
+        self._ingest()
+        head, dev = self.head, self.head.fc.weight.device
+        drafts = []
+        for r, lim in zip(reqs, limits):
+            rid, all_ids = r.request_id, r.all_token_ids
+            n = len(all_ids) - 1          # features needed for positions 0..n-1
+            have = self.toks.get(rid, [])
+            c = 0
+            while c < min(len(have), n) and have[c] == all_ids[c]:
+                c += 1
+            if lim <= 0 or c < n:
+                drafts.append([])
+                continue
+            feats = self.feats[rid][:n].to(dev)
+            ctoks, k0, v0 = self.cache.get(rid, ([], None, None))
+            m = 0
+            while m < min(len(ctoks), n) and ctoks[m] == all_ids[m + 1]:
+                m += 1
+            # step-0 entries of positions m..n-1 (position t: features t, token t + 1)
+            pos = torch.arange(m, n, device=dev)
+            tok = torch.tensor(all_ids[m + 1:n + 1], device=dev)
+            hidden = head.project(feats[m:n])
+            q, k, v = head.qkv(hidden, tok, pos)
+            k0 = k if m == 0 else torch.cat([k0[:m], k])
+            v0 = v if m == 0 else torch.cat([v0[:m], v])
+            self.cache[rid] = (list(all_ids[1:n + 1]), k0, v0)
+            # step 0: the last position's query over all step-0 entries
+            out = head.finish_layer(head.attend(q[-1:], k0, v0, None), hidden[-1:])
+            d = [int(head.logits(out).argmax(-1))]
+            ks, vs = [k0], [v0]
+            for j in range(1, lim):
+                qj, kj, vj = head.qkv(out, torch.tensor(d[-1:], device=dev),
+                                      torch.tensor([n - 1 + j], device=dev))
+                ks.append(kj)
+                vs.append(vj)
+                out = head.finish_layer(head.attend(qj, torch.cat(ks), torch.cat(vs), None), out)
+                d.append(int(head.logits(out).argmax(-1)))
+            drafts.append(d)
+        return self._proposal(drafts)
