@@ -255,8 +255,10 @@ class Eagle3Proposer:
 
         def recording_prepare(seqs, block_tables):
             bs = kv.block_size
-            self._segments.append([(list(t), s, e, tab[s // bs] if s // bs < len(tab) else None)
-                                   for (t, s, e), tab in zip(seqs, block_tables)])
+            # the record this forward's hooks will append is number len(records)
+            self._segments.append((len(self.cap.records),
+                                   [(list(t), s, e, tab[s // bs] if s // bs < len(tab) else None)
+                                    for (t, s, e), tab in zip(seqs, block_tables)]))
             return prepare(seqs, block_tables)
         runner.prepare = recording_prepare
         self.toks: dict = {}    # rid -> input token of each position whose features we hold
@@ -279,8 +281,10 @@ class Eagle3Proposer:
         for rid, tab in self.kv.tables.items():
             for b in tab:
                 owner.setdefault(b, []).append(rid)
-        for (feats, _), seg in zip(recs, segs):
-            row = 0
+        for idx, seg in segs:
+            if idx >= len(recs) or recs[idx][0].shape[0] != sum(e - s for _, s, e, _ in seg):
+                continue   # no (or a different) forward after this prepare: nothing to file
+            feats, row = recs[idx][0], 0
             for toks, start, end, blk in seg:
                 n = end - start
                 for rid in owner.get(blk, ()):
