@@ -27,9 +27,9 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.register_buffer("qweight", None)  # packed int4, set by quantize_int4
+        self.register_buffer("qweight", None)  # packed int4 (quantize_int4) or int8 (quantize_int8)
         self.register_buffer("qscales_zeros", None)
-        self.group_size = 0
+        self.group_size = 0  # > 0: int4 groups of this size; -1: int8 per output channel
 
     def forward(self, x: torch.Tensor, silu_mul_input: bool = False) -> torch.Tensor:
         """x [..., in] -> [..., out]. With ``silu_mul_input`` x is [..., 2*in] (gate, up) and
@@ -82,9 +82,26 @@ class Linear(nn.Module):
         if self.bias is not None:
             self.bias.data = self.bias.data.float()
 
+    def quantize_int8(self) -> None:
+        """Symmetric int8 per output channel (scale = max |w| / 127), through torch's int8 CPU
+        kernel: the lm_head of weight_dtype='int4', half the bytes of bf16 and, on this
+        kernel, about 1.4x faster per token than a bf16 GEMV."""
+        w = self.weight.detach().float()
+        scale = w.abs().amax(1) / 127
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        self.qweight = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+        self.qscales_zeros = scale.to(torch.bfloat16)
+        self.group_size = -1
+        self.weight = None
+        if self.bias is not None:
+            self.bias.data = self.bias.data.float()
+
     def _int4_forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group_size, self.qscales_zeros)
+        if self.group_size < 0:
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.qscales_zeros)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group_size, self.qscales_zeros)
         y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
@@ -94,8 +111,8 @@ INT4_GROUP = 32
 
 def quantize_linear_weights_int4(model: nn.Module, group_size: int = INT4_GROUP) -> int:
     """weight_dtype='int4' (CPU): every decoder Linear whose input size is a multiple of
-    ``group_size`` becomes weight-only int4; the lm_head keeps bf16 weights (GGUF files
-    store it in 8 bits, which int4 would not reproduce). Returns the layers quantized."""
+    ``group_size`` becomes weight-only int4; the lm_head gets int8 per output channel (GGUF
+    files store it in 8 bits, which int4 would coarsen). Returns the layers quantized."""
     if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         raise ValueError("weight_dtype='int4' needs torch >= 2.5 (its int4 CPU kernel)")
     cast_linear_weights(model, torch.bfloat16)
@@ -105,6 +122,9 @@ def quantize_linear_weights_int4(model: nn.Module, group_size: int = INT4_GROUP)
         if isinstance(mod, Linear) and mod is not lm_head and mod.in_features % group_size == 0:
             mod.quantize_int4(group_size)
             done += 1
+    if isinstance(lm_head, Linear) and hasattr(torch.ops.aten, "_weight_int8pack_mm"):
+        lm_head.quantize_int8()
+        done += 1
     return done
 
 
