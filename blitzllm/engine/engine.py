@@ -128,9 +128,12 @@ class Engine:
         self.cache_config = CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching)
         self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.sched_config, self.kv)
+        # EAGLE-3 reads the target's hidden states through forward hooks, which CUDA-graph
+        # replays bypass: its target runs eager
+        eager = args.enforce_eager or (spec_cfg is not None and spec_cfg.method == "eagle3")
         self.runner = ModelRunner(model, cfg, self.cache_config, self.device, self.dtype,
                                   max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
-                                  enforce_eager=args.enforce_eager, attention_backend=args.attention_backend)
+                                  enforce_eager=eager, attention_backend=args.attention_backend)
         self.scheduler.lookahead = self.runner.graphs is not None
         self.spec = None
         if spec_cfg is not None:
@@ -139,7 +142,8 @@ class Engine:
             proposer = build_proposer(spec_cfg, target_cfg=cfg, device=self.device, dtype=self.dtype,
                                       num_blocks=num_blocks, block_size=args.block_size,
                                       max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
-                                      seed=args.seed, attention_backend=args.attention_backend)
+                                      seed=args.seed, attention_backend=args.attention_backend,
+                                      runner=self.runner, kv=self.kv)
             self.spec = SpecDecoder(spec_cfg, proposer, self.kv, budget)
         self.requests: dict[str, list[Request]] = {}   # parent id -> its n sequences
         self._arrival = itertools.count()

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 METHODS = ("ngram", "draft_model", "eagle3", "mtp")
-NOT_YET = ("eagle3", "mtp")
+NOT_YET = ("mtp",)
 KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
         "synthetic_acceptance_rate")
 MAX_K = 16
@@ -61,7 +61,7 @@ def parse_speculative_config(spec: Union[None, str, dict, SpeculativeConfig]) ->
         raise ValueError(f"speculative_config.method must be one of {', '.join(METHODS)}; got {method!r}")
     if method in NOT_YET:
         raise ValueError(f"speculative_config.method {method!r} is not available yet; "
-                         "use 'ngram' or 'draft_model'")
+                         "use 'ngram', 'draft_model' or 'eagle3'")
     if "num_speculative_tokens" not in spec:
         raise ValueError("speculative_config.num_speculative_tokens is required (an integer in "
                          f"[1, {MAX_K}])")
@@ -71,12 +71,14 @@ def parse_speculative_config(spec: Union[None, str, dict, SpeculativeConfig]) ->
     if lmin > lmax:
         raise ValueError(f"speculative_config.prompt_lookup_min ({lmin}) must be <= prompt_lookup_max ({lmax})")
     model = spec.get("model")
-    if method == "draft_model":
+    if method in ("draft_model", "eagle3"):
         if not isinstance(model, str) or not model:
-            raise ValueError("speculative_config.model (the draft model's path or name) is required "
-                             "for method 'draft_model'")
+            what = "the draft model's path or name" if method == "draft_model" else \
+                "the EAGLE-3 head folder written by `blitz train-draft`"
+            raise ValueError(f"speculative_config.model ({what}) is required for method {method!r}")
     elif model is not None:
-        raise ValueError(f"speculative_config.model is only used by method 'draft_model', not {method!r}")
+        raise ValueError(f"speculative_config.model is only used by methods 'draft_model' and 'eagle3', "
+                         f"not {method!r}")
     rate = spec.get("synthetic_acceptance_rate")
     if rate is not None:
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0:

@@ -144,25 +144,51 @@ class Eagle3Head(nn.Module):
         return out
 
     # ---- save / load -----------------------------------------------------------------
+    FROZEN = ("embed_tokens.weight", "lm_head.weight")   # the target's: not saved
+
     def save(self, path: str) -> None:
+        """config.json + model.safetensors with the trained weights only: the frozen
+        embedding and lm_head are the target's and come from it at load time."""
         from safetensors.torch import save_file
         os.makedirs(path, exist_ok=True)
         with open(os.path.join(path, CONFIG), "w") as f:
             json.dump(asdict(self.config), f, indent=2)
-        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()},
+        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items() if k not in self.FROZEN},
                   os.path.join(path, WEIGHTS))
 
     @classmethod
-    def load(cls, path: str, device="cpu", dtype=torch.float32) -> "Eagle3Head":
+    def load(cls, path: str, device="cpu", dtype=torch.float32, target=None, target_cfg=None) -> "Eagle3Head":
+        """``target`` (a blitzllm causal LM) and ``target_cfg`` supply the frozen embedding
+        and lm_head when the folder does not hold them, and are checked against the head."""
         from safetensors.torch import load_file
         cfg_path, w_path = os.path.join(path, CONFIG), os.path.join(path, WEIGHTS)
         if not (os.path.isfile(cfg_path) and os.path.isfile(w_path)):
             raise ValueError(f"speculative_config.model {path!r} is not an EAGLE-3 head folder "
                              f"({CONFIG} + {WEIGHTS}, as written by `blitz train-draft`)")
         with open(cfg_path) as f:
-            cfg = Eagle3Config.from_dict(json.load(f))
+            raw = json.load(f)
+        if not isinstance(raw, dict) or raw.get("architecture") != "Eagle3DraftHead":
+            raise ValueError(f"speculative_config.model {path!r} is not an EAGLE-3 head folder (its "
+                             f"{CONFIG} is not an Eagle3DraftHead's, as written by `blitz train-draft`)")
+        cfg = Eagle3Config.from_dict(raw)
+        if target_cfg is not None:
+            if (cfg.vocab_size, cfg.target_hidden_size) != (target_cfg.vocab_size, target_cfg.hidden_size):
+                raise ValueError(f"EAGLE-3 head {path!r} was trained for vocab {cfg.vocab_size} / hidden "
+                                 f"{cfg.target_hidden_size}; the target has {target_cfg.vocab_size} / "
+                                 f"{target_cfg.hidden_size}")
+            if max(cfg.layer_ids) >= target_cfg.num_layers:
+                raise ValueError(f"EAGLE-3 head {path!r} reads target layers {cfg.layer_ids}; the target has "
+                                 f"{target_cfg.num_layers} layers")
+        state = load_file(w_path)
+        if any(k not in state for k in cls.FROZEN):
+            if target is None:
+                raise ValueError(f"EAGLE-3 head {path!r} shares the target's embedding and lm_head: "
+                                 "load it with its target")
+            embed, lm_head = _target_embed_lm_head(target, target_cfg)
+            state.setdefault("embed_tokens.weight", embed.detach().float().cpu())
+            state.setdefault("lm_head.weight", lm_head.detach().float().cpu())
         head = cls(cfg)
-        head.load_state_dict(load_file(w_path))
+        head.load_state_dict(state)
         return head.to(device, dtype).eval()
 
     @classmethod
@@ -172,15 +198,28 @@ class Eagle3Head(nn.Module):
         on the high layer's features (a logit-lens start); the layer starts small."""
         head = cls(Eagle3Config.from_target(cfg, layer_ids))
         H = cfg.hidden_size
+        embed, lm_head = _target_embed_lm_head(model, cfg)
         with torch.no_grad():
-            head.embed_tokens.weight.copy_(model.model.embed_tokens.weight.float())
-            head.lm_head.weight.copy_(model.lm_head.weight.float())
+            head.embed_tokens.weight.copy_(embed.float())
+            head.lm_head.weight.copy_(lm_head.float())
             head.norm.weight.copy_(model.model.norm.weight.float())
             head.fc.weight.mul_(0.1)
             head.fc.weight[:, 2 * H:] += torch.eye(H)
             head.o_proj.weight.mul_(0.1)
             head.down_proj.weight.mul_(0.1)
         return head
+
+
+def _target_embed_lm_head(model, cfg) -> tuple:
+    """The target's input embedding and lm_head weights ([V, H] each). A quantized lm_head
+    (weight_dtype='int4') has no float weight: a tied one is the embedding."""
+    embed = model.model.embed_tokens.weight
+    lm = getattr(model.lm_head, "weight", None)
+    if lm is None:
+        if cfg is None or not cfg.tie_word_embeddings:
+            raise ValueError("EAGLE-3 needs the target's lm_head weights; this target's are quantized")
+        lm = embed
+    return embed, lm
 
 
 class HiddenCapture:

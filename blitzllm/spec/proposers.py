@@ -187,9 +187,16 @@ class DraftModelProposer(Proposer):
         return Proposal(drafts, stacked if any(p is not None for p in stacked) else None)
 
 
-def build_proposer(spec: SpeculativeConfig, **target) -> Proposer:
+def build_proposer(spec: SpeculativeConfig, runner=None, kv=None, **target) -> Proposer:
+    """``runner`` / ``kv``: the target's ModelRunner and KV manager (EAGLE-3 reads the
+    target's hidden states from the runner's forwards)."""
     if spec.method == "ngram":
         return NgramProposer(spec)
     if spec.method == "draft_model":
         return DraftModelProposer(spec, **target)
+    if spec.method == "eagle3":
+        from .eagle3 import Eagle3Head, Eagle3Proposer
+        head = Eagle3Head.load(spec.model, target["device"], target=runner.model,
+                               target_cfg=target["target_cfg"])
+        return Eagle3Proposer(head, runner, kv)
     raise ValueError(f"speculative_config.method {spec.method!r} is not available yet")

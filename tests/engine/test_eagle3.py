@@ -65,7 +65,10 @@ def test_save_load_round_trip(tiny4, tmp_path):
     head.save(str(tmp_path / "h"))
     cfg = json.loads((tmp_path / "h" / "config.json").read_text())
     assert cfg["layer_ids"] == [0, 1, 2] and cfg["architecture"] == "Eagle3DraftHead"
-    back = Eagle3Head.load(str(tmp_path / "h"))
+    with pytest.raises(ValueError, match="load it with its target"):
+        Eagle3Head.load(str(tmp_path / "h"))   # the embedding and lm_head are the target's
+    eng = llm.engine
+    back = Eagle3Head.load(str(tmp_path / "h"), target=eng.runner.model, target_cfg=eng.model_config)
     assert back.config == head.config
     feats = torch.randn(6, 3 * head.config.target_hidden_size)
     tokens = torch.randint(0, head.config.vocab_size, (8,))
@@ -146,15 +149,6 @@ def test_sample_without_answer_targets_is_skipped():
     assert loss is None and stats == [(0, 0), (0, 0)]
 
 
-def _attach_eagle3(llm, head):
-    """The framework's factory does not build eagle3 yet: swap the proposer of an engine
-    made with another method for the EAGLE-3 one (the k of that config applies)."""
-    from blitzllm.spec.eagle3 import Eagle3Proposer
-    eng = llm.engine
-    eng.spec.proposer = Eagle3Proposer(head, eng.runner, eng.kv)
-    return eng.spec.proposer
-
-
 def test_eagle3_proposer_greedy_equals_plain(tiny4, tmp_path):
     from blitzllm import SamplingParams
     llm0, _ = tiny4
@@ -164,19 +158,21 @@ def test_eagle3_proposer_greedy_equals_plain(tiny4, tmp_path):
     caps = [1, 40, 3, 30, 40, 17]
     params = [SamplingParams(temperature=0, max_tokens=c, ignore_eos=True) for c in caps]
     ref = [o.outputs[0].token_ids for o in llm0.generate(prompts, params)]
-    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    # train a head a little on the target's own greedy continuations, so drafts get accepted
     llm = LLM(model_dir, device="cpu", kv_cache_blocks=128, max_num_seqs=4, max_num_batched_tokens=64,
-              speculative_config=spec)
+              enable_prefix_caching=False)
     head = _head(llm)
-    # train the head a little on the target's own greedy continuations, so drafts get accepted
     opt = make_optimizer(head, 3e-3)
     with HiddenCapture(llm.engine.runner.model, head.config.layer_ids) as cap:
         samples = [capture_features(llm, cap, p + r, len(p)) for p, r in zip(prompts, ref) if len(r) > 10]
     for _ in range(6):
         for s in samples:
             train_on(head, opt, s, 3)
-    head.eval()
-    _attach_eagle3(llm, head)
+    head.save(str(tmp_path / "head"))
+    # then through speculative_config, as users run it
+    spec = {"method": "eagle3", "num_speculative_tokens": 3, "model": str(tmp_path / "head")}
+    llm = LLM(model_dir, device="cpu", kv_cache_blocks=128, max_num_seqs=4, max_num_batched_tokens=64,
+              speculative_config=spec)
     out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert out == ref
     s = llm.stats()

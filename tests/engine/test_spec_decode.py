@@ -161,7 +161,7 @@ def test_ngram_lookup():
 
 @pytest.mark.parametrize("cfg,msg", [
     ({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of"),
-    ({"method": "eagle3", "num_speculative_tokens": 2}, "not available yet"),
+    ({"method": "eagle3", "num_speculative_tokens": 2}, "EAGLE-3 head folder"),
     ({"method": "mtp", "num_speculative_tokens": 2}, "not available yet"),
     ({"method": "ngram"}, "num_speculative_tokens is required"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer"),
@@ -170,7 +170,7 @@ def test_ngram_lookup():
      "prompt_lookup_min"),
     ({"method": "ngram", "num_speculative_tokens": 3, "typo": 1}, "unknown key"),
     ({"method": "draft_model", "num_speculative_tokens": 3}, "model"),
-    ({"method": "ngram", "num_speculative_tokens": 3, "model": "x"}, "only used by method 'draft_model'"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "model": "x"}, "only used by methods"),
     ({"method": "ngram", "num_speculative_tokens": 3, "synthetic_acceptance_rate": 1.5},
      "synthetic_acceptance_rate"),
     ('{"method": "ngram", ', "not valid JSON"),
@@ -186,7 +186,10 @@ def test_config_json_and_errors_in_engine(tiny_llama, small_draft):
     assert (c.method, c.k, c.prompt_lookup_max, c.prompt_lookup_min) == ("ngram", 2, 4, 1)
     assert parse_speculative_config(None) is None
     with pytest.raises(ValueError, match="not available yet"):
-        LLM(str(tiny_llama[0]), device="cpu", speculative_config={"method": "eagle3", "num_speculative_tokens": 2})
+        LLM(str(tiny_llama[0]), device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="not an EAGLE-3 head folder"):
+        LLM(str(tiny_llama[0]), device="cpu", speculative_config={"method": "eagle3", "num_speculative_tokens": 2,
+                                                                   "model": str(tiny_llama[0])})
 
 
 def test_draft_vocab_must_match(tiny_llama, tmp_path):
@@ -198,7 +201,7 @@ def test_draft_vocab_must_match(tiny_llama, tmp_path):
 
 def test_cli_bad_config_is_one_line(capsys):
     from blitzllm.cli import main
-    code = main(["generate", "--prompt", "hi", "--speculative-config", '{"method": "eagle3", '
+    code = main(["generate", "--prompt", "hi", "--speculative-config", '{"method": "mtp", '
                  '"num_speculative_tokens": 2}'])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err and "not available yet" in err
