@@ -12,6 +12,7 @@ loads.
 from __future__ import annotations
 
 import json
+import math
 import random
 import sys
 import time
@@ -81,11 +82,21 @@ def prompt_ids(llm, text: str) -> list:
     return llm.engine.tokenize(text)
 
 
-def generate_answers(llm, prompts: list, max_tokens: int) -> list:
-    """Greedy answers (token ids) of one batch of prompts (token id lists)."""
+def generate_answers(llm, prompts: list, max_tokens: int, samples: int = 1, temperature: float = 0.8,
+                     seed: int = 0) -> list:
+    """Answers (token ids) of one batch of prompts (token id lists): per prompt the greedy
+    answer, then ``samples - 1`` answers sampled at ``temperature`` (seeded), so the head
+    also sees the target's other likely continuations. Returns [(prompt index, answer)]."""
     from ..sampling_params import SamplingParams
-    outs = llm.generate([list(p) for p in prompts], SamplingParams(temperature=0.0, max_tokens=max_tokens))
-    return [list(o.outputs[0].token_ids) for o in outs]
+    reqs, params, owner = [], [], []
+    for i, p in enumerate(prompts):
+        for j in range(samples):
+            reqs.append(list(p))
+            owner.append(i)
+            params.append(SamplingParams(temperature=0.0 if j == 0 else temperature, max_tokens=max_tokens,
+                                         seed=seed * 1_000_003 + i * 1009 + j))
+    outs = llm.generate(reqs, params)
+    return [(i, list(o.outputs[0].token_ids)) for i, o in zip(owner, outs)]
 
 
 def capture_features(llm, cap: HiddenCapture, ids: list, prompt_len: int) -> Sample:
@@ -145,34 +156,58 @@ def make_optimizer(head: Eagle3Head, lr: float):
     return torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
 
 
+def lr_at(step: int, total: int, warmup: int) -> float:
+    """Learning-rate factor: linear warm-up over ``warmup`` steps, then cosine decay to 10%."""
+    if step < warmup:
+        return (step + 1) / warmup
+    frac = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * frac))
+
+
 def _fmt(stats) -> str:
     return " ".join(f"{c / n:.2f}" if n else "-" for c, n in stats)
 
 
 def train_draft(llm, prompts: list, out: Optional[str], epochs: int = 1, max_tokens: int = 256,
-                lr: float = 1e-3, steps: int = 3, seed: int = 0, batch: int = 16, log=print) -> Eagle3Head:
+                lr: float = 1e-3, steps: int = 3, seed: int = 0, batch: int = 16, samples: int = 1,
+                temperature: float = 0.8, log=print) -> Eagle3Head:
     """``llm``: an ``LLM`` built with prefix caching off. Epoch 1 is online: the engine
-    answers ``batch`` prompts at a time (batched greedy decode), then each prompt + answer
-    goes through one engine prefill with the capture hooks on and the head trains on it;
-    later epochs replay the kept sequences."""
+    answers ``batch`` prompts at a time (batched decode; ``samples`` answers per prompt, the
+    first greedy), then each prompt + answer goes through one engine prefill with the capture
+    hooks on and the head trains on it; later epochs replay the kept sequences. The learning
+    rate warms up over the first 3% of the optimizer steps, then decays (cosine) to 10%."""
     torch.manual_seed(seed)
     eng = llm.engine
     target = eng.runner.model
+    if eng.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
     head = Eagle3Head.from_target(target, eng.model_config).to(eng.device)
     opt = make_optimizer(head, lr)
+    total = epochs * len(prompts) * samples
+    warmup = max(1, total * 3 // 100)
+    step = 0
+
+    def train_step(s: Sample) -> tuple:
+        nonlocal step
+        for g in opt.param_groups:
+            g["lr"] = lr * lr_at(step, total, warmup)
+        step += 1
+        return train_on(head, opt, s, steps)
+
     kept, t0, gen_s = [], time.perf_counter(), 0.0
     ids = [prompt_ids(llm, text) for _, text in prompts]
     with HiddenCapture(target, head.config.layer_ids) as cap:
         for b in range(0, len(prompts), batch):
             g0 = time.perf_counter()
-            answers = generate_answers(llm, ids[b:b + batch], max_tokens)
+            answers = generate_answers(llm, ids[b:b + batch], max_tokens, samples, temperature, seed + b)
             gen_s += time.perf_counter() - g0
-            for i, (p, a) in enumerate(zip(ids[b:b + batch], answers), b):
+            for i, a in answers:
+                p = ids[b + i]
                 s = capture_features(llm, cap, p + a, len(p))
                 kept.append(s)
-                loss, stats = train_on(head, opt, s, steps)
-                log(f"[train-draft] epoch 1 prompt {i + 1}/{len(prompts)} (id {prompts[i][0]}): "
-                    f"{len(a)} answer tok, loss {loss:.3f}, top-1 per step {_fmt(stats)}, "
+                loss, stats = train_step(s)
+                log(f"[train-draft] epoch 1 sample {len(kept)}/{len(prompts) * samples} (prompt id "
+                    f"{prompts[b + i][0]}): {len(a)} answer tok, loss {loss:.3f}, top-1 per step {_fmt(stats)}, "
                     f"{time.perf_counter() - t0:.0f}s")
     rng = random.Random(seed)
     for ep in range(2, epochs + 1):
@@ -180,7 +215,7 @@ def train_draft(llm, prompts: list, out: Optional[str], epochs: int = 1, max_tok
         rng.shuffle(order)
         tot, agg = 0.0, [[0, 0] for _ in range(steps)]
         for i in order:
-            loss, stats = train_on(head, opt, kept[i], steps)
+            loss, stats = train_step(kept[i])
             tot += loss
             for a, (c, n) in zip(agg, stats):
                 a[0] += c
@@ -189,12 +224,42 @@ def train_draft(llm, prompts: list, out: Optional[str], epochs: int = 1, max_tok
             f"{time.perf_counter() - t0:.0f}s")
     head.eval()
     wall = time.perf_counter() - t0
-    log(f"[train-draft] done: {len(kept)} prompts, {sum(len(s.tokens) - s.prompt_len for s in kept)} answer "
-        f"tokens, {epochs} epoch(s), wall {wall:.1f}s (generation {gen_s:.1f}s)")
+    log(f"[train-draft] done: {len(prompts)} prompts, {len(kept)} answers, "
+        f"{sum(len(s.tokens) - s.prompt_len for s in kept)} answer tokens, {epochs} epoch(s), "
+        f"wall {wall:.1f}s (generation {gen_s:.1f}s) on {_machine(eng.device)}")
     if out:
         head.save(out)
         log(f"[train-draft] wrote {out}")
     return head
+
+
+def _machine(device) -> str:
+    import os
+    import platform
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU {platform.processor() or platform.machine()} x{os.cpu_count()}"
+
+
+def evaluate_head(model: str, head_dir: str, prompts: list, k: int, max_tokens: int, device=None,
+                  dtype: str = "float32", log=print) -> dict:
+    """Greedy answers to ``prompts`` with ``speculative_config={"method": "eagle3", ...}`` on a
+    fresh engine: returns the engine's speculative counters (mean acceptance length etc.)."""
+    from ..llm import LLM
+    from ..sampling_params import SamplingParams
+    llm = LLM(model, device=device, dtype=dtype,
+              speculative_config={"method": "eagle3", "model": head_dir, "num_speculative_tokens": k})
+    ids = [prompt_ids(llm, text) for _, text in prompts]
+    t0 = time.perf_counter()
+    llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    st = llm.stats()
+    res = {key: st[key] for key in ("spec_draft_tokens", "spec_accepted_tokens", "spec_acceptance_per_position",
+                                    "spec_mean_acceptance_length")}
+    log(f"[train-draft] eval: {len(prompts)} prompts (ids {prompts[0][0]}-{prompts[-1][0]}), greedy, k={k}, "
+        f"{max_tokens} tokens max: mean acceptance length {res['spec_mean_acceptance_length']:.3f}, "
+        f"per position {' '.join(f'{a:.3f}' for a in res['spec_acceptance_per_position'])}, "
+        f"{time.perf_counter() - t0:.1f}s")
+    return res
 
 
 # ---- CLI ----------------------------------------------------------------------------
@@ -211,18 +276,34 @@ def add_train_draft_args(p) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch", type=int, default=16, help="prompts the engine answers at once")
+    p.add_argument("--samples-per-prompt", type=int, default=1,
+                   help="answers per prompt: the greedy one, then sampled ones at --temperature")
+    p.add_argument("--temperature", type=float, default=0.8, help="for the sampled answers")
+    p.add_argument("--eval-range", default=None,
+                   help="after training, run these question ids greedily with the head through "
+                        "speculative_config and report the mean acceptance length, e.g. 141-160")
+    p.add_argument("--eval-k", type=int, default=3, help="num_speculative_tokens for --eval-range")
+    p.add_argument("--eval-max-tokens", type=int, default=128)
     p.set_defaults(func=cmd_train_draft)
 
 
 def cmd_train_draft(a) -> int:
     from ..llm import LLM
-    for name in ("epochs", "max_tokens", "steps", "batch"):
+    for name in ("epochs", "max_tokens", "steps", "batch", "samples_per_prompt", "eval_k", "eval_max_tokens"):
         if getattr(a, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     if not a.lr > 0:
         raise ValueError(f"--lr must be > 0, got {a.lr}")
+    if not a.temperature > 0:
+        raise ValueError(f"--temperature must be > 0, got {a.temperature}")
     prompts = load_prompts(a.prompts, parse_range(a.prompt_range))
+    eval_prompts = load_prompts(a.prompts, parse_range(a.eval_range)) if a.eval_range else None
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     llm = LLM(a.model, device=a.device, dtype=a.dtype, enable_prefix_caching=False, seed=a.seed)
     train_draft(llm, prompts, a.out, epochs=a.epochs, max_tokens=a.max_tokens, lr=a.lr, steps=a.steps,
-                seed=a.seed, batch=a.batch, log=lambda m: print(m, file=sys.stderr, flush=True))
+                seed=a.seed, batch=a.batch, samples=a.samples_per_prompt, temperature=a.temperature, log=log)
+    if eval_prompts:
+        del llm
+        res = evaluate_head(a.model, a.out, eval_prompts, a.eval_k, a.eval_max_tokens, a.device, a.dtype, log)
+        print(json.dumps(res))
     return 0

@@ -178,3 +178,36 @@ def test_eagle3_proposer_greedy_equals_plain(tiny4, tmp_path):
     s = llm.stats()
     assert s["spec_draft_tokens"] > 0 and s["spec_accepted_tokens"] > 0.05 * s["spec_draft_tokens"]
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_train_draft_samples_and_eval_through_config(tiny4, tmp_path, monkeypatch):
+    """train_draft with several answers per prompt (greedy + sampled) over two epochs writes a
+    folder that evaluate_head runs through speculative_config; the counters add up."""
+    from blitzllm.spec import train_draft as td
+    llm0, _ = tiny4
+    model_dir = llm0.engine.args.model
+    # tiny checkpoints have no tokenizer: text -> ids by character codes
+    monkeypatch.setattr(td, "prompt_ids", lambda llm, text: [1 + ord(c) % 300 for c in text])
+    prompts = [(i, f"question number {i} about things") for i in range(4)]
+    llm = LLM(model_dir, device="cpu", kv_cache_blocks=128, enable_prefix_caching=False, max_num_seqs=8)
+    logs = []
+    head = td.train_draft(llm, prompts, str(tmp_path / "h"), epochs=2, max_tokens=12, steps=2, batch=2,
+                          samples=3, temperature=1.0, log=logs.append)
+    assert sum("epoch 1 sample" in m for m in logs) == len(prompts) * 3
+    assert any(m.startswith("[train-draft] epoch 2:") for m in logs)
+    assert "12 answers" in logs[-2] and "CPU" in logs[-2]
+    # the sampled answers differ from the greedy one (temperature 1 over a random model)
+    answers = td.generate_answers(llm, [[5, 6, 7]], 12, samples=3, temperature=1.0)
+    assert [i for i, _ in answers] == [0, 0, 0] and answers[0][1] != answers[1][1]
+    res = td.evaluate_head(model_dir, str(tmp_path / "h"), prompts[:2], k=2, max_tokens=10, device="cpu",
+                           log=logs.append)
+    assert res["spec_draft_tokens"] > 0 and len(res["spec_acceptance_per_position"]) == 2
+    assert 1.0 <= res["spec_mean_acceptance_length"] <= 3.0
+    assert head.config.layer_ids == json.loads((tmp_path / "h" / "config.json").read_text())["layer_ids"]
+
+
+def test_lr_schedule():
+    from blitzllm.spec.train_draft import lr_at
+    assert lr_at(0, 100, 4) == 0.25 and lr_at(3, 100, 4) == 1.0
+    assert lr_at(4, 100, 4) == 1.0 and abs(lr_at(100, 100, 4) - 0.1) < 1e-9
+    assert lr_at(50, 100, 4) < lr_at(20, 100, 4)
