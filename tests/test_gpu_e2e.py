@@ -47,3 +47,26 @@ def test_bf16_graph_logprobs_close_to_torch_path():
         assert len(common) >= 4
         for t in common:
             assert abs(ta[t] - tb[t]) < 0.1
+
+
+def test_spec_verify_through_decode_graphs_matches_plain(monkeypatch):
+    """Speculative verify steps replay the decode CUDA graphs (one row per scored position):
+    greedy output equals plain greedy output, fp32, with drafts accepted."""
+    from blitzllm.runner import model_runner
+    calls = []
+    orig = model_runner.ModelRunner._score_as_decode_rows
+    monkeypatch.setattr(model_runner.ModelRunner, "_score_as_decode_rows",
+                        lambda self, *a: calls.append(1) or orig(self, *a))
+    kw = dict(num_layers=4, device="cuda", dtype="float32", kv_cache_blocks=1024, max_num_seqs=8,
+              max_model_len=2048)
+    base = _prompts(6, 151936, seed=3)
+    prompts = [p[:20] * 4 for p in base]   # repetitive prompts: prompt lookup finds drafts
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = [o.token_ids for o in LLM("preset:qwen3-0.6b", **kw).generate(prompts, params)]
+    spec = LLM("preset:qwen3-0.6b", speculative_config={"method": "ngram", "num_speculative_tokens": 3}, **kw)
+    assert spec.engine.runner.graphs.buckets[-1] == 32
+    got = [o.token_ids for o in spec.generate(prompts, params)]
+    assert got == want
+    s = spec.stats()
+    assert calls and s["spec_draft_tokens"] > 0 and s["spec_accepted_tokens"] > 0
+    assert spec.engine.kv.num_free_blocks == spec.engine.kv.num_blocks

@@ -24,7 +24,8 @@ def add_args(p, add_engine_args) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--compare", default=None,
                    help="comma list of peers timed in the same run: hf (transformers on the same weights), "
-                        "llamacpp (llama-cpp-python on the same .gguf, CPU)")
+                        "llamacpp (llama-cpp-python on the same .gguf, CPU), nospec (this engine with "
+                        "--speculative-config switched off)")
     p.add_argument("--json", default=None, help="write the results to this file")
 
 
@@ -70,6 +71,8 @@ def run(a) -> int:
     kw["enable_prefix_caching"] = False  # every run must compute its prompt
     if kw["max_model_len"] is None:
         kw["max_model_len"] = I + max(O, 8)
+    if "nospec" in (a.compare or "") and not getattr(a, "speculative_config", None):
+        raise ValueError("--compare nospec needs --speculative-config")
     llm = LLM(**kw)
     eng = llm.engine
     cfg, dev = eng.model_config, eng.device
@@ -97,9 +100,11 @@ def run(a) -> int:
     if dev.type == "cuda":
         res.update(_kernel_counts(eng, cfg, B, I))
     peers = [x.strip() for x in (a.compare or "").split(",") if x.strip()]
-    bad = [x for x in peers if x not in ("hf", "llamacpp")]
+    bad = [x for x in peers if x not in ("hf", "llamacpp", "nospec")]
     if bad:
-        raise ValueError(f"--compare takes hf and/or llamacpp, got {', '.join(bad)}")
+        raise ValueError(f"--compare takes hf, llamacpp and/or nospec, got {', '.join(bad)}")
+    if "nospec" in peers:
+        res.update(_compare_nospec(eng, B, I, O, cfg, res["tokens_per_s"]))
     if "hf" in peers:
         res.update(_compare_hf(a, eng, cfg, B, I, O, dev, res["tokens_per_s"]))
     if "llamacpp" in peers:
@@ -120,6 +125,17 @@ def _spec_stats(eng) -> dict:
     out.update({k: s[k] for k in ("spec_draft_tokens", "spec_accepted_tokens", "spec_mean_acceptance_length")})
     out["spec_acceptance_per_position"] = " ".join(f"{a:.3f}" for a in s["spec_acceptance_per_position"])
     return out
+
+
+def _compare_nospec(eng, B, I, O, cfg, ours_tps) -> dict:
+    """The same engine, prompts and lengths with speculation switched off."""
+    spec, eng.spec = eng.spec, None
+    try:
+        _, steps = _timed_run(eng, _prompts(B, I, cfg.vocab_size, 2), O, "nospec")
+    finally:
+        eng.spec = spec
+    tps = B * (O - 1) / sum(steps)
+    return {"nospec_tokens_per_s": tps, "speedup_vs_nospec": ours_tps / tps}
 
 
 def _kernel_counts(eng, cfg, B, I) -> dict:

@@ -133,7 +133,9 @@ class Engine:
         eager = args.enforce_eager or (spec_cfg is not None and spec_cfg.method == "eagle3")
         self.runner = ModelRunner(model, cfg, self.cache_config, self.device, self.dtype,
                                   max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
-                                  enforce_eager=eager, attention_backend=args.attention_backend)
+                                  enforce_eager=eager, attention_backend=args.attention_backend,
+                                  max_decode_rows=(min(args.max_num_seqs * (spec_cfg.k + 1), 512)
+                                                   if spec_cfg is not None else 0))
         self.scheduler.lookahead = self.runner.graphs is not None
         self.spec = None
         if spec_cfg is not None:

@@ -74,7 +74,9 @@ def allocate_kv_caches(cfg: ModelConfig, cache: CacheConfig, dtype, device) -> l
 class ModelRunner:
     def __init__(self, model, cfg: ModelConfig, cache: CacheConfig, device, dtype,
                  max_num_seqs: int = 256, max_model_len: int = 4096, enforce_eager: bool = False,
-                 attention_backend: str = "auto"):
+                 attention_backend: str = "auto", max_decode_rows: int = 0):
+        """``max_decode_rows``: decode graphs are captured for up to max(max_num_seqs, this)
+        rows (speculative verify steps run as one decode row per scored position)."""
         self.model = model
         self.cfg = cfg
         self.cache_cfg = cache
@@ -88,7 +90,8 @@ class ModelRunner:
         if device.type == "cuda" and not enforce_eager and self.backend.name == "triton":
             from .cuda_graphs import DecodeGraphs
             width = -(-max_model_len // cache.block_size)
-            self.graphs = DecodeGraphs(model, self.kv_caches, self.backend, device, max_num_seqs, width)
+            self.graphs = DecodeGraphs(model, self.kv_caches, self.backend, device,
+                                       max(max_num_seqs, max_decode_rows), width)
             self.graphs.capture()
 
     def _to_dev(self, data, dtype):
@@ -186,11 +189,32 @@ class ModelRunner:
         batch row ``sample_idx[j]`` (a speculative verify step: each drafting row scores
         its k drafts plus the bonus position), stacked in row order: [sum(counts), V]."""
         self._ahead = None
+        if (self.graphs is not None and len(sample_idx) == len(seqs)
+                and all(c == e - s for c, (_, s, e) in zip(counts, seqs)) and self.graphs.can_run(sum(counts))):
+            return self._score_as_decode_rows(seqs, block_tables)
         input_ids, positions, md, qsl = self.prepare(seqs, block_tables)
         with forward_context(ForwardContext(md, self.kv_caches, self.backend)):
             hidden = self.model(input_ids, positions)
         idx = [p for i, c in zip(sample_idx, counts) for p in range(qsl[i + 1] - c, qsl[i + 1])]
         return self.model.compute_logits(hidden.index_select(0, torch.tensor(idx, device=self.device)))
+
+
+    def _score_as_decode_rows(self, seqs, block_tables) -> torch.Tensor:
+        """A verify step where every position is scored: each position becomes a decode row
+        of its own (its sequence's block table, context up to and including itself), so the
+        step replays a decode CUDA graph. Every row's K/V is written before any attention
+        of the layer reads the cache, so a row sees the drafts before it, as causal
+        attention over the chunk would. Returns the logits in token order."""
+        bs = self.cache_cfg.block_size
+        ids, pos, slots, lens, tables = [], [], [], [], []
+        for (toks, start, end), table in zip(seqs, block_tables):
+            for j, p in enumerate(range(start, end)):
+                ids.append(toks[j])
+                pos.append(p)
+                slots.append(table[p // bs] * bs + p % bs)
+                lens.append(p + 1)
+                tables.append(table)
+        return self._launch_decode_graph(ids, pos, slots, lens, tables)
 
 
 def _to_host_async(out):

@@ -240,14 +240,25 @@ def test_server_metrics_expose_spec_counters(tiny_llama):
 def test_bench_latency_prints_spec_counters(tiny_llama, capsys):
     from blitzllm.cli import main
     code = main(["bench", "latency", "--model", str(tiny_llama[0]), "--device", "cpu", "--input-len", "8",
-                 "--output-len", "12", "--speculative-config",
+                 "--output-len", "12", "--compare", "nospec", "--speculative-config",
                  '{"method": "ngram", "num_speculative_tokens": 3, "synthetic_acceptance_rate": 0.9}'])
     out = capsys.readouterr().out
     assert code == 0
     lines = dict(line.split(None, 1) for line in out.strip().splitlines())
+    # the same engine without speculation, timed in the same run, and the ratio to it
+    nospec = float(lines["nospec_tokens_per_s"])
+    assert nospec > 0
+    assert abs(float(lines["speedup_vs_nospec"]) - float(lines["tokens_per_s"]) / nospec) < 1e-3 * float(
+        lines["speedup_vs_nospec"]) + 1e-3
     assert lines["spec_synthetic"].strip() == "True" and lines["spec_synthetic_acceptance_rate"].strip() == "0.9"
     assert float(lines["spec_mean_acceptance_length"]) >= 1.0
     assert len(lines["spec_acceptance_per_position"].split()) == 3
+
+
+def test_bench_compare_nospec_needs_spec(tiny_llama, capsys):
+    from blitzllm.cli import main
+    code = main(["bench", "latency", "--model", str(tiny_llama[0]), "--device", "cpu", "--compare", "nospec"])
+    assert code == 2 and "--compare nospec needs --speculative-config" in capsys.readouterr().err
 
 
 def test_sampled_self_draft_is_accepted(tiny_llama):
