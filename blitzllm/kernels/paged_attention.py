@@ -14,6 +14,8 @@ import torch
 
 from ._common import (device_sms, next_pow2, pdl_enabled, pdl_launch_dependents, pdl_launch_kwargs, pdl_wait,
                       tl, triton, use_triton)
+from .qk_norm_rope_cache import _check as _check_qk
+from .qk_norm_rope_cache import _norm_rope_heads
 
 _LOG2E = 1.4426950408889634
 _NEG = -1.0e30  # finite "minus infinity" for running maxima: avoids inf - inf
@@ -103,6 +105,8 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr,
     EARLY_V: tl.constexpr, FUSED_REDUCE: tl.constexpr, USE_PDL: tl.constexpr,
     G_COMB: tl.constexpr, COMBINE: tl.constexpr,
+    pos_ptr, cs_ptr, stride_cs, qw_ptr, kw_ptr, slot_ptr, Hq, eps,
+    FUSE_QK: tl.constexpr, HAS_NORM: tl.constexpr, ROT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -126,8 +130,32 @@ def _decode_kernel(
     heads = kvh * G + offs_g
     gmask = offs_g < G
     qmask = gmask[:, None] & dmask[None, :]
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=qmask, other=0.0)
+    if FUSE_QK:
+        # q_ptr is the qkv projection output [B, (Hq + 2 Hkv) * D]: this program norms and
+        # rotates its G query heads itself, and the split holding the new position writes
+        # that token's k (normed, rotated) and v into the cache before reading it back
+        row = q_ptr + b.to(tl.int64) * stride_qb
+        cs = cs_ptr + tl.load(pos_ptr + b) * stride_cs
+        q = _norm_rope_heads(row + kvh * G * D, qw_ptr, cs, G, eps, HAS_NORM, False, G_PAD, D, D_PAD, ROT)
+        q = q.to(q_ptr.dtype.element_ty)
+        if split == n_active - 1:
+            slot = tl.load(slot_ptr + b).to(tl.int64)
+            if slot >= 0:
+                blk = slot // BLOCK_SIZE
+                tok = slot % BLOCK_SIZE
+                k_new = _norm_rope_heads(row + (Hq + kvh) * D, kw_ptr, cs, 1, eps, HAS_NORM, False, 2, D, D_PAD,
+                                         ROT)
+                one = tl.arange(0, 2)[:, None] < 1
+                k_dst = k_ptr + blk * stride_kb + tok * stride_kt + kvh * stride_kh
+                tl.store(k_dst + tl.arange(0, 2)[:, None] * 0 + offs_d[None, :],
+                         k_new.to(k_ptr.dtype.element_ty), mask=one & dmask[None, :])
+                v_new = tl.load(row + (Hq + tl.num_programs(1) + kvh) * D + offs_d, mask=dmask, other=0.0)
+                tl.store(v_ptr + blk * stride_vb + tok * stride_vt + kvh * stride_vh + offs_d,
+                         v_new.to(v_ptr.dtype.element_ty), mask=dmask)
+            tl.debug_barrier()  # the CTA's own k/v stores are visible to its loads below
+    else:
+        q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=qmask, other=0.0)
     acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
     m_i = tl.full([G_PAD], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
@@ -269,7 +297,7 @@ def _split_counters(device: torch.device) -> torch.Tensor:
 def paged_decode_attention_triton(
     q, k_cache, v_cache, block_tables, seq_lens, scale,
     num_splits: Optional[int] = None, block_n: Optional[int] = None,
-    num_stages: int = 2, early_v: bool = True, fused_reduce: bool = True,
+    num_stages: int = 2, early_v: bool = True, fused_reduce: bool = True, _fuse=None,
 ):
     hq, hkv, d = _check_cache(q, k_cache, v_cache)
     B = q.shape[0]
@@ -278,6 +306,17 @@ def paged_decode_attention_triton(
     out = torch.empty_like(q)
     if B == 0:
         return out
+    if _fuse is None:  # plain decode: q [B, Hq, D] is ready
+        q_arg, stride_qb, stride_qh = q, q.stride(0), q.stride(1)
+        fuse_kw = dict(pos_ptr=seq_lens, cs_ptr=seq_lens, stride_cs=0, qw_ptr=q, kw_ptr=q, slot_ptr=seq_lens,
+                       Hq=hq, eps=0.0, FUSE_QK=False, HAS_NORM=False, ROT=2)
+    else:  # q/k norm + rotary + cache write fused in: q_arg is the qkv projection output
+        qkv, positions, cos_sin, qw, kw, slots, eps, rot = _fuse
+        q_arg, stride_qb, stride_qh = qkv, qkv.stride(0), d
+        has_norm = qw is not None
+        fuse_kw = dict(pos_ptr=positions, cs_ptr=cos_sin, stride_cs=cos_sin.stride(0),
+                       qw_ptr=qw if has_norm else qkv, kw_ptr=kw if has_norm else qkv, slot_ptr=slots,
+                       Hq=hq, eps=float(eps), FUSE_QK=True, HAS_NORM=has_norm, ROT=rot)
     g = hq // hkv
     s = num_splits or _default_splits(q, B, hkv)
     g_pad, d_pad = max(16, next_pow2(g)), next_pow2(d)
@@ -295,14 +334,14 @@ def paged_decode_attention_triton(
     g_comb = next_pow2(g)  # the combine's tiles hold the real heads only
     combine = max(1, min(next_pow2(s), 4096 // (g_comb * d_pad)))
     _decode_kernel[(B, hkv, s)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, m, l_, acc, cnt,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        q_arg, k_cache, v_cache, block_tables, seq_lens, out, m, l_, acc, cnt,
+        stride_qb, stride_qh, out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         float(scale) * _LOG2E, g,
         NUM_SPLITS=s, G_PAD=g_pad, D=d, D_PAD=d_pad, BLOCK_N=bn,
         BLOCK_SIZE=k_cache.shape[1], IEEE=ieee, EARLY_V=early_v, FUSED_REDUCE=fused,
-        USE_PDL=pdl, G_COMB=g_comb, COMBINE=combine,
+        USE_PDL=pdl, G_COMB=g_comb, COMBINE=combine, **fuse_kw,
         num_warps=4, num_stages=num_stages, **pdl_launch_kwargs(pdl),
     )
     if s > 1 and not fused:
@@ -311,6 +350,29 @@ def paged_decode_attention_triton(
             NUM_SPLITS=s, S_PAD=next_pow2(s), D=d, D_PAD=d_pad, num_warps=4,
         )
     return out
+
+
+def fused_decode_attention_triton(
+    qkv, positions, cos_sin_cache, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot_mapping,
+    block_tables, seq_lens, scale, q_norm_weight=None, k_norm_weight=None, eps=1e-6, rotary_dim=None,
+    num_splits: Optional[int] = None,
+):
+    """One decode step of one layer in one launch: per-head q/k RMSNorm (optional) + rotary
+    + writing the new k/v into the paged cache (``fused_qk_norm_rope_cache_triton``) and
+    paged decode attention (``paged_decode_attention_triton``), same numerics. Each query
+    token must be its sequence's only new token (a plain decode step: rows never read each
+    other's new k/v). qkv [B, (Hq + 2 Hkv) * D] -> [B, Hq, D]."""
+    rot = _check_qk(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, rotary_dim,
+                    q_norm_weight, k_norm_weight, False)
+    assert (q_norm_weight is None) == (k_norm_weight is None)
+    assert cos_sin_cache.shape[-1] == rot and cos_sin_cache.stride(-1) == 1
+    if qkv.stride(-1) != 1:
+        qkv = qkv.contiguous()
+    B = qkv.shape[0]
+    q_shape = qkv.new_empty((B, num_heads, head_dim))  # shape/dtype carrier for the launcher
+    return paged_decode_attention_triton(
+        q_shape, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=num_splits,
+        _fuse=(qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, slot_mapping, eps, rot))
 
 
 def paged_prefill_attention_triton(

@@ -7,6 +7,7 @@ layers read it from there. Nothing here knows about requests or the scheduler.
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -176,10 +177,25 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
 
+    def __init__(self):
+        # Pure decode steps run q/k norm + rotary + cache write inside the attention kernel
+        # (one launch per layer) unless a step may hold several rows of one sequence
+        # (speculative verify rows): the model runner turns it off then.
+        # BLITZ_FUSED_DECODE=0 keeps the two launches (A/B).
+        self.fused_decode = os.environ.get("BLITZ_FUSED_DECODE", "1") != "0"
+
     def forward(self, layer, positions, qkv, k_cache, v_cache, md):
-        from ..kernels.paged_attention import paged_decode_attention_triton, paged_prefill_attention_triton
+        from ..kernels.paged_attention import (fused_decode_attention_triton, paged_decode_attention_triton,
+                                               paged_prefill_attention_triton)
         from ..kernels.qk_norm_rope_cache import fused_qk_norm_rope_cache_triton
         qn, kn = layer.q_norm, layer.k_norm
+        if md.is_pure_decode and self.fused_decode and not getattr(layer, "full_width_qk_norm", False):
+            return fused_decode_attention_triton(
+                qkv, positions, layer.rotary.cos_sin_cache, layer.num_heads, layer.num_kv_heads, layer.head_dim,
+                k_cache, v_cache, md.slot_mapping, md.block_tables, md.seq_lens, layer.scale,
+                q_norm_weight=qn.weight if qn is not None else None,
+                k_norm_weight=kn.weight if kn is not None else None,
+                eps=qn.eps if qn is not None else 1e-6, rotary_dim=layer.rotary.rotary_dim)
         q = fused_qk_norm_rope_cache_triton(
             qkv, positions, layer.rotary.cos_sin_cache, layer.num_heads, layer.num_kv_heads, layer.head_dim,
             k_cache, v_cache, md.slot_mapping,

@@ -83,6 +83,8 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.backend = select_backend(device, attention_backend)
+        if max_decode_rows and hasattr(self.backend, "fused_decode"):
+            self.backend.fused_decode = False   # verify rows of one sequence read each other's k/v
         self.sampler = Sampler()
         self.kv_caches = allocate_kv_caches(cfg, cache, dtype, device)
         self.graphs = None

@@ -170,7 +170,7 @@ def _fmt(stats) -> str:
 
 def train_draft(llm, prompts: list, out: Optional[str], epochs: int = 1, max_tokens: int = 256,
                 lr: float = 1e-3, steps: int = 3, seed: int = 0, batch: int = 16, samples: int = 1,
-                temperature: float = 0.8, log=print) -> Eagle3Head:
+                temperature: float = 0.8, layer_ids: Optional[list] = None, log=print) -> Eagle3Head:
     """``llm``: an ``LLM`` built with prefix caching off. Epoch 1 is online: the engine
     answers ``batch`` prompts at a time (batched decode; ``samples`` answers per prompt, the
     first greedy), then each prompt + answer goes through one engine prefill with the capture
@@ -181,7 +181,11 @@ def train_draft(llm, prompts: list, out: Optional[str], epochs: int = 1, max_tok
     target = eng.runner.model
     if eng.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
-    head = Eagle3Head.from_target(target, eng.model_config).to(eng.device)
+    if layer_ids is not None and (len(layer_ids) != 3 or not all(0 <= i < eng.model_config.num_layers
+                                                                  for i in layer_ids)):
+        raise ValueError(f"--layer-ids must be three target layers in [0, {eng.model_config.num_layers}), "
+                         f"got {layer_ids}")
+    head = Eagle3Head.from_target(target, eng.model_config, layer_ids).to(eng.device)
     opt = make_optimizer(head, lr)
     total = epochs * len(prompts) * samples
     warmup = max(1, total * 3 // 100)
@@ -279,6 +283,9 @@ def add_train_draft_args(p) -> None:
     p.add_argument("--samples-per-prompt", type=int, default=1,
                    help="answers per prompt: the greedy one, then sampled ones at --temperature")
     p.add_argument("--temperature", type=float, default=0.8, help="for the sampled answers")
+    p.add_argument("--layer-ids", default=None,
+                   help="the three target layers whose outputs feed the head, e.g. 1,14,29 "
+                        "(default: 1, L/2 - 1, L - 4)")
     p.add_argument("--eval-range", default=None,
                    help="after training, run these question ids greedily with the head through "
                         "speculative_config and report the mean acceptance length, e.g. 141-160")
@@ -296,12 +303,19 @@ def cmd_train_draft(a) -> int:
         raise ValueError(f"--lr must be > 0, got {a.lr}")
     if not a.temperature > 0:
         raise ValueError(f"--temperature must be > 0, got {a.temperature}")
+    layer_ids = None
+    if a.layer_ids is not None:
+        try:
+            layer_ids = [int(x) for x in a.layer_ids.split(",")]
+        except ValueError:
+            raise ValueError(f"--layer-ids must be comma-separated integers, got {a.layer_ids!r}") from None
     prompts = load_prompts(a.prompts, parse_range(a.prompt_range))
     eval_prompts = load_prompts(a.prompts, parse_range(a.eval_range)) if a.eval_range else None
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     llm = LLM(a.model, device=a.device, dtype=a.dtype, enable_prefix_caching=False, seed=a.seed)
     train_draft(llm, prompts, a.out, epochs=a.epochs, max_tokens=a.max_tokens, lr=a.lr, steps=a.steps,
-                seed=a.seed, batch=a.batch, samples=a.samples_per_prompt, temperature=a.temperature, log=log)
+                seed=a.seed, batch=a.batch, samples=a.samples_per_prompt, temperature=a.temperature,
+                layer_ids=layer_ids, log=log)
     if eval_prompts:
         del llm
         res = evaluate_head(a.model, a.out, eval_prompts, a.eval_k, a.eval_max_tokens, a.device, a.dtype, log)

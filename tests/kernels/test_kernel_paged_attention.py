@@ -145,3 +145,49 @@ def test_gpu_attention_bf16(hq, hkv, d):
     torch.testing.assert_close(out.float(), ref[2:3].float(), atol=2e-2, rtol=2e-2)
     out, ref = run_prefill([1, 700, 64, 2048], [900, 700, 1100, 2048], hq, hkv, d, 16, dt, "cuda")
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+FUSED = [  # seq_lens (context incl. the new token), Hq, Hkv, D, rotary_dim, block_size, norm, splits
+    ([1], 4, 4, 64, 64, 16, True, 1),
+    ([16, 17, 33], 6, 2, 64, 64, 16, True, 4),     # the new token at a block boundary / just past it
+    ([300, 5], 3, 1, 128, 64, 16, False, 8),       # partial rotary, no norm, many splits
+    ([45, 130, 2], 4, 2, 32, 32, 32, True, 2),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", FUSED)
+def test_fused_decode_matches_unfused_reference(case, dtype, device):
+    """q/k norm + rotary + cache write + decode attention in one launch == the reference
+    norm/rope/cache-write followed by the reference paged decode attention; the cache ends
+    up identical, and a padding row (slot -1) writes nothing."""
+    from blitzllm.kernels.paged_attention import fused_decode_attention_triton
+    from blitzllm.kernels.qk_norm_rope_cache import reference_qk_norm_rope_cache
+    seq_lens, hq, hkv, d, rot, bs, norm, splits = case
+    g = torch.Generator().manual_seed(len(seq_lens) * 7 + d)
+    kc, vc, tables, seq = make_cache(seq_lens, hkv, d, bs, dtype, device)
+    B = len(seq_lens)
+    qkv = (torch.randn(B, (hq + 2 * hkv) * d, generator=g) * 2).to(device, dtype)
+    pos = (seq.long() - 1)
+    tab = tables.long().cpu()
+    slots = torch.tensor([int(tab[b, p // bs]) * bs + p % bs for b, p in enumerate(pos.tolist())]).to(device)
+    if B > 2:
+        slots[2] = -1   # a padding row: its token is not written (it reads stale cache)
+    inv = 1.0 / 10000.0 ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot)
+    f = torch.arange(512, dtype=torch.float32)[:, None] * inv[None, :]
+    cs = torch.cat([f.cos(), f.sin()], -1).to(device)
+    qw = kw = None
+    if norm:
+        qw = (1 + 0.3 * torch.randn(d, generator=g)).to(device, dtype)
+        kw = (1 + 0.3 * torch.randn(d, generator=g)).to(device, dtype)
+    scale = 1 / math.sqrt(d)
+    kr, vr = kc.clone(), vc.clone()
+    q_ref = reference_qk_norm_rope_cache(qkv, pos, cs, hq, hkv, d, kr, vr, slots, qw, kw, 1e-6, rot)
+    ref = reference_paged_decode_attention(q_ref, kr, vr, tables, seq, scale)
+    for _ in range(2):  # the second launch finds its own writes and clean counters
+        out = fused_decode_attention_triton(qkv, pos, cs, hq, hkv, d, kc, vc, slots, tables, seq, scale,
+                                            qw, kw, 1e-6, rot, num_splits=splits)
+        keep = slots >= 0
+        torch.testing.assert_close(out[keep], ref[keep], atol=TOL[dtype], rtol=TOL[dtype])
+        torch.testing.assert_close(kc, kr, atol=TOL[dtype], rtol=TOL[dtype])
+        torch.testing.assert_close(vc, vr, atol=0, rtol=0)

