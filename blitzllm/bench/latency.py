@@ -139,7 +139,9 @@ def _compare_nospec(eng, B, I, O, cfg, ours_tps) -> dict:
 
 
 def _kernel_counts(eng, cfg, B, I) -> dict:
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    # long enough that the profiled step still decodes when speculation emits several
+    # tokens per step
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     for i, p in enumerate(_prompts(B, I, cfg.vocab_size, 3).tolist()):
         eng.add_request(f"prof-{i}", p, params)
     eng.step()  # prefill
