@@ -141,7 +141,7 @@ def _compare_nospec(eng, B, I, O, cfg, ours_tps) -> dict:
 def _kernel_counts(eng, cfg, B, I) -> dict:
     # long enough that the profiled step still decodes when speculation emits several
     # tokens per step
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max(2, min(64, eng.max_model_len - I)), ignore_eos=True)
     for i, p in enumerate(_prompts(B, I, cfg.vocab_size, 3).tolist()):
         eng.add_request(f"prof-{i}", p, params)
     eng.step()  # prefill
