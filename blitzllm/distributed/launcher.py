@@ -33,6 +33,7 @@ log = logging.getLogger("blitzllm.distributed")
 
 STARTUP_TIMEOUT_S = float(os.environ.get("BLITZ_TP_STARTUP_TIMEOUT", "600"))
 WATCH_INTERVAL_S = 0.2
+DEATH_GRACE_S = 2.0  # after a failed collective, how long to look for a worker that died
 
 
 class TPWorkerError(RuntimeError):
@@ -79,9 +80,10 @@ class TPDriver:
         self.closed = False
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._finalizer = weakref.finalize(self, _kill, list(procs))
-        self._watchdog = threading.Thread(target=self._watch, name="blitz-tp-watchdog", daemon=True)
-        self._watchdog.start()
+        # an engine dropped without close(): its workers go when the driver does
+        self._finalizer = weakref.finalize(self, _abandon, list(procs))
+        threading.Thread(target=_watch, args=(weakref.ref(self), self._stop), name="blitz-tp-watchdog",
+                         daemon=True).start()
 
     # ---- start ----------------------------------------------------------------------
     @classmethod
@@ -137,8 +139,7 @@ class TPDriver:
         try:
             yield
         except Exception as e:
-            self._poll()
-            self._fail(self.failure or f"tensor-parallel step failed: {type(e).__name__}: {e}")
+            self._fail_after(e, "step")
             raise TPWorkerError(self.failure) from e
         self.workers_waiting = True
 
@@ -147,8 +148,7 @@ class TPDriver:
         try:
             return agree_min(self.group, value)
         except Exception as e:
-            self._poll()
-            self._fail(self.failure or f"tensor-parallel start-up failed: {type(e).__name__}: {e}")
+            self._fail_after(e, "start-up")
             raise TPWorkerError(self.failure) from e
 
     # ---- failure and shutdown ---------------------------------------------------------
@@ -158,11 +158,14 @@ class TPDriver:
                 self._fail(f"tensor-parallel worker rank {r} (pid {p.pid}) died with exit code {p.exitcode}")
                 return
 
-    def _watch(self) -> None:
-        while not self._stop.wait(WATCH_INTERVAL_S):
+    def _fail_after(self, e: Exception, what: str) -> None:
+        """A collective failed: name the worker that died if one did (a peer's sockets close
+        a moment before its process is reaped), else the error."""
+        deadline = time.monotonic() + DEATH_GRACE_S
+        while self.failure is None and time.monotonic() < deadline:
             self._poll()
-            if self.failure is not None:
-                return
+            time.sleep(0.02)
+        self._fail(self.failure or f"tensor-parallel {what} failed: {type(e).__name__}: {e}")
 
     def _fail(self, why: str) -> None:
         with self._lock:
@@ -206,6 +209,23 @@ def _wait_for_ranks(store, world_size: int, procs: list) -> None:
             raise TPWorkerError(f"not every tensor-parallel rank joined within {STARTUP_TIMEOUT_S:.0f}s "
                                 "(BLITZ_TP_STARTUP_TIMEOUT); check MASTER_ADDR / MASTER_PORT on every host")
         time.sleep(0.02)
+
+
+def _watch(ref, stop: threading.Event) -> None:
+    """The watchdog: polls the workers (holding the driver only weakly)."""
+    while not stop.wait(WATCH_INTERVAL_S):
+        driver = ref()
+        if driver is None:
+            return
+        driver._poll()
+        if driver.failure is not None:
+            return
+        del driver
+
+
+def _abandon(procs: list) -> None:
+    _kill(procs)
+    destroy_tp_group()
 
 
 def _kill(procs: list) -> None:

@@ -8,6 +8,7 @@ or by torchrun on any host. Knows nothing about requests, sampling or text.
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from typing import Optional
@@ -20,7 +21,8 @@ from .parallel_state import WorldEnv, connect_store, destroy_tp_group, init_tp_g
 
 def run_worker(args, env: WorldEnv, parent_pid: Optional[int] = None) -> None:
     """``args``: rank 0's EngineArgs; returns once rank 0 stops the world."""
-    if parent_pid is not None:
+    if parent_pid is not None:  # spawned: the engine process decides when we stop (Ctrl-C is its)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         threading.Thread(target=_exit_with_parent, args=(parent_pid,), name="blitz-tp-parent", daemon=True).start()
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.world_size))
     from ..engine.engine import resolve_device

@@ -200,7 +200,7 @@ class Engine:
         if tp is not None:
             self.runner.driver = tp
             tp.workers_waiting = True
-        self.scheduler.lookahead = self.runner.graphs is not None
+        self.scheduler.lookahead = self.runner.graphs is not None and tp is None
         self.spec = None
         if spec_cfg is not None:
             from ..spec.decoder import SpecDecoder
