@@ -57,12 +57,13 @@ class OneShotWorkspace:
             return None
         try:
             import torch.distributed._symmetric_memory as symm_mem
+            name = tp.device_group.group_name
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed by older torch, a no-op later
-                    symm_mem.enable_symm_mem_for_group(tp.device_group.group_name)
+                    symm_mem.enable_symm_mem_for_group(name)
             buf = symm_mem.empty(ONESHOT_MAX_BYTES, dtype=torch.uint8, device=tp.device)
-            handle = symm_mem.rendezvous(buf, tp.device_group)
+            handle = symm_mem.rendezvous(buf, name)
             ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=tp.device)
         except Exception as e:  # no P2P between the GPUs, an old torch ...: NCCL for every size
             log.warning("one-shot all-reduce unavailable (%s: %s); using NCCL for every size", type(e).__name__, e)

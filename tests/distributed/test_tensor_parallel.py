@@ -115,6 +115,21 @@ def test_ranks_hold_their_slices(tmp_path):
         assert sum(p.numel() for p in part.values()) < 0.55 * sum(p.numel() for p in whole.values())
 
 
+def test_single_rank_builds_plain_layers(tmp_path):
+    """tensor_parallel_size=1: no process group, no parts to load, no reducing norms."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from blitzllm.layers.norm import RMSNorm
+    make_moe_checkpoint("qwen3_moe", tmp_path, seed=5)
+    model = LLM(str(tmp_path), **KW).engine.runner.model
+    assert not dist.is_initialized()
+    assert type(model.model.embed_tokens) is nn.Embedding
+    assert not any(hasattr(m, "tp_parts") for m in model.modules())
+    assert all(m.tp is None for m in model.modules() if isinstance(m, RMSNorm))
+    assert all(m.expert_start is None for m in model.modules() if hasattr(m, "expert_start"))
+
+
 def test_experts_split_by_expert_and_by_tensor(tmp_path, monkeypatch):
     make_moe_checkpoint("qwen3_moe", tmp_path, seed=4)
     whole = _rank_model_single(tmp_path)
@@ -144,6 +159,17 @@ def test_unshardable_model_is_a_user_error(tmp_path):
         LLM(str(tmp_path), **KW, tensor_parallel_size=0)
 
 
+def test_start_up_error_stops_the_workers(tmp_path):
+    """An error found on rank 0 after the workers started (here a max_model_len beyond
+    the KV cache) is the user's ValueError, and the workers stop cleanly."""
+    import multiprocessing
+    make_tiny_checkpoint("llama", tmp_path, seed=5)
+    with pytest.raises(ValueError, match="exceeds the KV cache capacity"):
+        LLM(str(tmp_path), device="cpu", dtype="float32", kv_cache_blocks=4, max_model_len=256,
+            tensor_parallel_size=2)
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("blitz-tp")]
+
+
 # ---- failures ---------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -160,6 +186,9 @@ def test_killed_idle_worker_fails_the_next_step(tiny_llama_path):
         eng.add_request("a", [5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True))
         eng.step()
         (_, proc), = eng.tp.procs
+        environ = open(f"/proc/{proc.pid}/environ", "rb").read().split(b"\0")
+        for var in (b"NCCL_NVLS_ENABLE=0", b"TORCH_SYMM_MEM_DISABLE_MULTICAST=1", b"NVSHMEM_DISABLE_NVLS=1"):
+            assert var in environ  # the multi-GPU settings reach every spawned rank
         os.kill(proc.pid, signal.SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(TPWorkerError, match="rank 1 .* died"):

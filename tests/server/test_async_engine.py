@@ -58,6 +58,9 @@ class FakeEngine:
         running = min(len(self.requests), self.max_num_seqs)
         return {"num_running": running, "num_waiting": len(self.requests) - running, "kv_cache_usage": 0.0}
 
+    def close(self):
+        self.closed = True
+
 
 def run(coro_fn, engine, **kw):
     async def main():
@@ -158,6 +161,36 @@ def test_engine_failure_fails_in_flight_requests_then_recovers():
 
     assert run(go, eng)[0][-1] == ("t3 ", "length")
     assert eng.requests == {}
+
+
+def test_dead_engine_fails_in_flight_requests_and_stops_serving():
+    """A tensor-parallel worker died (TPWorkerError): no step can run again, so the stream
+    fails, the engine reports not ready with the reason, the loop ends and closes it."""
+    from blitzllm.distributed.launcher import TPWorkerError
+    eng = FakeEngine(step_s=0.01)
+    errors = []
+
+    def step():
+        raise TPWorkerError("tensor-parallel worker rank 1 (pid 1) died with exit code -9")
+
+    async def go(ae):
+        stream = await ae.add_request("x", [1], SamplingParams(max_tokens=10_000))
+        eng.step = step
+        with pytest.raises(EngineStepError, match="worker rank 1"):
+            async for _ in stream:
+                pass
+        for _ in range(200):
+            if errors:
+                break
+            await asyncio.sleep(0.01)
+        with pytest.raises(EngineNotReadyError, match="worker rank 1"):
+            await ae.add_request("y", [1], SamplingParams())
+        return ae
+
+    ae = run(go, eng, on_load_error=errors.append)
+    assert isinstance(ae.fatal_error, TPWorkerError) and errors == [ae.fatal_error]
+    ae._thread.join(5)
+    assert getattr(eng, "closed", False)
 
 
 def test_not_ready_and_load_failure():
