@@ -77,6 +77,14 @@ def run(coro_fn, engine, **kw):
     return asyncio.run(main())
 
 
+async def until(cond, timeout_s: float = 2.0) -> None:
+    """Poll ``cond`` on the event loop until it holds (or the timeout passes)."""
+    for _ in range(int(timeout_s / 0.01)):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+
+
 async def collect(ae, rid, max_tokens=5, n=1):
     stream = await ae.add_request(rid, [1, 2, 3], SamplingParams(max_tokens=max_tokens, n=n))
     out = {}
@@ -179,10 +187,7 @@ def test_dead_engine_fails_in_flight_requests_and_stops_serving():
         with pytest.raises(EngineStepError, match="worker rank 1"):
             async for _ in stream:
                 pass
-        for _ in range(200):
-            if errors:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: errors)
         with pytest.raises(EngineNotReadyError, match="worker rank 1"):
             await ae.add_request("y", [1], SamplingParams())
         return ae
@@ -204,10 +209,7 @@ def test_not_ready_and_load_failure():
         with pytest.raises(EngineNotReadyError):
             await ae.add_request("a", [1], SamplingParams())
         ae.start()
-        for _ in range(200):
-            if errors:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: errors)
         with pytest.raises(EngineNotReadyError, match="no such model"):
             await ae.add_request("a", [1], SamplingParams())
         ae.shutdown()
