@@ -115,6 +115,22 @@ def test_ranks_hold_their_slices(tmp_path):
         assert sum(p.numel() for p in part.values()) < 0.55 * sum(p.numel() for p in whole.values())
 
 
+def test_gguf_rank_shard():
+    """GGUF tensors arrive whole (dequantized) and are sliced: rank 1 of 3 of SmolLM2 (9
+    query heads, 3 KV heads of 64) holds heads 3..5, KV head 1 and a third of the vocabulary."""
+    src = resolve_model("smollm2")
+    cfg = ModelConfig.from_hf(src.hf_config, num_layers=1)
+    whole = dict(build_model(src, cfg, torch.device("cpu"), torch.float32, 0).named_parameters())
+    part = dict(build_model(resolve_model("smollm2"), cfg, torch.device("cpu"), torch.float32, 0,
+                            tp=TPGroup(1, 3)).named_parameters())
+    qkv = whole["model.layers.0.self_attn.qkv_proj.weight"]  # 576 q rows, 192 k, 192 v
+    assert torch.equal(part["model.layers.0.self_attn.qkv_proj.weight"],
+                       torch.cat([qkv[192:384], qkv[576 + 64:576 + 128], qkv[768 + 64:768 + 128]]))
+    assert torch.equal(part["model.layers.0.self_attn.o_proj.weight"],
+                       whole["model.layers.0.self_attn.o_proj.weight"][:, 192:384])
+    assert torch.equal(part["model.embed_tokens.weight"], whole["model.embed_tokens.weight"][16384:32768])
+
+
 def test_single_rank_builds_plain_layers(tmp_path):
     """tensor_parallel_size=1: no process group, no parts to load, no reducing norms."""
     import torch.distributed as dist
