@@ -28,6 +28,8 @@ from .parallel_state import HeadSplit, TPGroup
 log = logging.getLogger("blitzllm.distributed")
 
 ONESHOT_MAX_BYTES = int(os.environ.get("BLITZ_TP_ONESHOT_BYTES", str(512 << 10)))
+# a one-shot barrier still waiting after this long traps (a dead peer cannot hang the GPU)
+BARRIER_TIMEOUT_MS = int(float(os.environ.get("BLITZ_TP_BARRIER_TIMEOUT", "60")) * 1000)
 
 
 def all_reduce_add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
@@ -68,7 +70,26 @@ class OneShotWorkspace:
         except Exception as e:  # no P2P between the GPUs, an old torch ...: NCCL for every size
             log.warning("one-shot all-reduce unavailable (%s: %s); using NCCL for every size", type(e).__name__, e)
             return None
-        return cls(buf, handle, ptrs)
+        ws = cls(buf, handle, ptrs)
+        if not ws.agrees_with_nccl(tp):
+            log.warning("one-shot all-reduce disagrees with NCCL on this machine; using NCCL for every size")
+            return None
+        return ws
+
+    def agrees_with_nccl(self, tp: TPGroup) -> bool:
+        """Start-up check (every rank, same order): one fused call against NCCL + the norm
+        on random data; the ranks agree on the verdict."""
+        import torch.distributed as dist
+        dev = tp.device
+        x = torch.randn(3, 256, device=dev, generator=torch.Generator(device=dev).manual_seed(7 + tp.rank))
+        g = torch.Generator(device=dev).manual_seed(1)
+        residual, weight = torch.randn(3, 256, device=dev, generator=g), torch.rand(256, device=dev, generator=g)
+        out, res = self.all_reduce_rms_norm(x, residual, weight, 1e-6)
+        ref_out, ref_res = fused_add_rms_norm(tp.all_reduce(x.clone()), residual, weight, 1e-6)
+        ok = torch.tensor([int(torch.allclose(res, ref_res, atol=1e-5, rtol=1e-5)
+                               and torch.allclose(out, ref_out, atol=1e-4, rtol=1e-4))])
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=tp.cpu_group)
+        return bool(ok.item())
 
     def fits(self, x: torch.Tensor) -> bool:
         return x.is_cuda and x.dim() == 2 and x.numel() * x.element_size() <= self.buf.numel()
@@ -77,9 +98,9 @@ class OneShotWorkspace:
         from ..kernels.allreduce_rmsnorm import oneshot_allreduce_rms_norm_triton
         rows, n = x.shape
         local = self.buf[: rows * n * x.element_size()].view(x.dtype).view(rows, n)
-        self.handle.barrier(channel=0)   # every rank has read the previous call's buffers
+        self.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)  # all have read the last call's buffers
         local.copy_(x)
-        self.handle.barrier(channel=0)   # every rank's partial sums are in place
+        self.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)  # every rank's partial sums are in place
         return oneshot_allreduce_rms_norm_triton(self.ptrs, rows, n, residual, weight, eps, x.dtype)
 
 

@@ -283,7 +283,8 @@ def _grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_entries, row_div
 
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                     topk_ids: torch.Tensor, *, config: Optional[dict] = None, dropped_ids: bool = False) -> torch.Tensor:
+                     topk_ids: torch.Tensor, *, config: Optional[dict] = None,
+                     dropped_ids: bool = False) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk weights / ids [T, K] -> [T, H] in x's dtype.
     ``config`` overrides MOE_CONFIG_KEYS of both GEMMs (tests, benchmarks). ``dropped_ids``:
     entries with id -1 (experts of other tensor-parallel ranks) are skipped."""

@@ -19,7 +19,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from ..distributed.layers import copy_part, module_part, read_full, shape_of
+from ..distributed.layers import copy_part, module_part
 from ..layers.linear import PackedLinear
 from ..layers.moe import HF_FUSED_NAMES, FusedMoE, Router, hf_expert_tensors
 

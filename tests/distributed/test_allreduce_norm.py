@@ -1,7 +1,8 @@
 """The collectives of a tensor-parallel forward, on two gloo ranks, against plain torch:
 the fused all-reduce + residual add + RMSNorm (with and without a residual) and the
 full-width q/k norm from all-reduced sums of squares (KV heads split, and one KV head
-replicated on both ranks)."""
+replicated on both ranks). The one-shot workspace's glue (buffer, pointer table, kernel,
+start-up check against the collective) on a world of one rank."""
 import multiprocessing as mp
 import socket
 
@@ -88,3 +89,39 @@ def test_fused_all_reduce_norm_and_full_width_qk_norm_on_gloo():
             torch.testing.assert_close(got[:, :nq], ref_q[:, qs], atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(got[:, nq:nq + D], ref_k[:, ks], atol=1e-5, rtol=1e-5)
             assert torch.equal(got[:, nq + D:], v[:, ks])
+
+
+class _NoBarrier:
+    """A one-rank world has nobody to wait for (on CPU there is no symmetric memory)."""
+
+    def barrier(self, channel=0, timeout_ms=0):
+        pass
+
+
+def test_oneshot_workspace_on_one_rank():
+    from blitzllm.distributed.allreduce_norm import OneShotWorkspace, all_reduce_add_rms_norm
+    from blitzllm.distributed.parallel_state import WorldEnv, connect_store, destroy_tp_group, init_tp_group
+    from blitzllm.kernels.rmsnorm import fused_add_rms_norm
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    env = WorldEnv(0, 1, 0, "127.0.0.1", _free_port())
+    group = init_tp_group(env, connect_store(env, 60), dev)
+    try:
+        if cuda:  # the real thing: symmetric memory, made and checked at start-up
+            ws = group.oneshot
+            assert ws is not None
+        else:
+            buf = torch.zeros(64 << 10, dtype=torch.uint8)
+            ws = OneShotWorkspace(buf, _NoBarrier(), torch.tensor([buf.data_ptr()], dtype=torch.int64))
+            assert ws.agrees_with_nccl(group)
+        x, r = torch.randn(7, 96, device=dev), torch.randn(7, 96, device=dev)
+        w = torch.rand(96, device=dev) + 0.5
+        out, res = ws.all_reduce_rms_norm(x, r, w, 1e-6)
+        ref_out, ref_res = fused_add_rms_norm(x, r, w, 1e-6)
+        torch.testing.assert_close(res, ref_res)
+        torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+        if cuda:
+            assert ws.fits(x)
+            torch.testing.assert_close(all_reduce_add_rms_norm(x, r, w, 1e-6, group)[0], ref_out, atol=1e-5, rtol=1e-5)
+    finally:
+        destroy_tp_group()

@@ -103,11 +103,13 @@ def test_ranks_hold_their_slices(tmp_path):
         expect = torch.cat([qkv[rank * q:(rank + 1) * q], qkv[64 + rank * kv:64 + (rank + 1) * kv],
                             qkv[96 + rank * kv:96 + (rank + 1) * kv]])
         assert torch.equal(part[pre + "self_attn.qkv_proj.weight"], expect)
-        assert torch.equal(part[pre + "self_attn.o_proj.weight"], whole[pre + "self_attn.o_proj.weight"][:, rank * q:(rank + 1) * q])
+        o_proj = whole[pre + "self_attn.o_proj.weight"]
+        assert torch.equal(part[pre + "self_attn.o_proj.weight"], o_proj[:, rank * q:(rank + 1) * q])
         gu = whole[pre + "mlp.gate_up_proj.weight"]
         assert torch.equal(part[pre + "mlp.gate_up_proj.weight"],
                            torch.cat([gu[rank * 64:(rank + 1) * 64], gu[128 + rank * 64:128 + (rank + 1) * 64]]))
-        assert torch.equal(part[pre + "mlp.down_proj.weight"], whole[pre + "mlp.down_proj.weight"][:, rank * 64:(rank + 1) * 64])
+        down = whole[pre + "mlp.down_proj.weight"]
+        assert torch.equal(part[pre + "mlp.down_proj.weight"], down[:, rank * 64:(rank + 1) * 64])
         for name in ("model.embed_tokens.weight", "lm_head.weight"):  # 321 rows: 161 + 160 and a zero row
             rows = whole[name][rank * 161:(rank + 1) * 161]
             assert torch.equal(part[name][:len(rows)], rows) and not part[name][len(rows):].any()

@@ -61,7 +61,8 @@ def _workers(srv) -> list:
 
 def _complete(srv, timeout=60) -> httpx.Response:
     return httpx.post(srv.url + "/v1/completions", timeout=timeout,
-                      json={"model": srv.model, "prompt": PROMPT, "max_tokens": N, "temperature": 0, "ignore_eos": True})
+                      json={"model": srv.model, "prompt": PROMPT, "max_tokens": N, "temperature": 0,
+                            "ignore_eos": True})
 
 
 def _serve(model, tmp_path) -> ServerProcess:
