@@ -59,6 +59,7 @@ def cmd_generate(a) -> int:
     decode_tps = (n - 1) / (t1 - t_first) if n > 1 and t_first else 0.0
     print(f"[blitz] prompt {len(prompt)} tok in {prefill:.3f}s ({len(prompt) / max(prefill, 1e-9):.1f} tok/s), "
           f"decode {n} tok at {decode_tps:.1f} tok/s", file=sys.stderr)
+    llm.close()
     return 0
 
 
@@ -82,7 +83,23 @@ def cmd_chat(a) -> int:
         out = llm.chat(history, params)[0]
         print(out.text)
         history.append({"role": "assistant", "content": out.text})
+    llm.close()
     return 0
+
+
+def torchrun_worker(a) -> bool:
+    """Under torchrun (or RANK / WORLD_SIZE set by hand), ranks > 0 of a tensor-parallel
+    command serve rank 0's engine as workers instead of running the command."""
+    if getattr(a, "tensor_parallel_size", 1) <= 1:
+        return False
+    from .distributed.parallel_state import torchrun_env
+    env = torchrun_env()
+    if env is None or env.rank == 0:
+        return False
+    from .distributed.worker import run_worker
+    from .engine.engine import EngineArgs
+    run_worker(EngineArgs(**engine_kwargs(a)), env)
+    return True
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -122,6 +139,8 @@ def main(argv=None) -> int:
         p.print_help()
         return 2
     try:
+        if torchrun_worker(a):
+            return 0
         if a.cmd == "generate":
             return cmd_generate(a)
         if a.cmd == "chat":

@@ -23,6 +23,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="shard the model over N ranks (GPUs; processes on CPU): one host spawns them, several "
+                        "hosts start every rank with torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'; keys: '
                         "method (ngram | draft_model), num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, "
@@ -35,4 +38,4 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 block_size=a.block_size, enable_prefix_caching=not a.no_prefix_caching,
                 max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, seed=a.seed,
                 enforce_eager=a.enforce_eager, weight_dtype=a.weight_dtype,
-                speculative_config=a.speculative_config)
+                speculative_config=a.speculative_config, tensor_parallel_size=a.tensor_parallel_size)

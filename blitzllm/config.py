@@ -54,8 +54,15 @@ class ModelConfig:
             return 1, 1, self.kv_lora_rank + self.qk_rope_head_dim
         return 2, self.num_kv_heads, self.head_dim
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+    def kv_cache_entry_for(self, tp_size: int) -> tuple[int, int, int]:
+        """``kv_cache_entry`` of one of ``tp_size`` tensor-parallel ranks: its share of the KV
+        heads (one replicated head when there are fewer heads than ranks); MLA's latent is
+        replicated."""
         n, h, d = self.kv_cache_entry
+        return n, (h if self.is_mla else max(1, h // tp_size)), d
+
+    def kv_bytes_per_token(self, dtype_bytes: int, tp_size: int = 1) -> int:
+        n, h, d = self.kv_cache_entry_for(tp_size)
         return n * self.num_layers * h * d * dtype_bytes
 
     @classmethod

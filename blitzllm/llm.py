@@ -1,4 +1,6 @@
-"""The offline API: ``LLM(...).generate(prompts, params)`` and ``.chat(messages, params)``."""
+"""The offline API: ``LLM(...).generate(prompts, params)`` and ``.chat(messages, params)``.
+With ``tensor_parallel_size`` > 1, ``close()`` (or ``with LLM(...) as llm``) stops the
+worker processes; they also stop when this process exits."""
 from __future__ import annotations
 
 import itertools
@@ -16,14 +18,26 @@ class LLM:
                  enable_prefix_caching: bool = True, max_num_seqs: int = 256,
                  max_num_batched_tokens: Optional[int] = None, seed: int = 0,
                  num_layers: Optional[int] = None, enforce_eager: bool = False, attention_backend: str = "auto",
-                 weight_dtype: Optional[str] = None, speculative_config=None, **kwargs):
+                 weight_dtype: Optional[str] = None, speculative_config=None, tensor_parallel_size: int = 1,
+                 **kwargs):
         self.engine = Engine(EngineArgs(
             model=model, dtype=dtype, device=device, load_format=load_format, max_model_len=max_model_len,
             kv_cache_blocks=kv_cache_blocks, block_size=block_size, enable_prefix_caching=enable_prefix_caching,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, seed=seed,
             num_layers=num_layers, enforce_eager=enforce_eager, attention_backend=attention_backend,
-            weight_dtype=weight_dtype, speculative_config=speculative_config, **kwargs))
+            weight_dtype=weight_dtype, speculative_config=speculative_config,
+            tensor_parallel_size=tensor_parallel_size, **kwargs))
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes (a no-op with one rank)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def tokenizer(self):

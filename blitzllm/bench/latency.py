@@ -71,8 +71,15 @@ def run(a) -> int:
     kw["enable_prefix_caching"] = False  # every run must compute its prompt
     if kw["max_model_len"] is None:
         kw["max_model_len"] = I + max(O, 8)
-    if "nospec" in (a.compare or "") and not getattr(a, "speculative_config", None):
+    peers = [x.strip() for x in (a.compare or "").split(",") if x.strip()]
+    bad = [x for x in peers if x not in ("hf", "llamacpp", "nospec")]
+    if bad:
+        raise ValueError(f"--compare takes hf, llamacpp and/or nospec, got {', '.join(bad)}")
+    if "nospec" in peers and not getattr(a, "speculative_config", None):
         raise ValueError("--compare nospec needs --speculative-config")
+    tp = kw["tensor_parallel_size"]
+    if tp > 1 and any(p != "nospec" for p in peers):
+        raise ValueError("--compare hf/llamacpp runs the peers on one device: use it with --tensor-parallel-size 1")
     llm = LLM(**kw)
     eng = llm.engine
     cfg, dev = eng.model_config, eng.device
@@ -84,12 +91,12 @@ def run(a) -> int:
     step_s = sum(steps) / (O - 1)
     dtype_bytes = torch.finfo(eng.dtype).bits // 8
     w_bytes = weight_bytes_per_step(eng.runner.model, B)
-    kv_bytes = kv_bytes_per_step(cfg, [I + O // 2] * B, dtype_bytes)
+    kv_bytes = kv_bytes_per_step(cfg, [I + O // 2] * B, dtype_bytes, tp)  # per rank, like the weights
     bw = copy_bandwidth(dev)
     res = {
         "model": a.model, "device": str(dev), "dtype": str(eng.dtype).replace("torch.", ""),
         "weight_dtype": str(eng.weight_dtype).replace("torch.", ""),
-        "num_layers": cfg.num_layers, "batch_size": B, "input_len": I, "output_len": O,
+        "num_layers": cfg.num_layers, "tensor_parallel_size": tp, "batch_size": B, "input_len": I, "output_len": O,
         "tokens_per_s": B / step_s, "tokens_per_s_per_user": 1.0 / step_s, "ms_per_token": step_s * 1e3,
         "ttft_s": ttft, "bytes_per_step": w_bytes + kv_bytes, "weight_bytes_per_step": w_bytes,
         "kv_bytes_per_step": kv_bytes, "copy_bandwidth_Bps": bw,
@@ -99,16 +106,13 @@ def run(a) -> int:
         res.update(_spec_stats(eng))
     if dev.type == "cuda":
         res.update(_kernel_counts(eng, cfg, B, I))
-    peers = [x.strip() for x in (a.compare or "").split(",") if x.strip()]
-    bad = [x for x in peers if x not in ("hf", "llamacpp", "nospec")]
-    if bad:
-        raise ValueError(f"--compare takes hf, llamacpp and/or nospec, got {', '.join(bad)}")
     if "nospec" in peers:
         res.update(_compare_nospec(eng, B, I, O, cfg, res["tokens_per_s"]))
     if "hf" in peers:
         res.update(_compare_hf(a, eng, cfg, B, I, O, dev, res["tokens_per_s"]))
     if "llamacpp" in peers:
         res.update(_compare_llamacpp(a.model, cfg, B, I, O, res["tokens_per_s"]))
+    llm.close()
     _print(res)
     if a.json:
         with open(a.json, "w") as f:

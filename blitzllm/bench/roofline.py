@@ -64,8 +64,9 @@ def weight_bytes_per_step(model: torch.nn.Module, batch: int) -> int:
     return int(total)
 
 
-def kv_bytes_per_step(cfg, context_lens: list, dtype_bytes: int) -> int:
-    return sum(context_lens) * cfg.kv_bytes_per_token(dtype_bytes)
+def kv_bytes_per_step(cfg, context_lens: list, dtype_bytes: int, tp_size: int = 1) -> int:
+    """KV bytes one rank (of ``tp_size``) reads in a decode step."""
+    return sum(context_lens) * cfg.kv_bytes_per_token(dtype_bytes, tp_size)
 
 
 def count_kernels(fn, device: torch.device):

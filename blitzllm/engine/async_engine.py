@@ -75,7 +75,9 @@ class RequestStream:
 class AsyncEngine:
     """``factory`` builds the Engine (in the background thread, so loading does not block
     the event loop). ``observer`` (optional) gets ``first_token(s)``, ``inter_token(s)`` and
-    ``finished(e2e_s, reason)`` calls on the event loop thread."""
+    ``finished(e2e_s, reason)`` calls on the event loop thread. ``on_load_error`` is called
+    when the engine cannot serve: it failed to load, or it died (``fatal_error``: a
+    tensor-parallel worker is gone); in-flight requests then fail and the loop ends."""
 
     def __init__(self, factory: Callable[[], "Engine"], max_waiting: int = 1024, observer=None,
                  on_load_error: Optional[Callable[[BaseException], None]] = None):
@@ -86,6 +88,7 @@ class AsyncEngine:
         self.engine: Optional["Engine"] = None
         self.ready = False
         self.load_error: Optional[BaseException] = None
+        self.fatal_error: Optional[BaseException] = None
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}   # touched on the event loop thread only
         self._pending_adds = 0
@@ -200,6 +203,12 @@ class AsyncEngine:
             s.finished = True
             del self._streams[rid]
 
+    def _died(self, error: BaseException) -> None:
+        self.ready = False
+        self.load_error = error
+        if self._on_load_error is not None:
+            self._on_load_error(error)
+
     def _loaded(self, error: Optional[BaseException]) -> None:
         if error is None:
             self.ready = True
@@ -224,7 +233,13 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(self._loaded, e)
             return
         self._loop.call_soon_threadsafe(self._loaded, None)
-        eng = self.engine
+        try:
+            self._step_loop(self.engine)
+        finally:
+            self.engine.close()
+
+    def _step_loop(self, eng: "Engine") -> None:
+        from ..distributed.launcher import TPWorkerError
         while not self._stop:
             self._drain(block=not eng.has_unfinished())
             if self._stop:
@@ -232,6 +247,12 @@ class AsyncEngine:
             if eng.has_unfinished():
                 try:
                     events = eng.step()
+                except TPWorkerError as e:  # the engine cannot run another step: stop serving
+                    log.error("engine failed: %s", e)
+                    self.fatal_error = e
+                    self._loop.call_soon_threadsafe(self._fail_all, EngineStepError(f"the engine failed: {e}"))
+                    self._loop.call_soon_threadsafe(self._died, e)
+                    return
                 except Exception as e:  # an engine bug: fail what is in flight, keep serving
                     log.error("engine step failed:\n%s", traceback.format_exc())
                     for rid in list(eng.requests):

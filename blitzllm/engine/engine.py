@@ -15,6 +15,7 @@ from typing import Optional, Union
 import torch
 
 from ..config import CacheConfig, ModelConfig, SchedulerConfig
+from ..distributed.parallel_state import SINGLE
 from ..layers.sampler import SamplingRow
 from ..loader.source import resolve_model
 from ..runner.model_runner import ModelRunner, build_model
@@ -51,6 +52,7 @@ class EngineArgs:
     weight_dtype: Optional[str] = None  # bfloat16 / float16 / int4 weights, float32 activations (CPU)
     warmup: bool = True               # CUDA: compile the kernels a first request needs at start-up
     speculative_config: Optional[Union[str, dict]] = None  # see blitzllm/spec/config.py
+    tensor_parallel_size: int = 1     # ranks the model is sharded over (blitzllm/distributed/)
 
 
 @dataclass
@@ -91,27 +93,99 @@ def resolve_dtype(dtype, device: torch.device, config_dtype: Optional[str]) -> t
     return _DTYPES[dtype]
 
 
+def resolve_weight_dtype(weight_dtype: Optional[str], device: torch.device, dtype: torch.dtype):
+    if weight_dtype == "int4":
+        if device.type != "cpu":
+            raise ValueError("weight_dtype='int4' runs on the CPU only (torch's int4 CPU kernel)")
+        return "int4"
+    return resolve_dtype(weight_dtype, device, None) if weight_dtype else dtype
+
+
+def plan_kv_blocks(a: EngineArgs, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp_size: int = 1) -> int:
+    """KV cache blocks: ``kv_cache_blocks``, else what fits this device's budget (one rank's
+    share of the KV heads with tensor parallelism), at most what the model can use."""
+    if a.kv_cache_blocks is not None:
+        if not isinstance(a.kv_cache_blocks, int) or a.kv_cache_blocks < 1:
+            raise ValueError(f"kv_cache_blocks must be an integer >= 1, got {a.kv_cache_blocks!r}")
+        return a.kv_cache_blocks
+    per_block = cfg.kv_bytes_per_token(torch.finfo(dtype).bits // 8, tp_size) * a.block_size
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        reserve = 4 << 30  # activations, logits, graphs
+        budget = int(total * a.gpu_memory_utilization) - (total - free) - reserve
+    else:
+        budget = CPU_KV_BUDGET_BYTES
+    want = -(-cfg.max_position_embeddings // a.block_size) * max(1, min(a.max_num_seqs, 64))
+    return max(1, min(budget // per_block, want))
+
+
+def _tp_size(n) -> int:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {n!r}")
+    return n
+
+
+def speculation_runner_kwargs(args) -> dict:
+    """ModelRunner options that depend on speculation (the same on every tensor-parallel
+    rank): EAGLE-3 reads the target's hidden states through forward hooks, which CUDA-graph
+    replays bypass, so its target runs eager; verify steps run as decode rows, one per
+    scored position, so the decode graphs cover max_num_seqs * (k + 1) rows (at most 512)."""
+    spec = parse_speculative_config(args.speculative_config)
+    if spec is None:
+        return {"enforce_eager": args.enforce_eager, "max_decode_rows": 0}
+    return {"enforce_eager": args.enforce_eager or spec.method == "eagle3",
+            "max_decode_rows": min(args.max_num_seqs * (spec.k + 1), 512)}
+
+
 class Engine:
+    """``tensor_parallel_size`` > 1: this process is rank 0 (scheduler, KV manager, sampler)
+    and drives the other ranks through ``self.tp`` (``distributed/launcher.py``); call
+    ``close()`` to stop them. Under torchrun, an Engine made on a rank > 0 serves rank 0
+    as a worker and then exits the process (SystemExit)."""
+
     def __init__(self, args: EngineArgs):
         t0 = time.perf_counter()
         self.args = args
+        self.tp = None
         if not isinstance(args.block_size, int) or args.block_size < 1 or args.block_size & (args.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {args.block_size}")
+        tp_size = _tp_size(args.tensor_parallel_size)
         self.device = resolve_device(args.device)
         spec_cfg = parse_speculative_config(args.speculative_config)
         src = resolve_model(args.model, args.load_format)
         self.model_config = cfg = ModelConfig.from_hf(src.hf_config, args.num_layers)
         self.dtype = resolve_dtype(args.dtype, self.device, src.torch_dtype)
+        self.weight_dtype = resolve_weight_dtype(args.weight_dtype, self.device, self.dtype)
+        if tp_size > 1:
+            self._join_tp_world(cfg, tp_size)
+        try:
+            self._setup(src, cfg, spec_cfg)
+        except BaseException:
+            self.close()
+            raise
+        self.load_time_s = time.perf_counter() - t0
+
+    def _join_tp_world(self, cfg: ModelConfig, tp_size: int) -> None:
+        from ..distributed.launcher import TPDriver, check_shardable
+        from ..distributed.parallel_state import rank_device, torchrun_env
+        env = torchrun_env()
+        if env is not None and env.rank > 0:  # torchrun made this process a worker rank
+            from ..distributed.worker import run_worker
+            run_worker(self.args, env)
+            raise SystemExit(0)
+        check_shardable(cfg, tp_size)
+        self.device = rank_device(self.device, env.local_rank if env is not None else 0)
+        self.tp = TPDriver.launch(self.args, tp_size, self.device)
+
+    def _setup(self, src, cfg: ModelConfig, spec_cfg) -> None:
+        args, tp = self.args, self.tp
         self.tokenizer = src.tokenizer_loader()
-        if args.weight_dtype == "int4":
-            if self.device.type != "cpu":
-                raise ValueError("weight_dtype='int4' runs on the CPU only (torch's int4 CPU kernel)")
-            self.weight_dtype = "int4"
-        else:
-            self.weight_dtype = (resolve_dtype(args.weight_dtype, self.device, None)
-                                 if args.weight_dtype else self.dtype)
-        model = build_model(src, cfg, self.device, self.dtype, args.seed, self.weight_dtype)
-        num_blocks = self._num_blocks(cfg)
+        group = tp.group if tp is not None else SINGLE
+        model = build_model(src, cfg, self.device, self.dtype, args.seed, self.weight_dtype, group)
+        num_blocks = plan_kv_blocks(args, cfg, self.dtype, self.device, group.world_size)
+        if tp is not None:
+            num_blocks = tp.agree_min(num_blocks)
+            tp.workers_waiting = True  # for the runner message (or a stop)
         capacity = num_blocks * args.block_size
         max_len = args.max_model_len
         if max_len is not None and (not isinstance(max_len, int) or max_len < 2):
@@ -128,15 +202,17 @@ class Engine:
         self.cache_config = CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching)
         self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.sched_config, self.kv)
-        # EAGLE-3 reads the target's hidden states through forward hooks, which CUDA-graph
-        # replays bypass: its target runs eager
-        eager = args.enforce_eager or (spec_cfg is not None and spec_cfg.method == "eagle3")
+        if tp is not None:
+            tp.send(("runner", self.max_model_len))
+            tp.workers_waiting = False
         self.runner = ModelRunner(model, cfg, self.cache_config, self.device, self.dtype,
                                   max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
-                                  enforce_eager=eager, attention_backend=args.attention_backend,
-                                  max_decode_rows=(min(args.max_num_seqs * (spec_cfg.k + 1), 512)
-                                                   if spec_cfg is not None else 0))
-        self.scheduler.lookahead = self.runner.graphs is not None
+                                  attention_backend=args.attention_backend, tp=group,
+                                  **speculation_runner_kwargs(args))
+        if tp is not None:
+            self.runner.driver = tp
+            tp.workers_waiting = True
+        self.scheduler.lookahead = self.runner.graphs is not None and tp is None
         self.spec = None
         if spec_cfg is not None:
             from ..spec.decoder import SpecDecoder
@@ -153,25 +229,14 @@ class Engine:
         self.eos_token_ids = self._eos_ids()
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0}
         self.warmup_s = self._warmup() if args.warmup and self.device.type == "cuda" else 0.0
-        self.load_time_s = time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers and leave the process group (nothing to do
+        with one rank). Idempotent; the engine cannot step afterwards."""
+        if self.tp is not None:
+            self.tp.shutdown()
 
     # ---- setup -------------------------------------------------------------------
-    def _num_blocks(self, cfg: ModelConfig) -> int:
-        a = self.args
-        if a.kv_cache_blocks is not None:
-            if not isinstance(a.kv_cache_blocks, int) or a.kv_cache_blocks < 1:
-                raise ValueError(f"kv_cache_blocks must be an integer >= 1, got {a.kv_cache_blocks!r}")
-            return a.kv_cache_blocks
-        per_block = cfg.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8) * a.block_size
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            reserve = 4 << 30  # activations, logits, graphs
-            budget = int(total * a.gpu_memory_utilization) - (total - free) - reserve
-        else:
-            budget = CPU_KV_BUDGET_BYTES
-        want = -(-cfg.max_position_embeddings // a.block_size) * max(1, min(a.max_num_seqs, 64))
-        return max(1, min(budget // per_block, want))
-
     def _warmup(self) -> float:
         """Run throw-away requests through every path a first user request takes (batched
         chunked prefill, single long prompt, graph decode, greedy and random sampling with

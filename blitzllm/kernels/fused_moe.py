@@ -211,15 +211,19 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
 
 
 @triton.jit
-def _moe_combine_kernel(y_ptr, tw_ptr, out_ptr, H, stride_o, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
-                        USE_PDL: tl.constexpr):
+def _moe_combine_kernel(y_ptr, tw_ptr, ids_ptr, out_ptr, H, stride_o, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+                        DROPPED: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = offs < H
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for k in tl.static_range(TOP_K):
-        y = tl.load(y_ptr + (t * TOP_K + k) * H + offs, mask=mask, other=0.0)
+        if DROPPED:  # an entry with id -1 has no expert output (the GEMMs skipped it)
+            y_mask = mask & (tl.load(ids_ptr + t * TOP_K + k) >= 0)
+        else:
+            y_mask = mask
+        y = tl.load(y_ptr + (t * TOP_K + k) * H + offs, mask=y_mask, other=0.0)
         acc += y.to(tl.float32) * tl.load(tw_ptr + t * TOP_K + k)
     pdl_launch_dependents(USE_PDL)
     tl.store(out_ptr + t * stride_o + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -279,9 +283,11 @@ def _grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_entries, row_div
 
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                     topk_ids: torch.Tensor, *, config: Optional[dict] = None) -> torch.Tensor:
+                     topk_ids: torch.Tensor, *, config: Optional[dict] = None,
+                     dropped_ids: bool = False) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk weights / ids [T, K] -> [T, H] in x's dtype.
-    ``config`` overrides MOE_CONFIG_KEYS of both GEMMs (tests, benchmarks)."""
+    ``config`` overrides MOE_CONFIG_KEYS of both GEMMs (tests, benchmarks). ``dropped_ids``:
+    entries with id -1 (experts of other tensor-parallel ranks) are skipped."""
     assert x.dim() == 2 and w13.dim() == 3 and w2.dim() == 3, "x [T, H], w13 [E, 2I, H], w2 [E, H, I]"
     T, H = x.shape
     E, two_i, _ = w13.shape
@@ -309,6 +315,8 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     tw = topk_weights.to(torch.float32).contiguous()
     block_h = min(1024, next_pow2(H))
     pdl = pdl_enabled(x)
-    _moe_combine_kernel[(T, triton.cdiv(H, block_h))](y, tw, out, H, out.stride(0), TOP_K=K, BLOCK_H=block_h,
-                                                      USE_PDL=pdl, num_warps=4, **pdl_launch_kwargs(pdl))
+    ids = topk_ids.to(torch.int32).contiguous() if dropped_ids else tw
+    _moe_combine_kernel[(T, triton.cdiv(H, block_h))](y, tw, ids, out, H, out.stride(0), TOP_K=K, BLOCK_H=block_h,
+                                                      DROPPED=dropped_ids, USE_PDL=pdl, num_warps=4,
+                                                      **pdl_launch_kwargs(pdl))
     return out

@@ -77,15 +77,18 @@ def reference_select_experts(logits: torch.Tensor, top_k: int, scoring: str = "s
 
 
 def reference_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                        topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+                        topk_weights: torch.Tensor, topk_ids: torch.Tensor, dropped_ids: bool = False) -> torch.Tensor:
     """sum_k weight[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, k]; [T, H] in
     x's dtype. Each expert's output is rounded to x's dtype before the weighted sum (as
-    transformers does), the sum is accumulated in fp32."""
+    transformers does), the sum is accumulated in fp32. With ``dropped_ids``, entries with
+    id -1 (another rank's expert) contribute nothing."""
     T, H = x.shape
     inter = w2.shape[2]
     out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
     flat_ids = topk_ids.reshape(-1).long()
     for e in torch.unique(flat_ids).tolist():
+        if e < 0 and dropped_ids:
+            continue
         rows = (flat_ids == e).nonzero().squeeze(1)
         tok = rows // topk_ids.shape[1]
         h = x[tok] @ w13[e].t()
@@ -379,9 +382,10 @@ def select_experts(logits: torch.Tensor, top_k: int, scoring: str = "softmax",
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_ids: torch.Tensor, dropped_ids: bool = False) -> torch.Tensor:
     """sum_k weight[t, k] * expert_{ids[t, k]}(x_t) -> [T, H] in x's dtype (see
-    ``reference_fused_moe``): sorted grouped GEMMs in Triton for CUDA tensors, torch otherwise."""
+    ``reference_fused_moe``): sorted grouped GEMMs in Triton for CUDA tensors, torch otherwise.
+    ``dropped_ids``: ids may be -1 (entries of experts held by other tensor-parallel ranks)."""
     if use_triton(x):
-        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
-    return reference_fused_moe(x, w13, w2, topk_weights, topk_ids)
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, dropped_ids=dropped_ids)
+    return reference_fused_moe(x, w13, w2, topk_weights, topk_ids, dropped_ids)

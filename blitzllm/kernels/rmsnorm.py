@@ -31,12 +31,19 @@ def _rms_norm_kernel(
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
         tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
-    xf = x.to(tl.float32)
-    var = tl.sum(xf * xf, axis=0) / N
-    normed = (xf * tl.rsqrt(var + eps)).to(dtype)
+    normed = rms_normalize(x, N, eps)
     pdl_launch_dependents(USE_PDL)
     y = normed.to(tl.float32) * w.to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rms_normalize(x, N, eps):
+    """One row [BLOCK] (masked entries 0) -> x / rms(x): statistics in fp32, the result
+    rounded to x's dtype (the step before the weight multiply)."""
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / N
+    return (xf * tl.rsqrt(var + eps)).to(x.dtype)
 
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor:

@@ -260,12 +260,16 @@ def select_backend(device: torch.device, name: str = "auto") -> AttentionBackend
 class Attention(nn.Module):
     """Attention over the paged cache from a packed qkv projection output. The optional
     q/k norms are per head (weights of head_dim values) or, with ``full_width_qk_norm``,
-    over all heads of q (Hq * D values) and of k (Hkv * D) at once."""
+    over all heads of q (Hq * D values) and of k (Hkv * D) at once. ``pre_norm`` (a callable
+    qkv -> qkv) runs before the backend: the tensor-parallel full-width q/k norm, whose heads
+    span the ranks."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int, rotary,
-                 q_norm=None, k_norm=None, scale: Optional[float] = None, full_width_qk_norm: bool = False):
+                 q_norm=None, k_norm=None, scale: Optional[float] = None, full_width_qk_norm: bool = False,
+                 pre_norm=None):
         super().__init__()
         self.full_width_qk_norm = full_width_qk_norm
+        self.pre_norm = pre_norm
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.layer_idx = layer_idx
         self.rotary = rotary
@@ -284,5 +288,7 @@ class Attention(nn.Module):
         """qkv [T, (Hq + 2 Hkv) * D] -> [T, Hq * D]."""
         ctx = get_forward_context()
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        if self.pre_norm is not None:
+            qkv = self.pre_norm(qkv)
         out = ctx.backend.forward(self, positions, qkv, k_cache, v_cache, ctx.attn_metadata)
         return out.reshape(out.shape[0], -1)

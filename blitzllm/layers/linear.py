@@ -54,10 +54,11 @@ class Linear(nn.Module):
     def forward_norm(self, x: torch.Tensor, residual, norm) -> tuple:
         """Pre-norm block entry: ``(self(norm(x + residual)), x + residual)``; ``norm`` is the
         RMSNorm module. On CUDA decode the norm is the GEMV's prologue (one kernel)."""
-        if self.qweight is None and x.is_cuda and GEMV_ENABLED and x.dtype == self.weight.dtype:
-            return norm_linear(x, residual, self.weight, self.bias, norm.weight, norm.eps)
-        if residual is None:
-            return self(norm(x)), x
+        if norm.tp is None:  # (a norm that all-reduces over tensor-parallel ranks runs on its own)
+            if self.qweight is None and x.is_cuda and GEMV_ENABLED and x.dtype == self.weight.dtype:
+                return norm_linear(x, residual, self.weight, self.bias, norm.weight, norm.eps)
+            if residual is None:
+                return self(norm(x)), x
         h, residual = norm(x, residual)
         return self(h), residual
 

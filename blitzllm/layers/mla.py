@@ -9,15 +9,16 @@ sequence to per-head keys and values. Knows nothing about the scheduler or the m
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 from torch import nn
 
+from ..distributed.layers import Part, column_linear, packed_column_linear, row_linear, shard_rows
+from ..distributed.parallel_state import get_tp_group
 from ..kernels import mla_decode as mla_ops
 from .attention import _gather, get_forward_context
-from .linear import Linear, PackedLinear
 from .norm import RMSNorm
 from .rotary import apply_rotary_tables, rotary_tables, yarn_mscale
 
@@ -102,23 +103,34 @@ def write_latent_cache(entry: torch.Tensor, cache: torch.Tensor, slot_mapping: t
 class MLAttention(nn.Module):
     """Checkpoint names as HF (``self_attn.q_a_proj`` ...); ``q_a_proj`` (or ``q_proj``) and
     ``kv_a_proj_with_mqa`` read the same input, so they are packed into one GEMM,
-    ``fused_qkv_a_proj`` (see ``packed_modules``)."""
+    ``fused_qkv_a_proj`` (see ``packed_modules``).
+
+    Tensor parallel: the heads are split (q_b_proj / q_proj rows, kv_b_proj rows, o_proj
+    input columns); the latent projections and the latent cache are replicated, every
+    rank computes the same latent."""
 
     def __init__(self, d: MLADims, layer_idx: int, rotary, scale: float):
         super().__init__()
-        self.d, self.layer_idx, self.rotary, self.scale = d, layer_idx, rotary, scale
-        h = d.num_heads
-        first = d.q_lora_rank if d.q_lora_rank else h * d.qk_head_dim
         if not d.q_lora_rank and d.attention_bias:
             raise ValueError("attention_bias with q_lora_rank=null is not supported (q_proj has no bias "
                              "but kv_a_proj_with_mqa has one, so they cannot share a packed GEMM)")
-        self.fused_qkv_a_proj = PackedLinear(d.hidden, [first, d.cache_dim], bias=d.attention_bias)
+        tp = get_tp_group()
+        H = d.num_heads
+        h0, h = tp.split(H, "num_attention_heads")
+        d = replace(d, num_heads=h)  # this rank's heads
+        self.d, self.layer_idx, self.rotary, self.scale = d, layer_idx, rotary, scale
+        q_full = H * d.qk_head_dim
+        q_part = None if d.q_lora_rank else Part(0, h0 * d.qk_head_dim, h * d.qk_head_dim, q_full)
+        self.fused_qkv_a_proj = packed_column_linear(d.hidden, [d.q_lora_rank or q_full, d.cache_dim], tp,
+                                                     d.attention_bias, parts=[q_part, None])
         if d.q_lora_rank:
             self.q_a_layernorm = RMSNorm(d.q_lora_rank, _LATENT_NORM_EPS)
-            self.q_b_proj = Linear(d.q_lora_rank, h * d.qk_head_dim)
+            self.q_b_proj = column_linear(d.q_lora_rank, q_full, tp)
         self.kv_a_layernorm = RMSNorm(d.kv_lora_rank, _LATENT_NORM_EPS)
-        self.kv_b_proj = LatentUpProjection(d)
-        self.o_proj = Linear(h * d.v_head_dim, d.hidden, bias=d.attention_bias)
+        per_head = d.qk_nope_head_dim + d.v_head_dim
+        self.kv_b_proj = shard_rows(LatentUpProjection(d),
+                                    Part(0, h0 * per_head, h * per_head, H * per_head) if tp.world_size > 1 else None)
+        self.o_proj = row_linear(H * d.v_head_dim, d.hidden, tp, d.attention_bias)
 
     @staticmethod
     def packed_modules(d: MLADims) -> dict:

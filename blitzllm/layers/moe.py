@@ -23,6 +23,13 @@ Parameter names: ``<block>.gate.weight`` [E, H], ``<block>.w13`` [E, 2I, H] (gat
 up rows, the layout of transformers' fused ``experts.gate_up_proj``), ``<block>.w2`` [E, H, I]
 (``experts.down_proj``). ``load_expert_weight`` / ``expert_load_keys`` are the model's
 ``load_custom_weight`` / ``required_load_keys`` for them; ``hf_expert_tensors`` the inverse.
+
+Tensor parallel (built inside ``distributed.building``): the experts are split by tensor
+(every rank holds every expert's slice of I: gate/up rows, down columns) or, where that
+slice would be thin (I / ranks < ``MIN_EXPERT_SLICE``) and the experts divide evenly, by
+expert (each rank holds E / ranks whole experts and drops the other ranks' (token, expert)
+pairs). ``BLITZ_MOE_SPLIT=tensor|expert`` forces one. Either way a rank's output is a
+partial sum, all-reduced by the next norm; the router is replicated.
 """
 from __future__ import annotations
 
@@ -34,7 +41,29 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ..distributed.layers import Part, copy_part, read_block, shape_of
+from ..distributed.parallel_state import TPGroup, get_tp_group
+
 SCORINGS = ("softmax", "sigmoid")
+MIN_EXPERT_SLICE = 128  # split by expert when a rank's slice of I would be thinner
+
+
+def moe_split(num_experts: int, intermediate: int, tp: TPGroup) -> str:
+    """How a tensor-parallel MoE block is split: "tensor" or "expert" (see the module doc)."""
+    n = tp.world_size
+    mode = os.environ.get("BLITZ_MOE_SPLIT")
+    if mode not in (None, "", "tensor", "expert"):
+        raise ValueError(f"BLITZ_MOE_SPLIT must be 'tensor' or 'expert', got {mode!r}")
+    if not mode:
+        thin = intermediate % n or intermediate // n < MIN_EXPERT_SLICE
+        mode = "expert" if num_experts % n == 0 and thin else "tensor"
+    if mode == "expert" and num_experts % n:
+        raise ValueError(f"the number of experts ({num_experts}) must be divisible by tensor_parallel_size ({n}) "
+                         "to split them by expert")
+    if mode == "tensor" and intermediate % n:
+        raise ValueError(f"moe_intermediate_size ({intermediate}) must be divisible by tensor_parallel_size ({n}) "
+                         "to split the experts by tensor")
+    return mode
 
 
 def _op(name: str):
@@ -85,8 +114,19 @@ class FusedMoE(nn.Module):
         self.gate = Router(hidden, num_experts, correction_bias == "gate")
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False) \
             if correction_bias == "block" else None
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        # this rank's experts [expert_start, + num_local_experts) (expert_start None: all of
+        # them) and slice [inter_start, + local_intermediate) of each
+        self.expert_start, self.num_local_experts = None, num_experts
+        self.inter_start, self.local_intermediate = 0, intermediate
+        tp = get_tp_group()
+        if tp.world_size > 1:
+            if moe_split(num_experts, intermediate, tp) == "expert":
+                self.num_local_experts = num_experts // tp.world_size
+                self.expert_start = tp.rank * self.num_local_experts
+            else:
+                self.inter_start, self.local_intermediate = tp.split(intermediate, "moe_intermediate_size")
+        self.w13 = nn.Parameter(torch.empty(self.num_local_experts, 2 * self.local_intermediate, hidden))
+        self.w2 = nn.Parameter(torch.empty(self.num_local_experts, hidden, self.local_intermediate))
         self.shared_experts = shared_experts
 
     @property
@@ -110,7 +150,13 @@ class FusedMoE(nn.Module):
             with torch.cuda.stream(side):
                 shared = self.shared_experts(x)
         weights, ids = self.route(x)
-        out = _op("fused_moe")(x, self.w13, self.w2, weights, ids)
+        if self.expert_start is None:
+            out = _op("fused_moe")(x, self.w13, self.w2, weights, ids)
+        else:  # split by expert: the other ranks' experts become id -1 with weight 0
+            local = ids - self.expert_start
+            mine = (local >= 0) & (local < self.num_local_experts)
+            out = _op("fused_moe")(x, self.w13, self.w2, weights * mine, torch.where(mine, local, -1),
+                                   dropped_ids=True)
         if side is not None:
             main.wait_stream(side)
         elif self.shared_experts is not None:
@@ -164,19 +210,36 @@ def load_expert_weight(model: nn.Module, name: str, tensor: torch.Tensor) -> Opt
     if not isinstance(moe, FusedMoE):
         return None
     proj = m["proj"]
-    inter = moe.intermediate
+    full, inter, i0 = moe.intermediate, moe.local_intermediate, moe.inter_start
+    e0, ne = moe.expert_start or 0, moe.num_local_experts
+    if m.groupdict().get("e") is not None:
+        e = int(m["e"])
+        if not 0 <= e < moe.num_experts or proj not in moe.expert_names:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
+        if not e0 <= e < e0 + ne:
+            return [_key(block, e, proj)]  # another rank's expert
+        part = moe.expert_names.index(proj)
+        sliced = inter != full
+        if part < 2:
+            copy_part(moe.w13[e - e0, part * inter:(part + 1) * inter], tensor,
+                      Part(0, i0, inter, full) if sliced else None, name)
+        else:
+            copy_part(moe.w2[e - e0], tensor, Part(1, i0, inter, full) if sliced else None, name)
+        return [_key(block, e, proj)]
+    leaf = "w13" if proj == "gate_up_proj" else "w2"
+    dst = getattr(moe, leaf)
+    full_shape = (moe.num_experts, 2 * full, moe.hidden) if leaf == "w13" else (moe.num_experts, moe.hidden, full)
+    if shape_of(tensor) != full_shape:
+        raise ValueError(f"shape mismatch for {name}: checkpoint {shape_of(tensor)}, model {full_shape}")
+    experts = slice(e0, e0 + ne)
     with torch.no_grad():
-        if m.groupdict().get("e") is not None:
-            e = int(m["e"])
-            if not 0 <= e < moe.num_experts or proj not in moe.expert_names:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
-            part = moe.expert_names.index(proj)
-            dst = moe.w13[e, part * inter:(part + 1) * inter] if part < 2 else moe.w2[e]
-            _copy(dst, tensor, name)
-            return [_key(block, e, proj)]
-        leaf = "w13" if proj == "gate_up_proj" else "w2"
-        _copy(getattr(moe, leaf), tensor, name)
-        return _stacked_keys(block, moe, leaf)
+        if leaf == "w13":  # this rank's rows of the gate half, then of the up half
+            for half in (0, 1):
+                rows = slice(half * full + i0, half * full + i0 + inter)
+                dst[:, half * inter:(half + 1) * inter].copy_(read_block(tensor, [experts, rows]))
+        else:
+            dst.copy_(read_block(tensor, [experts, slice(None), slice(i0, i0 + inter)]))
+    return _stacked_keys(block, moe, leaf)
 
 
 def expert_load_keys(model: nn.Module, param_name: str) -> Optional[list]:
@@ -196,7 +259,7 @@ def hf_expert_tensors(block: str, moe: FusedMoE, leaf: str, param: torch.Tensor,
     if not per_expert:
         return {f"{block}.experts.{HF_FUSED_NAMES[leaf]}": param}
     gate, up, down = moe.expert_names
-    inter, out = moe.intermediate, {}
+    inter, out = moe.local_intermediate, {}
     for e in range(moe.num_experts):
         if leaf == "w13":
             out[f"{_key(block, e, gate)}.weight"] = param[e, :inter]
@@ -204,12 +267,6 @@ def hf_expert_tensors(block: str, moe: FusedMoE, leaf: str, param: torch.Tensor,
         else:
             out[f"{_key(block, e, down)}.weight"] = param[e]
     return out
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    if tuple(dst.shape) != tuple(src.shape):
-        raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(src.shape)}, model {tuple(dst.shape)}")
-    dst.copy_(src)
 
 
 def _find_module(model: nn.Module, path: str) -> Optional[nn.Module]:

@@ -24,6 +24,7 @@ class ModelSource:
     num_tensors: Optional[int]
     tokenizer_loader: Callable[[], object]
     torch_dtype: Optional[str]
+    slices: Optional[Callable[[], Iterator]] = None  # safetensors: lazy slices (tensor-parallel loading)
 
 
 def list_presets() -> list[str]:
@@ -65,7 +66,8 @@ def _hf_source(folder: Path) -> ModelSource:
     if not any(folder.glob("*.safetensors")):
         raise ValueError(f"model folder {folder} has no *.safetensors weights")
     return ModelSource("hf", folder, cfg, lambda: iter_safetensors(folder), None,
-                       lambda: load_hf_tokenizer(folder), cfg.get("torch_dtype") or cfg.get("dtype"))
+                       lambda: load_hf_tokenizer(folder), cfg.get("torch_dtype") or cfg.get("dtype"),
+                       slices=lambda: iter_safetensors(folder, lazy=True))
 
 
 def _preset_source(name: str) -> ModelSource:
@@ -117,7 +119,7 @@ def resolve_model(model: str, load_format: str = "auto") -> ModelSource:
         else:
             raise ValueError(f"model not found: {model} (not a file, folder, preset or hub id)")
     if load_format == "dummy":
-        src.tensors = None
+        src.tensors = src.slices = None
     elif src.tensors is None and load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format={load_format} needs a model with weights; {model} is a preset")
     return src

@@ -4,21 +4,29 @@ declares (``packed_modules``); or fill it with dummy weights. One tensor in flig
 Model-declared mappings: ``packed_modules`` (checkpoint sub-name -> packed parameter shard),
 ``hf_module_renames`` (transformers' module name -> ours, accepted on load and written on
 export), ``load_custom_weight`` / ``required_load_keys`` (stacked MoE experts and the like).
+
+Tensor parallel: a module built for one rank of several declares the part of each
+checkpoint tensor it holds (``tp_parts``, see ``distributed/layers.py``); the stream then
+carries lazy safetensors slices and only that part is read.
 """
 from __future__ import annotations
 
 import json
 import os
+import zlib
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
 
+from ..distributed.layers import copy_part, module_part
 from ..layers.linear import PackedLinear
 from ..layers.moe import HF_FUSED_NAMES, FusedMoE, Router, hf_expert_tensors
 
 
-def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(folder: Path, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every checkpoint tensor; ``lazy``: (name, safetensors slice), read
+    on indexing (``slice[a:b]``), so a tensor-parallel rank reads only its part."""
     from safetensors import safe_open
     index = folder / "model.safetensors.index.json"
     if index.exists():
@@ -30,7 +38,7 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for fname in files:
         with safe_open(str(folder / fname), framework="pt") as f:
             for key in f.keys():
-                yield key, f.get_tensor(key)
+                yield key, (f.get_slice(key) if lazy else f.get_tensor(key))
 
 
 def _progress(total: int, desc: str):
@@ -79,18 +87,15 @@ def load_weights(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tens
             if _is_unused_layer(name, model):
                 continue
             raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
-        with torch.no_grad():
-            if shard is None:
-                if tuple(param.shape) != tuple(tensor.shape):
-                    raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, "
-                                     f"model {tuple(param.shape)}")
-                param.copy_(tensor)
-                loaded.add(target)
-            else:
-                mod = modules[target.rsplit(".", 1)[0]]
-                assert isinstance(mod, PackedLinear)
-                param[mod.shard_slice(shard)].copy_(tensor)
-                loaded.add(f"{target}#{shard}")
+        mod_name, _, leaf = target.rpartition(".")
+        mod = modules[mod_name]
+        if shard is None:
+            copy_part(param, tensor, module_part(mod, leaf, None), name)
+            loaded.add(target)
+        else:
+            assert isinstance(mod, PackedLinear)
+            copy_part(param[mod.shard_slice(shard)], tensor, module_part(mod, leaf, shard), name)
+            loaded.add(f"{target}#{shard}")
         del tensor
     if bar is not None:
         bar.close()
@@ -132,9 +137,11 @@ def _check_complete(model, params, modules, loaded):
                          + (" ..." if len(missing) > 6 else ""))
 
 
-def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0, per_parameter_seeds: bool = False) -> None:
     """Random weights with sane scales (norms at 1), drawn in place on the model's device:
-    for speed work, where the values do not change the time.
+    for speed work, where the values do not change the time. Tensor-parallel ranks
+    (``per_parameter_seeds``) draw each parameter from a seed of its own name, so the
+    parameters every rank holds whole (routers, latent projections) are the same on all.
 
     MoE models route like a trained model (one trained with a load-balancing loss) does,
     so a benchmark sees tokens spread evenly over the experts, not a few hot experts:
@@ -166,7 +173,10 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
             if name.endswith("e_score_correction_bias"):
                 p.zero_()
                 continue
-            gen = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
+            if per_parameter_seeds:
+                gen = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            else:
+                gen = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
             if name in routers:
                 p.copy_(_balanced_router(p.shape[0], p.shape[1], gen, p.device))
                 continue

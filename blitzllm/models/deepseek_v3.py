@@ -19,6 +19,8 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..distributed.layers import copy_part, lm_head, module_part
+from ..distributed.parallel_state import get_tp_group
 from ..layers.linear import Linear
 from ..layers.mla import MLADims, MLAttention
 from ..layers.moe import FusedMoE, expert_load_keys, load_expert_weight
@@ -84,8 +86,8 @@ class DeepseekV3DecoderLayer(nn.Module):
         scale = a.mla.softmax_scale(cfg.rope_scaling)
         self.self_attn = MLAttention(a.mla, idx if cache_idx is None else cache_idx, rotary, scale)
         self.mlp = _make_mlp(cfg, a, idx)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, get_tp_group())
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, get_tp_group())
 
     def forward(self, positions, x, residual):
         # pre-norms enter the projection after them (a GEMV prologue on CUDA decode)
@@ -97,7 +99,7 @@ class SharedHead(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.head = Linear(cfg.hidden_size, cfg.vocab_size)
+        self.head = lm_head(cfg.hidden_size, cfg.vocab_size, get_tp_group())
 
 
 class MTPLayer(DeepseekV3DecoderLayer):
@@ -190,8 +192,5 @@ def _copy_packed(root: nn.Module, packed: dict, name: str, tensor: torch.Tensor)
     if not isinstance(param, torch.Tensor):
         raise ValueError(f"checkpoint tensor {name!r} has no place in DeepSeek's MTP layers")
     dst = param if shard is None else param[mod.shard_slice(shard)]
-    if tuple(dst.shape) != tuple(tensor.shape):
-        raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, model {tuple(dst.shape)}")
-    with torch.no_grad():
-        dst.copy_(tensor)
+    copy_part(dst, tensor, module_part(mod, leaf, shard), name)
     return ".".join(path + [leaf]) + ("" if shard is None else f"#{shard}")

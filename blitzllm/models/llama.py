@@ -5,15 +5,21 @@ q/k RMSNorm (Qwen3). Checkpoint names follow HF; ``packed_modules`` declares how
 gate/up are packed into single GEMMs at load time. Other decoders reuse the blocks:
 ``DecoderLayer`` takes any MLP module (MoE models pass a ``FusedMoE``), and a model class
 overrides ``make_layer`` / ``rotary_dim`` (see qwen3_moe.py, minimax_m2.py).
+
+Built inside ``distributed.building(group)`` the layers are this rank's tensor-parallel
+shards (``distributed/layers.py``); the pre-norms sum the row-parallel partial outputs.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..distributed.layers import Part, lm_head, packed_column_linear, row_linear, shard_rows, vocab_embedding
+from ..distributed.parallel_state import get_tp_group, split_heads
 from ..layers.attention import Attention
-from ..layers.linear import Linear, PackedLinear
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
 
@@ -21,32 +27,64 @@ from ..layers.rotary import RotaryEmbedding
 class DecoderAttention(nn.Module):
     """``qk_norm``: None (from the config: per head when ``cfg.qk_norm``), "head" (RMSNorm
     over each head's D values, Qwen3) or "full" (over the whole q / k projection output,
-    MiniMax-M2)."""
+    MiniMax-M2).
+
+    Tensor parallel: each rank holds ``split_heads``' query heads and KV heads (q/k/v rows
+    of the packed projection, o_proj's matching input columns); a full-width q/k norm
+    holds its heads' slice of the weights and all-reduces sums of squares."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, qk_norm: str | None = None):
         super().__init__()
         d = cfg.head_dim
-        self.qkv_proj = PackedLinear(cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], bias=cfg.attention_bias)
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size)
+        tp = get_tp_group()
+        h = split_heads(cfg.num_heads, cfg.num_kv_heads, tp)
+        q_part = Part(0, h.q_start * d, h.num_heads * d, cfg.q_size)
+        kv_part = Part(0, h.kv_start * d, h.num_kv_heads * d, cfg.kv_size)
+        self.qkv_proj = packed_column_linear(cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size], tp,
+                                             cfg.attention_bias, parts=[q_part, kv_part, kv_part])
+        self.o_proj = row_linear(cfg.q_size, cfg.hidden_size, tp, part=replace(q_part, dim=1))
         qk_norm = qk_norm or ("head" if cfg.qk_norm else None)
         if qk_norm not in (None, "head", "full"):
             raise ValueError(f"qk_norm must be None, 'head' or 'full', got {qk_norm!r}")
         full = qk_norm == "full"
         # q_norm / k_norm live here so checkpoint names (self_attn.q_norm) match HF
-        self.q_norm = RMSNorm(cfg.q_size if full else d, cfg.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(cfg.kv_size if full else d, cfg.rms_norm_eps) if qk_norm else None
-        self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, d, layer_idx, rotary, self.q_norm, self.k_norm,
-                              full_width_qk_norm=full)
+        self.q_norm = self.k_norm = None
+        if qk_norm:
+            self.q_norm = shard_rows(RMSNorm(q_part.size if full else d, cfg.rms_norm_eps),
+                                     q_part if full and tp.world_size > 1 else None)
+            self.k_norm = shard_rows(RMSNorm(kv_part.size if full else d, cfg.rms_norm_eps),
+                                     kv_part if full and tp.world_size > 1 else None)
+        pre_norm = None
+        if full and tp.world_size > 1:  # all ranks' heads together: the norm runs before the backend
+            pre_norm = FullWidthQKNorm(self.q_norm, self.k_norm, h, d, tp)
+        self.attn = Attention(h.num_heads, h.num_kv_heads, d, layer_idx, rotary,
+                              None if pre_norm else self.q_norm, None if pre_norm else self.k_norm,
+                              full_width_qk_norm=full and pre_norm is None, pre_norm=pre_norm)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return self.o_proj(self.attn(positions, self.qkv_proj(x)))
 
 
+class FullWidthQKNorm:
+    """The full-width q/k RMSNorm of a tensor-parallel layer (a plain callable: the norms
+    stay registered on ``DecoderAttention`` under their checkpoint names)."""
+
+    def __init__(self, q_norm, k_norm, heads, head_dim, tp):
+        self.norms, self.heads, self.head_dim, self.tp = (q_norm, k_norm), heads, head_dim, tp
+
+    def __call__(self, qkv: torch.Tensor) -> torch.Tensor:
+        from ..distributed.allreduce_norm import full_width_qk_norm
+        return full_width_qk_norm(qkv, *self.norms, self.heads, self.head_dim, self.tp)
+
+
 class DenseMLP(nn.Module):
+    """Tensor parallel: gate/up rows and down_proj's input columns split over the ranks."""
+
     def __init__(self, hidden: int, inter: int):
         super().__init__()
-        self.gate_up_proj = PackedLinear(hidden, [inter, inter])
-        self.down_proj = Linear(inter, hidden)
+        tp = get_tp_group()
+        self.gate_up_proj = packed_column_linear(hidden, [inter, inter], tp, what="intermediate_size")
+        self.down_proj = row_linear(inter, hidden, tp, what="intermediate_size")
 
     def forward(self, x):
         return self.down_proj(self.gate_up_proj(x), silu_mul_input=True)
@@ -62,8 +100,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = DecoderAttention(cfg, idx, rotary, qk_norm)
         self.mlp_name = mlp_name
         self.add_module(mlp_name, mlp if mlp is not None else DenseMLP(cfg.hidden_size, cfg.intermediate_size))
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, get_tp_group())
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, get_tp_group())
 
     def forward(self, positions, x, residual):
         # each RMSNorm (with the residual add) enters the projection after it, so CUDA
@@ -92,9 +130,9 @@ class DecoderModel(nn.Module):
         super().__init__()
         rotary = RotaryEmbedding(rotary_dim or cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                  cfg.rope_scaling)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size, get_tp_group())
         self.layers = nn.ModuleList(make_layer(cfg, i, rotary) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, get_tp_group())
 
     def forward(self, input_ids, positions):
         x, residual = self.embed_tokens(input_ids), None
@@ -115,7 +153,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderModel(cfg, self.make_layer, self.rotary_dim(cfg))
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        self.lm_head = lm_head(cfg.hidden_size, cfg.vocab_size, get_tp_group())
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

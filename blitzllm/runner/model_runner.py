@@ -4,6 +4,12 @@ Owns the model weights, the KV cache tensors and the attention backend. Turns th
 scheduler's list of (request, token range) into flat input ids, positions and attention
 metadata, runs the model inside a forward context and samples on the device. Knows nothing
 about stop conditions or text.
+
+Tensor parallel: every rank has a runner over its shard of the model and of the KV cache.
+Rank 0's runner has a ``driver`` (``distributed/launcher.py``) and broadcasts each
+forward's host inputs before running it; the other ranks' runners get them in
+``distributed/worker.py`` and run the same forward, so the collectives inside meet.
+Sampling happens on rank 0 only.
 """
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ from typing import Optional
 import torch
 
 from ..config import CacheConfig, ModelConfig
+from ..distributed.parallel_state import SINGLE, TPGroup, building
 from ..layers.attention import AttentionMetadata, ForwardContext, forward_context, select_backend
 from ..layers.sampler import Sampler, SamplingMetadata, SamplingRow
 from ..loader.source import ModelSource
@@ -29,7 +36,14 @@ class StepResult:
 
 
 def build_model(src: ModelSource, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int,
-                weight_dtype=None):
+                weight_dtype=None, tp: TPGroup = SINGLE):
+    """The model (this rank's shard of it when ``tp`` has several ranks: safetensors are
+    read lazily, a part per rank) with its weights, in eval mode."""
+    with building(tp):
+        return _build_model(src, cfg, device, dtype, seed, weight_dtype, tp)
+
+
+def _build_model(src, cfg, device, dtype, seed, weight_dtype, tp):
     cls = get_model_class(cfg.architecture)
     with torch.device("meta"):
         model = cls(cfg)
@@ -44,9 +58,10 @@ def build_model(src: ModelSource, cfg: ModelConfig, device: torch.device, dtype:
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     if src.tensors is None:
-        init_dummy_weights(model, seed)
+        init_dummy_weights(model, seed, per_parameter_seeds=tp.world_size > 1)
     else:
-        load_weights(model, src.tensors(), src.num_tensors)
+        lazy = tp.world_size > 1 and src.slices is not None
+        load_weights(model, src.slices() if lazy else src.tensors(), src.num_tensors)
     if weight_dtype == "int4":
         if device.type != "cpu":
             raise ValueError("weight_dtype='int4' runs on the CPU only (torch's int4 CPU kernel)")
@@ -59,10 +74,11 @@ def build_model(src: ModelSource, cfg: ModelConfig, device: torch.device, dtype:
     return model
 
 
-def allocate_kv_caches(cfg: ModelConfig, cache: CacheConfig, dtype, device) -> list:
+def allocate_kv_caches(cfg: ModelConfig, cache: CacheConfig, dtype, device, tp_size: int = 1) -> list:
     """Per layer (k_cache, v_cache), each [num_blocks, block_size, heads, dim]; MLA models
-    get (latent_cache, None) with one head of kv_lora_rank + qk_rope_head_dim values."""
-    n, heads, dim = cfg.kv_cache_entry
+    get (latent_cache, None) with one head of kv_lora_rank + qk_rope_head_dim values. With
+    ``tp_size`` ranks, a rank's share of the KV heads."""
+    n, heads, dim = cfg.kv_cache_entry_for(tp_size)
     shape = (cache.num_blocks, cache.block_size, heads, dim)
     out = []
     for _ in range(cfg.num_layers):
@@ -74,7 +90,7 @@ def allocate_kv_caches(cfg: ModelConfig, cache: CacheConfig, dtype, device) -> l
 class ModelRunner:
     def __init__(self, model, cfg: ModelConfig, cache: CacheConfig, device, dtype,
                  max_num_seqs: int = 256, max_model_len: int = 4096, enforce_eager: bool = False,
-                 attention_backend: str = "auto", max_decode_rows: int = 0):
+                 attention_backend: str = "auto", tp: TPGroup = SINGLE, max_decode_rows: int = 0):
         """``max_decode_rows``: decode graphs are captured for up to max(max_num_seqs, this)
         rows (speculative verify steps run as one decode row per scored position)."""
         self.model = model
@@ -86,7 +102,8 @@ class ModelRunner:
         if max_decode_rows and hasattr(self.backend, "fused_decode"):
             self.backend.fused_decode = False   # verify rows of one sequence read each other's k/v
         self.sampler = Sampler()
-        self.kv_caches = allocate_kv_caches(cfg, cache, dtype, device)
+        self.kv_caches = allocate_kv_caches(cfg, cache, dtype, device, tp.world_size)
+        self.driver = None  # rank 0 of several: sends each forward's inputs to the other ranks
         self.graphs = None
         self._ahead = None  # (key, SamplerOutput) of a launched look-ahead decode step
         if device.type == "cuda" and not enforce_eager and self.backend.name == "triton":
@@ -135,7 +152,7 @@ class ModelRunner:
             lens.append(end + ahead)
         return pos, slots, lens
 
-    def _launch_decode_graph(self, ids, pos, slots, lens, block_tables) -> torch.Tensor:
+    def launch_decode_graph(self, ids, pos, slots, lens, block_tables) -> torch.Tensor:
         """ids: host list or a device tensor (the previous step's sampled tokens)."""
         width = max(len(t) for t in block_tables)
         bt = [t + [0] * (width - len(t)) for t in block_tables]
@@ -149,19 +166,26 @@ class ModelRunner:
         """Pure decode through the CUDA graphs, one step pipelined: right after sampling
         step N, step N+1 is launched on the sampled tokens (still on the device), so the
         host's bookkeeping overlaps the GPU. The look-ahead is used only if the next call
-        asks for exactly that step; otherwise it is dropped (its KV writes are rewritten)."""
+        asks for exactly that step; otherwise it is dropped (its KV writes are rewritten).
+        Tensor parallel: no look-ahead (the other ranks need the tokens on their host)."""
         cur = self._decode_inputs(seqs, block_tables)
+        if self.driver is not None:
+            ids = [t[0] for t, _, _ in seqs]
+            with self.driver.step():
+                self.driver.send(("graph", ids, *cur, block_tables))
+                logits = self.launch_decode_graph(ids, *cur, block_tables)
+            return _to_host_async(self.sampler(logits, SamplingMetadata.build(rows, self.cfg.vocab_size, self.device)))
         key = (tuple(cur[0]), tuple(cur[1]), tuple((r.seed, len(r.output_ids), id(r.params)) for r in rows))
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead[0] == key:
             out = ahead[1]
         else:
-            logits = self._launch_decode_graph([t[0] for t, _, _ in seqs], *cur, block_tables)
+            logits = self.launch_decode_graph([t[0] for t, _, _ in seqs], *cur, block_tables)
             out = self.sampler(logits, SamplingMetadata.build(rows, self.cfg.vocab_size, self.device))
         host = _to_host_async(out)
         nxt = self._decode_inputs(seqs, block_tables, ahead=1)
         if nxt is not None and not any(r.params.uses_penalties for r in rows):
-            logits = self._launch_decode_graph(out.token_ids, *nxt, block_tables)
+            logits = self.launch_decode_graph(out.token_ids, *nxt, block_tables)
             nout = self.sampler(logits, SamplingMetadata.build(rows, self.cfg.vocab_size, self.device, extra_steps=1))
             nkey = (tuple(nxt[0]), tuple(nxt[1]), tuple((r.seed, len(r.output_ids) + 1, id(r.params)) for r in rows))
             self._ahead = (nkey, nout)
@@ -173,30 +197,35 @@ class ModelRunner:
         if (self.graphs is not None and all(e - s == 1 for _, s, e in seqs) and len(sample_idx) == len(seqs)
                 and self.graphs.can_run(len(seqs))):
             return _host_result(self._decode_step(seqs, block_tables, rows))
-        self._ahead = None
-        input_ids, positions, md, qsl = self.prepare(seqs, block_tables)
-        with forward_context(ForwardContext(md, self.kv_caches, self.backend)):
-            hidden = self.model(input_ids, positions)
+        logits = self.score(seqs, block_tables, sample_idx, [1] * len(sample_idx))
         if not sample_idx:
             return StepResult([], [], None)
-        last = torch.tensor([qsl[i + 1] - 1 for i in sample_idx], device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, last))
         smd = SamplingMetadata.build(rows, self.cfg.vocab_size, self.device)
         return _host_result(_to_host_async(self.sampler(logits, smd)))
 
-
     @torch.inference_mode()
-    def score(self, seqs, block_tables, sample_idx: list[int], counts: list[int]) -> torch.Tensor:
+    def score(self, seqs, block_tables, sample_idx: list[int], counts: list[int]) -> Optional[torch.Tensor]:
         """Eager forward that returns the logits of the last ``counts[j]`` positions of
         batch row ``sample_idx[j]`` (a speculative verify step: each drafting row scores
-        its k drafts plus the bonus position), stacked in row order: [sum(counts), V]."""
+        its k drafts plus the bonus position), stacked in row order: [sum(counts), V];
+        None when no row asks for logits."""
         self._ahead = None
         if (self.graphs is not None and len(sample_idx) == len(seqs)
                 and all(c == e - s for c, (_, s, e) in zip(counts, seqs)) and self.graphs.can_run(sum(counts))):
             return self._score_as_decode_rows(seqs, block_tables)
+        if self.driver is None:
+            return self.forward(seqs, block_tables, sample_idx, counts)
+        with self.driver.step():
+            self.driver.send(("forward", seqs, block_tables, sample_idx, counts))
+            return self.forward(seqs, block_tables, sample_idx, counts)
+
+    def forward(self, seqs, block_tables, sample_idx: list[int], counts: list[int]) -> Optional[torch.Tensor]:
+        """``score`` without the broadcast (what every tensor-parallel rank runs)."""
         input_ids, positions, md, qsl = self.prepare(seqs, block_tables)
         with forward_context(ForwardContext(md, self.kv_caches, self.backend)):
             hidden = self.model(input_ids, positions)
+        if not sample_idx:
+            return None
         idx = [p for i, c in zip(sample_idx, counts) for p in range(qsl[i + 1] - c, qsl[i + 1])]
         return self.model.compute_logits(hidden.index_select(0, torch.tensor(idx, device=self.device)))
 
@@ -216,7 +245,11 @@ class ModelRunner:
                 slots.append(table[p // bs] * bs + p % bs)
                 lens.append(p + 1)
                 tables.append(table)
-        return self._launch_decode_graph(ids, pos, slots, lens, tables)
+        if self.driver is None:
+            return self.launch_decode_graph(ids, pos, slots, lens, tables)
+        with self.driver.step():
+            self.driver.send(("graph", ids, pos, slots, lens, tables))
+            return self.launch_decode_graph(ids, pos, slots, lens, tables)
 
 
 def _to_host_async(out):

@@ -112,6 +112,8 @@ def run_server(args: argparse.Namespace) -> int:
         aengine.shutdown()
         server.should_exit = True
         http.join(15)
+    if aengine.fatal_error is not None:
+        raise RuntimeError(f"the engine failed while serving: {aengine.fatal_error}")
     if failure:
         e = failure[0]
         if isinstance(e, ValueError):

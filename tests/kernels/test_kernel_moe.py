@@ -246,6 +246,23 @@ def test_fused_moe_two_pass_sort(device):
     close(out, reference_fused_moe(x, w13, w2, weights, ids), TOL[torch.float32])
 
 
+@pytest.mark.parametrize("t,cfg", [(3, "m16-even"), (17, "auto")])
+def test_fused_moe_dropped_ids(t, cfg, device):
+    """Expert-parallel ranks hold experts [4, 8) of 8: the others' entries come as id -1 with
+    weight 0 and must add nothing (the combine skips their unwritten rows). The sum over
+    both ranks' halves is the full layer."""
+    x, w13, w2, weights, ids = moe_inputs(t, 8, 3, 64, 40, torch.float32, device, seed=t)
+    total = torch.zeros_like(x)
+    for start in (0, 4):
+        local = ids - start
+        mine = (local >= 0) & (local < 4)
+        args = (x, w13[start:start + 4], w2[start:start + 4], weights * mine, torch.where(mine, local, -1))
+        out = fused_moe_triton(*args, config=MOE_CONFIGS[cfg], dropped_ids=True)
+        close(out, reference_fused_moe(*args, dropped_ids=True), TOL[torch.float32])
+        total += out
+    close(total, reference_fused_moe(x, w13, w2, weights, ids), TOL[torch.float32])
+
+
 def test_moe_config_heuristic():
     bf16, sms = torch.bfloat16, 132
     for t in (1, 4, 16):  # decode: memory-bound tiles that cover the SMs

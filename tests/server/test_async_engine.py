@@ -58,6 +58,9 @@ class FakeEngine:
         running = min(len(self.requests), self.max_num_seqs)
         return {"num_running": running, "num_waiting": len(self.requests) - running, "kv_cache_usage": 0.0}
 
+    def close(self):
+        self.closed = True
+
 
 def run(coro_fn, engine, **kw):
     async def main():
@@ -72,6 +75,14 @@ def run(coro_fn, engine, **kw):
         finally:
             ae.shutdown()
     return asyncio.run(main())
+
+
+async def until(cond, timeout_s: float = 2.0) -> None:
+    """Poll ``cond`` on the event loop until it holds (or the timeout passes)."""
+    for _ in range(int(timeout_s / 0.01)):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
 
 
 async def collect(ae, rid, max_tokens=5, n=1):
@@ -160,6 +171,33 @@ def test_engine_failure_fails_in_flight_requests_then_recovers():
     assert eng.requests == {}
 
 
+def test_dead_engine_fails_in_flight_requests_and_stops_serving():
+    """A tensor-parallel worker died (TPWorkerError): no step can run again, so the stream
+    fails, the engine reports not ready with the reason, the loop ends and closes it."""
+    from blitzllm.distributed.launcher import TPWorkerError
+    eng = FakeEngine(step_s=0.01)
+    errors = []
+
+    def step():
+        raise TPWorkerError("tensor-parallel worker rank 1 (pid 1) died with exit code -9")
+
+    async def go(ae):
+        stream = await ae.add_request("x", [1], SamplingParams(max_tokens=10_000))
+        eng.step = step
+        with pytest.raises(EngineStepError, match="worker rank 1"):
+            async for _ in stream:
+                pass
+        await until(lambda: errors)
+        with pytest.raises(EngineNotReadyError, match="worker rank 1"):
+            await ae.add_request("y", [1], SamplingParams())
+        return ae
+
+    ae = run(go, eng, on_load_error=errors.append)
+    assert isinstance(ae.fatal_error, TPWorkerError) and errors == [ae.fatal_error]
+    ae._thread.join(5)
+    assert getattr(eng, "closed", False)
+
+
 def test_not_ready_and_load_failure():
     errors = []
 
@@ -171,10 +209,7 @@ def test_not_ready_and_load_failure():
         with pytest.raises(EngineNotReadyError):
             await ae.add_request("a", [1], SamplingParams())
         ae.start()
-        for _ in range(200):
-            if errors:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: errors)
         with pytest.raises(EngineNotReadyError, match="no such model"):
             await ae.add_request("a", [1], SamplingParams())
         ae.shutdown()

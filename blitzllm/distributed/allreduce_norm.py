@@ -1,0 +1,121 @@
+"""The collectives inside a tensor-parallel forward.
+
+``all_reduce_add_rms_norm``: after a row-parallel projection (attention's o_proj, the
+MLP's down_proj, the experts) each rank holds a partial sum of the hidden state; the next
+pre-norm sums it over the ranks, adds the residual and normalizes. On CUDA, messages up
+to ``ONESHOT_MAX_BYTES`` (decode batches) take the one-shot path: the partials go into a
+torch symmetric-memory buffer and one Triton kernel (``kernels/allreduce_rmsnorm.py``)
+reads every rank's buffer, adds the residual and normalizes; larger ones all-reduce over
+NCCL, then run the fused residual + RMSNorm kernel. On CPU: gloo, then the torch norm.
+``BLITZ_TP_ONESHOT=0`` sends every size through NCCL.
+
+``full_width_qk_norm``: MiniMax-M2 normalizes q over all query heads (and k over all KV
+heads) at once; each rank sums the squares of its heads, the [T, 2] sums are all-reduced,
+and every rank scales its own heads: q and k are never gathered.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from typing import Optional
+
+import torch
+
+from ..kernels.rmsnorm import fused_add_rms_norm, rms_norm
+from .parallel_state import HeadSplit, TPGroup
+
+log = logging.getLogger("blitzllm.distributed")
+
+ONESHOT_MAX_BYTES = int(os.environ.get("BLITZ_TP_ONESHOT_BYTES", str(512 << 10)))
+# a one-shot barrier still waiting after this long traps (a dead peer cannot hang the GPU)
+BARRIER_TIMEOUT_MS = int(float(os.environ.get("BLITZ_TP_BARRIER_TIMEOUT", "60")) * 1000)
+
+
+def all_reduce_add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
+                            tp: TPGroup) -> tuple:
+    """``x``: this rank's partial sums [T, N]. Returns ``(rms_norm(sum(x) + residual),
+    sum(x) + residual)``, identical on every rank; ``residual=None``: ``(rms_norm(sum(x)), sum(x))``."""
+    ws = tp.oneshot
+    if ws is not None and ws.fits(x):
+        return ws.all_reduce_rms_norm(x, residual, weight, eps)
+    x = tp.all_reduce(x.contiguous())
+    if residual is None:
+        return rms_norm(x, weight, eps), x
+    return fused_add_rms_norm(x, residual, weight, eps)
+
+
+class OneShotWorkspace:
+    """A symmetric-memory buffer of ``ONESHOT_MAX_BYTES`` per rank and the table of the
+    ranks' buffer addresses. Made once at start-up (before CUDA-graph capture)."""
+
+    def __init__(self, buf: torch.Tensor, handle, ptrs: torch.Tensor):
+        self.buf, self.handle, self.ptrs = buf, handle, ptrs
+
+    @classmethod
+    def create(cls, tp: TPGroup) -> Optional["OneShotWorkspace"]:
+        from ..kernels._common import HAS_TRITON
+        if os.environ.get("BLITZ_TP_ONESHOT", "1") == "0" or not HAS_TRITON or ONESHOT_MAX_BYTES <= 0:
+            return None
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+            name = tp.device_group.group_name
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed by older torch, a no-op later
+                    symm_mem.enable_symm_mem_for_group(name)
+            buf = symm_mem.empty(ONESHOT_MAX_BYTES, dtype=torch.uint8, device=tp.device)
+            handle = symm_mem.rendezvous(buf, name)
+            ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=tp.device)
+        except Exception as e:  # no P2P between the GPUs, an old torch ...: NCCL for every size
+            log.warning("one-shot all-reduce unavailable (%s: %s); using NCCL for every size", type(e).__name__, e)
+            return None
+        ws = cls(buf, handle, ptrs)
+        if not ws.agrees_with_nccl(tp):
+            log.warning("one-shot all-reduce disagrees with NCCL on this machine; using NCCL for every size")
+            return None
+        return ws
+
+    def agrees_with_nccl(self, tp: TPGroup) -> bool:
+        """Start-up check (every rank, same order): one fused call against NCCL + the norm
+        on random data; the ranks agree on the verdict."""
+        import torch.distributed as dist
+        dev = tp.device
+        x = torch.randn(3, 256, device=dev, generator=torch.Generator(device=dev).manual_seed(7 + tp.rank))
+        g = torch.Generator(device=dev).manual_seed(1)
+        residual, weight = torch.randn(3, 256, device=dev, generator=g), torch.rand(256, device=dev, generator=g)
+        out, res = self.all_reduce_rms_norm(x, residual, weight, 1e-6)
+        ref_out, ref_res = fused_add_rms_norm(tp.all_reduce(x.clone()), residual, weight, 1e-6)
+        ok = torch.tensor([int(torch.allclose(res, ref_res, atol=1e-5, rtol=1e-5)
+                               and torch.allclose(out, ref_out, atol=1e-4, rtol=1e-4))])
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=tp.cpu_group)
+        return bool(ok.item())
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return x.is_cuda and x.dim() == 2 and x.numel() * x.element_size() <= self.buf.numel()
+
+    def all_reduce_rms_norm(self, x, residual, weight, eps):
+        from ..kernels.allreduce_rmsnorm import oneshot_allreduce_rms_norm_triton
+        rows, n = x.shape
+        local = self.buf[: rows * n * x.element_size()].view(x.dtype).view(rows, n)
+        self.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)  # all have read the last call's buffers
+        local.copy_(x)
+        self.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)  # every rank's partial sums are in place
+        return oneshot_allreduce_rms_norm_triton(self.ptrs, rows, n, residual, weight, eps, x.dtype)
+
+
+def full_width_qk_norm(qkv: torch.Tensor, q_norm, k_norm, heads: HeadSplit, head_dim: int, tp: TPGroup) -> torch.Tensor:
+    """qkv [T, (hq + 2 hkv) * D] of this rank's heads -> the same with q and k normalized
+    over all heads of all ranks (``q_norm`` / ``k_norm``: RMSNorms holding this rank's
+    slice of the full-width weights). A replicated KV head counts once."""
+    hq, hkv, d = heads.num_heads, heads.num_kv_heads, head_dim
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=1)
+    sums = torch.stack([q.float().square().sum(-1), k.float().square().sum(-1) / heads.kv_replicas], 1)
+    tp.all_reduce(sums)
+    q_width, k_width = hq * d * tp.world_size, hkv * d * tp.world_size // heads.kv_replicas
+
+    def scale(x, total, width, norm):
+        normed = (x.float() * torch.rsqrt(total / width + norm.eps)[:, None]).to(x.dtype)
+        return (norm.weight.float() * normed.float()).to(x.dtype)
+
+    return torch.cat([scale(q, sums[:, 0], q_width, q_norm), scale(k, sums[:, 1], k_width, k_norm), v], 1)

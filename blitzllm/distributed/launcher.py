@@ -1,0 +1,240 @@
+"""Rank 0's side of a tensor-parallel engine: start or join the world, broadcast each
+step's inputs, watch the workers, shut them down.
+
+One host: rank 0 (the engine process) hosts a TCP store on a free loopback port and
+spawns ranks 1..N-1 (``multiprocessing`` spawn context, daemon processes). Several
+hosts: every rank is started by torchrun (or by hand) with ``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``, ``MASTER_PORT`` (and ``LOCAL_RANK``); rank 0 runs the engine, the others
+run ``worker.run_worker``.
+
+Failure: a spawned worker that dies is seen by a watchdog thread within
+``WATCH_INTERVAL_S``; it kills the other workers (a collective waiting on the dead rank
+then fails: gloo on the closed sockets, NCCL by an abort) and every later step raises
+``TPWorkerError``. Any exception inside a step is fatal too: the ranks no longer agree on
+where they are. Collectives that hang without a death fail after ``BLITZ_TP_TIMEOUT``.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import threading
+import time
+import weakref
+from typing import Optional
+
+import torch
+
+from .parallel_state import (TPGroup, WorldEnv, abort_tp_group, building, connect_store, destroy_tp_group,
+                             init_tp_group, set_nccl_env, torchrun_env)
+
+log = logging.getLogger("blitzllm.distributed")
+
+STARTUP_TIMEOUT_S = float(os.environ.get("BLITZ_TP_STARTUP_TIMEOUT", "600"))
+WATCH_INTERVAL_S = 0.2
+DEATH_GRACE_S = 2.0  # after a failed collective, how long to look for a worker that died
+
+
+class TPWorkerError(RuntimeError):
+    """A tensor-parallel rank died or a step failed: the engine cannot go on."""
+
+
+def check_shardable(cfg, world_size: int) -> None:
+    """Raise the ValueError that building this model for ``world_size`` ranks would
+    (heads, KV heads, intermediate sizes, experts), before any process starts."""
+    from ..models.registry import get_model_class
+    with building(TPGroup(0, world_size)), torch.device("meta"):
+        get_model_class(cfg.architecture)(cfg)
+
+
+def send(group: TPGroup, msg) -> None:
+    import torch.distributed as dist
+    dist.broadcast_object_list([msg], src=0, group=group.cpu_group)
+
+
+def recv(group: TPGroup):
+    import torch.distributed as dist
+    box = [None]
+    dist.broadcast_object_list(box, src=0, group=group.cpu_group)
+    return box[0]
+
+
+def agree_min(group: TPGroup, value: int) -> int:
+    """The smallest ``value`` over the ranks (the KV blocks every rank can hold)."""
+    import torch.distributed as dist
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group.cpu_group)
+    return int(t.item())
+
+
+class TPDriver:
+    """Held by rank 0's engine (and its runner): ``group``, ``send`` of step messages
+    inside ``step()``, ``shutdown``. ``failure`` says why the world broke, once it has."""
+
+    def __init__(self, group: TPGroup, procs: list):
+        self.group = group
+        self.procs = procs                # [(rank, multiprocessing.Process)] spawned here
+        self.failure: Optional[str] = None
+        self.workers_waiting = False      # every worker waits for rank 0's next message
+        self.closed = False
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        # an engine dropped without close(): its workers go when the driver does
+        self._finalizer = weakref.finalize(self, _abandon, list(procs))
+        threading.Thread(target=_watch, args=(weakref.ref(self), self._stop), name="blitz-tp-watchdog",
+                         daemon=True).start()
+
+    # ---- start ----------------------------------------------------------------------
+    @classmethod
+    def launch(cls, args, world_size: int, device: torch.device) -> "TPDriver":
+        """Start (one host) or join (torchrun) a world of ``world_size`` ranks as rank 0;
+        ``device`` is rank 0's device (``parallel_state.rank_device``)."""
+        set_nccl_env()
+        env = torchrun_env()
+        procs = []
+        if env is None:
+            if device.type == "cuda" and torch.cuda.device_count() < (device.index or 0) + world_size:
+                raise ValueError(f"tensor_parallel_size={world_size} needs {world_size} GPUs from "
+                                 f"{device}; this host has {torch.cuda.device_count()}")
+            store = connect_store(WorldEnv(0, world_size, 0, "127.0.0.1", 0), STARTUP_TIMEOUT_S, is_master=True)
+            env = WorldEnv(0, world_size, 0, "127.0.0.1", store.underlying_store.port)
+            from .worker import run_worker
+            ctx = mp.get_context("spawn")
+            for r in range(1, world_size):
+                p = ctx.Process(target=run_worker, args=(args, WorldEnv(r, world_size, r, env.master_addr,
+                                                                          env.master_port), os.getpid()),
+                                name=f"blitz-tp-rank{r}", daemon=True)
+                p.start()
+                procs.append((r, p))
+        else:
+            if env.world_size != world_size or env.rank != 0:
+                raise ValueError(f"tensor_parallel_size={world_size} but the torch.distributed environment says "
+                                 f"WORLD_SIZE={env.world_size}, RANK={env.rank}")
+            store = connect_store(env, STARTUP_TIMEOUT_S)
+        try:
+            _wait_for_ranks(store, world_size, procs)
+            group = init_tp_group(env, store, device)
+        except BaseException:
+            _kill(procs)
+            raise
+        return cls(group, procs)
+
+    # ---- steps ----------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise ``TPWorkerError`` if the world is broken (looks at the workers now)."""
+        self._poll()
+        if self.failure is not None:
+            raise TPWorkerError(self.failure)
+
+    def send(self, msg) -> None:
+        self.check()
+        send(self.group, msg)
+
+    @contextlib.contextmanager
+    def step(self):
+        """Around one broadcast + forward: a dead rank or any error inside is fatal."""
+        self.check()
+        self.workers_waiting = False
+        try:
+            yield
+        except Exception as e:
+            self._fail_after(e, "step")
+            raise TPWorkerError(self.failure) from e
+        self.workers_waiting = True
+
+    def agree_min(self, value: int) -> int:
+        self.check()
+        try:
+            return agree_min(self.group, value)
+        except Exception as e:
+            self._fail_after(e, "start-up")
+            raise TPWorkerError(self.failure) from e
+
+    # ---- failure and shutdown ---------------------------------------------------------
+    def _poll(self) -> None:
+        for r, p in self.procs:
+            if not p.is_alive():
+                self._fail(f"tensor-parallel worker rank {r} (pid {p.pid}) died with exit code {p.exitcode}")
+                return
+
+    def _fail_after(self, e: Exception, what: str) -> None:
+        """A collective failed: name the worker that died if one did (a peer's sockets close
+        a moment before its process is reaped), else the error."""
+        deadline = time.monotonic() + DEATH_GRACE_S
+        while self.failure is None and time.monotonic() < deadline:
+            self._poll()
+            time.sleep(0.02)
+        self._fail(self.failure or f"tensor-parallel {what} failed: {type(e).__name__}: {e}")
+
+    def _fail(self, why: str) -> None:
+        with self._lock:
+            if self.failure is not None or self.closed:
+                return
+            self.failure = why
+        log.error("%s; stopping the other ranks", why)
+        _kill(self.procs)
+        abort_tp_group(self.group)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the workers (politely when they wait for a message, else by signal) and
+        leave the process groups. Idempotent."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+        self._stop.set()
+        if self.failure is None and self.workers_waiting:
+            with contextlib.suppress(Exception):
+                send(self.group, ("stop",))
+            deadline = time.monotonic() + timeout
+            for _, p in self.procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+        _kill(self.procs)
+        destroy_tp_group()
+        self._finalizer.detach()
+
+
+def _wait_for_ranks(store, world_size: int, procs: list) -> None:
+    """Until every rank checked in to the store (a spawned worker that dies first, or a
+    rank that never comes, is an error instead of a hang)."""
+    keys = [f"up/{r}" for r in range(1, world_size)]
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not store.check(keys):
+        for r, p in procs:
+            if not p.is_alive():
+                raise TPWorkerError(f"tensor-parallel worker rank {r} exited with code {p.exitcode} while "
+                                    "starting (its error is printed above)")
+        if time.monotonic() > deadline:
+            raise TPWorkerError(f"not every tensor-parallel rank joined within {STARTUP_TIMEOUT_S:.0f}s "
+                                "(BLITZ_TP_STARTUP_TIMEOUT); check MASTER_ADDR / MASTER_PORT on every host")
+        time.sleep(0.02)
+
+
+def _watch(ref, stop: threading.Event) -> None:
+    """The watchdog: polls the workers (holding the driver only weakly)."""
+    while not stop.wait(WATCH_INTERVAL_S):
+        driver = ref()
+        if driver is None:
+            return
+        driver._poll()
+        if driver.failure is not None:
+            return
+        del driver
+
+
+def _abandon(procs: list) -> None:
+    _kill(procs)
+    destroy_tp_group()
+
+
+def _kill(procs: list) -> None:
+    for _, p in procs:
+        if p.is_alive():
+            p.terminate()
+    for _, p in procs:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+

@@ -1,0 +1,82 @@
+"""One-shot all-reduce fused with the residual add and RMSNorm (tensor parallelism).
+
+Every rank has put its partial sums [rows, N] into a buffer the other ranks can read
+(symmetric memory on CUDA; any memory under the interpreter); ``ptrs`` [world] int64 holds
+the buffers' addresses, rank 0's first. One program per row reads the row from every
+buffer, sums in fp32 in rank order (so every rank computes bit-identical results), rounds
+to the input dtype, adds the residual and normalizes:
+
+    x = sum_r partial_r;  new_residual = x + residual;  out = rms_norm(new_residual) * weight
+
+with the rounding steps of ``kernels/rmsnorm.py`` (HF ``LlamaRMSNorm``). Without a
+residual (the first layer) ``new_residual = x``. Synchronising the ranks around the
+buffer (who may write, when all partials are in) is the caller's job.
+"""
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from ._common import next_pow2, tl, triton
+from .rmsnorm import reference_fused_add_rms_norm, reference_rms_norm, rms_normalize
+
+
+@triton.jit
+def _oneshot_allreduce_rmsnorm_kernel(
+    ptrs_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    stride_r, stride_o, stride_ro, N, eps,
+    WORLD: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    dtype = res_out_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for r in tl.static_range(WORLD):
+        base = tl.load(ptrs_ptr + r).to(tl.pointer_type(dtype))
+        acc += tl.load(base + row * N + cols, mask=mask, other=0.0, cache_modifier=".cv").to(tl.float32)
+    x = acc.to(dtype)
+    if HAS_RESIDUAL:
+        res = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(dtype)
+    tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    y = rms_normalize(x, N, eps).to(tl.float32) * w.to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def oneshot_allreduce_rms_norm_triton(
+    ptrs: torch.Tensor, rows: int, n: int, residual: Optional[torch.Tensor], weight: torch.Tensor,
+    eps: float, dtype: torch.dtype,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``ptrs`` [world] int64 on the device: each rank's buffer of ``rows`` x ``n`` contiguous
+    ``dtype`` partial sums. Returns ``(normed, new_residual)``, both [rows, n]."""
+    dev = ptrs.device
+    res_out = torch.empty(rows, n, dtype=dtype, device=dev)
+    out = torch.empty(rows, n, dtype=dtype, device=dev)
+    if residual is not None:
+        r2 = residual.reshape(rows, n)
+        if r2.stride(-1) != 1:
+            r2 = r2.contiguous()
+    else:
+        r2 = res_out
+    if rows > 0:
+        block = next_pow2(n)
+        num_warps = 4 if block <= 2048 else (8 if block <= 8192 else 16)
+        _oneshot_allreduce_rmsnorm_kernel[(rows,)](
+            ptrs, r2, weight, out, res_out, r2.stride(0), out.stride(0), res_out.stride(0), n, float(eps),
+            WORLD=ptrs.numel(), HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps)
+    return out, res_out
+
+
+def reference_allreduce_add_rms_norm(
+    partials: Sequence[torch.Tensor], residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The ranks' partial sums added in rank order in fp32 and rounded, then the residual
+    add and RMSNorm of ``kernels/rmsnorm.py``: ``(normed, new_residual)``."""
+    acc = partials[0].float().clone()
+    for p in partials[1:]:
+        acc += p.float()
+    x = acc.to(partials[0].dtype)
+    if residual is None:
+        return reference_rms_norm(x, weight, eps), x
+    return reference_fused_add_rms_norm(x, residual, weight, eps)
