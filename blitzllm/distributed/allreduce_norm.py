@@ -71,7 +71,13 @@ class OneShotWorkspace:
             log.warning("one-shot all-reduce unavailable (%s: %s); using NCCL for every size", type(e).__name__, e)
             return None
         ws = cls(buf, handle, ptrs)
-        if not ws.agrees_with_nccl(tp):
+        try:  # (a failure here, a kernel that does not compile say, is the same on every rank)
+            agrees = ws.agrees_with_nccl(tp)
+        except Exception as e:
+            log.warning("one-shot all-reduce failed its start-up check (%s: %s); using NCCL for every size",
+                        type(e).__name__, e)
+            return None
+        if not agrees:
             log.warning("one-shot all-reduce disagrees with NCCL on this machine; using NCCL for every size")
             return None
         return ws

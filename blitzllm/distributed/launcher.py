@@ -26,8 +26,8 @@ from typing import Optional
 
 import torch
 
-from .parallel_state import (TPGroup, WorldEnv, abort_tp_group, building, connect_store, destroy_tp_group,
-                             init_tp_group, set_nccl_env, torchrun_env)
+from .parallel_state import (TPGroup, WorldEnv, abort_tp_group, building, connect_store, cpu_threads_per_rank,
+                             destroy_tp_group, init_tp_group, set_nccl_env, torchrun_env)
 
 log = logging.getLogger("blitzllm.distributed")
 
@@ -72,9 +72,10 @@ class TPDriver:
     """Held by rank 0's engine (and its runner): ``group``, ``send`` of step messages
     inside ``step()``, ``shutdown``. ``failure`` says why the world broke, once it has."""
 
-    def __init__(self, group: TPGroup, procs: list):
+    def __init__(self, group: TPGroup, procs: list, threads_before: Optional[int] = None):
         self.group = group
         self.procs = procs                # [(rank, multiprocessing.Process)] spawned here
+        self._threads_before = threads_before  # this process's CPU threads before it became rank 0
         self.failure: Optional[str] = None
         self.workers_waiting = False      # every worker waits for rank 0's next message
         self.closed = False
@@ -118,7 +119,11 @@ class TPDriver:
         except BaseException:
             _kill(procs)
             raise
-        return cls(group, procs)
+        threads = None
+        if device.type == "cpu":  # rank 0 shares the cores with the ranks it spawned
+            threads = torch.get_num_threads()
+            torch.set_num_threads(cpu_threads_per_rank(world_size, spawned=bool(procs)))
+        return cls(group, procs, threads)
 
     # ---- steps ----------------------------------------------------------------------
     def check(self) -> None:
@@ -193,6 +198,8 @@ class TPDriver:
         _kill(self.procs)
         destroy_tp_group()
         self._finalizer.detach()
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
 
 
 def _wait_for_ranks(store, world_size: int, procs: list) -> None:

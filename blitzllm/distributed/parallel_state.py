@@ -139,6 +139,14 @@ def torchrun_env() -> Optional[WorldEnv]:
         raise ValueError("RANK, WORLD_SIZE, LOCAL_RANK and MASTER_PORT must be integers") from None
 
 
+def cpu_threads_per_rank(world_size: int, spawned: bool) -> int:
+    """CPU threads for one rank: the host's cores shared by the ranks on it (all of them
+    when rank 0 spawned them; torchrun's ``LOCAL_WORLD_SIZE`` otherwise). Idle OpenMP
+    threads of one rank spin on cores another rank needs."""
+    local = world_size if spawned else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, (os.cpu_count() or 1) // max(1, local))
+
+
 def set_nccl_env() -> None:
     for k, v in NCCL_ENV.items():
         os.environ.setdefault(k, v)

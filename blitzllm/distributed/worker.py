@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Optional
@@ -16,17 +17,21 @@ from typing import Optional
 import torch
 
 from .launcher import STARTUP_TIMEOUT_S, agree_min, recv
-from .parallel_state import WorldEnv, connect_store, destroy_tp_group, init_tp_group, rank_device, set_nccl_env
+from .parallel_state import (WorldEnv, connect_store, cpu_threads_per_rank, destroy_tp_group, init_tp_group, rank_device,
+                             set_nccl_env)
 
 
 def run_worker(args, env: WorldEnv, parent_pid: Optional[int] = None) -> None:
     """``args``: rank 0's EngineArgs; returns once rank 0 stops the world."""
-    if parent_pid is not None:  # spawned: the engine process decides when we stop (Ctrl-C is its)
+    spawned = parent_pid is not None
+    os.environ["BLITZ_NO_PROGRESS"] = "1"  # one loading bar (rank 0's)
+    if spawned:  # the engine process decides when we stop (Ctrl-C is its)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         threading.Thread(target=_exit_with_parent, args=(parent_pid,), name="blitz-tp-parent", daemon=True).start()
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.world_size))
     from ..engine.engine import resolve_device
     device = rank_device(resolve_device(args.device), env.local_rank)
+    if device.type == "cpu":
+        torch.set_num_threads(cpu_threads_per_rank(env.world_size, spawned))
     set_nccl_env()
     store = connect_store(env, STARTUP_TIMEOUT_S)
     store.set(f"up/{env.rank}", str(os.getpid()))
@@ -37,6 +42,10 @@ def run_worker(args, env: WorldEnv, parent_pid: Optional[int] = None) -> None:
             _serve(runner, group)
     finally:
         destroy_tp_group()
+    if spawned:  # stopped by rank 0: skip the interpreter's slow teardown (only stdio to flush)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _build(args, group, device):

@@ -42,12 +42,13 @@ def iter_safetensors(folder: Path, lazy: bool = False) -> Iterator[tuple[str, to
 
 
 def _progress(total: int, desc: str):
+    if os.environ.get("BLITZ_NO_PROGRESS") == "1":  # (tensor-parallel workers set it: rank 0 shows the bar)
+        return None
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover
         return None
-    disable = os.environ.get("BLITZ_NO_PROGRESS") == "1"
-    return tqdm(total=total, desc=desc, unit="tensor", leave=False, disable=disable)
+    return tqdm(total=total, desc=desc, unit="tensor", leave=False)
 
 
 def load_weights(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],

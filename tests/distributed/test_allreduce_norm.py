@@ -37,7 +37,7 @@ def _qk(hkv: int):
 
 
 @torch.no_grad()
-def _rank_main(rank: int, port: int, out: dict) -> None:
+def _rank_main(rank: int, port: int, out_dir: str) -> None:
     from blitzllm.distributed.allreduce_norm import all_reduce_add_rms_norm, full_width_qk_norm
     from blitzllm.distributed.parallel_state import (WorldEnv, connect_store, destroy_tp_group, init_tp_group,
                                                      split_heads)
@@ -55,22 +55,20 @@ def _rank_main(rank: int, port: int, out: dict) -> None:
         qn.weight.data, kn.weight.data = wq[qs], wk[ks]
         qkv = torch.cat([q[:, qs], k[:, ks], v[:, ks]], 1)
         res[f"qk_kv{hkv}"] = (full_width_qk_norm(qkv, qn, kn, h, D, group), qs, ks)
-    out[rank] = res
+    torch.save(res, f"{out_dir}/rank{rank}.pt")
     destroy_tp_group()
 
 
-def test_fused_all_reduce_norm_and_full_width_qk_norm_on_gloo():
+def test_fused_all_reduce_norm_and_full_width_qk_norm_on_gloo(tmp_path):
     ctx = mp.get_context("spawn")
-    with ctx.Manager() as manager:
-        out = manager.dict()
-        port = _free_port()
-        procs = [ctx.Process(target=_rank_main, args=(r, port, out)) for r in (0, 1)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(120)
-        assert [p.exitcode for p in procs] == [0, 0]
-        out = dict(out)
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, port, str(tmp_path))) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    out = {r: torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)}
     partials = [_inputs(r)[0] for r in (0, 1)]
     _, residual, weight = _inputs(0)
     for name, res in (("with_residual", residual), ("first_layer", None)):
