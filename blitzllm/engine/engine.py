@@ -152,6 +152,9 @@ class Engine:
         tp_size = _tp_size(args.tensor_parallel_size)
         self.device = resolve_device(args.device)
         spec_cfg = parse_speculative_config(args.speculative_config)
+        if spec_cfg is not None and spec_cfg.method == "eagle3" and tp_size > 1:
+            # its hooks read layer outputs, which are per-rank partial sums under tensor parallelism
+            raise ValueError("speculative_config method 'eagle3' runs with tensor_parallel_size 1 only")
         src = resolve_model(args.model, args.load_format)
         self.model_config = cfg = ModelConfig.from_hf(src.hf_config, args.num_layers)
         self.dtype = resolve_dtype(args.dtype, self.device, src.torch_dtype)

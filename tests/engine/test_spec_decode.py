@@ -187,6 +187,9 @@ def test_config_json_and_errors_in_engine(tiny_llama, small_draft):
     assert parse_speculative_config(None) is None
     with pytest.raises(ValueError, match="not available yet"):
         LLM(str(tiny_llama[0]), device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="tensor_parallel_size 1 only"):
+        LLM(str(tiny_llama[0]), device="cpu", tensor_parallel_size=2,
+            speculative_config={"method": "eagle3", "num_speculative_tokens": 2, "model": "x"})
     with pytest.raises(ValueError, match="not an EAGLE-3 head folder"):
         LLM(str(tiny_llama[0]), device="cpu", speculative_config={"method": "eagle3", "num_speculative_tokens": 2,
                                                                    "model": str(tiny_llama[0])})
