@@ -22,6 +22,8 @@ for part in "$@"; do case $part in
   lat) Q="--model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        run 90 qwen_fused $Q; BLITZ_FUSED_DECODE=0 run 90 qwen_unfused $Q
        run 120 llama_fused $L --batch-size 1 --max-num-seqs 8; BLITZ_FUSED_DECODE=0 run 120 llama_unfused $L --batch-size 1 --max-num-seqs 8 ;;
+  post) timeout 200 python3 -m pytest -q -m gpu tests/test_gpu_e2e.py tests/distributed tests/kernels/test_kernel_allreduce_rmsnorm.py -p no:cacheprovider 2>&1 | tail -6 | tee "$OUT/gpu_post.log"
+        run 100 llama_post $L --batch-size 1 --max-num-seqs 8 ;;
   latcmp) run 240 llama_cmp $L --batch-size 1 --max-num-seqs 8 --compare hf ;;
   spectest) timeout 200 python3 -m pytest -q -m gpu tests/test_gpu_e2e.py -p no:cacheprovider 2>&1 | tail -8 | tee "$OUT/gpu_spec_tests.log" ;;
   bench) run 150 spec_b1 $L --batch-size 1 --max-num-seqs 8 --speculative-config "$SC" --compare nospec
