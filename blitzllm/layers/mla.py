@@ -9,6 +9,7 @@ sequence to per-head keys and values. Knows nothing about the scheduler or the m
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -18,6 +19,7 @@ from torch import nn
 from ..distributed.layers import Part, column_linear, packed_column_linear, row_linear, shard_rows
 from ..distributed.parallel_state import get_tp_group
 from ..kernels import mla_decode as mla_ops
+from ..kernels._common import use_triton
 from .attention import _gather, get_forward_context
 from .norm import RMSNorm
 from .rotary import apply_rotary_tables, rotary_tables, yarn_mscale
@@ -26,6 +28,10 @@ from .rotary import apply_rotary_tables, rotary_tables, yarn_mscale
 _mla_decode = getattr(mla_ops, "mla_decode", mla_ops.reference_mla_decode)
 
 _LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers builds them with the default eps
+# BLITZ_MLA_FUSED=1: on CUDA the latent norm + rotary + latent-cache write run as one Triton
+# launch (kernels/mla_prep.py) instead of about a dozen torch ops per layer. Opt-in until
+# it has been measured on a GPU (tested against its reference under the interpreter).
+_MLA_FUSED = os.environ.get("BLITZ_MLA_FUSED", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -153,12 +159,18 @@ class MLAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(q.contiguous()))
         q = q.view(T, d.num_heads, d.qk_head_dim)
         q_nope = q[..., :d.qk_nope_head_dim]
-        latent = self.kv_a_layernorm(kv_a[:, :d.kv_lora_rank].contiguous())
-        pe = self._rope(positions, torch.cat([q[..., d.qk_nope_head_dim:], kv_a[:, None, d.kv_lora_rank:]], 1))
-        q_pe, k_pe = pe[:, :-1], pe[:, -1]
         ctx = get_forward_context()
         cache, md = ctx.kv_caches[self.layer_idx][0], ctx.attn_metadata
-        write_latent_cache(torch.cat([latent, k_pe], -1), cache, md.slot_mapping, md.padded)
+        if _MLA_FUSED and use_triton(q):
+            from ..kernels.mla_prep import mla_prep_triton
+            norm = self.kv_a_layernorm
+            q_pe = mla_prep_triton(q, kv_a, positions, self.rotary.cos_sin_cache, norm.weight, norm.eps, cache,
+                                   md.slot_mapping, d.qk_nope_head_dim, d.rope_interleave)
+        else:
+            latent = self.kv_a_layernorm(kv_a[:, :d.kv_lora_rank].contiguous())
+            pe = self._rope(positions, torch.cat([q[..., d.qk_nope_head_dim:], kv_a[:, None, d.kv_lora_rank:]], 1))
+            q_pe, k_pe = pe[:, :-1], pe[:, -1]
+            write_latent_cache(torch.cat([latent, k_pe], -1), cache, md.slot_mapping, md.padded)
         if md.is_pure_decode:
             q_latent = self.kv_b_proj.absorb_query(q_nope)
             o_latent = _mla_decode(q_latent.contiguous(), q_pe.contiguous(), cache, md.block_tables,
