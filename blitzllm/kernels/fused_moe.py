@@ -21,6 +21,7 @@ grid covers the SMs; 64-128 for prefill with 64-128 wide N tiles). Padding rows 
 from __future__ import annotations
 
 import functools
+import os
 from typing import Optional
 
 import torch
@@ -29,6 +30,11 @@ from ._common import (device_sms, next_pow2, pdl_enabled, pdl_launch_dependents,
                       tl, triton)
 
 MOE_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+# BLITZ_MOE_GEMV=1: decode batches of up to MOE_GEMV_MAX_TOKENS tokens take the two-launch
+# GEMV path (``fused_moe_gemv_triton``) instead of sort + grouped GEMMs + combine. Opt-in
+# until measured on a GPU.
+MOE_GEMV = os.environ.get("BLITZ_MOE_GEMV", "0") == "1"
+MOE_GEMV_MAX_TOKENS = 2
 ALIGN_ONE_PROGRAM_MAX = 256  # (token, k) entries sorted by a single program
 ALIGN_SLICE = 256  # entries per program of the two-pass sort (at most ALIGN_MAX_PROGRAMS)
 ALIGN_MAX_PROGRAMS = 128
@@ -229,6 +235,91 @@ def _moe_combine_kernel(y_ptr, tw_ptr, ids_ptr, out_ptr, H, stride_o, TOP_K: tl.
     tl.store(out_ptr + t * stride_o + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _moe_gemv_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, H, I, stride_x, stride_we, stride_wn, stride_a,
+                        TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """Program (s, n): entry s = (token s // TOP_K, its expert ids[s]); rows [n*BN, (n+1)*BN)
+    of silu(gate_e x) * up_e x, with fp32 FMAs over K (a GEMV per entry: no sorting, no
+    padding rows). Entries with id < 0 write nothing."""
+    s = tl.program_id(0).to(tl.int64)
+    e = tl.load(ids_ptr + s).to(tl.int64)
+    if e < 0:
+        return
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n[:, None] < I
+    x_row = x_ptr + (s // TOP_K) * stride_x
+    g_ptrs = w_ptr + e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k in range(0, H, BLOCK_K):
+        k_ok = offs_k[None, :] < H - k
+        xv = tl.load(x_row + k + offs_k[None, :], mask=k_ok, other=0.0).to(tl.float32)
+        wg = tl.load(g_ptrs + k, mask=n_ok & k_ok, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        wu = tl.load(g_ptrs + k + I * stride_wn, mask=n_ok & k_ok, other=0.0,
+                     eviction_policy="evict_first").to(tl.float32)
+        acc_g += wg * xv
+        acc_u += wu * xv
+    dt = act_ptr.dtype.element_ty
+    g = tl.sum(acc_g, axis=1).to(dt).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(dt)
+    res = (act.to(tl.float32) * tl.sum(acc_u, axis=1).to(dt).to(tl.float32)).to(dt)
+    tl.store(act_ptr + s * stride_a + offs_n, res, mask=offs_n < I)
+
+
+@triton.jit
+def _moe_gemv_down_kernel(act_ptr, w_ptr, ids_ptr, tw_ptr, out_ptr, H, I, stride_a, stride_we, stride_wn,
+                          stride_o, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (t, n): out[t, n-tile] = sum_k w[t, k] * round(down_e(act[t*K + k])), the
+    experts in order k (deterministic), each expert output rounded to the output dtype as the
+    reference does, the sum in fp32."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n[:, None] < H
+    dt = out_ptr.dtype.element_ty
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        e = tl.load(ids_ptr + t * TOP_K + j).to(tl.int64)
+        if e >= 0:
+            a_row = act_ptr + (t * TOP_K + j) * stride_a
+            w_ptrs = w_ptr + e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            for k in range(0, I, BLOCK_K):
+                k_ok = offs_k[None, :] < I - k
+                av = tl.load(a_row + k + offs_k[None, :], mask=k_ok, other=0.0).to(tl.float32)
+                wv = tl.load(w_ptrs + k, mask=n_ok & k_ok, other=0.0, eviction_policy="evict_first").to(tl.float32)
+                acc += wv * av
+            y = tl.sum(acc, axis=1).to(dt).to(tl.float32)
+            total += y * tl.load(tw_ptr + t * TOP_K + j)
+    tl.store(out_ptr + t * stride_o + offs_n, total.to(dt), mask=offs_n < H)
+
+
+def fused_moe_gemv_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                          topk_ids: torch.Tensor, block_n: int = 16, block_k: Optional[int] = None) -> torch.Tensor:
+    """The experts for a few tokens in two launches: per (token, k) entry a GEMV through its
+    expert's gate/up rows with SiLU-and-mul, then per token the down GEMVs of its K experts
+    weighted and summed. Reads each chosen expert's weights once per entry; ids < 0 are
+    skipped (other ranks' experts). Same contract and numerics as ``fused_moe_triton``."""
+    return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, dropped_ids=True, gemv=(block_n, block_k))
+
+
+def _moe_gemv(x, w13, w2, topk_weights, topk_ids, out, block_n: int, block_k: Optional[int]) -> torch.Tensor:
+    T, H = x.shape
+    inter, K = w13.shape[1] // 2, topk_ids.shape[-1]
+    bk = block_k or min(32 * 16 // x.element_size(), next_pow2(max(H, inter)))
+    ids = topk_ids.to(torch.int32).contiguous()
+    tw = topk_weights.to(torch.float32).contiguous()
+    act = torch.empty(T * K, inter, dtype=x.dtype, device=x.device)
+    _moe_gemv_up_kernel[(T * K, triton.cdiv(inter, block_n))](
+        x, w13, ids, act, H, inter, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        TOP_K=K, BLOCK_N=block_n, BLOCK_K=bk, IEEE=x.dtype == torch.float32, num_warps=4)
+    _moe_gemv_down_kernel[(T, triton.cdiv(H, block_n))](
+        act, w2, ids, tw, out, H, inter, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        TOP_K=K, BLOCK_N=block_n, BLOCK_K=bk, num_warps=4)
+    return out
+
+
 def expected_rows_per_expert(tokens: int, top_k: int, num_experts: int) -> float:
     """Mean rows of a chosen expert when T tokens pick K of E uniformly."""
     entries = tokens * top_k
@@ -284,10 +375,12 @@ def _grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_entries, row_div
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, *, config: Optional[dict] = None,
-                     dropped_ids: bool = False) -> torch.Tensor:
+                     dropped_ids: bool = False, gemv=None) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk weights / ids [T, K] -> [T, H] in x's dtype.
     ``config`` overrides MOE_CONFIG_KEYS of both GEMMs (tests, benchmarks). ``dropped_ids``:
-    entries with id -1 (experts of other tensor-parallel ranks) are skipped."""
+    entries with id -1 (experts of other tensor-parallel ranks) are skipped. ``gemv``:
+    (block_n, block_k) forces the two-launch GEMV path; None takes it for up to
+    MOE_GEMV_MAX_TOKENS tokens when BLITZ_MOE_GEMV=1."""
     assert x.dim() == 2 and w13.dim() == 3 and w2.dim() == 3, "x [T, H], w13 [E, 2I, H], w2 [E, H, I]"
     T, H = x.shape
     E, two_i, _ = w13.shape
@@ -304,6 +397,10 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
         return out
     if inter == 0 or K == 0:
         return out.zero_()
+    if gemv is None and MOE_GEMV and config is None and T <= MOE_GEMV_MAX_TOKENS:
+        gemv = (16, None)
+    if gemv is not None:
+        return _moe_gemv(x, w13, w2, topk_weights, topk_ids, out, *gemv)
     up_cfg, down_cfg = _moe_config_cached(T, K, E, H, inter, x.dtype, device_sms(x),
                                           tuple(sorted((config or {}).items())))
     sorted_ids, block_expert, total = moe_align_block_size(topk_ids, E, up_cfg["BLOCK_M"])

@@ -309,3 +309,32 @@ def test_gpu_model_shapes():
     for t in (1, 16, 256, 2000):
         x, w13, w2, weights, ids = moe_inputs(t, 128, 8, 2048, 768, dt, dev, seed=t)
         close(moe.fused_moe(x, w13, w2, weights, ids), reference_fused_moe(x, w13, w2, weights, ids), 2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,e,k,h,inter", [(1, 8, 2, 64, 40), (2, 10, 3, 48, 24), (1, 6, 6, 96, 72)])
+def test_fused_moe_gemv(t, e, k, h, inter, dtype, device):
+    """The small-batch GEMV path (BLITZ_MOE_GEMV) against the reference: ragged H / I
+    against the tiles, every expert of a token chosen (k = e), and dropped ids."""
+    from blitzllm.kernels.fused_moe import fused_moe_gemv_triton
+    x, w13, w2, weights, ids = moe_inputs(t, e, k, h, inter, dtype, device, seed=t + k)
+    out = fused_moe_gemv_triton(x, w13, w2, weights, ids, block_n=16, block_k=32)
+    assert out.shape == (t, h) and out.dtype == dtype
+    close(out, reference_fused_moe(x, w13, w2, weights, ids), TOL[dtype])
+    dropped = torch.where(ids % 2 == 0, ids, -1)
+    w = weights * (dropped >= 0)
+    out = fused_moe_gemv_triton(x, w13, w2, w, dropped, block_n=16, block_k=32)
+    close(out, reference_fused_moe(x, w13, w2, w, dropped, dropped_ids=True), TOL[dtype])
+
+
+def test_fused_moe_dispatches_small_batches_to_gemv(device, monkeypatch):
+    from blitzllm.kernels import fused_moe as fm
+    calls = []
+    orig = fm._moe_gemv
+    monkeypatch.setattr(fm, "MOE_GEMV", True)
+    monkeypatch.setattr(fm, "_moe_gemv", lambda *a, **kw: calls.append(1) or orig(*a, **kw))
+    for t in (1, 2, 3):
+        x, w13, w2, weights, ids = moe_inputs(t, 8, 2, 64, 40, torch.float32, device, seed=t)
+        close(fm.fused_moe_triton(x, w13, w2, weights, ids), reference_fused_moe(x, w13, w2, weights, ids),
+              TOL[torch.float32])
+    assert len(calls) == 2   # tokens 1 and 2; 3 takes the grouped GEMMs
