@@ -33,6 +33,10 @@ for part in "$@"; do case $part in
        run 150 q30b_b32 --model preset:qwen3-30b-a3b --batch-size 32 --input-len 128 --output-len 128 --max-num-seqs 32
        run 150 dsv3_l8_b1 --model preset:deepseek-v3 --num-layers 8 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8
        run 150 mm2_l8_b1 --model preset:minimax-m2 --num-layers 8 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8 ;;
+  moeab) M="--batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
+       run 150 q30b_b1 --model preset:qwen3-30b-a3b $M; BLITZ_MOE_GEMV=1 run 150 q30b_b1_gemv --model preset:qwen3-30b-a3b $M
+       run 150 dsv3_l8_b1 --model preset:deepseek-v3 --num-layers 8 $M
+       BLITZ_MLA_FUSED=1 BLITZ_MOE_GEMV=1 run 150 dsv3_l8_b1_fused --model preset:deepseek-v3 --num-layers 8 $M ;;
   latcmp) run 240 llama_b1 --model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --compare hf ;;
   b64) run 100 llama_b64 --model preset:llama-3.1-8b --batch-size 64 --input-len 1000 --output-len 64 --max-num-seqs 64 ;;
   ttft) run 70 llama_ttft10k --model preset:llama-3.1-8b --batch-size 1 --input-len 10000 --output-len 4 --max-num-seqs 1 --enforce-eager ;;
