@@ -303,7 +303,7 @@ def paged_decode_attention_triton(
     B = q.shape[0]
     if q.stride(2) != 1:
         q = q.contiguous()
-    out = torch.empty_like(q)
+    out = q if _fuse is not None else torch.empty_like(q)  # fused: q is the (empty) output buffer
     if B == 0:
         return out
     if _fuse is None:  # plain decode: q [B, Hq, D] is ready
@@ -369,9 +369,9 @@ def fused_decode_attention_triton(
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     B = qkv.shape[0]
-    q_shape = qkv.new_empty((B, num_heads, head_dim))  # shape/dtype carrier for the launcher
+    out = qkv.new_empty((B, num_heads, head_dim))  # the launcher's q argument: shape, dtype, output
     return paged_decode_attention_triton(
-        q_shape, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=num_splits,
+        out, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=num_splits,
         _fuse=(qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, slot_mapping, eps, rot))
 
 
