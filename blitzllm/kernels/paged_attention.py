@@ -22,6 +22,34 @@ _NEG = -1.0e30  # finite "minus infinity" for running maxima: avoids inf - inf
 
 
 @triton.jit
+def _attn_scores(m_i, l_i, q, k, keep, qk_scale, IEEE: tl.constexpr):
+    """Online-softmax statistics of one key tile: returns (p, alpha, m_new, l_new)."""
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(keep, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _attn_pv(acc, alpha, p, v, IEEE: tl.constexpr):
+    if IEEE:
+        return acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+
+
+@triton.jit
+def _kv_tile_offsets(bt_ptr, offs_n, valid, stride_b, stride_t, offs_d, BLOCK_SIZE: tl.constexpr):
+    """Cache offsets [BLOCK_N, D_PAD] of keys offs_n (through the block table)."""
+    blk = tl.load(bt_ptr + offs_n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    return (blk * stride_b + (offs_n % BLOCK_SIZE) * stride_t)[:, None] + offs_d[None, :]
+
+
+@triton.jit
 def _attn_tile(
     acc, m_i, l_i, q, k_ptr, v_ptr, bt_ptr, start_n, kv_end, q_pos, qk_scale,
     stride_kb, stride_kt, stride_vb, stride_vt, offs_d, dmask,
@@ -40,26 +68,13 @@ def _attn_tile(
     v_off = (blk * stride_vb + tok * stride_vt)[:, None] + offs_d[None, :]
     if EARLY_V:  # issue the V load before the softmax: shorter latency chain (decode)
         v = tl.load(v_ptr + v_off, mask=kmask, other=0.0)
-    if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    s = s * qk_scale
     keep = valid[None, :]
     if CAUSAL:
         keep = keep & (offs_n[None, :] <= q_pos[:, None])
-    s = tl.where(keep, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    p, alpha, m_new, l_i = _attn_scores(m_i, l_i, q, k, keep, qk_scale, IEEE)
     if not EARLY_V:
         v = tl.load(v_ptr + v_off, mask=kmask, other=0.0)
-    if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return acc, m_new, l_i
+    return _attn_pv(acc, alpha, p, v, IEEE), m_new, l_i
 
 
 @triton.jit
@@ -111,7 +126,8 @@ def _decode_kernel(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    pdl_wait(USE_PDL)  # q and this step's k/v come from the kernel before
+    if not FUSE_QK:
+        pdl_wait(USE_PDL)  # q and this step's k/v come from the kernel before
     seq_len = tl.load(seq_lens_ptr + b)
     # Each split takes a run of BLOCK_N tiles of this sequence's context, as few as spread
     # the context over the splits (one tile each for a short context); idle splits exit at
@@ -130,10 +146,22 @@ def _decode_kernel(
     heads = kvh * G + offs_g
     gmask = offs_g < G
     qmask = gmask[:, None] & dmask[None, :]
+    bt = bt_ptr + b.to(tl.int64) * stride_bt
     if FUSE_QK:
         # q_ptr is the qkv projection output [B, (Hq + 2 Hkv) * D]: this program norms and
         # rotates its G query heads itself, and the split holding the new position writes
-        # that token's k (normed, rotated) and v into the cache before reading it back
+        # that token's k (normed, rotated) and v into the cache.
+        # The split's first K/V tile, less the new position, is already in the cache (block
+        # table, lengths and older keys were written before the kernel before): it loads
+        # before waiting on that kernel (PDL); the new key and value are put into it below.
+        offs_n0 = start + tl.arange(0, BLOCK_N)
+        old0 = offs_n0 < tl.minimum(end, seq_len - 1)
+        m0 = old0[:, None] & dmask[None, :]
+        k0 = tl.load(k_ptr + kvh * stride_kh + _kv_tile_offsets(bt, offs_n0, old0, stride_kb, stride_kt, offs_d,
+                                                                 BLOCK_SIZE), mask=m0, other=0.0)
+        v0 = tl.load(v_ptr + kvh * stride_vh + _kv_tile_offsets(bt, offs_n0, old0, stride_vb, stride_vt, offs_d,
+                                                                 BLOCK_SIZE), mask=m0, other=0.0)
+        pdl_wait(USE_PDL)  # the qkv row comes from the kernel before
         row = q_ptr + b.to(tl.int64) * stride_qb
         cs = cs_ptr + tl.load(pos_ptr + b) * stride_cs
         q = _norm_rope_heads(row + kvh * G * D, qw_ptr, cs, G, eps, HAS_NORM, False, G_PAD, D, D_PAD, ROT)
@@ -152,7 +180,11 @@ def _decode_kernel(
                 v_new = tl.load(row + (Hq + tl.num_programs(1) + kvh) * D + offs_d, mask=dmask, other=0.0)
                 tl.store(v_ptr + blk * stride_vb + tok * stride_vt + kvh * stride_vh + offs_d,
                          v_new.to(v_ptr.dtype.element_ty), mask=dmask)
-            tl.debug_barrier()  # the CTA's own k/v stores are visible to its loads below
+                is_new = (offs_n0 == seq_len - 1)[:, None]   # into the prefetched tile, if there
+                k_row = tl.sum(tl.where(one, k_new, 0.0), axis=0).to(k_ptr.dtype.element_ty)
+                k0 = tl.where(is_new, k_row[None, :], k0)
+                v0 = tl.where(is_new, v_new.to(v_ptr.dtype.element_ty)[None, :], v0)
+            tl.debug_barrier()  # the CTA's own k/v stores are visible to its later tiles' loads
     else:
         q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=qmask, other=0.0)
@@ -160,8 +192,12 @@ def _decode_kernel(
     m_i = tl.full([G_PAD], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
     q_pos = tl.zeros([G_PAD], dtype=tl.int32)  # unused: decode needs only the bound
-    bt = bt_ptr + b.to(tl.int64) * stride_bt
-    for start_n in range(start, end, BLOCK_N):
+    first = start
+    if FUSE_QK:  # the prefetched tile (all masked in an idle split: no change)
+        p, alpha, m_i, l_i = _attn_scores(m_i, l_i, q, k0, (offs_n0 < end)[None, :], qk_scale, IEEE)
+        acc = _attn_pv(acc, alpha, p, v0, IEEE)
+        first = start + BLOCK_N
+    for start_n in range(first, end, BLOCK_N):
         acc, m_i, l_i = _attn_tile(
             acc, m_i, l_i, q, k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh, bt,
             start_n, end, q_pos, qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,

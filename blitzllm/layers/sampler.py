@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from blitzllm.kernels.greedy import greedy_sample
 from blitzllm.sampling_params import SamplingParams
 
 _M32 = 0xFFFFFFFF
@@ -184,6 +185,11 @@ class Sampler(torch.nn.Module):
     """Stateless: everything per-step comes in through ``SamplingMetadata``."""
 
     def forward(self, logits: Tensor, md: SamplingMetadata) -> SamplerOutput:
+        if (md.all_greedy and md.max_num_logprobs == 0 and md.output_tokens is None
+                and md.prompt_tokens is None and md.banned_tokens is None):
+            # argmax + its log-probability of the raw logits: one fused launch on CUDA
+            tokens, chosen = greedy_sample(logits)
+            return SamplerOutput(token_ids=tokens, logprobs=chosen, top_ids=None, top_logprobs=None)
         raw = logits.float()
         x = self._penalize(raw, md)
         if md.all_greedy:
