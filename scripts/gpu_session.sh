@@ -37,6 +37,10 @@ for part in "$@"; do case $part in
        L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        run 80 qwen_new $Q; BLITZ_GREEDY_KERNEL=0 run 80 qwen_nogreedy $Q; BLITZ_GEMV_DEPTH=2 run 80 qwen_depth2 $Q
        run 100 llama_new $L; BLITZ_GEMV_DEPTH=2 run 100 llama_depth2 $L ;;
+  anat) timeout 200 python3 scripts/step_anatomy.py preset:qwen3-0.6b preset:llama-3.1-8b 2>&1 | grep -v "^\[" | tail -4 ;;
+  ab4) L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
+       run 100 llama_base $L; BLITZ_GEMV_SILU_MAX_WEIGHTS=$((32<<20)) run 100 llama_silu_cublas $L
+       BLITZ_GEMV_SILU_MAX_WEIGHTS=$((32<<20)) BLITZ_GEMV_MAX_WEIGHTS=$((8<<20)) run 100 llama_all_cublas $L ;;
   latcmp) run 240 llama_b1 --model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --compare hf ;;
   b64) run 100 llama_b64 --model preset:llama-3.1-8b --batch-size 64 --input-len 1000 --output-len 64 --max-num-seqs 64 ;;
   ttft) run 70 llama_ttft10k --model preset:llama-3.1-8b --batch-size 1 --input-len 10000 --output-len 4 --max-num-seqs 1 --enforce-eager ;;

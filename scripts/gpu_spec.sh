@@ -29,6 +29,7 @@ for part in "$@"; do case $part in
          timeout ${TRAIN_TIMEOUT:-420} python3 -m blitzllm.cli train-draft --model smollm2 --device cuda \
            --prompts .xdata/mt_bench_questions.jsonl --prompt-range 81-140 --out "$OUT/head${TAG:-}" \
            --samples-per-prompt ${SAMPLES:-16} --max-tokens ${MAXTOK:-384} --epochs ${EPOCHS:-4} --batch 60 ${LAYERS:+--layer-ids $LAYERS} \
+           --temperature ${TEMP:-0.8} --labels ${LABELS:-target} \
            --eval-range 141-160 --eval-k 3 --eval-max-tokens 128 > "$OUT/train${TAG:-}.json" 2> "$OUT/train${TAG:-}.log"
          echo "train$TAG rc=$?"; grep -v "epoch 1 sample" "$OUT/train${TAG:-}.log" | tail -8; cat "$OUT/train${TAG:-}.json" ;;
 esac; done

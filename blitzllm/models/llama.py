@@ -168,8 +168,11 @@ class LlamaForCausalLM(nn.Module):
         """Flat tokens [T] -> final hidden states [T, hidden]."""
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        """Logits [T, V]: float32, or (``fp32=False``) in the lm_head's dtype for consumers
+        that upcast themselves (the samplers), which spares a copy of [T, V]."""
+        logits = self.lm_head(hidden)
+        return logits.float() if fp32 else logits
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -50,7 +50,7 @@ class DecodeGraphs:
     def _forward(self, b: int) -> torch.Tensor:
         with forward_context(ForwardContext(self._metadata(b), self.kv_caches, self.backend)):
             hidden = self.model(self.input_ids[:b], self.positions[:b])
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden, fp32=False)   # the samplers upcast
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -229,10 +229,12 @@ class HiddenCapture:
     Use as a context manager; hooks are removed on exit. CUDA-graph replays bypass hooks:
     capture from eager forwards (prefill, or enforce_eager)."""
 
-    def __init__(self, model, layer_ids: list):
+    def __init__(self, model, layer_ids: list, keep_final: bool = False):
         self.model = model
         self.layer_ids = list(layer_ids)
+        self.keep_final = keep_final   # also keep the model's output (final-normed hidden states)
         self.records: list = []
+        self.finals: list = []
         self._cur: dict = {}
         self._positions = None
         self._handles = []
@@ -263,14 +265,20 @@ class HiddenCapture:
     def _post_hook(self, mod, args, out):
         feats = torch.cat([self._cur[i] for i in self.layer_ids], -1)
         self.records.append((feats, self._positions))
+        if self.keep_final:
+            self.finals.append(out.detach())
         self._cur = {}
 
     def take(self) -> tuple:
-        """All records since the last take, concatenated: (features [T, 3H], positions [T])."""
+        """All records since the last take, concatenated: (features [T, 3H], positions [T]);
+        with ``keep_final`` also the model outputs [T, H] (their logits are the target's
+        next-token distributions) as a third element."""
         recs, self.records = self.records, []
+        finals, self.finals = self.finals, []
         if not recs:
-            return None, None
-        return torch.cat([f for f, _ in recs]), torch.cat([p for _, p in recs])
+            return (None, None, None) if self.keep_final else (None, None)
+        feats, pos = torch.cat([f for f, _ in recs]), torch.cat([p for _, p in recs])
+        return (feats, pos, torch.cat(finals)) if self.keep_final else (feats, pos)
 
 
 class Eagle3Proposer:

@@ -32,6 +32,7 @@ class Sample:
     feats: torch.Tensor    # [N-1, 3H] target features of positions 0..N-2
     tokens: torch.Tensor   # [N] prompt + answer
     prompt_len: int
+    final: Optional[torch.Tensor] = None   # [N-1, H] target outputs (final-normed) of positions 0..N-2
 
 
 def parse_range(text: Optional[str]) -> Optional[tuple]:
@@ -106,17 +107,22 @@ def capture_features(llm, cap: HiddenCapture, ids: list, prompt_len: int) -> Sam
     from ..sampling_params import SamplingParams
     cap.take()
     llm.generate([list(ids[:-1])], SamplingParams(temperature=0.0, max_tokens=1))
-    feats, pos = cap.take()
+    feats, pos, *final = cap.take()
     n = len(ids) - 1
     if feats is None or feats.shape[0] != n or not torch.equal(pos.cpu(), torch.arange(n)):
         raise RuntimeError("hidden-state capture did not see positions 0..N-2 exactly once "
                            "(is prefix caching on?)")
-    return Sample(feats, torch.tensor(ids), prompt_len)
+    # the target outputs are kept in half precision (their logits are recomputed per step)
+    final = final[0][prompt_len - 1:].to(torch.bfloat16) if final and final[0] is not None else None
+    return Sample(feats, torch.tensor(ids), prompt_len, final)
 
 
 def sample_loss(head: Eagle3Head, s: Sample, steps: int) -> tuple:
     """Weighted loss over draft steps and per-step (correct, count) of top-1 predictions of
-    answer tokens. Row t of step j predicts token t + 2 + j."""
+    answer tokens. Row t of step j predicts token t + 2 + j. With the target's outputs
+    (``s.final``) the label is the target's whole next-token distribution at position
+    t + 1 + j (cross-entropy against it: distillation) and "correct" means the target's
+    argmax, which is what greedy verification accepts; without, the token itself."""
     dev = head.fc.weight.device
     N = s.tokens.shape[0]
     T = N - 2
@@ -134,8 +140,15 @@ def sample_loss(head: Eagle3Head, s: Sample, steps: int) -> tuple:
             stats.append((0, 0))
             continue
         logits = head.logits(o[keep])
-        y = toks[tgt[keep]]
-        loss = loss + STEP_DECAY ** j * F.cross_entropy(logits, y)
+        if s.final is not None:   # rows of s.final are positions prompt_len - 1 .. N-2
+            with torch.no_grad():
+                p = torch.softmax(head.lm_head(s.final.to(dev)[tgt[keep] - 1 - (s.prompt_len - 1)]
+                                               .to(head.lm_head.weight.dtype)).float(), -1)
+            y = p.argmax(-1)
+            loss = loss + STEP_DECAY ** j * -(p * torch.log_softmax(logits, -1)).sum(-1).mean()
+        else:
+            y = toks[tgt[keep]]
+            loss = loss + STEP_DECAY ** j * F.cross_entropy(logits, y)
         stats.append((int((logits.argmax(-1) == y).sum()), int(keep.sum())))
     return (loss if torch.is_tensor(loss) else None), stats
 
@@ -170,12 +183,17 @@ def _fmt(stats) -> str:
 
 def train_draft(llm, prompts: list, out: Optional[str], epochs: int = 1, max_tokens: int = 256,
                 lr: float = 1e-3, steps: int = 3, seed: int = 0, batch: int = 16, samples: int = 1,
-                temperature: float = 0.8, layer_ids: Optional[list] = None, log=print) -> Eagle3Head:
+                temperature: float = 0.8, layer_ids: Optional[list] = None, labels: str = "target",
+                log=print) -> Eagle3Head:
     """``llm``: an ``LLM`` built with prefix caching off. Epoch 1 is online: the engine
     answers ``batch`` prompts at a time (batched decode; ``samples`` answers per prompt, the
     first greedy), then each prompt + answer goes through one engine prefill with the capture
     hooks on and the head trains on it; later epochs replay the kept sequences. The learning
-    rate warms up over the first 3% of the optimizer steps, then decays (cosine) to 10%."""
+    rate warms up over the first 3% of the optimizer steps, then decays (cosine) to 10%.
+    ``labels``: "target" trains on the target's next-token distributions (the logits of
+    the same capture forward), "tokens" on the answer tokens themselves."""
+    if labels not in ("target", "tokens"):
+        raise ValueError(f"--labels must be 'target' or 'tokens', got {labels!r}")
     torch.manual_seed(seed)
     eng = llm.engine
     target = eng.runner.model
@@ -200,7 +218,7 @@ def train_draft(llm, prompts: list, out: Optional[str], epochs: int = 1, max_tok
 
     kept, t0, gen_s = [], time.perf_counter(), 0.0
     ids = [prompt_ids(llm, text) for _, text in prompts]
-    with HiddenCapture(target, head.config.layer_ids) as cap:
+    with HiddenCapture(target, head.config.layer_ids, keep_final=labels == "target") as cap:
         for b in range(0, len(prompts), batch):
             g0 = time.perf_counter()
             answers = generate_answers(llm, ids[b:b + batch], max_tokens, samples, temperature, seed + b)
@@ -283,6 +301,9 @@ def add_train_draft_args(p) -> None:
     p.add_argument("--samples-per-prompt", type=int, default=1,
                    help="answers per prompt: the greedy one, then sampled ones at --temperature")
     p.add_argument("--temperature", type=float, default=0.8, help="for the sampled answers")
+    p.add_argument("--labels", choices=("target", "tokens"), default="target",
+                   help="train on the target's next-token distributions (distillation; default) "
+                        "or on the answer tokens")
     p.add_argument("--layer-ids", default=None,
                    help="the three target layers whose outputs feed the head, e.g. 1,14,29 "
                         "(default: 1, L/2 - 1, L - 4)")
@@ -315,7 +336,7 @@ def cmd_train_draft(a) -> int:
     llm = LLM(a.model, device=a.device, dtype=a.dtype, enable_prefix_caching=False, seed=a.seed)
     train_draft(llm, prompts, a.out, epochs=a.epochs, max_tokens=a.max_tokens, lr=a.lr, steps=a.steps,
                 seed=a.seed, batch=a.batch, samples=a.samples_per_prompt, temperature=a.temperature,
-                layer_ids=layer_ids, log=log)
+                layer_ids=layer_ids, labels=a.labels, log=log)
     if eval_prompts:
         del llm
         res = evaluate_head(a.model, a.out, eval_prompts, a.eval_k, a.eval_max_tokens, a.device, a.dtype, log)
