@@ -32,7 +32,9 @@ for part in "$@"; do case $part in
        run 150 dsv3_l8_b1 --model preset:deepseek-v3 --num-layers 8 $M
        BLITZ_MLA_FUSED=1 BLITZ_MOE_GEMV=1 run 150 dsv3_l8_b1_fused --model preset:deepseek-v3 --num-layers 8 $M ;;
   quick) timeout 240 python3 -m pytest -q tests/test_gpu_e2e.py tests/kernels/test_kernel_greedy.py \
-           tests/kernels/test_kernel_paged_attention.py -k "e2e or graphs or greedy or fused or gpu" -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/gpu_quick.log" ;;
+           -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/gpu_quick.log" ;;
+  qwen) run 80 qwen_b1 --model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 ;;
+  stash) cp .xa/part /tmp/xa_part && ls -la /tmp/xa_part ;;
   ab3) Q="--model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        run 80 qwen_new $Q; BLITZ_GREEDY_KERNEL=0 run 80 qwen_nogreedy $Q; BLITZ_GEMV_DEPTH=2 run 80 qwen_depth2 $Q
