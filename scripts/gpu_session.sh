@@ -43,6 +43,9 @@ for part in "$@"; do case $part in
   ab4) L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        run 100 llama_base $L; BLITZ_GEMV_SILU_MAX_WEIGHTS=$((32<<20)) run 100 llama_silu_cublas $L
        BLITZ_GEMV_SILU_MAX_WEIGHTS=$((32<<20)) BLITZ_GEMV_MAX_WEIGHTS=$((8<<20)) run 100 llama_all_cublas $L ;;
+  fin) M="--batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
+       run 100 llama_b1 --model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8
+       run 150 q30b_b1 --model preset:qwen3-30b-a3b $M; BLITZ_MOE_GEMV=1 run 150 q30b_b1_gemv --model preset:qwen3-30b-a3b $M ;;
   latcmp) run 240 llama_b1 --model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --compare hf ;;
   b64) run 100 llama_b64 --model preset:llama-3.1-8b --batch-size 64 --input-len 1000 --output-len 64 --max-num-seqs 64 ;;
   ttft) run 70 llama_ttft10k --model preset:llama-3.1-8b --batch-size 1 --input-len 10000 --output-len 4 --max-num-seqs 1 --enforce-eager ;;
