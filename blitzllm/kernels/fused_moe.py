@@ -314,9 +314,14 @@ def _moe_gemv(x, w13, w2, topk_weights, topk_ids, out, block_n: int, block_k: Op
     _moe_gemv_up_kernel[(T * K, triton.cdiv(inter, block_n))](
         x, w13, ids, act, H, inter, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         TOP_K=K, BLOCK_N=block_n, BLOCK_K=bk, IEEE=x.dtype == torch.float32, num_warps=4)
-    _moe_gemv_down_kernel[(T, triton.cdiv(H, block_n))](
+    # down: one program per (token, n-tile) walks all K experts, so narrow tiles keep about
+    # four programs per SM streaming (16-row tiles left 128 programs for one token)
+    bn_down = block_n
+    while bn_down > 2 and T * triton.cdiv(H, bn_down) < 4 * device_sms(x):
+        bn_down //= 2
+    _moe_gemv_down_kernel[(T, triton.cdiv(H, bn_down))](
         act, w2, ids, tw, out, H, inter, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        TOP_K=K, BLOCK_N=block_n, BLOCK_K=bk, num_warps=4)
+        TOP_K=K, BLOCK_N=bn_down, BLOCK_K=bk, num_warps=4)
     return out
 
 
