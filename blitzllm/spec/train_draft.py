@@ -2,10 +2,11 @@
 
 The engine answers the prompts (greedy, batched), then runs one prefill per prompt +
 answer (prefix caching off) while ``HiddenCapture`` records the target features of every
-position of that exact engine forward (0..N-2). The head trains on each sequence as soon
-as its features arrive (EAGLE objective:
-features at t + token t+1 -> token t+2, with a few training-time-test steps, each feeding
-the previous step's output back as the hidden input); later epochs replay the kept
+position of that exact engine forward (0..N-2), and (``labels="target"``) its outputs,
+whose logits are the target's next-token distributions. The head trains on each sequence
+as soon as its features arrive (EAGLE objective: features at t + token t+1 -> the target's
+distribution of token t+2, or the token itself, with a few training-time-test steps, each
+feeding the previous step's output back as the hidden input); later epochs replay the kept
 sequences. Writes the folder that ``speculative_config={"method": "eagle3", "model": DIR}``
 loads.
 """

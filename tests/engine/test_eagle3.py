@@ -96,6 +96,35 @@ def test_capture_equals_hf_hidden_states(tiny4):
     assert not any(m._forward_hooks for m in llm.engine.runner.model.model.layers)
 
 
+def test_capture_keeps_target_outputs_and_soft_labels(tiny4):
+    """With keep_final the capture also keeps the model's outputs of the answer positions:
+    their logits are transformers' logits there; the soft-label loss is the cross-entropy
+    against those distributions and counts agreement with their argmax."""
+    llm, hf = tiny4
+    ids = torch.randint(1, 320, (30,), generator=torch.Generator().manual_seed(4)).tolist()
+    head = _head(llm)
+    with HiddenCapture(llm.engine.runner.model, head.config.layer_ids, keep_final=True) as cap:
+        s = capture_features(llm, cap, ids, prompt_len=9)
+    assert s.final.shape == (30 - 9, 64)   # positions 8..28 predict answer tokens 9..29
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids[:-1]])).logits[0, 8:]
+        ours = head.lm_head(s.final.float())
+    torch.testing.assert_close(ours, ref, atol=0.05, rtol=0.02)   # outputs kept in bf16
+    with torch.no_grad():
+        loss, stats = sample_loss(head, s, 2)
+        outs = head.forward_steps(s.feats[:28], torch.tensor(ids[1:] + [0, 0]), 2)
+    want, agree = 0.0, []
+    for j, o in enumerate(outs):
+        rows = torch.arange(28)
+        keep = (rows + 2 + j < 30) & (rows + 2 + j >= 9)
+        p = torch.softmax(head.lm_head(s.final[(rows + 1 + j)[keep] - 8].float()), -1)
+        lg = head.logits(o[keep])
+        want += 0.8 ** j * float(-(p * torch.log_softmax(lg, -1)).sum(-1).mean())
+        agree.append((int((lg.argmax(-1) == p.argmax(-1)).sum()), int(keep.sum())))
+    assert float(loss) == pytest.approx(want, rel=1e-5)
+    assert stats == agree
+
+
 def test_training_learns_repetitive_corpus(tiny4):
     llm, _ = tiny4
     head = _head(llm)
