@@ -39,7 +39,6 @@ for part in "$@"; do case $part in
        L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        run 80 qwen_new $Q; BLITZ_GREEDY_KERNEL=0 run 80 qwen_nogreedy $Q; BLITZ_GEMV_DEPTH=2 run 80 qwen_depth2 $Q
        run 100 llama_new $L; BLITZ_GEMV_DEPTH=2 run 100 llama_depth2 $L ;;
-  anat) timeout 200 python3 scripts/step_anatomy.py preset:qwen3-0.6b preset:llama-3.1-8b 2>&1 | grep -v "^\[" | tail -4 ;;
   ab4) L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        run 100 llama_base $L; BLITZ_GEMV_SILU_MAX_WEIGHTS=$((32<<20)) run 100 llama_silu_cublas $L
        BLITZ_GEMV_SILU_MAX_WEIGHTS=$((32<<20)) BLITZ_GEMV_MAX_WEIGHTS=$((8<<20)) run 100 llama_all_cublas $L ;;
