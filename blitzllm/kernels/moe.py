@@ -23,6 +23,7 @@ the unbiased weights re-read from the chosen logits, renormalise and scale.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Optional
 
 import torch
@@ -118,7 +119,12 @@ def _router_acc(acc, a, w, DOT: tl.constexpr, WIDEN: tl.constexpr):
 @triton.jit
 def _router_gemm_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, T, E, H, stride_xt, stride_we, stride_ot,
                         h_per_split, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                        SPLIT: tl.constexpr, DOT: tl.constexpr, WIDEN: tl.constexpr, USE_PDL: tl.constexpr):
+                        SPLIT: tl.constexpr, DOT: tl.constexpr, WIDEN: tl.constexpr, USE_PDL: tl.constexpr,
+                        sel_cnt_ptr, bias_ptr, w_out_ptr, id_out_ptr, scaling,
+                        SELECT: tl.constexpr, GROUP: tl.constexpr, N_GROUP: tl.constexpr, NG_PAD: tl.constexpr,
+                        G_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
+                        K_PAD: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        RENORM: tl.constexpr):
     pid_e, pid_s, pid_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -155,6 +161,10 @@ def _router_gemm_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, T, E, H, stride_
     out_ptrs = out_ptr + om.to(tl.int64) * stride_ot + on
     if SPLIT == 1:
         tl.store(out_ptrs, acc, mask=omask)
+        if SELECT:
+            _select_tail(out_ptr, stride_ot, sel_cnt_ptr, pid_t, T, bias_ptr, w_out_ptr, id_out_ptr, scaling,
+                         BLOCK_T, GROUP, N_GROUP, NG_PAD, G_PAD, TOPK_GROUP, TOP_K, K_PAD, SIGMOID, HAS_BIAS,
+                         RENORM)
     else:  # partials in ws [SPLIT, T, E]; the tile's last split to arrive sums them in order
         ws_ptrs = ws_ptr + om * E + on
         tl.store(ws_ptrs + pid_s * T * E, acc, mask=omask)
@@ -166,6 +176,28 @@ def _router_gemm_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, T, E, H, stride_
                 total += tl.load(ws_ptrs + s * T * E, mask=omask, other=0.0, cache_modifier=".cg")
             tl.store(out_ptrs, total, mask=omask)
             tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch
+            if SELECT:
+                _select_tail(out_ptr, stride_ot, sel_cnt_ptr, pid_t, T, bias_ptr, w_out_ptr, id_out_ptr, scaling,
+                             BLOCK_T, GROUP, N_GROUP, NG_PAD, G_PAD, TOPK_GROUP, TOP_K, K_PAD, SIGMOID, HAS_BIAS,
+                             RENORM)
+
+
+@triton.jit
+def _select_tail(out_ptr, stride_ot, sel_cnt_ptr, pid_t, T, bias_ptr, w_out_ptr, id_out_ptr, scaling,
+                 BLOCK_T: tl.constexpr, GROUP: tl.constexpr, N_GROUP: tl.constexpr, NG_PAD: tl.constexpr,
+                 G_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
+                 K_PAD: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr):
+    """Fused routing: a program that wrote its final E tile of token block pid_t counts it;
+    the one completing the block's last tile (all logits of those tokens visible: acq_rel)
+    routes the block's tokens, then resets the counter for the next launch."""
+    tl.debug_barrier()  # every thread's logits are stored before the release below
+    if tl.atomic_add(sel_cnt_ptr + pid_t, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+        for i in range(BLOCK_T):
+            row = pid_t * BLOCK_T + i
+            if row < T:
+                _select_row(out_ptr + row.to(tl.int64) * stride_ot, bias_ptr, w_out_ptr, id_out_ptr, row, scaling,
+                            GROUP, N_GROUP, NG_PAD, G_PAD, TOPK_GROUP, TOP_K, K_PAD, SIGMOID, HAS_BIAS, RENORM)
+        tl.atomic_xchg(sel_cnt_ptr + pid_t, 0)
 
 
 def router_config(T: int, E: int, H: int, x_dtype: torch.dtype, w_dtype: torch.dtype, sms: int,
@@ -213,8 +245,12 @@ def _zeros(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor
     return torch.zeros(numel, dtype=dtype, device=device)
 
 
-def router_gemm_triton(x: torch.Tensor, weight: torch.Tensor, *, config: Optional[dict] = None) -> torch.Tensor:
-    """x [T, H] (bf16 / fp16 / fp32) @ weight [E, H]^T -> fp32 logits [T, E], fp32 accumulate."""
+def router_gemm_triton(x: torch.Tensor, weight: torch.Tensor, *, config: Optional[dict] = None,
+                       select: Optional[tuple] = None):
+    """x [T, H] (bf16 / fp16 / fp32) @ weight [E, H]^T -> fp32 logits [T, E], fp32 accumulate.
+    ``select`` = (top_k, scoring, bias, n_group, topk_group, renormalize, scaling): the same
+    launch also routes the tokens (``select_experts``'s numerics) and the call returns
+    (logits, weights [T, K] fp32, ids [T, K] int32)."""
     assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], "x [T, H] and weight [E, H]"
     T, H = x.shape
     E = weight.shape[0]
@@ -223,6 +259,14 @@ def router_gemm_triton(x: torch.Tensor, weight: torch.Tensor, *, config: Optiona
     if weight.stride(1) != 1:
         weight = weight.contiguous()
     out = torch.empty(T, E, dtype=torch.float32, device=x.device)
+    if select is not None:
+        top_k, scoring, bias, n_group, topk_group, renorm, scaling = select
+        check_routing(E, top_k, scoring, bias, n_group, topk_group)
+        weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
+        ids = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
+        if T == 0 or H == 0:  # nothing to fuse: the separate selection
+            out.zero_()
+            return (out, *select_experts_triton(out, *select)) if T else (out, weights, ids)
     if T == 0 or E == 0:
         return out
     if H == 0:
@@ -234,13 +278,31 @@ def router_gemm_triton(x: torch.Tensor, weight: torch.Tensor, *, config: Optiona
     ws = _zeros(x.device, torch.float32, next_pow2(split * T * E)) if split > 1 else out
     cnt = _zeros(x.device, torch.int32, next_pow2(grid[0] * grid[2])) if split > 1 else out
     pdl = pdl_enabled(x)
+    sel = dict(sel_cnt_ptr=out, bias_ptr=out, w_out_ptr=out, id_out_ptr=out, scaling=1.0, SELECT=False, GROUP=1,
+               N_GROUP=1, NG_PAD=1, G_PAD=1, TOPK_GROUP=1, TOP_K=1, K_PAD=1, SIGMOID=False, HAS_BIAS=False,
+               RENORM=False)
+    if select is not None:
+        group = E // n_group
+        sel = dict(sel_cnt_ptr=_selection_counters(x.device, next_pow2(grid[2])),
+                   bias_ptr=bias.contiguous() if bias is not None else out, w_out_ptr=weights, id_out_ptr=ids,
+                   scaling=float(scaling), SELECT=True, GROUP=group, N_GROUP=n_group, NG_PAD=next_pow2(n_group),
+                   G_PAD=next_pow2(group), TOPK_GROUP=topk_group if n_group > 1 else 1, TOP_K=top_k,
+                   K_PAD=next_pow2(top_k), SIGMOID=scoring == "sigmoid", HAS_BIAS=bias is not None,
+                   RENORM=bool(renorm))
     _router_gemm_kernel[grid](
         x, weight, out, ws, cnt, T, E, H, x.stride(0), weight.stride(0), out.stride(0),
         triton.cdiv(triton.cdiv(H, bh), split) * bh,
         BLOCK_T=cfg["BLOCK_T"], BLOCK_E=cfg["BLOCK_E"], BLOCK_H=bh, SPLIT=split, DOT=cfg["DOT"],
-        WIDEN=x.dtype == torch.float32 or x.dtype != weight.dtype, USE_PDL=pdl,
+        WIDEN=x.dtype == torch.float32 or x.dtype != weight.dtype, USE_PDL=pdl, **sel,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch_kwargs(pdl))
-    return out
+    return out if select is None else (out, weights, ids)
+
+
+@functools.lru_cache(maxsize=None)
+def _selection_counters(device: torch.device, numel: int) -> torch.Tensor:
+    """Per token-block arrival counters of the fused routing (each launch leaves them at 0);
+    apart from the split-H counters, which the same launch uses too."""
+    return torch.zeros(numel, dtype=torch.int32, device=device)
 
 
 # ---- expert selection -----------------------------------------------------------------
@@ -253,12 +315,25 @@ def _select_experts_kernel(logits_ptr, bias_ptr, w_out_ptr, id_out_ptr, stride_l
                            RENORM: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + row * stride_l
+    pdl_launch_dependents(USE_PDL)
+    _select_row(logits_ptr + row * stride_l, bias_ptr, w_out_ptr, id_out_ptr, row, scaling, GROUP, N_GROUP,
+                NG_PAD, G_PAD, TOPK_GROUP, TOP_K, K_PAD, SIGMOID, HAS_BIAS, RENORM)
+
+
+@triton.jit
+def _select_row(row_ptr, bias_ptr, w_out_ptr, id_out_ptr, row, scaling,
+                GROUP: tl.constexpr, N_GROUP: tl.constexpr, NG_PAD: tl.constexpr,
+                G_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
+                K_PAD: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+                RENORM: tl.constexpr):
+    """Routing of one token from its fp32 logits at row_ptr (read from L2: in the fused
+    router they were written by other programs of the same launch): writes its TOP_K
+    weights and expert ids to row ``row`` of the outputs."""
     grp = tl.arange(0, NG_PAD)
     col = tl.arange(0, G_PAD)
     expert = grp[:, None] * GROUP + col[None, :]  # the row as [group, expert in group]
     valid = (grp[:, None] < N_GROUP) & (col[None, :] < GROUP)
-    logit = tl.load(row_ptr + expert, mask=valid, other=float("-inf"))
+    logit = tl.load(row_ptr + expert, mask=valid, other=float("-inf"), cache_modifier=".cg")
     mx = 0.0
     denom = 1.0
     if SIGMOID:
@@ -293,9 +368,8 @@ def _select_experts_kernel(logits_ptr, bias_ptr, w_out_ptr, id_out_ptr, stride_l
         f = tl.argmax(flat, axis=0)
         ids = tl.where(k == i, (f // G_PAD) * GROUP + f % G_PAD, ids)
         flat = tl.where(pos == f, float("-inf"), flat)
-    pdl_launch_dependents(USE_PDL)
     kmask = k < TOP_K
-    picked = tl.load(row_ptr + ids, mask=kmask, other=0.0)  # the chosen logits again (cached)
+    picked = tl.load(row_ptr + ids, mask=kmask, other=0.0, cache_modifier=".cg")  # the chosen logits again
     if SIGMOID:
         w = 1.0 / (1.0 + tl.exp(-picked))
     else:
@@ -379,6 +453,24 @@ def select_experts(logits: torch.Tensor, top_k: int, scoring: str = "softmax",
     check_routing(logits.shape[-1], top_k, scoring, bias, n_group, topk_group)
     fn = select_experts_triton if use_triton(logits) else reference_select_experts
     return fn(logits, top_k, scoring, bias, n_group, topk_group, renormalize, scaling)
+
+
+# BLITZ_MOE_FUSED_ROUTING=1: decode batches (up to 16 tokens) route in the router GEMM's
+# launch (its last program per token block runs the selection). Opt-in until measured.
+MOE_FUSED_ROUTING = os.environ.get("BLITZ_MOE_FUSED_ROUTING", "0") == "1"
+ROUTER_FUSED_MAX_T = 16
+
+
+def route_experts(x: torch.Tensor, weight: torch.Tensor, top_k: int, scoring: str = "softmax",
+                  bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: int = 1,
+                  renormalize: bool = True, scaling: float = 1.0):
+    """``select_experts(router_gemm(x, weight), ...)``: (weights [T, K] fp32, ids [T, K] int32);
+    with BLITZ_MOE_FUSED_ROUTING=1 one launch for CUDA decode batches."""
+    if MOE_FUSED_ROUTING and use_triton(x) and 0 < x.shape[0] <= ROUTER_FUSED_MAX_T:
+        _, weights, ids = router_gemm_triton(x, weight, select=(top_k, scoring, bias, n_group, topk_group,
+                                                                  renormalize, scaling))
+        return weights, ids
+    return select_experts(router_gemm(x, weight), top_k, scoring, bias, n_group, topk_group, renormalize, scaling)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

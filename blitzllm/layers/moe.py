@@ -136,8 +136,8 @@ class FusedMoE(nn.Module):
 
     def route(self, x: torch.Tensor):
         """x [T, H] -> (topk weights [T, K] fp32, topk ids [T, K] int32)."""
-        return _op("select_experts")(self.gate(x), self.top_k, self.scoring, self.correction_bias,
-                                      self.n_group, self.topk_group, self.renormalize, self.scaling)
+        return _op("route_experts")(x, self.gate.weight, self.top_k, self.scoring, self.correction_bias,
+                                     self.n_group, self.topk_group, self.renormalize, self.scaling)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shared, side = None, None

@@ -338,3 +338,38 @@ def test_fused_moe_dispatches_small_batches_to_gemv(device, monkeypatch):
         close(fm.fused_moe_triton(x, w13, w2, weights, ids), reference_fused_moe(x, w13, w2, weights, ids),
               TOL[torch.float32])
     assert len(calls) == 2   # tokens 1 and 2; 3 takes the grouped GEMMs
+
+
+@pytest.mark.parametrize("cfg", ["fma", "dot-split", "auto"])
+@pytest.mark.parametrize("name", ["qwen3", "deepseek-v3", "softmax-bias-3groups", "tiny"])
+@pytest.mark.parametrize("t", [1, 3, 16])
+def test_router_gemm_with_fused_selection(t, name, cfg, device):
+    """The router GEMM launch that also routes (its last program per token block runs the
+    selection) == router_gemm then select_experts; twice, so the counters are found clean."""
+    e, k, scoring, with_bias, ng, tg, renorm, scaling = ROUTINGS[name]
+    g = torch.Generator().manual_seed(t * 31 + e)
+    h = 96
+    x = torch.randn(t, h, generator=g).to(device)
+    w = (torch.randn(e, h, generator=g) / h ** 0.5).to(device)
+    bias = (torch.randn(e, generator=g) * 0.1).to(device) if with_bias else None
+    sel = (k, scoring, bias, ng, tg, renorm, scaling)
+    conf = None if ROUTER_CONFIGS[cfg] is None else dict(ROUTER_CONFIGS[cfg], BLOCK_H=32)
+    ref_logits = router_gemm_triton(x, w, config=conf)
+    ref_w, ref_ids = reference_select_experts(ref_logits.cpu(), *(v.cpu() if torch.is_tensor(v) else v
+                                                                  for v in sel))
+    for _ in range(2):
+        logits, wts, ids = router_gemm_triton(x, w, config=conf, select=sel)
+        assert torch.equal(logits, ref_logits)
+        got_w, got_ids = by_id(wts.cpu(), ids.cpu())
+        exp_w, exp_ids = by_id(ref_w, ref_ids)
+        assert torch.equal(got_ids, exp_ids)
+        torch.testing.assert_close(got_w, exp_w, rtol=1e-5, atol=1e-6)
+
+
+def test_route_experts_dispatch_matches_the_two_steps():
+    """The layer's routing entry point (CPU: torch) == select_experts(router_gemm(x))."""
+    g = torch.Generator().manual_seed(9)
+    x, w = torch.randn(5, 64, generator=g), torch.randn(32, 64, generator=g)
+    got = moe.route_experts(x, w, 4, "sigmoid", torch.zeros(32), 4, 2, True, 2.0)
+    ref = moe.select_experts(moe.router_gemm(x, w), 4, "sigmoid", torch.zeros(32), 4, 2, True, 2.0)
+    assert torch.equal(got[1], ref[1]) and torch.equal(got[0], ref[0])
