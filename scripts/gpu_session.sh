@@ -46,6 +46,11 @@ for part in "$@"; do case $part in
   fin) M="--batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
        run 100 llama_b1 --model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8
        run 150 q30b_b1 --model preset:qwen3-30b-a3b $M; BLITZ_MOE_GEMV=1 run 150 q30b_b1_gemv --model preset:qwen3-30b-a3b $M ;;
+  gemvab) L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
+       run 100 llama_gemv_default $L
+       BLITZ_GEMV_CONFIG='{"BLOCK_N": 8, "num_warps": 4}' run 100 llama_gemv_n8w4 $L
+       BLITZ_GEMV_CONFIG='{"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4}' run 100 llama_gemv_n4k1024 $L
+       BLITZ_GEMV_CONFIG='{"BLOCK_N": 32, "num_warps": 8}' run 100 llama_gemv_n32w8 $L ;;
   latcmp) run 240 llama_b1 --model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --compare hf ;;
   b64) run 100 llama_b64 --model preset:llama-3.1-8b --batch-size 64 --input-len 1000 --output-len 64 --max-num-seqs 64 ;;
   ttft) run 70 llama_ttft10k --model preset:llama-3.1-8b --batch-size 1 --input-len 10000 --output-len 4 --max-num-seqs 1 --enforce-eager ;;

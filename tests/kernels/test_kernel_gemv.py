@@ -166,3 +166,27 @@ def test_gpu_linear_bf16():
                 close(gemv_triton(x, w, b, config=CONFIGS[cfg]), reference_linear(x, w, b), dt)
             g = torch.randn(m, 2 * k, device=dev, dtype=dt)
             close(linear(g, w, silu_mul_input=True), reference_linear(g, w, silu_mul_input=True), dt)
+
+
+def test_env_config_reaches_the_launch_and_is_checked(monkeypatch):
+    """BLITZ_GEMV_CONFIG (A/B runs) sets the launch keys of calls without a config; unknown
+    keys fail (at import) with the variable's name."""
+    import blitzllm.kernels.gemv as gemv
+    monkeypatch.setenv("BLITZ_GEMV_CONFIG", '{"BLOCK_N": 2, "num_warps": 2}')
+    assert gemv._env_config() == {"BLOCK_N": 2, "num_warps": 2}
+    monkeypatch.setattr(gemv, "_ENV_CONFIG", gemv._env_config())
+    seen = {}
+    orig = gemv._cached_config
+
+    def spy(M, N, K, dtype, sms, items, silu):
+        seen["items"] = dict(items)
+        return orig(M, N, K, dtype, sms, items, silu)
+    monkeypatch.setattr(gemv, "_cached_config", spy)
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(1, 64, generator=g), torch.randn(40, 64, generator=g)
+    out = gemv.gemv_triton(x, w)
+    assert seen["items"] == {"BLOCK_N": 2, "num_warps": 2}
+    torch.testing.assert_close(out, reference_linear(x, w), atol=1e-4, rtol=1e-4)
+    monkeypatch.setenv("BLITZ_GEMV_CONFIG", '{"BLOCK_Q": 2}')
+    with pytest.raises(ValueError, match="BLITZ_GEMV_CONFIG"):
+        gemv._env_config()
