@@ -51,6 +51,10 @@ for part in "$@"; do case $part in
        BLITZ_GEMV_CONFIG='{"BLOCK_N": 8, "num_warps": 4}' run 100 llama_gemv_n8w4 $L
        BLITZ_GEMV_CONFIG='{"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4}' run 100 llama_gemv_n4k1024 $L
        BLITZ_GEMV_CONFIG='{"BLOCK_N": 32, "num_warps": 8}' run 100 llama_gemv_n32w8 $L ;;
+  chain) Q="--model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
+       timeout 300 python3 -m pytest -q tests/kernels/test_kernel_gemv.py tests/test_gpu_e2e.py tests/kernels/test_kernel_greedy.py \
+         -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/gpu_chain_tests.log"
+       BLITZ_NORM_CHAIN=1 run 80 qwen_chain $Q; BLITZ_NORM_CHAIN=0 run 80 qwen_nochain $Q ;;
   latcmp) run 240 llama_b1 --model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --compare hf ;;
   b64) run 100 llama_b64 --model preset:llama-3.1-8b --batch-size 64 --input-len 1000 --output-len 64 --max-num-seqs 64 ;;
   ttft) run 70 llama_ttft10k --model preset:llama-3.1-8b --batch-size 1 --input-len 10000 --output-len 4 --max-num-seqs 1 --enforce-eager ;;

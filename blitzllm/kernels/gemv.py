@@ -44,6 +44,11 @@ from ._common import (device_sms, next_pow2, pdl_enabled, pdl_launch_dependents,
 from .activation import reference_silu_and_mul, silu_and_mul
 
 GEMV_MAX_ROWS = 16
+# the norm chain's sums of squares (linear_add_ss): a slot is SS_LANES lanes of SS_STRIDE
+# floats (128 B apart, rows 0..GEMV_MAX_ROWS-1 used); tile n adds into lane n % SS_LANES,
+# which spreads the atomics of ~1000 tiles over 32 addresses; readers sum the lanes
+SS_LANES, SS_STRIDE = 32, 32
+SS_SLOT = SS_LANES * SS_STRIDE
 # BLITZ_GEMV_NORM=1: pre-norms run as the GEMV prologue (one kernel fewer, but measured
 # slower on the H200: qwen3-0.6b 1027 vs 1133 tok/s, llama-3.1-8b 201 vs 219)
 _NORM_PROLOGUE = os.environ.get("BLITZ_GEMV_NORM", "0") == "1"
@@ -108,20 +113,35 @@ def _gemv_accumulate(acc, a, w, DOT: tl.constexpr, IEEE: tl.constexpr, SILU_MUL:
 
 
 @triton.jit
-def _gemv_store(acc, b_ptr, out_ptrs, on, N, omask, HAS_BIAS: tl.constexpr):
+def _gemv_store(acc, b_ptr, out_ptrs, on, N, omask, HAS_BIAS: tl.constexpr,
+                ADD_SS: tl.constexpr, r, ss_ptrs, ss_mask, DOT: tl.constexpr):
+    """Store the [M, N] tile (+ bias) rounded to the output dtype; with ADD_SS the tile is
+    first rounded as the plain output, then added to the residual tile (the sum rounded
+    again: the numerics of linear + fused_add_rms_norm) and its rows' sums of squares go
+    into the ss accumulator (fp32 atomics)."""
     if HAS_BIAS:
         acc += tl.load(b_ptr + on, mask=on < N, other=0.0).to(tl.float32)
-    tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=omask)
+    y = acc.to(out_ptrs.dtype.element_ty)
+    if ADD_SS:
+        y = (y.to(tl.float32) + r.to(tl.float32)).to(out_ptrs.dtype.element_ty)
+        yf = tl.where(omask, y.to(tl.float32), 0.0)
+        if DOT:  # [M_PAD, BLOCK_N]
+            part = tl.sum(yf * yf, axis=1)
+        else:  # [BLOCK_N, M_PAD]
+            part = tl.sum(yf * yf, axis=0)
+        tl.atomic_add(ss_ptrs, part, mask=ss_mask, sem="relaxed")
+    tl.store(out_ptrs, y, mask=omask)
 
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, r_ptr, nw_ptr, ro_ptr,
+    x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, r_ptr, nw_ptr, ro_ptr, ss_ptr, ssc_ptr,
     M, N, K, stride_xm, stride_wn, stride_om, k_per_split, n_splits, stride_rm, stride_rom, eps,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
     SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESID: tl.constexpr,
-    USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, SS_NORM: tl.constexpr, ADD_SS: tl.constexpr,
+    SS_LANES: tl.constexpr, SS_STRIDE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     offs_m = tl.arange(0, M_PAD)
@@ -153,26 +173,37 @@ def _gemv_kernel(
     # tile's FMAs (registers double-buffered; Triton pipelines only loads feeding tl.dot).
     if PREFETCH:
         w_cur = tl.load(w_ptrs, mask=w_mask & (w_k < K), other=0.0, eviction_policy="evict_first")
+    r_tile = acc  # ADD_SS: the residual tile; it was written two or more launches back, which
+    if ADD_SS:    # completed before the kernel before passed its own wait (PDL): load it now
+        r_tile = tl.load(r_ptr + om * stride_rm + on, mask=(om < M) & (on < N), other=0.0)
     pdl_wait(USE_PDL)
+    if ADD_SS:  # the other ss slot's reader ran before the kernel before: clear it for later
+        if (pid_n == 0) & (tl.program_id(1) == 0):
+            tl.store(ssc_ptr + tl.arange(0, SS_LANES * SS_STRIDE), tl.zeros([SS_LANES * SS_STRIDE], dtype=tl.float32))
     rstd = tl.zeros([M_PAD], dtype=tl.float32)
     r_ptrs = x_ptrs
     nw_ptrs = x_ptrs
-    if NORM:  # RMSNorm prologue: every program reduces the whole (small) rows itself
-        ss = tl.zeros([M_PAD], dtype=tl.float32)
-        rows = offs_m[:, None]
-        first = (pid_n == 0) & (tl.program_id(1) == 0)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)[None, :]
-            mk = (rows < M) & (kk < K)
-            v = tl.load(x_ptr + rows * stride_xm + kk, mask=mk, other=0.0)
-            if RESID:
-                r = tl.load(r_ptr + rows * stride_rm + kk, mask=mk, other=0.0)
-                v = (v.to(tl.float32) + r.to(tl.float32)).to(r.dtype)
-                if first:  # one program writes the new residual stream
-                    tl.store(ro_ptr + rows * stride_rom + kk, v, mask=mk)
-            vf = v.to(tl.float32)
-            ss += tl.sum(vf * vf, axis=1)
-        rstd = 1.0 / tl.sqrt(ss / K + eps)
+    if NORM:  # RMSNorm prologue
+        if SS_NORM:  # the rows' sums of squares were accumulated by the GEMV that made x
+            # (one partial per lane: the producer's tiles spread their atomics over lanes)
+            lanes = tl.arange(0, SS_LANES)[:, None] * SS_STRIDE + offs_m[None, :]
+            ss = tl.sum(tl.load(ss_ptr + lanes, mask=(offs_m < M)[None, :], other=0.0), axis=0)
+        else:  # every program reduces the whole (small) rows itself
+            ss = tl.zeros([M_PAD], dtype=tl.float32)
+            rows = offs_m[:, None]
+            first = (pid_n == 0) & (tl.program_id(1) == 0)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + tl.arange(0, BLOCK_K)[None, :]
+                mk = (rows < M) & (kk < K)
+                v = tl.load(x_ptr + rows * stride_xm + kk, mask=mk, other=0.0)
+                if RESID:
+                    r = tl.load(r_ptr + rows * stride_rm + kk, mask=mk, other=0.0)
+                    v = (v.to(tl.float32) + r.to(tl.float32)).to(r.dtype)
+                    if first:  # one program writes the new residual stream
+                        tl.store(ro_ptr + rows * stride_rom + kk, v, mask=mk)
+                vf = v.to(tl.float32)
+                ss += tl.sum(vf * vf, axis=1)
+        rstd = tl.rsqrt(ss / K + eps)  # as kernels/rmsnorm.py's rms_normalize
         if DOT or SILU_MUL:
             rstd = rstd[:, None]
             r_ptrs = r_ptr + offs_m[:, None] * stride_rm + x_k
@@ -208,6 +239,8 @@ def _gemv_kernel(
         acc = tl.sum(acc, axis=2)
     omask = (om < M) & (on < N)
     out_ptrs = out_ptr + om * stride_om + on
+    # ADD_SS: per-row sums of squares into this tile's lane of the slot
+    ss_ptrs = ss_ptr + (pid_n % SS_LANES) * SS_STRIDE + offs_m  # this tile's lane
     if SPLIT:
         ws_ptrs = ws_ptr + om * N + on
         tl.atomic_add(ws_ptrs, acc, mask=omask, sem="relaxed")
@@ -218,9 +251,11 @@ def _gemv_kernel(
             tl.debug_barrier()  # replicated elements: every copy is read before the reset
             tl.store(ws_ptrs, tl.zeros_like(acc), mask=omask)
             tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch
-            _gemv_store(acc, b_ptr, out_ptrs, on, N, omask, HAS_BIAS)
+            _gemv_store(acc, b_ptr, out_ptrs, on, N, omask, HAS_BIAS, ADD_SS, r_tile, ss_ptrs,
+                        offs_m < M, DOT)
     else:
-        _gemv_store(acc, b_ptr, out_ptrs, on, N, omask, HAS_BIAS)
+        _gemv_store(acc, b_ptr, out_ptrs, on, N, omask, HAS_BIAS, ADD_SS, r_tile, ss_ptrs,
+                    offs_m < M, DOT)
 
 
 def _pick_split(n_tiles: int, K: int, block_k: int, sms: int) -> int:
@@ -300,13 +335,30 @@ def _zeros(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor
 def gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                 silu_mul_input: bool = False, out: Optional[torch.Tensor] = None,
                 config: Optional[dict] = None, norm_weight: Optional[torch.Tensor] = None,
-                residual: Optional[torch.Tensor] = None, eps: float = 1e-6):
+                residual: Optional[torch.Tensor] = None, eps: float = 1e-6,
+                ss: Optional[torch.Tensor] = None, add_residual: Optional[torch.Tensor] = None,
+                ss_clear: Optional[torch.Tensor] = None):
     """x [M, K] (or [M, 2K] gate|up with silu_mul_input), w [N, K] -> [M, N] in x.dtype.
     With ``norm_weight`` the GEMV input is ``rms_norm(x + residual)`` (``rms_norm(x)``
-    without residual) and the call returns ``(out, x + residual)`` (``(out, x)``)."""
+    without residual) and the call returns ``(out, x + residual)`` (``(out, x)``); with
+    ``ss`` too (no residual) the rows' sums of squares are taken from the slot ``ss``
+    [SS_SLOT] fp32 instead of being reduced (see ``linear_add_ss``).
+    With ``add_residual`` [M, N] the call returns ``linear(x) + add_residual`` (each
+    rounded as unfused), adds the rows' sums of squares of that into the slot ``ss`` and
+    zeroes the slot ``ss_clear`` (the other one of the pair). With PDL the residual tile
+    loads before the wait on the previous kernel: ``add_residual`` must come from an
+    earlier launch than the one just before (true of the norm chain)."""
     norm = norm_weight is not None
+    add_ss = add_residual is not None
     assert not (norm and silu_mul_input), "norm prologue and silu-mul input do not combine"
     assert residual is None or norm, "residual only with norm_weight"
+    assert not (norm and add_ss), "norm prologue and residual-add epilogue do not combine"
+    assert not (norm and ss is not None and residual is not None), "ss norm takes x with its residual in"
+    if ss is not None:
+        assert ss.dtype == torch.float32 and ss.is_contiguous() and ss.numel() == SS_SLOT
+    if add_ss:
+        assert ss is not None and ss_clear is not None, "add_residual needs ss and ss_clear"
+        assert ss_clear.dtype == torch.float32 and ss_clear.is_contiguous() and ss_clear.numel() == SS_SLOT
     assert x.dim() == 2 and w.dim() == 2 and x.dtype == w.dtype, "x [M, K] and w [N, K] of one dtype"
     M, (N, K) = x.shape[0], w.shape
     assert x.shape[1] == (2 * K if silu_mul_input else K), "x width must be K (2K with silu_mul_input)"
@@ -329,6 +381,18 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
     if norm and (M == 0 or N == 0 or K == 0):  # degenerate: the unfused way
         normed = _torch_norm(x, residual, norm_weight, eps)
         return out.copy_(F.linear(normed, w, bias)), (x + residual if resid else x)
+    if add_ss:
+        assert add_residual.shape == (M, N) and add_residual.dtype == x.dtype
+        if add_residual.stride(1) != 1:
+            add_residual = add_residual.contiguous()
+        if M == 0 or N == 0 or K == 0:  # degenerate: the unfused way
+            y = reference_linear(x, w, bias, silu_mul_input) if K else torch.zeros_like(out)
+            if K == 0 and bias is not None:
+                y = bias.expand(M, N).to(x.dtype)
+            s = (y.float() + add_residual.float()).to(x.dtype)
+            ss[:M] += s.float().pow(2).sum(-1)  # lane 0
+            ss_clear.zero_()
+            return out.copy_(s)
     if M == 0 or N == 0:
         return out
     if K == 0:
@@ -343,15 +407,18 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
     cnt = _zeros(x.device, torch.int32, next_pow2(n_tiles)) if split else out
     m_pad = next_pow2(M)  # tl.dot pads small M itself
     pdl = pdl_enabled(x)
-    r = residual if resid else x
+    r = residual if resid else (add_residual if add_ss else x)
+    ss_norm = norm and ss is not None
     _gemv_kernel[(n_tiles, n_splits)](
         x, w, bias if bias is not None else w, out, ws, cnt, r,
-        norm_weight if norm else w, new_res,
+        norm_weight if norm else w, new_res, ss if ss is not None else ws,
+        ss_clear if add_ss else ws,
         M, N, K, x.stride(0), w.stride(0), out.stride(0), k_per_split, n_splits,
         r.stride(0), new_res.stride(0), float(eps),
         M_PAD=m_pad, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, DOT=cfg["DOT"],
         IEEE=x.dtype == torch.float32, SILU_MUL=silu_mul_input, HAS_BIAS=bias is not None,
         NORM=norm, RESID=resid, USE_PDL=pdl, PREFETCH=pdl or (_FMA_PREFETCH and not cfg["DOT"]),
+        SS_NORM=ss_norm, ADD_SS=add_ss, SS_LANES=SS_LANES, SS_STRIDE=SS_STRIDE,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **pdl_launch_kwargs(pdl),
     )
@@ -409,3 +476,60 @@ def norm_linear(x: torch.Tensor, residual: Optional[torch.Tensor], w: torch.Tens
     from .rmsnorm import fused_add_rms_norm
     normed, new_res = fused_add_rms_norm(x, residual, norm_weight, eps)
     return linear(normed, w, bias), new_res
+
+
+# ------------------------------------------------------------ the norm chain (decode)
+# A pre-norm decoder's residual stream, as GEMV epilogues and prologues: the projection
+# that ends a sub-block (o_proj, down_proj) adds its output to the residual and leaves the
+# rows' sums of squares of the sum in a slot (``linear_add_ss``); the projection after the
+# RMSNorm (gate_up, the next layer's qkv) normalises its input tiles with them
+# (``ss_norm_linear``). No RMSNorm launch between them and no row reduction in the GEMV.
+# Two slots alternate: each producer accumulates into its slot and zeroes the other one,
+# whose reader ran before the kernel before it (stream order): every launch leaves the
+# pair ready for the next, CUDA-graph replays included.
+
+@functools.lru_cache(maxsize=None)
+def sum_squares_slots(device: torch.device) -> torch.Tensor:
+    """The chain's two zeroed sums-of-squares slots [2, SS_SLOT] fp32 of a device."""
+    return torch.zeros(2, SS_SLOT, dtype=torch.float32, device=device)
+
+
+def slot_sums(ss: torch.Tensor, rows: int) -> torch.Tensor:
+    """The rows' sums of squares held by a slot: its lanes added up."""
+    return ss.view(SS_LANES, SS_STRIDE)[:, :rows].sum(0)
+
+
+def _gemv_ok(x: torch.Tensor, w: torch.Tensor, rows: int) -> bool:
+    return (use_triton(x) and 0 < rows <= GEMV_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+            and w.dtype == x.dtype and w.stride(-1) == 1)
+
+
+def linear_add_ss(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor,
+                  ss: torch.Tensor, ss_clear: torch.Tensor, silu_mul_input: bool = False) -> torch.Tensor:
+    """``s = linear(x) + residual`` (each rounded as the unfused ops: the new residual
+    stream), ``ss[:rows] += sum(s * s, -1)`` in fp32 and ``ss_clear`` zeroed. One GEMV
+    launch on CUDA decode; the torch ops elsewhere. ``residual`` must not be the output of
+    the launch just before (see gemv_triton)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if _gemv_ok(x, w, rows):
+        s = gemv_triton(x.reshape(rows, x.shape[-1]), w, bias, silu_mul_input=silu_mul_input,
+                        add_residual=residual.reshape(rows, w.shape[0]), ss=ss, ss_clear=ss_clear)
+        return s.view(*x.shape[:-1], w.shape[0])
+    y = linear(x, w, bias, silu_mul_input=silu_mul_input)
+    s = (y.float() + residual.float()).to(y.dtype)
+    ss[:rows] += s.float().pow(2).sum(-1).reshape(rows)  # lane 0
+    ss_clear.zero_()
+    return s
+
+
+def ss_norm_linear(s: torch.Tensor, ss: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
+                   norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``linear(rms_norm(s))`` with the rows' sums of squares of ``s`` taken from ``ss``
+    (left there by ``linear_add_ss``); the norm runs as the GEMV's prologue on CUDA decode."""
+    rows = s.numel() // s.shape[-1] if s.shape[-1] else 0
+    if _gemv_ok(s, w, rows) and norm_weight.dtype == s.dtype:
+        y, _ = gemv_triton(s.reshape(rows, s.shape[-1]), w, bias, norm_weight=norm_weight, ss=ss, eps=eps)
+        return y.view(*s.shape[:-1], w.shape[0])
+    rstd = torch.rsqrt(slot_sums(ss, rows) / s.shape[-1] + eps).view(*s.shape[:-1], 1)
+    normed = (s.float() * rstd).to(s.dtype)
+    return linear((norm_weight.float() * normed.float()).to(s.dtype), w, bias)

@@ -11,6 +11,7 @@ shards (``distributed/layers.py``); the pre-norms sum the row-parallel partial o
 """
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import torch
@@ -19,7 +20,10 @@ from torch import nn
 from ..config import ModelConfig
 from ..distributed.layers import Part, lm_head, packed_column_linear, row_linear, shard_rows, vocab_embedding
 from ..distributed.parallel_state import get_tp_group, split_heads
+from ..kernels._common import use_triton
+from ..kernels.gemv import GEMV_MAX_ROWS, linear_add_ss, prefer_gemv, ss_norm_linear, sum_squares_slots
 from ..layers.attention import Attention
+from ..layers.linear import GEMV_ENABLED, Linear
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
 
@@ -112,6 +116,43 @@ class DecoderLayer(nn.Module):
         return mlp_forward_norm(mlp, x, residual, self.post_attention_layernorm)
 
 
+    def chainable(self) -> bool:
+        """Whether decode may run this layer as the GEMV norm chain (``forward_chain``): a
+        dense MLP, unquantized projections without a tensor-parallel norm."""
+        attn, mlp = self.self_attn, getattr(self, self.mlp_name)
+        lins = (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None))
+        return (type(mlp) is DenseMLP and type(attn.attn) is Attention and attn.attn.pre_norm is None
+                and all(isinstance(m, Linear) and m.qweight is None for m in lins)
+                and self.input_layernorm.tp is None and self.post_attention_layernorm.tp is None)
+
+    def chain_shapes(self) -> list:
+        """(N, K, silu_mul_input) of the four chained projections."""
+        attn, mlp = self.self_attn, getattr(self, self.mlp_name)
+        return [(attn.qkv_proj.weight.shape[0], attn.qkv_proj.weight.shape[1], False),
+                (attn.o_proj.weight.shape[0], attn.o_proj.weight.shape[1], False),
+                (mlp.gate_up_proj.weight.shape[0], mlp.gate_up_proj.weight.shape[1], False),
+                (mlp.down_proj.weight.shape[0], mlp.down_proj.weight.shape[1], True)]
+
+    def forward_chain(self, positions, h, residual, slots):
+        """``forward`` with every RMSNorm inside the GEMVs (kernels/gemv.py's norm chain):
+        ``h`` is the normed input (the first layer) or None: then ``residual`` already holds
+        x + residual and slot 1 its rows' sums of squares. Returns the new residual stream;
+        slot 1 then holds its sums of squares (the next layer's input norm)."""
+        attn, mlp = self.self_attn, getattr(self, self.mlp_name)
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        if h is None:
+            qkv = ss_norm_linear(residual, slots[1], attn.qkv_proj.weight, attn.qkv_proj.bias, norm1.weight,
+                                 norm1.eps)
+        else:
+            qkv = attn.qkv_proj(h)
+        o = attn.o_proj
+        residual = linear_add_ss(attn.attn(positions, qkv), o.weight, o.bias, residual, slots[0], slots[1])
+        gate_up = ss_norm_linear(residual, slots[0], mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
+                                 norm2.weight, norm2.eps)
+        d = mlp.down_proj
+        return linear_add_ss(gate_up, d.weight, d.bias, residual, slots[1], slots[0], silu_mul_input=True)
+
+
 def mlp_forward_norm(mlp: nn.Module, x: torch.Tensor, residual, norm) -> tuple:
     """The post-attention half of a pre-norm block: (mlp(norm(x + residual)), x + residual).
     A ``DenseMLP`` takes the norm as its gate_up GEMV's prologue (CUDA decode)."""
@@ -136,10 +177,35 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids, positions):
         x, residual = self.embed_tokens(input_ids), None
+        if self._use_chain(x):
+            h = self.layers[0].input_layernorm(x)
+            slots = sum_squares_slots(x.device)
+            for layer in self.layers:
+                x, h = layer.forward_chain(positions, h, x, slots), None
+            return self.norm(x)
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
         x, _ = self.norm(x, residual)
         return x
+
+    # the GEMV norm chain (opt-in: BLITZ_NORM_CHAIN=1) for CUDA decode when every layer
+    # qualifies and no layer is hooked. First H200 measurement (qwen3-0.6b batch 1, one
+    # atomic address per row): 1103 tok/s vs 1164 without, at 5.25 vs 7.2 kernels per layer
+    norm_chain = os.environ.get("BLITZ_NORM_CHAIN", "0") == "1"
+
+    def _use_chain(self, x: torch.Tensor) -> bool:
+        rows = x.numel() // x.shape[-1] if x.dim() else 0
+        if not (self.norm_chain and x.is_cuda and GEMV_ENABLED and 0 < rows <= GEMV_MAX_ROWS
+                and use_triton(x) and len(self.layers) > 0):
+            return False
+        if any(layer._forward_hooks or layer._forward_pre_hooks for layer in self.layers):
+            return False  # hooks see each layer's (x, residual) (spec/eagle3.py's HiddenCapture)
+        if getattr(self, "_chain_layers_ok", None) is None:
+            self._chain_layers_ok = self.norm.tp is None and all(
+                isinstance(layer, DecoderLayer) and layer.chainable() for layer in self.layers)
+        if not self._chain_layers_ok or x.dtype != self.layers[0].self_attn.qkv_proj.weight.dtype:
+            return False
+        return all(prefer_gemv(rows, n, k, silu) for n, k, silu in self.layers[0].chain_shapes())
 
 
 class LlamaForCausalLM(nn.Module):

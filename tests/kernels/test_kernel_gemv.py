@@ -111,6 +111,86 @@ def test_norm_prologue(dtype, m, k, resid, cfg, device):
     close(y2, reference_linear(normed, w, b), dtype)
 
 
+@pytest.mark.parametrize("cfg", list(CONFIGS))
+@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize("dtype,m,n,k", [(torch.float32, 1, 40, 33), (torch.float32, 3, 130, 260),
+                                         (torch.bfloat16, 16, 64, 96)])
+def test_residual_add_sum_squares_epilogue(dtype, m, n, k, silu, cfg, device):
+    """add_residual: linear(x) + residual rounded as the unfused ops, the rows' sums of
+    squares added onto ss (rows >= m untouched), the other slot zeroed."""
+    x, w, b = make(m, n, k, dtype, device, silu=silu, bias=not silu)
+    r = torch.randn(m, n).to(device, dtype)
+    slots = torch.rand(2, gv.SS_SLOT, device=device) + 1.0  # dirty: ss keeps, ss_clear loses
+    before = gv.slot_sums(slots[0], gv.GEMV_MAX_ROWS)
+    s = gemv_triton(x, w, b, silu_mul_input=silu, add_residual=r, ss=slots[0], ss_clear=slots[1],
+                    config=CONFIGS[cfg])
+    want = (reference_linear(x, w, b, silu_mul_input=silu).float() + r.float()).to(dtype)
+    close(s, want, dtype)
+    assert s.dtype == dtype and s.shape == (m, n)
+    # the kernel's sums are of its own (rounded) s: check them exactly against s
+    after = gv.slot_sums(slots[0], gv.GEMV_MAX_ROWS)
+    torch.testing.assert_close(after[:m], before[:m] + s.float().pow(2).sum(-1), rtol=1e-5, atol=1e-5)
+    assert torch.equal(after[m:], before[m:])
+    assert not slots[1].any()
+
+
+@pytest.mark.parametrize("cfg", list(CONFIGS))
+@pytest.mark.parametrize("dtype,m,k", [(torch.float32, 1, 33), (torch.float32, 3, 260), (torch.bfloat16, 16, 96)])
+def test_norm_prologue_from_sum_squares(dtype, m, k, cfg, device):
+    """norm_weight with ss: rms_norm(x) with the rows' sums of squares read from ss."""
+    from blitzllm.kernels.rmsnorm import reference_rms_norm
+    x, w, b = make(m, 40, k, dtype, device)
+    nw = (1 + 0.1 * torch.randn(k)).to(device, dtype)
+    ss = torch.zeros(gv.SS_LANES, gv.SS_STRIDE, device=device)
+    ss[:, :m] = x.float().pow(2).sum(-1) / gv.SS_LANES  # spread over the lanes
+    ss = ss.view(-1)
+    y, same = gemv_triton(x, w, b, norm_weight=nw, ss=ss, eps=1e-5, config=CONFIGS[cfg])
+    assert same is x
+    close(y, reference_linear(reference_rms_norm(x, nw, 1e-5), w, b), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_chain_matches_unfused_ops(dtype, device):
+    """Two pre-norm sub-blocks as the chain (producer -> consumer -> producer -> consumer,
+    the slots alternating) against linear + fused_add_rms_norm; launches and the torch
+    fallback (CPU tensors without the interpreter's dispatch) agree."""
+    from blitzllm.kernels.rmsnorm import reference_fused_add_rms_norm
+    torch.manual_seed(0)
+    m, h, inter = 2, 64, 96
+    x = torch.randn(m, h).to(device, dtype)
+    res = torch.randn(m, h).to(device, dtype)
+    wo = (torch.randn(h, h) / h ** 0.5).to(device, dtype)
+    wgu = (torch.randn(2 * inter, h) / h ** 0.5).to(device, dtype)
+    wd = (torch.randn(h, inter) / inter ** 0.5).to(device, dtype)
+    n1, n2 = ((1 + 0.1 * torch.randn(h)).to(device, dtype) for _ in range(2))
+    # unfused reference
+    r1 = (reference_linear(x, wo).float() + res.float()).to(dtype)
+    h1, _ = reference_fused_add_rms_norm(reference_linear(x, wo), res, n1, 1e-6)
+    gu = reference_linear(h1, wgu)
+    r2 = (reference_linear(gu, wd, silu_mul_input=True).float() + r1.float()).to(dtype)
+    h2, _ = reference_fused_add_rms_norm(reference_linear(gu, wd, silu_mul_input=True), r1, n2, 1e-6)
+    want = reference_linear(h2, wgu)
+    for launch in (True, False):
+        slots = torch.zeros(2, gv.SS_SLOT, device=device)
+        slots[1] = 5.0  # left dirty by an earlier step: the first producer clears it
+        if launch:
+            s1 = gemv_triton(x, wo, add_residual=res, ss=slots[0], ss_clear=slots[1], config=CONFIGS["k"])
+            g1, _ = gemv_triton(s1, wgu, norm_weight=n1, ss=slots[0], config=CONFIGS["n"])
+            s2 = gemv_triton(g1, wd, silu_mul_input=True, add_residual=s1, ss=slots[1], ss_clear=slots[0],
+                             config=CONFIGS["k-dot"])
+            out, _ = gemv_triton(s2, wgu, norm_weight=n2, ss=slots[1], config=CONFIGS["n-dot"])
+        else:
+            s1 = gv.linear_add_ss(x, wo, None, res, slots[0], slots[1])
+            g1 = gv.ss_norm_linear(s1, slots[0], wgu, None, n1, 1e-6)
+            s2 = gv.linear_add_ss(g1, wd, None, s1, slots[1], slots[0], silu_mul_input=True)
+            out = gv.ss_norm_linear(s2, slots[1], wgu, None, n2, 1e-6)
+        close(s1, r1, dtype)
+        close(s2, r2, dtype)
+        close(out, want, dtype)
+        assert not slots[0].any()  # the second producer cleared the first slot
+        torch.testing.assert_close(gv.slot_sums(slots[1], m), s2.float().pow(2).sum(-1), rtol=1e-5, atol=1e-5)
+
+
 def test_config_heuristic():
     bf16, sms = torch.bfloat16, 132
     for m in (1, 4, 16):

@@ -49,3 +49,34 @@ def test_bf16_weights_fp32_activations(tmp_path):
     b = half.generate([prompt], p)[0]
     assert a.token_ids[0] == b.token_ids[0]
     assert abs(a.logprobs[0][a.token_ids[0]] - b.logprobs[0][b.token_ids[0]]) < 0.05
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_norm_chain_decode_matches_transformers(arch, tmp_path, monkeypatch):
+    """The GEMV norm chain (layer.forward_chain: residual add + sums of squares in the
+    o/down projections, the RMSNorms as the next projections' prologues) forced on for every
+    step of up to 16 tokens, here through its torch fallbacks: the same greedy tokens and
+    logprobs as transformers, and it really ran."""
+    from blitzllm.models.llama import DecoderLayer, DecoderModel
+    hf = make_tiny_checkpoint(arch, tmp_path, seed=4)
+    calls = []
+    orig = DecoderLayer.forward_chain
+
+    def counted(self, *a):
+        calls.append(1)
+        return orig(self, *a)
+
+    def forced(self, x):
+        rows = x.numel() // x.shape[-1]
+        return 0 < rows <= 16 and all(isinstance(layer, DecoderLayer) and layer.chainable() for layer in self.layers)
+
+    monkeypatch.setattr(DecoderModel, "_use_chain", forced)
+    monkeypatch.setattr(DecoderLayer, "forward_chain", counted)
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", kv_cache_blocks=64)
+    prompts = [[5, 9, 100, 3, 44, 7], [17, 2, 250, 31] * 6]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0))
+    assert calls, "the chained decode path did not run"
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(hf, prompt, 12)
+        ours = torch.tensor([lp[t] for lp, t in zip(out.logprobs, out.token_ids)])
+        torch.testing.assert_close(ours, hf_logprobs(hf, prompt, out.token_ids), atol=1e-4, rtol=1e-4)
