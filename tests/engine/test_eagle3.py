@@ -178,7 +178,10 @@ def test_sample_without_answer_targets_is_skipped():
     assert loss is None and stats == [(0, 0), (0, 0)]
 
 
-def test_eagle3_proposer_greedy_equals_plain(tiny4, tmp_path):
+@pytest.fixture(scope="module")
+def greedy_setup(tiny4, tmp_path_factory):
+    """Prompts, their plain greedy answers, and a head trained a little on the target's own
+    greedy continuations (so drafts get accepted, partly), saved as a folder."""
     from blitzllm import SamplingParams
     llm0, _ = tiny4
     model_dir = llm0.engine.args.model
@@ -187,7 +190,6 @@ def test_eagle3_proposer_greedy_equals_plain(tiny4, tmp_path):
     caps = [1, 40, 3, 30, 40, 17]
     params = [SamplingParams(temperature=0, max_tokens=c, ignore_eos=True) for c in caps]
     ref = [o.outputs[0].token_ids for o in llm0.generate(prompts, params)]
-    # train a head a little on the target's own greedy continuations, so drafts get accepted
     llm = LLM(model_dir, device="cpu", kv_cache_blocks=128, max_num_seqs=4, max_num_batched_tokens=64,
               enable_prefix_caching=False)
     head = _head(llm)
@@ -197,9 +199,15 @@ def test_eagle3_proposer_greedy_equals_plain(tiny4, tmp_path):
     for _ in range(6):
         for s in samples:
             train_on(head, opt, s, 3)
-    head.save(str(tmp_path / "head"))
-    # then through speculative_config, as users run it
-    spec = {"method": "eagle3", "num_speculative_tokens": 3, "model": str(tmp_path / "head")}
+    path = str(tmp_path_factory.mktemp("greedy-head") / "head")
+    head.save(path)
+    return model_dir, prompts, params, ref, path
+
+
+def test_eagle3_proposer_greedy_equals_plain(greedy_setup):
+    model_dir, prompts, params, ref, path = greedy_setup
+    # through speculative_config, as users run it
+    spec = {"method": "eagle3", "num_speculative_tokens": 3, "model": path}
     llm = LLM(model_dir, device="cpu", kv_cache_blocks=128, max_num_seqs=4, max_num_batched_tokens=64,
               speculative_config=spec)
     out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
@@ -207,6 +215,47 @@ def test_eagle3_proposer_greedy_equals_plain(tiny4, tmp_path):
     s = llm.stats()
     assert s["spec_draft_tokens"] > 0 and s["spec_accepted_tokens"] > 0.05 * s["spec_draft_tokens"]
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_engine_drafts_equal_training_forward(tiny4, greedy_setup):
+    """No train / inference mismatch: every draft the engine's proposer makes (from the
+    features of its own prefill, decode and verify forwards, its cached step-0 K/V, and its
+    own earlier draft tokens) is the argmax of the training forward (``forward_steps``,
+    the training-time-test unroll) over the features of one prefill of the same tokens,
+    with the earlier drafts fed as the step inputs: row n - 1, step j."""
+    llm0, _ = tiny4
+    model_dir, prompts, params, ref, path = greedy_setup
+    spec = {"method": "eagle3", "num_speculative_tokens": 3, "model": path}
+    llm = LLM(model_dir, device="cpu", kv_cache_blocks=128, max_num_seqs=4, max_num_batched_tokens=64,
+              speculative_config=spec)
+    prop = llm.engine.spec.proposer
+    calls, propose = [], prop.propose
+
+    def recording(reqs, limits):
+        res = propose(reqs, limits)
+        calls.extend((list(r.all_token_ids), list(d)) for r, d in zip(reqs, res.drafts))
+        return res
+    prop.propose = recording
+    llm.generate(prompts, params)
+    st = llm.stats()
+    acc = st["spec_acceptance_per_position"]
+    assert 0 < acc[1] and acc[0] < 1   # drafts accepted past the first, and rejections
+    drafted = [(ids, d) for ids, d in calls if d]
+    assert len(drafted) > 20 and any(len(d) == 3 for _, d in drafted)
+    head = prop.head
+    checked = 0
+    with HiddenCapture(llm0.engine.runner.model, head.config.layer_ids) as cap, torch.no_grad():
+        for ids, d in drafted:
+            n = len(ids) - 1
+            s = capture_features(llm0, cap, ids, prompt_len=1)   # features of positions 0..n-1
+            tokens = torch.tensor(ids[1:] + d[:-1] + [0])   # step j at row n - 1 reads draft j - 1
+            outs = head.forward_steps(s.feats, tokens, len(d))
+            for j, o in enumerate(outs):
+                logits = head.logits(o[n - 1])
+                # the engine's features come from decode / verify forwards: equal up to rounding
+                assert float(logits.max() - logits[d[j]]) < 1e-3, (n, j, d, int(logits.argmax()))
+                checked += 1
+    assert checked == sum(len(d) for _, d in drafted)
 
 
 def test_train_draft_samples_and_eval_through_config(tiny4, tmp_path, monkeypatch):
