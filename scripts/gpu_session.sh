@@ -55,6 +55,19 @@ for part in "$@"; do case $part in
        timeout 300 python3 -m pytest -q tests/kernels/test_kernel_gemv.py tests/test_gpu_e2e.py tests/kernels/test_kernel_greedy.py \
          -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/gpu_chain_tests.log"
        BLITZ_NORM_CHAIN=1 run 80 qwen_chain $Q; BLITZ_NORM_CHAIN=0 run 80 qwen_nochain $Q ;;
+  ab5) Q="--model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
+       L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
+       run 80 qwen_base $Q; BLITZ_NORM_CHAIN=1 run 80 qwen_chain $Q; BLITZ_ATTN_MAX_SPLITS=1 run 80 qwen_split1 $Q
+       BLITZ_ATTN_MAX_SPLITS=4 run 80 qwen_split4 $Q; BLITZ_GEMV_CONFIG='{"BLOCK_K": 1024}' run 80 qwen_k1024 $Q
+       run 100 llama_base $L; BLITZ_ATTN_MAX_SPLITS=1 run 100 llama_split1 $L; BLITZ_ATTN_MAX_SPLITS=4 run 100 llama_split4 $L ;;
+  ab6) Q="--model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
+       L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
+       run 80 qwen_base $Q; BLITZ_PDL_EARLY=1 run 80 qwen_early $Q
+       BLITZ_PDL_EARLY=1 BLITZ_GEMV_CONFIG='{"BLOCK_K": 1024}' run 80 qwen_early_k1024 $Q || true
+       grep -v "^\[" "$OUT/qwen_early_k1024.log" | grep -iE "error|exception" | tail -3
+       run 100 llama_base $L; BLITZ_PDL_EARLY=1 run 100 llama_early $L ;;
+  gemvtests) timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -x --tb=short tests/kernels/test_kernel_greedy.py tests/kernels/test_kernel_gemv.py \
+       -p no:cacheprovider 2>&1 | grep -v "^\s*$" | tail -25 | tee "$OUT/gemv_tests.log" ;;
   latcmp) run 240 llama_b1 --model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --compare hf ;;
   b64) run 100 llama_b64 --model preset:llama-3.1-8b --batch-size 64 --input-len 1000 --output-len 64 --max-num-seqs 64 ;;
   ttft) run 70 llama_ttft10k --model preset:llama-3.1-8b --batch-size 1 --input-len 10000 --output-len 4 --max-num-seqs 1 --enforce-eager ;;
@@ -63,8 +76,14 @@ for part in "$@"; do case $part in
 esac; done
 python3 - "$OUT" <<'PY'
 import json, sys, glob, os
-for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
+rows = []
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.json")), key=os.path.getmtime):
     r = json.load(open(f))
     if "kernel_time_us" in r:
-        print(os.path.basename(f), "busy_us", r.get("kernel_busy_us"), "top:", list(r["kernel_time_us"].items())[:8])
+        print(os.path.basename(f), "busy_us", r.get("kernel_busy_us"), "top:",
+              [(k[:40], v) for k, v in list(r["kernel_time_us"].items())[:6]])
+    if "tokens_per_s" in r:
+        rows.append(f"{os.path.basename(f)[:-5]:<24} {r['tokens_per_s']:9.1f} tok/s  roofline {r.get('roofline_fraction') or 0:.4f}"
+                    f"  k/l {r.get('kernels_per_layer')}")
+print("\n".join(rows))
 PY

@@ -57,7 +57,15 @@ def pdl_enabled(t: torch.Tensor) -> bool:
     if not (HAS_TRITON and t.is_cuda) or os.environ.get("BLITZ_PDL", "1") == "0":
         return False
     idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    return _capability(idx)[0] >= 9
+    if _capability(idx)[0] < 9:
+        return False
+    return PDL_EARLY if PDL_EARLY else True
+
+
+# BLITZ_PDL_EARLY=1 (A/B): launchers that pass pdl_enabled()'s value straight on let their
+# dependents launch right after their own wait (value 2), so the next kernel's independent
+# loads overlap this kernel's whole main loop, not only its tail
+PDL_EARLY = 2 if os.environ.get("BLITZ_PDL_EARLY", "0") == "1" else 0
 
 
 def pdl_launch_kwargs(enabled: bool) -> dict:
@@ -70,10 +78,13 @@ def pdl_wait(USE_PDL: tl.constexpr):
     """Wait until the previous kernel's writes are visible (no-op without PDL)."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
+        if USE_PDL == 2:  # early trigger (PDL_EARLY)
+            tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
 def pdl_launch_dependents(USE_PDL: tl.constexpr):
-    """Let the next PDL kernel launch once every program of this one got here."""
-    if USE_PDL:
+    """Let the next PDL kernel launch once every program of this one got here (done at
+    the wait already with USE_PDL == 2)."""
+    if USE_PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()

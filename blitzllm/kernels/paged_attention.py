@@ -8,6 +8,7 @@ attention does. Neither launcher syncs with the host, so both can be captured
 in a CUDA graph (the decode grid depends only on B, Hkv and the SM count).
 """
 import functools
+import os
 from typing import Optional
 
 import torch
@@ -315,10 +316,15 @@ def _check_cache(q, k_cache, v_cache):
     return hq, hkv, d
 
 
+# BLITZ_ATTN_MAX_SPLITS: the most splits of one sequence's context in decode (A/B runs; 1:
+# one program per (sequence, KV head) walks the whole context, no partials or combine)
+_MAX_SPLITS = int(os.environ.get("BLITZ_ATTN_MAX_SPLITS", "32"))
+
+
 def _default_splits(q, b, hkv):
-    # enough programs to cover the GPU about twice, at most 32 splits
+    # enough programs to cover the GPU about twice, at most _MAX_SPLITS splits
     want = triton.cdiv(2 * device_sms(q), max(1, b * hkv))
-    return max(1, min(32, next_pow2(want)))
+    return max(1, min(_MAX_SPLITS, next_pow2(want)))
 
 
 _MAX_COUNTERS = 1 << 16

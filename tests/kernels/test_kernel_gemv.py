@@ -248,7 +248,7 @@ def test_gpu_linear_bf16():
             close(linear(g, w, silu_mul_input=True), reference_linear(g, w, silu_mul_input=True), dt)
 
 
-def test_env_config_reaches_the_launch_and_is_checked(monkeypatch):
+def test_env_config_reaches_the_launch_and_is_checked(monkeypatch, device):
     """BLITZ_GEMV_CONFIG (A/B runs) sets the launch keys of calls without a config; unknown
     keys fail (at import) with the variable's name."""
     import blitzllm.kernels.gemv as gemv
@@ -263,7 +263,7 @@ def test_env_config_reaches_the_launch_and_is_checked(monkeypatch):
         return orig(M, N, K, dtype, sms, items, silu)
     monkeypatch.setattr(gemv, "_cached_config", spy)
     g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(1, 64, generator=g), torch.randn(40, 64, generator=g)
+    x, w = torch.randn(1, 64, generator=g).to(device), torch.randn(40, 64, generator=g).to(device)
     out = gemv.gemv_triton(x, w)
     assert seen["items"] == {"BLOCK_N": 2, "num_warps": 2}
     torch.testing.assert_close(out, reference_linear(x, w), atol=1e-4, rtol=1e-4)
