@@ -317,7 +317,9 @@ def _check_cache(q, k_cache, v_cache):
 
 
 # BLITZ_ATTN_MAX_SPLITS: the most splits of one sequence's context in decode (A/B runs; 1:
-# one program per (sequence, KV head) walks the whole context, no partials or combine)
+# one program per (sequence, KV head) walks the whole context, no partials or combine).
+# H200, batch 1, 128 + 256 tokens: cap 1 qwen3-0.6b 1032 vs 1164 tok/s, llama-3.1-8b 225.5
+# vs 231.4; cap 4 1159 / 232.4 (no gain): the default stays 32
 _MAX_SPLITS = int(os.environ.get("BLITZ_ATTN_MAX_SPLITS", "32"))
 
 
