@@ -449,13 +449,16 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None
     """``F.linear(x, w, bias)`` (of ``silu_and_mul(x)`` with silu_mul_input) for x [..., K].
     The GEMV kernel takes CUDA bf16/fp16 inputs of at most 16 rows; the rest goes to torch."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (use_triton(x) and 0 < rows <= GEMV_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
-            and w.dtype == x.dtype and w.stride(-1) == 1
-            and prefer_gemv(rows, w.shape[0], w.shape[1], silu_mul_input)):
+    ok = _gemv_ok(x, w, rows)
+    if ok and prefer_gemv(rows, w.shape[0], w.shape[1], silu_mul_input):
         y = gemv_triton(x.reshape(rows, x.shape[-1]), w, bias, silu_mul_input=silu_mul_input)
         return y.view(*x.shape[:-1], w.shape[0])
     if silu_mul_input:
         x = silu_and_mul(x)
+        # the product alone may still suit the GEMV (a SiLU-and-mul kernel, then the GEMV)
+        if ok and prefer_gemv(rows, w.shape[0], w.shape[1]):
+            y = gemv_triton(x.reshape(rows, x.shape[-1]), w, bias)
+            return y.view(*x.shape[:-1], w.shape[0])
     return F.linear(x, w, bias)
 
 
