@@ -268,16 +268,18 @@ def _pick_split(n_tiles: int, K: int, block_k: int, sms: int) -> int:
 
 # prefer_gemv's size limits (weights, up to 2 rows), overridable for A/B runs:
 # BLITZ_GEMV_MAX_WEIGHTS (plain), BLITZ_GEMV_SILU_MAX_WEIGHTS (silu-and-mul input; -1: no limit)
-_MAX_WEIGHTS = int(os.environ.get("BLITZ_GEMV_MAX_WEIGHTS", str(32 << 20)))
+_MAX_WEIGHTS = int(os.environ.get("BLITZ_GEMV_MAX_WEIGHTS", str(64 << 20)))
 _SILU_MAX_WEIGHTS = int(os.environ.get("BLITZ_GEMV_SILU_MAX_WEIGHTS", str(32 << 20)))
 
 
 def prefer_gemv(M: int, N: int, K: int, silu_mul_input: bool = False) -> bool:
     """Whether the GEMV beats cuBLAS for this shape (measured on the H200 with CUDA graphs,
-    scripts/bench_gemv.py): up to 2 rows it wins or ties up to ~32M weights, with or without
-    the silu-and-mul fused in (above that, e.g. Llama-3.1-8B's 4096x14336 down_proj, cuBLAS's
-    split-K plus a separate silu-and-mul measured 235.4 vs 228.6 tok/s end to end); with more
-    rows only the smaller matrices gain (split-K where cuBLAS leaves SMs idle)."""
+    scripts/bench_gemv.py): up to 2 rows it wins or ties up to ~32M weights with the
+    silu-and-mul fused in (above that, e.g. Llama-3.1-8B's 4096x14336 down_proj, cuBLAS's
+    split-K after a separate silu-and-mul measured 235.4 vs 228.6 tok/s end to end) and up to
+    64M without it (that down_proj as a SiLU-and-mul kernel then the plain GEMV: 233.4 vs
+    231.6 tok/s with cuBLAS split-K + its reduce, same call; 8.19 vs 9.19 kernels per layer);
+    with more rows only the smaller matrices gain (split-K where cuBLAS leaves SMs idle)."""
     if M <= 2:
         if silu_mul_input:
             return _SILU_MAX_WEIGHTS < 0 or N * K <= _SILU_MAX_WEIGHTS
