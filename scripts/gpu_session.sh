@@ -28,10 +28,12 @@ for part in "$@"; do case $part in
        run 150 dsv3_l8_b1 --model preset:deepseek-v3 --num-layers 8 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8
        run 150 mm2_l8_b1 --model preset:minimax-m2 --num-layers 8 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8 ;;
   moeab) M="--batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
-       run 150 q30b_b1 --model preset:qwen3-30b-a3b $M; BLITZ_MOE_GEMV=1 run 150 q30b_b1_gemv --model preset:qwen3-30b-a3b $M
-       BLITZ_MOE_GEMV=1 BLITZ_MOE_FUSED_ROUTING=1 run 150 q30b_b1_gemv_route --model preset:qwen3-30b-a3b $M
+       run 150 q30b_b1 --model preset:qwen3-30b-a3b $M; BLITZ_MOE_DIRECT=1 run 150 q30b_b1_direct --model preset:qwen3-30b-a3b $M
+       BLITZ_MOE_DIRECT=1 BLITZ_MOE_FUSED_ROUTING=1 run 150 q30b_b1_direct_route --model preset:qwen3-30b-a3b $M
+       BLITZ_MOE_GEMV=1 BLITZ_MOE_FUSED_ROUTING=1 run 150 q30b_b1_gemv_route --model preset:qwen3-30b-a3b $M ;;
+  mlaab) M="--batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
        run 150 dsv3_l8_b1 --model preset:deepseek-v3 --num-layers 8 $M
-       BLITZ_MLA_FUSED=1 BLITZ_MOE_GEMV=1 run 150 dsv3_l8_b1_fused --model preset:deepseek-v3 --num-layers 8 $M ;;
+       BLITZ_MLA_FUSED=1 BLITZ_MOE_DIRECT=1 run 150 dsv3_l8_b1_fused --model preset:deepseek-v3 --num-layers 8 $M ;;
   quick) timeout 240 python3 -m pytest -q tests/test_gpu_e2e.py tests/kernels/test_kernel_greedy.py \
            -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/gpu_quick.log" ;;
   qwen) run 80 qwen_b1 --model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 ;;

@@ -35,6 +35,11 @@ MOE_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 # until measured on a GPU.
 MOE_GEMV = os.environ.get("BLITZ_MOE_GEMV", "0") == "1"
 MOE_GEMV_MAX_TOKENS = 2
+# BLITZ_MOE_DIRECT=1: decode batches of up to MOE_DIRECT_MAX_ENTRIES (token, k) entries run
+# the grouped GEMMs without the sort (an entry per program row block) and combine inside the
+# down GEMM: two launches instead of four. Opt-in until measured on a GPU.
+MOE_DIRECT = os.environ.get("BLITZ_MOE_DIRECT", "0") == "1"
+MOE_DIRECT_MAX_ENTRIES = 16
 ALIGN_ONE_PROGRAM_MAX = 256  # (token, k) entries sorted by a single program
 ALIGN_SLICE = 256  # entries per program of the two-pass sort (at most ALIGN_MAX_PROGRAMS)
 ALIGN_MAX_PROGRAMS = 128
@@ -173,23 +178,37 @@ def _mma(a, b, acc, IEEE: tl.constexpr):
 @triton.jit
 def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
                      N, KD, n_entries, row_div, stride_a, stride_we, stride_wn, stride_o,
+                     tw_ptr, comb_ptr, cnt_ptr, stride_c,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GATED: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr):
+                     GATED: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr,
+                     DIRECT: tl.constexpr, COMBINE: tl.constexpr, TOP_K: tl.constexpr):
     """out[entry, n] = A[entry // row_div] . W[e, n] for the BLOCK_M sorted entries of one
     expert e. GATED: W holds gate rows [0, N) and up rows [N, 2N); the output is
-    silu(gate) * up with the reference's rounding steps."""
+    silu(gate) * up with the reference's rounding steps.
+    DIRECT (decode): no sort; program m is entry m alone (expert_ptr: the ids, -1 = dropped:
+    nothing loaded or written). COMBINE (with DIRECT, the down GEMM): the program of a
+    token's n-tile that finishes last also sums that tile over the token's TOP_K entries,
+    weighted (tw_ptr), in entry order, into comb_ptr: the combine without its own launch."""
     pdl_wait(USE_PDL)  # (PDL launches write nothing before this)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(total_ptr):
-        return
-    expert = tl.load(expert_ptr + pid_m).to(tl.int64)
-    entry = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = entry < n_entries
+    if DIRECT:
+        expert = tl.load(expert_ptr + pid_m).to(tl.int64)
+        entry = pid_m + tl.arange(0, BLOCK_M)
+        row_ok = (tl.arange(0, BLOCK_M) == 0) & (expert >= 0)
+        expert = tl.maximum(expert, 0)
+    else:
+        if pid_m * BLOCK_M >= tl.load(total_ptr):
+            return
+        expert = tl.load(expert_ptr + pid_m).to(tl.int64)
+        entry = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        row_ok = entry < n_entries
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + (entry // row_div).to(tl.int64)[:, None] * stride_a + offs_k[None, :]
     b_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
     n_ok = offs_n[None, :] < N
+    if DIRECT:  # a dropped entry loads no weights
+        n_ok = n_ok & (tl.max(row_ok.to(tl.int32), axis=0) > 0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, KD, BLOCK_K):
@@ -214,6 +233,20 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
         res = (act.to(tl.float32) * acc_up.to(dt).to(tl.float32)).to(dt)
     o_ptrs = out_ptr + entry.to(tl.int64)[:, None] * stride_o + offs_n[None, :]
     tl.store(o_ptrs, res, mask=row_ok[:, None] & n_ok)
+    if COMBINE:
+        tl.debug_barrier()  # every thread's row stores are issued before the release below
+        t = pid_m // TOP_K
+        slot = cnt_ptr + t * tl.num_programs(1) + pid_n
+        if tl.atomic_add(slot, 1, sem="acq_rel") == TOP_K - 1:  # the token's last entry here
+            n1 = offs_n < N
+            total = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for j in tl.static_range(TOP_K):
+                e_j = tl.load(expert_ptr + t * TOP_K + j)
+                y = tl.load(out_ptr + (t * TOP_K + j) * stride_o + offs_n, mask=n1 & (e_j >= 0), other=0.0,
+                            cache_modifier=".cg")
+                total += y.to(tl.float32) * tl.load(tw_ptr + t * TOP_K + j)
+            tl.store(comb_ptr + t * stride_c + offs_n, total.to(comb_ptr.dtype.element_ty), mask=n1)
+            tl.atomic_xchg(slot, 0)  # ready for the next launch (CUDA-graph replays too)
 
 
 @triton.jit
@@ -366,26 +399,45 @@ def _moe_config_cached(tokens, top_k, num_experts, hidden, inter, dtype, sms, it
     return moe_config(tokens, top_k, num_experts, hidden, inter, dtype, sms, dict(items))
 
 
-def _grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_entries, row_div, n, gated, cfg):
+def _grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_entries, row_div, n, gated, cfg,
+                  direct=False, combine=None):
+    """direct: block_expert is the entries' expert ids (one program per entry, no sort);
+    combine (direct only): (topk weights fp32 [T*K], output [T, n], top_k): the weighted
+    sum over each token's entries is written there by the launch itself."""
     kd = a.shape[1]
     grid = (block_expert.numel(), triton.cdiv(n, cfg["BLOCK_N"]))
     pdl = pdl_enabled(a)
+    if combine is not None:
+        tw, comb, top_k = combine
+        cnt = _counters(a.device, next_pow2(comb.shape[0] * grid[1]))
+    else:
+        tw, comb, cnt, top_k = out, out, out, 1
     _moe_gemm_kernel[grid](a, w, out, sorted_ids, block_expert, total, n, kd, n_entries, row_div,
-                           a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+                           a.stride(0), w.stride(0), w.stride(1), out.stride(0), tw, comb, cnt, comb.stride(0),
                            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                            GATED=gated, EVEN_K=kd % cfg["BLOCK_K"] == 0, IEEE=a.dtype == torch.float32,
-                           USE_PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                           USE_PDL=pdl, DIRECT=direct, COMBINE=combine is not None, TOP_K=top_k,
+                           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                            **pdl_launch_kwargs(pdl))
+
+
+@functools.lru_cache(maxsize=None)
+def _counters(device: torch.device, numel: int) -> torch.Tensor:
+    """Zeroed arrival counters of the direct path's fused combine; each launch leaves them 0."""
+    return torch.zeros(numel, dtype=torch.int32, device=device)
 
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, *, config: Optional[dict] = None,
-                     dropped_ids: bool = False, gemv=None) -> torch.Tensor:
+                     dropped_ids: bool = False, gemv=None, direct: Optional[bool] = None) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk weights / ids [T, K] -> [T, H] in x's dtype.
     ``config`` overrides MOE_CONFIG_KEYS of both GEMMs (tests, benchmarks). ``dropped_ids``:
     entries with id -1 (experts of other tensor-parallel ranks) are skipped. ``gemv``:
     (block_n, block_k) forces the two-launch GEMV path; None takes it for up to
-    MOE_GEMV_MAX_TOKENS tokens when BLITZ_MOE_GEMV=1."""
+    MOE_GEMV_MAX_TOKENS tokens when BLITZ_MOE_GEMV=1. ``direct``: True / False forces the
+    grouped GEMMs without the sort, one program row per (token, k) entry, the combine fused
+    into the down GEMM (two launches); None takes it for up to MOE_DIRECT_MAX_ENTRIES
+    entries when BLITZ_MOE_DIRECT=1. Ids < 0 are skipped on that path."""
     assert x.dim() == 2 and w13.dim() == 3 and w2.dim() == 3, "x [T, H], w13 [E, 2I, H], w2 [E, H, I]"
     T, H = x.shape
     E, two_i, _ = w13.shape
@@ -408,8 +460,19 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
         return _moe_gemv(x, w13, w2, topk_weights, topk_ids, out, *gemv)
     up_cfg, down_cfg = _moe_config_cached(T, K, E, H, inter, x.dtype, device_sms(x),
                                           tuple(sorted((config or {}).items())))
-    sorted_ids, block_expert, total = moe_align_block_size(topk_ids, E, up_cfg["BLOCK_M"])
     n = T * K
+    if direct is None:
+        direct = MOE_DIRECT and n <= MOE_DIRECT_MAX_ENTRIES
+    if direct:  # two launches: no sort, the combine inside the down GEMM
+        ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
+        tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
+        cfg_up, cfg_down = dict(up_cfg, BLOCK_M=16), dict(down_cfg, BLOCK_M=16)
+        act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
+        _grouped_gemm(x, w13, act, ids, ids, ids, n, K, inter, True, cfg_up, direct=True)
+        y = torch.empty(n, H, dtype=x.dtype, device=x.device)
+        _grouped_gemm(act, w2, y, ids, ids, ids, n, 1, H, False, cfg_down, direct=True, combine=(tw, out, K))
+        return out
+    sorted_ids, block_expert, total = moe_align_block_size(topk_ids, E, up_cfg["BLOCK_M"])
     act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w13, act, sorted_ids, block_expert, total, n, K, inter, True, up_cfg)
     y = torch.empty(n, H, dtype=x.dtype, device=x.device)

@@ -309,6 +309,9 @@ def test_gpu_model_shapes():
     for t in (1, 16, 256, 2000):
         x, w13, w2, weights, ids = moe_inputs(t, 128, 8, 2048, 768, dt, dev, seed=t)
         close(moe.fused_moe(x, w13, w2, weights, ids), reference_fused_moe(x, w13, w2, weights, ids), 2e-2)
+        if t == 1:  # the unsorted two-launch decode path
+            close(fused_moe_triton(x, w13, w2, weights, ids, direct=True),
+                  reference_fused_moe(x, w13, w2, weights, ids), 2e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -373,3 +376,42 @@ def test_route_experts_dispatch_matches_the_two_steps():
     got = moe.route_experts(x, w, 4, "sigmoid", torch.zeros(32), 4, 2, True, 2.0)
     ref = moe.select_experts(moe.router_gemm(x, w), 4, "sigmoid", torch.zeros(32), 4, 2, True, 2.0)
     assert torch.equal(got[1], ref[1]) and torch.equal(got[0], ref[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,e,k,h,inter,cfg", [(1, 8, 2, 64, 40, "m16-ragged"), (2, 10, 3, 48, 24, "m16-even"),
+                                               (1, 6, 6, 96, 72, "auto"), (2, 8, 8, 64, 40, "auto")])
+def test_fused_moe_direct(t, e, k, h, inter, cfg, dtype, device):
+    """The unsorted decode path (BLITZ_MOE_DIRECT): one program row per entry, the combine
+    inside the down GEMM's launch. Against the reference, with ragged tiles, all experts of a
+    token chosen, dropped ids, and twice in a row (the arrival counters reset themselves)."""
+    from blitzllm.kernels import fused_moe as fm
+    x, w13, w2, weights, ids = moe_inputs(t, e, k, h, inter, dtype, device, seed=t + 3 * k)
+    want = reference_fused_moe(x, w13, w2, weights, ids)
+    for _ in range(2):
+        out = fused_moe_triton(x, w13, w2, weights, ids, config=MOE_CONFIGS[cfg], direct=True)
+        assert out.shape == (t, h) and out.dtype == dtype
+        close(out, want, TOL[dtype])
+    dropped = torch.where(ids % 2 == 0, ids, -1)
+    dropped[0] = -1  # a token whose entries are all on other ranks
+    w = weights * (dropped >= 0)
+    out = fused_moe_triton(x, w13, w2, w, dropped, config=MOE_CONFIGS[cfg], direct=True, dropped_ids=True)
+    close(out, reference_fused_moe(x, w13, w2, w, dropped, dropped_ids=True), TOL[dtype])
+    assert not out[0].any()
+    from blitzllm.kernels._common import device_sms, next_pow2
+    down = fm.moe_config(t, k, e, h, inter, dtype, device_sms(x), MOE_CONFIGS[cfg])[1]
+    cnt = fm._counters(x.device, next_pow2(t * math.ceil(h / down["BLOCK_N"])))
+    assert not cnt.any()  # the launches' own counters, left at 0
+
+
+def test_fused_moe_dispatches_small_batches_to_direct(device, monkeypatch):
+    from blitzllm.kernels import fused_moe as fm
+    seen = []
+    orig = fm._grouped_gemm
+    monkeypatch.setattr(fm, "MOE_DIRECT", True)
+    monkeypatch.setattr(fm, "_grouped_gemm", lambda *a, **kw: seen.append(kw.get("direct", False)) or orig(*a, **kw))
+    for t in (1, 2, 3):  # 8 and 16 entries go direct, 24 are sorted
+        x, w13, w2, weights, ids = moe_inputs(t, 12, 8, 64, 40, torch.float32, device, seed=t)
+        close(fm.fused_moe_triton(x, w13, w2, weights, ids), reference_fused_moe(x, w13, w2, weights, ids),
+              TOL[torch.float32])
+    assert seen == [True, True, True, True, False, False]
