@@ -47,12 +47,15 @@ class Eagle3Config:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
+    # RMSNorm (own weights) on each of the three target features before fc: the raw layer
+    # outputs differ ~10x in scale between layers and carry massive-activation outliers
+    feature_norm: bool = False
     architecture: str = "Eagle3DraftHead"
 
     @classmethod
-    def from_target(cls, cfg, layer_ids: Optional[list] = None) -> "Eagle3Config":
+    def from_target(cls, cfg, layer_ids: Optional[list] = None, feature_norm: bool = False) -> "Eagle3Config":
         """The draft layer mirrors a target layer's widths (``cfg``: blitzllm ModelConfig)."""
-        return cls(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        return cls(feature_norm=feature_norm, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                    num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                    vocab_size=cfg.vocab_size, target_hidden_size=cfg.hidden_size,
                    layer_ids=list(layer_ids or default_layer_ids(cfg.num_layers)),
@@ -72,6 +75,9 @@ class Eagle3Head(nn.Module):
         H, D = cfg.hidden_size, cfg.head_dim
         self.embed_tokens = nn.Embedding(cfg.vocab_size, H)
         self.embed_tokens.weight.requires_grad_(False)   # the target's, frozen
+        if cfg.feature_norm:
+            self.feature_norms = nn.ModuleList(nn.RMSNorm(cfg.target_hidden_size, eps=cfg.rms_norm_eps)
+                                               for _ in range(3))
         self.fc = nn.Linear(3 * cfg.target_hidden_size, H, bias=False)
         self.input_norm = nn.RMSNorm(H, eps=cfg.rms_norm_eps)
         self.hidden_norm = nn.RMSNorm(H, eps=cfg.rms_norm_eps)
@@ -92,7 +98,10 @@ class Eagle3Head(nn.Module):
     # ---- building blocks -------------------------------------------------------------
     def project(self, feats: torch.Tensor) -> torch.Tensor:
         """Target features [T, 3 * target_hidden] -> the layer's hidden input [T, H]."""
-        return self.fc(feats.to(self.fc.weight.dtype))
+        x = feats.to(self.fc.weight.dtype)
+        if self.config.feature_norm:
+            x = torch.cat([n(f) for n, f in zip(self.feature_norms, x.chunk(3, -1))], -1)
+        return self.fc(x)
 
     def qkv(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
         """hidden [T, H] (projected target features or a previous draft step's output),
@@ -192,11 +201,14 @@ class Eagle3Head(nn.Module):
         return head.to(device, dtype).eval()
 
     @classmethod
-    def from_target(cls, model, cfg, layer_ids: Optional[list] = None) -> "Eagle3Head":
+    def from_target(cls, model, cfg, layer_ids: Optional[list] = None, feature_norm: bool = False,
+                    init_layer: bool = False) -> "Eagle3Head":
         """A fresh head for ``model`` (a blitzllm causal LM): embedding and lm_head copied
         (frozen), final norm from the target's (trained); fc starts as the identity
-        on the high layer's features (a logit-lens start); the layer starts small."""
-        head = cls(Eagle3Config.from_target(cfg, layer_ids))
+        on the high layer's features (a logit-lens start); the layer starts small, or
+        (``init_layer``) as a copy of the target's last decoder layer on the hidden half of
+        its input (the embedding half small)."""
+        head = cls(Eagle3Config.from_target(cfg, layer_ids, feature_norm))
         H = cfg.hidden_size
         embed, lm_head = _target_embed_lm_head(model, cfg)
         with torch.no_grad():
@@ -205,9 +217,41 @@ class Eagle3Head(nn.Module):
             head.norm.weight.copy_(model.model.norm.weight.float())
             head.fc.weight.mul_(0.1)
             head.fc.weight[:, 2 * H:] += torch.eye(H)
-            head.o_proj.weight.mul_(0.1)
-            head.down_proj.weight.mul_(0.1)
+            if init_layer:
+                _copy_target_layer(head, model.model.layers[-1])
+            else:
+                head.o_proj.weight.mul_(0.1)
+                head.down_proj.weight.mul_(0.1)
         return head
+
+
+def _dense(linear, in_features: int) -> torch.Tensor:
+    """[out, in] float weight of a target linear layer, whatever its storage (packed int4
+    included): the layer applied to the identity."""
+    w = getattr(linear, "weight", None)
+    dt = w.dtype if w is not None and w.is_floating_point() else torch.float32
+    dev = next(iter(list(linear.parameters()) + list(linear.buffers()))).device
+    out = linear(torch.eye(in_features, device=dev, dtype=dt))
+    if getattr(linear, "bias", None) is not None:
+        out = out - linear.bias
+    return out.t().float().cpu()
+
+
+def _copy_target_layer(head: "Eagle3Head", layer) -> None:
+    c, H = head.config, head.config.hidden_size
+    nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv = _dense(attn.qkv_proj, H)
+    for proj, w in ((head.q_proj, qkv[:nq]), (head.k_proj, qkv[nq:nq + nkv]), (head.v_proj, qkv[nq + nkv:])):
+        proj.weight[:, :H] *= 0.1
+        proj.weight[:, H:] = w
+    head.o_proj.weight.copy_(_dense(attn.o_proj, nq))
+    gu = _dense(mlp.gate_up_proj, H)
+    head.gate_proj.weight.copy_(gu[:c.intermediate_size])
+    head.up_proj.weight.copy_(gu[c.intermediate_size:])
+    head.down_proj.weight.copy_(_dense(mlp.down_proj, c.intermediate_size))
+    head.hidden_norm.weight.copy_(layer.input_layernorm.weight.float())
+    head.post_attention_norm.weight.copy_(layer.post_attention_layernorm.weight.float())
 
 
 def _target_embed_lm_head(model, cfg) -> tuple:

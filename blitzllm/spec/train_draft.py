@@ -185,14 +185,16 @@ def _fmt(stats) -> str:
 def train_draft(llm, prompts: list, out: Optional[str], epochs: int = 1, max_tokens: int = 256,
                 lr: float = 1e-3, steps: int = 3, seed: int = 0, batch: int = 16, samples: int = 1,
                 temperature: float = 0.8, layer_ids: Optional[list] = None, labels: str = "target",
-                log=print) -> Eagle3Head:
+                feature_norm: bool = True, init_layer: bool = False, log=print) -> Eagle3Head:
     """``llm``: an ``LLM`` built with prefix caching off. Epoch 1 is online: the engine
     answers ``batch`` prompts at a time (batched decode; ``samples`` answers per prompt, the
     first greedy), then each prompt + answer goes through one engine prefill with the capture
     hooks on and the head trains on it; later epochs replay the kept sequences. The learning
     rate warms up over the first 3% of the optimizer steps, then decays (cosine) to 10%.
     ``labels``: "target" trains on the target's next-token distributions (the logits of
-    the same capture forward), "tokens" on the answer tokens themselves."""
+    the same capture forward), "tokens" on the answer tokens themselves. ``feature_norm``:
+    the head normalizes each target feature before its fc (see ``Eagle3Config``);
+    ``init_layer``: its decoder layer starts as a copy of the target's last one."""
     if labels not in ("target", "tokens"):
         raise ValueError(f"--labels must be 'target' or 'tokens', got {labels!r}")
     torch.manual_seed(seed)
@@ -204,7 +206,8 @@ def train_draft(llm, prompts: list, out: Optional[str], epochs: int = 1, max_tok
                                                                   for i in layer_ids)):
         raise ValueError(f"--layer-ids must be three target layers in [0, {eng.model_config.num_layers}), "
                          f"got {layer_ids}")
-    head = Eagle3Head.from_target(target, eng.model_config, layer_ids).to(eng.device)
+    head = Eagle3Head.from_target(target, eng.model_config, layer_ids, feature_norm=feature_norm,
+                                  init_layer=init_layer).to(eng.device)
     opt = make_optimizer(head, lr)
     total = epochs * len(prompts) * samples
     warmup = max(1, total * 3 // 100)
@@ -305,6 +308,10 @@ def add_train_draft_args(p) -> None:
     p.add_argument("--labels", choices=("target", "tokens"), default="target",
                    help="train on the target's next-token distributions (distillation; default) "
                         "or on the answer tokens")
+    p.add_argument("--no-feature-norm", dest="feature_norm", action="store_false",
+                   help="feed the raw target features to the head's fc (heads before the per-feature RMSNorm)")
+    p.add_argument("--init-layer", action="store_true",
+                   help="start the head's decoder layer as a copy of the target's last decoder layer")
     p.add_argument("--layer-ids", default=None,
                    help="the three target layers whose outputs feed the head, e.g. 1,14,29 "
                         "(default: 1, L/2 - 1, L - 4)")
@@ -337,7 +344,8 @@ def cmd_train_draft(a) -> int:
     llm = LLM(a.model, device=a.device, dtype=a.dtype, enable_prefix_caching=False, seed=a.seed)
     train_draft(llm, prompts, a.out, epochs=a.epochs, max_tokens=a.max_tokens, lr=a.lr, steps=a.steps,
                 seed=a.seed, batch=a.batch, samples=a.samples_per_prompt, temperature=a.temperature,
-                layer_ids=layer_ids, labels=a.labels, log=log)
+                layer_ids=layer_ids, labels=a.labels, feature_norm=a.feature_norm, init_layer=a.init_layer,
+                log=log)
     if eval_prompts:
         del llm
         res = evaluate_head(a.model, a.out, eval_prompts, a.eval_k, a.eval_max_tokens, a.device, a.dtype, log)

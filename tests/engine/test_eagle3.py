@@ -289,3 +289,59 @@ def test_lr_schedule():
     assert lr_at(0, 100, 4) == 0.25 and lr_at(3, 100, 4) == 1.0
     assert lr_at(4, 100, 4) == 1.0 and abs(lr_at(100, 100, 4) - 0.1) < 1e-9
     assert lr_at(50, 100, 4) < lr_at(20, 100, 4)
+
+
+def test_feature_norm_scale_invariant_and_saved(tiny4, tmp_path):
+    """feature_norm: each of the three target features is RMS-normalized before fc, so the
+    head's input does not depend on their scales (the raw layer outputs differ ~10x between
+    layers on real models); its norm weights are saved and loaded; a head folder from before
+    the option (no feature_norm key) loads as a head without it."""
+    llm, _ = tiny4
+    eng = llm.engine
+    torch.manual_seed(0)
+    head = Eagle3Head.from_target(eng.runner.model, eng.model_config, [0, 1, 2], feature_norm=True)
+    H = head.config.target_hidden_size
+    with torch.no_grad():
+        for n in head.feature_norms:
+            n.weight.uniform_(0.5, 1.5)
+    feats = torch.randn(7, 3 * H)
+    scaled = torch.cat([feats[:, :H] * 0.1, feats[:, H:2 * H] * 30.0, feats[:, 2 * H:] * 3.0], -1)
+    with torch.no_grad():
+        torch.testing.assert_close(head.project(scaled), head.project(feats), atol=1e-4, rtol=1e-4)
+        plain = Eagle3Head.from_target(eng.runner.model, eng.model_config, [0, 1, 2])
+        assert not torch.allclose(plain.project(scaled), plain.project(feats), atol=1e-2)
+    head.save(str(tmp_path / "h"))
+    back = Eagle3Head.load(str(tmp_path / "h"), target=eng.runner.model, target_cfg=eng.model_config)
+    assert back.config.feature_norm
+    tokens = torch.randint(0, head.config.vocab_size, (9,))
+    with torch.no_grad():
+        for x, y in zip(head.forward_steps(feats, tokens, 2), back.forward_steps(feats, tokens, 2)):
+            torch.testing.assert_close(x, y)
+    plain.save(str(tmp_path / "old"))
+    cfg = json.loads((tmp_path / "old" / "config.json").read_text())
+    del cfg["feature_norm"]
+    (tmp_path / "old" / "config.json").write_text(json.dumps(cfg))
+    old = Eagle3Head.load(str(tmp_path / "old"), target=eng.runner.model, target_cfg=eng.model_config)
+    assert not old.config.feature_norm and not hasattr(old, "feature_norms")
+
+
+def test_init_layer_copies_target_last_layer(tiny4):
+    """init_layer: the head's decoder layer starts as the target's last layer (transformers'
+    weights of the same checkpoint) on the hidden half of its q/k/v input; the token half
+    keeps a small random start."""
+    llm, hf = tiny4
+    eng = llm.engine
+    torch.manual_seed(0)
+    head = Eagle3Head.from_target(eng.runner.model, eng.model_config, [0, 1, 2], init_layer=True)
+    H = head.config.hidden_size
+    ref = hf.model.layers[-1]
+    for ours, theirs in ((head.q_proj, ref.self_attn.q_proj), (head.k_proj, ref.self_attn.k_proj),
+                         (head.v_proj, ref.self_attn.v_proj)):
+        torch.testing.assert_close(ours.weight[:, H:], theirs.weight.float())
+        # nn.Linear's default start (uniform within 1 / sqrt(fan_in)) scaled by 0.1
+        assert 0 < float(ours.weight[:, :H].detach().abs().max()) <= 0.1 / (2 * H) ** 0.5 + 1e-7
+    for ours, theirs in ((head.o_proj, ref.self_attn.o_proj), (head.gate_proj, ref.mlp.gate_proj),
+                         (head.up_proj, ref.mlp.up_proj), (head.down_proj, ref.mlp.down_proj),
+                         (head.hidden_norm, ref.input_layernorm),
+                         (head.post_attention_norm, ref.post_attention_layernorm)):
+        torch.testing.assert_close(ours.weight, theirs.weight.float())
