@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from .eagle3 import Eagle3Head, HiddenCapture
 
-STEP_DECAY = 0.8   # loss weight of draft step j: STEP_DECAY ** j
+STEP_DECAY = 0.8   # default loss weight of draft step j: STEP_DECAY ** j (--step-decay)
 
 
 @dataclass
@@ -118,7 +118,7 @@ def capture_features(llm, cap: HiddenCapture, ids: list, prompt_len: int) -> Sam
     return Sample(feats, torch.tensor(ids), prompt_len, final)
 
 
-def sample_loss(head: Eagle3Head, s: Sample, steps: int) -> tuple:
+def sample_loss(head: Eagle3Head, s: Sample, steps: int, step_decay: float = STEP_DECAY) -> tuple:
     """Weighted loss over draft steps and per-step (correct, count) of top-1 predictions of
     answer tokens. Row t of step j predicts token t + 2 + j. With the target's outputs
     (``s.final``) the label is the target's whole next-token distribution at position
@@ -146,17 +146,17 @@ def sample_loss(head: Eagle3Head, s: Sample, steps: int) -> tuple:
                 p = torch.softmax(head.lm_head(s.final.to(dev)[tgt[keep] - 1 - (s.prompt_len - 1)]
                                                .to(head.lm_head.weight.dtype)).float(), -1)
             y = p.argmax(-1)
-            loss = loss + STEP_DECAY ** j * -(p * torch.log_softmax(logits, -1)).sum(-1).mean()
+            loss = loss + step_decay ** j * -(p * torch.log_softmax(logits, -1)).sum(-1).mean()
         else:
             y = toks[tgt[keep]]
-            loss = loss + STEP_DECAY ** j * F.cross_entropy(logits, y)
+            loss = loss + step_decay ** j * F.cross_entropy(logits, y)
         stats.append((int((logits.argmax(-1) == y).sum()), int(keep.sum())))
     return (loss if torch.is_tensor(loss) else None), stats
 
 
-def train_on(head, opt, s: Sample, steps: int) -> tuple:
+def train_on(head, opt, s: Sample, steps: int, step_decay: float = STEP_DECAY) -> tuple:
     head.train()
-    loss, stats = sample_loss(head, s, steps)
+    loss, stats = sample_loss(head, s, steps, step_decay)
     if loss is None:
         return 0.0, stats
     opt.zero_grad(set_to_none=True)
@@ -185,7 +185,8 @@ def _fmt(stats) -> str:
 def train_draft(llm, prompts: list, out: Optional[str], epochs: int = 1, max_tokens: int = 256,
                 lr: float = 1e-3, steps: int = 3, seed: int = 0, batch: int = 16, samples: int = 1,
                 temperature: float = 0.8, layer_ids: Optional[list] = None, labels: str = "target",
-                feature_norm: bool = True, init_layer: bool = False, log=print) -> Eagle3Head:
+                feature_norm: bool = True, init_layer: bool = False, step_decay: float = STEP_DECAY,
+                log=print) -> Eagle3Head:
     """``llm``: an ``LLM`` built with prefix caching off. Epoch 1 is online: the engine
     answers ``batch`` prompts at a time (batched decode; ``samples`` answers per prompt, the
     first greedy), then each prompt + answer goes through one engine prefill with the capture
@@ -194,7 +195,8 @@ def train_draft(llm, prompts: list, out: Optional[str], epochs: int = 1, max_tok
     ``labels``: "target" trains on the target's next-token distributions (the logits of
     the same capture forward), "tokens" on the answer tokens themselves. ``feature_norm``:
     the head normalizes each target feature before its fc (see ``Eagle3Config``);
-    ``init_layer``: its decoder layer starts as a copy of the target's last one."""
+    ``init_layer``: its decoder layer starts as a copy of the target's last one.
+    ``step_decay``: draft step j's loss weighs ``step_decay ** j``."""
     if labels not in ("target", "tokens"):
         raise ValueError(f"--labels must be 'target' or 'tokens', got {labels!r}")
     torch.manual_seed(seed)
@@ -218,7 +220,7 @@ def train_draft(llm, prompts: list, out: Optional[str], epochs: int = 1, max_tok
         for g in opt.param_groups:
             g["lr"] = lr * lr_at(step, total, warmup)
         step += 1
-        return train_on(head, opt, s, steps)
+        return train_on(head, opt, s, steps, step_decay)
 
     kept, t0, gen_s = [], time.perf_counter(), 0.0
     ids = [prompt_ids(llm, text) for _, text in prompts]
@@ -310,6 +312,8 @@ def add_train_draft_args(p) -> None:
                         "or on the answer tokens")
     p.add_argument("--no-feature-norm", dest="feature_norm", action="store_false",
                    help="feed the raw target features to the head's fc (heads before the per-feature RMSNorm)")
+    p.add_argument("--step-decay", type=float, default=STEP_DECAY,
+                   help="loss weight of training-time-test step j is step_decay ** j")
     p.add_argument("--init-layer", action="store_true",
                    help="start the head's decoder layer as a copy of the target's last decoder layer")
     p.add_argument("--layer-ids", default=None,
@@ -330,6 +334,8 @@ def cmd_train_draft(a) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     if not a.lr > 0:
         raise ValueError(f"--lr must be > 0, got {a.lr}")
+    if not 0 < a.step_decay <= 1:
+        raise ValueError(f"--step-decay must be in (0, 1], got {a.step_decay}")
     if not a.temperature > 0:
         raise ValueError(f"--temperature must be > 0, got {a.temperature}")
     layer_ids = None
@@ -345,7 +351,7 @@ def cmd_train_draft(a) -> int:
     train_draft(llm, prompts, a.out, epochs=a.epochs, max_tokens=a.max_tokens, lr=a.lr, steps=a.steps,
                 seed=a.seed, batch=a.batch, samples=a.samples_per_prompt, temperature=a.temperature,
                 layer_ids=layer_ids, labels=a.labels, feature_norm=a.feature_norm, init_layer=a.init_layer,
-                log=log)
+                step_decay=a.step_decay, log=log)
     if eval_prompts:
         del llm
         res = evaluate_head(a.model, a.out, eval_prompts, a.eval_k, a.eval_max_tokens, a.device, a.dtype, log)

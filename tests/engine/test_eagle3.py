@@ -113,16 +113,19 @@ def test_capture_keeps_target_outputs_and_soft_labels(tiny4):
     with torch.no_grad():
         loss, stats = sample_loss(head, s, 2)
         outs = head.forward_steps(s.feats[:28], torch.tensor(ids[1:] + [0, 0]), 2)
-    want, agree = 0.0, []
+    terms, agree = [], []
     for j, o in enumerate(outs):
         rows = torch.arange(28)
         keep = (rows + 2 + j < 30) & (rows + 2 + j >= 9)
         p = torch.softmax(head.lm_head(s.final[(rows + 1 + j)[keep] - 8].float()), -1)
         lg = head.logits(o[keep])
-        want += 0.8 ** j * float(-(p * torch.log_softmax(lg, -1)).sum(-1).mean())
+        terms.append(float(-(p * torch.log_softmax(lg, -1)).sum(-1).mean()))
         agree.append((int((lg.argmax(-1) == p.argmax(-1)).sum()), int(keep.sum())))
-    assert float(loss) == pytest.approx(want, rel=1e-5)
+    assert float(loss) == pytest.approx(terms[0] + 0.8 * terms[1], rel=1e-5)   # default step decay 0.8
     assert stats == agree
+    with torch.no_grad():
+        loss5, _ = sample_loss(head, s, 2, step_decay=0.5)
+    assert float(loss5) == pytest.approx(terms[0] + 0.5 * terms[1], rel=1e-5)
 
 
 def test_training_learns_repetitive_corpus(tiny4):
@@ -168,6 +171,8 @@ def test_cli_train_draft_user_errors(tmp_path, capsys):
     assert "cannot read" in capsys.readouterr().err
     assert main(["train-draft", "--model", "x", "--prompts", "p", "--out", "o", "--epochs", "0"]) == 2
     assert "--epochs must be >= 1" in capsys.readouterr().err
+    assert main(["train-draft", "--model", "x", "--prompts", "p", "--out", "o", "--step-decay", "0"]) == 2
+    assert "--step-decay must be in (0, 1]" in capsys.readouterr().err
 
 
 def test_sample_without_answer_targets_is_skipped():
