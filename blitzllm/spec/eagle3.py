@@ -1,6 +1,7 @@
 """EAGLE-3 draft head: one decoder layer fed with the token embedding and a projection of
-the target's hidden states from three layers (low / middle / high), with its own final
-norm and lm_head (the target's, frozen); saved as a folder (config.json + model.safetensors).
+the target's hidden states from three layers (low / middle / high; each RMS-normalized
+first in heads with ``feature_norm``), with its own final norm and lm_head (the target's,
+frozen); saved as a folder (config.json + model.safetensors).
 
 Also owns the capture of those target hidden states: forward hooks on the target's decoder
 layers record them during the engine's own forward passes (no engine edits).
