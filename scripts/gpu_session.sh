@@ -70,6 +70,10 @@ for part in "$@"; do case $part in
        run 100 llama_base $L; BLITZ_PDL_EARLY=1 run 100 llama_early $L ;;
   ab7) L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        run 100 llama_base $L; BLITZ_GEMV_MAX_WEIGHTS=$((64<<20)) run 100 llama_down_gemv $L ;;
+  attrib) # per-kernel times without PDL overlap (each kernel starts after the one before ends)
+       Q="--model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
+       L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
+       BLITZ_PDL=0 run 80 qwen_nopdl $Q; BLITZ_PDL=0 run 100 llama_nopdl $L ;;
   gemvtests) timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -x --tb=short tests/kernels/test_kernel_greedy.py tests/kernels/test_kernel_gemv.py \
        -p no:cacheprovider 2>&1 | grep -v "^\s*$" | tail -25 | tee "$OUT/gemv_tests.log" ;;
   latcmp) run 240 llama_b1 --model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --compare hf ;;
