@@ -51,6 +51,9 @@ class Eagle3Config:
     # RMSNorm (own weights) on each of the three target features before fc: the raw layer
     # outputs differ ~10x in scale between layers and carry massive-activation outliers
     feature_norm: bool = False
+    # > 0: the head predicts over this many target tokens only (the buffer d2t maps its
+    # indices to target ids; its lm_head rows are the target's rows of those tokens)
+    draft_vocab_size: int = 0
     architecture: str = "Eagle3DraftHead"
 
     @classmethod
@@ -91,8 +94,10 @@ class Eagle3Head(nn.Module):
         self.up_proj = nn.Linear(H, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, H, bias=False)
         self.norm = nn.RMSNorm(H, eps=cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(H, cfg.vocab_size, bias=False)
-        self.lm_head.weight.requires_grad_(False)   # the target's, frozen
+        self.lm_head = nn.Linear(H, cfg.draft_vocab_size or cfg.vocab_size, bias=False)
+        self.lm_head.weight.requires_grad_(False)   # the target's (rows), frozen
+        if cfg.draft_vocab_size:
+            self.register_buffer("d2t", torch.arange(cfg.draft_vocab_size))
         self.register_buffer("cos_sin", build_cos_sin_cache(D, cfg.max_position_embeddings, cfg.rope_theta),
                              persistent=False)
 
@@ -129,7 +134,33 @@ class Eagle3Head(nn.Module):
         return h + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Over the draft vocabulary (the target's unless reduced: see ``draft_tokens``)."""
         return self.lm_head(self.norm(out)).float()
+
+    def draft_tokens(self, logits: torch.Tensor) -> torch.Tensor:
+        """Greedy drafts as target token ids from ``logits`` [..., draft vocab]."""
+        idx = logits.argmax(-1)
+        return self.d2t[idx] if self.config.draft_vocab_size else idx
+
+    def reduce_vocab(self, d2t: torch.Tensor) -> None:
+        """Predict over the target tokens ``d2t`` only (distinct ids, e.g. the most frequent in
+        the training answers): the lm_head keeps those rows of the target's (frozen); the
+        full one stays as ``full_lm_head`` (not saved) for training labels."""
+        d2t = torch.as_tensor(d2t, dtype=torch.long).flatten()
+        V = self.config.vocab_size
+        if d2t.numel() == 0 or d2t.unique().numel() != d2t.numel() or int(d2t.min()) < 0 or int(d2t.max()) >= V:
+            raise ValueError(f"draft vocabulary must be distinct target token ids in [0, {V})")
+        if self.config.draft_vocab_size:
+            raise ValueError("the head's vocabulary is already reduced")
+        full = self.lm_head.weight.detach()
+        dev = full.device
+        self.register_buffer("full_lm_head", full, persistent=False)
+        self.lm_head = nn.Linear(full.shape[1], d2t.numel(), bias=False, device=dev, dtype=full.dtype)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(full[d2t.to(dev)])
+        self.lm_head.weight.requires_grad_(False)
+        self.register_buffer("d2t", d2t.to(dev))
+        self.config.draft_vocab_size = int(d2t.numel())
 
     # ---- training: one sequence, ``steps`` draft steps (training-time test) ------------
     def forward_steps(self, feats: torch.Tensor, tokens: torch.Tensor, steps: int) -> list:
@@ -196,7 +227,13 @@ class Eagle3Head(nn.Module):
                                  "load it with its target")
             embed, lm_head = _target_embed_lm_head(target, target_cfg)
             state.setdefault("embed_tokens.weight", embed.detach().float().cpu())
-            state.setdefault("lm_head.weight", lm_head.detach().float().cpu())
+            lm_head = lm_head.detach().float().cpu()
+            if cfg.draft_vocab_size:   # the target's rows of the draft tokens
+                if "d2t" not in state or state["d2t"].numel() != cfg.draft_vocab_size:
+                    raise ValueError(f"EAGLE-3 head {path!r}: draft_vocab_size {cfg.draft_vocab_size} "
+                                     "without a matching d2t map in its weights")
+                lm_head = lm_head[state["d2t"].long()]
+            state.setdefault("lm_head.weight", lm_head)
         head = cls(cfg)
         head.load_state_dict(state)
         return head.to(device, dtype).eval()
@@ -422,7 +459,7 @@ class Eagle3Proposer:
             self.cache[rid] = (list(all_ids[1:n + 1]), k0, v0)
             # step 0: the last position's query over all step-0 entries
             out = head.finish_layer(head.attend(q[-1:], k0, v0, None), hidden[-1:])
-            d = [int(head.logits(out).argmax(-1))]
+            d = [int(head.draft_tokens(head.logits(out)))]
             ks, vs = [k0], [v0]
             for j in range(1, lim):
                 qj, kj, vj = head.qkv(out, torch.tensor(d[-1:], device=dev),
@@ -430,6 +467,6 @@ class Eagle3Proposer:
                 ks.append(kj)
                 vs.append(vj)
                 out = head.finish_layer(head.attend(qj, torch.cat(ks), torch.cat(vs), None), out)
-                d.append(int(head.logits(out).argmax(-1)))
+                d.append(int(head.draft_tokens(head.logits(out))))
             drafts.append(d)
         return self._proposal(drafts)

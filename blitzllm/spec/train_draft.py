@@ -118,6 +118,18 @@ def capture_features(llm, cap: HiddenCapture, ids: list, prompt_len: int) -> Sam
     return Sample(feats, torch.tensor(ids), prompt_len, final)
 
 
+def choose_draft_vocab(token_lists: list, size: int, vocab_size: int) -> torch.Tensor:
+    """The ``size`` most frequent token ids of ``token_lists`` (ties: lower id first; padded
+    with the lowest unseen ids when fewer were seen), ascending: a draft vocabulary."""
+    if not 0 < size <= vocab_size:
+        raise ValueError(f"--draft-vocab must be in [1, {vocab_size}] (the target vocabulary), got {size}")
+    flat = [t for ts in token_lists for t in ts]
+    counts = torch.bincount(torch.tensor(flat, dtype=torch.long), minlength=vocab_size)[:vocab_size] \
+        if flat else torch.zeros(vocab_size, dtype=torch.long)
+    order = torch.sort(-counts, stable=True).indices   # by count, then id
+    return torch.sort(order[:size]).values
+
+
 def sample_loss(head: Eagle3Head, s: Sample, steps: int, step_decay: float = STEP_DECAY) -> tuple:
     """Weighted loss over draft steps and per-step (correct, count) of top-1 predictions of
     answer tokens. Row t of step j predicts token t + 2 + j. With the target's outputs
@@ -133,6 +145,10 @@ def sample_loss(head: Eagle3Head, s: Sample, steps: int, step_decay: float = STE
     padded = torch.cat([toks[1:], toks.new_zeros(steps)])
     outs = head.forward_steps(s.feats[:T].to(dev), padded, steps)
     t = torch.arange(T, device=dev)
+    reduced = bool(head.config.draft_vocab_size)
+    if reduced:   # target id -> draft index (-1: not in the draft vocabulary)
+        t2d = torch.full((head.config.vocab_size,), -1, dtype=torch.long, device=dev)
+        t2d[head.d2t] = torch.arange(head.d2t.numel(), device=dev)
     loss, stats = 0.0, []
     for j, o in enumerate(outs):
         tgt = t + 2 + j
@@ -143,14 +159,19 @@ def sample_loss(head: Eagle3Head, s: Sample, steps: int, step_decay: float = STE
         logits = head.logits(o[keep])
         if s.final is not None:   # rows of s.final are positions prompt_len - 1 .. N-2
             with torch.no_grad():
-                p = torch.softmax(head.lm_head(s.final.to(dev)[tgt[keep] - 1 - (s.prompt_len - 1)]
-                                               .to(head.lm_head.weight.dtype)).float(), -1)
-            y = p.argmax(-1)
+                fin = s.final.to(dev)[tgt[keep] - 1 - (s.prompt_len - 1)].to(head.lm_head.weight.dtype)
+                # over the draft vocabulary: the target's distribution restricted and renormalized
+                p = torch.softmax(head.lm_head(fin).float(), -1)
+                full = getattr(head, "full_lm_head", None) if reduced else None
+                y = (fin @ full.t()).argmax(-1) if full is not None else head.draft_tokens(p)
             loss = loss + step_decay ** j * -(p * torch.log_softmax(logits, -1)).sum(-1).mean()
         else:
             y = toks[tgt[keep]]
-            loss = loss + step_decay ** j * F.cross_entropy(logits, y)
-        stats.append((int((logits.argmax(-1) == y).sum()), int(keep.sum())))
+            # (a reduced vocabulary cannot hit tokens outside it: those rows add no loss)
+            yd = t2d[y] if reduced else y
+            if bool((yd >= 0).any()):
+                loss = loss + step_decay ** j * F.cross_entropy(logits, yd, ignore_index=-1)
+        stats.append((int((head.draft_tokens(logits) == y).sum()), int(keep.sum())))
     return (loss if torch.is_tensor(loss) else None), stats
 
 
@@ -186,7 +207,7 @@ def train_draft(llm, prompts: list, out: Optional[str], epochs: int = 1, max_tok
                 lr: float = 1e-3, steps: int = 3, seed: int = 0, batch: int = 16, samples: int = 1,
                 temperature: float = 0.8, layer_ids: Optional[list] = None, labels: str = "target",
                 feature_norm: bool = True, init_layer: bool = False, step_decay: float = STEP_DECAY,
-                log=print) -> Eagle3Head:
+                draft_vocab: int = 0, log=print) -> Eagle3Head:
     """``llm``: an ``LLM`` built with prefix caching off. Epoch 1 is online: the engine
     answers ``batch`` prompts at a time (batched decode; ``samples`` answers per prompt, the
     first greedy), then each prompt + answer goes through one engine prefill with the capture
@@ -196,7 +217,9 @@ def train_draft(llm, prompts: list, out: Optional[str], epochs: int = 1, max_tok
     the same capture forward), "tokens" on the answer tokens themselves. ``feature_norm``:
     the head normalizes each target feature before its fc (see ``Eagle3Config``);
     ``init_layer``: its decoder layer starts as a copy of the target's last one.
-    ``step_decay``: draft step j's loss weighs ``step_decay ** j``."""
+    ``step_decay``: draft step j's loss weighs ``step_decay ** j``. ``draft_vocab`` > 0: the
+    head predicts over that many target tokens, the most frequent in the first batch's
+    prompts and answers (``choose_draft_vocab``), before it trains on them."""
     if labels not in ("target", "tokens"):
         raise ValueError(f"--labels must be 'target' or 'tokens', got {labels!r}")
     torch.manual_seed(seed)
@@ -210,6 +233,9 @@ def train_draft(llm, prompts: list, out: Optional[str], epochs: int = 1, max_tok
                          f"got {layer_ids}")
     head = Eagle3Head.from_target(target, eng.model_config, layer_ids, feature_norm=feature_norm,
                                   init_layer=init_layer).to(eng.device)
+    if draft_vocab and not 0 < draft_vocab <= head.config.vocab_size:
+        raise ValueError(f"--draft-vocab must be in [1, {head.config.vocab_size}] (the target vocabulary) "
+                         f"or 0, got {draft_vocab}")
     opt = make_optimizer(head, lr)
     total = epochs * len(prompts) * samples
     warmup = max(1, total * 3 // 100)
@@ -229,6 +255,11 @@ def train_draft(llm, prompts: list, out: Optional[str], epochs: int = 1, max_tok
             g0 = time.perf_counter()
             answers = generate_answers(llm, ids[b:b + batch], max_tokens, samples, temperature, seed + b)
             gen_s += time.perf_counter() - g0
+            if draft_vocab and not head.config.draft_vocab_size:
+                seen = ids[b:b + batch] + [a for _, a in answers]
+                head.reduce_vocab(choose_draft_vocab(seen, draft_vocab, head.config.vocab_size))
+                log(f"[train-draft] draft vocabulary: the {head.config.draft_vocab_size} most frequent of "
+                    f"{sum(map(len, seen))} tokens seen (target vocabulary {head.config.vocab_size})")
             for i, a in answers:
                 p = ids[b + i]
                 s = capture_features(llm, cap, p + a, len(p))
@@ -312,6 +343,9 @@ def add_train_draft_args(p) -> None:
                         "or on the answer tokens")
     p.add_argument("--no-feature-norm", dest="feature_norm", action="store_false",
                    help="feed the raw target features to the head's fc (heads before the per-feature RMSNorm)")
+    p.add_argument("--draft-vocab", type=int, default=0,
+                   help="predict over the N most frequent tokens of the first batch's prompts and answers only "
+                        "(a reduced draft vocabulary mapped back to the target's; 0: the target's whole vocabulary)")
     p.add_argument("--step-decay", type=float, default=STEP_DECAY,
                    help="loss weight of training-time-test step j is step_decay ** j")
     p.add_argument("--init-layer", action="store_true",
@@ -332,6 +366,8 @@ def cmd_train_draft(a) -> int:
     for name in ("epochs", "max_tokens", "steps", "batch", "samples_per_prompt", "eval_k", "eval_max_tokens"):
         if getattr(a, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    if a.draft_vocab < 0:
+        raise ValueError(f"--draft-vocab must be >= 0 (0: the target's whole vocabulary), got {a.draft_vocab}")
     if not a.lr > 0:
         raise ValueError(f"--lr must be > 0, got {a.lr}")
     if not 0 < a.step_decay <= 1:
@@ -351,7 +387,7 @@ def cmd_train_draft(a) -> int:
     train_draft(llm, prompts, a.out, epochs=a.epochs, max_tokens=a.max_tokens, lr=a.lr, steps=a.steps,
                 seed=a.seed, batch=a.batch, samples=a.samples_per_prompt, temperature=a.temperature,
                 layer_ids=layer_ids, labels=a.labels, feature_norm=a.feature_norm, init_layer=a.init_layer,
-                step_decay=a.step_decay, log=log)
+                step_decay=a.step_decay, draft_vocab=a.draft_vocab, log=log)
     if eval_prompts:
         del llm
         res = evaluate_head(a.model, a.out, eval_prompts, a.eval_k, a.eval_max_tokens, a.device, a.dtype, log)

@@ -173,6 +173,8 @@ def test_cli_train_draft_user_errors(tmp_path, capsys):
     assert "--epochs must be >= 1" in capsys.readouterr().err
     assert main(["train-draft", "--model", "x", "--prompts", "p", "--out", "o", "--step-decay", "0"]) == 2
     assert "--step-decay must be in (0, 1]" in capsys.readouterr().err
+    assert main(["train-draft", "--model", "x", "--prompts", "p", "--out", "o", "--draft-vocab", "-3"]) == 2
+    assert "--draft-vocab must be >= 0" in capsys.readouterr().err
 
 
 def test_sample_without_answer_targets_is_skipped():
@@ -287,6 +289,17 @@ def test_train_draft_samples_and_eval_through_config(tiny4, tmp_path, monkeypatc
     assert res["spec_draft_tokens"] > 0 and len(res["spec_acceptance_per_position"]) == 2
     assert 1.0 <= res["spec_mean_acceptance_length"] <= 3.0
     assert head.config.layer_ids == json.loads((tmp_path / "h" / "config.json").read_text())["layer_ids"]
+    # a reduced draft vocabulary, chosen from the first batch, through the same flow
+    logs = []
+    head = td.train_draft(llm, prompts, str(tmp_path / "hv"), epochs=1, max_tokens=12, steps=2, batch=2,
+                          samples=2, temperature=1.0, draft_vocab=40, log=logs.append)
+    assert any("draft vocabulary: the 40 most frequent" in m for m in logs)
+    assert json.loads((tmp_path / "hv" / "config.json").read_text())["draft_vocab_size"] == 40
+    res = td.evaluate_head(model_dir, str(tmp_path / "hv"), prompts[:2], k=2, max_tokens=10, device="cpu",
+                           log=logs.append)
+    assert res["spec_draft_tokens"] > 0
+    with pytest.raises(ValueError, match="--draft-vocab must be in"):
+        td.train_draft(llm, prompts, None, draft_vocab=10 ** 6, log=logs.append)
 
 
 def test_lr_schedule():
@@ -350,3 +363,111 @@ def test_init_layer_copies_target_last_layer(tiny4):
                          (head.hidden_norm, ref.input_layernorm),
                          (head.post_attention_norm, ref.post_attention_layernorm)):
         torch.testing.assert_close(ours.weight, theirs.weight.float())
+
+
+def test_choose_draft_vocab():
+    from blitzllm.spec.train_draft import choose_draft_vocab
+    lists = [[5, 5, 7, 9], [7, 5, 2], [9, 9]]   # counts: 5:3, 9:3, 7:2, 2:1
+    assert choose_draft_vocab(lists, 3, 12).tolist() == [5, 7, 9]
+    assert choose_draft_vocab(lists, 2, 12).tolist() == [5, 9]   # the tie 5 / 9 both in, 7 out
+    assert choose_draft_vocab(lists, 6, 12).tolist() == [0, 1, 2, 5, 7, 9]   # unseen: lowest ids
+    with pytest.raises(ValueError, match="draft-vocab"):
+        choose_draft_vocab(lists, 13, 12)
+
+
+def test_reduced_vocab_head_rows_drafts_and_round_trip(tiny4, tmp_path):
+    """reduce_vocab: the lm_head keeps the target's rows of the draft tokens, drafts come back
+    as target ids, and a saved head reloads (lm_head rows from the target again) to the same
+    logits; malformed maps are refused."""
+    llm, _ = tiny4
+    eng = llm.engine
+    head = _head(llm)
+    full = head.lm_head.weight.detach().clone()
+    d2t = torch.tensor([3, 17, 40, 41, 200, 300])
+    for bad in ([3, 3], [-1, 2], [0, head.config.vocab_size]):
+        with pytest.raises(ValueError, match="distinct target token ids"):
+            head.reduce_vocab(torch.tensor(bad))
+    head.reduce_vocab(d2t)
+    with pytest.raises(ValueError, match="already reduced"):
+        head.reduce_vocab(d2t)
+    assert head.config.draft_vocab_size == 6 and torch.equal(head.lm_head.weight, full[d2t])
+    feats = torch.randn(5, 3 * head.config.target_hidden_size)
+    tokens = torch.randint(0, head.config.vocab_size, (7,))
+    with torch.no_grad():
+        out = head.forward_steps(feats, tokens, 2)
+        lg = head.logits(out[0])
+        assert lg.shape == (5, 6)
+        want = (head.norm(out[0]) @ full.t())[:, d2t].argmax(-1)   # the full logits on the draft tokens
+        assert torch.equal(head.draft_tokens(lg), d2t[want])
+    head.save(str(tmp_path / "h"))
+    assert json.loads((tmp_path / "h" / "config.json").read_text())["draft_vocab_size"] == 6
+    back = Eagle3Head.load(str(tmp_path / "h"), target=eng.runner.model, target_cfg=eng.model_config)
+    assert torch.equal(back.d2t, d2t) and torch.equal(back.lm_head.weight, full[d2t])
+    with torch.no_grad():
+        torch.testing.assert_close(back.logits(back.forward_steps(feats, tokens, 2)[1]), head.logits(out[1]))
+
+
+def test_reduced_vocab_soft_loss_and_agreement(tiny4):
+    """With a reduced vocabulary the soft labels are the target's distribution over the draft
+    tokens (renormalized) and a prediction counts as right when its target id is the
+    target's full-vocabulary argmax."""
+    llm, _ = tiny4
+    ids = torch.randint(1, 320, (26,), generator=torch.Generator().manual_seed(8)).tolist()
+    head = _head(llm)
+    full = head.lm_head.weight.detach().clone()
+    with HiddenCapture(llm.engine.runner.model, head.config.layer_ids, keep_final=True) as cap:
+        s = capture_features(llm, cap, ids, prompt_len=6)
+    with torch.no_grad():   # the draft vocabulary: the target's argmax tokens plus a few others
+        top = (s.final.float() @ full.t()).argmax(-1)
+    d2t = torch.unique(torch.cat([top[::2], torch.tensor([1, 2, 3])]))
+    head.reduce_vocab(d2t)
+    with torch.no_grad():
+        loss, stats = sample_loss(head, s, 2)
+        outs = head.forward_steps(s.feats[:24], torch.tensor(ids[1:] + [0, 0]), 2)
+    terms, agree = [], []
+    for j, o in enumerate(outs):
+        rows = torch.arange(24)
+        keep = (rows + 2 + j < 26) & (rows + 2 + j >= 6)
+        fin = s.final[(rows + 1 + j)[keep] - 5].float()
+        p = torch.softmax((fin @ full.t())[:, d2t], -1)
+        with torch.no_grad():
+            lg = head.logits(o[keep])
+        terms.append(float(-(p * torch.log_softmax(lg, -1)).sum(-1).mean()))
+        agree.append((int((d2t[lg.argmax(-1)] == (fin @ full.t()).argmax(-1)).sum()), int(keep.sum())))
+    assert float(loss) == pytest.approx(terms[0] + 0.8 * terms[1], rel=1e-5)
+    assert stats == agree
+
+
+def test_reduced_vocab_head_greedy_equals_plain(tiny4, greedy_setup, tmp_path):
+    """A head with a reduced draft vocabulary (the tokens of the prompts and their answers),
+    trained on the target's greedy answers, speculates through speculative_config: output
+    equal to plain greedy, drafts accepted, every draft a draft-vocabulary token."""
+    from blitzllm.spec.train_draft import choose_draft_vocab
+    model_dir, prompts, params, ref, _ = greedy_setup
+    llm = LLM(model_dir, device="cpu", kv_cache_blocks=128, max_num_seqs=4, max_num_batched_tokens=64,
+              enable_prefix_caching=False)
+    head = _head(llm)
+    d2t = choose_draft_vocab(prompts + ref, 64, head.config.vocab_size)
+    head.reduce_vocab(d2t)
+    opt = make_optimizer(head, 3e-3)
+    with HiddenCapture(llm.engine.runner.model, head.config.layer_ids) as cap:
+        samples = [capture_features(llm, cap, p + r, len(p)) for p, r in zip(prompts, ref) if len(r) > 10]
+    for _ in range(6):
+        for s in samples:
+            train_on(head, opt, s, 3)
+    head.save(str(tmp_path / "h"))
+    spec = {"method": "eagle3", "num_speculative_tokens": 3, "model": str(tmp_path / "h")}
+    llm2 = LLM(model_dir, device="cpu", kv_cache_blocks=128, max_num_seqs=4, max_num_batched_tokens=64,
+               speculative_config=spec)
+    prop = llm2.engine.spec.proposer
+    drafted, propose = [], prop.propose
+
+    def recording(reqs, limits):
+        res = propose(reqs, limits)
+        drafted.extend(t for d in res.drafts for t in d)
+        return res
+    prop.propose = recording
+    assert [o.outputs[0].token_ids for o in llm2.generate(prompts, params)] == ref
+    st = llm2.stats()
+    assert st["spec_draft_tokens"] > 0 and st["spec_accepted_tokens"] > 0.05 * st["spec_draft_tokens"]
+    assert drafted and set(drafted) <= set(d2t.tolist())
