@@ -446,6 +446,12 @@ def reference_linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tens
     return y.to(x.dtype)
 
 
+def _gemv_ok(x: torch.Tensor, w: torch.Tensor, rows: int) -> bool:
+    """Whether the Triton GEMV can take this call (CUDA, 1-16 rows, half precision, W row-major)."""
+    return (use_triton(x) and 0 < rows <= GEMV_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+            and w.dtype == x.dtype and w.stride(-1) == 1)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
            silu_mul_input: bool = False) -> torch.Tensor:
     """``F.linear(x, w, bias)`` (of ``silu_and_mul(x)`` with silu_mul_input) for x [..., K].
@@ -470,9 +476,7 @@ def norm_linear(x: torch.Tensor, residual: Optional[torch.Tensor], w: torch.Tens
     None: ``(linear(rms_norm(x)), x)``). On CUDA decode the norm runs as the GEMV's prologue
     (one launch instead of two); elsewhere the norm op and ``linear``."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (_NORM_PROLOGUE and use_triton(x) and 0 < rows <= GEMV_MAX_ROWS
-            and x.dtype in (torch.bfloat16, torch.float16)
-            and w.dtype == x.dtype and w.stride(-1) == 1 and norm_weight.dtype == x.dtype
+    if (_NORM_PROLOGUE and _gemv_ok(x, w, rows) and norm_weight.dtype == x.dtype
             and prefer_gemv(rows, w.shape[0], w.shape[1])):
         x2 = x.reshape(rows, x.shape[-1])
         r2 = residual.reshape(rows, x.shape[-1]) if residual is not None else None
@@ -502,11 +506,6 @@ def sum_squares_slots(device: torch.device) -> torch.Tensor:
 def slot_sums(ss: torch.Tensor, rows: int) -> torch.Tensor:
     """The rows' sums of squares held by a slot: its lanes added up."""
     return ss.view(SS_LANES, SS_STRIDE)[:, :rows].sum(0)
-
-
-def _gemv_ok(x: torch.Tensor, w: torch.Tensor, rows: int) -> bool:
-    return (use_triton(x) and 0 < rows <= GEMV_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
-            and w.dtype == x.dtype and w.stride(-1) == 1)
 
 
 def linear_add_ss(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor,

@@ -96,6 +96,24 @@ def test_capture_equals_hf_hidden_states(tiny4):
     assert not any(m._forward_hooks for m in llm.engine.runner.model.model.layers)
 
 
+def _soft_terms(head, s, outs, n, label_logits, draft_ids=None):
+    """By hand: per draft step the soft cross-entropy against softmax(label_logits(final
+    rows)) and (agreeing rows, rows), where a row agrees when its draft (as a target id via
+    ``draft_ids``) is the argmax of the full target logits ``head.lm_head`` had at build time."""
+    terms, agree = [], []
+    for j, o in enumerate(outs):
+        rows = torch.arange(n - 2)
+        keep = (rows + 2 + j < n) & (rows + 2 + j >= s.prompt_len)
+        fin = s.final[(rows + 1 + j)[keep] - (s.prompt_len - 1)].float()
+        full, p = label_logits(fin)
+        with torch.no_grad():
+            lg = head.logits(o[keep])
+        drafts = lg.argmax(-1) if draft_ids is None else draft_ids[lg.argmax(-1)]
+        terms.append(float(-(p * torch.log_softmax(lg, -1)).sum(-1).mean()))
+        agree.append((int((drafts == full.argmax(-1)).sum()), int(keep.sum())))
+    return terms, agree
+
+
 def test_capture_keeps_target_outputs_and_soft_labels(tiny4):
     """With keep_final the capture also keeps the model's outputs of the answer positions:
     their logits are transformers' logits there; the soft-label loss is the cross-entropy
@@ -113,14 +131,11 @@ def test_capture_keeps_target_outputs_and_soft_labels(tiny4):
     with torch.no_grad():
         loss, stats = sample_loss(head, s, 2)
         outs = head.forward_steps(s.feats[:28], torch.tensor(ids[1:] + [0, 0]), 2)
-    terms, agree = [], []
-    for j, o in enumerate(outs):
-        rows = torch.arange(28)
-        keep = (rows + 2 + j < 30) & (rows + 2 + j >= 9)
-        p = torch.softmax(head.lm_head(s.final[(rows + 1 + j)[keep] - 8].float()), -1)
-        lg = head.logits(o[keep])
-        terms.append(float(-(p * torch.log_softmax(lg, -1)).sum(-1).mean()))
-        agree.append((int((lg.argmax(-1) == p.argmax(-1)).sum()), int(keep.sum())))
+    def labels(fin):
+        with torch.no_grad():
+            full = head.lm_head(fin)
+        return full, torch.softmax(full, -1)
+    terms, agree = _soft_terms(head, s, outs, 30, labels)
     assert float(loss) == pytest.approx(terms[0] + 0.8 * terms[1], rel=1e-5)   # default step decay 0.8
     assert stats == agree
     with torch.no_grad():
@@ -424,16 +439,10 @@ def test_reduced_vocab_soft_loss_and_agreement(tiny4):
     with torch.no_grad():
         loss, stats = sample_loss(head, s, 2)
         outs = head.forward_steps(s.feats[:24], torch.tensor(ids[1:] + [0, 0]), 2)
-    terms, agree = [], []
-    for j, o in enumerate(outs):
-        rows = torch.arange(24)
-        keep = (rows + 2 + j < 26) & (rows + 2 + j >= 6)
-        fin = s.final[(rows + 1 + j)[keep] - 5].float()
-        p = torch.softmax((fin @ full.t())[:, d2t], -1)
-        with torch.no_grad():
-            lg = head.logits(o[keep])
-        terms.append(float(-(p * torch.log_softmax(lg, -1)).sum(-1).mean()))
-        agree.append((int((d2t[lg.argmax(-1)] == (fin @ full.t()).argmax(-1)).sum()), int(keep.sum())))
+    def labels(fin):   # the target's distribution restricted to the draft tokens, renormalized
+        logits = fin @ full.t()
+        return logits, torch.softmax(logits[:, d2t], -1)
+    terms, agree = _soft_terms(head, s, outs, 26, labels, d2t)
     assert float(loss) == pytest.approx(terms[0] + 0.8 * terms[1], rel=1e-5)
     assert stats == agree
 
