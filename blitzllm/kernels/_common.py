@@ -90,3 +90,44 @@ def pdl_launch_dependents(USE_PDL: tl.constexpr):
     the wait already with USE_PDL == 2)."""
     if USE_PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()
+
+
+# -- L2 prefetch of the next kernels' weights ------------------------------------------------
+# Decode at small batch alternates bandwidth-bound GEMVs with latency-bound kernels (the
+# attention, the norms) during which HBM idles. A latency-bound kernel can ask the L2 to
+# fetch the next GEMVs' weights meanwhile (Hopper's bulk prefetch: one instruction per
+# range, no registers, the issuing thread does not wait), so those GEMVs then read L2.
+L2_PREFETCH_LANES = 128  # one range per thread of a 4-warp program
+
+
+def l2_prefetch_supported(t: torch.Tensor) -> bool:
+    """cp.async.bulk.prefetch.L2 exists from sm_90 on (not in the interpreter)."""
+    if not (HAS_TRITON and t.is_cuda) or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return False
+    idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    return _capability(idx)[0] >= 9
+
+
+def l2_prefetch_chunk(nbytes: int, programs: int) -> int:
+    """Bytes per prefetch instruction: the ranges of all programs' lanes cover ``nbytes``
+    in about one round (a multiple of 16, at least 256)."""
+    per = -(-max(1, nbytes) // max(1, programs * L2_PREFETCH_LANES))
+    return max(256, -(-per // 16) * 16)
+
+
+@triton.jit
+def l2_prefetch(ptr, nbytes, chunk, pid, nprog, LANES: tl.constexpr):
+    """Ask the L2 to fetch bytes [0, nbytes) of ``ptr`` (16-byte aligned, nbytes a multiple
+    of 16): program ``pid`` of ``nprog`` (both computed in the kernel) takes ranges
+    pid * LANES ... of ``chunk`` bytes."""
+    base = ptr.to(tl.pointer_type(tl.int8))
+    lanes = tl.arange(0, LANES).to(tl.int64)
+    first = pid.to(tl.int64) * LANES * chunk
+    step = nprog.to(tl.int64) * LANES * chunk
+    end = first * 0 + nbytes  # int64 (nbytes may arrive as a plain int)
+    for c0 in range(first, end, step):
+        off = c0 + lanes * chunk
+        size = tl.minimum(end - off, chunk).to(tl.int32)
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r", [base + off, size], dtype=tl.int32, is_pure=False, pack=1)

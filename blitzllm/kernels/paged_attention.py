@@ -13,8 +13,9 @@ from typing import Optional
 
 import torch
 
-from ._common import (device_sms, next_pow2, pdl_enabled, pdl_launch_dependents, pdl_launch_kwargs, pdl_wait,
-                      tl, triton, use_triton)
+from ._common import (L2_PREFETCH_LANES, device_sms, l2_prefetch, l2_prefetch_chunk, l2_prefetch_supported,
+                      next_pow2, pdl_enabled, pdl_launch_dependents, pdl_launch_kwargs, pdl_wait, tl, triton,
+                      use_triton)
 from .qk_norm_rope_cache import _check as _check_qk
 from .qk_norm_rope_cache import _norm_rope_heads
 
@@ -123,10 +124,21 @@ def _decode_kernel(
     G_COMB: tl.constexpr, COMBINE: tl.constexpr,
     pos_ptr, cs_ptr, stride_cs, qw_ptr, kw_ptr, slot_ptr, Hq, eps,
     FUSE_QK: tl.constexpr, HAS_NORM: tl.constexpr, ROT: tl.constexpr,
+    pf0, pn0, pf1, pn1, pf2, pn2, pf3, pn3, pf_chunk, NPF: tl.constexpr, PF_LANES: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    if NPF > 0:  # the next GEMVs' weights into L2 while this latency-bound kernel runs
+        pid = (b * tl.num_programs(1) + kvh) * tl.num_programs(2) + split
+        nprog = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+        l2_prefetch(pf0, pn0, pf_chunk, pid, nprog, PF_LANES)
+        if NPF > 1:
+            l2_prefetch(pf1, pn1, pf_chunk, pid, nprog, PF_LANES)
+        if NPF > 2:
+            l2_prefetch(pf2, pn2, pf_chunk, pid, nprog, PF_LANES)
+        if NPF > 3:
+            l2_prefetch(pf3, pn3, pf_chunk, pid, nprog, PF_LANES)
     if not FUSE_QK:
         pdl_wait(USE_PDL)  # q and this step's k/v come from the kernel before
     seq_len = tl.load(seq_lens_ptr + b)
@@ -338,11 +350,34 @@ def _split_counters(device: torch.device) -> torch.Tensor:
     return torch.zeros(_MAX_COUNTERS, dtype=torch.int32, device=device)
 
 
+def _prefetch_args(t: torch.Tensor, ranges, programs: int) -> dict:
+    """Kernel arguments of up to 4 L2 prefetch ranges (tensor, nbytes): nbytes is rounded
+    down to 16 and capped at the tensor's size; misaligned or empty ranges are dropped."""
+    keep = []
+    if ranges and l2_prefetch_supported(t):
+        for w, n in ranges:
+            n = min(int(n), w.numel() * w.element_size()) // 16 * 16
+            if n > 0 and w.is_cuda and w.data_ptr() % 16 == 0:
+                keep.append((w, n))
+    assert len(keep) <= 4, "at most 4 prefetch ranges"
+    args = {}
+    for i in range(4):
+        w, n = keep[i] if i < len(keep) else (t, 0)
+        args[f"pf{i}"], args[f"pn{i}"] = w, n
+    total = max([n for _, n in keep], default=0)
+    args.update(pf_chunk=l2_prefetch_chunk(total, programs), NPF=len(keep), PF_LANES=L2_PREFETCH_LANES)
+    return args
+
+
 def paged_decode_attention_triton(
     q, k_cache, v_cache, block_tables, seq_lens, scale,
     num_splits: Optional[int] = None, block_n: Optional[int] = None,
     num_stages: int = 2, early_v: bool = True, fused_reduce: bool = True, _fuse=None,
+    l2_prefetch_ranges=(),
 ):
+    """``l2_prefetch_ranges``: up to 4 (tensor, nbytes) whose first nbytes the kernel asks
+    the L2 to fetch while it runs (the GEMVs after it; see ``_common.l2_prefetch``);
+    ignored where the GPU has no bulk prefetch."""
     hq, hkv, d = _check_cache(q, k_cache, v_cache)
     B = q.shape[0]
     if q.stride(2) != 1:
@@ -377,6 +412,7 @@ def paged_decode_attention_triton(
     pdl = pdl_enabled(q) and (s == 1 or fused)
     g_comb = next_pow2(g)  # the combine's tiles hold the real heads only
     combine = max(1, min(next_pow2(s), 4096 // (g_comb * d_pad)))
+    pf = _prefetch_args(q, l2_prefetch_ranges, B * hkv * s)
     _decode_kernel[(B, hkv, s)](
         q_arg, k_cache, v_cache, block_tables, seq_lens, out, m, l_, acc, cnt,
         stride_qb, stride_qh, out.stride(0), out.stride(1),
@@ -385,7 +421,7 @@ def paged_decode_attention_triton(
         float(scale) * _LOG2E, g,
         NUM_SPLITS=s, G_PAD=g_pad, D=d, D_PAD=d_pad, BLOCK_N=bn,
         BLOCK_SIZE=k_cache.shape[1], IEEE=ieee, EARLY_V=early_v, FUSED_REDUCE=fused,
-        USE_PDL=pdl, G_COMB=g_comb, COMBINE=combine, **fuse_kw,
+        USE_PDL=pdl, G_COMB=g_comb, COMBINE=combine, **fuse_kw, **pf,
         num_warps=4, num_stages=num_stages, **pdl_launch_kwargs(pdl),
     )
     if s > 1 and not fused:
@@ -399,7 +435,7 @@ def paged_decode_attention_triton(
 def fused_decode_attention_triton(
     qkv, positions, cos_sin_cache, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot_mapping,
     block_tables, seq_lens, scale, q_norm_weight=None, k_norm_weight=None, eps=1e-6, rotary_dim=None,
-    num_splits: Optional[int] = None,
+    num_splits: Optional[int] = None, l2_prefetch_ranges=(),
 ):
     """One decode step of one layer in one launch: per-head q/k RMSNorm (optional) + rotary
     + writing the new k/v into the paged cache (``fused_qk_norm_rope_cache_triton``) and

@@ -171,6 +171,21 @@ def get_forward_context() -> ForwardContext:
     return _CURRENT[0]
 
 
+def l2_prefetch_ranges(modules, budget: int) -> list:
+    """(weight, nbytes) of the leading modules' dense weights within ``budget`` bytes: every
+    whole weight that fits, then the head of the next one (at most 4 ranges)."""
+    out = []
+    for m in modules:
+        w = getattr(m, "weight", None)
+        if budget <= 0 or len(out) == 4 or w is None or getattr(m, "qweight", None) is not None:
+            break
+        n = min(budget, w.numel() * w.element_size())
+        if n > 0:
+            out.append((w, n))
+        budget -= n
+    return out
+
+
 class TritonAttentionBackend(AttentionBackend):
     """CUDA: one fused kernel for q/k norm + rotary + cache write, then paged attention
     (split-K flash decoding for pure decode steps, varlen causal prefill otherwise)."""
@@ -183,6 +198,10 @@ class TritonAttentionBackend(AttentionBackend):
         # (speculative verify rows): the model runner turns it off then.
         # BLITZ_FUSED_DECODE=0 keeps the two launches (A/B).
         self.fused_decode = os.environ.get("BLITZ_FUSED_DECODE", "1") != "0"
+        # BLITZ_L2_PREFETCH=1: the fused decode kernel asks the L2 to fetch the weights of the
+        # GEMVs after it (``Attention.prefetch_modules``, up to BLITZ_L2_PREFETCH_MB in all)
+        self.l2_prefetch_bytes = (int(float(os.environ.get("BLITZ_L2_PREFETCH_MB", "40")) * (1 << 20))
+                                  if os.environ.get("BLITZ_L2_PREFETCH", "0") == "1" else 0)
 
     def forward(self, layer, positions, qkv, k_cache, v_cache, md):
         from ..kernels.paged_attention import (fused_decode_attention_triton, paged_decode_attention_triton,
@@ -195,7 +214,8 @@ class TritonAttentionBackend(AttentionBackend):
                 k_cache, v_cache, md.slot_mapping, md.block_tables, md.seq_lens, layer.scale,
                 q_norm_weight=qn.weight if qn is not None else None,
                 k_norm_weight=kn.weight if kn is not None else None,
-                eps=qn.eps if qn is not None else 1e-6, rotary_dim=layer.rotary.rotary_dim)
+                eps=qn.eps if qn is not None else 1e-6, rotary_dim=layer.rotary.rotary_dim,
+                l2_prefetch_ranges=l2_prefetch_ranges(layer.prefetch_modules, self.l2_prefetch_bytes))
         q = fused_qk_norm_rope_cache_triton(
             qkv, positions, layer.rotary.cos_sin_cache, layer.num_heads, layer.num_kv_heads, layer.head_dim,
             k_cache, v_cache, md.slot_mapping,
@@ -275,6 +295,9 @@ class Attention(nn.Module):
         self.rotary = rotary
         self._norms = (q_norm, k_norm)  # a tuple: owned (and named) by the caller, not registered here
         self.scale = scale if scale is not None else head_dim ** -0.5
+        # the modules whose weights decode reads next (o_proj, the MLP's, the next layer's
+        # qkv), for the backend's L2 prefetch; a tuple, so not registered as submodules
+        self.prefetch_modules: tuple = ()
 
     @property
     def q_norm(self):

@@ -174,6 +174,22 @@ class DecoderModel(nn.Module):
         self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size, get_tp_group())
         self.layers = nn.ModuleList(make_layer(cfg, i, rotary) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, get_tp_group())
+        self._wire_l2_prefetch()
+
+    def _wire_l2_prefetch(self):
+        """Tell each layer's attention which weights decode reads after it, in order:
+        o_proj, then (a dense MLP) gate_up and down, then the next layer's qkv."""
+        for i, layer in enumerate(self.layers):
+            if not isinstance(layer, DecoderLayer) or not isinstance(layer.self_attn.attn, Attention):
+                continue
+            attn, mlp = layer.self_attn, getattr(layer, layer.mlp_name)
+            mods = [attn.o_proj]
+            if type(mlp) is DenseMLP:
+                mods += [mlp.gate_up_proj, mlp.down_proj]
+                nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
+                if isinstance(nxt, DecoderLayer):
+                    mods.append(nxt.self_attn.qkv_proj)
+            attn.attn.prefetch_modules = tuple(mods)
 
     def forward(self, input_ids, positions):
         x, residual = self.embed_tokens(input_ids), None

@@ -191,3 +191,41 @@ def test_fused_decode_matches_unfused_reference(case, dtype, device):
         torch.testing.assert_close(out[keep], ref[keep], atol=TOL[dtype], rtol=TOL[dtype])
         torch.testing.assert_close(kc, kr, atol=TOL[dtype], rtol=TOL[dtype])
         torch.testing.assert_close(vc, vr, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", FUSED[1:3])
+def test_gpu_fused_decode_l2_prefetch_leaves_results_unchanged(case):
+    """The fused decode kernel with L2 prefetch ranges (whole tensors, a head of one, a
+    misaligned view that the launcher drops, more ranges than programs need) writes the
+    same output and cache, bit for bit, as without them."""
+    from blitzllm.kernels._common import l2_prefetch_supported
+    from blitzllm.kernels.paged_attention import _prefetch_args, fused_decode_attention_triton
+    seq_lens, hq, hkv, d, rot, bs, norm, splits = case
+    dt, dev = torch.bfloat16, "cuda"
+    assert l2_prefetch_supported(torch.empty(1, device=dev)) == (torch.cuda.get_device_capability()[0] >= 9)
+    g = torch.Generator().manual_seed(3)
+    kc, vc, tables, seq = make_cache(seq_lens, hkv, d, bs, dt, dev)
+    B = len(seq_lens)
+    qkv = torch.randn(B, (hq + 2 * hkv) * d, generator=g).to(dev, dt)
+    pos = seq.long() - 1
+    tab = tables.long().cpu()
+    slots = torch.tensor([int(tab[b, p // bs]) * bs + p % bs for b, p in enumerate(pos.tolist())]).to(dev)
+    inv = 1.0 / 10000.0 ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot)
+    f = torch.arange(512, dtype=torch.float32)[:, None] * inv[None, :]
+    cs = torch.cat([f.cos(), f.sin()], -1).to(dev)
+    qw = kw = (1 + 0.3 * torch.randn(d, generator=g)).to(dev, dt) if norm else None
+    big = torch.randn(4096, 1024, device=dev, dtype=dt)
+    ranges = [(big, big.numel() * 2), (big.view(-1)[1:], 1 << 20), (big[:7], 10 ** 9), (big, 12345)]
+    args = _prefetch_args(qkv, ranges, B * hkv * splits)
+    if l2_prefetch_supported(qkv):
+        assert args["NPF"] == 3 and args["pn1"] == 7 * 1024 * 2 and args["pn2"] == 12336  # the view 2 bytes in: dropped
+    outs = []
+    for pf in ((), ranges):
+        k1, v1 = kc.clone(), vc.clone()
+        out = fused_decode_attention_triton(qkv, pos, cs, hq, hkv, d, k1, v1, slots, tables, seq, d ** -0.5,
+                                            qw, kw, 1e-6, rot, num_splits=splits, l2_prefetch_ranges=pf)
+        outs.append((out, k1, v1))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
