@@ -82,6 +82,12 @@ for part in "$@"; do case $part in
        run 80 qwen_base $Q; BLITZ_L2_PREFETCH=1 run 80 qwen_l2pf $Q
        run 100 llama_base $L; BLITZ_L2_PREFETCH=1 run 100 llama_l2pf $L
        BLITZ_L2_PREFETCH=1 BLITZ_L2_PREFETCH_MB=56 run 100 llama_l2pf56 $L ;;
+  attn) timeout 300 python3 scripts/bench_attn.py 2>&1 | tail -30 | tee "$OUT/bench_attn.log" ;;
+  eqk) # q/k-side loads of the fused decode kernel before (default) / after its PDL wait
+       Q="--model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
+       L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
+       run 80 qwen_eqk $Q; BLITZ_ATTN_EARLY_QK=0 run 80 qwen_late $Q
+       run 100 llama_eqk $L; BLITZ_ATTN_EARLY_QK=0 run 100 llama_late $L ;;
   gemvtests) timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -x --tb=short tests/kernels/test_kernel_greedy.py tests/kernels/test_kernel_gemv.py \
        -p no:cacheprovider 2>&1 | grep -v "^\s*$" | tail -25 | tee "$OUT/gemv_tests.log" ;;
   latcmp) run 240 llama_b1 --model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --compare hf ;;

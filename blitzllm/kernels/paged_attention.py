@@ -17,7 +17,7 @@ from ._common import (L2_PREFETCH_LANES, device_sms, l2_prefetch, l2_prefetch_ch
                       next_pow2, pdl_enabled, pdl_launch_dependents, pdl_launch_kwargs, pdl_wait, tl, triton,
                       use_triton)
 from .qk_norm_rope_cache import _check as _check_qk
-from .qk_norm_rope_cache import _norm_rope_heads
+from .qk_norm_rope_cache import _norm_rope_apply, _norm_rope_params
 
 _LOG2E = 1.4426950408889634
 _NEG = -1.0e30  # finite "minus infinity" for running maxima: avoids inf - inf
@@ -123,7 +123,7 @@ def _decode_kernel(
     EARLY_V: tl.constexpr, FUSED_REDUCE: tl.constexpr, USE_PDL: tl.constexpr,
     G_COMB: tl.constexpr, COMBINE: tl.constexpr,
     pos_ptr, cs_ptr, stride_cs, qw_ptr, kw_ptr, slot_ptr, Hq, eps,
-    FUSE_QK: tl.constexpr, HAS_NORM: tl.constexpr, ROT: tl.constexpr,
+    FUSE_QK: tl.constexpr, HAS_NORM: tl.constexpr, ROT: tl.constexpr, EARLY_QK: tl.constexpr,
     pf0, pn0, pf1, pn1, pf2, pn2, pf3, pn3, pf_chunk, NPF: tl.constexpr, PF_LANES: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -174,18 +174,26 @@ def _decode_kernel(
                                                                  BLOCK_SIZE), mask=m0, other=0.0)
         v0 = tl.load(v_ptr + kvh * stride_vh + _kv_tile_offsets(bt, offs_n0, old0, stride_vb, stride_vt, offs_d,
                                                                  BLOCK_SIZE), mask=m0, other=0.0)
-        pdl_wait(USE_PDL)  # the qkv row comes from the kernel before
-        row = q_ptr + b.to(tl.int64) * stride_qb
+        # positions, cos/sin, the norm weights and the slot do not come from the kernel
+        # before either (host copies before the step, or kernels two or more launches back,
+        # complete once the kernel before passed its own wait): load them before the wait too
+        if not EARLY_QK:
+            pdl_wait(USE_PDL)
         cs = cs_ptr + tl.load(pos_ptr + b) * stride_cs
-        q = _norm_rope_heads(row + kvh * G * D, qw_ptr, cs, G, eps, HAS_NORM, False, G_PAD, D, D_PAD, ROT)
+        qw, qwp, cos, sin = _norm_rope_params(qw_ptr, cs, G, HAS_NORM, False, G_PAD, D, D_PAD, ROT)
+        kw, kwp, _, _ = _norm_rope_params(kw_ptr, cs, 1, HAS_NORM, False, 2, D, D_PAD, ROT)
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        if EARLY_QK:
+            pdl_wait(USE_PDL)  # the qkv row comes from the kernel before
+        row = q_ptr + b.to(tl.int64) * stride_qb
+        q = _norm_rope_apply(row + kvh * G * D, qw, qwp, cos, sin, G, eps, HAS_NORM, False, G_PAD, D, D_PAD, ROT)
         q = q.to(q_ptr.dtype.element_ty)
         if split == n_active - 1:
-            slot = tl.load(slot_ptr + b).to(tl.int64)
             if slot >= 0:
                 blk = slot // BLOCK_SIZE
                 tok = slot % BLOCK_SIZE
-                k_new = _norm_rope_heads(row + (Hq + kvh) * D, kw_ptr, cs, 1, eps, HAS_NORM, False, 2, D, D_PAD,
-                                         ROT)
+                k_new = _norm_rope_apply(row + (Hq + kvh) * D, kw, kwp, cos, sin, 1, eps, HAS_NORM, False, 2, D,
+                                         D_PAD, ROT)
                 one = tl.arange(0, 2)[:, None] < 1
                 k_dst = k_ptr + blk * stride_kb + tok * stride_kt + kvh * stride_kh
                 tl.store(k_dst + tl.arange(0, 2)[:, None] * 0 + offs_d[None, :],
@@ -333,6 +341,9 @@ def _check_cache(q, k_cache, v_cache):
 # H200, batch 1, 128 + 256 tokens: cap 1 qwen3-0.6b 1032 vs 1164 tok/s, llama-3.1-8b 225.5
 # vs 231.4; cap 4 1159 / 232.4 (no gain): the default stays 32
 _MAX_SPLITS = int(os.environ.get("BLITZ_ATTN_MAX_SPLITS", "32"))
+# BLITZ_ATTN_EARLY_QK=0 (A/B): the fused decode kernel loads positions, cos/sin, q/k norm
+# weights and slots after its PDL wait instead of before
+_EARLY_QK = os.environ.get("BLITZ_ATTN_EARLY_QK", "1") != "0"
 
 
 def _default_splits(q, b, hkv):
@@ -388,14 +399,14 @@ def paged_decode_attention_triton(
     if _fuse is None:  # plain decode: q [B, Hq, D] is ready
         q_arg, stride_qb, stride_qh = q, q.stride(0), q.stride(1)
         fuse_kw = dict(pos_ptr=seq_lens, cs_ptr=seq_lens, stride_cs=0, qw_ptr=q, kw_ptr=q, slot_ptr=seq_lens,
-                       Hq=hq, eps=0.0, FUSE_QK=False, HAS_NORM=False, ROT=2)
+                       Hq=hq, eps=0.0, FUSE_QK=False, HAS_NORM=False, ROT=2, EARLY_QK=False)
     else:  # q/k norm + rotary + cache write fused in: q_arg is the qkv projection output
         qkv, positions, cos_sin, qw, kw, slots, eps, rot = _fuse
         q_arg, stride_qb, stride_qh = qkv, qkv.stride(0), d
         has_norm = qw is not None
         fuse_kw = dict(pos_ptr=positions, cs_ptr=cos_sin, stride_cs=cos_sin.stride(0),
                        qw_ptr=qw if has_norm else qkv, kw_ptr=kw if has_norm else qkv, slot_ptr=slots,
-                       Hq=hq, eps=float(eps), FUSE_QK=True, HAS_NORM=has_norm, ROT=rot)
+                       Hq=hq, eps=float(eps), FUSE_QK=True, HAS_NORM=has_norm, ROT=rot, EARLY_QK=_EARLY_QK)
     g = hq // hkv
     s = num_splits or _default_splits(q, B, hkv)
     g_pad, d_pad = max(16, next_pow2(g)), next_pow2(d)

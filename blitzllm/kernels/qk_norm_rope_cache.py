@@ -20,13 +20,47 @@ from ._common import next_pow2, tl, triton, use_triton
 
 
 @triton.jit
-def _norm_rope_heads(
-    src_ptr, w_ptr, cs_ptr, heads, eps,
+def _norm_rope_params(
+    w_ptr, cs_ptr, heads,
     HAS_NORM: tl.constexpr, FULL_NORM: tl.constexpr, H_PAD: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr, ROT: tl.constexpr,
 ):
-    """Load ``heads`` rows of D contiguous values at src_ptr, norm + rotate them.
-    Returns an fp32 [H_PAD, D_PAD] tile (rows >= heads are garbage-free zeros).
+    """What ``_norm_rope_apply`` needs besides the heads: norm weights at each dim and at its
+    rotary partner (fp32; [D_PAD], or [H_PAD, D_PAD] with FULL_NORM; ones without norm) and
+    cos / sin [D_PAD] of the position whose row of the cos|sin cache is at cs_ptr.
+    Independent of the heads' values, so a kernel may load them before waiting on the
+    kernel that writes the heads."""
+    HALF: tl.constexpr = ROT // 2
+    offs_h = tl.arange(0, H_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    in_rot = offs_d < ROT
+    first = offs_d < HALF
+    partner = tl.where(in_rot, tl.where(first, offs_d + HALF, offs_d - HALF), offs_d)
+    if HAS_NORM and FULL_NORM:
+        mask = (offs_h < heads)[:, None] & (offs_d[None, :] < D)
+        pmask = (offs_h < heads)[:, None] & in_rot[None, :]
+        w = tl.load(w_ptr + offs_h[:, None] * D + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        wp = tl.load(w_ptr + offs_h[:, None] * D + partner[None, :], mask=pmask, other=0.0).to(tl.float32)
+    elif HAS_NORM:
+        w = tl.load(w_ptr + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+        wp = tl.load(w_ptr + partner, mask=in_rot, other=0.0).to(tl.float32)
+    else:
+        w = tl.full([D_PAD], 1.0, dtype=tl.float32)
+        wp = w
+    cs_idx = tl.where(first, offs_d, offs_d - HALF)
+    cos = tl.load(cs_ptr + cs_idx, mask=in_rot, other=1.0)
+    sin = tl.load(cs_ptr + HALF + cs_idx, mask=in_rot, other=0.0)
+    return w, wp, cos, sin
+
+
+@triton.jit
+def _norm_rope_apply(
+    src_ptr, w, wp, cos, sin, heads, eps,
+    HAS_NORM: tl.constexpr, FULL_NORM: tl.constexpr, H_PAD: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr, ROT: tl.constexpr,
+):
+    """Load ``heads`` rows of D contiguous values at src_ptr, norm + rotate them with the
+    ``_norm_rope_params``. Returns an fp32 [H_PAD, D_PAD] tile (rows >= heads are zeros).
     FULL_NORM: one rstd over all heads*D values, weights indexed by head*D + d."""
     HALF: tl.constexpr = ROT // 2
     offs_h = tl.arange(0, H_PAD)
@@ -48,23 +82,27 @@ def _norm_rope_heads(
     if HAS_NORM:
         if FULL_NORM:
             rstd = tl.rsqrt(tl.sum(tl.sum(xf * xf, axis=1), axis=0) / (heads * D) + eps)
-            w = tl.load(w_ptr + offs_h[:, None] * D + offs_d[None, :], mask=mask, other=0.0)
-            wp = tl.load(w_ptr + offs_h[:, None] * D + partner[None, :], mask=pmask, other=0.0)
-            xf = (xf * rstd).to(dtype).to(tl.float32) * w.to(tl.float32)
-            xpf = (xpf * rstd).to(dtype).to(tl.float32) * wp.to(tl.float32)
+            xf = (xf * rstd).to(dtype).to(tl.float32) * w
+            xpf = (xpf * rstd).to(dtype).to(tl.float32) * wp
         else:
             rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)
-            w = tl.load(w_ptr + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-            wp = tl.load(w_ptr + partner, mask=in_rot, other=0.0).to(tl.float32)
             xf = (xf * rstd[:, None]).to(dtype).to(tl.float32) * w[None, :]
             xpf = (xpf * rstd[:, None]).to(dtype).to(tl.float32) * wp[None, :]
         xf = xf.to(dtype).to(tl.float32)
         xpf = xpf.to(dtype).to(tl.float32)
-    cs_idx = tl.where(first, offs_d, offs_d - HALF)
-    cos = tl.load(cs_ptr + cs_idx, mask=in_rot, other=1.0)
-    sin = tl.load(cs_ptr + HALF + cs_idx, mask=in_rot, other=0.0)
     sign = tl.where(first, -1.0, 1.0)
     return xf * cos[None, :] + sign[None, :] * xpf * sin[None, :]
+
+
+@triton.jit
+def _norm_rope_heads(
+    src_ptr, w_ptr, cs_ptr, heads, eps,
+    HAS_NORM: tl.constexpr, FULL_NORM: tl.constexpr, H_PAD: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr, ROT: tl.constexpr,
+):
+    """``_norm_rope_apply`` with its ``_norm_rope_params`` loaded here."""
+    w, wp, cos, sin = _norm_rope_params(w_ptr, cs_ptr, heads, HAS_NORM, FULL_NORM, H_PAD, D, D_PAD, ROT)
+    return _norm_rope_apply(src_ptr, w, wp, cos, sin, heads, eps, HAS_NORM, FULL_NORM, H_PAD, D, D_PAD, ROT)
 
 
 @triton.jit

@@ -1,0 +1,128 @@
+#!/usr/bin/env python3
+"""Decode attention micro-benchmark (H200): the fused decode kernel per layer, alone and
+followed by the o_proj GEMV, through CUDA graph replays of a whole model's layers.
+
+    python3 scripts/bench_attn.py [--layers 32] [--contexts 384,2048] [--reps 50]
+
+Each case captures, per layer, a fused decode attention launch (q/k norm + rotary + cache
+write + split-K attention) over that layer's own paged cache, optionally followed by the
+o_proj GEMV on that layer's own weight (so the GEMV reads its weight from HBM unless the
+attention kernel prefetched it into L2), and reports microseconds per layer:
+  attn           the attention kernel alone (PDL between consecutive launches)
+  attn+o         attention then the o_proj GEMV
+  attn+o pf      the same with the attention kernel prefetching o_proj's weight into L2
+  o only         the GEMV alone (its weight from HBM)
+Variants: the q/k-side loads before the PDL wait (``_EARLY_QK``) on / off, split counts.
+Also checks that the compiled kernel holds the bulk prefetch instruction.
+"""
+import argparse
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+SHAPES = {  # name: (Hq, Hkv, D, hidden, qk norm)
+    "llama-3.1-8b": (32, 8, 128, 4096, False),
+    "qwen3-0.6b": (16, 8, 128, 1024, True),
+}
+
+
+def build(name, layers, ctx, bs=16):
+    hq, hkv, d, hidden, norm = SHAPES[name]
+    dev, dt = "cuda", torch.bfloat16
+    nblk = (ctx + bs) // bs + 1
+    caches = [(torch.randn(nblk, bs, hkv, d, device=dev, dtype=dt), torch.randn(nblk, bs, hkv, d, device=dev, dtype=dt))
+              for _ in range(layers)]
+    tables = torch.arange(nblk, device=dev, dtype=torch.int32)[None]
+    seq = torch.tensor([ctx], device=dev, dtype=torch.int32)
+    pos = (seq - 1).long()
+    slots = pos.clone()
+    qkv = [torch.randn(1, (hq + 2 * hkv) * d, device=dev, dtype=dt) for _ in range(layers)]
+    rot = d
+    inv = 1.0 / 10000.0 ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot)
+    f = torch.arange(ctx + 16, dtype=torch.float32)[:, None] * inv[None, :]
+    cs = torch.cat([f.cos(), f.sin()], -1).to(dev)
+    qw = kw = torch.ones(d, device=dev, dtype=dt) if norm else None
+    wo = [torch.randn(hidden, hq * d, device=dev, dtype=dt) * 0.02 for _ in range(layers)]
+    return dict(caches=caches, tables=tables, seq=seq, pos=pos, slots=slots, qkv=qkv, cs=cs, qw=qw, kw=kw, wo=wo,
+                hq=hq, hkv=hkv, d=d)
+
+
+def step(s, i, with_o, prefetch, splits):
+    from blitzllm.kernels.gemv import gemv_triton
+    from blitzllm.kernels.paged_attention import fused_decode_attention_triton
+    kc, vc = s["caches"][i]
+    pf = [(s["wo"][i], s["wo"][i].numel() * 2)] if prefetch else ()
+    out = fused_decode_attention_triton(s["qkv"][i], s["pos"], s["cs"], s["hq"], s["hkv"], s["d"], kc, vc, s["slots"],
+                                        s["tables"], s["seq"], s["d"] ** -0.5, s["qw"], s["kw"], 1e-6, s["d"],
+                                        num_splits=splits, l2_prefetch_ranges=pf)
+    if with_o:
+        return gemv_triton(out.reshape(1, -1), s["wo"][i])
+    return out
+
+
+def o_only(s, i):
+    from blitzllm.kernels.gemv import gemv_triton
+    return gemv_triton(s["qkv"][i][:, :s["hq"] * s["d"]], s["wo"][i])
+
+
+def time_graph(fn, layers, reps):
+    for i in range(layers):  # warm-up: compile, workspaces
+        fn(i)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(layers):
+            fn(i)
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(reps):
+        g.replay()
+    e1.record()
+    torch.cuda.synchronize()
+    return e0.elapsed_time(e1) * 1e3 / (reps * layers)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--contexts", default="384,2048")
+    ap.add_argument("--reps", type=int, default=50)
+    a = ap.parse_args()
+    import blitzllm.kernels.paged_attention as pa
+    from blitzllm.kernels._common import l2_prefetch_supported
+    print("l2 prefetch supported:", l2_prefetch_supported(torch.empty(1, device="cuda")))
+    rows = []
+    for name in SHAPES:
+        for ctx in [int(c) for c in a.contexts.split(",")]:
+            s = build(name, a.layers, ctx)
+            for early in (True, False):
+                pa._EARLY_QK = early
+                for splits in (None, 8):
+                    t_a = time_graph(lambda i: step(s, i, False, False, splits), a.layers, a.reps)
+                    t_ao = time_graph(lambda i: step(s, i, True, False, splits), a.layers, a.reps)
+                    t_pf = time_graph(lambda i: step(s, i, True, True, splits), a.layers, a.reps)
+                    rows.append((name, ctx, early, splits or "auto", t_a, t_ao, t_pf))
+            pa._EARLY_QK = True
+            t_o = time_graph(lambda i: o_only(s, i), a.layers, a.reps)
+            rows.append((name, ctx, "-", "o only", t_o, float("nan"), float("nan")))
+            del s
+            torch.cuda.empty_cache()
+    ptx = ""
+    for cache in pa._decode_kernel.device_caches.values() if hasattr(pa._decode_kernel, "device_caches") else []:
+        for k in (cache[0] if isinstance(cache, tuple) else cache).values():
+            ptx += getattr(k, "asm", {}).get("ptx", "")
+    print("bulk prefetch in the compiled PTX:", "cp.async.bulk.prefetch.L2" in ptx, f"({len(ptx)} chars of PTX)")
+    print(f"{'model':<14}{'ctx':>6} {'earlyqk':>7} {'splits':>7} {'attn us':>8} {'attn+o':>8} {'+o pf':>8}")
+    for r in rows:
+        print(f"{r[0]:<14}{r[1]:>6} {str(r[2]):>7} {str(r[3]):>7} {r[4]:8.2f} {r[5]:8.2f} {r[6]:8.2f}")
+
+
+if __name__ == "__main__":
+    main()
