@@ -86,7 +86,7 @@ for part in "$@"; do case $part in
   eqk) # q/k-side loads of the fused decode kernel before (default) / after its PDL wait
        Q="--model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
-       run 80 qwen_eqk $Q; BLITZ_ATTN_EARLY_QK=0 run 80 qwen_late $Q
+       run 80 qwen_eqk $Q; BLITZ_ATTN_EARLY_QK=0 run 80 qwen_late $Q; BLITZ_GEMV_NORM=1 run 80 qwen_gnorm $Q
        run 100 llama_eqk $L; BLITZ_ATTN_EARLY_QK=0 run 100 llama_late $L ;;
   gemvtests) timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -x --tb=short tests/kernels/test_kernel_greedy.py tests/kernels/test_kernel_gemv.py \
        -p no:cacheprovider 2>&1 | grep -v "^\s*$" | tail -25 | tee "$OUT/gemv_tests.log" ;;
