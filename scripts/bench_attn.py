@@ -89,6 +89,51 @@ def time_graph(fn, layers, reps):
     return e0.elapsed_time(e1) * 1e3 / (reps * layers)
 
 
+def l2_residency(reps=20):
+    """o_proj-sized GEMV (llama 4096x4096, qwen 1024x2048) read cold (L2 flushed), after a
+    bulk L2 prefetch of its weight, and right after a previous read: microseconds each."""
+    import triton
+    import triton.language as tl
+    from blitzllm.kernels._common import L2_PREFETCH_LANES, l2_prefetch, l2_prefetch_chunk
+    from blitzllm.kernels.gemv import gemv_triton
+
+    @triton.jit
+    def _pf_kernel(w_ptr, n, chunk, LANES: tl.constexpr):
+        l2_prefetch(w_ptr, n, chunk, tl.program_id(0), tl.num_programs(0), LANES)
+
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    out = []
+    for n, k in ((4096, 4096), (1024, 2048), (4096, 1024)):
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        nb = w.numel() * 2
+        progs = 132
+        chunk = l2_prefetch_chunk(nb, progs)
+        gemv_triton(x, w)
+        _pf_kernel[(progs,)](w, nb, chunk, LANES=L2_PREFETCH_LANES)
+        times = {"cold": [], "prefetched": [], "reread": []}
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(reps):
+            for mode in times:
+                flush.add_(1)  # evicts the L2
+                if mode == "prefetched":
+                    _pf_kernel[(progs,)](w, nb, chunk, LANES=L2_PREFETCH_LANES)
+                elif mode == "reread":
+                    gemv_triton(x, w)
+                torch.cuda.synchronize()
+                torch.cuda._sleep(50000)  # ~25 us: the prefetch lands meanwhile, launch latency hidden
+                e0.record()
+                gemv_triton(x, w)
+                e1.record()
+                torch.cuda.synchronize()
+                times[mode].append(e0.elapsed_time(e1) * 1e3)
+        med = {m: sorted(v)[len(v) // 2] for m, v in times.items()}
+        out.append((n, k, med))
+        print(f"gemv {n}x{k} ({nb / 1e6:.1f} MB): " + "  ".join(f"{m} {v:.2f} us" for m, v in med.items()),
+              flush=True)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=32)
@@ -98,6 +143,7 @@ def main():
     import blitzllm.kernels.paged_attention as pa
     from blitzllm.kernels._common import l2_prefetch_supported
     print("l2 prefetch supported:", l2_prefetch_supported(torch.empty(1, device="cuda")))
+    l2_residency()
     rows = []
     for name in SHAPES:
         for ctx in [int(c) for c in a.contexts.split(",")]:
@@ -114,11 +160,13 @@ def main():
             rows.append((name, ctx, "-", "o only", t_o, float("nan"), float("nan")))
             del s
             torch.cuda.empty_cache()
-    ptx = ""
-    for cache in pa._decode_kernel.device_caches.values() if hasattr(pa._decode_kernel, "device_caches") else []:
+    variants = with_pf = 0
+    for cache in pa._decode_kernel.device_caches.values():
         for k in (cache[0] if isinstance(cache, tuple) else cache).values():
-            ptx += getattr(k, "asm", {}).get("ptx", "")
-    print("bulk prefetch in the compiled PTX:", "cp.async.bulk.prefetch.L2" in ptx, f"({len(ptx)} chars of PTX)")
+            ptx = k.asm.get("ptx", "") if hasattr(k, "asm") else ""
+            variants += 1
+            with_pf += "cp.async.bulk.prefetch.L2" in ptx
+    print(f"decode kernel variants compiled: {variants}, with the bulk prefetch in their PTX: {with_pf}")
     print(f"{'model':<14}{'ctx':>6} {'earlyqk':>7} {'splits':>7} {'attn us':>8} {'attn+o':>8} {'+o pf':>8}")
     for r in rows:
         print(f"{r[0]:<14}{r[1]:>6} {str(r[2]):>7} {str(r[3]):>7} {r[4]:8.2f} {r[5]:8.2f} {r[6]:8.2f}")

@@ -125,9 +125,13 @@ def l2_prefetch(ptr, nbytes, chunk, pid, nprog, LANES: tl.constexpr):
     first = pid.to(tl.int64) * LANES * chunk
     step = nprog.to(tl.int64) * LANES * chunk
     end = first * 0 + nbytes  # int64 (nbytes may arrive as a plain int)
+    issued = tl.zeros([LANES], dtype=tl.int32)
     for c0 in range(first, end, step):
         off = c0 + lanes * chunk
         size = tl.minimum(end - off, chunk).to(tl.int32)
-        tl.inline_asm_elementwise(
+        issued += tl.inline_asm_elementwise(
             "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
             "=r,l,r", [base + off, size], dtype=tl.int32, is_pure=False, pack=1)
+    # the asm's result (always 0) feeds a store that never happens: without a use the
+    # compiler dropped the asm (seen with Triton 3.6)
+    tl.store(base + lanes, issued.to(tl.int8), mask=issued != 0)

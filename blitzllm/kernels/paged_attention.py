@@ -148,104 +148,105 @@ def _decode_kernel(
     # trips. (plain arithmetic: tl.cdiv is itself a jit function)
     n_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
     per = tl.maximum((n_tiles + NUM_SPLITS - 1) // NUM_SPLITS, 1)
-    n_active = (n_tiles + per - 1) // per
+    n_active = tl.maximum((n_tiles + per - 1) // per, 1)  # split 0 also for an empty row
     chunk = per * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
-    offs_g = tl.arange(0, G_PAD)
-    offs_d = tl.arange(0, D_PAD)
-    dmask = offs_d < D
-    heads = kvh * G + offs_g
-    gmask = offs_g < G
-    qmask = gmask[:, None] & dmask[None, :]
-    bt = bt_ptr + b.to(tl.int64) * stride_bt
-    if FUSE_QK:
-        # q_ptr is the qkv projection output [B, (Hq + 2 Hkv) * D]: this program norms and
-        # rotates its G query heads itself, and the split holding the new position writes
-        # that token's k (normed, rotated) and v into the cache.
-        # The split's first K/V tile, less the new position, is already in the cache (block
-        # table, lengths and older keys were written before the kernel before): it loads
-        # before waiting on that kernel (PDL); the new key and value are put into it below.
-        offs_n0 = start + tl.arange(0, BLOCK_N)
-        old0 = offs_n0 < tl.minimum(end, seq_len - 1)
-        m0 = old0[:, None] & dmask[None, :]
-        k0 = tl.load(k_ptr + kvh * stride_kh + _kv_tile_offsets(bt, offs_n0, old0, stride_kb, stride_kt, offs_d,
-                                                                 BLOCK_SIZE), mask=m0, other=0.0)
-        v0 = tl.load(v_ptr + kvh * stride_vh + _kv_tile_offsets(bt, offs_n0, old0, stride_vb, stride_vt, offs_d,
-                                                                 BLOCK_SIZE), mask=m0, other=0.0)
-        # positions, cos/sin, the norm weights and the slot do not come from the kernel
-        # before either (host copies before the step, or kernels two or more launches back,
-        # complete once the kernel before passed its own wait): load them before the wait too
-        if not EARLY_QK:
-            pdl_wait(USE_PDL)
-        cs = cs_ptr + tl.load(pos_ptr + b) * stride_cs
-        qw, qwp, cos, sin = _norm_rope_params(qw_ptr, cs, G, HAS_NORM, False, G_PAD, D, D_PAD, ROT)
-        kw, kwp, _, _ = _norm_rope_params(kw_ptr, cs, 1, HAS_NORM, False, 2, D, D_PAD, ROT)
-        slot = tl.load(slot_ptr + b).to(tl.int64)
-        if EARLY_QK:
-            pdl_wait(USE_PDL)  # the qkv row comes from the kernel before
-        row = q_ptr + b.to(tl.int64) * stride_qb
-        q = _norm_rope_apply(row + kvh * G * D, qw, qwp, cos, sin, G, eps, HAS_NORM, False, G_PAD, D, D_PAD, ROT)
-        q = q.to(q_ptr.dtype.element_ty)
-        if split == n_active - 1:
-            if slot >= 0:
-                blk = slot // BLOCK_SIZE
-                tok = slot % BLOCK_SIZE
-                k_new = _norm_rope_apply(row + (Hq + kvh) * D, kw, kwp, cos, sin, 1, eps, HAS_NORM, False, 2, D,
-                                         D_PAD, ROT)
-                one = tl.arange(0, 2)[:, None] < 1
-                k_dst = k_ptr + blk * stride_kb + tok * stride_kt + kvh * stride_kh
-                tl.store(k_dst + tl.arange(0, 2)[:, None] * 0 + offs_d[None, :],
-                         k_new.to(k_ptr.dtype.element_ty), mask=one & dmask[None, :])
-                v_new = tl.load(row + (Hq + tl.num_programs(1) + kvh) * D + offs_d, mask=dmask, other=0.0)
-                tl.store(v_ptr + blk * stride_vb + tok * stride_vt + kvh * stride_vh + offs_d,
-                         v_new.to(v_ptr.dtype.element_ty), mask=dmask)
-                is_new = (offs_n0 == seq_len - 1)[:, None]   # into the prefetched tile, if there
-                k_row = tl.sum(tl.where(one, k_new, 0.0), axis=0).to(k_ptr.dtype.element_ty)
-                k0 = tl.where(is_new, k_row[None, :], k0)
-                v0 = tl.where(is_new, v_new.to(v_ptr.dtype.element_ty)[None, :], v0)
-            tl.debug_barrier()  # the CTA's own k/v stores are visible to its later tiles' loads
-    else:
-        q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                    mask=qmask, other=0.0)
-    acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
-    m_i = tl.full([G_PAD], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([G_PAD], dtype=tl.float32)
-    q_pos = tl.zeros([G_PAD], dtype=tl.int32)  # unused: decode needs only the bound
-    first = start
-    if FUSE_QK:  # the prefetched tile (all masked in an idle split: no change)
-        p, alpha, m_i, l_i = _attn_scores(m_i, l_i, q, k0, (offs_n0 < end)[None, :], qk_scale, IEEE)
-        acc = _attn_pv(acc, alpha, p, v0, IEEE)
-        first = start + BLOCK_N
-    for start_n in range(first, end, BLOCK_N):
-        acc, m_i, l_i = _attn_tile(
-            acc, m_i, l_i, q, k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh, bt,
-            start_n, end, q_pos, qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
-            offs_d, dmask,
-            BLOCK_N, BLOCK_SIZE, False, IEEE, EARLY_V)
-    pdl_launch_dependents(USE_PDL)
-    if NUM_SPLITS == 1:
-        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=qmask)
-    else:
-        # partials laid out [B, Hq, NUM_SPLITS] (+ [D_PAD] for acc)
-        row = (b * (tl.num_programs(1) * G) + heads).to(tl.int64) * NUM_SPLITS + split
-        keep = gmask & ((split < n_active) | (not FUSED_REDUCE))  # the fused combine skips idle splits
-        tl.store(m_ptr + row, m_i, mask=keep)
-        tl.store(l_ptr + row, l_i, mask=keep)
-        tl.store(acc_ptr + row[:, None] * D_PAD + offs_d[None, :], acc, mask=keep[:, None])
-        if FUSED_REDUCE:
-            # The split that finishes last for this (sequence, kv head) combines all of
-            # them: one launch instead of two. acq_rel orders the partial stores above.
-            slot = cnt_ptr + b * tl.num_programs(1) + kvh
-            done = tl.atomic_add(slot, 1, sem="acq_rel")
-            if done == NUM_SPLITS - 1:
-                _combine_splits(m_ptr, l_ptr, acc_ptr, out_ptr, b, kvh * G, G, n_active,
-                                (b * (tl.num_programs(1) * G) + kvh * G).to(tl.int64) * NUM_SPLITS,
-                                stride_ob, stride_oh, NUM_SPLITS, G_COMB, COMBINE, D, D_PAD)
-                tl.atomic_xchg(slot, 0)  # ready for the next launch (CUDA graph replays too)
+    if (split < n_active) | (not FUSED_REDUCE):  # with the fused combine, idle splits do nothing
+        offs_g = tl.arange(0, G_PAD)
+        offs_d = tl.arange(0, D_PAD)
+        dmask = offs_d < D
+        heads = kvh * G + offs_g
+        gmask = offs_g < G
+        qmask = gmask[:, None] & dmask[None, :]
+        bt = bt_ptr + b.to(tl.int64) * stride_bt
+        if FUSE_QK:
+            # q_ptr is the qkv projection output [B, (Hq + 2 Hkv) * D]: this program norms and
+            # rotates its G query heads itself, and the split holding the new position writes
+            # that token's k (normed, rotated) and v into the cache.
+            # The split's first K/V tile, less the new position, is already in the cache (block
+            # table, lengths and older keys were written before the kernel before): it loads
+            # before waiting on that kernel (PDL); the new key and value are put into it below.
+            offs_n0 = start + tl.arange(0, BLOCK_N)
+            old0 = offs_n0 < tl.minimum(end, seq_len - 1)
+            m0 = old0[:, None] & dmask[None, :]
+            k0 = tl.load(k_ptr + kvh * stride_kh + _kv_tile_offsets(bt, offs_n0, old0, stride_kb, stride_kt, offs_d,
+                                                                     BLOCK_SIZE), mask=m0, other=0.0)
+            v0 = tl.load(v_ptr + kvh * stride_vh + _kv_tile_offsets(bt, offs_n0, old0, stride_vb, stride_vt, offs_d,
+                                                                     BLOCK_SIZE), mask=m0, other=0.0)
+            # positions, cos/sin, the norm weights and the slot do not come from the kernel
+            # before either (host copies before the step, or kernels two or more launches back,
+            # complete once the kernel before passed its own wait): load them before the wait too
+            if not EARLY_QK:
+                pdl_wait(USE_PDL)
+            cs = cs_ptr + tl.load(pos_ptr + b) * stride_cs
+            qw, qwp, cos, sin = _norm_rope_params(qw_ptr, cs, G, HAS_NORM, False, G_PAD, D, D_PAD, ROT)
+            kw, kwp, _, _ = _norm_rope_params(kw_ptr, cs, 1, HAS_NORM, False, 2, D, D_PAD, ROT)
+            slot = tl.load(slot_ptr + b).to(tl.int64)
+            if EARLY_QK:
+                pdl_wait(USE_PDL)  # the qkv row comes from the kernel before
+            row = q_ptr + b.to(tl.int64) * stride_qb
+            q = _norm_rope_apply(row + kvh * G * D, qw, qwp, cos, sin, G, eps, HAS_NORM, False, G_PAD, D, D_PAD, ROT)
+            q = q.to(q_ptr.dtype.element_ty)
+            if split == n_active - 1:
+                if slot >= 0:
+                    blk = slot // BLOCK_SIZE
+                    tok = slot % BLOCK_SIZE
+                    k_new = _norm_rope_apply(row + (Hq + kvh) * D, kw, kwp, cos, sin, 1, eps, HAS_NORM, False, 2, D,
+                                             D_PAD, ROT)
+                    one = tl.arange(0, 2)[:, None] < 1
+                    k_dst = k_ptr + blk * stride_kb + tok * stride_kt + kvh * stride_kh
+                    tl.store(k_dst + tl.arange(0, 2)[:, None] * 0 + offs_d[None, :],
+                             k_new.to(k_ptr.dtype.element_ty), mask=one & dmask[None, :])
+                    v_new = tl.load(row + (Hq + tl.num_programs(1) + kvh) * D + offs_d, mask=dmask, other=0.0)
+                    tl.store(v_ptr + blk * stride_vb + tok * stride_vt + kvh * stride_vh + offs_d,
+                             v_new.to(v_ptr.dtype.element_ty), mask=dmask)
+                    is_new = (offs_n0 == seq_len - 1)[:, None]   # into the prefetched tile, if there
+                    k_row = tl.sum(tl.where(one, k_new, 0.0), axis=0).to(k_ptr.dtype.element_ty)
+                    k0 = tl.where(is_new, k_row[None, :], k0)
+                    v0 = tl.where(is_new, v_new.to(v_ptr.dtype.element_ty)[None, :], v0)
+                tl.debug_barrier()  # the CTA's own k/v stores are visible to its later tiles' loads
+        else:
+            q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                        mask=qmask, other=0.0)
+        acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
+        m_i = tl.full([G_PAD], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([G_PAD], dtype=tl.float32)
+        q_pos = tl.zeros([G_PAD], dtype=tl.int32)  # unused: decode needs only the bound
+        first = start
+        if FUSE_QK:  # the prefetched tile (all masked in an idle split: no change)
+            p, alpha, m_i, l_i = _attn_scores(m_i, l_i, q, k0, (offs_n0 < end)[None, :], qk_scale, IEEE)
+            acc = _attn_pv(acc, alpha, p, v0, IEEE)
+            first = start + BLOCK_N
+        for start_n in range(first, end, BLOCK_N):
+            acc, m_i, l_i = _attn_tile(
+                acc, m_i, l_i, q, k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh, bt,
+                start_n, end, q_pos, qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
+                offs_d, dmask,
+                BLOCK_N, BLOCK_SIZE, False, IEEE, EARLY_V)
+        pdl_launch_dependents(USE_PDL)
+        if NUM_SPLITS == 1:
+            out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+            o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+            tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=qmask)
+        else:
+            # partials laid out [B, Hq, NUM_SPLITS] (+ [D_PAD] for acc)
+            row = (b * (tl.num_programs(1) * G) + heads).to(tl.int64) * NUM_SPLITS + split
+            keep = gmask & ((split < n_active) | (not FUSED_REDUCE))  # the fused combine skips idle splits
+            tl.store(m_ptr + row, m_i, mask=keep)
+            tl.store(l_ptr + row, l_i, mask=keep)
+            tl.store(acc_ptr + row[:, None] * D_PAD + offs_d[None, :], acc, mask=keep[:, None])
+            if FUSED_REDUCE:
+                # The split that finishes last for this (sequence, kv head) combines all of
+                # them: one launch instead of two. acq_rel orders the partial stores above.
+                slot = cnt_ptr + b * tl.num_programs(1) + kvh
+                done = tl.atomic_add(slot, 1, sem="acq_rel")
+                if done == n_active - 1:
+                    _combine_splits(m_ptr, l_ptr, acc_ptr, out_ptr, b, kvh * G, G, n_active,
+                                    (b * (tl.num_programs(1) * G) + kvh * G).to(tl.int64) * NUM_SPLITS,
+                                    stride_ob, stride_oh, NUM_SPLITS, G_COMB, COMBINE, D, D_PAD)
+                    tl.atomic_xchg(slot, 0)  # ready for the next launch (CUDA graph replays too)
 
 
 @triton.jit
