@@ -56,6 +56,10 @@ def step(s, i, with_o, prefetch, splits):
     from blitzllm.kernels.paged_attention import fused_decode_attention_triton
     kc, vc = s["caches"][i]
     pf = [(s["wo"][i], s["wo"][i].numel() * 2)] if prefetch else ()
+    if prefetch and i == 0 and not s.get("shown"):
+        from blitzllm.kernels.paged_attention import _prefetch_args
+        s["shown"] = True
+        print("prefetch args NPF:", _prefetch_args(s["qkv"][0], pf, 256)["NPF"], flush=True)
     out = fused_decode_attention_triton(s["qkv"][i], s["pos"], s["cs"], s["hq"], s["hkv"], s["d"], kc, vc, s["slots"],
                                         s["tables"], s["seq"], s["d"] ** -0.5, s["qw"], s["kw"], 1e-6, s["d"],
                                         num_splits=splits, l2_prefetch_ranges=pf)
@@ -89,9 +93,10 @@ def time_graph(fn, layers, reps):
     return e0.elapsed_time(e1) * 1e3 / (reps * layers)
 
 
-def l2_residency(reps=20):
-    """o_proj-sized GEMV (llama 4096x4096, qwen 1024x2048) read cold (L2 flushed), after a
-    bulk L2 prefetch of its weight, and right after a previous read: microseconds each."""
+def l2_residency(reps=30):
+    """Does a GEMV read faster once its weight was bulk-prefetched into L2? CUDA graphs of
+    [flush the L2, (prefetch W), spin ~20 us, (GEMV)] per weight shape; the GEMV's time is
+    the graph with it less the graph without it, cold and after the prefetch (microseconds)."""
     import triton
     import triton.language as tl
     from blitzllm.kernels._common import L2_PREFETCH_LANES, l2_prefetch, l2_prefetch_chunk
@@ -106,31 +111,40 @@ def l2_residency(reps=20):
     for n, k in ((4096, 4096), (1024, 2048), (4096, 1024)):
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        nb = w.numel() * 2
-        progs = 132
+        nb, progs = w.numel() * 2, 132
         chunk = l2_prefetch_chunk(nb, progs)
-        gemv_triton(x, w)
-        _pf_kernel[(progs,)](w, nb, chunk, LANES=L2_PREFETCH_LANES)
-        times = {"cold": [], "prefetched": [], "reread": []}
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for _ in range(reps):
-            for mode in times:
-                flush.add_(1)  # evicts the L2
-                if mode == "prefetched":
-                    _pf_kernel[(progs,)](w, nb, chunk, LANES=L2_PREFETCH_LANES)
-                elif mode == "reread":
-                    gemv_triton(x, w)
-                torch.cuda.synchronize()
-                torch.cuda._sleep(50000)  # ~25 us: the prefetch lands meanwhile, launch latency hidden
-                e0.record()
+
+        def seq(pf, gemv):
+            flush.add_(1)
+            if pf:
+                _pf_kernel[(progs,)](w, nb, chunk, LANES=L2_PREFETCH_LANES)
+            torch.cuda._sleep(40000)
+            if gemv:
                 gemv_triton(x, w)
+
+        t = {}
+        for pf in (False, True):
+            for gemv in (False, True):
+                seq(pf, gemv)
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    for _ in range(10):
+                        seq(pf, gemv)
+                g.replay()
+                torch.cuda.synchronize()
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                for _ in range(reps):
+                    g.replay()
                 e1.record()
                 torch.cuda.synchronize()
-                times[mode].append(e0.elapsed_time(e1) * 1e3)
-        med = {m: sorted(v)[len(v) // 2] for m, v in times.items()}
-        out.append((n, k, med))
-        print(f"gemv {n}x{k} ({nb / 1e6:.1f} MB): " + "  ".join(f"{m} {v:.2f} us" for m, v in med.items()),
-              flush=True)
+                t[pf, gemv] = e0.elapsed_time(e1) * 1e3 / (10 * reps)
+        cold, warm = t[False, True] - t[False, False], t[True, True] - t[True, False]
+        ptx = "".join(kk.asm.get("ptx", "") for c in _pf_kernel.device_caches.values() for kk in c[0].values())
+        print(f"gemv {n}x{k} ({nb / 1e6:.1f} MB): cold {cold:.2f} us, after L2 prefetch {warm:.2f} us "
+              f"(prefetch in PTX: {'cp.async.bulk.prefetch.L2' in ptx})", flush=True)
+        out.append((n, k, cold, warm))
     return out
 
 
@@ -139,11 +153,14 @@ def main():
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--contexts", default="384,2048")
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--only-l2", action="store_true")
     a = ap.parse_args()
     import blitzllm.kernels.paged_attention as pa
     from blitzllm.kernels._common import l2_prefetch_supported
     print("l2 prefetch supported:", l2_prefetch_supported(torch.empty(1, device="cuda")))
     l2_residency()
+    if a.only_l2:
+        return
     rows = []
     for name in SHAPES:
         for ctx in [int(c) for c in a.contexts.split(",")]:
