@@ -82,8 +82,9 @@ for part in "$@"; do case $part in
        run 80 qwen_base $Q; BLITZ_L2_PREFETCH=1 run 80 qwen_l2pf $Q
        run 100 llama_base $L; BLITZ_L2_PREFETCH=1 run 100 llama_l2pf $L
        BLITZ_L2_PREFETCH=1 BLITZ_L2_PREFETCH_MB=56 run 100 llama_l2pf56 $L ;;
-  attntests) timeout 200 python3 -m pytest -q -x --tb=short tests/kernels/test_kernel_paged_attention.py \
-         tests/kernels/test_kernel_qk_norm_rope_cache.py tests/test_gpu_e2e.py -p no:cacheprovider 2>&1 | tail -3 ;;
+  attntests) timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -x --tb=short tests/kernels/test_kernel_paged_attention.py \
+         tests/test_gpu_e2e.py tests/kernels/test_kernel_qk_norm_rope_cache.py -p no:cacheprovider 2>&1 | tail -3 ;;
+  diagpf) timeout 60 python3 scripts/diag_prefetch.py 2>&1 | tail -6 ;;
   l2) timeout 120 python3 scripts/bench_attn.py --only-l2 2>&1 | tail -8 ;;
   attn) timeout 300 python3 scripts/bench_attn.py 2>&1 | tail -30 | tee "$OUT/bench_attn.log" ;;
   eqk) # q/k-side loads of the fused decode kernel before (default) / after its PDL wait
