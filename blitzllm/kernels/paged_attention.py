@@ -124,6 +124,7 @@ def _decode_kernel(
     G_COMB: tl.constexpr, COMBINE: tl.constexpr,
     pos_ptr, cs_ptr, stride_cs, qw_ptr, kw_ptr, slot_ptr, Hq, eps,
     FUSE_QK: tl.constexpr, HAS_NORM: tl.constexpr, ROT: tl.constexpr, EARLY_QK: tl.constexpr,
+    IDLE_EXIT: tl.constexpr,
     pf0, pn0, pf1, pn1, pf2, pn2, pf3, pn3, pf_chunk, NPF: tl.constexpr, PF_LANES: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -153,7 +154,8 @@ def _decode_kernel(
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
-    if (split < n_active) | (not FUSED_REDUCE):  # with the fused combine, idle splits do nothing
+    # with the fused combine, idle splits do nothing (IDLE_EXIT; else they join the count)
+    if (split < n_active) | (not FUSED_REDUCE) | (not IDLE_EXIT):
         offs_g = tl.arange(0, G_PAD)
         offs_d = tl.arange(0, D_PAD)
         dmask = offs_d < D
@@ -242,7 +244,7 @@ def _decode_kernel(
                 # them: one launch instead of two. acq_rel orders the partial stores above.
                 slot = cnt_ptr + b * tl.num_programs(1) + kvh
                 done = tl.atomic_add(slot, 1, sem="acq_rel")
-                if done == n_active - 1:
+                if done == (n_active if IDLE_EXIT else NUM_SPLITS) - 1:
                     _combine_splits(m_ptr, l_ptr, acc_ptr, out_ptr, b, kvh * G, G, n_active,
                                     (b * (tl.num_programs(1) * G) + kvh * G).to(tl.int64) * NUM_SPLITS,
                                     stride_ob, stride_oh, NUM_SPLITS, G_COMB, COMBINE, D, D_PAD)
@@ -345,6 +347,9 @@ _MAX_SPLITS = int(os.environ.get("BLITZ_ATTN_MAX_SPLITS", "32"))
 # BLITZ_ATTN_EARLY_QK=0 (A/B): the fused decode kernel loads positions, cos/sin, q/k norm
 # weights and slots after its PDL wait instead of before
 _EARLY_QK = os.environ.get("BLITZ_ATTN_EARLY_QK", "1") != "0"
+# BLITZ_ATTN_IDLE_EXIT=0 (A/B): splits past the context's active ones run (q/k work, an
+# arrival on the counter) instead of exiting at once
+_IDLE_EXIT = os.environ.get("BLITZ_ATTN_IDLE_EXIT", "1") != "0"
 
 
 def _default_splits(q, b, hkv):
@@ -433,7 +438,7 @@ def paged_decode_attention_triton(
         float(scale) * _LOG2E, g,
         NUM_SPLITS=s, G_PAD=g_pad, D=d, D_PAD=d_pad, BLOCK_N=bn,
         BLOCK_SIZE=k_cache.shape[1], IEEE=ieee, EARLY_V=early_v, FUSED_REDUCE=fused,
-        USE_PDL=pdl, G_COMB=g_comb, COMBINE=combine, **fuse_kw, **pf,
+        USE_PDL=pdl, G_COMB=g_comb, COMBINE=combine, IDLE_EXIT=_IDLE_EXIT, **fuse_kw, **pf,
         num_warps=4, num_stages=num_stages, **pdl_launch_kwargs(pdl),
     )
     if s > 1 and not fused:
