@@ -469,6 +469,7 @@ def fused_decode_attention_triton(
     out = qkv.new_empty((B, num_heads, head_dim))  # the launcher's q argument: shape, dtype, output
     return paged_decode_attention_triton(
         out, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=num_splits,
+        l2_prefetch_ranges=l2_prefetch_ranges,
         _fuse=(qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, slot_mapping, eps, rot))
 
 

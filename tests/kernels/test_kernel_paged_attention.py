@@ -193,6 +193,26 @@ def test_fused_decode_matches_unfused_reference(case, dtype, device):
         torch.testing.assert_close(vc, vr, atol=0, rtol=0)
 
 
+def test_fused_decode_passes_prefetch_ranges_to_the_launch(device, monkeypatch):
+    """The ranges given to the fused decode wrapper reach the kernel launch's arguments."""
+    import blitzllm.kernels.paged_attention as pa
+    seen = []
+    real = pa._prefetch_args
+    monkeypatch.setattr(pa, "_prefetch_args", lambda t, ranges, programs: seen.append(list(ranges)) or
+                        real(t, ranges, programs))
+    seq_lens, hq, hkv, d, rot, bs = [5, 17], 4, 2, 32, 32, 16
+    kc, vc, tables, seq = make_cache(seq_lens, hkv, d, bs, torch.float32, device)
+    qkv = torch.randn(2, (hq + 2 * hkv) * d).to(device)
+    pos = seq.long() - 1
+    tab = tables.long().cpu()
+    slots = torch.tensor([int(tab[b, p // bs]) * bs + p % bs for b, p in enumerate(pos.tolist())]).to(device)
+    cs = torch.cat([torch.ones(64, rot // 2), torch.zeros(64, rot // 2)], -1).to(device)
+    w = torch.randn(64, 32).to(device)
+    pa.fused_decode_attention_triton(qkv, pos, cs, hq, hkv, d, kc, vc, slots, tables, seq, d ** -0.5,
+                                     rotary_dim=rot, num_splits=2, l2_prefetch_ranges=[(w, 1024)])
+    assert len(seen) == 1 and len(seen[0]) == 1 and seen[0][0][0] is w and seen[0][0][1] == 1024
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("case", FUSED[1:3])
