@@ -12,8 +12,8 @@ attention kernel prefetched it into L2), and reports microseconds per layer:
   attn+o         attention then the o_proj GEMV
   attn+o pf      the same with the attention kernel prefetching o_proj's weight into L2
   o only         the GEMV alone (its weight from HBM)
-Variants: the q/k-side loads before the PDL wait (``_EARLY_QK``) on / off, split counts.
-Also checks that the compiled kernel holds the bulk prefetch instruction.
+Variants (``VARIANTS``): split counts, keys per tile, warps per program. Also checks that
+the compiled kernel holds the bulk prefetch instruction.
 """
 import argparse
 import os
@@ -51,7 +51,7 @@ def build(name, layers, ctx, bs=16):
                 hq=hq, hkv=hkv, d=d)
 
 
-def step(s, i, with_o, prefetch, splits):
+def step(s, i, with_o, prefetch, splits, block_n=None, warps=None):
     from blitzllm.kernels.gemv import gemv_triton
     from blitzllm.kernels.paged_attention import fused_decode_attention_triton
     kc, vc = s["caches"][i]
@@ -62,7 +62,8 @@ def step(s, i, with_o, prefetch, splits):
         print("prefetch args NPF:", _prefetch_args(s["qkv"][0], pf, 256)["NPF"], flush=True)
     out = fused_decode_attention_triton(s["qkv"][i], s["pos"], s["cs"], s["hq"], s["hkv"], s["d"], kc, vc, s["slots"],
                                         s["tables"], s["seq"], s["d"] ** -0.5, s["qw"], s["kw"], 1e-6, s["d"],
-                                        num_splits=splits, l2_prefetch_ranges=pf)
+                                        num_splits=splits, l2_prefetch_ranges=pf, block_n=block_n,
+                                        num_warps=warps)
     if with_o:
         return gemv_triton(out.reshape(1, -1), s["wo"][i])
     return out
@@ -148,6 +149,11 @@ def l2_residency(reps=30):
     return out
 
 
+# (num_splits, BLOCK_N, warps): None = the launcher's default
+VARIANTS = [(None, None, None), (8, None, None), (None, 32, None), (None, 128, None), (None, None, 2),
+            (None, 32, 2), (None, None, 8)]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=32)
@@ -165,14 +171,11 @@ def main():
     for name in SHAPES:
         for ctx in [int(c) for c in a.contexts.split(",")]:
             s = build(name, a.layers, ctx)
-            for early in (True, False):
-                pa._EARLY_QK = early
-                for splits in (None, 8):
-                    t_a = time_graph(lambda i: step(s, i, False, False, splits), a.layers, a.reps)
-                    t_ao = time_graph(lambda i: step(s, i, True, False, splits), a.layers, a.reps)
-                    t_pf = time_graph(lambda i: step(s, i, True, True, splits), a.layers, a.reps)
-                    rows.append((name, ctx, early, splits or "auto", t_a, t_ao, t_pf))
-            pa._EARLY_QK = True
+            for splits, bn, warps in VARIANTS:
+                t_a = time_graph(lambda i: step(s, i, False, False, splits, bn, warps), a.layers, a.reps)
+                t_ao = time_graph(lambda i: step(s, i, True, False, splits, bn, warps), a.layers, a.reps)
+                t_pf = time_graph(lambda i: step(s, i, True, True, splits, bn, warps), a.layers, a.reps)
+                rows.append((name, ctx, f"{bn or 64}/{warps or 4}", splits or "auto", t_a, t_ao, t_pf))
             t_o = time_graph(lambda i: o_only(s, i), a.layers, a.reps)
             rows.append((name, ctx, "-", "o only", t_o, float("nan"), float("nan")))
             del s
@@ -184,7 +187,7 @@ def main():
             variants += 1
             with_pf += "cp.async.bulk.prefetch.L2" in ptx
     print(f"decode kernel variants compiled: {variants}, with the bulk prefetch in their PTX: {with_pf}")
-    print(f"{'model':<14}{'ctx':>6} {'earlyqk':>7} {'splits':>7} {'attn us':>8} {'attn+o':>8} {'+o pf':>8}")
+    print(f"{'model':<14}{'ctx':>6} {'bn/warp':>7} {'splits':>7} {'attn us':>8} {'attn+o':>8} {'+o pf':>8}")
     for r in rows:
         print(f"{r[0]:<14}{r[1]:>6} {str(r[2]):>7} {str(r[3]):>7} {r[4]:8.2f} {r[5]:8.2f} {r[6]:8.2f}")
 

@@ -350,6 +350,10 @@ _EARLY_QK = os.environ.get("BLITZ_ATTN_EARLY_QK", "1") != "0"
 # BLITZ_ATTN_IDLE_EXIT=0 (A/B): splits past the context's active ones run (q/k work, an
 # arrival on the counter) instead of exiting at once
 _IDLE_EXIT = os.environ.get("BLITZ_ATTN_IDLE_EXIT", "1") != "0"
+# BLITZ_ATTN_BLOCK_N / BLITZ_ATTN_WARPS (A/B): the decode kernel's keys per tile (default 64,
+# 32 for heads wider than 128) and warps per program (default 4)
+_DECODE_BLOCK_N = int(os.environ.get("BLITZ_ATTN_BLOCK_N", "0"))
+_DECODE_WARPS = int(os.environ.get("BLITZ_ATTN_WARPS", "4"))
 
 
 def _default_splits(q, b, hkv):
@@ -390,7 +394,7 @@ def paged_decode_attention_triton(
     q, k_cache, v_cache, block_tables, seq_lens, scale,
     num_splits: Optional[int] = None, block_n: Optional[int] = None,
     num_stages: int = 2, early_v: bool = True, fused_reduce: bool = True, _fuse=None,
-    l2_prefetch_ranges=(),
+    l2_prefetch_ranges=(), num_warps: Optional[int] = None,
 ):
     """``l2_prefetch_ranges``: up to 4 (tensor, nbytes) whose first nbytes the kernel asks
     the L2 to fetch while it runs (the GEMVs after it; see ``_common.l2_prefetch``);
@@ -416,7 +420,7 @@ def paged_decode_attention_triton(
     g = hq // hkv
     s = num_splits or _default_splits(q, B, hkv)
     g_pad, d_pad = max(16, next_pow2(g)), next_pow2(d)
-    bn = block_n or (64 if d_pad <= 128 else 32)
+    bn = block_n or _DECODE_BLOCK_N or (64 if d_pad <= 128 else 32)
     ieee = q.dtype == torch.float32
     fused = fused_reduce and s > 1 and B * hkv <= _MAX_COUNTERS
     if s > 1:
@@ -439,7 +443,7 @@ def paged_decode_attention_triton(
         NUM_SPLITS=s, G_PAD=g_pad, D=d, D_PAD=d_pad, BLOCK_N=bn,
         BLOCK_SIZE=k_cache.shape[1], IEEE=ieee, EARLY_V=early_v, FUSED_REDUCE=fused,
         USE_PDL=pdl, G_COMB=g_comb, COMBINE=combine, IDLE_EXIT=_IDLE_EXIT, **fuse_kw, **pf,
-        num_warps=4, num_stages=num_stages, **pdl_launch_kwargs(pdl),
+        num_warps=num_warps or _DECODE_WARPS, num_stages=num_stages, **pdl_launch_kwargs(pdl),
     )
     if s > 1 and not fused:
         _decode_reduce_kernel[(B, hq)](
@@ -452,7 +456,8 @@ def paged_decode_attention_triton(
 def fused_decode_attention_triton(
     qkv, positions, cos_sin_cache, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot_mapping,
     block_tables, seq_lens, scale, q_norm_weight=None, k_norm_weight=None, eps=1e-6, rotary_dim=None,
-    num_splits: Optional[int] = None, l2_prefetch_ranges=(),
+    num_splits: Optional[int] = None, l2_prefetch_ranges=(), block_n: Optional[int] = None,
+    num_warps: Optional[int] = None,
 ):
     """One decode step of one layer in one launch: per-head q/k RMSNorm (optional) + rotary
     + writing the new k/v into the paged cache (``fused_qk_norm_rope_cache_triton``) and
@@ -469,7 +474,7 @@ def fused_decode_attention_triton(
     out = qkv.new_empty((B, num_heads, head_dim))  # the launcher's q argument: shape, dtype, output
     return paged_decode_attention_triton(
         out, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=num_splits,
-        l2_prefetch_ranges=l2_prefetch_ranges,
+        l2_prefetch_ranges=l2_prefetch_ranges, block_n=block_n, num_warps=num_warps,
         _fuse=(qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, slot_mapping, eps, rot))
 
 
