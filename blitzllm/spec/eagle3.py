@@ -240,13 +240,20 @@ class Eagle3Head(nn.Module):
 
     @classmethod
     def from_target(cls, model, cfg, layer_ids: Optional[list] = None, feature_norm: bool = False,
-                    init_layer: bool = False) -> "Eagle3Head":
+                    init_layer: bool = False, intermediate_size: int = 0) -> "Eagle3Head":
         """A fresh head for ``model`` (a blitzllm causal LM): embedding and lm_head copied
         (frozen), final norm from the target's (trained); fc starts as the identity
         on the high layer's features (a logit-lens start); the layer starts small, or
         (``init_layer``) as a copy of the target's last decoder layer on the hidden half of
-        its input (the embedding half small)."""
-        head = cls(Eagle3Config.from_target(cfg, layer_ids, feature_norm))
+        its input (the embedding half small). ``intermediate_size`` > 0: the layer's MLP
+        width (default the target's)."""
+        hc = Eagle3Config.from_target(cfg, layer_ids, feature_norm)
+        if intermediate_size:
+            if init_layer and intermediate_size != cfg.intermediate_size:
+                raise ValueError(f"--init-layer copies the target's MLP ({cfg.intermediate_size} wide): "
+                                 f"--draft-intermediate {intermediate_size} does not fit it")
+            hc.intermediate_size = intermediate_size
+        head = cls(hc)
         H = cfg.hidden_size
         embed, lm_head = _target_embed_lm_head(model, cfg)
         with torch.no_grad():

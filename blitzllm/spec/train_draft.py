@@ -207,7 +207,7 @@ def train_draft(llm, prompts: list, out: Optional[str], epochs: int = 1, max_tok
                 lr: float = 1e-3, steps: int = 3, seed: int = 0, batch: int = 16, samples: int = 1,
                 temperature: float = 0.8, layer_ids: Optional[list] = None, labels: str = "target",
                 feature_norm: bool = True, init_layer: bool = False, step_decay: float = STEP_DECAY,
-                draft_vocab: int = 0, log=print) -> Eagle3Head:
+                draft_vocab: int = 0, draft_intermediate: int = 0, log=print) -> Eagle3Head:
     """``llm``: an ``LLM`` built with prefix caching off. Epoch 1 is online: the engine
     answers ``batch`` prompts at a time (batched decode; ``samples`` answers per prompt, the
     first greedy), then each prompt + answer goes through one engine prefill with the capture
@@ -219,7 +219,8 @@ def train_draft(llm, prompts: list, out: Optional[str], epochs: int = 1, max_tok
     ``init_layer``: its decoder layer starts as a copy of the target's last one.
     ``step_decay``: draft step j's loss weighs ``step_decay ** j``. ``draft_vocab`` > 0: the
     head predicts over that many target tokens, the most frequent in the first batch's
-    prompts and answers (``choose_draft_vocab``), before it trains on them."""
+    prompts and answers (``choose_draft_vocab``), before it trains on them.
+    ``draft_intermediate`` > 0: the head's MLP width (default the target's)."""
     if labels not in ("target", "tokens"):
         raise ValueError(f"--labels must be 'target' or 'tokens', got {labels!r}")
     torch.manual_seed(seed)
@@ -231,8 +232,10 @@ def train_draft(llm, prompts: list, out: Optional[str], epochs: int = 1, max_tok
                                                                   for i in layer_ids)):
         raise ValueError(f"--layer-ids must be three target layers in [0, {eng.model_config.num_layers}), "
                          f"got {layer_ids}")
+    if draft_intermediate < 0:
+        raise ValueError(f"--draft-intermediate must be positive (or 0: the target's width), got {draft_intermediate}")
     head = Eagle3Head.from_target(target, eng.model_config, layer_ids, feature_norm=feature_norm,
-                                  init_layer=init_layer).to(eng.device)
+                                  init_layer=init_layer, intermediate_size=draft_intermediate).to(eng.device)
     if draft_vocab and not 0 < draft_vocab <= head.config.vocab_size:
         raise ValueError(f"--draft-vocab must be in [1, {head.config.vocab_size}] (the target vocabulary) "
                          f"or 0, got {draft_vocab}")
@@ -348,6 +351,8 @@ def add_train_draft_args(p) -> None:
                         "(a reduced draft vocabulary mapped back to the target's; 0: the target's whole vocabulary)")
     p.add_argument("--step-decay", type=float, default=STEP_DECAY,
                    help="loss weight of training-time-test step j is step_decay ** j")
+    p.add_argument("--draft-intermediate", type=int, default=0,
+                   help="the head's MLP width (default 0: the target's intermediate size)")
     p.add_argument("--init-layer", action="store_true",
                    help="start the head's decoder layer as a copy of the target's last decoder layer")
     p.add_argument("--layer-ids", default=None,
@@ -387,7 +392,8 @@ def cmd_train_draft(a) -> int:
     train_draft(llm, prompts, a.out, epochs=a.epochs, max_tokens=a.max_tokens, lr=a.lr, steps=a.steps,
                 seed=a.seed, batch=a.batch, samples=a.samples_per_prompt, temperature=a.temperature,
                 layer_ids=layer_ids, labels=a.labels, feature_norm=a.feature_norm, init_layer=a.init_layer,
-                step_decay=a.step_decay, draft_vocab=a.draft_vocab, log=log)
+                step_decay=a.step_decay, draft_vocab=a.draft_vocab, draft_intermediate=a.draft_intermediate,
+                log=log)
     if eval_prompts:
         del llm
         res = evaluate_head(a.model, a.out, eval_prompts, a.eval_k, a.eval_max_tokens, a.device, a.dtype, log)

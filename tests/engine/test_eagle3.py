@@ -380,6 +380,34 @@ def test_init_layer_copies_target_last_layer(tiny4):
         torch.testing.assert_close(ours.weight, theirs.weight.float())
 
 
+def test_draft_intermediate_width_saved_and_checked(tiny4, tmp_path):
+    """intermediate_size: the head's MLP takes that width, the folder records it and loads
+    it back to the same outputs; a width that --init-layer's copy cannot fill is refused."""
+    llm, _ = tiny4
+    eng = llm.engine
+    cfg = eng.model_config
+    torch.manual_seed(0)
+    wide = 4 * cfg.intermediate_size
+    head = Eagle3Head.from_target(eng.runner.model, cfg, [0, 1, 2], intermediate_size=wide)
+    assert head.config.intermediate_size == wide
+    assert head.gate_proj.weight.shape[0] == head.up_proj.weight.shape[0] == head.down_proj.weight.shape[1] == wide
+    head.save(str(tmp_path / "w"))
+    assert json.loads((tmp_path / "w" / "config.json").read_text())["intermediate_size"] == wide
+    back = Eagle3Head.load(str(tmp_path / "w"), target=eng.runner.model, target_cfg=cfg)
+    feats = torch.randn(6, 3 * head.config.target_hidden_size)
+    tokens = torch.randint(0, head.config.vocab_size, (8,))
+    with torch.no_grad():
+        for x, y in zip(head.forward_steps(feats, tokens, 2), back.forward_steps(feats, tokens, 2)):
+            torch.testing.assert_close(x, y)
+    default = Eagle3Head.from_target(eng.runner.model, cfg, [0, 1, 2])
+    assert default.config.intermediate_size == cfg.intermediate_size
+    with pytest.raises(ValueError, match="--init-layer"):
+        Eagle3Head.from_target(eng.runner.model, cfg, [0, 1, 2], init_layer=True, intermediate_size=wide)
+    from blitzllm.spec import train_draft as td
+    with pytest.raises(ValueError, match="--draft-intermediate must be positive"):
+        td.train_draft(llm, [(0, "hi")], None, draft_intermediate=-1, log=lambda m: None)
+
+
 def test_choose_draft_vocab():
     from blitzllm.spec.train_draft import choose_draft_vocab
     lists = [[5, 5, 7, 9], [7, 5, 2], [9, 9]]   # counts: 5:3, 9:3, 7:2, 2:1
