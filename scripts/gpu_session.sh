@@ -84,6 +84,12 @@ for part in "$@"; do case $part in
        BLITZ_L2_PREFETCH=1 BLITZ_L2_PREFETCH_MB=56 run 100 llama_l2pf56 $L ;;
   attntests) timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -x --tb=short tests/kernels/test_kernel_paged_attention.py \
          tests/test_gpu_e2e.py tests/kernels/test_kernel_qk_norm_rope_cache.py -p no:cacheprovider 2>&1 | tail -3 ;;
+  fmlp) # the one-launch decode MLP (kernels/fused_mlp.py) against gate_up + down
+       timeout 120 python3 -m pytest -q -x tests/kernels/test_kernel_fused_mlp.py -p no:cacheprovider 2>&1 | tail -1
+       Q="--model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
+       L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
+       run 80 qwen_base $Q; BLITZ_FUSED_MLP=1 run 80 qwen_fmlp $Q
+       run 100 llama_base $L; BLITZ_FUSED_MLP=1 run 100 llama_fmlp $L ;;
   diagpf) timeout 60 python3 scripts/diag_prefetch.py 2>&1 | tail -6 ;;
   l2) timeout 120 python3 scripts/bench_attn.py --only-l2 2>&1 | tail -8 ;;
   attn) timeout 300 python3 scripts/bench_attn.py 2>&1 | tail -30 | tee "$OUT/bench_attn.log" ;;

@@ -21,6 +21,7 @@ from ..config import ModelConfig
 from ..distributed.layers import Part, lm_head, packed_column_linear, row_linear, shard_rows, vocab_embedding
 from ..distributed.parallel_state import get_tp_group, split_heads
 from ..kernels._common import use_triton
+from ..kernels.fused_mlp import FUSED_MLP, fused_mlp_ok, fused_mlp_triton
 from ..kernels.gemv import GEMV_MAX_ROWS, linear_add_ss, prefer_gemv, ss_norm_linear, sum_squares_slots
 from ..layers.attention import Attention
 from ..layers.linear import GEMV_ENABLED, Linear
@@ -89,9 +90,20 @@ class DenseMLP(nn.Module):
         tp = get_tp_group()
         self.gate_up_proj = packed_column_linear(hidden, [inter, inter], tp, what="intermediate_size")
         self.down_proj = row_linear(inter, hidden, tp, what="intermediate_size")
+        self._single_rank = tp.world_size == 1
 
     def forward(self, x):
+        if self.fused_ok(x):
+            return fused_mlp_triton(x, self.gate_up_proj.weight, self.down_proj.weight)
         return self.down_proj(self.gate_up_proj(x), silu_mul_input=True)
+
+    def fused_ok(self, x: torch.Tensor) -> bool:
+        """Whether CUDA decode runs this MLP as one launch (kernels/fused_mlp.py; opt-in with
+        BLITZ_FUSED_MLP=1): 1-2 rows, dense unbiased weights, one rank."""
+        gu, d = self.gate_up_proj, self.down_proj
+        return (FUSED_MLP and x.is_cuda and use_triton(x) and self._single_rank and gu.bias is None
+                and d.bias is None and gu.qweight is None and d.qweight is None
+                and fused_mlp_ok(x, gu.weight, d.weight))
 
 
 class DecoderLayer(nn.Module):
@@ -156,7 +168,7 @@ class DecoderLayer(nn.Module):
 def mlp_forward_norm(mlp: nn.Module, x: torch.Tensor, residual, norm) -> tuple:
     """The post-attention half of a pre-norm block: (mlp(norm(x + residual)), x + residual).
     A ``DenseMLP`` takes the norm as its gate_up GEMV's prologue (CUDA decode)."""
-    if isinstance(mlp, DenseMLP):
+    if isinstance(mlp, DenseMLP) and not mlp.fused_ok(x):
         gate_up, residual = mlp.gate_up_proj.forward_norm(x, residual, norm)
         return mlp.down_proj(gate_up, silu_mul_input=True), residual
     h, residual = norm(x, residual)
