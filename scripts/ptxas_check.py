@@ -3,7 +3,8 @@
 Triton the target; CPU tensors give it argument types and alignments) and print ptxas's
 register / spill report and whether the PTX holds given instructions.
 
-    python3 scripts/ptxas_check.py            # the fused decode MLP at Qwen3-0.6B / Llama-3.1-8B shapes
+    python3 scripts/ptxas_check.py   # the fused decode MLP (Qwen3-0.6B / Llama-3.1-8B shapes) and
+                                     # the fused decode attention with / without L2 prefetch
 """
 import os
 import subprocess
@@ -58,6 +59,34 @@ def fused_mlp():
             print(f"fused_mlp M={M} H={H} I={I} {cfg}: {ptxas_report(k)}")
 
 
+def decode_attention():
+    """The fused decode attention kernel (q/k norm + rotary + cache write + split-K) with
+    and without an L2 prefetch range, Qwen3-0.6B heads: registers, and the bulk prefetch."""
+    import blitzllm.kernels.paged_attention as pa
+    bf = torch.bfloat16
+    hq, hkv, d, bs = 16, 8, 128, 16
+    kc = torch.zeros(10, bs, hkv, d, dtype=bf)
+    qkv = torch.zeros(1, (hq + 2 * hkv) * d, dtype=bf)
+    out = torch.zeros(1, hq, d, dtype=bf)
+    m = torch.zeros(1, hq, 32)
+    acc = torch.zeros(1, hq, 32, 128)
+    i32 = torch.zeros(64, dtype=torch.int32)
+    i64 = torch.zeros(1, dtype=torch.int64)
+    w = torch.zeros(4096, 1024, dtype=bf)
+    for npf in (0, 1):
+        k = pa._decode_kernel.warmup(
+            qkv, kc, kc, i32[None], i32, out, m, m, acc, i32, qkv.stride(0), d, out.stride(0), out.stride(1),
+            kc.stride(0), kc.stride(1), kc.stride(2), kc.stride(0), kc.stride(1), kc.stride(2), 64, 0.1, 2,
+            NUM_SPLITS=32, G_PAD=16, D=d, D_PAD=d, BLOCK_N=64, BLOCK_SIZE=bs, IEEE=False, EARLY_V=True,
+            FUSED_REDUCE=True, USE_PDL=1, G_COMB=2, COMBINE=16, pos_ptr=i64, cs_ptr=m, stride_cs=128,
+            qw_ptr=w, kw_ptr=w, slot_ptr=i64, Hq=hq, eps=1e-6, FUSE_QK=True, HAS_NORM=True, ROT=d, EARLY_QK=True,
+            IDLE_EXIT=True, pf0=w, pn0=w.numel() * 2 * npf, pf1=w, pn1=0, pf2=w, pn2=0, pf3=w, pn3=0, pf_chunk=256,
+            NPF=npf, PF_LANES=128, grid=(1, hkv, 32), num_warps=4, num_stages=2)
+        has = "cp.async.bulk.prefetch.L2" in k.asm["ptx"]
+        print(f"decode attention NPF={npf}: bulk prefetch in PTX {has}: {ptxas_report(k)}")
+
+
 if __name__ == "__main__":
     drv.set_active(_Sm90())
     fused_mlp()
+    decode_attention()
