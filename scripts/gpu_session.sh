@@ -90,6 +90,11 @@ for part in "$@"; do case $part in
        L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        run 80 qwen_base $Q; BLITZ_FUSED_MLP=1 run 80 qwen_fmlp $Q
        run 100 llama_base $L; BLITZ_FUSED_MLP=1 run 100 llama_fmlp $L ;;
+  depth) # GEMV FMA path: W tiles two ahead (three register buffers) vs one
+       Q="--model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
+       L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
+       run 80 qwen_base $Q; BLITZ_GEMV_DEPTH=2 run 80 qwen_depth2 $Q
+       run 100 llama_base $L; BLITZ_GEMV_DEPTH=2 run 100 llama_depth2 $L ;;
   diagpf) timeout 60 python3 scripts/diag_prefetch.py 2>&1 | tail -6 ;;
   l2) timeout 120 python3 scripts/bench_attn.py --only-l2 2>&1 | tail -8 ;;
   attn) timeout 300 python3 scripts/bench_attn.py 2>&1 | tail -30 | tee "$OUT/bench_attn.log" ;;

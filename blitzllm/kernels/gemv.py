@@ -54,6 +54,9 @@ SS_SLOT = SS_LANES * SS_STRIDE
 _NORM_PROLOGUE = os.environ.get("BLITZ_GEMV_NORM", "0") == "1"
 # BLITZ_GEMV_PREFETCH=0: the FMA path loads each W tile when it needs it (A/B)
 _FMA_PREFETCH = os.environ.get("BLITZ_GEMV_PREFETCH", "1") != "0"
+# BLITZ_GEMV_DEPTH=2 (A/B): the FMA path keeps two W tiles in flight ahead of the one it
+# multiplies (three register buffers) instead of one: more bytes in flight per SM
+_FMA_DEPTH = int(os.environ.get("BLITZ_GEMV_DEPTH", "1"))
 _FMA_ACC_REGS = 32  # fp32 accumulator registers per thread allowed in the FMA path
 _CONFIG_KEYS = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "DOT", "num_warps", "num_stages")
 
@@ -141,7 +144,7 @@ def _gemv_kernel(
     SPLIT: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
     SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESID: tl.constexpr,
     USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, SS_NORM: tl.constexpr, ADD_SS: tl.constexpr,
-    SS_LANES: tl.constexpr, SS_STRIDE: tl.constexpr,
+    SS_LANES: tl.constexpr, SS_STRIDE: tl.constexpr, DEPTH: tl.constexpr = 1,
 ):
     pid_n = tl.program_id(0)
     offs_m = tl.arange(0, M_PAD)
@@ -173,6 +176,9 @@ def _gemv_kernel(
     # tile's FMAs (registers double-buffered; Triton pipelines only loads feeding tl.dot).
     if PREFETCH:
         w_cur = tl.load(w_ptrs, mask=w_mask & (w_k < K), other=0.0, eviction_policy="evict_first")
+        if DEPTH == 2 and not DOT:  # the split's second tile too
+            w_nxt = tl.load(w_ptrs + BLOCK_K, mask=w_mask & (w_k < K - BLOCK_K) & (BLOCK_K < k_per_split),
+                            other=0.0, eviction_policy="evict_first")
     r_tile = acc  # ADD_SS: the residual tile; it was written two or more launches back, which
     if ADD_SS:    # completed before the kernel before passed its own wait (PDL): load it now
         r_tile = tl.load(r_ptr + om * stride_rm + on, mask=(om < M) & (on < N), other=0.0)
@@ -213,7 +219,17 @@ def _gemv_kernel(
             r_ptrs = tl.broadcast_to(r_ptr + om[:, :, None] * stride_rm + x_k, (BLOCK_N, M_PAD, BLOCK_K))
             nw_ptrs = tl.broadcast_to(nw_ptr + x_k, (BLOCK_N, M_PAD, BLOCK_K))
     # a uniform trip count (the last split may run a few fully masked chunks)
-    if PREFETCH and not DOT:
+    if PREFETCH and not DOT and DEPTH == 2:
+        for k in range(0, k_per_split, BLOCK_K):
+            nk = k + 2 * BLOCK_K  # two tiles ahead
+            w_nn = tl.load(w_ptrs + nk, mask=w_mask & (w_k < K - nk) & (nk < k_per_split), other=0.0,
+                           eviction_policy="evict_first")
+            a = _gemv_input(x_ptrs + k, x_mask & (x_k < K - k), K, SILU_MUL, NORM, RESID,
+                            r_ptrs + k, nw_ptrs + k, rstd)
+            acc = _gemv_accumulate(acc, a, w_cur, DOT, IEEE, SILU_MUL)
+            w_cur = w_nxt
+            w_nxt = w_nn
+    elif PREFETCH and not DOT:
         for k in range(0, k_per_split, BLOCK_K):
             nk = k + BLOCK_K  # the next tile of this split, if any
             w_next = tl.load(w_ptrs + nk, mask=w_mask & (w_k < K - nk) & (nk < k_per_split), other=0.0,
@@ -420,7 +436,7 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
         M_PAD=m_pad, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, DOT=cfg["DOT"],
         IEEE=x.dtype == torch.float32, SILU_MUL=silu_mul_input, HAS_BIAS=bias is not None,
         NORM=norm, RESID=resid, USE_PDL=pdl, PREFETCH=pdl or (_FMA_PREFETCH and not cfg["DOT"]),
-        SS_NORM=ss_norm, ADD_SS=add_ss, SS_LANES=SS_LANES, SS_STRIDE=SS_STRIDE,
+        SS_NORM=ss_norm, ADD_SS=add_ss, SS_LANES=SS_LANES, SS_STRIDE=SS_STRIDE, DEPTH=_FMA_DEPTH,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **pdl_launch_kwargs(pdl),
     )
