@@ -219,25 +219,19 @@ def _gemv_kernel(
             r_ptrs = tl.broadcast_to(r_ptr + om[:, :, None] * stride_rm + x_k, (BLOCK_N, M_PAD, BLOCK_K))
             nw_ptrs = tl.broadcast_to(nw_ptr + x_k, (BLOCK_N, M_PAD, BLOCK_K))
     # a uniform trip count (the last split may run a few fully masked chunks)
-    if PREFETCH and not DOT and DEPTH == 2:
+    if PREFETCH and not DOT:
         for k in range(0, k_per_split, BLOCK_K):
-            nk = k + 2 * BLOCK_K  # two tiles ahead
-            w_nn = tl.load(w_ptrs + nk, mask=w_mask & (w_k < K - nk) & (nk < k_per_split), other=0.0,
-                           eviction_policy="evict_first")
+            nk = k + DEPTH * BLOCK_K  # the tile DEPTH ahead in this split, if any
+            w_new = tl.load(w_ptrs + nk, mask=w_mask & (w_k < K - nk) & (nk < k_per_split), other=0.0,
+                            eviction_policy="evict_first")
             a = _gemv_input(x_ptrs + k, x_mask & (x_k < K - k), K, SILU_MUL, NORM, RESID,
                             r_ptrs + k, nw_ptrs + k, rstd)
             acc = _gemv_accumulate(acc, a, w_cur, DOT, IEEE, SILU_MUL)
-            w_cur = w_nxt
-            w_nxt = w_nn
-    elif PREFETCH and not DOT:
-        for k in range(0, k_per_split, BLOCK_K):
-            nk = k + BLOCK_K  # the next tile of this split, if any
-            w_next = tl.load(w_ptrs + nk, mask=w_mask & (w_k < K - nk) & (nk < k_per_split), other=0.0,
-                             eviction_policy="evict_first")
-            a = _gemv_input(x_ptrs + k, x_mask & (x_k < K - k), K, SILU_MUL, NORM, RESID,
-                            r_ptrs + k, nw_ptrs + k, rstd)
-            acc = _gemv_accumulate(acc, a, w_cur, DOT, IEEE, SILU_MUL)
-            w_cur = w_next
+            if DEPTH == 2:
+                w_cur = w_nxt
+                w_nxt = w_new
+            else:
+                w_cur = w_new
     else:
         k_begin = 0
         if PREFETCH:  # the prefetched first tile (tensor-core path with PDL)
