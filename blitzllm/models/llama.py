@@ -190,7 +190,9 @@ class DecoderModel(nn.Module):
 
     def _wire_l2_prefetch(self):
         """Tell each layer's attention which weights decode reads after it, in order:
-        o_proj, then (a dense MLP) gate_up and down, then the next layer's qkv."""
+        o_proj, then (a dense MLP) gate_up and down and the next layer's qkv, or (an MoE
+        block) its router and its shared experts' gate_up and down (the routed experts are
+        not known before the router has run)."""
         for i, layer in enumerate(self.layers):
             if not isinstance(layer, DecoderLayer) or not isinstance(layer.self_attn.attn, Attention):
                 continue
@@ -201,6 +203,11 @@ class DecoderModel(nn.Module):
                 nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
                 if isinstance(nxt, DecoderLayer):
                     mods.append(nxt.self_attn.qkv_proj)
+            elif isinstance(getattr(mlp, "gate", None), nn.Module) and hasattr(mlp.gate, "weight"):
+                mods.append(mlp.gate)
+                shared = getattr(mlp, "shared_experts", None)
+                if type(shared) is DenseMLP:
+                    mods += [shared.gate_up_proj, shared.down_proj]
             attn.attn.prefetch_modules = tuple(mods)
 
     def forward(self, input_ids, positions):

@@ -49,3 +49,30 @@ def test_prefetch_chunk_covers_the_range_in_one_round():
         assert c % 16 == 0 and c >= 256
         assert c * programs * L2_PREFETCH_LANES >= nbytes
         assert c == 256 or (c - 16) * programs * L2_PREFETCH_LANES < nbytes  # no larger than needed
+
+
+def test_moe_layers_prefetch_router_and_shared_experts():
+    """An MoE block's layer prefetches o_proj, the router and the shared experts (DeepSeek
+    style), a dense layer of the same model its own MLP and the next layer's qkv."""
+    from blitzllm.layers.moe import FusedMoE
+    from blitzllm.models.llama import DecoderLayer, DenseMLP
+    from blitzllm.models.qwen3_moe import Qwen3MoeForCausalLM
+
+    class WithShared(Qwen3MoeForCausalLM):
+        def make_layer(self, cfg, idx, rotary):
+            if idx == 0:
+                return DecoderLayer(cfg, idx, rotary)
+            moe = FusedMoE(cfg.hidden_size, 16, 4, 2, shared_experts=DenseMLP(cfg.hidden_size, 24))
+            return DecoderLayer(cfg, idx, rotary, moe)
+
+    cfg = ModelConfig(architecture="Qwen3MoeForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=48,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True)
+    m = WithShared(cfg)
+    dense, moe = m.model.layers
+    assert list(dense.self_attn.attn.prefetch_modules) == [
+        dense.self_attn.o_proj, dense.mlp.gate_up_proj, dense.mlp.down_proj, moe.self_attn.qkv_proj]
+    assert list(moe.self_attn.attn.prefetch_modules) == [
+        moe.self_attn.o_proj, moe.mlp.gate, moe.mlp.shared_experts.gate_up_proj, moe.mlp.shared_experts.down_proj]
+    # the router's weight is a range like any other
+    sizes = [n for _, n in l2_prefetch_ranges(moe.self_attn.attn.prefetch_modules, 10 ** 9)]
+    assert sizes[1] == moe.mlp.gate.weight.numel() * moe.mlp.gate.weight.element_size()
