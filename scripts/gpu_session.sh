@@ -31,6 +31,8 @@ for part in "$@"; do case $part in
        run 150 q30b_b1 --model preset:qwen3-30b-a3b $M; BLITZ_MOE_DIRECT=1 run 150 q30b_b1_direct --model preset:qwen3-30b-a3b $M
        BLITZ_MOE_DIRECT=1 BLITZ_MOE_FUSED_ROUTING=1 run 150 q30b_b1_direct_route --model preset:qwen3-30b-a3b $M
        BLITZ_MOE_GEMV=1 BLITZ_MOE_FUSED_ROUTING=1 run 150 q30b_b1_gemv_route --model preset:qwen3-30b-a3b $M ;;
+  moel2) M="--batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
+       run 150 q30b_b1 --model preset:qwen3-30b-a3b $M; BLITZ_L2_PREFETCH=1 run 150 q30b_b1_l2pf --model preset:qwen3-30b-a3b $M ;;
   mlaab) M="--batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
        run 150 dsv3_l8_b1 --model preset:deepseek-v3 --num-layers 8 $M
        BLITZ_MLA_FUSED=1 BLITZ_MOE_DIRECT=1 run 150 dsv3_l8_b1_fused --model preset:deepseek-v3 --num-layers 8 $M ;;
