@@ -70,3 +70,23 @@ def test_spec_verify_through_decode_graphs_matches_plain(monkeypatch):
     s = spec.stats()
     assert calls and s["spec_draft_tokens"] > 0 and s["spec_accepted_tokens"] > 0
     assert spec.engine.kv.num_free_blocks == spec.engine.kv.num_blocks
+
+
+def test_opt_in_decode_paths_match_default(monkeypatch):
+    """The opt-in decode paths (L2 prefetch from the attention kernel, the one-launch MLP, the
+    GEMV two tiles ahead) give the default fast path's greedy tokens (fp32, dummy weights)."""
+    import blitzllm.kernels.gemv as gemv
+    import blitzllm.models.llama as llama
+    kw = dict(num_layers=4, device="cuda", dtype="float32", kv_cache_blocks=512, max_num_seqs=8, max_model_len=1024)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = _prompts(2, 151936, seed=2)  # decode rows of 2 and (the single prompt) 1: the fused MLP's sizes
+    base = LLM("preset:qwen3-0.6b", **kw)
+    want = [[o.token_ids for o in base.generate(p, params)] for p in (prompts, prompts[:1])]
+    del base
+    monkeypatch.setenv("BLITZ_L2_PREFETCH", "1")
+    monkeypatch.setattr(llama, "FUSED_MLP", True)
+    monkeypatch.setattr(gemv, "_FMA_DEPTH", 2)
+    llm = LLM("preset:qwen3-0.6b", **kw)
+    assert llm.engine.runner.backend.l2_prefetch_bytes > 0
+    got = [[o.token_ids for o in llm.generate(p, params)] for p in (prompts, prompts[:1])]
+    assert got == want
