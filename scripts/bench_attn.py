@@ -82,7 +82,12 @@ def time_graph(fn, layers, reps):
     with torch.cuda.graph(g):
         for i in range(layers):
             fn(i)
-    for _ in range(3):
+    return replay_us(g, reps) / layers
+
+
+def replay_us(g, reps: int, warmup: int = 3) -> float:
+    """Microseconds per replay of the CUDA graph ``g`` (after ``warmup`` replays)."""
+    for _ in range(warmup):
         g.replay()
     torch.cuda.synchronize()
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -91,7 +96,7 @@ def time_graph(fn, layers, reps):
         g.replay()
     e1.record()
     torch.cuda.synchronize()
-    return e0.elapsed_time(e1) * 1e3 / (reps * layers)
+    return e0.elapsed_time(e1) * 1e3 / reps
 
 
 def l2_residency(reps=30):
@@ -132,15 +137,7 @@ def l2_residency(reps=30):
                 with torch.cuda.graph(g):
                     for _ in range(10):
                         seq(pf, gemv)
-                g.replay()
-                torch.cuda.synchronize()
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                for _ in range(reps):
-                    g.replay()
-                e1.record()
-                torch.cuda.synchronize()
-                t[pf, gemv] = e0.elapsed_time(e1) * 1e3 / (10 * reps)
+                t[pf, gemv] = replay_us(g, reps, warmup=1) / 10
         cold, warm = t[False, True] - t[False, False], t[True, True] - t[True, False]
         ptx = "".join(kk.asm.get("ptx", "") for c in _pf_kernel.device_caches.values() for kk in c[0].values())
         print(f"gemv {n}x{k} ({nb / 1e6:.1f} MB): cold {cold:.2f} us, after L2 prefetch {warm:.2f} us "

@@ -215,7 +215,8 @@ class TritonAttentionBackend(AttentionBackend):
                 q_norm_weight=qn.weight if qn is not None else None,
                 k_norm_weight=kn.weight if kn is not None else None,
                 eps=qn.eps if qn is not None else 1e-6, rotary_dim=layer.rotary.rotary_dim,
-                l2_prefetch_ranges=l2_prefetch_ranges(layer.prefetch_modules, self.l2_prefetch_bytes))
+                l2_prefetch_ranges=(l2_prefetch_ranges(layer.prefetch_modules, self.l2_prefetch_bytes)
+                                    if self.l2_prefetch_bytes else ()))
         q = fused_qk_norm_rope_cache_triton(
             qkv, positions, layer.rotary.cos_sin_cache, layer.num_heads, layer.num_kv_heads, layer.head_dim,
             k_cache, v_cache, md.slot_mapping,

@@ -26,6 +26,20 @@ def tiny4(tmp_path_factory):
     return llm, model
 
 
+def _record_proposals(llm) -> list:
+    """Wrap the engine's EAGLE-3 proposer: the returned list fills with (the request's token
+    ids, its drafts) at every propose call."""
+    prop = llm.engine.spec.proposer
+    calls, propose = [], prop.propose
+
+    def recording(reqs, limits):
+        res = propose(reqs, limits)
+        calls.extend((list(r.all_token_ids), list(d)) for r, d in zip(reqs, res.drafts))
+        return res
+    prop.propose = recording
+    return calls
+
+
 def _head(llm, layer_ids=(0, 1, 2)) -> Eagle3Head:
     torch.manual_seed(0)
     return Eagle3Head.from_target(llm.engine.runner.model, llm.engine.model_config, list(layer_ids))
@@ -250,21 +264,14 @@ def test_engine_drafts_equal_training_forward(tiny4, greedy_setup):
     spec = {"method": "eagle3", "num_speculative_tokens": 3, "model": path}
     llm = LLM(model_dir, device="cpu", kv_cache_blocks=128, max_num_seqs=4, max_num_batched_tokens=64,
               speculative_config=spec)
-    prop = llm.engine.spec.proposer
-    calls, propose = [], prop.propose
-
-    def recording(reqs, limits):
-        res = propose(reqs, limits)
-        calls.extend((list(r.all_token_ids), list(d)) for r, d in zip(reqs, res.drafts))
-        return res
-    prop.propose = recording
+    calls = _record_proposals(llm)
     llm.generate(prompts, params)
     st = llm.stats()
     acc = st["spec_acceptance_per_position"]
     assert 0 < acc[1] and acc[0] < 1   # drafts accepted past the first, and rejections
     drafted = [(ids, d) for ids, d in calls if d]
     assert len(drafted) > 20 and any(len(d) == 3 for _, d in drafted)
-    head = prop.head
+    head = llm.engine.spec.proposer.head
     checked = 0
     with HiddenCapture(llm0.engine.runner.model, head.config.layer_ids) as cap, torch.no_grad():
         for ids, d in drafted:
@@ -496,15 +503,9 @@ def test_reduced_vocab_head_greedy_equals_plain(tiny4, greedy_setup, tmp_path):
     spec = {"method": "eagle3", "num_speculative_tokens": 3, "model": str(tmp_path / "h")}
     llm2 = LLM(model_dir, device="cpu", kv_cache_blocks=128, max_num_seqs=4, max_num_batched_tokens=64,
                speculative_config=spec)
-    prop = llm2.engine.spec.proposer
-    drafted, propose = [], prop.propose
-
-    def recording(reqs, limits):
-        res = propose(reqs, limits)
-        drafted.extend(t for d in res.drafts for t in d)
-        return res
-    prop.propose = recording
+    calls = _record_proposals(llm2)
     assert [o.outputs[0].token_ids for o in llm2.generate(prompts, params)] == ref
     st = llm2.stats()
     assert st["spec_draft_tokens"] > 0 and st["spec_accepted_tokens"] > 0.05 * st["spec_draft_tokens"]
+    drafted = [t for _, d in calls for t in d]
     assert drafted and set(drafted) <= set(d2t.tolist())
