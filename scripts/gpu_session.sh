@@ -3,7 +3,7 @@
 # (Triton GEMV vs cuBLAS via BLITZ_GEMV). Usage: bash scripts/gpu_session.sh [tests|gemv|lat|serve]...
 set -u
 . scripts/gpu_env.sh
-run() { t=$1; name=$2; shift 2; echo "== $name: $*"; timeout $t $B "$@" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1; echo "rc=$?"; grep -v "^\[" "$OUT/$name.log" | grep -E "tokens_per_s |ms_per|roofline|kernels_per_layer|ttft|speedup|busy" ; }
+run() { t=$1; name=$2; shift 2; echo "== $name: $*"; s0=$SECONDS; timeout $t $B "$@" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1; echo "rc=$? wall=$((SECONDS-s0))s"; grep -v "^\[" "$OUT/$name.log" | grep -E "tokens_per_s |ms_per|roofline|kernels_per_layer|ttft|speedup|busy" ; }
 for part in "$@"; do case $part in
   tests) timeout 200 python3 -m pytest -q -m gpu tests/kernels tests/test_gpu_e2e.py -p no:cacheprovider -x 2>&1 | tail -15 | tee "$OUT/gpu_tests.log" ;;
   gemv) timeout 200 python3 scripts/bench_gemv.py --budget-s 150 2>&1 | tail -40 ;;
@@ -97,6 +97,14 @@ for part in "$@"; do case $part in
        L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        run 80 qwen_base $Q; BLITZ_GEMV_DEPTH=2 run 80 qwen_depth2 $Q
        run 100 llama_base $L; BLITZ_GEMV_DEPTH=2 run 100 llama_depth2 $L ;;
+  optab) # every opt-in decode path (L2 prefetch, one-launch MLP, GEMV depth 2) alone and together, after their e2e test
+       timeout 150 python3 -m pytest -q -x --tb=short tests/test_gpu_e2e.py -k opt_in -p no:cacheprovider 2>&1 | tail -2
+       Q="--model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
+       L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
+       run 80 qwen_base $Q; BLITZ_L2_PREFETCH=1 run 80 qwen_l2pf $Q; BLITZ_FUSED_MLP=1 run 80 qwen_fmlp $Q
+       BLITZ_GEMV_DEPTH=2 run 80 qwen_depth2 $Q; BLITZ_L2_PREFETCH=1 BLITZ_FUSED_MLP=1 BLITZ_GEMV_DEPTH=2 run 80 qwen_all3 $Q
+       run 100 llama_base $L; BLITZ_L2_PREFETCH=1 run 100 llama_l2pf $L; BLITZ_FUSED_MLP=1 run 100 llama_fmlp $L
+       BLITZ_GEMV_DEPTH=2 run 100 llama_depth2 $L ;;
   diagpf) timeout 60 python3 scripts/diag_prefetch.py 2>&1 | tail -6 ;;
   l2) timeout 120 python3 scripts/bench_attn.py --only-l2 2>&1 | tail -8 ;;
   attn) timeout 300 python3 scripts/bench_attn.py 2>&1 | tail -30 | tee "$OUT/bench_attn.log" ;;
