@@ -105,6 +105,13 @@ for part in "$@"; do case $part in
        BLITZ_GEMV_DEPTH=2 run 80 qwen_depth2 $Q; BLITZ_L2_PREFETCH=1 BLITZ_FUSED_MLP=1 BLITZ_GEMV_DEPTH=2 run 80 qwen_all3 $Q
        run 100 llama_base $L; BLITZ_L2_PREFETCH=1 run 100 llama_l2pf $L; BLITZ_FUSED_MLP=1 run 100 llama_fmlp $L
        BLITZ_GEMV_DEPTH=2 run 100 llama_depth2 $L ;;
+  tile) # decode attention tile / warps end to end (qwen), and where each step's GPU time goes (idle = waiting on the host)
+       Q="--model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
+       L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
+       run 80 qwen_base $Q; BLITZ_ATTN_BLOCK_N=32 run 80 qwen_bn32 $Q; BLITZ_ATTN_BLOCK_N=16 run 80 qwen_bn16 $Q
+       BLITZ_ATTN_WARPS=2 run 80 qwen_w2 $Q; BLITZ_ATTN_WARPS=8 run 80 qwen_w8 $Q
+       BLITZ_ATTN_BLOCK_N=32 BLITZ_ATTN_WARPS=2 run 80 qwen_bn32w2 $Q; run 80 qwen_base2 $Q
+       run 100 llama_base $L; BLITZ_MOE_DIRECT=1 run 150 q30b_direct --model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8 ;;
   diagpf) timeout 60 python3 scripts/diag_prefetch.py 2>&1 | tail -6 ;;
   l2) timeout 120 python3 scripts/bench_attn.py --only-l2 2>&1 | tail -8 ;;
   attn) timeout 300 python3 scripts/bench_attn.py 2>&1 | tail -30 | tee "$OUT/bench_attn.log" ;;
@@ -127,7 +134,8 @@ rows = []
 for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.json")), key=os.path.getmtime):
     r = json.load(open(f))
     if "kernel_time_us" in r:
-        print(os.path.basename(f), "busy_us", r.get("kernel_busy_us"), "top:",
+        print(os.path.basename(f), "busy_us", r.get("kernel_busy_us"), "span", r.get("gpu_span_us_per_step"),
+              "idle", r.get("gpu_idle_us_per_step"), "top:",
               [(k[:40], v) for k, v in list(r["kernel_time_us"].items())[:6]])
     if "tokens_per_s" in r:
         rows.append(f"{os.path.basename(f)[:-5]:<24} {r['tokens_per_s']:9.1f} tok/s  roofline {r.get('roofline_fraction') or 0:.4f}"

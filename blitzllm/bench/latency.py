@@ -150,12 +150,17 @@ def _kernel_counts(eng, cfg, B, I) -> dict:
         eng.add_request(f"prof-{i}", p, params)
     eng.step()  # prefill
     eng.step()
-    n, names, micros = count_kernels(eng.step, eng.device)
+    # several pipelined steps: the timeline then shows whether the GPU waits for the host
+    steps = max(1, min(8, params.max_tokens - 4))
+    n, names, micros, timeline = count_kernels(eng.step, eng.device, steps=steps)
     for i in range(B):
         eng.abort_request(f"prof-{i}")
     return {"kernels_per_step": n, "kernels_per_layer": n / cfg.num_layers, "kernel_names": names,
             "kernel_time_us": {k: round(v, 1) for k, v in micros.items()},
-            "kernel_busy_us": round(sum(micros.values()), 1)}
+            "kernel_busy_us": round(sum(micros.values()), 1),
+            "gpu_span_us_per_step": round(timeline["span_us"], 1),
+            "gpu_idle_us_per_step": round(timeline["idle_us"], 1),
+            "kernel_overlap_us_per_step": round(timeline["overlap_us"], 1)}
 
 
 def _compare_hf(a, eng, cfg, B, I, O, dev, ours_tps) -> dict:

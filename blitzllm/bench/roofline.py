@@ -69,21 +69,49 @@ def kv_bytes_per_step(cfg, context_lens: list, dtype_bytes: int, tp_size: int = 
     return sum(context_lens) * cfg.kv_bytes_per_token(dtype_bytes, tp_size)
 
 
-def count_kernels(fn, device: torch.device):
-    """Device kernels one call of ``fn`` launches (CUDA only):
-    (count, {name: count}, {name: summed kernel microseconds})."""
+def count_kernels(fn, device: torch.device, steps: int = 1):
+    """Device kernels one call of ``fn`` launches (CUDA only), from ``steps`` profiled calls:
+    (count, {name: count}, {name: summed kernel microseconds}, timeline), counts and times
+    per call; ``timeline`` = {"span_us": first kernel start to last kernel end,
+    "idle_us": the part of the span no kernel runs in (the GPU waiting for the host or a
+    launch), "overlap_us": summed kernel time beyond the span's busy part (kernels that
+    overlap, e.g. with programmatic dependent launch)}, all per call."""
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize(device)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
+        for _ in range(steps):
+            fn()
         torch.cuda.synchronize(device)
     names: dict = {}
     micros: dict = {}
+    spans = []
     for evt in prof.events():
         if evt.device_type == torch.autograd.DeviceType.CUDA and "memcpy" not in evt.name.lower() \
                 and "memset" not in evt.name.lower():
             key = evt.name[:80]
             names[key] = names.get(key, 0) + 1
             micros[key] = micros.get(key, 0.0) + evt.time_range.elapsed_us()
-    return (sum(names.values()), dict(sorted(names.items(), key=lambda kv: -kv[1])),
-            dict(sorted(micros.items(), key=lambda kv: -kv[1])))
+            spans.append((evt.time_range.start, evt.time_range.end))
+    n = sum(names.values())
+    timeline = kernel_timeline(spans)
+    per = lambda d: {k: v / steps for k, v in d.items()}
+    return (n / steps, dict(sorted(per(names).items(), key=lambda kv: -kv[1])),
+            dict(sorted(per(micros).items(), key=lambda kv: -kv[1])), per(timeline))
+
+
+def kernel_timeline(spans) -> dict:
+    """span / idle / overlap microseconds of kernel intervals [(start_us, end_us), ...]."""
+    if not spans:
+        return {"span_us": 0.0, "idle_us": 0.0, "overlap_us": 0.0}
+    spans = sorted(spans)
+    busy, cur_s, cur_e = 0.0, spans[0][0], spans[0][1]
+    for s, e in spans[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    span = max(e for _, e in spans) - spans[0][0]
+    total = sum(e - s for s, e in spans)
+    return {"span_us": float(span), "idle_us": float(span - busy), "overlap_us": float(total - busy)}

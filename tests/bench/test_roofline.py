@@ -35,3 +35,14 @@ def test_weight_bytes_count_active_experts_only():
     assert weight_bytes_per_step(m, 1) == dense + 2 * per_expert
     want = dense + expected_active_experts(16, 2, 4) * per_expert
     assert abs(weight_bytes_per_step(m, 4) - want) <= 1
+
+
+def test_kernel_timeline_idle_and_overlap():
+    from blitzllm.bench.roofline import kernel_timeline
+    # [0,10] and [8,12] overlap by 2 (a PDL-style early start); gap 12..15; [15,20];
+    # [16,17] inside it (1 us overlap); gap 20..30; [30,31]
+    t = kernel_timeline([(15, 20), (0, 10), (8, 12), (16, 17), (30, 31)])
+    assert t["span_us"] == 31
+    assert t["idle_us"] == (15 - 12) + (30 - 20)
+    assert t["overlap_us"] == 2 + 1
+    assert kernel_timeline([]) == {"span_us": 0.0, "idle_us": 0.0, "overlap_us": 0.0}
