@@ -112,6 +112,16 @@ for part in "$@"; do case $part in
        BLITZ_ATTN_WARPS=2 run 80 qwen_w2 $Q; BLITZ_ATTN_WARPS=8 run 80 qwen_w8 $Q
        BLITZ_ATTN_BLOCK_N=32 BLITZ_ATTN_WARPS=2 run 80 qwen_bn32w2 $Q; run 80 qwen_base2 $Q
        run 100 llama_base $L; BLITZ_MOE_DIRECT=1 run 150 q30b_direct --model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8 ;;
+  tile2) # decode attention tile / warps: qwen, llama batch 1 and 64, qwen3-30b-a3b (MoE direct by default now)
+       Q="--model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
+       L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
+       L64="--model preset:llama-3.1-8b --batch-size 64 --input-len 1000 --output-len 64 --max-num-seqs 64"
+       M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
+       export BLITZ_ATTN_BLOCK_N=32; run 80 qwen_bn32 $Q; run 80 qwen_bn32b $Q; BLITZ_ATTN_WARPS=8 run 80 qwen_bn32w8 $Q
+       BLITZ_ATTN_BLOCK_N=16 BLITZ_ATTN_WARPS=8 run 80 qwen_bn16w8 $Q; BLITZ_ATTN_BLOCK_N=16 BLITZ_ATTN_WARPS=2 run 80 qwen_bn16w2 $Q
+       BLITZ_ATTN_BLOCK_N=0 run 100 llama_base $L; run 100 llama_bn32 $L; BLITZ_ATTN_WARPS=8 run 100 llama_bn32w8 $L
+       BLITZ_ATTN_BLOCK_N=0 run 100 llama_b64 $L64; run 100 llama_b64_bn32 $L64
+       BLITZ_ATTN_BLOCK_N=0 run 150 q30b $M; run 150 q30b_bn32 $M; unset BLITZ_ATTN_BLOCK_N ;;
   diagpf) timeout 60 python3 scripts/diag_prefetch.py 2>&1 | tail -6 ;;
   l2) timeout 120 python3 scripts/bench_attn.py --only-l2 2>&1 | tail -8 ;;
   attn) timeout 300 python3 scripts/bench_attn.py 2>&1 | tail -30 | tee "$OUT/bench_attn.log" ;;
