@@ -350,8 +350,11 @@ _EARLY_QK = os.environ.get("BLITZ_ATTN_EARLY_QK", "1") != "0"
 # BLITZ_ATTN_IDLE_EXIT=0 (A/B): splits past the context's active ones run (q/k work, an
 # arrival on the counter) instead of exiting at once
 _IDLE_EXIT = os.environ.get("BLITZ_ATTN_IDLE_EXIT", "1") != "0"
-# BLITZ_ATTN_BLOCK_N / BLITZ_ATTN_WARPS (A/B): the decode kernel's keys per tile (default 64,
-# 32 for heads wider than 128) and warps per program (default 4)
+# BLITZ_ATTN_BLOCK_N / BLITZ_ATTN_WARPS (A/B): the decode kernel's keys per tile (default 32)
+# and warps per program (default 4). H200 (scripts/gpu_session.sh tile, tile2), 32 vs 64 keys:
+# qwen3-0.6b batch 1 1204.7 / 1203.2 vs 1147.9 / 1149.6 tok/s, llama-3.1-8b batch 1 236.2 vs
+# 234.6, batch 64 x 1000 tokens 8877.8 vs 8066.5, qwen3-30b-a3b batch 1 348.5 vs 343.2;
+# 8 warps: qwen 1211.2, llama 233.3 (kept at 4)
 _DECODE_BLOCK_N = int(os.environ.get("BLITZ_ATTN_BLOCK_N", "0"))
 _DECODE_WARPS = int(os.environ.get("BLITZ_ATTN_WARPS", "4"))
 
@@ -420,7 +423,7 @@ def paged_decode_attention_triton(
     g = hq // hkv
     s = num_splits or _default_splits(q, B, hkv)
     g_pad, d_pad = max(16, next_pow2(g)), next_pow2(d)
-    bn = block_n or _DECODE_BLOCK_N or (64 if d_pad <= 128 else 32)
+    bn = block_n or _DECODE_BLOCK_N or 32
     ieee = q.dtype == torch.float32
     fused = fused_reduce and s > 1 and B * hkv <= _MAX_COUNTERS
     if s > 1:
