@@ -16,7 +16,8 @@ j in [p * SLICE, (p + 1) * SLICE) of the intermediate:
 
 One launch and no intermediate instead of two GEMV launches. Partials are summed in
 arrival order (not bitwise reproducible run to run, like split-K). Opt-in
-(``BLITZ_FUSED_MLP=1``) until measured on a GPU.
+(``BLITZ_FUSED_MLP=1``): slower on the H200, qwen3-0.6b batch 1 1014.0 vs 1152.3 tok/s and
+llama-3.1-8b 134.2 vs 234.6 (the one kernel streams its slices with too few bytes in flight).
 """
 from __future__ import annotations
 

@@ -31,8 +31,8 @@ from ._common import (device_sms, next_pow2, pdl_enabled, pdl_launch_dependents,
 
 MOE_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 # BLITZ_MOE_GEMV=1: decode batches of up to MOE_GEMV_MAX_TOKENS tokens take the two-launch
-# GEMV path (``fused_moe_gemv_triton``) instead of sort + grouped GEMMs + combine. Opt-in
-# until measured on a GPU.
+# GEMV path (``fused_moe_gemv_triton``) instead of sort + grouped GEMMs + combine. Off: on the
+# H200 (qwen3-30b-a3b batch 1, with fused routing) 318.2 vs 343.4 tok/s for the direct path.
 MOE_GEMV = os.environ.get("BLITZ_MOE_GEMV", "0") == "1"
 MOE_GEMV_MAX_TOKENS = 2
 # Decode batches of up to MOE_DIRECT_MAX_ENTRIES (token, k) entries run the grouped GEMMs
