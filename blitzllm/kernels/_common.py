@@ -116,6 +116,15 @@ def l2_prefetch_chunk(nbytes: int, programs: int) -> int:
 
 
 @triton.jit
+def _bulk_prefetch(addr, size):
+    """cp.async.bulk.prefetch.L2 of ``size`` bytes at each address where size > 0; returns 0s
+    that the caller must use (a store that never happens), or the compiler drops the asm."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def l2_prefetch(ptr, nbytes, chunk, pid, nprog, LANES: tl.constexpr):
     """Ask the L2 to fetch bytes [0, nbytes) of ``ptr`` (16-byte aligned, nbytes a multiple
     of 16): program ``pid`` of ``nprog`` (both computed in the kernel) takes ranges
@@ -129,9 +138,35 @@ def l2_prefetch(ptr, nbytes, chunk, pid, nprog, LANES: tl.constexpr):
     for c0 in range(first, end, step):
         off = c0 + lanes * chunk
         size = tl.minimum(end - off, chunk).to(tl.int32)
-        issued += tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [base + off, size], dtype=tl.int32, is_pure=False, pack=1)
+        issued += _bulk_prefetch(base + off, size)
     # the asm's result (always 0) feeds a store that never happens: without a use the
     # compiler dropped the asm (seen with Triton 3.6)
     tl.store(base + lanes, issued.to(tl.int8), mask=issued != 0)
+
+
+@triton.jit
+def l2_prefetch_row_ranges(row0, rows_left, row_stride, col0, ncols, ELEM: tl.constexpr,
+                           ROWS: tl.constexpr, LANES: tl.constexpr):
+    """(byte offsets, sizes) [ROWS, LANES] of ``l2_prefetch_rows``'s ranges (size 0: none)."""
+    r = tl.arange(0, ROWS)[:, None]
+    c = tl.arange(0, LANES)[None, :]
+    nbytes = ncols * ELEM
+    chunk = ((nbytes + LANES - 1) // LANES + 15) // 16 * 16
+    start = c * chunk
+    size = tl.minimum(nbytes - start, chunk) // 16 * 16
+    size = tl.where((r < rows_left) & (size > 0), size, 0).to(tl.int32)
+    off = (row0 + r).to(tl.int64) * row_stride * ELEM + col0.to(tl.int64) * ELEM + start
+    return off, size
+
+
+@triton.jit
+def l2_prefetch_rows(ptr, row0, rows_left, row_stride, col0, ncols, ELEM: tl.constexpr,
+                     ROWS: tl.constexpr, LANES: tl.constexpr):
+    """Ask the L2 to fetch columns [col0, col0 + ncols) of rows [row0, row0 + min(ROWS,
+    rows_left)) of a row-major matrix at ``ptr`` (elements of ELEM bytes, ``row_stride``
+    elements apart; addresses 16-byte aligned): LANES ranges per row, each a multiple of 16
+    bytes (a ragged tail under 16 bytes is left out: a prefetch is only a hint)."""
+    base = ptr.to(tl.pointer_type(tl.int8))
+    off, size = l2_prefetch_row_ranges(row0, rows_left, row_stride, col0, ncols, ELEM, ROWS, LANES)
+    issued = _bulk_prefetch(base + off, size)
+    tl.store(base + off, issued.to(tl.int8), mask=issued != 0)  # never: keeps the asm
