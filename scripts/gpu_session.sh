@@ -132,6 +132,11 @@ for part in "$@"; do case $part in
        run 150 q30b_base $M; BLITZ_GEMV_L2PF=1 run 150 q30b_gl2pf $M ;;
   moeattrib) # qwen3-30b-a3b batch 1 per-kernel times without PDL overlap (each kernel's own time)
        BLITZ_PDL=0 run 150 q30b_nopdl --model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8 ;;
+  silu) # Llama-3.1-8B down_proj as the GEMV with the SiLU-and-mul fused into its input (wider N tiles
+       # now) instead of a SiLU-and-mul kernel then the GEMV
+       L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
+       run 100 llama_base $L; BLITZ_GEMV_SILU_MAX_WEIGHTS=-1 run 100 llama_silu $L
+       run 100 llama_base2 $L; BLITZ_GEMV_SILU_MAX_WEIGHTS=-1 run 100 llama_silu2 $L ;;
   diagpf) timeout 60 python3 scripts/diag_prefetch.py 2>&1 | tail -6 ;;
   l2) timeout 120 python3 scripts/bench_attn.py --only-l2 2>&1 | tail -8 ;;
   attn) timeout 300 python3 scripts/bench_attn.py 2>&1 | tail -30 | tee "$OUT/bench_attn.log" ;;

@@ -211,6 +211,14 @@ def test_config_heuristic():
                     assert c["BLOCK_N"] == 64  # wide N tiles: fewer silu recomputations
     assert gemv_config(4, 1024, 2048, bf16, sms)["SPLIT_K"] > 1  # too few n-tiles alone
     assert gemv_config(1, 1024, 2048, bf16, sms)["BLOCK_N"] == 2  # narrow FMA tiles instead
+    # silu-and-mul input: every program evaluates the silu of all of x; the heuristic widens
+    # the N tiles until the launch's silu count is within its budget (or the tile is 8+ wide)
+    for n, k in [(4096, 14336), (1024, 3072), (2560, 9728), (8192, 28672)]:
+        c = gemv_config(1, n, k, bf16, sms, silu_mul_input=True)
+        assert -(-n // c["BLOCK_N"]) * k <= gv._SILU_EXP_BUDGET or c["BLOCK_N"] >= 8
+        assert c["BLOCK_N"] >= gemv_config(1, n, k, bf16, sms)["BLOCK_N"]
+    assert gemv_config(1, 4096, 14336, bf16, sms, silu_mul_input=True)["BLOCK_N"] == 8
+    assert gemv_config(1, 1024, 3072, bf16, sms, silu_mul_input=True)["BLOCK_N"] == 2  # small: unchanged
     assert gemv_config(1, 64, 16, torch.float32, 8)["BLOCK_K"] == 16  # not wider than K
     c = gemv_config(1, 4096, 4096, bf16, sms, {"BLOCK_N": 64, "DOT": True})
     assert c["BLOCK_N"] == 64 and c["SPLIT_K"] > 1 and c["DOT"]  # 64 n-tiles: split for the rest
