@@ -130,6 +130,11 @@ for part in "$@"; do case $part in
        run 100 llama_base $L; BLITZ_GEMV_L2PF=1 run 100 llama_gl2pf $L; run 100 llama_base2 $L; BLITZ_GEMV_L2PF=1 run 100 llama_gl2pf2 $L
        run 80 qwen_base $Q; BLITZ_GEMV_L2PF=1 run 80 qwen_gl2pf $Q
        run 150 q30b_base $M; BLITZ_GEMV_L2PF=1 run 150 q30b_gl2pf $M ;;
+  moepf) # direct MoE: the gate/up launch prefetches the chosen experts' down weights into the L2
+       timeout 150 python3 -m pytest -q -x --tb=short tests/kernels/test_kernel_moe.py -k "prefetch" -p no:cacheprovider 2>&1 | tail -1
+       M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
+       run 150 q30b_base $M; BLITZ_MOE_PF_DOWN=1 run 150 q30b_pfdown $M
+       run 150 q30b_base2 $M; BLITZ_MOE_PF_DOWN=1 run 150 q30b_pfdown2 $M ;;
   moeattrib) # qwen3-30b-a3b batch 1 per-kernel times without PDL overlap (each kernel's own time)
        BLITZ_PDL=0 run 150 q30b_nopdl --model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8 ;;
   silu) # Llama-3.1-8B down_proj as the GEMV with the SiLU-and-mul fused into its input (wider N tiles

@@ -5,7 +5,8 @@ register / spill report and whether the PTX holds given instructions.
 
     python3 scripts/ptxas_check.py   # the fused decode MLP (Qwen3-0.6B / Llama-3.1-8B shapes) and
                                      # the fused decode attention with / without L2 prefetch, and
-                                     # the decode GEMV's heuristic configs without / with its own L2 prefetch
+                                     # the decode GEMV's heuristic configs without / with its own L2 prefetch,
+                                     # the direct MoE gate/up GEMM without / with the down-weight prefetch
 """
 import os
 import subprocess
@@ -115,8 +116,31 @@ def gemv():
             print(f"gemv l2pf={int(pf)} {name} {tiles}: {ptxas_report(k)} | bulk prefetch sites {bulk}")
 
 
+def moe_direct():
+    """The direct (decode) fused-MoE gate/up GEMM at Qwen3-30B-A3B sizes, one token, without and
+    with the L2 prefetch of the chosen experts' down weights (BLITZ_MOE_PF_DOWN)."""
+    from blitzllm.kernels import fused_moe as fm
+    bf = torch.bfloat16
+    e, h, inter, k = 128, 2048, 768, 8
+    up, _ = fm.moe_config(1, k, e, h, inter, bf, 132)
+    x, act = torch.zeros(1, h, dtype=bf), torch.zeros(k, inter, dtype=bf)
+    w13, w2 = torch.zeros(e, 2 * inter, h, dtype=bf), torch.zeros(e, h, inter, dtype=bf)
+    ids = torch.zeros(k, dtype=torch.int32)
+    for pf in (False, True):
+        extra = dict(pf_ptr=w2, pf_stride=w2.stride(0), pf_bytes=h * inter * 2, pf_chunk=512, PF=True,
+                     PF_LANES=128) if pf else {}
+        kern = fm._moe_gemm_kernel.warmup(
+            x, w13, act, ids, ids, ids, inter, h, k, k, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+            act, act, act, act.stride(0), **extra, BLOCK_M=16, BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"],
+            GATED=True, EVEN_K=True, IEEE=False, USE_PDL=1, DIRECT=True, COMBINE=False, TOP_K=1,
+            num_warps=up["num_warps"], num_stages=up["num_stages"], grid=(k, triton.cdiv(inter, up["BLOCK_N"])))
+        bulk = kern.asm["ptx"].count("cp.async.bulk.prefetch.L2")
+        print(f"moe direct gate/up pf_down={int(pf)} {up}: {ptxas_report(kern)} | bulk prefetch sites {bulk}")
+
+
 if __name__ == "__main__":
     drv.set_active(_Sm90())
     fused_mlp()
     decode_attention()
     gemv()
+    moe_direct()

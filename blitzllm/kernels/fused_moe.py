@@ -26,8 +26,8 @@ from typing import Optional
 
 import torch
 
-from ._common import (device_sms, next_pow2, pdl_enabled, pdl_launch_dependents, pdl_launch_kwargs, pdl_wait,
-                      tl, triton)
+from ._common import (L2_PREFETCH_LANES, device_sms, l2_prefetch, l2_prefetch_chunk, l2_prefetch_supported,
+                      next_pow2, pdl_enabled, pdl_launch_dependents, pdl_launch_kwargs, pdl_wait, tl, triton)
 
 MOE_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 # BLITZ_MOE_GEMV=1: decode batches of up to MOE_GEMV_MAX_TOKENS tokens take the two-launch
@@ -41,6 +41,11 @@ MOE_GEMV_MAX_TOKENS = 2
 # (scripts/gpu_session.sh moeab, tile). BLITZ_MOE_DIRECT=0 sorts every batch (A/B).
 MOE_DIRECT = os.environ.get("BLITZ_MOE_DIRECT", "1") != "0"
 MOE_DIRECT_MAX_ENTRIES = 16
+# BLITZ_MOE_PF_DOWN=1 (A/B; Hopper): on the direct path the gate/up launch, which knows the
+# chosen experts once it has waited on the routing, asks the L2 (bulk prefetch) for their down
+# weights, its n-tile programs splitting each expert's block: the down launch's stream then
+# starts before its own ramp. Opt-in until measured.
+MOE_PF_DOWN = os.environ.get("BLITZ_MOE_PF_DOWN", "0") == "1"
 ALIGN_ONE_PROGRAM_MAX = 256  # (token, k) entries sorted by a single program
 ALIGN_SLICE = 256  # entries per program of the two-pass sort (at most ALIGN_MAX_PROGRAMS)
 ALIGN_MAX_PROGRAMS = 128
@@ -182,20 +187,27 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
                      tw_ptr, comb_ptr, cnt_ptr, stride_c,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GATED: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr,
-                     DIRECT: tl.constexpr, COMBINE: tl.constexpr, TOP_K: tl.constexpr):
+                     DIRECT: tl.constexpr, COMBINE: tl.constexpr, TOP_K: tl.constexpr,
+                     pf_ptr=None, pf_stride=0, pf_bytes=0, pf_chunk=0, PF: tl.constexpr = False,
+                     PF_LANES: tl.constexpr = 1):
     """out[entry, n] = A[entry // row_div] . W[e, n] for the BLOCK_M sorted entries of one
     expert e. GATED: W holds gate rows [0, N) and up rows [N, 2N); the output is
     silu(gate) * up with the reference's rounding steps.
     DIRECT (decode): no sort; program m is entry m alone (expert_ptr: the ids, -1 = dropped:
     nothing loaded or written). COMBINE (with DIRECT, the down GEMM): the program of a
     token's n-tile that finishes last also sums that tile over the token's TOP_K entries,
-    weighted (tw_ptr), in entry order, into comb_ptr: the combine without its own launch."""
+    weighted (tw_ptr), in entry order, into comb_ptr: the combine without its own launch.
+    PF (with DIRECT): the n-tile programs of entry m ask the L2 for its expert's block of
+    pf_bytes at pf_ptr + expert * pf_stride (the down weights), split over those programs."""
     pdl_wait(USE_PDL)  # (PDL launches write nothing before this)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if DIRECT:
         expert = tl.load(expert_ptr + pid_m).to(tl.int64)
         entry = pid_m + tl.arange(0, BLOCK_M)
         row_ok = (tl.arange(0, BLOCK_M) == 0) & (expert >= 0)
+        if PF:
+            if expert >= 0:
+                l2_prefetch(pf_ptr + expert * pf_stride, pf_bytes, pf_chunk, pid_n, tl.num_programs(1), PF_LANES)
         expert = tl.maximum(expert, 0)
     else:
         if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -401,10 +413,12 @@ def _moe_config_cached(tokens, top_k, num_experts, hidden, inter, dtype, sms, it
 
 
 def _grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_entries, row_div, n, gated, cfg,
-                  direct=False, combine=None):
+                  direct=False, combine=None, prefetch=None):
     """direct: block_expert is the entries' expert ids (one program per entry, no sort);
     combine (direct only): (topk weights fp32 [T*K], output [T, n], top_k): the weighted
-    sum over each token's entries is written there by the launch itself."""
+    sum over each token's entries is written there by the launch itself. prefetch (direct
+    only): expert weights [E, ...] (contiguous per expert) whose chosen experts' blocks the
+    launch asks the L2 for."""
     kd = a.shape[1]
     grid = (block_expert.numel(), triton.cdiv(n, cfg["BLOCK_N"]))
     pdl = pdl_enabled(a)
@@ -413,13 +427,26 @@ def _grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_entries, row_div
         cnt = _counters(a.device, next_pow2(comb.shape[0] * grid[1]))
     else:
         tw, comb, cnt, top_k = out, out, out, 1
+    pf = {}
+    if prefetch is not None and direct:
+        nbytes = prefetch[0].numel() * prefetch.element_size()
+        pf = dict(pf_ptr=prefetch, pf_stride=prefetch.stride(0), pf_bytes=nbytes,
+                  pf_chunk=l2_prefetch_chunk(nbytes, grid[1]), PF=True, PF_LANES=L2_PREFETCH_LANES)
     _moe_gemm_kernel[grid](a, w, out, sorted_ids, block_expert, total, n, kd, n_entries, row_div,
                            a.stride(0), w.stride(0), w.stride(1), out.stride(0), tw, comb, cnt, comb.stride(0),
+                           **pf,
                            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                            GATED=gated, EVEN_K=kd % cfg["BLOCK_K"] == 0, IEEE=a.dtype == torch.float32,
                            USE_PDL=pdl, DIRECT=direct, COMBINE=combine is not None, TOP_K=top_k,
                            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                            **pdl_launch_kwargs(pdl))
+
+
+def _prefetch_ok(w: torch.Tensor) -> bool:
+    """Each expert's block of w is one contiguous, 16-byte aligned range the L2 can be asked for."""
+    per = w[0].numel() * w.element_size()
+    return (l2_prefetch_supported(w) and w[0].is_contiguous() and w.stride(0) == w[0].numel()
+            and w.data_ptr() % 16 == 0 and per % 16 == 0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -469,7 +496,8 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
         tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
         cfg_up, cfg_down = dict(up_cfg, BLOCK_M=16), dict(down_cfg, BLOCK_M=16)
         act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
-        _grouped_gemm(x, w13, act, ids, ids, ids, n, K, inter, True, cfg_up, direct=True)
+        pf = w2 if MOE_PF_DOWN and _prefetch_ok(w2) else None
+        _grouped_gemm(x, w13, act, ids, ids, ids, n, K, inter, True, cfg_up, direct=True, prefetch=pf)
         y = torch.empty(n, H, dtype=x.dtype, device=x.device)
         _grouped_gemm(act, w2, y, ids, ids, ids, n, 1, H, False, cfg_down, direct=True, combine=(tw, out, K))
         return out

@@ -314,6 +314,31 @@ def test_gpu_model_shapes():
                   reference_fused_moe(x, w13, w2, weights, ids), 2e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_direct_moe_down_prefetch_leaves_results_unchanged(monkeypatch):
+    """BLITZ_MOE_PF_DOWN: the direct gate/up launch carries the down-weight prefetch where the
+    GPU has it, and the outputs are bitwise those without it (Qwen3-30B-A3B sizes, 1-2 tokens,
+    a dropped entry)."""
+    from blitzllm.kernels import fused_moe as fm
+    from blitzllm.kernels._common import l2_prefetch_supported
+    seen = []
+    orig = fm._grouped_gemm
+    monkeypatch.setattr(fm, "_grouped_gemm", lambda *a, **kw: seen.append(kw.get("prefetch") is not None)
+                        or orig(*a, **kw))
+    for t in (1, 2):
+        x, w13, w2, weights, ids = moe_inputs(t, 128, 8, 2048, 768, torch.bfloat16, "cuda", seed=t)
+        ids = ids.clone()
+        ids[0, 1] = -1
+        monkeypatch.setattr(fm, "MOE_PF_DOWN", False)
+        want = fm.fused_moe_triton(x, w13, w2, weights, ids, direct=True, dropped_ids=True)
+        monkeypatch.setattr(fm, "MOE_PF_DOWN", True)
+        got = fm.fused_moe_triton(x, w13, w2, weights, ids, direct=True, dropped_ids=True)
+        assert torch.equal(got, want)
+    on = l2_prefetch_supported(x)
+    assert seen == [False, False, on, False] * 2
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t,e,k,h,inter", [(1, 8, 2, 64, 40), (2, 10, 3, 48, 24), (1, 6, 6, 96, 72)])
 def test_fused_moe_gemv(t, e, k, h, inter, dtype, device):
