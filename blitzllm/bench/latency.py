@@ -160,7 +160,8 @@ def _kernel_counts(eng, cfg, B, I) -> dict:
             "kernel_busy_us": round(sum(micros.values()), 1),
             "gpu_span_us_per_step": round(timeline["span_us"], 1),
             "gpu_idle_us_per_step": round(timeline["idle_us"], 1),
-            "kernel_overlap_us_per_step": round(timeline["overlap_us"], 1)}
+            "kernel_overlap_us_per_step": round(timeline["overlap_us"], 1),
+            "gpu_copy_us_per_step": round(timeline["copy_us"], 1)}
 
 
 def _compare_hf(a, eng, cfg, B, I, O, dev, ours_tps) -> dict:

@@ -73,9 +73,10 @@ def count_kernels(fn, device: torch.device, steps: int = 1):
     """Device kernels one call of ``fn`` launches (CUDA only), from ``steps`` profiled calls:
     (count, {name: count}, {name: summed kernel microseconds}, timeline), counts and times
     per call; ``timeline`` = {"span_us": first kernel start to last kernel end,
-    "idle_us": the part of the span no kernel runs in (the GPU waiting for the host or a
-    launch), "overlap_us": summed kernel time beyond the span's busy part (kernels that
-    overlap, e.g. with programmatic dependent launch)}, all per call."""
+    "idle_us": the part of the span in which neither a kernel nor a copy runs (the GPU
+    waiting for the host or a launch), "overlap_us": summed kernel time beyond the span's
+    busy part (kernels that overlap, e.g. with programmatic dependent launch), "copy_us":
+    memcpy / memset time}, all per call."""
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize(device)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -84,34 +85,47 @@ def count_kernels(fn, device: torch.device, steps: int = 1):
         torch.cuda.synchronize(device)
     names: dict = {}
     micros: dict = {}
-    spans = []
+    spans, copies = [], []
     for evt in prof.events():
-        if evt.device_type == torch.autograd.DeviceType.CUDA and "memcpy" not in evt.name.lower() \
-                and "memset" not in evt.name.lower():
-            key = evt.name[:80]
-            names[key] = names.get(key, 0) + 1
-            micros[key] = micros.get(key, 0.0) + evt.time_range.elapsed_us()
-            spans.append((evt.time_range.start, evt.time_range.end))
+        if evt.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        span = (evt.time_range.start, evt.time_range.end)
+        if "memcpy" in evt.name.lower() or "memset" in evt.name.lower():
+            copies.append(span)
+            continue
+        key = evt.name[:80]
+        names[key] = names.get(key, 0) + 1
+        micros[key] = micros.get(key, 0.0) + evt.time_range.elapsed_us()
+        spans.append(span)
     n = sum(names.values())
-    timeline = kernel_timeline(spans)
+    timeline = kernel_timeline(spans, copies)
     per = lambda d: {k: v / steps for k, v in d.items()}
     return (n / steps, dict(sorted(per(names).items(), key=lambda kv: -kv[1])),
             dict(sorted(per(micros).items(), key=lambda kv: -kv[1])), per(timeline))
 
 
-def kernel_timeline(spans) -> dict:
-    """span / idle / overlap microseconds of kernel intervals [(start_us, end_us), ...]."""
-    if not spans:
-        return {"span_us": 0.0, "idle_us": 0.0, "overlap_us": 0.0}
-    spans = sorted(spans)
-    busy, cur_s, cur_e = 0.0, spans[0][0], spans[0][1]
-    for s, e in spans[1:]:
-        if s > cur_e:
-            busy += cur_e - cur_s
+def _union(spans) -> float:
+    """Length of the union of intervals."""
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(spans):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
             cur_s, cur_e = s, e
         else:
             cur_e = max(cur_e, e)
-    busy += cur_e - cur_s
-    span = max(e for _, e in spans) - spans[0][0]
-    total = sum(e - s for s, e in spans)
-    return {"span_us": float(span), "idle_us": float(span - busy), "overlap_us": float(total - busy)}
+    return total + (cur_e - cur_s if cur_e is not None else 0.0)
+
+
+def kernel_timeline(spans, copies=()) -> dict:
+    """span / idle / overlap / copy microseconds of kernel intervals [(start_us, end_us), ...]
+    and copy intervals: the span is the kernels' (first start to last end); idle is the part
+    of it in which neither a kernel nor a copy runs."""
+    if not spans:
+        return {"span_us": 0.0, "idle_us": 0.0, "overlap_us": 0.0, "copy_us": 0.0}
+    lo, hi = min(s for s, _ in spans), max(e for _, e in spans)
+    inside = [(max(s, lo), min(e, hi)) for s, e in copies if e > lo and s < hi]
+    busy = _union(spans)
+    return {"span_us": float(hi - lo), "idle_us": float(hi - lo - _union(list(spans) + inside)),
+            "overlap_us": float(sum(e - s for s, e in spans) - busy),
+            "copy_us": float(sum(e - s for s, e in copies))}

@@ -45,4 +45,10 @@ def test_kernel_timeline_idle_and_overlap():
     assert t["span_us"] == 31
     assert t["idle_us"] == (15 - 12) + (30 - 20)
     assert t["overlap_us"] == 2 + 1
-    assert kernel_timeline([]) == {"span_us": 0.0, "idle_us": 0.0, "overlap_us": 0.0}
+    assert t["copy_us"] == 0
+    # a copy in the 20..30 gap (22..25) is not idle time; one before the first kernel counts
+    # as copy time but not inside the span
+    c = kernel_timeline([(15, 20), (0, 10), (8, 12), (16, 17), (30, 31)], [(22, 25), (-5, -1)])
+    assert c["span_us"] == 31 and c["idle_us"] == (15 - 12) + (30 - 20) - 3 and c["copy_us"] == 3 + 4
+    assert c["overlap_us"] == 3
+    assert kernel_timeline([]) == {"span_us": 0.0, "idle_us": 0.0, "overlap_us": 0.0, "copy_us": 0.0}
