@@ -364,17 +364,16 @@ def _select_row(row_ptr, bias_ptr, w_out_ptr, id_out_ptr, row, scaling,
     pos = tl.arange(0, NG_PAD * G_PAD)
     k = tl.arange(0, K_PAD)
     ids = tl.zeros([K_PAD], dtype=tl.int32)
+    picks = tl.full([K_PAD], -1, dtype=tl.int32)  # positions in flat of the chosen experts
     for i in tl.static_range(TOP_K):  # best first; the lowest expert id among equals
         f = tl.argmax(flat, axis=0)
         ids = tl.where(k == i, (f // G_PAD) * GROUP + f % G_PAD, ids)
+        picks = tl.where(k == i, f, picks)
         flat = tl.where(pos == f, float("-inf"), flat)
     kmask = k < TOP_K
-    picked = tl.load(row_ptr + ids, mask=kmask, other=0.0, cache_modifier=".cg")  # the chosen logits again
-    if SIGMOID:
-        w = 1.0 / (1.0 + tl.exp(-picked))
-    else:
-        w = tl.exp(picked - mx) / denom
-    w = tl.where(kmask, w, 0.0)
+    # the chosen experts' scores gathered from registers (no second read of the logits)
+    sflat = tl.reshape(tl.where(valid, score, 0.0), [NG_PAD * G_PAD])
+    w = tl.sum(tl.where(pos[None, :] == picks[:, None], sflat[None, :], 0.0), axis=1)
     if RENORM:
         w = w / (tl.sum(w, axis=0) + 1e-20)
     w = w * scaling
