@@ -3,7 +3,12 @@
 # (Triton GEMV vs cuBLAS via BLITZ_GEMV). Usage: bash scripts/gpu_session.sh [tests|gemv|lat|serve]...
 set -u
 . scripts/gpu_env.sh
-run() { t=$1; name=$2; shift 2; echo "== $name: $*"; s0=$SECONDS; timeout $t $B "$@" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1; echo "rc=$? wall=$((SECONDS-s0))s"; grep -v "^\[" "$OUT/$name.log" | grep -E "tokens_per_s |ms_per|roofline|kernels_per_layer|ttft|speedup|busy" ; }
+# QUIET=1: one line per run (the table at the end has the figures), so a long call's output fits
+run() { t=$1; name=$2; shift 2; [ -n "${QUIET:-}" ] || echo "== $name: $*"; s0=$SECONDS
+  timeout $t $B "$@" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1; rc=$?
+  if [ -n "${QUIET:-}" ]; then echo "== $name rc=$rc wall=$((SECONDS-s0))s"; return; fi
+  echo "rc=$rc wall=$((SECONDS-s0))s"
+  grep -v "^\[" "$OUT/$name.log" | grep -E "tokens_per_s |ms_per|roofline|kernels_per_layer|ttft|speedup|busy|gpu_" ; }
 for part in "$@"; do case $part in
   tests) timeout 200 python3 -m pytest -q -m gpu tests/kernels tests/test_gpu_e2e.py -p no:cacheprovider -x 2>&1 | tail -15 | tee "$OUT/gpu_tests.log" ;;
   gemv) timeout 200 python3 scripts/bench_gemv.py --budget-s 150 2>&1 | tail -40 ;;
@@ -163,12 +168,14 @@ import json, sys, glob, os
 rows = []
 for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.json")), key=os.path.getmtime):
     r = json.load(open(f))
-    if "kernel_time_us" in r:
+    if "kernel_time_us" in r and not os.environ.get("QUIET"):
         print(os.path.basename(f), "busy_us", r.get("kernel_busy_us"), "span", r.get("gpu_span_us_per_step"),
               "idle", r.get("gpu_idle_us_per_step"), "top:",
               [(k[:40], v) for k, v in list(r["kernel_time_us"].items())[:6]])
     if "tokens_per_s" in r:
+        extra = "".join(f"  {k} {r[k]:.4g}" for k in ("ttft_s", "speedup_vs_hf_compiled", "gpu_idle_us_per_step")
+                        if isinstance(r.get(k), (int, float)))
         rows.append(f"{os.path.basename(f)[:-5]:<24} {r['tokens_per_s']:9.1f} tok/s  roofline {r.get('roofline_fraction') or 0:.4f}"
-                    f"  k/l {r.get('kernels_per_layer')}")
+                    f"  k/l {r.get('kernels_per_layer') or 0:.3f}{extra}")
 print("\n".join(rows))
 PY

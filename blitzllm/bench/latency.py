@@ -202,7 +202,6 @@ def _compare_llamacpp(model, cfg, B, I, O, ours_tps) -> dict:
 
     def decode_time(n):
         lm.reset()
-        t = time.perf_counter()
         first = None
         for i, _ in enumerate(lm.generate(prompt, temp=0.0, reset=True)):
             if i == 0:
