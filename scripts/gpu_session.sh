@@ -135,6 +135,12 @@ for part in "$@"; do case $part in
        run 100 llama_base $L; BLITZ_GEMV_L2PF=1 run 100 llama_gl2pf $L; run 100 llama_base2 $L; BLITZ_GEMV_L2PF=1 run 100 llama_gl2pf2 $L
        run 80 qwen_base $Q; BLITZ_GEMV_L2PF=1 run 80 qwen_gl2pf $Q
        run 150 q30b_base $M; BLITZ_GEMV_L2PF=1 run 150 q30b_gl2pf $M ;;
+  bnlong) # decode attention tile at long contexts (32 keys, the default, vs 64): llama batch 1 with 1,000
+       # prompt + 1,000 output tokens, and a 8,000-token prompt
+       L1="--model preset:llama-3.1-8b --batch-size 1 --input-len 1000 --output-len 1000 --max-num-seqs 8"
+       L8="--model preset:llama-3.1-8b --batch-size 1 --input-len 8000 --output-len 256 --max-num-seqs 8"
+       run 100 llama_1k $L1; BLITZ_ATTN_BLOCK_N=64 run 100 llama_1k_bn64 $L1
+       run 100 llama_8k $L8; BLITZ_ATTN_BLOCK_N=64 run 100 llama_8k_bn64 $L8 ;;
   moepf) # direct MoE: the gate/up launch prefetches the chosen experts' down weights into the L2
        timeout 150 python3 -m pytest -q -x --tb=short tests/kernels/test_kernel_moe.py -k "prefetch" -p no:cacheprovider 2>&1 | tail -1
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
