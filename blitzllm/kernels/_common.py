@@ -108,6 +108,12 @@ def l2_prefetch_supported(t: torch.Tensor) -> bool:
     return _capability(idx)[0] >= 9
 
 
+def l2_prefetchable(t: torch.Tensor, stride_bytes: int) -> bool:
+    """Blocks of ``t`` that start ``stride_bytes`` apart can be bulk-prefetched (sm_90+, 16-byte
+    aligned): the GEMV's weight rows, an MoE weight stack's experts."""
+    return l2_prefetch_supported(t) and t.data_ptr() % 16 == 0 and stride_bytes % 16 == 0
+
+
 def l2_prefetch_chunk(nbytes: int, programs: int) -> int:
     """Bytes per prefetch instruction: the ranges of all programs' lanes cover ``nbytes``
     in about one round (a multiple of 16, at least 256)."""

@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from ._common import (L2_PREFETCH_LANES, device_sms, l2_prefetch, l2_prefetch_chunk, l2_prefetch_supported,
+from ._common import (L2_PREFETCH_LANES, device_sms, l2_prefetch, l2_prefetch_chunk, l2_prefetchable,
                       next_pow2, pdl_enabled, pdl_launch_dependents, pdl_launch_kwargs, pdl_wait, tl, triton)
 
 MOE_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
@@ -442,13 +442,6 @@ def _grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_entries, row_div
                            **pdl_launch_kwargs(pdl))
 
 
-def _prefetch_ok(w: torch.Tensor) -> bool:
-    """Each expert's block of w is one contiguous, 16-byte aligned range the L2 can be asked for."""
-    per = w[0].numel() * w.element_size()
-    return (l2_prefetch_supported(w) and w[0].is_contiguous() and w.stride(0) == w[0].numel()
-            and w.data_ptr() % 16 == 0 and per % 16 == 0)
-
-
 @functools.lru_cache(maxsize=None)
 def _counters(device: torch.device, numel: int) -> torch.Tensor:
     """Zeroed arrival counters of the direct path's fused combine; each launch leaves them 0."""
@@ -496,7 +489,9 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
         tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
         cfg_up, cfg_down = dict(up_cfg, BLOCK_M=16), dict(down_cfg, BLOCK_M=16)
         act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
-        pf = w2 if MOE_PF_DOWN and _prefetch_ok(w2) else None
+        # each expert's block one contiguous, aligned range
+        pf = w2 if (MOE_PF_DOWN and w2[0].is_contiguous()
+                    and l2_prefetchable(w2, w2.stride(0) * w2.element_size())) else None
         _grouped_gemm(x, w13, act, ids, ids, ids, n, K, inter, True, cfg_up, direct=True, prefetch=pf)
         y = torch.empty(n, H, dtype=x.dtype, device=x.device)
         _grouped_gemm(act, w2, y, ids, ids, ids, n, 1, H, False, cfg_down, direct=True, combine=(tw, out, K))

@@ -39,7 +39,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ._common import (device_sms, l2_prefetch_rows, l2_prefetch_supported, next_pow2, pdl_enabled,
+from ._common import (device_sms, l2_prefetch_rows, l2_prefetchable, next_pow2, pdl_enabled,
                       pdl_launch_dependents, pdl_launch_kwargs, pdl_wait, tl, triton, use_triton)
 from .activation import reference_silu_and_mul, silu_and_mul
 
@@ -439,7 +439,7 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
     pdl = pdl_enabled(x)
     r = residual if resid else (add_residual if add_ss else x)
     ss_norm = norm and ss is not None
-    self_pf = pdl and _SELF_L2PF and _self_prefetch_ok(w)
+    self_pf = pdl and _SELF_L2PF and l2_prefetchable(w, w.stride(0) * w.element_size())
     _gemv_kernel[(n_tiles, n_splits)](
         x, w, bias if bias is not None else w, out, ws, cnt, r,
         norm_weight if norm else w, new_res, ss if ss is not None else ws,
@@ -455,12 +455,6 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
         **pdl_launch_kwargs(pdl),
     )
     return (out, new_res) if norm else out
-
-
-def _self_prefetch_ok(w: torch.Tensor) -> bool:
-    """The GEMV may bulk-prefetch w's rows: Hopper or later, 16-byte aligned rows."""
-    return (l2_prefetch_supported(w) and w.data_ptr() % 16 == 0
-            and (w.stride(0) * w.element_size()) % 16 == 0)
 
 
 def _torch_norm(x, residual, norm_weight, eps):
