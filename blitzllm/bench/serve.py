@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Optional
 
 MT_BENCH_REL = Path("shared") / "data" / "mt_bench_questions.jsonl"
+# a copy shipped with the package (MT-bench is Apache-2.0), used when no shared/ is found
+MT_BENCH_BUNDLED = Path(__file__).resolve().parent / "data" / "mt_bench_questions.jsonl"
 
 
 @dataclass
@@ -45,7 +47,8 @@ class RequestResult:
 # ---- datasets -----------------------------------------------------------------------
 def find_mt_bench(path: Optional[str] = None) -> Path:
     """The MT-bench question file: ``path`` if given, else ``shared/data/...`` found walking up
-    from the working directory and from this package (also as a sibling ``../shared``)."""
+    from the working directory and from this package (also as a sibling ``../shared``), else
+    the copy shipped with the package."""
     if path:
         p = Path(path).expanduser()
         if not p.is_file():
@@ -57,6 +60,8 @@ def find_mt_bench(path: Optional[str] = None) -> Path:
             for cand in (d / MT_BENCH_REL, d.parent / MT_BENCH_REL):
                 if cand.is_file():
                     return cand
+    if MT_BENCH_BUNDLED.is_file():
+        return MT_BENCH_BUNDLED
     raise ValueError(f"cannot find {MT_BENCH_REL} above {Path.cwd()}; pass --dataset-path FILE")
 
 

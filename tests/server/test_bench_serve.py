@@ -66,3 +66,20 @@ def test_bench_serve_unreachable_is_a_user_error(tmp_path):
                         "--num-prompts", "1"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     assert "cannot reach" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_find_mt_bench_falls_back_to_the_packaged_copy(tmp_path, monkeypatch):
+    """Without a shared/ above the working directory or the package, the copy shipped with the
+    package is used, and it holds the same 80 questions as the project's shared file."""
+    import blitzllm.bench.serve as serve
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(serve, "__file__", str(tmp_path / "pkg" / "serve.py"))
+    p = serve.find_mt_bench()
+    assert p == serve.MT_BENCH_BUNDLED
+    rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    assert [r["question_id"] for r in rows] == list(range(81, 161))
+    assert all(r["turns"] and isinstance(r["turns"][0], str) for r in rows)
+    shared = [d / serve.MT_BENCH_REL for d in Path(__file__).resolve().parents]
+    shared = [s for s in shared if s.is_file()]
+    if shared:  # in a checkout beside the project's shared/: the copy is that file
+        assert p.read_bytes() == shared[0].read_bytes()
