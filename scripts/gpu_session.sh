@@ -127,14 +127,10 @@ for part in "$@"; do case $part in
        BLITZ_ATTN_BLOCK_N=0 run 100 llama_base $L; run 100 llama_bn32 $L; BLITZ_ATTN_WARPS=8 run 100 llama_bn32w8 $L
        BLITZ_ATTN_BLOCK_N=0 run 100 llama_b64 $L64; run 100 llama_b64_bn32 $L64
        BLITZ_ATTN_BLOCK_N=0 run 150 q30b $M; run 150 q30b_bn32 $M; unset BLITZ_ATTN_BLOCK_N ;;
-  gl2pf) # each GEMV bulk-prefetches its own weight slice into the L2 before its PDL wait (BLITZ_GEMV_L2PF)
-       timeout 150 python3 -m pytest -q -x --tb=short tests/kernels/test_kernel_gemv.py -k "own_l2" -p no:cacheprovider 2>&1 | tail -1
+  stage) # decode graph inputs through pinned staging slots (default) vs fresh pinned tensors per step
        Q="--model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
-       L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
-       M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
-       run 100 llama_base $L; BLITZ_GEMV_L2PF=1 run 100 llama_gl2pf $L; run 100 llama_base2 $L; BLITZ_GEMV_L2PF=1 run 100 llama_gl2pf2 $L
-       run 80 qwen_base $Q; BLITZ_GEMV_L2PF=1 run 80 qwen_gl2pf $Q
-       run 150 q30b_base $M; BLITZ_GEMV_L2PF=1 run 150 q30b_gl2pf $M ;;
+       run 80 qwen_stage $Q; BLITZ_GRAPH_STAGING=0 run 80 qwen_nostage $Q
+       run 80 qwen_stage2 $Q; BLITZ_GRAPH_STAGING=0 run 80 qwen_nostage2 $Q ;;
   bnlong) # decode attention tile at long contexts (32 keys, the default, vs 64): llama batch 1 with 1,000
        # prompt + 1,000 output tokens, and a 8,000-token prompt
        L1="--model preset:llama-3.1-8b --batch-size 1 --input-len 1000 --output-len 1000 --max-num-seqs 8"

@@ -90,30 +90,27 @@ def decode_attention():
 
 def gemv():
     """The decode GEMV at its heuristic configs for Llama-3.1-8B / Qwen3-0.6B shapes, one row,
-    with PDL, without and with the bulk L2 prefetch of its own weight slice (BLITZ_GEMV_L2PF)."""
+    with PDL."""
     from blitzllm.kernels import gemv as gm
     bf = torch.bfloat16
     shapes = [("llama qkv", 6144, 4096, False), ("llama o_proj", 4096, 4096, False),
               ("llama down", 4096, 14336, False), ("qwen qkv", 4096, 1024, False), ("qwen o_proj", 1024, 2048, False),
               ("qwen gate_up", 6144, 1024, False), ("qwen down+silu", 1024, 3072, True)]
-    for pf in (False, True):
-        for name, N, K, silu in shapes:
-            cfg = gm.gemv_config(1, N, K, bf, 132, None, silu)
-            x = torch.zeros(1, 2 * K if silu else K, dtype=bf)
-            w = torch.zeros(N, K, dtype=bf)
-            ws = torch.zeros(1 << 20)
-            kps = triton.cdiv(triton.cdiv(K, cfg["BLOCK_K"]), cfg["SPLIT_K"]) * cfg["BLOCK_K"]
-            k = gm._gemv_kernel.warmup(
-                x, w, w, torch.zeros(1, N, dtype=bf), ws, torch.zeros(4096, dtype=torch.int32), x, w, x, ws, ws,
-                1, N, K, x.stride(0), w.stride(0), N, kps, cfg["SPLIT_K"], x.stride(0), x.stride(0), 1e-6,
-                M_PAD=1, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT=cfg["SPLIT_K"] > 1, DOT=cfg["DOT"],
-                IEEE=False, SILU_MUL=silu, HAS_BIAS=False, NORM=False, RESID=False, USE_PDL=1, PREFETCH=True,
-                SS_NORM=False, ADD_SS=False, SS_LANES=32, SS_STRIDE=32, DEPTH=1, SELF_L2PF=pf, PF_ELEM=2,
-                PF_LANES=max(1, gm._L2PF_ROW_LANES // cfg["BLOCK_N"]), num_warps=cfg["num_warps"],
-                num_stages=cfg["num_stages"], grid=(triton.cdiv(N, cfg["BLOCK_N"]), cfg["SPLIT_K"]))
-            tiles = {key: cfg[key] for key in ("BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps")}
-            bulk = k.asm["ptx"].count("cp.async.bulk.prefetch.L2")
-            print(f"gemv l2pf={int(pf)} {name} {tiles}: {ptxas_report(k)} | bulk prefetch sites {bulk}")
+    for name, N, K, silu in shapes:
+        cfg = gm.gemv_config(1, N, K, bf, 132, None, silu)
+        x = torch.zeros(1, 2 * K if silu else K, dtype=bf)
+        w = torch.zeros(N, K, dtype=bf)
+        ws = torch.zeros(1 << 20)
+        kps = triton.cdiv(triton.cdiv(K, cfg["BLOCK_K"]), cfg["SPLIT_K"]) * cfg["BLOCK_K"]
+        k = gm._gemv_kernel.warmup(
+            x, w, w, torch.zeros(1, N, dtype=bf), ws, torch.zeros(4096, dtype=torch.int32), x, w, x, ws, ws,
+            1, N, K, x.stride(0), w.stride(0), N, kps, cfg["SPLIT_K"], x.stride(0), x.stride(0), 1e-6,
+            M_PAD=1, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT=cfg["SPLIT_K"] > 1, DOT=cfg["DOT"],
+            IEEE=False, SILU_MUL=silu, HAS_BIAS=False, NORM=False, RESID=False, USE_PDL=1, PREFETCH=True,
+            SS_NORM=False, ADD_SS=False, SS_LANES=32, SS_STRIDE=32, DEPTH=1, num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"], grid=(triton.cdiv(N, cfg["BLOCK_N"]), cfg["SPLIT_K"]))
+        tiles = {key: cfg[key] for key in ("BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps")}
+        print(f"gemv {name} {tiles}: {ptxas_report(k)}")
 
 
 def moe_direct():

@@ -73,8 +73,7 @@ def test_spec_verify_through_decode_graphs_matches_plain(monkeypatch):
 
 
 def test_opt_in_decode_paths_match_default(monkeypatch):
-    """The opt-in decode paths (L2 prefetch from the attention kernel and of each GEMV's own
-    weights, the one-launch MLP, the GEMV two tiles ahead) give the default fast path's greedy tokens (fp32, dummy weights)."""
+    """The opt-in decode paths (L2 prefetch from the attention kernel, the one-launch MLP, the GEMV two tiles ahead) give the default fast path's greedy tokens (fp32, dummy weights)."""
     import blitzllm.kernels.gemv as gemv
     import blitzllm.models.llama as llama
     kw = dict(num_layers=4, device="cuda", dtype="float32", kv_cache_blocks=512, max_num_seqs=8, max_model_len=1024)
@@ -86,7 +85,6 @@ def test_opt_in_decode_paths_match_default(monkeypatch):
     monkeypatch.setenv("BLITZ_L2_PREFETCH", "1")
     monkeypatch.setattr(llama, "FUSED_MLP", True)
     monkeypatch.setattr(gemv, "_FMA_DEPTH", 2)
-    monkeypatch.setattr(gemv, "_SELF_L2PF", True)
     llm = LLM("preset:qwen3-0.6b", **kw)
     assert llm.engine.runner.backend.l2_prefetch_bytes > 0
     got = [[o.token_ids for o in llm.generate(p, params)] for p in (prompts, prompts[:1])]

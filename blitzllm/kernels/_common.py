@@ -148,31 +148,3 @@ def l2_prefetch(ptr, nbytes, chunk, pid, nprog, LANES: tl.constexpr):
     # the asm's result (always 0) feeds a store that never happens: without a use the
     # compiler dropped the asm (seen with Triton 3.6)
     tl.store(base + lanes, issued.to(tl.int8), mask=issued != 0)
-
-
-@triton.jit
-def l2_prefetch_row_ranges(row0, rows_left, row_stride, col0, ncols, ELEM: tl.constexpr,
-                           ROWS: tl.constexpr, LANES: tl.constexpr):
-    """(byte offsets, sizes) [ROWS, LANES] of ``l2_prefetch_rows``'s ranges (size 0: none)."""
-    r = tl.arange(0, ROWS)[:, None]
-    c = tl.arange(0, LANES)[None, :]
-    nbytes = ncols * ELEM
-    chunk = ((nbytes + LANES - 1) // LANES + 15) // 16 * 16
-    start = c * chunk
-    size = tl.minimum(nbytes - start, chunk) // 16 * 16
-    size = tl.where((r < rows_left) & (size > 0), size, 0).to(tl.int32)
-    off = (row0 + r).to(tl.int64) * row_stride * ELEM + col0.to(tl.int64) * ELEM + start
-    return off, size
-
-
-@triton.jit
-def l2_prefetch_rows(ptr, row0, rows_left, row_stride, col0, ncols, ELEM: tl.constexpr,
-                     ROWS: tl.constexpr, LANES: tl.constexpr):
-    """Ask the L2 to fetch columns [col0, col0 + ncols) of rows [row0, row0 + min(ROWS,
-    rows_left)) of a row-major matrix at ``ptr`` (elements of ELEM bytes, ``row_stride``
-    elements apart; addresses 16-byte aligned): LANES ranges per row, each a multiple of 16
-    bytes (a ragged tail under 16 bytes is left out: a prefetch is only a hint)."""
-    base = ptr.to(tl.pointer_type(tl.int8))
-    off, size = l2_prefetch_row_ranges(row0, rows_left, row_stride, col0, ncols, ELEM, ROWS, LANES)
-    issued = _bulk_prefetch(base + off, size)
-    tl.store(base + off, issued.to(tl.int8), mask=issued != 0)  # never: keeps the asm

@@ -44,7 +44,8 @@ MOE_DIRECT_MAX_ENTRIES = 16
 # BLITZ_MOE_PF_DOWN=1 (A/B; Hopper): on the direct path the gate/up launch, which knows the
 # chosen experts once it has waited on the routing, asks the L2 (bulk prefetch) for their down
 # weights, its n-tile programs splitting each expert's block: the down launch's stream then
-# starts before its own ramp. Opt-in until measured.
+# starts before its own ramp. Measured slower on the H200, so off: qwen3-30b-a3b batch 1 326.5 /
+# 326.7 vs 348.6 / 348.6 tok/s (scripts/gpu_session.sh moepf).
 MOE_PF_DOWN = os.environ.get("BLITZ_MOE_PF_DOWN", "0") == "1"
 ALIGN_ONE_PROGRAM_MAX = 256  # (token, k) entries sorted by a single program
 ALIGN_SLICE = 256  # entries per program of the two-pass sort (at most ALIGN_MAX_PROGRAMS)

@@ -39,7 +39,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ._common import (device_sms, l2_prefetch_rows, l2_prefetchable, next_pow2, pdl_enabled,
+from ._common import (device_sms, next_pow2, pdl_enabled,
                       pdl_launch_dependents, pdl_launch_kwargs, pdl_wait, tl, triton, use_triton)
 from .activation import reference_silu_and_mul, silu_and_mul
 
@@ -59,13 +59,6 @@ _FMA_PREFETCH = os.environ.get("BLITZ_GEMV_PREFETCH", "1") != "0"
 # H200 (qwen3-0.6b batch 1 1102.2 vs 1152.3 tok/s, llama-3.1-8b 224.9 vs 234.6), so off
 _FMA_DEPTH = int(os.environ.get("BLITZ_GEMV_DEPTH", "1"))
 _FMA_ACC_REGS = 32  # fp32 accumulator registers per thread allowed in the FMA path
-# BLITZ_GEMV_L2PF=1 (A/B; Hopper with PDL): before waiting on the kernel before, each program
-# asks the L2 for its whole weight slice (bulk prefetch, no registers), so the weight stream
-# starts while the latency-bound kernel before it (norm, attention) still runs: mid-size
-# GEMVs (Llama-8B qkv / o_proj) stream at ~2.8-3.0 TB/s against 4.0-4.2 for the large ones,
-# the difference being their ramp. Opt-in until measured.
-_SELF_L2PF = os.environ.get("BLITZ_GEMV_L2PF", "0") == "1"
-_L2PF_ROW_LANES = 256  # prefetch ranges per program (split over its BLOCK_N rows)
 _CONFIG_KEYS = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "DOT", "num_warps", "num_stages")
 
 
@@ -153,7 +146,6 @@ def _gemv_kernel(
     SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESID: tl.constexpr,
     USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, SS_NORM: tl.constexpr, ADD_SS: tl.constexpr,
     SS_LANES: tl.constexpr, SS_STRIDE: tl.constexpr, DEPTH: tl.constexpr = 1,
-    SELF_L2PF: tl.constexpr = False, PF_ELEM: tl.constexpr = 2, PF_LANES: tl.constexpr = 1,
 ):
     pid_n = tl.program_id(0)
     offs_m = tl.arange(0, M_PAD)
@@ -188,10 +180,6 @@ def _gemv_kernel(
         if DEPTH == 2 and not DOT:  # the split's second tile too
             w_nxt = tl.load(w_ptrs + BLOCK_K, mask=w_mask & (w_k < K - BLOCK_K) & (BLOCK_K < k_per_split),
                             other=0.0, eviction_policy="evict_first")
-    if SELF_L2PF:  # this program's weight slice, into the L2 while the kernel before runs
-        k0 = tl.program_id(1) * k_per_split
-        l2_prefetch_rows(w_ptr, pid_n * BLOCK_N, N - pid_n * BLOCK_N, stride_wn, k0,
-                         tl.minimum(k_per_split, K - k0), PF_ELEM, BLOCK_N, PF_LANES)
     r_tile = acc  # ADD_SS: the residual tile; it was written two or more launches back, which
     if ADD_SS:    # completed before the kernel before passed its own wait (PDL): load it now
         r_tile = tl.load(r_ptr + om * stride_rm + on, mask=(om < M) & (on < N), other=0.0)
@@ -290,7 +278,9 @@ def _pick_split(n_tiles: int, K: int, block_k: int, sms: int) -> int:
 
 
 # prefer_gemv's size limits (weights, up to 2 rows), overridable for A/B runs:
-# BLITZ_GEMV_MAX_WEIGHTS (plain), BLITZ_GEMV_SILU_MAX_WEIGHTS (silu-and-mul input; -1: no limit)
+# BLITZ_GEMV_MAX_WEIGHTS (plain), BLITZ_GEMV_SILU_MAX_WEIGHTS (silu-and-mul input; -1: no limit).
+# Llama-3.1-8B's down_proj (58.7M weights) as the silu-input GEMV with wider N tiles: 233.8 /
+# 233.6 vs 239.7 / 239.8 tok/s with the separate SiLU-and-mul + GEMV (H200, gpu_session.sh silu)
 _MAX_WEIGHTS = int(os.environ.get("BLITZ_GEMV_MAX_WEIGHTS", str(64 << 20)))
 _SILU_MAX_WEIGHTS = int(os.environ.get("BLITZ_GEMV_SILU_MAX_WEIGHTS", str(32 << 20)))
 _SILU_EXP_BUDGET = 8 << 20  # silu evaluations per launch the FMA-path heuristic aims under
@@ -439,7 +429,6 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
     pdl = pdl_enabled(x)
     r = residual if resid else (add_residual if add_ss else x)
     ss_norm = norm and ss is not None
-    self_pf = pdl and _SELF_L2PF and l2_prefetchable(w, w.stride(0) * w.element_size())
     _gemv_kernel[(n_tiles, n_splits)](
         x, w, bias if bias is not None else w, out, ws, cnt, r,
         norm_weight if norm else w, new_res, ss if ss is not None else ws,
@@ -450,7 +439,6 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
         IEEE=x.dtype == torch.float32, SILU_MUL=silu_mul_input, HAS_BIAS=bias is not None,
         NORM=norm, RESID=resid, USE_PDL=pdl, PREFETCH=pdl or (_FMA_PREFETCH and not cfg["DOT"]),
         SS_NORM=ss_norm, ADD_SS=add_ss, SS_LANES=SS_LANES, SS_STRIDE=SS_STRIDE, DEPTH=_FMA_DEPTH,
-        SELF_L2PF=self_pf, PF_ELEM=w.element_size(), PF_LANES=max(1, _L2PF_ROW_LANES // bn),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **pdl_launch_kwargs(pdl),
     )

@@ -6,12 +6,18 @@ Each graph covers the model forward and the lm_head; sampling runs after it.
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 
 import torch
 
 from ..layers.attention import AttentionMetadata, ForwardContext, forward_context
+
+STAGING_SLOTS = 3  # pinned input slots in turn: a step and its look-ahead are in flight at once
+# BLITZ_GRAPH_STAGING=0 (A/B): each step builds and pins fresh tensors for its inputs, copies
+# them in three transfers and one copy kernel per input buffer (the path before the slots)
+STAGING = os.environ.get("BLITZ_GRAPH_STAGING", "1") != "0"
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:
@@ -27,13 +33,18 @@ class DecodeGraphs:
     def __init__(self, model, kv_caches, backend, device, max_num_seqs: int, max_blocks_per_seq: int):
         self.model, self.kv_caches, self.backend, self.device = model, kv_caches, backend, device
         self.buckets = decode_buckets(max_num_seqs)
-        n = self.buckets[-1]
-        i64 = dict(dtype=torch.int64, device=device)
-        self.input_ids = torch.zeros(n, **i64)
-        self.positions = torch.zeros(n, **i64)
-        self.slot_mapping = torch.full((n,), -1, **i64)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+        n, w = self.buckets[-1], max_blocks_per_seq
+        # The graphs' inputs live in two device buffers, so a step's host data lands with two
+        # copies from one pinned staging slot (``run``): [ids; positions; slots] int64 and
+        # [seq lens, block tables] int32
+        self._in64 = torch.zeros(3, n, dtype=torch.int64, device=device)
+        self.input_ids, self.positions, self.slot_mapping = self._in64
+        self.slot_mapping.fill_(-1)
+        self._in32 = torch.zeros(n + n * w, dtype=torch.int32, device=device)
+        self.seq_lens, self.block_tables = self._in32[:n], self._in32[n:].view(n, w)
+        self.seq_lens.fill_(1)
+        self._staging: list = []  # pinned host slots (allocated on first use), each with its event
+        self._next_slot = 0
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -78,16 +89,55 @@ class DecodeGraphs:
     def can_run(self, n: int) -> bool:
         return 0 < n <= self.buckets[-1] and bool(self.graphs)
 
-    def run(self, packed: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-        """packed [4, n] int64 on the device: input ids, positions, slots, seq lens;
-        block_tables [n, w] int32 on the device. Returns logits [n, V]."""
-        n = packed.shape[1]
+    def _slot(self):
+        """The next pinned staging slot, once the copy that last read it has run."""
+        if not self._staging:
+            n, size32 = self._in64.shape[1], self._in32.numel()
+            for _ in range(STAGING_SLOTS):
+                h64 = torch.zeros(3, n, dtype=torch.int64).pin_memory()
+                h32 = torch.zeros(size32, dtype=torch.int32).pin_memory()
+                self._staging.append((h64, h32, h64.numpy(), h32.numpy(), torch.cuda.Event()))
+        slot = self._staging[self._next_slot]
+        self._next_slot = (self._next_slot + 1) % len(self._staging)
+        slot[4].synchronize()
+        return slot
+
+    def run(self, ids, pos: list, slots: list, lens: list, block_tables: list) -> torch.Tensor:
+        """One decode step of ``len(pos)`` rows: ``ids`` a host list or a device tensor (the
+        previous step's sampled tokens), the other inputs host lists. The host data goes
+        through a pinned slot with two copies (and one device copy for device ids); rows
+        past n up to the bucket are padding (slot -1: they write nothing). Returns logits [n, V]."""
+        n = len(pos)
         b = next(x for x in self.buckets if x >= n)
-        self.input_ids[:n].copy_(packed[0])
-        self.positions[:n].copy_(packed[1])
-        self.slot_mapping[:n].copy_(packed[2])
-        self.seq_lens[:n].copy_(packed[3])
-        self.block_tables[:n, :block_tables.shape[1]].copy_(block_tables)
+        if not STAGING:
+            return self._run_unstaged(ids, pos, slots, lens, block_tables, n, b)
+        N, w = self._in64.shape[1], self.block_tables.shape[1]
+        h64, h32, a64, a32, ev = self._slot()
+        if not isinstance(ids, torch.Tensor):
+            a64[0, :n] = ids
+        a64[1, :n], a64[2, :n], a32[:n] = pos, slots, lens
+        a64[:2, n:b], a64[2, n:b], a32[n:b] = 0, -1, 1
+        for i, t in enumerate(block_tables):
+            a32[N + i * w:N + i * w + len(t)] = t
+        self._in64.copy_(h64, non_blocking=True)
+        self._in32[:N + n * w].copy_(h32[:N + n * w], non_blocking=True)
+        ev.record()
+        if isinstance(ids, torch.Tensor):
+            self.input_ids[:n].copy_(ids)
+        self.graphs[b].replay()
+        return self.logits[b][:n]
+
+    def _run_unstaged(self, ids, pos, slots, lens, block_tables, n: int, b: int) -> torch.Tensor:
+        width = max(len(t) for t in block_tables)
+        bt = [t + [0] * (width - len(t)) for t in block_tables]
+        host = torch.tensor([pos, slots, lens], dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
+        ids_dev = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.int64).to(self.device)
+        bt_dev = torch.tensor(bt, dtype=torch.int32).pin_memory().to(self.device, non_blocking=True)
+        self.input_ids[:n].copy_(ids_dev)
+        self.positions[:n].copy_(host[0])
+        self.slot_mapping[:n].copy_(host[1])
+        self.seq_lens[:n].copy_(host[2])
+        self.block_tables[:n, :width].copy_(bt_dev)
         if b > n:
             self.slot_mapping[n:b].fill_(-1)
             self.seq_lens[n:b].fill_(1)

@@ -13,7 +13,6 @@ Sampling happens on rank 0 only.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -154,13 +153,7 @@ class ModelRunner:
 
     def launch_decode_graph(self, ids, pos, slots, lens, block_tables) -> torch.Tensor:
         """ids: host list or a device tensor (the previous step's sampled tokens)."""
-        width = max(len(t) for t in block_tables)
-        bt = [t + [0] * (width - len(t)) for t in block_tables]
-        host = torch.tensor([pos, slots, lens], dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
-        ids_dev = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.int64).to(self.device)
-        packed = torch.cat([ids_dev[None], host])
-        bt_dev = torch.tensor(bt, dtype=torch.int32).pin_memory().to(self.device, non_blocking=True)
-        return self.graphs.run(packed, bt_dev)
+        return self.graphs.run(ids, pos, slots, lens, block_tables)
 
     def _decode_step(self, seqs, block_tables, rows):
         """Pure decode through the CUDA graphs, one step pipelined: right after sampling

@@ -4,11 +4,8 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 from blitzllm.kernels import gemv as gv  # noqa: E402
-from blitzllm.kernels._common import l2_prefetch_row_ranges  # noqa: E402
 from blitzllm.kernels.activation import reference_silu_and_mul  # noqa: E402
 from blitzllm.kernels.gemv import gemv_config, norm_linear, prefer_gemv, gemv_triton, linear, reference_linear  # noqa: E402
 
@@ -286,69 +283,3 @@ def test_env_config_reaches_the_launch_and_is_checked(monkeypatch, device):
         gemv._env_config()
 
 
-@triton.jit
-def _row_ranges_kernel(off_ptr, size_ptr, row0, rows_left, row_stride, col0, ncols, ELEM: tl.constexpr,
-                       ROWS: tl.constexpr, LANES: tl.constexpr):
-    off, size = l2_prefetch_row_ranges(row0, rows_left, row_stride, col0, ncols, ELEM, ROWS, LANES)
-    idx = tl.arange(0, ROWS)[:, None] * LANES + tl.arange(0, LANES)[None, :]
-    tl.store(off_ptr + idx, off)
-    tl.store(size_ptr + idx, size)
-
-
-@pytest.mark.parametrize("rows,rows_left,ncols,col0,lanes,elem", [
-    (4, 4, 4096, 0, 64, 2),     # Llama o_proj tiles: 8 KB rows, 64 ranges each
-    (16, 5, 1000, 512, 16, 2),  # a ragged last tile (5 rows), a split's K range, a 2000-byte row
-    (2, 2, 33, 0, 8, 4),        # fp32, 132 bytes: every range but the ragged tail
-])
-def test_l2_prefetch_row_ranges_cover_the_tile(rows, rows_left, ncols, col0, lanes, elem, device):
-    """The GEMV's own-weight L2 prefetch (BLITZ_GEMV_L2PF) asks for exactly its tile: per row
-    the ranges are 16-byte multiples, disjoint, in order, inside [col0, col0 + ncols) of the
-    row, and cover it but for under 16 bytes per range; rows past rows_left ask nothing."""
-    row0, stride = 3, 8192
-    off = torch.zeros(rows * lanes, dtype=torch.int64, device=device)
-    size = torch.zeros(rows * lanes, dtype=torch.int32, device=device)
-    _row_ranges_kernel[(1,)](off, size, row0, rows_left, stride, col0, ncols, ELEM=elem, ROWS=rows, LANES=lanes)
-    off, size = off.view(rows, lanes).cpu().tolist(), size.view(rows, lanes).cpu().tolist()
-    for r in range(rows):
-        ranges = [(o, s) for o, s in zip(off[r], size[r]) if s > 0]
-        if r >= rows_left:
-            assert ranges == []
-            continue
-        lo = ((row0 + r) * stride + col0) * elem
-        hi = lo + ncols * elem
-        assert all(s % 16 == 0 and lo <= o and o + s <= hi for o, s in ranges)
-        assert all(a[0] + a[1] <= b[0] for a, b in zip(ranges, ranges[1:]))
-        covered = sum(s for _, s in ranges)
-        assert ncols * elem - covered < 16 * lanes and covered > 0
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_gemv_own_l2_prefetch_leaves_results_unchanged(monkeypatch):
-    """BLITZ_GEMV_L2PF: the launch carries the prefetch where the GPU has it (sm_90+, PDL)
-    and the products are bitwise those without it (split and unsplit, bf16 shapes)."""
-    from blitzllm.kernels._common import l2_prefetch_supported, pdl_enabled
-    dev, dt = "cuda", torch.bfloat16
-    seen = []
-    orig = gv._gemv_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*a, **kw):
-                seen.append(kw["SELF_L2PF"])
-                return orig[grid](*a, **kw)
-            return launch
-    monkeypatch.setattr(gv, "_gemv_kernel", Spy())
-    for n, k in [(6144, 4096), (4096, 4096), (1024, 3072), (130, 260)]:
-        w = torch.randn(n, k, device=dev, dtype=dt) / k ** 0.5
-        x = torch.randn(1, k, device=dev, dtype=dt)
-        for cfg in (None, CONFIGS["k"]):
-            monkeypatch.setattr(gv, "_SELF_L2PF", False)
-            want = gemv_triton(x, w, config=cfg)
-            monkeypatch.setattr(gv, "_SELF_L2PF", True)
-            got = gemv_triton(x, w, config=cfg)
-            if cfg is None:  # unsplit: the same sums in the same order
-                assert torch.equal(got, want)
-            close(got, reference_linear(x, w), dt)
-    on = l2_prefetch_supported(x) and pdl_enabled(x)
-    assert seen[1::2] == [on] * (len(seen) // 2) and not any(seen[0::2])
