@@ -127,10 +127,6 @@ for part in "$@"; do case $part in
        BLITZ_ATTN_BLOCK_N=0 run 100 llama_base $L; run 100 llama_bn32 $L; BLITZ_ATTN_WARPS=8 run 100 llama_bn32w8 $L
        BLITZ_ATTN_BLOCK_N=0 run 100 llama_b64 $L64; run 100 llama_b64_bn32 $L64
        BLITZ_ATTN_BLOCK_N=0 run 150 q30b $M; run 150 q30b_bn32 $M; unset BLITZ_ATTN_BLOCK_N ;;
-  stage) # decode graph inputs through pinned staging slots (default) vs fresh pinned tensors per step
-       Q="--model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
-       run 80 qwen_stage $Q; BLITZ_GRAPH_STAGING=0 run 80 qwen_nostage $Q
-       run 80 qwen_stage2 $Q; BLITZ_GRAPH_STAGING=0 run 80 qwen_nostage2 $Q ;;
   bnlong) # decode attention tile at long contexts (32 keys, the default, vs 64): llama batch 1 with 1,000
        # prompt + 1,000 output tokens, and a 8,000-token prompt
        L1="--model preset:llama-3.1-8b --batch-size 1 --input-len 1000 --output-len 1000 --max-num-seqs 8"

@@ -6,7 +6,6 @@ Each graph covers the model forward and the lm_head; sampling runs after it.
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 
@@ -15,9 +14,9 @@ import torch
 from ..layers.attention import AttentionMetadata, ForwardContext, forward_context
 
 STAGING_SLOTS = 3  # pinned input slots in turn: a step and its look-ahead are in flight at once
-# BLITZ_GRAPH_STAGING=0 (A/B): each step builds and pins fresh tensors for its inputs, copies
-# them in three transfers and one copy kernel per input buffer (the path before the slots)
-STAGING = os.environ.get("BLITZ_GRAPH_STAGING", "1") != "0"
+# Against fresh pinned tensors per step, three transfers and a copy kernel per input buffer
+# (the path before): qwen3-0.6b batch 1 1228.9 / 1229.8 vs 1218.5 / 1218.1 tok/s, kernels per
+# layer 7.143 vs 7.179 (H200, scripts/gpu_session.sh stage, since removed)
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:
@@ -109,8 +108,6 @@ class DecodeGraphs:
         past n up to the bucket are padding (slot -1: they write nothing). Returns logits [n, V]."""
         n = len(pos)
         b = next(x for x in self.buckets if x >= n)
-        if not STAGING:
-            return self._run_unstaged(ids, pos, slots, lens, block_tables, n, b)
         N, w = self._in64.shape[1], self.block_tables.shape[1]
         h64, h32, a64, a32, ev = self._slot()
         if not isinstance(ids, torch.Tensor):
@@ -127,19 +124,3 @@ class DecodeGraphs:
         self.graphs[b].replay()
         return self.logits[b][:n]
 
-    def _run_unstaged(self, ids, pos, slots, lens, block_tables, n: int, b: int) -> torch.Tensor:
-        width = max(len(t) for t in block_tables)
-        bt = [t + [0] * (width - len(t)) for t in block_tables]
-        host = torch.tensor([pos, slots, lens], dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
-        ids_dev = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.int64).to(self.device)
-        bt_dev = torch.tensor(bt, dtype=torch.int32).pin_memory().to(self.device, non_blocking=True)
-        self.input_ids[:n].copy_(ids_dev)
-        self.positions[:n].copy_(host[0])
-        self.slot_mapping[:n].copy_(host[1])
-        self.seq_lens[:n].copy_(host[2])
-        self.block_tables[:n, :width].copy_(bt_dev)
-        if b > n:
-            self.slot_mapping[n:b].fill_(-1)
-            self.seq_lens[n:b].fill_(1)
-        self.graphs[b].replay()
-        return self.logits[b][:n]
