@@ -49,8 +49,13 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def hf_decode_seconds_per_token(hf, prompts: torch.Tensor, output_len: int, compiled: bool) -> float:
-    """Decode time per step, (T(output_len) - T(1)) / (output_len - 1), greedy, no EOS stop."""
+def hf_decode_seconds_per_token(hf, prompts: torch.Tensor, output_len: int, compiled: bool,
+                                repeats: int = 1) -> float:
+    """Decode time per step, (T(output_len) - T(1)) / (output_len - 1), greedy, no EOS stop;
+    with ``repeats`` > 1 the median of that many such estimates (the compiled peer's single
+    estimates spread by several percent from run to run)."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
     device = prompts.device
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0,
               attention_mask=torch.ones_like(prompts))
@@ -70,5 +75,5 @@ def hf_decode_seconds_per_token(hf, prompts: torch.Tensor, output_len: int, comp
     timed(min(output_len, 8))  # warm-up (and compilation)
     if compiled:
         timed(output_len)
-    t_full, t_one = timed(output_len), timed(1)
-    return max(t_full - t_one, 1e-9) / (output_len - 1)
+    est = sorted(max(timed(output_len) - timed(1), 1e-9) / (output_len - 1) for _ in range(repeats))
+    return est[len(est) // 2]
