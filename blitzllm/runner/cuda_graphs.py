@@ -123,4 +123,3 @@ class DecodeGraphs:
             self.input_ids[:n].copy_(ids)
         self.graphs[b].replay()
         return self.logits[b][:n]
-

@@ -281,5 +281,3 @@ def test_env_config_reaches_the_launch_and_is_checked(monkeypatch, device):
     monkeypatch.setenv("BLITZ_GEMV_CONFIG", '{"BLOCK_Q": 2}')
     with pytest.raises(ValueError, match="BLITZ_GEMV_CONFIG"):
         gemv._env_config()
-
-
