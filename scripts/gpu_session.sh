@@ -160,6 +160,13 @@ for part in "$@"; do case $part in
   ttft) run 70 llama_ttft10k --model preset:llama-3.1-8b --batch-size 1 --input-len 10000 --output-len 4 --max-num-seqs 1 --enforce-eager ;;
   gen1k) run 80 llama_1k1k --model preset:llama-3.1-8b --batch-size 1 --input-len 1000 --output-len 1000 --max-num-seqs 8 ;;
   serve) timeout 200 bash scripts/gpu_serve.sh ;;
+  swap) # the swapped tensor-core GEMV form (W the wide MMA operand, pipelined) against cuBLAS and the
+       # heuristic on Llama-3.1-8B's decode shapes at one row
+       timeout 240 python3 scripts/bench_gemv.py --swap-only --models llama-3.1-8b --layers qkv,o_proj,down,gate_up \
+         --ms 1 --budget-s 200 > "$OUT/gemv_swap.log" 2>&1; tail -8 "$OUT/gemv_swap.log" ;;
+  swapab) L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
+       run 100 llama_base $L; BLITZ_GEMV_CONFIG='{"SWAP": true}' run 100 llama_swap64 $L
+       BLITZ_GEMV_CONFIG='{"SWAP": true, "BLOCK_N": 128}' run 100 llama_swap128 $L ;;
 esac; done
 python3 - "$OUT" <<'PY'
 import json, sys, glob, os

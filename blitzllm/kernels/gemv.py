@@ -59,7 +59,7 @@ _FMA_PREFETCH = os.environ.get("BLITZ_GEMV_PREFETCH", "1") != "0"
 # H200 (qwen3-0.6b batch 1 1102.2 vs 1152.3 tok/s, llama-3.1-8b 224.9 vs 234.6), so off
 _FMA_DEPTH = int(os.environ.get("BLITZ_GEMV_DEPTH", "1"))
 _FMA_ACC_REGS = 32  # fp32 accumulator registers per thread allowed in the FMA path
-_CONFIG_KEYS = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "DOT", "num_warps", "num_stages")
+_CONFIG_KEYS = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "DOT", "SWAP", "num_warps", "num_stages")
 
 
 def _env_config() -> dict:
@@ -248,6 +248,17 @@ def _gemv_kernel(
     pdl_launch_dependents(USE_PDL)
     if not DOT:
         acc = tl.sum(acc, axis=2)
+    _gemv_finish(acc, om, on, offs_m, pid_n, M, N, out_ptr, stride_om, ws_ptr, cnt_ptr, b_ptr, n_splits,
+                 SPLIT, HAS_BIAS, ADD_SS, r_tile, ss_ptr, SS_LANES, SS_STRIDE, DOT)
+
+
+@triton.jit
+def _gemv_finish(acc, om, on, offs_m, pid_n, M, N, out_ptr, stride_om, ws_ptr, cnt_ptr, b_ptr, n_splits,
+                 SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, ADD_SS: tl.constexpr, r_tile, ss_ptr,
+                 SS_LANES: tl.constexpr, SS_STRIDE: tl.constexpr, ROWS_FIRST: tl.constexpr):
+    """The [M, N] tile ``acc`` (index grids ``om`` / ``on``; ``ROWS_FIRST``: [M_PAD, BN],
+    else [BN, M_PAD]) out: stored, or with split-K added into the workspace and stored by the
+    program arriving last."""
     omask = (om < M) & (on < N)
     out_ptrs = out_ptr + om * stride_om + on
     # ADD_SS: per-row sums of squares into this tile's lane of the slot
@@ -263,10 +274,44 @@ def _gemv_kernel(
             tl.store(ws_ptrs, tl.zeros_like(acc), mask=omask)
             tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch
             _gemv_store(acc, b_ptr, out_ptrs, on, N, omask, HAS_BIAS, ADD_SS, r_tile, ss_ptrs,
-                        offs_m < M, DOT)
+                        offs_m < M, ROWS_FIRST)
     else:
         _gemv_store(acc, b_ptr, out_ptrs, on, N, omask, HAS_BIAS, ADD_SS, r_tile, ss_ptrs,
-                    offs_m < M, DOT)
+                    offs_m < M, ROWS_FIRST)
+
+
+@triton.jit
+def _gemv_swap_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn,
+                      stride_om, k_per_split, n_splits, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr):
+    """The swapped tensor-core form (``SWAP``): acc [BN, M_PAD] += W tile [BN, BK] @ x^T tile
+    [BK, M_PAD]. W is the MMA's wide operand (BN of 64-128 weight rows), x the narrow one
+    padded to 16 columns; ``tl.dot``'s loads are software-pipelined through shared memory
+    (``num_stages`` W tiles in flight per program, as a cuBLAS GEMV kernel streams), where
+    the FMA path holds one tile ahead in registers."""
+    pid_n = tl.program_id(0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, M_PAD)
+    k0 = tl.program_id(1) * k_per_split
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + (k0 + offs_k)[None, :]
+    x_ptrs = x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None]  # x^T tile [BK, M_PAD]
+    n_ok, m_ok = offs_n[:, None] < N, offs_m[None, :] < M
+    acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
+    k_left = K - k0
+    pdl_wait(USE_PDL)
+    for k in range(0, k_per_split, BLOCK_K):
+        w = tl.load(w_ptrs + k, mask=n_ok & (offs_k[None, :] < k_left - k), other=0.0,
+                    eviction_policy="evict_first")
+        xt = tl.load(x_ptrs + k, mask=m_ok & (offs_k[:, None] < k_left - k), other=0.0)
+        if IEEE:
+            acc = tl.dot(w, xt, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, xt, acc)
+    pdl_launch_dependents(USE_PDL)
+    _gemv_finish(acc, offs_m[None, :], offs_n[:, None], offs_m, pid_n, M, N, out_ptr, stride_om, ws_ptr,
+                 cnt_ptr, b_ptr, n_splits, SPLIT, HAS_BIAS, False, acc, ws_ptr, 1, 1, False)
 
 
 def _pick_split(n_tiles: int, K: int, block_k: int, sms: int) -> int:
@@ -312,8 +357,16 @@ def gemv_config(M: int, N: int, K: int, dtype: torch.dtype, sms: int, config: Op
     unknown = set(config) - set(_CONFIG_KEYS)
     if unknown:
         raise KeyError(f"unknown gemv config keys {sorted(unknown)}; expected {_CONFIG_KEYS}")
-    dot = bool(config.get("DOT", M > 2))
     vec_k = 32 * 16 // dtype.itemsize  # a warp-wide row of 16-byte vectors: 256 bf16, 128 fp32
+    if config.get("SWAP"):  # W as the MMA's wide operand, pipelined (see _gemv_swap_kernel)
+        assert not silu_mul_input, "the swapped form takes a plain input"
+        bn, bk = config.get("BLOCK_N", 64), config.get("BLOCK_K", 128)
+        n_tiles, chunks = triton.cdiv(N, bn), triton.cdiv(K, bk)
+        split = config.get("SPLIT_K") or max(1, min(triton.cdiv(2 * sms, n_tiles), chunks))
+        split = triton.cdiv(chunks, triton.cdiv(chunks, split))
+        return {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "DOT": True, "SWAP": True,
+                "num_warps": config.get("num_warps", 4), "num_stages": config.get("num_stages", 4)}
+    dot = bool(config.get("DOT", M > 2))
     if dot and silu_mul_input:  # every warp evaluates the silu of its whole x tile:
         bn, bk, warps = 64, vec_k // 2, 2  # wide N tiles, few warps
     elif dot:
@@ -337,7 +390,7 @@ def gemv_config(M: int, N: int, K: int, dtype: torch.dtype, sms: int, config: Op
     split = config.get("SPLIT_K") or _pick_split(triton.cdiv(N, bn), K, bk, sms)
     chunks = triton.cdiv(K, bk)
     split = triton.cdiv(chunks, triton.cdiv(chunks, split))  # what BLOCK_K-aligned ranges give
-    return {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "DOT": dot,
+    return {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "DOT": dot, "SWAP": False,
             "num_warps": warps, "num_stages": config.get("num_stages", 3 if dot else 2)}
 
 
@@ -417,8 +470,10 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
         return out
     if K == 0:
         return out.copy_(bias.expand(M, N) if bias is not None else torch.zeros_like(out))
-    cfg = _cached_config(M, N, K, x.dtype, device_sms(x), tuple(sorted((config or _ENV_CONFIG).items())),
-                         silu_mul_input)
+    items = config or _ENV_CONFIG
+    if not config and (norm or add_ss or silu_mul_input) and items.get("SWAP"):
+        items = {}  # A/B runs of the swapped form: fused calls keep the heuristic
+    cfg = _cached_config(M, N, K, x.dtype, device_sms(x), tuple(sorted(items.items())), silu_mul_input)
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
     n_splits, n_tiles = cfg["SPLIT_K"], triton.cdiv(N, bn)
     k_per_split = triton.cdiv(triton.cdiv(K, bk), n_splits) * bk  # the last range may be ragged
@@ -427,6 +482,14 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
     cnt = _zeros(x.device, torch.int32, next_pow2(n_tiles)) if split else out
     m_pad = next_pow2(M)  # tl.dot pads small M itself
     pdl = pdl_enabled(x)
+    if cfg["SWAP"]:
+        assert not (norm or add_ss or silu_mul_input), "the swapped form takes a plain input"
+        _gemv_swap_kernel[(n_tiles, n_splits)](
+            x, w, bias if bias is not None else w, out, ws, cnt, M, N, K, x.stride(0), w.stride(0),
+            out.stride(0), k_per_split, n_splits, M_PAD=max(16, m_pad), BLOCK_N=bn, BLOCK_K=bk,
+            SPLIT=split, IEEE=x.dtype == torch.float32, HAS_BIAS=bias is not None, USE_PDL=pdl,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch_kwargs(pdl))
+        return out
     r = residual if resid else (add_residual if add_ss else x)
     ss_norm = norm and ss is not None
     _gemv_kernel[(n_tiles, n_splits)](

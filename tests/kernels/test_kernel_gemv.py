@@ -18,6 +18,11 @@ CONFIGS = {  # BLOCK_K 32 with K 33 / 260 leaves ragged chunks; 260 / SPLIT 2 ->
     "k-dot": {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 3, "DOT": True},
     "auto": None,
 }
+# the swapped tensor-core form (W the wide MMA operand): plain inputs only
+SWAP_CONFIGS = {
+    "swap-n": {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 1, "SWAP": True},
+    "swap-k": {"BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 3, "SWAP": True, "num_stages": 3},
+}
 
 
 def close(out, ref, dtype):
@@ -42,6 +47,34 @@ def test_gemv_fp32(m, n, k, cfg, device):
     out = gemv_triton(x, w, b, config=CONFIGS[cfg])
     assert out.shape == (m, n) and out.dtype == torch.float32
     close(out, reference_linear(x, w, b), torch.float32)
+
+
+@pytest.mark.parametrize("cfg", list(SWAP_CONFIGS))
+@pytest.mark.parametrize("k", [16, 33, 260])
+@pytest.mark.parametrize("n", [1, 64, 130])
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_gemv_swap_fp32(m, n, k, cfg, device):
+    """Odd N and K (ragged tiles, a fully masked split tail at K 33 / split 3), bias or not."""
+    x, w, b = make(m, n, k, torch.float32, device, bias=(m + n) % 2 == 1)
+    out = gemv_triton(x, w, b, config=SWAP_CONFIGS[cfg])
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    close(out, reference_linear(x, w, b), torch.float32)
+
+
+@pytest.mark.parametrize("cfg", list(SWAP_CONFIGS))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gemv_swap_half(dtype, cfg, device):
+    x, w, b = make(2, 130, 96, dtype, device)
+    for _ in range(2):  # split-K: the second call starts from the zeros the first one left
+        out = gemv_triton(x, w, b, config=SWAP_CONFIGS[cfg])
+        assert out.dtype == dtype
+        close(out, reference_linear(x, w, b), dtype)
+
+
+def test_gemv_swap_refuses_fused_inputs(device):
+    x, w, _ = make(1, 40, 32, torch.float32, device, silu=True)
+    with pytest.raises(AssertionError, match="plain input"):
+        gemv_triton(x, w, silu_mul_input=True, config=SWAP_CONFIGS["swap-n"])
 
 
 @pytest.mark.parametrize("cfg", ["n", "k", "k-dot"])
@@ -253,8 +286,9 @@ def test_gpu_linear_bf16():
         for m in (1, 4, 16):
             x = torch.randn(2, m, k, device=dev, dtype=dt)[1]
             close(linear(x, w, b), reference_linear(x, w, b), dt)
-            for cfg in ("n", "k-dot"):
-                close(gemv_triton(x, w, b, config=CONFIGS[cfg]), reference_linear(x, w, b), dt)
+            for cfg in (CONFIGS["n"], CONFIGS["k-dot"], {"SWAP": True}, {"SWAP": True, "BLOCK_N": 128}):
+                for _ in range(2):  # split-K buffers reset by the first call
+                    close(gemv_triton(x, w, b, config=cfg), reference_linear(x, w, b), dt)
             g = torch.randn(m, 2 * k, device=dev, dtype=dt)
             close(linear(g, w, silu_mul_input=True), reference_linear(g, w, silu_mul_input=True), dt)
 
