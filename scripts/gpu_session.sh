@@ -164,6 +164,14 @@ for part in "$@"; do case $part in
        # heuristic on Llama-3.1-8B's decode shapes at one row
        timeout 240 python3 scripts/bench_gemv.py --swap-only --models llama-3.1-8b --layers qkv,o_proj,down,gate_up \
          --ms 1 --budget-s 200 > "$OUT/gemv_swap.log" 2>&1; tail -8 "$OUT/gemv_swap.log" ;;
+  glutests) timeout 200 python3 -m pytest -q -x --tb=short -m gpu tests/kernels/test_kernel_gemv.py tests/test_gpu_e2e.py \
+         -k "glu or gpu_linear" -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/glu_tests.log" ;;
+  glu) # gate_up on the GEMV (Llama-3.1-8B's is past the plain GEMV's 64M-weight limit: cuBLAS by default),
+       # and as the GLU GEMV (SiLU-and-mul in its epilogue, no SiLU-and-mul launch)
+       L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
+       Q="--model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
+       run 100 llama_base $L; BLITZ_GEMV_MAX_WEIGHTS=$((128<<20)) run 100 llama_gu_gemv $L
+       BLITZ_GEMV_GLU=1 run 100 llama_glu $L; run 80 qwen_base $Q; BLITZ_GEMV_GLU=1 run 80 qwen_glu $Q ;;
   swapab) L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        run 100 llama_base $L; BLITZ_GEMV_CONFIG='{"SWAP": true}' run 100 llama_swap64 $L
        BLITZ_GEMV_CONFIG='{"SWAP": true, "BLOCK_N": 128}' run 100 llama_swap128 $L ;;

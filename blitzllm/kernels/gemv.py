@@ -145,24 +145,31 @@ def _gemv_kernel(
     SPLIT: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
     SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESID: tl.constexpr,
     USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, SS_NORM: tl.constexpr, ADD_SS: tl.constexpr,
-    SS_LANES: tl.constexpr, SS_STRIDE: tl.constexpr, DEPTH: tl.constexpr = 1,
+    SS_LANES: tl.constexpr, SS_STRIDE: tl.constexpr, DEPTH: tl.constexpr = 1, GLU: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     offs_m = tl.arange(0, M_PAD)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if GLU:  # the tile's first BLOCK_N // 2 rows are gate rows, the rest the matching up rows
+        r = tl.arange(0, BLOCK_N)  # (N further on in W); N is the output width here
+        j = pid_n * (BLOCK_N // 2) + r % (BLOCK_N // 2)
+        offs_n = j + tl.where(r < BLOCK_N // 2, 0, N)
+        n_ok = j < N
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
     offs_k = tl.program_id(1) * k_per_split + tl.arange(0, BLOCK_K)
     w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn
     if DOT:  # W tile [BN, BK], x tile [M_PAD, BK], accumulator [M_PAD, BN]
         om, on = offs_m[:, None], offs_n[None, :]
         w_k = offs_k[None, :]
         w_ptrs = w_rows[:, None] + w_k
-        w_mask = offs_n[:, None] < N
+        w_mask = n_ok[:, None]
         acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
     else:  # [BN, M_PAD, BK] products, accumulator [BN, M_PAD] after the final reduction
         om, on = offs_m[None, :], offs_n[:, None]
         w_k = offs_k[None, None, :]
         w_ptrs = w_rows[:, None, None] + w_k
-        w_mask = offs_n[:, None, None] < N
+        w_mask = n_ok[:, None, None]
         acc = tl.zeros([BLOCK_N, M_PAD, BLOCK_K], dtype=tl.float32)
     if DOT or SILU_MUL:  # one x tile [M_PAD, BK] (the silu is not recomputed per column)
         x_k = offs_k[None, :]
@@ -248,8 +255,34 @@ def _gemv_kernel(
     pdl_launch_dependents(USE_PDL)
     if not DOT:
         acc = tl.sum(acc, axis=2)
-    _gemv_finish(acc, om, on, offs_m, pid_n, M, N, out_ptr, stride_om, ws_ptr, cnt_ptr, b_ptr, n_splits,
-                 SPLIT, HAS_BIAS, ADD_SS, r_tile, ss_ptr, SS_LANES, SS_STRIDE, DOT)
+    if GLU:
+        _gemv_glu_store(acc, b_ptr, offs_n, n_ok, out_ptr, stride_om, offs_m, pid_n, M, N, BLOCK_N, HAS_BIAS, DOT)
+    else:
+        _gemv_finish(acc, om, on, offs_m, pid_n, M, N, out_ptr, stride_om, ws_ptr, cnt_ptr, b_ptr, n_splits,
+                     SPLIT, HAS_BIAS, ADD_SS, r_tile, ss_ptr, SS_LANES, SS_STRIDE, DOT)
+
+
+@triton.jit
+def _gemv_glu_store(acc, b_ptr, w_row, n_ok, out_ptr, stride_om, offs_m, pid_n, M, N,
+                    BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS_FIRST: tl.constexpr):
+    """GLU epilogue: the tile's gate half and up half (+ bias) rounded as the gate_up output,
+    then ``silu(gate) * up`` with the numerics of activation.silu_and_mul, stored [M, BN / 2]."""
+    HALF: tl.constexpr = BLOCK_N // 2
+    if HAS_BIAS:
+        b = tl.load(b_ptr + w_row, mask=n_ok, other=0.0).to(tl.float32)
+        acc += b[None, :] if ROWS_FIRST else b[:, None]
+    y = acc.to(out_ptr.dtype.element_ty)
+    on_half = pid_n * HALF + tl.arange(0, HALF)
+    if ROWS_FIRST:  # [M_PAD, BN] -> [M_PAD, HALF] x 2
+        g, u = tl.split(tl.permute(tl.reshape(y, [y.shape[0], 2, HALF]), (0, 2, 1)))
+        om, on = offs_m[:, None], on_half[None, :]
+    else:  # [BN, M_PAD] -> [HALF, M_PAD] x 2
+        g, u = tl.split(tl.permute(tl.reshape(y, [2, HALF, y.shape[1]]), (1, 2, 0)))
+        om, on = offs_m[None, :], on_half[:, None]
+    gf = g.to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(u.dtype)
+    h = (act.to(tl.float32) * u.to(tl.float32)).to(u.dtype)
+    tl.store(out_ptr + om * stride_om + on, h, mask=(om < M) & (on < N))
 
 
 @triton.jit
@@ -506,6 +539,75 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
         **pdl_launch_kwargs(pdl),
     )
     return (out, new_res) if norm else out
+
+
+def gemv_glu_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+                    out: Optional[torch.Tensor] = None, config: Optional[dict] = None) -> torch.Tensor:
+    """``silu_and_mul(x @ w^T + bias)`` in one launch: w [2I, K] is a packed gate_up (gate
+    rows, then up rows), x [M, K] -> [M, I]. Each program multiplies BLOCK_N // 2 gate rows
+    and the matching up rows and applies the SiLU-and-mul to its own outputs (rounded as the
+    unfused gate_up output, then as silu_and_mul), so the [M, 2I] product never exists.
+    No split-K (every output needs its whole K), so the tiles alone must fill the GPU."""
+    assert x.dim() == 2 and w.dim() == 2 and x.dtype == w.dtype, "x [M, K] and w [2I, K] of one dtype"
+    M, (N2, K) = x.shape[0], w.shape
+    assert N2 % 2 == 0 and x.shape[1] == K, "w must be [2I, K] and x [M, K]"
+    assert M <= GEMV_MAX_ROWS, f"gemv handles at most {GEMV_MAX_ROWS} rows"
+    assert w.stride(1) == 1, "w must be row-major (contiguous along K)"
+    N = N2 // 2
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if bias is not None:
+        assert bias.shape == (N2,)
+        bias = bias.contiguous()
+    if out is None:
+        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    assert out.shape == (M, N) and out.stride(1) == 1
+    if M == 0 or N == 0 or K == 0:  # degenerate: the unfused way
+        y = reference_linear(x, w, bias) if K else torch.zeros(M, N2, dtype=x.dtype, device=x.device)
+        if K == 0 and bias is not None:
+            y = bias.expand(M, N2).to(x.dtype)
+        return out.copy_(reference_silu_and_mul(y))
+    items = dict(config or {k: v for k, v in _ENV_CONFIG.items() if k != "SWAP"})
+    assert not items.get("SWAP"), "the GLU epilogue runs on the FMA / tensor-core paths"
+    items["SPLIT_K"] = 1
+    cfg = _cached_config(M, N2, K, x.dtype, device_sms(x), tuple(sorted(items.items())), False)
+    bn = cfg["BLOCK_N"]
+    assert bn >= 2, "a GLU tile holds gate and up rows: BLOCK_N >= 2"
+    pdl = pdl_enabled(x)
+    _gemv_kernel[(triton.cdiv(N, bn // 2), 1)](
+        x, w, bias if bias is not None else w, out, out, out, x, w, x, out, out,
+        M, N, K, x.stride(0), w.stride(0), out.stride(0), triton.cdiv(K, cfg["BLOCK_K"]) * cfg["BLOCK_K"], 1,
+        x.stride(0), x.stride(0), 0.0,
+        M_PAD=next_pow2(M), BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], SPLIT=False, DOT=cfg["DOT"],
+        IEEE=x.dtype == torch.float32, SILU_MUL=False, HAS_BIAS=bias is not None,
+        NORM=False, RESID=False, USE_PDL=pdl, PREFETCH=pdl or (_FMA_PREFETCH and not cfg["DOT"]),
+        SS_NORM=False, ADD_SS=False, SS_LANES=SS_LANES, SS_STRIDE=SS_STRIDE, DEPTH=_FMA_DEPTH, GLU=True,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch_kwargs(pdl),
+    )
+    return out
+
+
+# BLITZ_GEMV_GLU=1 (A/B): dense MLPs at 1-2 decode rows run gate_up as the GLU GEMV
+# (gemv_glu_triton), no SiLU-and-mul launch; any size (Llama-3.1-8B's gate_up too: in the
+# H200 sweep the GEMV's heuristic tile streamed it at 57.6 us against cuBLAS's 61.1)
+GLU_ENABLED = os.environ.get("BLITZ_GEMV_GLU", "0") == "1"
+
+
+def glu_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``glu_linear`` takes this decode call on the GLU GEMV (1-2 rows, CUDA, half
+    precision, a packed gate_up of even width; opt-in with BLITZ_GEMV_GLU=1)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return GLU_ENABLED and rows <= 2 and w.shape[0] % 2 == 0 and _gemv_ok(x, w, rows)
+
+
+def glu_linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``silu_and_mul(F.linear(x, w, bias))`` for a packed gate_up ``w`` [2I, K], x [..., K]:
+    the GLU GEMV where ``glu_ok``, else the two ops."""
+    if glu_ok(x, w):
+        rows = x.numel() // x.shape[-1]
+        y = gemv_glu_triton(x.reshape(rows, x.shape[-1]), w, bias)
+        return y.view(*x.shape[:-1], w.shape[0] // 2)
+    return silu_and_mul(F.linear(x, w, bias))
 
 
 def _torch_norm(x, residual, norm_weight, eps):

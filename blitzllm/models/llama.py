@@ -22,7 +22,8 @@ from ..distributed.layers import Part, lm_head, packed_column_linear, row_linear
 from ..distributed.parallel_state import get_tp_group, split_heads
 from ..kernels._common import use_triton
 from ..kernels.fused_mlp import FUSED_MLP, fused_mlp_ok, fused_mlp_triton
-from ..kernels.gemv import GEMV_MAX_ROWS, linear_add_ss, prefer_gemv, ss_norm_linear, sum_squares_slots
+from ..kernels.gemv import (GEMV_MAX_ROWS, glu_linear, glu_ok, linear_add_ss, prefer_gemv, ss_norm_linear,
+                            sum_squares_slots)
 from ..layers.attention import Attention
 from ..layers.linear import GEMV_ENABLED, Linear
 from ..layers.norm import RMSNorm
@@ -95,7 +96,17 @@ class DenseMLP(nn.Module):
     def forward(self, x):
         if self.fused_ok(x):
             return fused_mlp_triton(x, self.gate_up_proj.weight, self.down_proj.weight)
+        if self.glu_ok(x):
+            gu = self.gate_up_proj
+            return self.down_proj(glu_linear(x, gu.weight, gu.bias))
         return self.down_proj(self.gate_up_proj(x), silu_mul_input=True)
+
+    def glu_ok(self, x: torch.Tensor) -> bool:
+        """Whether CUDA decode runs gate_up with the SiLU-and-mul in its epilogue
+        (kernels/gemv.py gemv_glu_triton; opt-in with BLITZ_GEMV_GLU=1)."""
+        gu = self.gate_up_proj
+        return (x.is_cuda and GEMV_ENABLED and gu.qweight is None and x.dtype == gu.weight.dtype
+                and glu_ok(x, gu.weight))
 
     def fused_ok(self, x: torch.Tensor) -> bool:
         """Whether CUDA decode runs this MLP as one launch (kernels/fused_mlp.py; opt-in with
@@ -168,7 +179,7 @@ class DecoderLayer(nn.Module):
 def mlp_forward_norm(mlp: nn.Module, x: torch.Tensor, residual, norm) -> tuple:
     """The post-attention half of a pre-norm block: (mlp(norm(x + residual)), x + residual).
     A ``DenseMLP`` takes the norm as its gate_up GEMV's prologue (CUDA decode)."""
-    if isinstance(mlp, DenseMLP) and not mlp.fused_ok(x):
+    if isinstance(mlp, DenseMLP) and not mlp.fused_ok(x) and not mlp.glu_ok(x):
         gate_up, residual = mlp.gate_up_proj.forward_norm(x, residual, norm)
         return mlp.down_proj(gate_up, silu_mul_input=True), residual
     h, residual = norm(x, residual)

@@ -77,6 +77,34 @@ def test_gemv_swap_refuses_fused_inputs(device):
         gemv_triton(x, w, silu_mul_input=True, config=SWAP_CONFIGS["swap-n"])
 
 
+GLU_CONFIGS = {"n": {"BLOCK_N": 16, "BLOCK_K": 32, "DOT": False}, "n-dot": {"BLOCK_N": 32, "BLOCK_K": 32, "DOT": True},
+               "narrow": {"BLOCK_N": 2, "BLOCK_K": 64, "DOT": False}, "auto": None}
+
+
+@pytest.mark.parametrize("cfg", list(GLU_CONFIGS))
+@pytest.mark.parametrize("m,inter,k", [(1, 7, 33), (1, 65, 260), (3, 40, 96), (16, 9, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_glu(dtype, m, inter, k, cfg, device):
+    """silu_and_mul(x @ w^T + b) from the packed gate_up in one launch: ragged gate / up
+    halves (the tile's up rows sit `inter` rows further on), bias or not."""
+    x, w, b = make(m, 2 * inter, k, dtype, device, bias=inter % 2 == 1)
+    out = gv.gemv_glu_triton(x, w, b, config=GLU_CONFIGS[cfg])
+    assert out.shape == (m, inter) and out.dtype == dtype
+    want = reference_silu_and_mul(reference_linear(x, w, b))
+    close(out, want, dtype)
+    if dtype == torch.float32:  # the same as the unfused GEMV then silu_and_mul
+        close(out, reference_silu_and_mul(gemv_triton(x, w, b)), dtype)
+
+
+def test_gemv_glu_checks(device):
+    x, w, _ = make(1, 7, 32, torch.float32, device)
+    with pytest.raises(AssertionError, match=r"\[2I, K\]"):
+        gv.gemv_glu_triton(x, w)  # odd row count: no gate / up halves
+    with pytest.raises(AssertionError, match="BLOCK_N >= 2"):
+        gv.gemv_glu_triton(x, torch.randn(8, 32, device=device), config={"BLOCK_N": 1})
+    assert gv.gemv_glu_triton(x[:0], torch.randn(8, 32, device=device)).shape == (0, 4)
+
+
 @pytest.mark.parametrize("cfg", ["n", "k", "k-dot"])
 @pytest.mark.parametrize("silu", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -291,6 +319,18 @@ def test_gpu_linear_bf16():
                     close(gemv_triton(x, w, b, config=cfg), reference_linear(x, w, b), dt)
             g = torch.randn(m, 2 * k, device=dev, dtype=dt)
             close(linear(g, w, silu_mul_input=True), reference_linear(g, w, silu_mul_input=True), dt)
+    from blitzllm.kernels.activation import silu_and_mul
+    for n2, k in [(28672, 4096), (6144, 1024)]:  # GLU GEMV: Llama-3.1-8B's and Qwen3-0.6B's gate_up
+        w = torch.randn(n2, k, device=dev, dtype=dt) / k ** 0.5
+        for m in (1, 2):
+            x = torch.randn(m, k, device=dev, dtype=dt)
+            glu = gv.gemv_glu_triton(x, w)
+            close(glu, reference_silu_and_mul(reference_linear(x, w)), dt)
+            # each output: the plain GEMV's gate and up at the same tiles (one K order per row),
+            # then the SiLU-and-mul kernel's numerics: bit for bit the two launches
+            c = dict(gemv_config(m, n2, k, dt, torch.cuda.get_device_properties(0).multi_processor_count),
+                     SPLIT_K=1)
+            assert torch.equal(glu, silu_and_mul(gemv_triton(x, w, config=c)))
 
 
 def test_env_config_reaches_the_launch_and_is_checked(monkeypatch, device):
