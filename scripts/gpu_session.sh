@@ -172,6 +172,14 @@ for part in "$@"; do case $part in
        Q="--model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        run 100 llama_base $L; BLITZ_GEMV_MAX_WEIGHTS=$((128<<20)) run 100 llama_gu_gemv $L
        BLITZ_GEMV_GLU=1 run 100 llama_glu $L; run 80 qwen_base $Q; BLITZ_GEMV_GLU=1 run 80 qwen_glu $Q ;;
+  chainab) # the GLU GEMV (default) alone and in the norm chain (no RMSNorm launches); deepseek-v3's
+       # shared experts with and without the GLU GEMV
+       L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
+       Q="--model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
+       D="--model preset:deepseek-v3 --num-layers 8 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
+       run 100 llama_glu $L; BLITZ_NORM_CHAIN=1 run 100 llama_glu_chain $L
+       run 80 qwen_glu $Q; BLITZ_NORM_CHAIN=1 run 80 qwen_glu_chain $Q
+       run 150 dsv3_glu $D; BLITZ_GEMV_GLU=0 run 150 dsv3_noglu $D ;;
   swapab) L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        run 100 llama_base $L; BLITZ_GEMV_CONFIG='{"SWAP": true}' run 100 llama_swap64 $L
        BLITZ_GEMV_CONFIG='{"SWAP": true, "BLOCK_N": 128}' run 100 llama_swap128 $L ;;

@@ -49,15 +49,19 @@ def test_bf16_graph_logprobs_close_to_torch_path():
             assert abs(ta[t] - tb[t]) < 0.1
 
 
+@pytest.mark.parametrize("chain", [False, True])
 @pytest.mark.parametrize("preset,layers", [("qwen3-0.6b", 4), ("llama-3.1-8b", 2)])
-def test_glu_gemv_decode_matches_default(monkeypatch, preset, layers):
-    """Decode with gate_up as the GLU GEMV (SiLU-and-mul in its epilogue, BLITZ_GEMV_GLU=1)
-    gives the default bf16 path's greedy tokens, and log-probabilities within bf16 noise (the
-    two paths differ in the summation order of gate_up (llama: cuBLAS) and down_proj)."""
+def test_glu_gemv_decode_matches_default(monkeypatch, preset, layers, chain):
+    """Decode with gate_up as the GLU GEMV (SiLU-and-mul in its epilogue, the default),
+    alone or in the norm chain (BLITZ_NORM_CHAIN=1: no RMSNorm launch), gives the default
+    unfused bf16 path's greedy tokens, and log-probabilities within bf16 noise (the paths differ in
+    the summation order of gate_up (llama: cuBLAS), down_proj and the norms' sums)."""
     import blitzllm.kernels.gemv as gemv
+    import blitzllm.models.llama as llama
     kw = dict(num_layers=layers, device="cuda", dtype="bfloat16", kv_cache_blocks=256, max_num_seqs=8,
               max_model_len=512)
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=5, ignore_eos=True)
+    monkeypatch.setattr(gemv, "GLU_ENABLED", False)  # the baseline: gate_up, then the SiLU-and-mul
     base = LLM(f"preset:{preset}", **kw)
     prompts = _prompts(4, base.engine.model_config.vocab_size, seed=4)
     want = base.generate(prompts, params) + base.generate(prompts[:1], params)  # 4 rows, then 1 (GLU)
@@ -66,9 +70,16 @@ def test_glu_gemv_decode_matches_default(monkeypatch, preset, layers):
     orig = gemv.gemv_glu_triton
     monkeypatch.setattr(gemv, "GLU_ENABLED", True)
     monkeypatch.setattr(gemv, "gemv_glu_triton", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    chained = []
+    if chain:
+        monkeypatch.setattr(llama.DecoderModel, "norm_chain", True)
+        orig_chain = llama.DecoderLayer.forward_chain
+        monkeypatch.setattr(llama.DecoderLayer, "forward_chain",
+                            lambda self, *a: chained.append(1) or orig_chain(self, *a))
     llm = LLM(f"preset:{preset}", **kw)
     got = llm.generate(prompts, params) + llm.generate(prompts[:1], params)
     assert calls  # the single-prompt decode steps took the GLU GEMV
+    assert bool(chained) == chain
     for a, b in zip(got, want):
         assert a.token_ids == b.token_ids
         for la, lb in zip(a.logprobs, b.logprobs):

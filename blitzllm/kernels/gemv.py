@@ -542,12 +542,19 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
 
 
 def gemv_glu_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-                    out: Optional[torch.Tensor] = None, config: Optional[dict] = None) -> torch.Tensor:
+                    out: Optional[torch.Tensor] = None, config: Optional[dict] = None,
+                    norm_weight: Optional[torch.Tensor] = None, ss: Optional[torch.Tensor] = None,
+                    eps: float = 1e-6) -> torch.Tensor:
     """``silu_and_mul(x @ w^T + bias)`` in one launch: w [2I, K] is a packed gate_up (gate
     rows, then up rows), x [M, K] -> [M, I]. Each program multiplies BLOCK_N // 2 gate rows
     and the matching up rows and applies the SiLU-and-mul to its own outputs (rounded as the
     unfused gate_up output, then as silu_and_mul), so the [M, 2I] product never exists.
-    No split-K (every output needs its whole K), so the tiles alone must fill the GPU."""
+    No split-K (every output needs its whole K), so the tiles alone must fill the GPU.
+    With ``norm_weight`` and ``ss`` the input is ``rms_norm(x)``, the rows' sums of squares
+    read from the norm chain's slot ``ss`` (see ``linear_add_ss``)."""
+    assert (norm_weight is None) == (ss is None), "the norm prologue takes norm_weight and ss together"
+    if ss is not None:
+        assert ss.dtype == torch.float32 and ss.is_contiguous() and ss.numel() == SS_SLOT
     assert x.dim() == 2 and w.dim() == 2 and x.dtype == w.dtype, "x [M, K] and w [2I, K] of one dtype"
     M, (N2, K) = x.shape[0], w.shape
     assert N2 % 2 == 0 and x.shape[1] == K, "w must be [2I, K] and x [M, K]"
@@ -562,7 +569,10 @@ def gemv_glu_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tenso
     if out is None:
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     assert out.shape == (M, N) and out.stride(1) == 1
+    norm = norm_weight is not None
     if M == 0 or N == 0 or K == 0:  # degenerate: the unfused way
+        if norm and M and K:
+            x = _ss_rms_norm(x, ss, norm_weight, eps)
         y = reference_linear(x, w, bias) if K else torch.zeros(M, N2, dtype=x.dtype, device=x.device)
         if K == 0 and bias is not None:
             y = bias.expand(M, N2).to(x.dtype)
@@ -575,27 +585,30 @@ def gemv_glu_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tenso
     assert bn >= 2, "a GLU tile holds gate and up rows: BLOCK_N >= 2"
     pdl = pdl_enabled(x)
     _gemv_kernel[(triton.cdiv(N, bn // 2), 1)](
-        x, w, bias if bias is not None else w, out, out, out, x, w, x, out, out,
+        x, w, bias if bias is not None else w, out, out, out, x, norm_weight if norm else w, x,
+        ss if norm else out, out,
         M, N, K, x.stride(0), w.stride(0), out.stride(0), triton.cdiv(K, cfg["BLOCK_K"]) * cfg["BLOCK_K"], 1,
-        x.stride(0), x.stride(0), 0.0,
+        x.stride(0), x.stride(0), float(eps),
         M_PAD=next_pow2(M), BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], SPLIT=False, DOT=cfg["DOT"],
         IEEE=x.dtype == torch.float32, SILU_MUL=False, HAS_BIAS=bias is not None,
-        NORM=False, RESID=False, USE_PDL=pdl, PREFETCH=pdl or (_FMA_PREFETCH and not cfg["DOT"]),
-        SS_NORM=False, ADD_SS=False, SS_LANES=SS_LANES, SS_STRIDE=SS_STRIDE, DEPTH=_FMA_DEPTH, GLU=True,
+        NORM=norm, RESID=False, USE_PDL=pdl, PREFETCH=pdl or (_FMA_PREFETCH and not cfg["DOT"]),
+        SS_NORM=norm, ADD_SS=False, SS_LANES=SS_LANES, SS_STRIDE=SS_STRIDE, DEPTH=_FMA_DEPTH, GLU=True,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch_kwargs(pdl),
     )
     return out
 
 
-# BLITZ_GEMV_GLU=1 (A/B): dense MLPs at 1-2 decode rows run gate_up as the GLU GEMV
-# (gemv_glu_triton), no SiLU-and-mul launch; any size (Llama-3.1-8B's gate_up too: in the
-# H200 sweep the GEMV's heuristic tile streamed it at 57.6 us against cuBLAS's 61.1)
-GLU_ENABLED = os.environ.get("BLITZ_GEMV_GLU", "0") == "1"
+# Dense MLPs at 1-2 decode rows run gate_up as the GLU GEMV (gemv_glu_triton): no SiLU-and-mul
+# launch (Llama) or no SiLU recomputed by every down_proj program (Qwen3-0.6B); any size
+# (Llama-3.1-8B's gate_up too: in the H200 sweep the GEMV's heuristic tile streamed it at
+# 57.6 us against cuBLAS's 61.1). H200 batch 1: qwen3-0.6b 1276.7 vs 1229.8 tok/s,
+# llama-3.1-8b 239.4 vs 237.9 (gpu_session.sh glu). BLITZ_GEMV_GLU=0 for A/B runs.
+GLU_ENABLED = os.environ.get("BLITZ_GEMV_GLU", "1") != "0"
 
 
 def glu_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether ``glu_linear`` takes this decode call on the GLU GEMV (1-2 rows, CUDA, half
-    precision, a packed gate_up of even width; opt-in with BLITZ_GEMV_GLU=1)."""
+    precision, a packed gate_up of even width; BLITZ_GEMV_GLU=0 turns it off)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return GLU_ENABLED and rows <= 2 and w.shape[0] % 2 == 0 and _gemv_ok(x, w, rows)
 
@@ -709,6 +722,27 @@ def linear_add_ss(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]
     return s
 
 
+def _ss_rms_norm(s: torch.Tensor, ss: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm(s) [rows, K] with the rows' sums of squares from the slot ``ss`` (the rounding
+    steps of the GEMV's norm prologue)."""
+    rstd = torch.rsqrt(slot_sums(ss, s.shape[0]) / s.shape[-1] + eps).view(-1, 1)
+    normed = (s.float() * rstd).to(s.dtype)
+    return (norm_weight.float() * normed.float()).to(s.dtype)
+
+
+def ss_norm_glu(s: torch.Tensor, ss: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
+                norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``silu_and_mul(linear(rms_norm(s)))`` for a packed gate_up ``w``, the rows' sums of
+    squares of ``s`` taken from ``ss``: the GLU GEMV with the norm prologue where ``glu_ok``."""
+    rows = s.numel() // s.shape[-1] if s.shape[-1] else 0
+    s2 = s.reshape(rows, s.shape[-1])
+    if glu_ok(s, w) and norm_weight.dtype == s.dtype:
+        y = gemv_glu_triton(s2, w, bias, norm_weight=norm_weight, ss=ss, eps=eps)
+    else:
+        y = silu_and_mul(F.linear(_ss_rms_norm(s2, ss, norm_weight, eps), w, bias))
+    return y.view(*s.shape[:-1], w.shape[0] // 2)
+
+
 def ss_norm_linear(s: torch.Tensor, ss: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
                    norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``linear(rms_norm(s))`` with the rows' sums of squares of ``s`` taken from ``ss``
@@ -717,6 +751,5 @@ def ss_norm_linear(s: torch.Tensor, ss: torch.Tensor, w: torch.Tensor, bias: Opt
     if _gemv_ok(s, w, rows) and norm_weight.dtype == s.dtype:
         y, _ = gemv_triton(s.reshape(rows, s.shape[-1]), w, bias, norm_weight=norm_weight, ss=ss, eps=eps)
         return y.view(*s.shape[:-1], w.shape[0])
-    rstd = torch.rsqrt(slot_sums(ss, rows) / s.shape[-1] + eps).view(*s.shape[:-1], 1)
-    normed = (s.float() * rstd).to(s.dtype)
-    return linear((norm_weight.float() * normed.float()).to(s.dtype), w, bias)
+    normed = _ss_rms_norm(s.reshape(rows, s.shape[-1]), ss, norm_weight, eps).view(s.shape)
+    return linear(normed, w, bias)

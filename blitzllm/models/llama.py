@@ -22,8 +22,8 @@ from ..distributed.layers import Part, lm_head, packed_column_linear, row_linear
 from ..distributed.parallel_state import get_tp_group, split_heads
 from ..kernels._common import use_triton
 from ..kernels.fused_mlp import FUSED_MLP, fused_mlp_ok, fused_mlp_triton
-from ..kernels.gemv import (GEMV_MAX_ROWS, glu_linear, glu_ok, linear_add_ss, prefer_gemv, ss_norm_linear,
-                            sum_squares_slots)
+from ..kernels.gemv import (GEMV_MAX_ROWS, glu_linear, glu_ok, linear_add_ss, prefer_gemv, ss_norm_glu,
+                            ss_norm_linear, sum_squares_slots)
 from ..layers.attention import Attention
 from ..layers.linear import GEMV_ENABLED, Linear
 from ..layers.norm import RMSNorm
@@ -103,7 +103,7 @@ class DenseMLP(nn.Module):
 
     def glu_ok(self, x: torch.Tensor) -> bool:
         """Whether CUDA decode runs gate_up with the SiLU-and-mul in its epilogue
-        (kernels/gemv.py gemv_glu_triton; opt-in with BLITZ_GEMV_GLU=1)."""
+        (kernels/gemv.py gemv_glu_triton; 1-2 rows, BLITZ_GEMV_GLU=0 turns it off)."""
         gu = self.gate_up_proj
         return (x.is_cuda and GEMV_ENABLED and gu.qweight is None and x.dtype == gu.weight.dtype
                 and glu_ok(x, gu.weight))
@@ -148,13 +148,15 @@ class DecoderLayer(nn.Module):
                 and all(isinstance(m, Linear) and m.qweight is None for m in lins)
                 and self.input_layernorm.tp is None and self.post_attention_layernorm.tp is None)
 
-    def chain_shapes(self) -> list:
-        """(N, K, silu_mul_input) of the four chained projections."""
+    def chain_shapes(self, glu: bool = False) -> list:
+        """(N, K, silu_mul_input) of the chained plain GEMVs: all four projections, or with
+        ``glu`` (gate_up as the GLU GEMV, which takes any size) qkv, o_proj and a plain down_proj."""
         attn, mlp = self.self_attn, getattr(self, self.mlp_name)
-        return [(attn.qkv_proj.weight.shape[0], attn.qkv_proj.weight.shape[1], False),
-                (attn.o_proj.weight.shape[0], attn.o_proj.weight.shape[1], False),
-                (mlp.gate_up_proj.weight.shape[0], mlp.gate_up_proj.weight.shape[1], False),
-                (mlp.down_proj.weight.shape[0], mlp.down_proj.weight.shape[1], True)]
+        shapes = [(attn.qkv_proj.weight.shape[0], attn.qkv_proj.weight.shape[1], False),
+                  (attn.o_proj.weight.shape[0], attn.o_proj.weight.shape[1], False)]
+        if not glu:
+            shapes.append((mlp.gate_up_proj.weight.shape[0], mlp.gate_up_proj.weight.shape[1], False))
+        return shapes + [(mlp.down_proj.weight.shape[0], mlp.down_proj.weight.shape[1], not glu)]
 
     def forward_chain(self, positions, h, residual, slots):
         """``forward`` with every RMSNorm inside the GEMVs (kernels/gemv.py's norm chain):
@@ -170,9 +172,11 @@ class DecoderLayer(nn.Module):
             qkv = attn.qkv_proj(h)
         o = attn.o_proj
         residual = linear_add_ss(attn.attn(positions, qkv), o.weight, o.bias, residual, slots[0], slots[1])
-        gate_up = ss_norm_linear(residual, slots[0], mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
-                                 norm2.weight, norm2.eps)
-        d = mlp.down_proj
+        gu, d = mlp.gate_up_proj, mlp.down_proj
+        if mlp.glu_ok(residual):  # the SiLU-and-mul in gate_up's epilogue, a plain down_proj
+            act = ss_norm_glu(residual, slots[0], gu.weight, gu.bias, norm2.weight, norm2.eps)
+            return linear_add_ss(act, d.weight, d.bias, residual, slots[1], slots[0])
+        gate_up = ss_norm_linear(residual, slots[0], gu.weight, gu.bias, norm2.weight, norm2.eps)
         return linear_add_ss(gate_up, d.weight, d.bias, residual, slots[1], slots[0], silu_mul_input=True)
 
 
@@ -253,7 +257,9 @@ class DecoderModel(nn.Module):
                 isinstance(layer, DecoderLayer) and layer.chainable() for layer in self.layers)
         if not self._chain_layers_ok or x.dtype != self.layers[0].self_attn.qkv_proj.weight.dtype:
             return False
-        return all(prefer_gemv(rows, n, k, silu) for n, k, silu in self.layers[0].chain_shapes())
+        layer0 = self.layers[0]
+        glu = getattr(layer0, layer0.mlp_name).glu_ok(x)
+        return all(prefer_gemv(rows, n, k, silu) for n, k, silu in layer0.chain_shapes(glu))
 
 
 class LlamaForCausalLM(nn.Module):

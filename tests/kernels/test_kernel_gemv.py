@@ -96,6 +96,24 @@ def test_gemv_glu(dtype, m, inter, k, cfg, device):
         close(out, reference_silu_and_mul(gemv_triton(x, w, b)), dtype)
 
 
+@pytest.mark.parametrize("cfg", ["n", "n-dot"])
+@pytest.mark.parametrize("dtype,m", [(torch.float32, 1), (torch.bfloat16, 2)])
+def test_gemv_glu_norm_prologue_from_sum_squares(dtype, m, cfg, device):
+    """The norm chain's gate_up: GLU of rms_norm(s), the rows' sums of squares read from the
+    slot; the launch and ss_norm_glu's torch fallback agree with the unfused ops."""
+    from blitzllm.kernels.rmsnorm import reference_rms_norm
+    s, w, b = make(m, 2 * 40, 96, dtype, device)
+    nw = (1 + 0.1 * torch.randn(96)).to(device, dtype)
+    ss = torch.zeros(gv.SS_LANES, gv.SS_STRIDE, device=device)
+    ss[:, :m] = s.float().pow(2).sum(-1) / gv.SS_LANES  # spread over the lanes
+    ss = ss.view(-1)
+    want = reference_silu_and_mul(reference_linear(reference_rms_norm(s, nw, 1e-5), w, b))
+    close(gv.gemv_glu_triton(s, w, b, norm_weight=nw, ss=ss, eps=1e-5, config=GLU_CONFIGS[cfg]), want, dtype)
+    close(gv.ss_norm_glu(s, ss, w, b, nw, 1e-5), want, dtype)  # CPU: the torch ops
+    with pytest.raises(AssertionError, match="together"):
+        gv.gemv_glu_triton(s, w, norm_weight=nw)
+
+
 def test_gemv_glu_checks(device):
     x, w, _ = make(1, 7, 32, torch.float32, device)
     with pytest.raises(AssertionError, match=r"\[2I, K\]"):

@@ -51,13 +51,18 @@ def test_bf16_weights_fp32_activations(tmp_path):
     assert abs(a.logprobs[0][a.token_ids[0]] - b.logprobs[0][b.token_ids[0]]) < 0.05
 
 
+@pytest.mark.parametrize("glu", [False, True])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_norm_chain_decode_matches_transformers(arch, tmp_path, monkeypatch):
+def test_norm_chain_decode_matches_transformers(arch, glu, tmp_path, monkeypatch):
     """The GEMV norm chain (layer.forward_chain: residual add + sums of squares in the
-    o/down projections, the RMSNorms as the next projections' prologues) forced on for every
-    step of up to 16 tokens, here through its torch fallbacks: the same greedy tokens and
-    logprobs as transformers, and it really ran."""
-    from blitzllm.models.llama import DecoderLayer, DecoderModel
+    o/down projections, the RMSNorms as the next projections' prologues; with ``glu`` gate_up
+    as the GLU GEMV and a plain down_proj) forced on for every step of up to 16 tokens, here
+    through its torch fallbacks: the same greedy tokens and logprobs as transformers, and it
+    really ran."""
+    from blitzllm.models.llama import DecoderLayer, DecoderModel, DenseMLP
+    if glu:
+        glu_calls = []
+        monkeypatch.setattr(DenseMLP, "glu_ok", lambda self, x: glu_calls.append(1) or True)
     hf = make_tiny_checkpoint(arch, tmp_path, seed=4)
     calls = []
     orig = DecoderLayer.forward_chain
@@ -76,6 +81,7 @@ def test_norm_chain_decode_matches_transformers(arch, tmp_path, monkeypatch):
     prompts = [[5, 9, 100, 3, 44, 7], [17, 2, 250, 31] * 6]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0))
     assert calls, "the chained decode path did not run"
+    assert not glu or glu_calls
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(hf, prompt, 12)
         ours = torch.tensor([lp[t] for lp, t in zip(out.logprobs, out.token_ids)])
