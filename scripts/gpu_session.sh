@@ -10,7 +10,7 @@ run() { t=$1; name=$2; shift 2; [ -n "${QUIET:-}" ] || echo "== $name: $*"; s0=$
   echo "rc=$rc wall=$((SECONDS-s0))s"
   grep -v "^\[" "$OUT/$name.log" | grep -E "tokens_per_s |ms_per|roofline|kernels_per_layer|ttft|speedup|busy|gpu_" ; }
 for part in "$@"; do case $part in
-  tests) timeout 200 python3 -m pytest -q -m gpu tests/kernels tests/test_gpu_e2e.py -p no:cacheprovider -x 2>&1 | tail -15 | tee "$OUT/gpu_tests.log" ;;
+  tests) timeout 330 python3 -m pytest -q -m gpu tests/kernels tests/test_gpu_e2e.py -p no:cacheprovider -x 2>&1 | tail -15 | tee "$OUT/gpu_tests.log" ;;
   gemv) timeout 200 python3 scripts/bench_gemv.py --budget-s 150 2>&1 | tail -40 ;;
   lat1) run 80 qwen06_b1 --model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8
        run 90 llama_b1 --model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 ;;
