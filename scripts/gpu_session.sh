@@ -180,6 +180,12 @@ for part in "$@"; do case $part in
        run 100 llama_glu $L; BLITZ_NORM_CHAIN=1 run 100 llama_glu_chain $L
        run 80 qwen_glu $Q; BLITZ_NORM_CHAIN=1 run 80 qwen_glu_chain $Q
        run 150 dsv3_glu $D; BLITZ_GEMV_GLU=0 run 150 dsv3_noglu $D ;;
+  sharedab) # deepseek-v3 (8 layers) with the shared experts on a second CUDA stream (default) and on the
+       # main stream; qwen3-30b-a3b per-kernel times without PDL overlap, printed here
+       D="--model preset:deepseek-v3 --num-layers 8 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
+       run 150 dsv3_stream $D; BLITZ_SHARED_EXPERT_STREAM=0 run 150 dsv3_nostream $D
+       BLITZ_PDL=0 run 150 q30b_nopdl --model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8
+       python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print([(k[:32], v) for k, v in r['kernel_time_us'].items()][:9])" "$OUT/q30b_nopdl.json" ;;
   swapab) L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        run 100 llama_base $L; BLITZ_GEMV_CONFIG='{"SWAP": true}' run 100 llama_swap64 $L
        BLITZ_GEMV_CONFIG='{"SWAP": true, "BLOCK_N": 128}' run 100 llama_swap128 $L ;;
