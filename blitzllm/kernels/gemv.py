@@ -28,6 +28,12 @@ With ``silu_mul_input`` x is [M, 2K] (gate | up) and the GEMV input is
 on the fly (the [M, K] intermediate never exists). Every N tile recomputes the
 silu of its K range (every warp of it, with DOT), hence wide N tiles then.
 
+``gemv_glu_triton`` takes a packed gate_up W [2I, K] and stores silu(gate) * up [M, I]:
+each program's tile is BLOCK_N // 2 gate rows and the matching up rows, and its epilogue
+applies the SiLU-and-mul to them (no split-K then). The swapped tensor-core form (config
+``SWAP``, ``_gemv_swap_kernel``: W the MMA's wide operand, its loads pipelined through
+shared memory) is there for A/B runs; the heuristic does not pick it (slower on the H200).
+
 No host sync and no allocation per call besides the output: the split-K
 workspace and counters are cached per (device, size), so once a first call
 (warm-up) has created them the calls can be captured in a CUDA graph.
