@@ -186,6 +186,14 @@ for part in "$@"; do case $part in
        run 150 dsv3_stream $D; BLITZ_SHARED_EXPERT_STREAM=0 run 150 dsv3_nostream $D
        BLITZ_PDL=0 run 150 q30b_nopdl --model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8
        python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print([(k[:32], v) for k, v in r['kernel_time_us'].items()][:9])" "$OUT/q30b_nopdl.json" ;;
+  moewide) # direct MoE decode tiles: the heuristic (N narrowed to >= 2 programs per SM) vs n64 k128
+       # (scripts/bench_moe.py: 24.4 vs 31.1 us a call for one qwen3-30b-a3b token)
+       M="--batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"; W='{"BLOCK_N": 64, "BLOCK_K": 128}'
+       run 150 q30b_base --model preset:qwen3-30b-a3b $M; BLITZ_MOE_DECODE_CONFIG=$W run 150 q30b_wide --model preset:qwen3-30b-a3b $M
+       run 150 dsv3_base --model preset:deepseek-v3 --num-layers 8 $M
+       BLITZ_MOE_DECODE_CONFIG=$W run 150 dsv3_wide --model preset:deepseek-v3 --num-layers 8 $M
+       run 150 mm2_base --model preset:minimax-m2 --num-layers 8 $M
+       BLITZ_MOE_DECODE_CONFIG=$W run 150 mm2_wide --model preset:minimax-m2 --num-layers 8 $M ;;
   swapab) L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        run 100 llama_base $L; BLITZ_GEMV_CONFIG='{"SWAP": true}' run 100 llama_swap64 $L
        BLITZ_GEMV_CONFIG='{"SWAP": true, "BLOCK_N": 128}' run 100 llama_swap128 $L ;;

@@ -47,6 +47,28 @@ MOE_DIRECT_MAX_ENTRIES = 16
 # starts before its own ramp. Measured slower on the H200, so off: qwen3-30b-a3b batch 1 326.5 /
 # 326.7 vs 348.6 / 348.6 tok/s (scripts/gpu_session.sh moepf).
 MOE_PF_DOWN = os.environ.get("BLITZ_MOE_PF_DOWN", "0") == "1"
+
+
+def _env_decode_config() -> dict:
+    """BLITZ_MOE_DECODE_CONFIG='{"BLOCK_N": 64, "BLOCK_K": 128}': tile keys for both GEMMs of
+    the direct (decode) path in calls that pass no config of their own (A/B runs of the
+    heuristic: scripts/bench_moe.py measured n64 k128 at 24.4 us a call against the
+    heuristic's 31.1 for one Qwen3-30B-A3B token, not yet end to end)."""
+    import json
+    raw = os.environ.get("BLITZ_MOE_DECODE_CONFIG")
+    if not raw:
+        return {}
+    try:
+        cfg = json.loads(raw)
+    except json.JSONDecodeError:
+        raise ValueError(f"BLITZ_MOE_DECODE_CONFIG is not JSON: {raw!r}") from None
+    unknown = set(cfg) - set(MOE_CONFIG_KEYS) if isinstance(cfg, dict) else {"(not a JSON object)"}
+    if unknown:
+        raise ValueError(f"BLITZ_MOE_DECODE_CONFIG: unknown keys {sorted(unknown)}; expected {MOE_CONFIG_KEYS}")
+    return cfg
+
+
+_DECODE_ENV_CONFIG = _env_decode_config()
 ALIGN_ONE_PROGRAM_MAX = 256  # (token, k) entries sorted by a single program
 ALIGN_SLICE = 256  # entries per program of the two-pass sort (at most ALIGN_MAX_PROGRAMS)
 ALIGN_MAX_PROGRAMS = 128
@@ -480,11 +502,13 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
         gemv = (16, None)
     if gemv is not None:
         return _moe_gemv(x, w13, w2, topk_weights, topk_ids, out, *gemv)
-    up_cfg, down_cfg = _moe_config_cached(T, K, E, H, inter, x.dtype, device_sms(x),
-                                          tuple(sorted((config or {}).items())))
     n = T * K
     if direct is None:
         direct = MOE_DIRECT and n <= MOE_DIRECT_MAX_ENTRIES
+    if config is None and direct:
+        config = _DECODE_ENV_CONFIG
+    up_cfg, down_cfg = _moe_config_cached(T, K, E, H, inter, x.dtype, device_sms(x),
+                                          tuple(sorted((config or {}).items())))
     if direct:  # two launches: no sort, the combine inside the down GEMM
         ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
         tw = topk_weights.reshape(-1).to(torch.float32).contiguous()

@@ -440,3 +440,27 @@ def test_fused_moe_dispatches_small_batches_to_direct(device, monkeypatch):
         close(fm.fused_moe_triton(x, w13, w2, weights, ids), reference_fused_moe(x, w13, w2, weights, ids),
               TOL[torch.float32])
     assert seen == [True, True, True, True, False, False]
+
+
+def test_decode_env_config_reaches_direct_launches_only(device, monkeypatch):
+    """BLITZ_MOE_DECODE_CONFIG (A/B runs) sets the tiles of the direct (decode) path's two
+    launches in calls without a config; sorted batches keep the heuristic; bad values fail
+    with the variable's name."""
+    from blitzllm.kernels import fused_moe as fm
+    monkeypatch.setenv("BLITZ_MOE_DECODE_CONFIG", '{"BLOCK_N": 32, "BLOCK_K": 32}')
+    monkeypatch.setattr(fm, "_DECODE_ENV_CONFIG", fm._env_decode_config())
+    monkeypatch.setattr(fm, "MOE_DIRECT", True)
+    seen = []
+    orig = fm._grouped_gemm
+    monkeypatch.setattr(fm, "_grouped_gemm", lambda *a, **kw: seen.append((kw.get("direct", False), a[10]["BLOCK_N"],
+                                                                              a[10]["BLOCK_K"])) or orig(*a, **kw))
+    for t in (1, 3):  # 8 entries go direct, 24 are sorted
+        x, w13, w2, weights, ids = moe_inputs(t, 12, 8, 64, 40, torch.float32, device, seed=t)
+        close(fm.fused_moe_triton(x, w13, w2, weights, ids), reference_fused_moe(x, w13, w2, weights, ids),
+              TOL[torch.float32])
+    assert seen[:2] == [(True, 32, 32)] * 2
+    assert all(not d for d, _, _ in seen[2:]) and seen[2][1:] != (32, 32)
+    for bad in ('{"BLOCK_Q": 2}', "[64]", "n64"):
+        monkeypatch.setenv("BLITZ_MOE_DECODE_CONFIG", bad)
+        with pytest.raises(ValueError, match="BLITZ_MOE_DECODE_CONFIG"):
+            fm._env_decode_config()
