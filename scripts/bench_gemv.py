@@ -39,7 +39,10 @@ def layers(model, hidden, inter, q_width, kv_width, vocab):
 
 
 SHAPES = (layers("llama-3.1-8b", 4096, 14336, 4096, 1024, 128256)
-          + layers("qwen3-0.6b", 1024, 3072, 2048, 1024, 151936))
+          + layers("qwen3-0.6b", 1024, 3072, 2048, 1024, 151936)
+          # qwen3-30b-a3b's attention projections and lm_head (its MLPs are experts: bench_moe.py)
+          + [s for s in layers("qwen3-30b-a3b", 2048, 768, 4096, 512, 151936)
+             if s[1] in ("qkv", "o_proj", "lm_head")])
 
 
 def swap_sweep(n, k, sms):

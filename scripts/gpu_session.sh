@@ -186,6 +186,9 @@ for part in "$@"; do case $part in
        run 150 dsv3_stream $D; BLITZ_SHARED_EXPERT_STREAM=0 run 150 dsv3_nostream $D
        BLITZ_PDL=0 run 150 q30b_nopdl --model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8
        python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print([(k[:32], v) for k, v in r['kernel_time_us'].items()][:9])" "$OUT/q30b_nopdl.json" ;;
+  gemvq30b) # the GEMV heuristic and sweep on qwen3-30b-a3b's qkv / o_proj at 1 row (2.66 TB/s end to end)
+       timeout 200 python3 scripts/bench_gemv.py --models qwen3-30b-a3b --layers qkv,o_proj --ms 1 --budget-s 150 \
+         > "$OUT/gemv_q30b.log" 2>&1; tail -6 "$OUT/gemv_q30b.log" ;;
   moewide) # direct MoE decode tiles: the heuristic (N narrowed to >= 2 programs per SM) vs n64 k128
        # (scripts/bench_moe.py: 24.4 vs 31.1 us a call for one qwen3-30b-a3b token)
        M="--batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"; W='{"BLOCK_N": 64, "BLOCK_K": 128}'
