@@ -85,11 +85,16 @@ def prompt_ids(llm, text: str) -> list:
 
 
 def generate_answers(llm, prompts: list, max_tokens: int, samples: int = 1, temperature: float = 0.8,
-                     seed: int = 0) -> list:
+                     seed: int = 0, branch: bool = False) -> list:
     """Answers (token ids) of one batch of prompts (token id lists): per prompt the greedy
     answer, then ``samples - 1`` answers sampled at ``temperature`` (seeded), so the head
-    also sees the target's other likely continuations. Returns [(prompt index, answer)]."""
+    also sees the target's other likely continuations. With ``branch`` those are instead
+    greedy answers that took one sampled turn: the greedy answer up to a random point, one
+    token sampled there at ``temperature``, then greedy again (contexts like the ones greedy
+    decoding of other prompts meets, not fully sampled text). Returns [(prompt index, answer)]."""
     from ..sampling_params import SamplingParams
+    if branch and samples > 1:
+        return _branched_answers(llm, prompts, max_tokens, samples, temperature, seed)
     reqs, params, owner = [], [], []
     for i, p in enumerate(prompts):
         for j in range(samples):
@@ -99,6 +104,38 @@ def generate_answers(llm, prompts: list, max_tokens: int, samples: int = 1, temp
                                          seed=seed * 1_000_003 + i * 1009 + j))
     outs = llm.generate(reqs, params)
     return [(i, list(o.outputs[0].token_ids)) for i, o in zip(owner, outs)]
+
+
+def _branched_answers(llm, prompts: list, max_tokens: int, samples: int, temperature: float, seed: int) -> list:
+    """generate_answers with ``branch``: three batched engine calls (the greedy answers, the
+    sampled turn of every branch, the greedy continuations)."""
+    from ..sampling_params import SamplingParams
+    greedy = [list(o.outputs[0].token_ids) for o in
+              llm.generate([list(p) for p in prompts], SamplingParams(temperature=0.0, max_tokens=max_tokens))]
+    rng = random.Random(seed * 1_000_003 + 17)
+    cuts, reqs, params = [], [], []
+    for i, (p, g) in enumerate(zip(prompts, greedy)):
+        for j in range(1, samples):
+            c = rng.randrange(len(g)) if g else 0
+            cuts.append((i, c))
+            reqs.append(list(p) + g[:c])
+            params.append(SamplingParams(temperature=temperature, max_tokens=1,
+                                         seed=seed * 1_000_003 + i * 1009 + j))
+    turns = [list(o.outputs[0].token_ids) for o in llm.generate(reqs, params)] if reqs else []
+    heads = [greedy[i][:c] + t for (i, c), t in zip(cuts, turns)]
+    eos = set(llm.engine.eos_token_ids)
+    rest = [(k, max_tokens - len(h)) for k, h in enumerate(heads) if max_tokens - len(h) > 0
+            and not (turns[k] and turns[k][-1] in eos)]  # a sampled end of answer ends it
+    conts = {}
+    if rest:
+        outs = llm.generate([list(prompts[cuts[k][0]]) + heads[k] for k, _ in rest],
+                            [SamplingParams(temperature=0.0, max_tokens=n) for _, n in rest])
+        conts = {k: list(o.outputs[0].token_ids) for (k, _), o in zip(rest, outs)}
+    out = []
+    for i, g in enumerate(greedy):
+        out.append((i, g))
+        out += [(cuts[k][0], heads[k] + conts.get(k, [])) for k in range(len(heads)) if cuts[k][0] == i]
+    return out
 
 
 def capture_features(llm, cap: HiddenCapture, ids: list, prompt_len: int) -> Sample:
@@ -207,7 +244,7 @@ def train_draft(llm, prompts: list, out: Optional[str], epochs: int = 1, max_tok
                 lr: float = 1e-3, steps: int = 3, seed: int = 0, batch: int = 16, samples: int = 1,
                 temperature: float = 0.8, layer_ids: Optional[list] = None, labels: str = "target",
                 feature_norm: bool = True, init_layer: bool = False, step_decay: float = STEP_DECAY,
-                draft_vocab: int = 0, draft_intermediate: int = 0, log=print) -> Eagle3Head:
+                draft_vocab: int = 0, draft_intermediate: int = 0, branch: bool = False, log=print) -> Eagle3Head:
     """``llm``: an ``LLM`` built with prefix caching off. Epoch 1 is online: the engine
     answers ``batch`` prompts at a time (batched decode; ``samples`` answers per prompt, the
     first greedy), then each prompt + answer goes through one engine prefill with the capture
@@ -220,7 +257,8 @@ def train_draft(llm, prompts: list, out: Optional[str], epochs: int = 1, max_tok
     ``step_decay``: draft step j's loss weighs ``step_decay ** j``. ``draft_vocab`` > 0: the
     head predicts over that many target tokens, the most frequent in the first batch's
     prompts and answers (``choose_draft_vocab``), before it trains on them.
-    ``draft_intermediate`` > 0: the head's MLP width (default the target's)."""
+    ``draft_intermediate`` > 0: the head's MLP width (default the target's). ``branch``: the
+    answers after each prompt's first are greedy ones with one sampled turn (``generate_answers``)."""
     if labels not in ("target", "tokens"):
         raise ValueError(f"--labels must be 'target' or 'tokens', got {labels!r}")
     torch.manual_seed(seed)
@@ -256,7 +294,7 @@ def train_draft(llm, prompts: list, out: Optional[str], epochs: int = 1, max_tok
     with HiddenCapture(target, head.config.layer_ids, keep_final=labels == "target") as cap:
         for b in range(0, len(prompts), batch):
             g0 = time.perf_counter()
-            answers = generate_answers(llm, ids[b:b + batch], max_tokens, samples, temperature, seed + b)
+            answers = generate_answers(llm, ids[b:b + batch], max_tokens, samples, temperature, seed + b, branch)
             gen_s += time.perf_counter() - g0
             if draft_vocab and not head.config.draft_vocab_size:
                 seen = ids[b:b + batch] + [a for _, a in answers]
@@ -341,6 +379,9 @@ def add_train_draft_args(p) -> None:
     p.add_argument("--samples-per-prompt", type=int, default=1,
                    help="answers per prompt: the greedy one, then sampled ones at --temperature")
     p.add_argument("--temperature", type=float, default=0.8, help="for the sampled answers")
+    p.add_argument("--branch", action="store_true",
+                   help="answers after the first: the greedy answer up to a random point, one token sampled "
+                        "at --temperature, then greedy again (instead of wholly sampled answers)")
     p.add_argument("--labels", choices=("target", "tokens"), default="target",
                    help="train on the target's next-token distributions (distillation; default) "
                         "or on the answer tokens")
@@ -393,7 +434,7 @@ def cmd_train_draft(a) -> int:
                 seed=a.seed, batch=a.batch, samples=a.samples_per_prompt, temperature=a.temperature,
                 layer_ids=layer_ids, labels=a.labels, feature_norm=a.feature_norm, init_layer=a.init_layer,
                 step_decay=a.step_decay, draft_vocab=a.draft_vocab, draft_intermediate=a.draft_intermediate,
-                log=log)
+                branch=a.branch, log=log)
     if eval_prompts:
         del llm
         res = evaluate_head(a.model, a.out, eval_prompts, a.eval_k, a.eval_max_tokens, a.device, a.dtype, log)

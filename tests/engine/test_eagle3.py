@@ -324,6 +324,35 @@ def test_train_draft_samples_and_eval_through_config(tiny4, tmp_path, monkeypatc
         td.train_draft(llm, prompts, None, draft_vocab=10 ** 6, log=logs.append)
 
 
+def test_branched_answers_turn_once_off_the_greedy_path(tiny4):
+    """generate_answers(branch=True): per prompt the greedy answer, then answers that follow
+    it up to a point, take one token sampled there, and continue greedily: each continuation
+    equals the engine's own greedy answer from that context, and some branches leave the
+    greedy path."""
+    from blitzllm import SamplingParams
+    from blitzllm.spec import train_draft as td
+    llm0, _ = tiny4
+    llm = LLM(llm0.engine.args.model, device="cpu", kv_cache_blocks=128, enable_prefix_caching=False,
+              max_num_seqs=8)
+    prompts = [[5, 6, 7], [40, 41, 42, 43]]
+    answers = td.generate_answers(llm, prompts, 12, samples=4, temperature=1.5, seed=3, branch=True)
+    assert [i for i, _ in answers] == [0, 0, 0, 0, 1, 1, 1, 1]
+    greedy = {i: a for n, (i, a) in enumerate(answers) if n % 4 == 0}
+    left = 0
+    for n, (i, a) in enumerate(answers):
+        g = greedy[i]
+        assert 0 < len(a) <= 12
+        if n % 4 == 0 or a == g:
+            continue
+        c = next(j for j in range(min(len(a), len(g))) if a[j] != g[j])  # the sampled turn
+        left += 1
+        if c + 1 < 12:  # the rest: greedy from prompt + answer up to the turn
+            want = llm.generate([prompts[i] + a[:c + 1]], SamplingParams(temperature=0.0, max_tokens=12 - c - 1))
+            assert a[c + 1:] == list(want[0].outputs[0].token_ids)
+    assert left >= 3  # temperature 1.5 over a random model: most turns leave the greedy path
+    assert answers == td.generate_answers(llm, prompts, 12, samples=4, temperature=1.5, seed=3, branch=True)
+
+
 def test_lr_schedule():
     from blitzllm.spec.train_draft import lr_at
     assert lr_at(0, 100, 4) == 0.25 and lr_at(3, 100, 4) == 1.0
