@@ -182,7 +182,8 @@ class DecoderLayer(nn.Module):
 
 def mlp_forward_norm(mlp: nn.Module, x: torch.Tensor, residual, norm) -> tuple:
     """The post-attention half of a pre-norm block: (mlp(norm(x + residual)), x + residual).
-    A ``DenseMLP`` takes the norm as its gate_up GEMV's prologue (CUDA decode)."""
+    A ``DenseMLP`` off the one-launch and GLU paths hands the norm to its gate_up
+    (``norm_linear``: the GEMV's prologue on CUDA decode with BLITZ_GEMV_NORM=1)."""
     if isinstance(mlp, DenseMLP) and not mlp.fused_ok(x) and not mlp.glu_ok(x):
         gate_up, residual = mlp.gate_up_proj.forward_norm(x, residual, norm)
         return mlp.down_proj(gate_up, silu_mul_input=True), residual
