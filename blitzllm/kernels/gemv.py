@@ -444,6 +444,24 @@ def _zeros(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor
     return torch.zeros(numel, dtype=dtype, device=device)
 
 
+def _launch_operands(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
+                     out: Optional[torch.Tensor], n_out: int) -> tuple:
+    """The checks every GEMV launch makes (rows, W row-major, bias [W rows], out [M, n_out]):
+    (x with unit column stride, contiguous bias, out, made if not given)."""
+    M = x.shape[0]
+    assert M <= GEMV_MAX_ROWS, f"gemv handles at most {GEMV_MAX_ROWS} rows"
+    assert w.stride(1) == 1, "w must be row-major (contiguous along K)"
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if bias is not None:
+        assert bias.shape == (w.shape[0],)
+        bias = bias.contiguous()
+    if out is None:
+        out = torch.empty((M, n_out), dtype=x.dtype, device=x.device)
+    assert out.shape == (M, n_out) and out.stride(1) == 1
+    return x, bias, out
+
+
 def gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                 silu_mul_input: bool = False, out: Optional[torch.Tensor] = None,
                 config: Optional[dict] = None, norm_weight: Optional[torch.Tensor] = None,
@@ -474,16 +492,7 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
     assert x.dim() == 2 and w.dim() == 2 and x.dtype == w.dtype, "x [M, K] and w [N, K] of one dtype"
     M, (N, K) = x.shape[0], w.shape
     assert x.shape[1] == (2 * K if silu_mul_input else K), "x width must be K (2K with silu_mul_input)"
-    assert M <= GEMV_MAX_ROWS, f"gemv handles at most {GEMV_MAX_ROWS} rows"
-    assert w.stride(1) == 1, "w must be row-major (contiguous along K)"
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if bias is not None:
-        assert bias.shape == (N,)
-        bias = bias.contiguous()
-    if out is None:
-        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    assert out.shape == (M, N) and out.stride(1) == 1
+    x, bias, out = _launch_operands(x, w, bias, out, N)
     resid = residual is not None
     if resid:
         assert residual.shape == x.shape and residual.dtype == x.dtype
@@ -564,17 +573,8 @@ def gemv_glu_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tenso
     assert x.dim() == 2 and w.dim() == 2 and x.dtype == w.dtype, "x [M, K] and w [2I, K] of one dtype"
     M, (N2, K) = x.shape[0], w.shape
     assert N2 % 2 == 0 and x.shape[1] == K, "w must be [2I, K] and x [M, K]"
-    assert M <= GEMV_MAX_ROWS, f"gemv handles at most {GEMV_MAX_ROWS} rows"
-    assert w.stride(1) == 1, "w must be row-major (contiguous along K)"
     N = N2 // 2
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if bias is not None:
-        assert bias.shape == (N2,)
-        bias = bias.contiguous()
-    if out is None:
-        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    assert out.shape == (M, N) and out.stride(1) == 1
+    x, bias, out = _launch_operands(x, w, bias, out, N)
     norm = norm_weight is not None
     if M == 0 or N == 0 or K == 0:  # degenerate: the unfused way
         if norm and M and K:

@@ -38,25 +38,15 @@ def make(m, n, k, dtype, device, silu=False, bias=True):
     return x, w, b
 
 
-@pytest.mark.parametrize("cfg", list(CONFIGS))
+@pytest.mark.parametrize("cfg", list(CONFIGS) + list(SWAP_CONFIGS))
 @pytest.mark.parametrize("k", [16, 33, 96, 260])
 @pytest.mark.parametrize("n", [1, 7, 64, 130])
 @pytest.mark.parametrize("m", [1, 3, 16])
 def test_gemv_fp32(m, n, k, cfg, device):
+    """Odd N and K (ragged tiles, fully masked split tails), bias or not; the FMA, tensor-core
+    and swapped tensor-core forms."""
     x, w, b = make(m, n, k, torch.float32, device, bias=(m + n) % 2 == 1)
-    out = gemv_triton(x, w, b, config=CONFIGS[cfg])
-    assert out.shape == (m, n) and out.dtype == torch.float32
-    close(out, reference_linear(x, w, b), torch.float32)
-
-
-@pytest.mark.parametrize("cfg", list(SWAP_CONFIGS))
-@pytest.mark.parametrize("k", [16, 33, 260])
-@pytest.mark.parametrize("n", [1, 64, 130])
-@pytest.mark.parametrize("m", [1, 3, 16])
-def test_gemv_swap_fp32(m, n, k, cfg, device):
-    """Odd N and K (ragged tiles, a fully masked split tail at K 33 / split 3), bias or not."""
-    x, w, b = make(m, n, k, torch.float32, device, bias=(m + n) % 2 == 1)
-    out = gemv_triton(x, w, b, config=SWAP_CONFIGS[cfg])
+    out = gemv_triton(x, w, b, config={**CONFIGS, **SWAP_CONFIGS}[cfg])
     assert out.shape == (m, n) and out.dtype == torch.float32
     close(out, reference_linear(x, w, b), torch.float32)
 
