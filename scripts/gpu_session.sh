@@ -197,6 +197,13 @@ for part in "$@"; do case $part in
        BLITZ_MOE_DECODE_CONFIG=$W run 150 dsv3_wide --model preset:deepseek-v3 --num-layers 8 $M
        run 150 mm2_base --model preset:minimax-m2 --num-layers 8 $M
        BLITZ_MOE_DECODE_CONFIG=$W run 150 mm2_wide --model preset:minimax-m2 --num-layers 8 $M ;;
+  moedec) # batch-1 MoE decode launches apart: the direct gate/up and down GEMMs over a tile grid
+       timeout ${MOEDEC_TIMEOUT:-300} python3 scripts/bench_moe_decode.py --models ${MOEDEC_MODELS:-qwen3-30b-a3b} \
+         --budget-s ${MOEDEC_BUDGET:-220} > "$OUT/moe_decode.log" 2>&1; tail -${MOEDEC_TAIL:-4} "$OUT/moe_decode.log" ;;
+  moeearly) # qwen3-30b-a3b batch 1: heuristic, wide tiles (n64 k128), the down launch's early weight tile
+       M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
+       run 150 q30b_base $M; BLITZ_MOE_DECODE_CONFIG='{"BLOCK_N": 64, "BLOCK_K": 128}' run 150 q30b_wide $M
+       BLITZ_MOE_EARLY_W=1 run 150 q30b_early $M ;;
   swapab) L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        run 100 llama_base $L; BLITZ_GEMV_CONFIG='{"SWAP": true}' run 100 llama_swap64 $L
        BLITZ_GEMV_CONFIG='{"SWAP": true, "BLOCK_N": 128}' run 100 llama_swap128 $L ;;
