@@ -27,6 +27,7 @@ import torch  # noqa: E402
 SHAPES = {  # name: (Hq, Hkv, D, hidden, qk norm)
     "llama-3.1-8b": (32, 8, 128, 4096, False),
     "qwen3-0.6b": (16, 8, 128, 1024, True),
+    "qwen3-30b-a3b": (32, 4, 128, 2048, True),
 }
 
 
@@ -149,6 +150,9 @@ def l2_residency(reps=30):
 # (num_splits, BLOCK_N, warps): None = the launcher's default
 VARIANTS = [(None, None, None), (8, None, None), (None, 32, None), (None, 128, None), (None, None, 2),
             (None, 32, 2), (None, None, 8)]
+# --splits-sweep: split counts at the default tile and warps, and 16-key tiles
+SPLIT_VARIANTS = [(None, None, None), (1, None, None), (2, None, None), (4, None, None), (8, None, None),
+                  (16, None, None), (None, 16, None), (None, 64, None), (None, None, 8), (None, 16, 2)]
 
 
 def main():
@@ -157,22 +161,26 @@ def main():
     ap.add_argument("--contexts", default="384,2048")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--only-l2", action="store_true")
+    ap.add_argument("--models", default=",".join(SHAPES), help="comma-separated SHAPES keys")
+    ap.add_argument("--no-l2", action="store_true", help="skip the L2 residency check")
+    ap.add_argument("--splits-sweep", action="store_true", help="SPLIT_VARIANTS instead of VARIANTS")
     a = ap.parse_args()
     import blitzllm.kernels.paged_attention as pa
     from blitzllm.kernels._common import l2_prefetch_supported
     print("l2 prefetch supported:", l2_prefetch_supported(torch.empty(1, device="cuda")))
-    l2_residency()
+    if not a.no_l2:
+        l2_residency()
     if a.only_l2:
         return
     rows = []
-    for name in SHAPES:
+    for name in a.models.split(","):
         for ctx in [int(c) for c in a.contexts.split(",")]:
             s = build(name, a.layers, ctx)
-            for splits, bn, warps in VARIANTS:
+            for splits, bn, warps in (SPLIT_VARIANTS if a.splits_sweep else VARIANTS):
                 t_a = time_graph(lambda i: step(s, i, False, False, splits, bn, warps), a.layers, a.reps)
                 t_ao = time_graph(lambda i: step(s, i, True, False, splits, bn, warps), a.layers, a.reps)
                 t_pf = time_graph(lambda i: step(s, i, True, True, splits, bn, warps), a.layers, a.reps)
-                rows.append((name, ctx, f"{bn or 64}/{warps or 4}", splits or "auto", t_a, t_ao, t_pf))
+                rows.append((name, ctx, f"{bn or 32}/{warps or 4}", splits or "auto", t_a, t_ao, t_pf))
             t_o = time_graph(lambda i: o_only(s, i), a.layers, a.reps)
             rows.append((name, ctx, "-", "o only", t_o, float("nan"), float("nan")))
             del s

@@ -204,6 +204,13 @@ for part in "$@"; do case $part in
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
        run 150 q30b_base $M; BLITZ_MOE_DECODE_CONFIG='{"BLOCK_N": 64, "BLOCK_K": 128}' run 150 q30b_wide $M
        BLITZ_MOE_EARLY_W=1 run 150 q30b_early $M ;;
+  attnq30b) # decode attention at qwen3-30b-a3b's heads (32 q / 4 kv, q/k norm): split counts, tiles, warps
+       timeout 200 python3 scripts/bench_attn.py --models qwen3-30b-a3b --contexts 192,2048 --layers 48 --no-l2 \
+         --splits-sweep > "$OUT/attn_q30b.log" 2>&1; tail -21 "$OUT/attn_q30b.log" ;;
+  moebest) # qwen3-30b-a3b batch 1: the best gate/up and down tiles of scripts/bench_moe_decode.py, and n64 k128
+       M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
+       BLITZ_MOE_DECODE_CONFIG='{"up": {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 2, "num_stages": 4}, "down": {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}}' run 150 q30b_best $M
+       BLITZ_MOE_DECODE_CONFIG='{"BLOCK_N": 64, "BLOCK_K": 128}' run 150 q30b_wide2 $M ;;
   swapab) L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        run 100 llama_base $L; BLITZ_GEMV_CONFIG='{"SWAP": true}' run 100 llama_swap64 $L
        BLITZ_GEMV_CONFIG='{"SWAP": true, "BLOCK_N": 128}' run 100 llama_swap128 $L ;;
