@@ -211,6 +211,21 @@ for part in "$@"; do case $part in
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
        BLITZ_MOE_DECODE_CONFIG='{"up": {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 2, "num_stages": 4}, "down": {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}}' run 150 q30b_best $M
        BLITZ_MOE_DECODE_CONFIG='{"BLOCK_N": 64, "BLOCK_K": 128}' run 150 q30b_wide2 $M ;;
+  nrtests) timeout 240 python3 -m pytest -q -x --tb=short -m gpu tests/kernels/test_kernel_moe.py tests/test_gpu_e2e.py \
+         -k "norm_route or direct" -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/nr_tests.log" ;;
+  normroute) # MoE decode: post-attention norm + router + selection in one launch (BLITZ_MOE_NORM_ROUTE=1), on
+       # the wide MoE tiles; 8-warp decode attention; the fused routing again; deepseek-v3 / minimax-m2 wide tiles
+       M="--batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"; W='{"BLOCK_N": 64, "BLOCK_K": 128}'
+       export BLITZ_MOE_DECODE_CONFIG=$W
+       BLITZ_MOE_NORM_ROUTE=1 run 150 q30b_wide_nr --model preset:qwen3-30b-a3b $M
+       BLITZ_MOE_NORM_ROUTE=1 BLITZ_ATTN_WARPS=8 run 150 q30b_wide_nr_w8 --model preset:qwen3-30b-a3b $M
+       BLITZ_MOE_FUSED_ROUTING=1 run 150 q30b_wide_fr --model preset:qwen3-30b-a3b $M
+       run 150 q30b_wide3 --model preset:qwen3-30b-a3b $M
+       for m in deepseek-v3 minimax-m2; do n=${m%%-*}
+         BLITZ_MOE_DECODE_CONFIG= run 150 ${n}_base --model preset:$m --num-layers 8 $M
+         run 150 ${n}_wide --model preset:$m --num-layers 8 $M
+         BLITZ_MOE_NORM_ROUTE=1 run 150 ${n}_wide_nr --model preset:$m --num-layers 8 $M; done
+       unset BLITZ_MOE_DECODE_CONFIG ;;
   swapab) L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        run 100 llama_base $L; BLITZ_GEMV_CONFIG='{"SWAP": true}' run 100 llama_swap64 $L
        BLITZ_GEMV_CONFIG='{"SWAP": true, "BLOCK_N": 128}' run 100 llama_swap128 $L ;;

@@ -127,3 +127,27 @@ def test_opt_in_decode_paths_match_default(monkeypatch):
     assert llm.engine.runner.backend.l2_prefetch_bytes > 0
     got = [[o.token_ids for o in llm.generate(p, params)] for p in (prompts, prompts[:1])]
     assert got == want
+
+
+@pytest.mark.parametrize("preset,layers", [("qwen3-30b-a3b", 2), ("minimax-m2", 2), ("deepseek-v3", 4)])
+def test_norm_route_decode_matches_default(monkeypatch, preset, layers):
+    """MoE decode with the post-attention residual add + RMSNorm + router GEMM + selection in
+    one launch (BLITZ_MOE_NORM_ROUTE=1) gives the default path's greedy tokens (bf16; the
+    router's fp32 sums differ only in order), and the launch ran."""
+    import blitzllm.kernels.moe as moe
+    kw = dict(num_layers=layers, device="cuda", dtype="bfloat16", kv_cache_blocks=256, max_num_seqs=8,
+              max_model_len=512)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    monkeypatch.setattr(moe, "MOE_NORM_ROUTE", False)
+    base = LLM(f"preset:{preset}", **kw)
+    prompts = _prompts(3, base.engine.model_config.vocab_size, seed=6)
+    want = [o.token_ids for o in base.generate(prompts, params) + base.generate(prompts[:1], params)]
+    del base
+    calls = []
+    orig = moe.norm_route_experts_triton
+    monkeypatch.setattr(moe, "MOE_NORM_ROUTE", True)
+    monkeypatch.setattr(moe, "norm_route_experts_triton", lambda *a, **k: calls.append(a[0].shape[0]) or orig(*a, **k))
+    llm = LLM(f"preset:{preset}", **kw)
+    got = [o.token_ids for o in llm.generate(prompts, params) + llm.generate(prompts[:1], params)]
+    assert calls and max(calls) <= moe.NORM_ROUTE_MAX_T
+    assert got == want

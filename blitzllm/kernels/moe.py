@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from ._common import (device_sms, next_pow2, pdl_enabled, pdl_launch_dependents, pdl_launch_kwargs, pdl_wait,
                       tl, triton, use_triton)
 from .fused_moe import fused_moe_triton
+from .rmsnorm import rms_normalize
 
 
 def reference_router_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -423,6 +424,109 @@ def select_experts_triton(logits: torch.Tensor, top_k: int, scoring: str = "soft
 
 
 
+# ---- post-attention norm + router + selection in one launch (decode) ----------------------
+
+@triton.jit
+def _norm_route_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, h_ptr, ro_ptr, logit_ptr, cnt_ptr,
+                       bias_ptr, w_out_ptr, id_out_ptr, scaling,
+                       T, E, H, stride_x, stride_r, stride_h, stride_ro, stride_we, eps,
+                       BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                       USE_PDL: tl.constexpr,
+                       GROUP: tl.constexpr, N_GROUP: tl.constexpr, NG_PAD: tl.constexpr, G_PAD: tl.constexpr,
+                       TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                       SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr):
+    """Program p: the router rows [p*BLOCK_E, +BLOCK_E). Every program forms each token's
+    x + residual and its RMSNorm itself (rows of a few KB, read from L2; program 0 stores
+    them), multiplies its router rows (loaded before the PDL wait: they do not depend on the
+    kernel before) and stores those logits; the program arriving last routes the tokens."""
+    pid = tl.program_id(0)
+    offs_e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
+    cols = tl.arange(0, BLOCK_H)
+    hmask = cols < H
+    e_ok = offs_e < E
+    w = tl.load(w_ptr + offs_e.to(tl.int64)[:, None] * stride_we + cols[None, :],
+                mask=e_ok[:, None] & hmask[None, :], other=0.0)
+    nw = tl.load(nw_ptr + cols, mask=hmask, other=0.0)
+    pdl_wait(USE_PDL)
+    for t in range(T):
+        x = tl.load(x_ptr + t * stride_x + cols, mask=hmask, other=0.0)
+        if HAS_RESIDUAL:  # the rounding steps of kernels/rmsnorm.py's fused add + norm
+            r = tl.load(r_ptr + t * stride_r + cols, mask=hmask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+            if pid == 0:
+                tl.store(ro_ptr + t * stride_ro + cols, x, mask=hmask)
+        h = (rms_normalize(x, H, eps).to(tl.float32) * nw.to(tl.float32)).to(h_ptr.dtype.element_ty)
+        if pid == 0:
+            tl.store(h_ptr + t * stride_h + cols, h, mask=hmask)
+        logit = tl.sum(h.to(tl.float32)[None, :] * w.to(tl.float32), axis=1)
+        tl.store(logit_ptr + t * E + offs_e, logit, mask=e_ok)
+    pdl_launch_dependents(USE_PDL)
+    tl.debug_barrier()  # every thread's logits are stored before the release below
+    if tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+        for t in range(T):
+            _select_row(logit_ptr + t * E, bias_ptr, w_out_ptr, id_out_ptr, t, scaling, GROUP, N_GROUP, NG_PAD,
+                        G_PAD, TOPK_GROUP, TOP_K, K_PAD, SIGMOID, HAS_BIAS, RENORM)
+        tl.atomic_xchg(cnt_ptr, 0)  # ready for the next launch (CUDA-graph replays too)
+
+
+NORM_ROUTE_MAX_T = 4  # tokens per launch: each program loops over them
+
+
+@functools.lru_cache(maxsize=None)
+def _norm_route_counter(device: torch.device) -> torch.Tensor:
+    """The one-launch routing's arrival counter (each launch leaves it at 0)."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def norm_route_experts_triton(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
+                              eps: float, weight: torch.Tensor, top_k: int, scoring: str = "softmax",
+                              bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: int = 1,
+                              renormalize: bool = True, scaling: float = 1.0):
+    """``reference_norm_route_experts`` in one launch for up to NORM_ROUTE_MAX_T tokens."""
+    T, H = x.shape
+    E = weight.shape[0]
+    check_routing(E, top_k, scoring, bias, n_group, topk_group)
+    assert 0 < T <= NORM_ROUTE_MAX_T and weight.shape[1] == H and norm_weight.shape == (H,)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if residual is not None and residual.stride(1) != 1:
+        residual = residual.contiguous()
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    h = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else x
+    logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
+    block_h = next_pow2(H)
+    block_e = min(next_pow2(E), next_pow2(triton.cdiv(E, device_sms(x))))  # about a program per SM or more
+    group = E // n_group
+    pdl = pdl_enabled(x)
+    r = residual if residual is not None else x
+    _norm_route_kernel[(triton.cdiv(E, block_e),)](
+        x, r, norm_weight, weight, h, res_out, logits, _norm_route_counter(x.device),
+        bias.contiguous() if bias is not None else logits, weights, ids, float(scaling),
+        T, E, H, x.stride(0), r.stride(0), h.stride(0), res_out.stride(0), weight.stride(0), float(eps),
+        BLOCK_E=block_e, BLOCK_H=block_h, HAS_RESIDUAL=residual is not None, USE_PDL=pdl,
+        GROUP=group, N_GROUP=n_group, NG_PAD=next_pow2(n_group), G_PAD=next_pow2(group),
+        TOPK_GROUP=topk_group if n_group > 1 else 1, TOP_K=top_k, K_PAD=next_pow2(top_k),
+        SIGMOID=scoring == "sigmoid", HAS_BIAS=bias is not None, RENORM=bool(renormalize),
+        num_warps=4 if block_h <= 2048 else 8, **pdl_launch_kwargs(pdl))
+    return h, (res_out if residual is not None else x), weights, ids
+
+
+def reference_norm_route_experts(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
+                                 eps: float, weight: torch.Tensor, top_k: int, scoring: str = "softmax",
+                                 bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: int = 1,
+                                 renormalize: bool = True, scaling: float = 1.0):
+    """The post-attention half's routing: (h = rms_norm(x + residual), x + residual, topk
+    weights, topk ids) with h routed by ``select_experts(router_gemm(h, weight), ...)``.
+    residual None: h = rms_norm(x) and x is returned as the residual."""
+    from .rmsnorm import fused_add_rms_norm
+    h, res = fused_add_rms_norm(x, residual, norm_weight, eps)
+    return (h, res, *select_experts(router_gemm(h, weight), top_k, scoring, bias, n_group, topk_group,
+                                    renormalize, scaling))
+
+
 # ---- public ops -----------------------------------------------------------------------
 
 ROUTER_TRITON_MAX_T = 64  # beyond: cuBLAS with an fp32 output (where torch has mm(out_dtype=))
@@ -481,3 +585,28 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if use_triton(x):
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, dropped_ids=dropped_ids)
     return reference_fused_moe(x, w13, w2, topk_weights, topk_ids, dropped_ids)
+
+
+# BLITZ_MOE_NORM_ROUTE=1: MoE decode layers of up to NORM_ROUTE_MAX_T tokens run the
+# post-attention residual add + RMSNorm, the router GEMM and the expert selection in one
+# launch (``norm_route_experts_triton``) instead of three.
+MOE_NORM_ROUTE = os.environ.get("BLITZ_MOE_NORM_ROUTE", "0") == "1"
+
+
+def norm_route_ok(x: torch.Tensor) -> bool:
+    """Whether ``norm_route_experts`` takes the one-launch path for x [T, H]."""
+    return MOE_NORM_ROUTE and x.dim() == 2 and use_triton(x) and 0 < x.shape[0] <= NORM_ROUTE_MAX_T
+
+
+def norm_route_experts(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
+                       weight: torch.Tensor, top_k: int, scoring: str = "softmax",
+                       bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: int = 1,
+                       renormalize: bool = True, scaling: float = 1.0):
+    """(rms_norm(x + residual), x + residual, topk weights [T, K] fp32, topk ids [T, K] int32):
+    one Triton launch where ``norm_route_ok(x)``, else the norm and ``route_experts``."""
+    args = (top_k, scoring, bias, n_group, topk_group, renormalize, scaling)
+    if norm_route_ok(x):
+        return norm_route_experts_triton(x, residual, norm_weight, eps, weight, *args)
+    from .rmsnorm import fused_add_rms_norm
+    h, res = fused_add_rms_norm(x, residual, norm_weight, eps)
+    return (h, res, *route_experts(h, weight, *args))

@@ -140,6 +140,24 @@ class FusedMoE(nn.Module):
                                      self.n_group, self.topk_group, self.renormalize, self.scaling)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._experts(x, self.route)
+
+    def norm_route_ok(self, x: torch.Tensor, residual: Optional[torch.Tensor], norm: nn.Module) -> bool:
+        """Whether ``forward_norm`` fuses the norm with the routing (one launch, decode)."""
+        from .norm import RMSNorm
+        return (residual is not None and isinstance(norm, RMSNorm) and norm.tp is None
+                and residual.shape == x.shape and _op("norm_route_ok")(x))
+
+    def forward_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor], norm: nn.Module) -> tuple:
+        """(self(norm(x + residual)), x + residual) for an RMSNorm ``norm``: the residual add,
+        the norm, the router GEMM and the selection in one launch where ``norm_route_ok``."""
+        h, residual, weights, ids = _op("norm_route_experts")(
+            x, residual, norm.weight, norm.eps, self.gate.weight, self.top_k, self.scoring, self.correction_bias,
+            self.n_group, self.topk_group, self.renormalize, self.scaling)
+        return self._experts(h, lambda _: (weights, ids)), residual
+
+    def _experts(self, x: torch.Tensor, route) -> torch.Tensor:
+        """Routed (``route(x)`` -> topk weights, ids) plus shared experts of x [T, H]."""
         shared, side = None, None
         if self.shared_experts is not None and x.is_cuda and SHARED_EXPERT_STREAM:
             # the shared experts run on a second stream, beside routing + routed experts
@@ -149,7 +167,7 @@ class FusedMoE(nn.Module):
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 shared = self.shared_experts(x)
-        weights, ids = self.route(x)
+        weights, ids = route(x)
         if self.expert_start is None:
             out = _op("fused_moe")(x, self.w13, self.w2, weights, ids)
         else:  # split by expert: the other ranks' experts become id -1 with weight 0

@@ -183,10 +183,13 @@ class DecoderLayer(nn.Module):
 def mlp_forward_norm(mlp: nn.Module, x: torch.Tensor, residual, norm) -> tuple:
     """The post-attention half of a pre-norm block: (mlp(norm(x + residual)), x + residual).
     A ``DenseMLP`` off the one-launch and GLU paths hands the norm to its gate_up
-    (``norm_linear``: the GEMV's prologue on CUDA decode with BLITZ_GEMV_NORM=1)."""
+    (``norm_linear``: the GEMV's prologue on CUDA decode with BLITZ_GEMV_NORM=1); an MoE
+    block may take the norm into its routing launch (``FusedMoE.forward_norm``)."""
     if isinstance(mlp, DenseMLP) and not mlp.fused_ok(x) and not mlp.glu_ok(x):
         gate_up, residual = mlp.gate_up_proj.forward_norm(x, residual, norm)
         return mlp.down_proj(gate_up, silu_mul_input=True), residual
+    if hasattr(mlp, "norm_route_ok") and mlp.norm_route_ok(x, residual, norm):  # MoE: norm + routing fused
+        return mlp.forward_norm(x, residual, norm)
     h, residual = norm(x, residual)
     return mlp(h), residual
 

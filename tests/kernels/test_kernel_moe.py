@@ -394,6 +394,87 @@ def test_router_gemm_with_fused_selection(t, name, cfg, device):
         torch.testing.assert_close(got_w, exp_w, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["qwen3", "deepseek-v3", "minimax-m2", "softmax-bias-3groups", "tiny"])
+@pytest.mark.parametrize("t,h,resid", [(1, 96, True), (3, 64, True), (2, 80, False)])
+def test_norm_route_experts(t, h, resid, name, dtype, device):
+    """Residual add + RMSNorm + router GEMM + selection in one launch == the norm kernel's
+    reference then router_gemm + select_experts: the normed rows and the residual (fp32:
+    bitwise), the same experts, the weights to fp32 rounding; twice (the counter resets)."""
+    e, k, scoring, with_bias, ng, tg, renorm, scaling = ROUTINGS[name]
+    g = torch.Generator().manual_seed(t * 7 + e + h)
+    x = torch.randn(t, h, generator=g).to(dtype).to(device)
+    r = torch.randn(t, h, generator=g).to(dtype).to(device) if resid else None
+    nw = (1 + 0.2 * torch.randn(h, generator=g)).to(dtype).to(device)
+    w = (torch.randn(e, h, generator=g) / h ** 0.5).to(dtype).to(device)
+    bias = (torch.randn(e, generator=g) * 0.1).to(device) if with_bias else None
+    args = (k, scoring, bias, ng, tg, renorm, scaling)
+    from blitzllm.kernels.rmsnorm import reference_fused_add_rms_norm, reference_rms_norm
+    want_h, want_r = (reference_fused_add_rms_norm(x, r, nw, 1e-6) if resid else (reference_rms_norm(x, nw, 1e-6), x))
+    cpu_args = [v.cpu() if torch.is_tensor(v) else v for v in args]
+    for _ in range(2):
+        h_out, r_out, wts, ids = moe.norm_route_experts_triton(x, r, nw, 1e-6, w, *args)
+        if dtype == torch.float32:
+            torch.testing.assert_close(h_out, want_h, rtol=1e-6, atol=1e-6)
+            assert torch.equal(r_out, want_r)
+        else:  # bf16 ulps (the interpreter rounds toward zero; bitwise on the GPU: test_gpu_norm_route)
+            close(h_out, want_h, TOL[dtype])
+            close(r_out, want_r, TOL[dtype])
+        # routed as the reference routes the normed rows (bf16: the kernel's own, an ulp
+        # apart under the interpreter)
+        routed = want_h if dtype == torch.float32 else h_out
+        want_w, want_ids = by_id(*reference_select_experts(reference_router_gemm(routed, w).cpu(), *cpu_args))
+        got_w, got_ids = by_id(wts.cpu(), ids.cpu())
+        assert torch.equal(got_ids, want_ids)
+        torch.testing.assert_close(got_w, want_w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_norm_route():
+    """The one-launch norm + routing at the MoE presets' shapes (bf16, 1-4 tokens): the normed
+    rows and the residual bitwise those of the RMSNorm kernel, the ids those of the router GEMM
+    + selection kernels on them, the weights to fp32 rounding."""
+    from blitzllm.kernels.rmsnorm import fused_add_rms_norm_triton
+    dev, dt = "cuda", torch.bfloat16
+    for name, h in (("qwen3", 2048), ("deepseek-v3", 7168), ("minimax-m2", 3072)):
+        e, k, scoring, with_bias, ng, tg, renorm, scaling = ROUTINGS[name]
+        g = torch.Generator(device=dev).manual_seed(h)
+        w = (torch.randn(e, h, device=dev, generator=g) / h ** 0.5).to(dt)
+        nw = (1 + 0.2 * torch.randn(h, device=dev, generator=g)).to(dt)
+        bias = torch.randn(e, device=dev, generator=g) * 0.1 if with_bias else None
+        args = (k, scoring, bias, ng, tg, renorm, scaling)
+        for t in (1, 2, 4):
+            x, r = (torch.randn(t, h, device=dev, generator=g).to(dt) for _ in range(2))
+            want_h, want_r = fused_add_rms_norm_triton(x, r, nw, 1e-6)
+            want_w, want_ids = by_id(*select_experts_triton(router_gemm_triton(want_h, w), *args))
+            for _ in range(2):
+                h_out, r_out, wts, ids = moe.norm_route_experts_triton(x, r, nw, 1e-6, w, *args)
+                assert torch.equal(h_out, want_h) and torch.equal(r_out, want_r)
+                got_w, got_ids = by_id(wts, ids)
+                assert torch.equal(got_ids, want_ids)
+                torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
+
+
+def test_norm_route_dispatch(monkeypatch):
+    """norm_route_experts: the composition off CUDA (== the reference); norm_route_ok only
+    when switched on, for CUDA tensors of 1..NORM_ROUTE_MAX_T rows."""
+    g = torch.Generator().manual_seed(3)
+    x, r = torch.randn(3, 64, generator=g), torch.randn(3, 64, generator=g)
+    nw, w = torch.rand(64, generator=g) + 0.5, torch.randn(16, 64, generator=g)
+    got = moe.norm_route_experts(x, r, nw, 1e-6, w, 4, "sigmoid", torch.zeros(16), 4, 2, True, 2.0)
+    want = moe.reference_norm_route_experts(x, r, nw, 1e-6, w, 4, "sigmoid", torch.zeros(16), 4, 2, True, 2.0)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    monkeypatch.setattr(moe, "MOE_NORM_ROUTE", True)
+    assert not moe.norm_route_ok(x)  # CPU tensors
+    monkeypatch.setattr(moe, "use_triton", lambda t: True)
+    assert moe.norm_route_ok(x) and not moe.norm_route_ok(torch.zeros(moe.NORM_ROUTE_MAX_T + 1, 8))
+    assert not moe.norm_route_ok(torch.zeros(0, 8))
+    monkeypatch.setattr(moe, "MOE_NORM_ROUTE", False)
+    assert not moe.norm_route_ok(x)
+
+
 def test_route_experts_dispatch_matches_the_two_steps():
     """The layer's routing entry point (CPU: torch) == select_experts(router_gemm(x))."""
     g = torch.Generator().manual_seed(9)

@@ -82,6 +82,21 @@ def test_minimax_m2_matches_transformers(tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "minimax_m2"])
+def test_norm_route_decode_matches_transformers(tmp_path, arch, monkeypatch):
+    """FusedMoE.forward_norm (the post-attention residual add + norm handed to the routing,
+    one launch on CUDA decode) forced on for every step of up to 4 tokens, here through its
+    torch composition: the same greedy tokens and logprobs as transformers, and it ran."""
+    calls = []
+    monkeypatch.setattr(FusedMoE, "norm_route_ok",
+                        lambda self, x, residual, norm: residual is not None and 0 < x.shape[0] <= 4)
+    orig = FusedMoE.forward_norm
+    monkeypatch.setattr(FusedMoE, "forward_norm", lambda self, *a: calls.append(a[0].shape[0]) or orig(self, *a))
+    hf = make_moe_checkpoint(arch, tmp_path, seed=5)
+    check_matches_transformers(hf, tmp_path, lengths=(1, 5, 17), n=10)
+    assert calls and max(calls) <= 4
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "minimax_m2"])
 def test_fused_expert_layout_and_num_layers(tmp_path, arch):
     """transformers' in-memory layout (fused experts.gate_up_proj / down_proj; MiniMax's
     ``mlp.`` module name) loads to the same weights as the per-expert checkpoint; a
