@@ -226,6 +226,11 @@ for part in "$@"; do case $part in
          run 150 ${n}_wide --model preset:$m --num-layers 8 $M
          BLITZ_MOE_NORM_ROUTE=1 run 150 ${n}_wide_nr --model preset:$m --num-layers 8 $M; done
        unset BLITZ_MOE_DECODE_CONFIG ;;
+  nrwarps) # the one-launch norm + routing at 1 and 2 warps per program (wide MoE tiles, 8-warp attention)
+       M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
+       export BLITZ_MOE_DECODE_CONFIG='{"BLOCK_N": 64, "BLOCK_K": 128}'
+       run 150 q30b_wide_aw8 $M; BLITZ_MOE_NORM_ROUTE=1 BLITZ_MOE_NORM_ROUTE_WARPS=1 run 150 q30b_nr_w1 $M
+       BLITZ_MOE_NORM_ROUTE=1 BLITZ_MOE_NORM_ROUTE_WARPS=2 run 150 q30b_nr_w2 $M; unset BLITZ_MOE_DECODE_CONFIG ;;
   swapab) L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        run 100 llama_base $L; BLITZ_GEMV_CONFIG='{"SWAP": true}' run 100 llama_swap64 $L
        BLITZ_GEMV_CONFIG='{"SWAP": true, "BLOCK_N": 128}' run 100 llama_swap128 $L ;;

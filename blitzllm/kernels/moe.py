@@ -470,6 +470,9 @@ def _norm_route_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, h_ptr, ro_ptr, logit_ptr, cn
 
 
 NORM_ROUTE_MAX_T = 4  # tokens per launch: each program loops over them
+# BLITZ_MOE_NORM_ROUTE_WARPS (A/B): warps per program of the one-launch routing (default: 4 up
+# to 2048-wide rows, else 8)
+_NORM_ROUTE_WARPS = int(os.environ.get("BLITZ_MOE_NORM_ROUTE_WARPS", "0"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -510,7 +513,7 @@ def norm_route_experts_triton(x: torch.Tensor, residual: Optional[torch.Tensor],
         GROUP=group, N_GROUP=n_group, NG_PAD=next_pow2(n_group), G_PAD=next_pow2(group),
         TOPK_GROUP=topk_group if n_group > 1 else 1, TOP_K=top_k, K_PAD=next_pow2(top_k),
         SIGMOID=scoring == "sigmoid", HAS_BIAS=bias is not None, RENORM=bool(renormalize),
-        num_warps=4 if block_h <= 2048 else 8, **pdl_launch_kwargs(pdl))
+        num_warps=_NORM_ROUTE_WARPS or (4 if block_h <= 2048 else 8), **pdl_launch_kwargs(pdl))
     return h, (res_out if residual is not None else x), weights, ids
 
 

@@ -354,9 +354,17 @@ _IDLE_EXIT = os.environ.get("BLITZ_ATTN_IDLE_EXIT", "1") != "0"
 # and warps per program (default 4). H200 (scripts/gpu_session.sh tile, tile2), 32 vs 64 keys:
 # qwen3-0.6b batch 1 1204.7 / 1203.2 vs 1147.9 / 1149.6 tok/s, llama-3.1-8b batch 1 236.2 vs
 # 234.6, batch 64 x 1000 tokens 8877.8 vs 8066.5, qwen3-30b-a3b batch 1 348.5 vs 343.2;
-# 8 warps: qwen 1211.2, llama 233.3 (kept at 4)
+# 8 warps: qwen 1211.2, llama 233.3 (kept at 4 for up to 4 query heads per KV head). With 8
+# query heads per KV head (qwen3-30b-a3b: 4 KV heads, so few programs) 8 warps: 352.9 vs 346.7
+# tok/s at batch 1, and 5.06 vs 5.51 us per layer for the kernel alone at a 192-token context
+# (scripts/bench_attn.py --models qwen3-30b-a3b): the default there.
 _DECODE_BLOCK_N = int(os.environ.get("BLITZ_ATTN_BLOCK_N", "0"))
-_DECODE_WARPS = int(os.environ.get("BLITZ_ATTN_WARPS", "4"))
+_DECODE_WARPS = int(os.environ.get("BLITZ_ATTN_WARPS", "0"))
+
+
+def decode_warps(group: int) -> int:
+    """Warps per decode program for ``group`` query heads per KV head (BLITZ_ATTN_WARPS wins)."""
+    return _DECODE_WARPS or (8 if group >= 8 else 4)
 
 
 def _default_splits(q, b, hkv):
@@ -446,7 +454,7 @@ def paged_decode_attention_triton(
         NUM_SPLITS=s, G_PAD=g_pad, D=d, D_PAD=d_pad, BLOCK_N=bn,
         BLOCK_SIZE=k_cache.shape[1], IEEE=ieee, EARLY_V=early_v, FUSED_REDUCE=fused,
         USE_PDL=pdl, G_COMB=g_comb, COMBINE=combine, IDLE_EXIT=_IDLE_EXIT, **fuse_kw, **pf,
-        num_warps=num_warps or _DECODE_WARPS, num_stages=num_stages, **pdl_launch_kwargs(pdl),
+        num_warps=num_warps or decode_warps(g), num_stages=num_stages, **pdl_launch_kwargs(pdl),
     )
     if s > 1 and not fused:
         _decode_reduce_kernel[(B, hq)](

@@ -249,3 +249,12 @@ def test_gpu_fused_decode_l2_prefetch_leaves_results_unchanged(case):
         outs.append((out, k1, v1))
     for a, b in zip(*outs):
         assert torch.equal(a, b)
+
+
+def test_decode_warps_default(monkeypatch):
+    """8 warps per decode program from 8 query heads per KV head on, else 4; BLITZ_ATTN_WARPS wins."""
+    from blitzllm.kernels import paged_attention as pa
+    monkeypatch.setattr(pa, "_DECODE_WARPS", 0)
+    assert [pa.decode_warps(g) for g in (1, 2, 4, 6, 8, 16)] == [4, 4, 4, 4, 8, 8]
+    monkeypatch.setattr(pa, "_DECODE_WARPS", 2)
+    assert pa.decode_warps(8) == 2
