@@ -265,10 +265,13 @@ def test_fused_moe_dropped_ids(t, cfg, device):
 
 def test_moe_config_heuristic():
     bf16, sms = torch.bfloat16, 132
-    for t in (1, 4, 16):  # decode: memory-bound tiles that cover the SMs
+    for t in (1, 4, 16):  # decode: memory-bound tiles that reach most SMs
         for cfg, n in zip(moe_config(t, 8, 128, 2048, 768, bf16, sms), (768, 2048)):
             assert cfg["BLOCK_M"] == 16 and cfg["BLOCK_K"] == 128 and cfg["num_stages"] == 4
-            assert min(128, t * 8) * math.ceil(n / cfg["BLOCK_N"]) >= sms
+            assert min(128, t * 8) * math.ceil(n / cfg["BLOCK_N"]) >= sms // 2
+    for e, h, inter in ((128, 2048, 768), (256, 7168, 2048), (256, 3072, 1536)):  # the MoE presets, 1 token:
+        assert [c["BLOCK_N"] for c in moe_config(1, 8, e, h, inter, bf16, sms)] == [64, 64]  # 64-wide tiles
+    assert moe_config(1, 8, 128, 2048, 256, bf16, sms)[0]["BLOCK_N"] == 16  # narrow experts: 8 x 16 tiles >= 66
     up, down = moe_config(4096, 8, 128, 2048, 768, bf16, sms)
     assert up["BLOCK_M"] == down["BLOCK_M"] == 128 and up["BLOCK_N"] == 64 and down["BLOCK_N"] == 128
     assert moe_config(256, 8, 128, 2048, 768, bf16, sms)[0]["BLOCK_M"] <= 32  # ~16 rows per expert
