@@ -189,8 +189,8 @@ for part in "$@"; do case $part in
   gemvq30b) # the GEMV heuristic and sweep on qwen3-30b-a3b's qkv / o_proj at 1 row (2.66 TB/s end to end)
        timeout 200 python3 scripts/bench_gemv.py --models qwen3-30b-a3b --layers qkv,o_proj --ms 1 --budget-s 150 \
          > "$OUT/gemv_q30b.log" 2>&1; tail -6 "$OUT/gemv_q30b.log" ;;
-  moewide) # direct MoE decode tiles: the heuristic (N narrowed to >= 2 programs per SM) vs n64 k128
-       # (scripts/bench_moe.py: 24.4 vs 31.1 us a call for one qwen3-30b-a3b token)
+  moewide) # direct MoE decode tiles: the heuristic (64-wide N tiles since stop 19; before, N narrowed to
+       # >= 2 programs per SM) vs n64 k128 set explicitly
        M="--batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"; W='{"BLOCK_N": 64, "BLOCK_K": 128}'
        run 150 q30b_base --model preset:qwen3-30b-a3b $M; BLITZ_MOE_DECODE_CONFIG=$W run 150 q30b_wide --model preset:qwen3-30b-a3b $M
        run 150 dsv3_base --model preset:deepseek-v3 --num-layers 8 $M
