@@ -91,12 +91,12 @@ def run(args):
             fm._grouped_gemm(x, w13, out, ids, ids, ids, n, k, inter, True, dict(cfg, BLOCK_M=16), direct=True)
             return out
 
-        def down(c, cfg, early=False):
+        def down(c, cfg):
             _, ids, tw, act = c
             y = torch.empty(n, h, dtype=dt, device=dev)
             out = torch.empty(t, h, dtype=dt, device=dev)
             fm._grouped_gemm(act, w2, y, ids, ids, ids, n, 1, h, False, dict(cfg, BLOCK_M=16), direct=True,
-                             combine=(tw, out, k), early_w=early)
+                             combine=(tw, out, k))
             return out
 
         def ref_up(c):
@@ -115,16 +115,15 @@ def run(args):
                                                ("down", down, ref_down, False, h * inter * 2)):
             want = ref(calls[0])
             nbytes = chosen * wbytes
-            variants = [("heuristic", heur[0] if gated else heur[1], False)]
-            if not gated:
-                variants.append(("heuristic+early_w", heur[1], True))
-            variants += [(label(c), dict(c, BLOCK_M=16), False) for c in grid(gated, args.smoke)]
-            for name, cfg, early in variants:
-                if time.time() - t0 > args.budget_s and name not in ("heuristic", "heuristic+early_w"):
+            variants = [("heuristic", heur[0] if gated else heur[1])]
+            variants += [(label(c), dict(c, BLOCK_M=16)) for c in grid(gated, args.smoke)]
+            for name, cfg in variants:
+                if time.time() - t0 > args.budget_s and name != "heuristic":
                     continue
-                rec = dict(model=model, T=t, launch=launch, variant=name, config=cfg, early_w=early)
-                f = (lambda c, cfg=cfg, early=early: fn(c, cfg, early)) if not gated else \
-                    (lambda c, cfg=cfg: fn(c, cfg))
+                rec = dict(model=model, T=t, launch=launch, variant=name, config=cfg)
+
+                def f(c, cfg=cfg, fn=fn):
+                    return fn(c, cfg)
                 try:
                     got = f(calls[0])
                     rec["err"] = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
@@ -171,7 +170,7 @@ def run(args):
                 print(f"{model:14s}{launch:5s} (no timings; {len(bad)} failed)")
                 continue
             pick = {r["variant"]: r for r in rs}
-            line = "  ".join(f"{v} {pick[v]['us']:.2f}" for v in ("heuristic", "heuristic+early_w", "dense-gemv")
+            line = "  ".join(f"{v} {pick[v]['us']:.2f}" for v in ("heuristic", "dense-gemv")
                              if v in pick)
             best = sorted((r for r in rs if r["variant"] not in ("dense-gemv",)), key=lambda r: r["us"])[:5]
             print(f"{model:14s}{launch:5s} {line} | best: " + ", ".join(

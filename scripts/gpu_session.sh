@@ -200,10 +200,9 @@ for part in "$@"; do case $part in
   moedec) # batch-1 MoE decode launches apart: the direct gate/up and down GEMMs over a tile grid
        timeout ${MOEDEC_TIMEOUT:-300} python3 scripts/bench_moe_decode.py --models ${MOEDEC_MODELS:-qwen3-30b-a3b} \
          --budget-s ${MOEDEC_BUDGET:-220} > "$OUT/moe_decode.log" 2>&1; tail -${MOEDEC_TAIL:-4} "$OUT/moe_decode.log" ;;
-  moeearly) # qwen3-30b-a3b batch 1: heuristic, wide tiles (n64 k128), the down launch's early weight tile
+  moeearly) # qwen3-30b-a3b batch 1: heuristic, wide tiles (n64 k128)
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
-       run 150 q30b_base $M; BLITZ_MOE_DECODE_CONFIG='{"BLOCK_N": 64, "BLOCK_K": 128}' run 150 q30b_wide $M
-       BLITZ_MOE_EARLY_W=1 run 150 q30b_early $M ;;
+       run 150 q30b_base $M; BLITZ_MOE_DECODE_CONFIG='{"BLOCK_N": 64, "BLOCK_K": 128}' run 150 q30b_wide $M ;;
   attnq30b) # decode attention at qwen3-30b-a3b's heads (32 q / 4 kv, q/k norm): split counts, tiles, warps
        timeout 200 python3 scripts/bench_attn.py --models qwen3-30b-a3b --contexts 192,2048 --layers 48 --no-l2 \
          --splits-sweep > "$OUT/attn_q30b.log" 2>&1; tail -21 "$OUT/attn_q30b.log" ;;

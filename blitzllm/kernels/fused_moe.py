@@ -47,10 +47,6 @@ MOE_DIRECT_MAX_ENTRIES = 16
 # starts before its own ramp. Measured slower on the H200, so off: qwen3-30b-a3b batch 1 326.5 /
 # 326.7 vs 348.6 / 348.6 tok/s (scripts/gpu_session.sh moepf).
 MOE_PF_DOWN = os.environ.get("BLITZ_MOE_PF_DOWN", "0") == "1"
-# BLITZ_MOE_EARLY_W=1 (A/B): on the direct path the down launch reads its entries' expert ids
-# (written by the routing, two launches back) and loads its first weight tile before its PDL
-# wait, while the gate/up launch drains; only the activations wait on that launch.
-MOE_EARLY_W = os.environ.get("BLITZ_MOE_EARLY_W", "0") == "1"
 
 
 def _env_decode_config() -> tuple:
@@ -66,14 +62,12 @@ def _env_decode_config() -> tuple:
         cfg = json.loads(raw)
     except json.JSONDecodeError:
         raise ValueError(f"BLITZ_MOE_DECODE_CONFIG is not JSON: {raw!r}") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"BLITZ_MOE_DECODE_CONFIG is not a JSON object: {raw!r}")
-    parts = (cfg.get("up", {}), cfg.get("down", {})) if set(cfg) & {"up", "down"} else (cfg, cfg)
+    split = isinstance(cfg, dict) and bool(set(cfg) & {"up", "down"})
+    parts = (cfg.get("up", {}), cfg.get("down", {})) if split else (cfg, cfg)
     for part in parts:
-        unknown = set(part) - set(MOE_CONFIG_KEYS) if isinstance(part, dict) else {"(not a JSON object)"}
-        if unknown or set(cfg) - {"up", "down"} and set(cfg) & {"up", "down"}:
-            raise ValueError(f"BLITZ_MOE_DECODE_CONFIG: unknown keys {sorted(unknown or set(cfg))}; expected "
-                             f"{MOE_CONFIG_KEYS}, or 'up' / 'down' objects of them")
+        if not isinstance(part, dict) or set(part) - set(MOE_CONFIG_KEYS) or (split and set(cfg) - {"up", "down"}):
+            raise ValueError(f"BLITZ_MOE_DECODE_CONFIG: expected a JSON object of {MOE_CONFIG_KEYS}, or of 'up' / "
+                             f"'down' objects of them; got {raw!r}")
     return parts
 
 
@@ -221,7 +215,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
                      GATED: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr,
                      DIRECT: tl.constexpr, COMBINE: tl.constexpr, TOP_K: tl.constexpr,
                      pf_ptr=None, pf_stride=0, pf_bytes=0, pf_chunk=0, PF: tl.constexpr = False,
-                     PF_LANES: tl.constexpr = 1, EARLY_W: tl.constexpr = False):
+                     PF_LANES: tl.constexpr = 1):
     """out[entry, n] = A[entry // row_div] . W[e, n] for the BLOCK_M sorted entries of one
     expert e. GATED: W holds gate rows [0, N) and up rows [N, 2N); the output is
     silu(gate) * up with the reference's rounding steps.
@@ -230,12 +224,8 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
     token's n-tile that finishes last also sums that tile over the token's TOP_K entries,
     weighted (tw_ptr), in entry order, into comb_ptr: the combine without its own launch.
     PF (with DIRECT): the n-tile programs of entry m ask the L2 for its expert's block of
-    pf_bytes at pf_ptr + expert * pf_stride (the down weights), split over those programs.
-    EARLY_W (with DIRECT, when the ids come from two or more launches back, which completed
-    once the launch before passed its own wait): the ids and the first W tile load before
-    this launch's PDL wait; A (the launch before's output) after it."""
-    if not EARLY_W:
-        pdl_wait(USE_PDL)  # (PDL launches write nothing before this)
+    pf_bytes at pf_ptr + expert * pf_stride (the down weights), split over those programs."""
+    pdl_wait(USE_PDL)  # (PDL launches write nothing before this)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if DIRECT:
         expert = tl.load(expert_ptr + pid_m).to(tl.int64)
@@ -260,20 +250,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
         n_ok = n_ok & (tl.max(row_ok.to(tl.int32), axis=0) > 0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k_begin = 0
-    if EARLY_W:  # the first tile of W (not the launch before's output) while that launch ends
-        w_first = tl.load(b_ptrs, mask=n_ok & (offs_k[:, None] < KD), other=0.0)
-        if GATED:
-            u_first = tl.load(b_ptrs + N * stride_wn, mask=n_ok & (offs_k[:, None] < KD), other=0.0)
-        pdl_wait(USE_PDL)
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k[None, :] < KD), other=0.0)
-        acc = _mma(a, w_first, acc, IEEE)
-        if GATED:
-            acc_up = _mma(a, u_first, acc_up, IEEE)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
-        k_begin = BLOCK_K
-    for k in range(k_begin, KD, BLOCK_K):
+    for k in range(0, KD, BLOCK_K):
         if EVEN_K:
             a_mask = row_ok[:, None]
             b_mask = n_ok
@@ -467,13 +444,12 @@ def _moe_config_cached(tokens, top_k, num_experts, hidden, inter, dtype, sms, it
 
 
 def _grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_entries, row_div, n, gated, cfg,
-                  direct=False, combine=None, prefetch=None, early_w=False):
+                  direct=False, combine=None, prefetch=None):
     """direct: block_expert is the entries' expert ids (one program per entry, no sort);
     combine (direct only): (topk weights fp32 [T*K], output [T, n], top_k): the weighted
     sum over each token's entries is written there by the launch itself. prefetch (direct
     only): expert weights [E, ...] (contiguous per expert) whose chosen experts' blocks the
-    launch asks the L2 for. early_w (direct only): the ids and the first W tile load before
-    the PDL wait (the ids must come from two or more launches back)."""
+    launch asks the L2 for."""
     kd = a.shape[1]
     grid = (block_expert.numel(), triton.cdiv(n, cfg["BLOCK_N"]))
     pdl = pdl_enabled(a)
@@ -493,7 +469,6 @@ def _grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_entries, row_div
                            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                            GATED=gated, EVEN_K=kd % cfg["BLOCK_K"] == 0, IEEE=a.dtype == torch.float32,
                            USE_PDL=pdl, DIRECT=direct, COMBINE=combine is not None, TOP_K=top_k,
-                           EARLY_W=bool(early_w and direct),
                            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                            **pdl_launch_kwargs(pdl))
 
@@ -506,8 +481,7 @@ def _counters(device: torch.device, numel: int) -> torch.Tensor:
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, *, config: Optional[dict] = None,
-                     dropped_ids: bool = False, gemv=None, direct: Optional[bool] = None,
-                     early_w: Optional[bool] = None) -> torch.Tensor:
+                     dropped_ids: bool = False, gemv=None, direct: Optional[bool] = None) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk weights / ids [T, K] -> [T, H] in x's dtype.
     ``config`` overrides MOE_CONFIG_KEYS of both GEMMs (tests, benchmarks). ``dropped_ids``:
     entries with id -1 (experts of other tensor-parallel ranks) are skipped. ``gemv``:
@@ -515,9 +489,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     MOE_GEMV_MAX_TOKENS tokens when BLITZ_MOE_GEMV=1. ``direct``: True / False forces the
     grouped GEMMs without the sort, one program row per (token, k) entry, the combine fused
     into the down GEMM (two launches); None takes it for up to MOE_DIRECT_MAX_ENTRIES
-    entries unless BLITZ_MOE_DIRECT=0. Ids < 0 are skipped on that path. ``early_w``: on
-    that path the down launch loads its ids and first weight tile before its PDL wait
-    (None: BLITZ_MOE_EARLY_W)."""
+    entries unless BLITZ_MOE_DIRECT=0. Ids < 0 are skipped on that path."""
     assert x.dim() == 2 and w13.dim() == 3 and w2.dim() == 3, "x [T, H], w13 [E, 2I, H], w2 [E, H, I]"
     T, H = x.shape
     E, two_i, _ = w13.shape
@@ -541,12 +513,9 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     n = T * K
     if direct is None:
         direct = MOE_DIRECT and n <= MOE_DIRECT_MAX_ENTRIES
-    sms = device_sms(x)
-    if config is None and direct and (_DECODE_ENV_CONFIG[0] or _DECODE_ENV_CONFIG[1]):
-        up_cfg = _moe_config_cached(T, K, E, H, inter, x.dtype, sms, tuple(sorted(_DECODE_ENV_CONFIG[0].items())))[0]
-        down_cfg = _moe_config_cached(T, K, E, H, inter, x.dtype, sms, tuple(sorted(_DECODE_ENV_CONFIG[1].items())))[1]
-    else:
-        up_cfg, down_cfg = _moe_config_cached(T, K, E, H, inter, x.dtype, sms, tuple(sorted((config or {}).items())))
+    keys = _DECODE_ENV_CONFIG if config is None and direct else (config or {},) * 2  # (gate/up, down)
+    up_cfg, down_cfg = (_moe_config_cached(T, K, E, H, inter, x.dtype, device_sms(x), tuple(sorted(k.items())))[i]
+                        for i, k in enumerate(keys))
     if direct:  # two launches: no sort, the combine inside the down GEMM
         ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
         tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
@@ -557,8 +526,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
                     and l2_prefetchable(w2, w2.stride(0) * w2.element_size())) else None
         _grouped_gemm(x, w13, act, ids, ids, ids, n, K, inter, True, cfg_up, direct=True, prefetch=pf)
         y = torch.empty(n, H, dtype=x.dtype, device=x.device)
-        _grouped_gemm(act, w2, y, ids, ids, ids, n, 1, H, False, cfg_down, direct=True, combine=(tw, out, K),
-                      early_w=MOE_EARLY_W if early_w is None else early_w)
+        _grouped_gemm(act, w2, y, ids, ids, ids, n, 1, H, False, cfg_down, direct=True, combine=(tw, out, K))
         return out
     sorted_ids, block_expert, total = moe_align_block_size(topk_ids, E, up_cfg["BLOCK_M"])
     act = torch.empty(n, inter, dtype=x.dtype, device=x.device)

@@ -522,12 +522,11 @@ def reference_norm_route_experts(x: torch.Tensor, residual: Optional[torch.Tenso
                                  bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: int = 1,
                                  renormalize: bool = True, scaling: float = 1.0):
     """The post-attention half's routing: (h = rms_norm(x + residual), x + residual, topk
-    weights, topk ids) with h routed by ``select_experts(router_gemm(h, weight), ...)``.
+    weights, topk ids) with h routed by ``route_experts`` (the norm and routing dispatchers).
     residual None: h = rms_norm(x) and x is returned as the residual."""
     from .rmsnorm import fused_add_rms_norm
     h, res = fused_add_rms_norm(x, residual, norm_weight, eps)
-    return (h, res, *select_experts(router_gemm(h, weight), top_k, scoring, bias, n_group, topk_group,
-                                    renormalize, scaling))
+    return (h, res, *route_experts(h, weight, top_k, scoring, bias, n_group, topk_group, renormalize, scaling))
 
 
 # ---- public ops -----------------------------------------------------------------------
@@ -607,9 +606,5 @@ def norm_route_experts(x: torch.Tensor, residual: Optional[torch.Tensor], norm_w
                        renormalize: bool = True, scaling: float = 1.0):
     """(rms_norm(x + residual), x + residual, topk weights [T, K] fp32, topk ids [T, K] int32):
     one Triton launch where ``norm_route_ok(x)``, else the norm and ``route_experts``."""
-    args = (top_k, scoring, bias, n_group, topk_group, renormalize, scaling)
-    if norm_route_ok(x):
-        return norm_route_experts_triton(x, residual, norm_weight, eps, weight, *args)
-    from .rmsnorm import fused_add_rms_norm
-    h, res = fused_add_rms_norm(x, residual, norm_weight, eps)
-    return (h, res, *route_experts(h, weight, *args))
+    fn = norm_route_experts_triton if norm_route_ok(x) else reference_norm_route_experts
+    return fn(x, residual, norm_weight, eps, weight, top_k, scoring, bias, n_group, topk_group, renormalize, scaling)

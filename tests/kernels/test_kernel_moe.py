@@ -487,27 +487,24 @@ def test_route_experts_dispatch_matches_the_two_steps():
     assert torch.equal(got[1], ref[1]) and torch.equal(got[0], ref[0])
 
 
-@pytest.mark.parametrize("early_w", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t,e,k,h,inter,cfg", [(1, 8, 2, 64, 40, "m16-ragged"), (2, 10, 3, 48, 24, "m16-even"),
                                                (1, 6, 6, 96, 72, "auto"), (2, 8, 8, 64, 40, "auto")])
-def test_fused_moe_direct(t, e, k, h, inter, cfg, dtype, early_w, device):
+def test_fused_moe_direct(t, e, k, h, inter, cfg, dtype, device):
     """The unsorted decode path (BLITZ_MOE_DIRECT): one program row per entry, the combine
     inside the down GEMM's launch. Against the reference, with ragged tiles, all experts of a
-    token chosen, dropped ids, and twice in a row (the arrival counters reset themselves).
-    early_w: the down launch's first weight tile loaded before its (PDL) wait."""
+    token chosen, dropped ids, and twice in a row (the arrival counters reset themselves)."""
     from blitzllm.kernels import fused_moe as fm
     x, w13, w2, weights, ids = moe_inputs(t, e, k, h, inter, dtype, device, seed=t + 3 * k)
     want = reference_fused_moe(x, w13, w2, weights, ids)
     for _ in range(2):
-        out = fused_moe_triton(x, w13, w2, weights, ids, config=MOE_CONFIGS[cfg], direct=True, early_w=early_w)
+        out = fused_moe_triton(x, w13, w2, weights, ids, config=MOE_CONFIGS[cfg], direct=True)
         assert out.shape == (t, h) and out.dtype == dtype
         close(out, want, TOL[dtype])
     dropped = torch.where(ids % 2 == 0, ids, -1)
     dropped[0] = -1  # a token whose entries are all on other ranks
     w = weights * (dropped >= 0)
-    out = fused_moe_triton(x, w13, w2, w, dropped, config=MOE_CONFIGS[cfg], direct=True, dropped_ids=True,
-                           early_w=early_w)
+    out = fused_moe_triton(x, w13, w2, w, dropped, config=MOE_CONFIGS[cfg], direct=True, dropped_ids=True)
     close(out, reference_fused_moe(x, w13, w2, w, dropped, dropped_ids=True), TOL[dtype])
     assert not out[0].any()
     from blitzllm.kernels._common import device_sms, next_pow2
