@@ -355,6 +355,7 @@ def evaluate_head(model: str, head_dir: str, prompts: list, k: int, max_tokens: 
     st = llm.stats()
     res = {key: st[key] for key in ("spec_draft_tokens", "spec_accepted_tokens", "spec_acceptance_per_position",
                                     "spec_mean_acceptance_length")}
+    res["eval_max_tokens"] = max_tokens
     log(f"[train-draft] eval: {len(prompts)} prompts (ids {prompts[0][0]}-{prompts[-1][0]}), greedy, k={k}, "
         f"{max_tokens} tokens max: mean acceptance length {res['spec_mean_acceptance_length']:.3f}, "
         f"per position {' '.join(f'{a:.3f}' for a in res['spec_acceptance_per_position'])}, "
@@ -403,13 +404,21 @@ def add_train_draft_args(p) -> None:
                    help="after training, run these question ids greedily with the head through "
                         "speculative_config and report the mean acceptance length, e.g. 141-160")
     p.add_argument("--eval-k", type=int, default=3, help="num_speculative_tokens for --eval-range")
-    p.add_argument("--eval-max-tokens", type=int, default=128)
+    p.add_argument("--eval-max-tokens", default="128",
+                   help="answer length cap of the evaluation; a comma-separated list (e.g. 128,1024) evaluates "
+                        "each on a fresh engine and prints a JSON line per length")
     p.set_defaults(func=cmd_train_draft)
 
 
 def cmd_train_draft(a) -> int:
     from ..llm import LLM
-    for name in ("epochs", "max_tokens", "steps", "batch", "samples_per_prompt", "eval_k", "eval_max_tokens"):
+    try:
+        eval_lens = [int(x) for x in str(a.eval_max_tokens).split(",")]
+    except ValueError:
+        raise ValueError(f"--eval-max-tokens must be integers separated by commas, got {a.eval_max_tokens!r}") from None
+    if min(eval_lens) < 1:
+        raise ValueError(f"--eval-max-tokens must be >= 1, got {a.eval_max_tokens}")
+    for name in ("epochs", "max_tokens", "steps", "batch", "samples_per_prompt", "eval_k"):
         if getattr(a, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     if a.draft_vocab < 0:
@@ -437,6 +446,7 @@ def cmd_train_draft(a) -> int:
                 branch=a.branch, log=log)
     if eval_prompts:
         del llm
-        res = evaluate_head(a.model, a.out, eval_prompts, a.eval_k, a.eval_max_tokens, a.device, a.dtype, log)
-        print(json.dumps(res))
+        for n in eval_lens:
+            res = evaluate_head(a.model, a.out, eval_prompts, a.eval_k, n, a.device, a.dtype, log)
+            print(json.dumps(res), flush=True)
     return 0

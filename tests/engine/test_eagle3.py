@@ -204,6 +204,10 @@ def test_cli_train_draft_user_errors(tmp_path, capsys):
     assert "--step-decay must be in (0, 1]" in capsys.readouterr().err
     assert main(["train-draft", "--model", "x", "--prompts", "p", "--out", "o", "--draft-vocab", "-3"]) == 2
     assert "--draft-vocab must be >= 0" in capsys.readouterr().err
+    assert main(["train-draft", "--model", "x", "--prompts", "p", "--out", "o", "--eval-max-tokens", "128,x"]) == 2
+    assert "--eval-max-tokens must be integers" in capsys.readouterr().err
+    assert main(["train-draft", "--model", "x", "--prompts", "p", "--out", "o", "--eval-max-tokens", "128,0"]) == 2
+    assert "--eval-max-tokens must be >= 1" in capsys.readouterr().err
 
 
 def test_sample_without_answer_targets_is_skipped():
@@ -309,7 +313,7 @@ def test_train_draft_samples_and_eval_through_config(tiny4, tmp_path, monkeypatc
     res = td.evaluate_head(model_dir, str(tmp_path / "h"), prompts[:2], k=2, max_tokens=10, device="cpu",
                            log=logs.append)
     assert res["spec_draft_tokens"] > 0 and len(res["spec_acceptance_per_position"]) == 2
-    assert 1.0 <= res["spec_mean_acceptance_length"] <= 3.0
+    assert 1.0 <= res["spec_mean_acceptance_length"] <= 3.0 and res["eval_max_tokens"] == 10
     assert head.config.layer_ids == json.loads((tmp_path / "h" / "config.json").read_text())["layer_ids"]
     # a reduced draft vocabulary, chosen from the first batch, through the same flow
     logs = []
