@@ -230,6 +230,14 @@ for part in "$@"; do case $part in
        export BLITZ_MOE_DECODE_CONFIG='{"BLOCK_N": 64, "BLOCK_K": 128}'
        run 150 q30b_wide_aw8 $M; BLITZ_MOE_NORM_ROUTE=1 BLITZ_MOE_NORM_ROUTE_WARPS=1 run 150 q30b_nr_w1 $M
        BLITZ_MOE_NORM_ROUTE=1 BLITZ_MOE_NORM_ROUTE_WARPS=2 run 150 q30b_nr_w2 $M; unset BLITZ_MOE_DECODE_CONFIG ;;
+  nr2) # MoE decode routing: default (three launches) vs the one-launch norm + routing with its dependents
+       # launched late (after the routing), vs the norm + router GEMM in one launch and the selection apart
+       # (BLITZ_MOE_NORM_ROUTE=2), with early and late dependents; then their GPU tests
+       M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
+       run 150 q30b_base $M; BLITZ_MOE_NORM_ROUTE=1 BLITZ_MOE_NORM_ROUTE_PDL=late run 150 q30b_nr1_late $M
+       BLITZ_MOE_NORM_ROUTE=2 run 150 q30b_nr2 $M; BLITZ_MOE_NORM_ROUTE=2 BLITZ_MOE_NORM_ROUTE_PDL=late run 150 q30b_nr2_late $M
+       timeout 200 python3 -m pytest -q -x --tb=short -m gpu tests/kernels/test_kernel_moe.py tests/test_gpu_e2e.py \
+         -p no:cacheprovider -k "norm_route" 2>&1 | tail -3 ;;
   swapab) L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        run 100 llama_base $L; BLITZ_GEMV_CONFIG='{"SWAP": true}' run 100 llama_swap64 $L
        BLITZ_GEMV_CONFIG='{"SWAP": true, "BLOCK_N": 128}' run 100 llama_swap128 $L ;;

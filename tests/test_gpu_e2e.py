@@ -129,11 +129,13 @@ def test_opt_in_decode_paths_match_default(monkeypatch):
     assert got == want
 
 
-@pytest.mark.parametrize("preset,layers", [("qwen3-30b-a3b", 2), ("minimax-m2", 2), ("deepseek-v3", 4)])
-def test_norm_route_decode_matches_default(monkeypatch, preset, layers):
+@pytest.mark.parametrize("preset,layers,select", [("qwen3-30b-a3b", 2, True), ("minimax-m2", 2, True),
+                                                   ("deepseek-v3", 4, True), ("qwen3-30b-a3b", 2, False)])
+def test_norm_route_decode_matches_default(monkeypatch, preset, layers, select):
     """MoE decode with the post-attention residual add + RMSNorm + router GEMM + selection in
-    one launch (BLITZ_MOE_NORM_ROUTE=1) gives the default path's greedy tokens (bf16; the
-    router's fp32 sums differ only in order), and the launch ran."""
+    one launch (BLITZ_MOE_NORM_ROUTE=1; ``select`` off: =2, the selection its own launch) gives
+    the default path's greedy tokens (bf16; the router's fp32 sums differ only in order), and
+    the launch ran."""
     import blitzllm.kernels.moe as moe
     kw = dict(num_layers=layers, device="cuda", dtype="bfloat16", kv_cache_blocks=256, max_num_seqs=8,
               max_model_len=512)
@@ -146,6 +148,7 @@ def test_norm_route_decode_matches_default(monkeypatch, preset, layers):
     calls = []
     orig = moe.norm_route_experts_triton
     monkeypatch.setattr(moe, "MOE_NORM_ROUTE", True)
+    monkeypatch.setattr(moe, "_NORM_ROUTE_SELECT", select)
     monkeypatch.setattr(moe, "norm_route_experts_triton", lambda *a, **k: calls.append(a[0].shape[0]) or orig(*a, **k))
     llm = LLM(f"preset:{preset}", **kw)
     got = [o.token_ids for o in llm.generate(prompts, params) + llm.generate(prompts[:1], params)]

@@ -434,11 +434,14 @@ def _norm_route_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, h_ptr, ro_ptr, logit_ptr, cn
                        USE_PDL: tl.constexpr,
                        GROUP: tl.constexpr, N_GROUP: tl.constexpr, NG_PAD: tl.constexpr, G_PAD: tl.constexpr,
                        TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                       SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr):
+                       SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
+                       SELECT: tl.constexpr, PDL_LATE: tl.constexpr):
     """Program p: the router rows [p*BLOCK_E, +BLOCK_E). Every program forms each token's
     x + residual and its RMSNorm itself (rows of a few KB, read from L2; program 0 stores
     them), multiplies its router rows (loaded before the PDL wait: they do not depend on the
-    kernel before) and stores those logits; the program arriving last routes the tokens."""
+    kernel before) and stores those logits; with SELECT the program arriving last routes the
+    tokens (else the logits are the output). PDL_LATE: the dependents launch only as each
+    program ends (after the routing), not once its logits are stored."""
     pid = tl.program_id(0)
     offs_e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
     cols = tl.arange(0, BLOCK_H)
@@ -460,19 +463,26 @@ def _norm_route_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, h_ptr, ro_ptr, logit_ptr, cn
             tl.store(h_ptr + t * stride_h + cols, h, mask=hmask)
         logit = tl.sum(h.to(tl.float32)[None, :] * w.to(tl.float32), axis=1)
         tl.store(logit_ptr + t * E + offs_e, logit, mask=e_ok)
-    pdl_launch_dependents(USE_PDL)
-    tl.debug_barrier()  # every thread's logits are stored before the release below
-    if tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-        for t in range(T):
-            _select_row(logit_ptr + t * E, bias_ptr, w_out_ptr, id_out_ptr, t, scaling, GROUP, N_GROUP, NG_PAD,
-                        G_PAD, TOPK_GROUP, TOP_K, K_PAD, SIGMOID, HAS_BIAS, RENORM)
-        tl.atomic_xchg(cnt_ptr, 0)  # ready for the next launch (CUDA-graph replays too)
+    if not PDL_LATE:
+        pdl_launch_dependents(USE_PDL)
+    if SELECT:
+        tl.debug_barrier()  # every thread's logits are stored before the release below
+        if tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+            for t in range(T):
+                _select_row(logit_ptr + t * E, bias_ptr, w_out_ptr, id_out_ptr, t, scaling, GROUP, N_GROUP, NG_PAD,
+                            G_PAD, TOPK_GROUP, TOP_K, K_PAD, SIGMOID, HAS_BIAS, RENORM)
+            tl.atomic_xchg(cnt_ptr, 0)  # ready for the next launch (CUDA-graph replays too)
+    if PDL_LATE:
+        pdl_launch_dependents(USE_PDL)
 
 
 NORM_ROUTE_MAX_T = 4  # tokens per launch: each program loops over them
 # BLITZ_MOE_NORM_ROUTE_WARPS (A/B): warps per program of the one-launch routing (default: 4 up
 # to 2048-wide rows, else 8)
 _NORM_ROUTE_WARPS = int(os.environ.get("BLITZ_MOE_NORM_ROUTE_WARPS", "0"))
+# BLITZ_MOE_NORM_ROUTE_PDL=late (A/B): the one-launch routing lets its dependents launch only as
+# its programs end, not as soon as each has stored its logits
+_NORM_ROUTE_PDL_LATE = os.environ.get("BLITZ_MOE_NORM_ROUTE_PDL", "") == "late"
 
 
 @functools.lru_cache(maxsize=None)
@@ -484,8 +494,12 @@ def _norm_route_counter(device: torch.device) -> torch.Tensor:
 def norm_route_experts_triton(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
                               eps: float, weight: torch.Tensor, top_k: int, scoring: str = "softmax",
                               bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: int = 1,
-                              renormalize: bool = True, scaling: float = 1.0):
-    """``reference_norm_route_experts`` in one launch for up to NORM_ROUTE_MAX_T tokens."""
+                              renormalize: bool = True, scaling: float = 1.0, select: bool = True,
+                              pdl_late: Optional[bool] = None):
+    """``reference_norm_route_experts`` in one launch for up to NORM_ROUTE_MAX_T tokens;
+    ``select`` False: the launch does the norm and the router GEMM, the selection runs as
+    ``select_experts_triton`` after it (two launches). ``pdl_late``: see
+    BLITZ_MOE_NORM_ROUTE_PDL (None: that switch)."""
     T, H = x.shape
     E = weight.shape[0]
     check_routing(E, top_k, scoring, bias, n_group, topk_group)
@@ -513,7 +527,10 @@ def norm_route_experts_triton(x: torch.Tensor, residual: Optional[torch.Tensor],
         GROUP=group, N_GROUP=n_group, NG_PAD=next_pow2(n_group), G_PAD=next_pow2(group),
         TOPK_GROUP=topk_group if n_group > 1 else 1, TOP_K=top_k, K_PAD=next_pow2(top_k),
         SIGMOID=scoring == "sigmoid", HAS_BIAS=bias is not None, RENORM=bool(renormalize),
+        SELECT=bool(select), PDL_LATE=_NORM_ROUTE_PDL_LATE if pdl_late is None else bool(pdl_late),
         num_warps=_NORM_ROUTE_WARPS or (4 if block_h <= 2048 else 8), **pdl_launch_kwargs(pdl))
+    if not select:
+        weights, ids = select_experts_triton(logits, top_k, scoring, bias, n_group, topk_group, renormalize, scaling)
     return h, (res_out if residual is not None else x), weights, ids
 
 
@@ -592,7 +609,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 # BLITZ_MOE_NORM_ROUTE=1: MoE decode layers of up to NORM_ROUTE_MAX_T tokens run the
 # post-attention residual add + RMSNorm, the router GEMM and the expert selection in one
 # launch (``norm_route_experts_triton``) instead of three.
-MOE_NORM_ROUTE = os.environ.get("BLITZ_MOE_NORM_ROUTE", "0") == "1"
+# BLITZ_MOE_NORM_ROUTE=2: the norm and the router GEMM in one launch, the selection its own.
+MOE_NORM_ROUTE = os.environ.get("BLITZ_MOE_NORM_ROUTE", "0") in ("1", "2")
+_NORM_ROUTE_SELECT = os.environ.get("BLITZ_MOE_NORM_ROUTE", "0") != "2"
 
 
 def norm_route_ok(x: torch.Tensor) -> bool:
@@ -606,5 +625,8 @@ def norm_route_experts(x: torch.Tensor, residual: Optional[torch.Tensor], norm_w
                        renormalize: bool = True, scaling: float = 1.0):
     """(rms_norm(x + residual), x + residual, topk weights [T, K] fp32, topk ids [T, K] int32):
     one Triton launch where ``norm_route_ok(x)``, else the norm and ``route_experts``."""
-    fn = norm_route_experts_triton if norm_route_ok(x) else reference_norm_route_experts
-    return fn(x, residual, norm_weight, eps, weight, top_k, scoring, bias, n_group, topk_group, renormalize, scaling)
+    if norm_route_ok(x):
+        return norm_route_experts_triton(x, residual, norm_weight, eps, weight, top_k, scoring, bias, n_group,
+                                         topk_group, renormalize, scaling, select=_NORM_ROUTE_SELECT)
+    return reference_norm_route_experts(x, residual, norm_weight, eps, weight, top_k, scoring, bias, n_group,
+                                        topk_group, renormalize, scaling)

@@ -400,10 +400,13 @@ def test_router_gemm_with_fused_selection(t, name, cfg, device):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["qwen3", "deepseek-v3", "minimax-m2", "softmax-bias-3groups", "tiny"])
 @pytest.mark.parametrize("t,h,resid", [(1, 96, True), (3, 64, True), (2, 80, False)])
-def test_norm_route_experts(t, h, resid, name, dtype, device):
-    """Residual add + RMSNorm + router GEMM + selection in one launch == the norm kernel's
-    reference then router_gemm + select_experts: the normed rows and the residual (fp32:
-    bitwise), the same experts, the weights to fp32 rounding; twice (the counter resets)."""
+@pytest.mark.parametrize("select,pdl_late", [(True, False), (False, False), (True, True)])
+def test_norm_route_experts(t, h, resid, name, dtype, select, pdl_late, device):
+    """Residual add + RMSNorm + router GEMM + selection in one launch (or, ``select`` off, the
+    norm + router GEMM in one and the selection kernel after it; ``pdl_late``: the dependents'
+    launch after the routing) == the norm kernel's reference then router_gemm + select_experts:
+    the normed rows and the residual (fp32: bitwise), the same experts, the weights to fp32
+    rounding; twice (the counter resets)."""
     e, k, scoring, with_bias, ng, tg, renorm, scaling = ROUTINGS[name]
     g = torch.Generator().manual_seed(t * 7 + e + h)
     x = torch.randn(t, h, generator=g).to(dtype).to(device)
@@ -416,7 +419,8 @@ def test_norm_route_experts(t, h, resid, name, dtype, device):
     want_h, want_r = (reference_fused_add_rms_norm(x, r, nw, 1e-6) if resid else (reference_rms_norm(x, nw, 1e-6), x))
     cpu_args = [v.cpu() if torch.is_tensor(v) else v for v in args]
     for _ in range(2):
-        h_out, r_out, wts, ids = moe.norm_route_experts_triton(x, r, nw, 1e-6, w, *args)
+        h_out, r_out, wts, ids = moe.norm_route_experts_triton(x, r, nw, 1e-6, w, *args, select=select,
+                                                               pdl_late=pdl_late)
         if dtype == torch.float32:
             torch.testing.assert_close(h_out, want_h, rtol=1e-6, atol=1e-6)
             assert torch.equal(r_out, want_r)
@@ -451,8 +455,9 @@ def test_gpu_norm_route():
             x, r = (torch.randn(t, h, device=dev, generator=g).to(dt) for _ in range(2))
             want_h, want_r = fused_add_rms_norm_triton(x, r, nw, 1e-6)
             want_w, want_ids = by_id(*select_experts_triton(router_gemm_triton(want_h, w), *args))
-            for _ in range(2):
-                h_out, r_out, wts, ids = moe.norm_route_experts_triton(x, r, nw, 1e-6, w, *args)
+            for select, late in ((True, False), (False, False), (True, True)):
+                h_out, r_out, wts, ids = moe.norm_route_experts_triton(x, r, nw, 1e-6, w, *args, select=select,
+                                                                       pdl_late=late)
                 assert torch.equal(h_out, want_h) and torch.equal(r_out, want_r)
                 got_w, got_ids = by_id(wts, ids)
                 assert torch.equal(got_ids, want_ids)
