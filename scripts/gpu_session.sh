@@ -238,6 +238,16 @@ for part in "$@"; do case $part in
        BLITZ_MOE_NORM_ROUTE=2 run 150 q30b_nr2 $M; BLITZ_MOE_NORM_ROUTE=2 BLITZ_MOE_NORM_ROUTE_PDL=late run 150 q30b_nr2_late $M
        timeout 200 python3 -m pytest -q -x --tb=short -m gpu tests/kernels/test_kernel_moe.py tests/test_gpu_e2e.py \
          -p no:cacheprovider -k "norm_route" 2>&1 | tail -3 ;;
+  nrfin) # the norm + router launch as the default: the MoE presets at batch 1 (qwen3-30b-a3b batch 32 too), the
+       # three-launch routing (BLITZ_MOE_NORM_ROUTE=0) beside on deepseek-v3 / minimax-m2, then the routing GPU tests
+       M="--batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
+       run 150 q30b_b1 --model preset:qwen3-30b-a3b $M
+       run 150 q30b_b32 --model preset:qwen3-30b-a3b --batch-size 32 --input-len 128 --output-len 128 --max-num-seqs 32
+       run 150 dsv3_l8_b1 --model preset:deepseek-v3 --num-layers 8 $M; run 150 mm2_l8_b1 --model preset:minimax-m2 --num-layers 8 $M
+       BLITZ_MOE_NORM_ROUTE=0 run 150 dsv3_l8_nr0 --model preset:deepseek-v3 --num-layers 8 $M
+       BLITZ_MOE_NORM_ROUTE=0 run 150 mm2_l8_nr0 --model preset:minimax-m2 --num-layers 8 $M
+       timeout 120 python3 -m pytest -q -x --tb=short -m gpu tests/kernels/test_kernel_moe.py tests/test_gpu_e2e.py \
+         -p no:cacheprovider -k "norm_route or moe" 2>&1 | tail -3 ;;
   swapab) L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        run 100 llama_base $L; BLITZ_GEMV_CONFIG='{"SWAP": true}' run 100 llama_swap64 $L
        BLITZ_GEMV_CONFIG='{"SWAP": true, "BLOCK_N": 128}' run 100 llama_swap128 $L ;;

@@ -606,16 +606,19 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     return reference_fused_moe(x, w13, w2, topk_weights, topk_ids, dropped_ids)
 
 
-# BLITZ_MOE_NORM_ROUTE=1: MoE decode layers of up to NORM_ROUTE_MAX_T tokens run the
-# post-attention residual add + RMSNorm, the router GEMM and the expert selection in one
-# launch (``norm_route_experts_triton``) instead of three.
-# BLITZ_MOE_NORM_ROUTE=2: the norm and the router GEMM in one launch, the selection its own.
-MOE_NORM_ROUTE = os.environ.get("BLITZ_MOE_NORM_ROUTE", "0") in ("1", "2")
-_NORM_ROUTE_SELECT = os.environ.get("BLITZ_MOE_NORM_ROUTE", "0") != "2"
+# MoE decode layers of up to NORM_ROUTE_MAX_T tokens run the post-attention residual add +
+# RMSNorm and the router GEMM in one launch, the expert selection in its own
+# (``norm_route_experts_triton(select=False)``): H200 qwen3-30b-a3b batch 1 396.7 vs 380.6
+# tok/s with the three launches (scripts/gpu_session.sh nr2). BLITZ_MOE_NORM_ROUTE=0: three
+# launches (norm, router GEMM, selection); =1: all in one launch (slower: 387.1 with its
+# dependents launched late, 349.5 early).
+_NORM_ROUTE_MODE = os.environ.get("BLITZ_MOE_NORM_ROUTE", "2")
+MOE_NORM_ROUTE = _NORM_ROUTE_MODE in ("1", "2")
+_NORM_ROUTE_SELECT = _NORM_ROUTE_MODE == "1"
 
 
 def norm_route_ok(x: torch.Tensor) -> bool:
-    """Whether ``norm_route_experts`` takes the one-launch path for x [T, H]."""
+    """Whether ``norm_route_experts`` takes the Triton norm + router launch for x [T, H]."""
     return MOE_NORM_ROUTE and x.dim() == 2 and use_triton(x) and 0 < x.shape[0] <= NORM_ROUTE_MAX_T
 
 
@@ -624,7 +627,9 @@ def norm_route_experts(x: torch.Tensor, residual: Optional[torch.Tensor], norm_w
                        bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: int = 1,
                        renormalize: bool = True, scaling: float = 1.0):
     """(rms_norm(x + residual), x + residual, topk weights [T, K] fp32, topk ids [T, K] int32):
-    one Triton launch where ``norm_route_ok(x)``, else the norm and ``route_experts``."""
+    where ``norm_route_ok(x)`` the norm and the router GEMM in one Triton launch and the
+    selection in another (BLITZ_MOE_NORM_ROUTE=1: one launch for all), else the norm and
+    ``route_experts``."""
     if norm_route_ok(x):
         return norm_route_experts_triton(x, residual, norm_weight, eps, weight, top_k, scoring, bias, n_group,
                                          topk_group, renormalize, scaling, select=_NORM_ROUTE_SELECT)
