@@ -138,6 +138,18 @@ def _branched_answers(llm, prompts: list, max_tokens: int, samples: int, tempera
     return out
 
 
+def copy_span_sequence(prompt: list, answer: list, rng: random.Random, min_len: int = 8) -> Optional[list]:
+    """prompt + answer + a copy of one random span of the answer (at least ``min_len``
+    tokens, at most the whole answer), or None for a shorter answer: text where the target
+    continues by copying, as greedy decoding of a small model often does (its loops, restated
+    phrases), for the head to learn the copy from the target's own distributions there."""
+    if len(answer) < min_len:
+        return None
+    n = rng.randint(min_len, len(answer))
+    i = rng.randint(0, len(answer) - n)
+    return list(prompt) + list(answer) + list(answer[i:i + n])
+
+
 def capture_features(llm, cap: HiddenCapture, ids: list, prompt_len: int) -> Sample:
     """One engine prefill over prompt + answer (prefix caching off, so every position is
     forwarded; chunks of a long prefill are concatenated) -> the features of positions
@@ -244,7 +256,8 @@ def train_draft(llm, prompts: list, out: Optional[str], epochs: int = 1, max_tok
                 lr: float = 1e-3, steps: int = 3, seed: int = 0, batch: int = 16, samples: int = 1,
                 temperature: float = 0.8, layer_ids: Optional[list] = None, labels: str = "target",
                 feature_norm: bool = True, init_layer: bool = False, step_decay: float = STEP_DECAY,
-                draft_vocab: int = 0, draft_intermediate: int = 0, branch: bool = False, log=print) -> Eagle3Head:
+                draft_vocab: int = 0, draft_intermediate: int = 0, branch: bool = False, copy_spans: int = 0,
+                log=print) -> Eagle3Head:
     """``llm``: an ``LLM`` built with prefix caching off. Epoch 1 is online: the engine
     answers ``batch`` prompts at a time (batched decode; ``samples`` answers per prompt, the
     first greedy), then each prompt + answer goes through one engine prefill with the capture
@@ -258,7 +271,10 @@ def train_draft(llm, prompts: list, out: Optional[str], epochs: int = 1, max_tok
     head predicts over that many target tokens, the most frequent in the first batch's
     prompts and answers (``choose_draft_vocab``), before it trains on them.
     ``draft_intermediate`` > 0: the head's MLP width (default the target's). ``branch``: the
-    answers after each prompt's first are greedy ones with one sampled turn (``generate_answers``)."""
+    answers after each prompt's first are greedy ones with one sampled turn (``generate_answers``).
+    ``copy_spans`` > 0: after each answer the head also trains on that many sequences of the
+    answer followed by a copy of a random span of it (``copy_span_sequence``), its loss on the
+    copied tokens only (labelled by the target's own distributions there)."""
     if labels not in ("target", "tokens"):
         raise ValueError(f"--labels must be 'target' or 'tokens', got {labels!r}")
     torch.manual_seed(seed)
@@ -277,8 +293,12 @@ def train_draft(llm, prompts: list, out: Optional[str], epochs: int = 1, max_tok
     if draft_vocab and not 0 < draft_vocab <= head.config.vocab_size:
         raise ValueError(f"--draft-vocab must be in [1, {head.config.vocab_size}] (the target vocabulary) "
                          f"or 0, got {draft_vocab}")
+    if copy_spans < 0:
+        raise ValueError(f"--copy-spans must be >= 0, got {copy_spans}")
     opt = make_optimizer(head, lr)
-    total = epochs * len(prompts) * samples
+    total = epochs * len(prompts) * samples * (1 + copy_spans)
+    copy_rng = random.Random(seed * 7919 + 1)
+    n_copies = 0
     warmup = max(1, total * 3 // 100)
     step = 0
 
@@ -306,9 +326,19 @@ def train_draft(llm, prompts: list, out: Optional[str], epochs: int = 1, max_tok
                 s = capture_features(llm, cap, p + a, len(p))
                 kept.append(s)
                 loss, stats = train_step(s)
-                log(f"[train-draft] epoch 1 sample {len(kept)}/{len(prompts) * samples} (prompt id "
-                    f"{prompts[b + i][0]}): {len(a)} answer tok, loss {loss:.3f}, top-1 per step {_fmt(stats)}, "
+                log(f"[train-draft] epoch 1 sample {len(kept)}/{len(prompts) * samples * (1 + copy_spans)} (prompt "
+                    f"id {prompts[b + i][0]}): {len(a)} answer tok, loss {loss:.3f}, top-1 per step {_fmt(stats)}, "
                     f"{time.perf_counter() - t0:.0f}s")
+                for _ in range(copy_spans):
+                    seq = copy_span_sequence(p, a, copy_rng)
+                    if seq is None:
+                        continue
+                    s = capture_features(llm, cap, seq, len(p) + len(a))   # loss on the copy only
+                    kept.append(s)
+                    n_copies += 1
+                    loss, stats = train_step(s)
+                    log(f"[train-draft] epoch 1 sample {len(kept)} (copy of {len(seq) - len(p) - len(a)} answer "
+                        f"tokens): loss {loss:.3f}, top-1 per step {_fmt(stats)}")
     rng = random.Random(seed)
     for ep in range(2, epochs + 1):
         order = list(range(len(kept)))
@@ -324,8 +354,9 @@ def train_draft(llm, prompts: list, out: Optional[str], epochs: int = 1, max_tok
             f"{time.perf_counter() - t0:.0f}s")
     head.eval()
     wall = time.perf_counter() - t0
-    log(f"[train-draft] done: {len(prompts)} prompts, {len(kept)} answers, "
-        f"{sum(len(s.tokens) - s.prompt_len for s in kept)} answer tokens, {epochs} epoch(s), "
+    log(f"[train-draft] done: {len(prompts)} prompts, {len(kept) - n_copies} answers"
+        f"{f' + {n_copies} copy sequences' if n_copies else ''}, "
+        f"{sum(len(s.tokens) - s.prompt_len for s in kept)} trained tokens, {epochs} epoch(s), "
         f"wall {wall:.1f}s (generation {gen_s:.1f}s) on {_machine(eng.device)}")
     if out:
         head.save(out)
@@ -383,6 +414,9 @@ def add_train_draft_args(p) -> None:
     p.add_argument("--branch", action="store_true",
                    help="answers after the first: the greedy answer up to a random point, one token sampled "
                         "at --temperature, then greedy again (instead of wholly sampled answers)")
+    p.add_argument("--copy-spans", type=int, default=0,
+                   help="per answer, also train on N sequences of the answer followed by a copy of a random span "
+                        "of it (loss on the copy: how the target continues text it repeats)")
     p.add_argument("--labels", choices=("target", "tokens"), default="target",
                    help="train on the target's next-token distributions (distillation; default) "
                         "or on the answer tokens")
@@ -443,7 +477,7 @@ def cmd_train_draft(a) -> int:
                 seed=a.seed, batch=a.batch, samples=a.samples_per_prompt, temperature=a.temperature,
                 layer_ids=layer_ids, labels=a.labels, feature_norm=a.feature_norm, init_layer=a.init_layer,
                 step_decay=a.step_decay, draft_vocab=a.draft_vocab, draft_intermediate=a.draft_intermediate,
-                branch=a.branch, log=log)
+                branch=a.branch, copy_spans=a.copy_spans, log=log)
     if eval_prompts:
         del llm
         for n in eval_lens:

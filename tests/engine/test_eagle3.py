@@ -328,6 +328,41 @@ def test_train_draft_samples_and_eval_through_config(tiny4, tmp_path, monkeypatc
         td.train_draft(llm, prompts, None, draft_vocab=10 ** 6, log=logs.append)
 
 
+def test_copy_span_sequences_and_training_on_them(tiny4, tmp_path, monkeypatch):
+    """copy_span_sequence: prompt + answer + one contiguous span of the answer (>= 8 tokens),
+    None for shorter answers; train_draft(copy_spans=2) trains on two such sequences per
+    answer, each sample's loss counted from the copied span on (prompt_len past the answer)."""
+    import random
+    from blitzllm.spec import train_draft as td
+    rng = random.Random(0)
+    prompt, answer = [1, 2, 3], list(range(10, 40))
+    for _ in range(50):
+        seq = td.copy_span_sequence(prompt, answer, rng)
+        span = seq[len(prompt) + len(answer):]
+        assert seq[:len(prompt) + len(answer)] == prompt + answer and 8 <= len(span) <= len(answer)
+        i = answer.index(span[0])
+        assert answer[i:i + len(span)] == span
+    assert td.copy_span_sequence(prompt, answer[:7], rng) is None
+    llm0, _ = tiny4
+    monkeypatch.setattr(td, "prompt_ids", lambda llm, text: [1 + ord(c) % 300 for c in text])
+    llm = LLM(llm0.engine.args.model, device="cpu", kv_cache_blocks=128, enable_prefix_caching=False, max_num_seqs=8)
+    kept = []
+    monkeypatch.setattr(td, "train_on", lambda head, opt, s, *a: kept.append(s) or (0.0, []))
+    logs = []
+    td.train_draft(llm, [(0, "a question"), (1, "another one")], None, epochs=1, max_tokens=12, steps=2,
+                   copy_spans=2, log=logs.append)
+    assert len(kept) == 6 and "2 answers + 4 copy sequences" in logs[-1]
+    for j in range(0, 6, 3):
+        first, copies = kept[j], kept[j + 1:j + 3]
+        answer = first.tokens[first.prompt_len:].tolist()
+        for c in copies:
+            assert c.prompt_len == len(first.tokens) and torch.equal(c.tokens[:c.prompt_len], first.tokens)
+            span = c.tokens[c.prompt_len:].tolist()
+            assert any(answer[i:i + len(span)] == span for i in range(len(answer)))
+    with pytest.raises(ValueError, match="--copy-spans must be >= 0"):
+        td.train_draft(llm, [(0, "q")], None, copy_spans=-1, log=logs.append)
+
+
 def test_branched_answers_turn_once_off_the_greedy_path(tiny4):
     """generate_answers(branch=True): per prompt the greedy answer, then answers that follow
     it up to a point, take one token sampled there, and continue greedily: each continuation
