@@ -143,14 +143,16 @@ class FusedMoE(nn.Module):
         return self._experts(x, self.route)
 
     def norm_route_ok(self, x: torch.Tensor, residual: Optional[torch.Tensor], norm: nn.Module) -> bool:
-        """Whether ``forward_norm`` fuses the norm with the routing (one launch, decode)."""
+        """Whether ``forward_norm`` fuses the norm with the routing (decode; see
+        ``kernels.moe.norm_route_experts``)."""
         from .norm import RMSNorm
         return (residual is not None and isinstance(norm, RMSNorm) and norm.tp is None
                 and residual.shape == x.shape and _op("norm_route_ok")(x))
 
     def forward_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor], norm: nn.Module) -> tuple:
-        """(self(norm(x + residual)), x + residual) for an RMSNorm ``norm``: the residual add,
-        the norm, the router GEMM and the selection in one launch where ``norm_route_ok``."""
+        """(self(norm(x + residual)), x + residual) for an RMSNorm ``norm``: where
+        ``norm_route_ok`` the residual add, the norm and the router GEMM in one launch, the
+        selection in the next (BLITZ_MOE_NORM_ROUTE=1: the selection in the same launch)."""
         h, residual, weights, ids = _op("norm_route_experts")(
             x, residual, norm.weight, norm.eps, self.gate.weight, self.top_k, self.scoring, self.correction_bias,
             self.n_group, self.topk_group, self.renormalize, self.scaling)

@@ -455,6 +455,8 @@ def cmd_train_draft(a) -> int:
     for name in ("epochs", "max_tokens", "steps", "batch", "samples_per_prompt", "eval_k"):
         if getattr(a, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    if a.copy_spans < 0:
+        raise ValueError(f"--copy-spans must be >= 0, got {a.copy_spans}")
     if a.draft_vocab < 0:
         raise ValueError(f"--draft-vocab must be >= 0 (0: the target's whole vocabulary), got {a.draft_vocab}")
     if not a.lr > 0:

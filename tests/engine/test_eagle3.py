@@ -208,6 +208,8 @@ def test_cli_train_draft_user_errors(tmp_path, capsys):
     assert "--eval-max-tokens must be integers" in capsys.readouterr().err
     assert main(["train-draft", "--model", "x", "--prompts", "p", "--out", "o", "--eval-max-tokens", "128,0"]) == 2
     assert "--eval-max-tokens must be >= 1" in capsys.readouterr().err
+    assert main(["train-draft", "--model", "x", "--prompts", "p", "--out", "o", "--copy-spans", "-1"]) == 2
+    assert "--copy-spans must be >= 0" in capsys.readouterr().err
 
 
 def test_sample_without_answer_targets_is_skipped():
