@@ -85,6 +85,8 @@ def main():
         sets.append(dict(big=torch.randn(big_n, device=dev, dtype=torch.bfloat16),
                          wo=torch.randn(H, NO, device=dev, dtype=torch.bfloat16) * 0.02,
                          wq=torch.randn(NQ, H, device=dev, dtype=torch.bfloat16) * 0.02))
+    for i, st in enumerate(sets):
+        st["wo2"] = sets[(i + 1) % len(sets)]["wo"]
     xo = torch.randn(1, NO, device=dev, dtype=torch.bfloat16)
     xq = torch.randn(1, H, device=dev, dtype=torch.bfloat16)
     sink = torch.zeros(4096, device=dev, dtype=torch.float32)
@@ -130,6 +132,18 @@ def main():
         if twice:
             gemv_triton(xo, s["wo"])
 
+    def unit_pre(s, pre, same):
+        """stream; pre-read (a GEMV or a touch of wo or of another set's wo); spin; gemv(wo):
+        the L2 hit when the same weights were read before the spin, without PDL overlap."""
+        stream(s, False)
+        w = s["wo"] if same else s["wo2"]
+        if pre == "gemv":
+            gemv_triton(xo, w)
+        else:
+            warm(w, ("touch", sms))
+        spin()
+        gemv_triton(xo, s["wo"])
+
     def unit_q(s, how, ef=False):
         spin_with(s["wq"], how)
         stream(s, ef)
@@ -160,7 +174,28 @@ def main():
         times.sort()
         return times[len(times) // 2]
 
+    def trace(fn, label):
+        """Kernel start / end (us from the first) of two units inside a replayed graph."""
+        from torch.profiler import ProfilerActivity, profile
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for i in range(2):
+                fn(sets[i])
+        g.replay()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            g.replay()
+            torch.cuda.synchronize()
+        evs = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+        t0 = evs[0].time_range.start if evs else 0
+        print(f"trace {label}:")
+        for e in evs:
+            print(f"  {e.time_range.start - t0:8.2f} {e.time_range.end - t0:8.2f}  {e.name[:50]}")
+        del g
+
     progs = [int(p) for p in a.pf_programs.split(",")]
+    trace(lambda s: unit_o(s, ("touch", sms)), "o: touch during spin")
+    trace(lambda s: unit_pre(s, "touch", True), "o: touch(same) spin gemv")
     rows = []
     res = {}
 
@@ -178,6 +213,10 @@ def main():
     add("o: stream+gemv (no spin)", lambda s: unit_o(s, None, no_spin=True))
     add("o: stream+spin+gemv", lambda s: unit_o(s, None))
     add("o: stream+spin+gemv+gemv(hot)", lambda s: unit_o(s, None, twice=True), "o: stream+spin+gemv")
+    add("o: gemv(other) spin gemv", lambda s: unit_pre(s, "gemv", False))
+    add("o: gemv(same) spin gemv", lambda s: unit_pre(s, "gemv", True), "o: gemv(other) spin gemv")
+    add("o: touch(other) spin gemv", lambda s: unit_pre(s, "touch", False))
+    add("o: touch(same) spin gemv", lambda s: unit_pre(s, "touch", True), "o: touch(other) spin gemv")
     for p in progs:
         add(f"o: pf{p} during spin", lambda s, p=p: unit_o(s, ("pf", p)), "o: stream+spin+gemv")
     add("o: touch132 during spin", lambda s: unit_o(s, ("touch", sms)), "o: stream+spin+gemv")
