@@ -91,7 +91,6 @@ def main():
     xq = torch.randn(1, H, device=dev, dtype=torch.bfloat16)
     sink = torch.zeros(4096, device=dev, dtype=torch.float32)
     spin_out = torch.zeros(1, device=dev, dtype=torch.int32)
-    main_s = torch.cuda.current_stream()
     side = torch.cuda.Stream()
 
     def stream(s, ef):
@@ -114,6 +113,7 @@ def main():
         if how is None:
             spin()
             return
+        main_s = torch.cuda.current_stream()  # the capture stream inside torch.cuda.graph
         ev = torch.cuda.Event()
         ev.record(main_s)
         side.wait_event(ev)
@@ -150,6 +150,7 @@ def main():
         gemv_triton(xq, s["wq"])
 
     def time_units(fn):
+        main_s = torch.cuda.current_stream()
         side.wait_stream(main_s)
         with torch.cuda.stream(side):
             fn(sets[0])
