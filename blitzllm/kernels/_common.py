@@ -148,3 +148,52 @@ def l2_prefetch(ptr, nbytes, chunk, pid, nprog, LANES: tl.constexpr):
     # the asm's result (always 0) feeds a store that never happens: without a use the
     # compiler dropped the asm (seen with Triton 3.6)
     tl.store(base + lanes, issued.to(tl.int8), mask=issued != 0)
+
+
+def l2_prefetch_args(t: torch.Tensor, ranges, programs: int) -> dict:
+    """Kernel arguments of up to 4 L2 prefetch ranges (tensor, nbytes): nbytes is rounded
+    down to 16 and capped at the tensor's size; misaligned or empty ranges are dropped."""
+    keep = []
+    if ranges and l2_prefetch_supported(t):
+        for w, n in ranges:
+            n = min(int(n), w.numel() * w.element_size()) // 16 * 16
+            if n > 0 and w.is_cuda and w.data_ptr() % 16 == 0:
+                keep.append((w, n))
+    assert len(keep) <= 4, "at most 4 prefetch ranges"
+    args = {}
+    for i in range(4):
+        w, n = keep[i] if i < len(keep) else (t, 0)
+        args[f"pf{i}"], args[f"pn{i}"] = w, n
+    total = max([n for _, n in keep], default=0)
+    args.update(pf_chunk=l2_prefetch_chunk(total, programs), NPF=len(keep), PF_LANES=L2_PREFETCH_LANES)
+    return args
+
+
+@triton.jit
+def _l2_prefetch_kernel(pf0, pn0, pf1, pn1, pf2, pn2, pf3, pn3, pf_chunk, NPF: tl.constexpr,
+                        PF_LANES: tl.constexpr):
+    pid, nprog = tl.program_id(0), tl.num_programs(0)
+    l2_prefetch(pf0, pn0, pf_chunk, pid, nprog, PF_LANES)
+    if NPF > 1:
+        l2_prefetch(pf1, pn1, pf_chunk, pid, nprog, PF_LANES)
+    if NPF > 2:
+        l2_prefetch(pf2, pn2, pf_chunk, pid, nprog, PF_LANES)
+    if NPF > 3:
+        l2_prefetch(pf3, pn3, pf_chunk, pid, nprog, PF_LANES)
+
+
+L2_PREFETCH_PROGRAMS = 32  # H200, scripts/bench_l2.py: 16 and 132 programs no better
+
+
+def l2_prefetch_launch(ranges, programs: int = L2_PREFETCH_PROGRAMS) -> bool:
+    """One launch that asks the L2 to fetch up to 4 (tensor, nbytes) ranges and ends at once
+    (the bulk prefetches complete on their own). Meant for a side stream beside a
+    latency-bound kernel (``TritonAttentionBackend``'s side-stream prefetch). False (nothing
+    launched) where the GPU has no bulk prefetch or no range is left."""
+    if not ranges:
+        return False
+    args = l2_prefetch_args(ranges[0][0], ranges, programs)
+    if args["NPF"] == 0:
+        return False
+    _l2_prefetch_kernel[(programs,)](**args, num_warps=4)
+    return True

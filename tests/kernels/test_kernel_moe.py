@@ -562,3 +562,95 @@ def test_decode_env_config_reaches_direct_launches_only(device, monkeypatch):
         monkeypatch.setenv("BLITZ_MOE_DECODE_CONFIG", bad)
         with pytest.raises(ValueError, match="BLITZ_MOE_DECODE_CONFIG"):
             fm._env_decode_config()
+
+
+# ---- the selection inside the gate/up launch (BLITZ_MOE_SELECT_IN_UP) -------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["qwen3", "deepseek-v3", "minimax-m2", "softmax-bias-3groups", "softmax-60-raw",
+                                  "tiny"])
+@pytest.mark.parametrize("t", [1, 2])
+def test_fused_moe_select(t, name, dtype, device):
+    """fused_moe_select_triton (every gate/up program routes its token from the logits) ==
+    the selection kernel then the direct path on its ids and weights: the same output bit
+    for bit, the same ids and weights written for the down launch; twice (the down launch's
+    counters reset); and the reference of the reference selection."""
+    from blitzllm.kernels.fused_moe import fused_moe_select_triton
+    e, k, scoring, with_bias, ng, tg, renorm, scaling = ROUTINGS[name]
+    if t * k > 16:
+        pytest.skip("the direct path takes up to 16 entries")
+    logits, bias = routing_inputs(t, e, scoring, with_bias, ng, seed=t + e)
+    logits = logits.to(device)
+    bias = bias.to(device) if bias is not None else None
+    h, inter = 48, 24
+    g = torch.Generator().manual_seed(e + t)
+    x = torch.randn(t, h, generator=g).to(device, dtype)
+    w13 = (torch.randn(e, 2 * inter, h, generator=g) / h ** 0.5).to(device, dtype)
+    w2 = (torch.randn(e, h, inter, generator=g) / inter ** 0.5).to(device, dtype)
+    args = (k, scoring, bias, ng, tg, renorm, scaling)
+    want_w, want_ids = select_experts_triton(logits, *args)
+    want = fused_moe_triton(x, w13, w2, want_w, want_ids, direct=True)
+    for _ in range(2):
+        out = fused_moe_select_triton(x, w13, w2, logits, *args)
+        assert torch.equal(out, want)
+    ref_w, ref_ids = reference_select_experts(logits.cpu(), *[v.cpu() if torch.is_tensor(v) else v for v in args])
+    close(out.cpu(), reference_fused_moe(x.cpu(), w13.cpu(), w2.cpu(), ref_w, ref_ids), TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_fused_moe_select():
+    """The selection inside the gate/up launch at the MoE presets' shapes (bf16, 1-2 tokens):
+    bit for bit the selection kernel followed by the direct path."""
+    from blitzllm.kernels.fused_moe import fused_moe_select_triton
+    dev, dt = "cuda", torch.bfloat16
+    for name, h, inter in (("qwen3", 2048, 768), ("deepseek-v3", 7168, 2048), ("minimax-m2", 3072, 1536)):
+        e, k, scoring, with_bias, ng, tg, renorm, scaling = ROUTINGS[name]
+        g = torch.Generator(device=dev).manual_seed(h)
+        w13 = (torch.randn(e, 2 * inter, h, device=dev, generator=g) / h ** 0.5).to(dt)
+        w2 = (torch.randn(e, h, inter, device=dev, generator=g) / inter ** 0.5).to(dt)
+        bias = torch.randn(e, device=dev, generator=g) * 0.1 if with_bias else None
+        args = (k, scoring, bias, ng, tg, renorm, scaling)
+        for t in (1, 2):
+            x = torch.randn(t, h, device=dev, generator=g).to(dt)
+            logits = torch.randn(t, e, device=dev, generator=g)
+            want = fused_moe_triton(x, w13, w2, *select_experts_triton(logits, *args), direct=True)
+            assert torch.equal(fused_moe_select_triton(x, w13, w2, logits, *args), want)
+
+
+def test_fused_moe_select_writes_the_routing(device, monkeypatch):
+    """The ids and weights the gate/up launch writes for the down launch are those of the
+    selection kernel (captured from the down launch's arguments)."""
+    from blitzllm.kernels import fused_moe as fm
+    e, k, scoring, with_bias, ng, tg, renorm, scaling = ROUTINGS["deepseek-v3"]
+    logits, bias = routing_inputs(2, e, scoring, with_bias, ng, seed=5)
+    logits, bias = logits.to(device), bias.to(device)
+    x = torch.randn(2, 32).to(device)
+    w13, w2 = torch.randn(e, 32, 32).to(device) / 6, torch.randn(e, 32, 16).to(device) / 4
+    seen = []
+    orig = fm._grouped_gemm
+    monkeypatch.setattr(fm, "_grouped_gemm", lambda *a, **kw: seen.append((a[3], kw.get("combine"))) or orig(*a, **kw))
+    fm.fused_moe_select_triton(x, w13, w2, logits, k, scoring, bias, ng, tg, renorm, scaling)
+    ids, (tw, _, top_k) = seen[1][0], seen[1][1]
+    want_w, want_ids = select_experts_triton(logits, k, scoring, bias, ng, tg, renorm, scaling)
+    assert top_k == k and torch.equal(ids.view(2, k), want_ids)
+    torch.testing.assert_close(tw.view(2, k), want_w, rtol=0, atol=0)
+
+
+def test_fused_moe_select_dispatch(monkeypatch):
+    """moe.fused_moe_select off CUDA == the reference selection then the reference experts;
+    select_in_experts_ok only when switched on, for direct-path batches."""
+    g = torch.Generator().manual_seed(4)
+    x, logits = torch.randn(2, 32, generator=g), torch.randn(2, 16, generator=g)
+    w13, w2 = torch.randn(16, 48, 32, generator=g), torch.randn(16, 32, 24, generator=g)
+    got = moe.fused_moe_select(x, w13, w2, logits, 4, "sigmoid", torch.zeros(16), 4, 2, True, 2.0)
+    want = moe.reference_fused_moe_select(x, w13, w2, logits, 4, "sigmoid", torch.zeros(16), 4, 2, True, 2.0)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="top_k"):
+        moe.fused_moe_select(x, w13, w2, logits, 17)
+    monkeypatch.setattr(moe, "use_triton", lambda t: True)
+    monkeypatch.setattr(moe, "MOE_NORM_ROUTE", True)
+    monkeypatch.setattr(moe, "MOE_SELECT_IN_UP", False)
+    assert not moe.select_in_experts_ok(x, 8)
+    monkeypatch.setattr(moe, "MOE_SELECT_IN_UP", True)
+    assert moe.select_in_experts_ok(x, 8) and not moe.select_in_experts_ok(torch.zeros(3, 32), 8)
