@@ -58,9 +58,9 @@ def step(s, i, with_o, prefetch, splits, block_n=None, warps=None):
     kc, vc = s["caches"][i]
     pf = [(s["wo"][i], s["wo"][i].numel() * 2)] if prefetch else ()
     if prefetch and i == 0 and not s.get("shown"):
-        from blitzllm.kernels.paged_attention import l2_prefetch_args
+        from blitzllm.kernels.paged_attention import _prefetch_args
         s["shown"] = True
-        print("prefetch args NPF:", l2_prefetch_args(s["qkv"][0], pf, 256)["NPF"], flush=True)
+        print("prefetch args NPF:", _prefetch_args(s["qkv"][0], pf, 256)["NPF"], flush=True)
     out = fused_decode_attention_triton(s["qkv"][i], s["pos"], s["cs"], s["hq"], s["hkv"], s["d"], kc, vc, s["slots"],
                                         s["tables"], s["seq"], s["d"] ** -0.5, s["qw"], s["kw"], 1e-6, s["d"],
                                         num_splits=splits, l2_prefetch_ranges=pf, block_n=block_n,

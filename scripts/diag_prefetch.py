@@ -22,7 +22,7 @@ f = torch.arange(ctx + 1, dtype=torch.float32)[:, None] / 10000 ** (torch.arange
 cs = torch.cat([f.cos(), f.sin()], -1).to(dev)
 w = torch.randn(4096, 1024, device=dev, dtype=dt)
 ranges = [(w, w.numel() * 2)]
-print("NPF the launcher passes:", pa.l2_prefetch_args(qkv, ranges, 256)["NPF"])
+print("NPF the launcher passes:", pa._prefetch_args(qkv, ranges, 256)["NPF"])
 pa.fused_decode_attention_triton(qkv, pos, cs, hq, hkv, d, kc, vc, pos, tables, seq, d ** -0.5,
                                  l2_prefetch_ranges=ranges)
 torch.cuda.synchronize()

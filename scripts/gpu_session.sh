@@ -248,13 +248,6 @@ for part in "$@"; do case $part in
        BLITZ_MOE_NORM_ROUTE=0 run 150 mm2_l8_nr0 --model preset:minimax-m2 --num-layers 8 $M
        timeout 120 python3 -m pytest -q -x --tb=short -m gpu tests/kernels/test_kernel_moe.py tests/test_gpu_e2e.py \
          -p no:cacheprovider -k "norm_route or moe" 2>&1 | tail -3 ;;
-  sel) # issue 5: the expert selection inside the gate/up launch and the side-stream L2 prefetch beside the
-       # decode attention, apart and together, on qwen3-30b-a3b batch 1; their GPU tests first
-       timeout 240 python3 -m pytest -q -x --tb=short -m gpu tests/kernels/test_kernel_moe.py tests/test_gpu_e2e.py \
-         -p no:cacheprovider -k "select or side_stream" 2>&1 | tail -3
-       M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
-       run 150 q30b_base $M; BLITZ_MOE_SELECT_IN_UP=1 run 150 q30b_sel $M; BLITZ_L2_PREFETCH=side run 150 q30b_side $M
-       BLITZ_MOE_SELECT_IN_UP=1 BLITZ_L2_PREFETCH=side run 150 q30b_both $M ;;
   swapab) L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        run 100 llama_base $L; BLITZ_GEMV_CONFIG='{"SWAP": true}' run 100 llama_swap64 $L
        BLITZ_GEMV_CONFIG='{"SWAP": true, "BLOCK_N": 128}' run 100 llama_swap128 $L ;;

@@ -129,54 +129,6 @@ def test_opt_in_decode_paths_match_default(monkeypatch):
     assert got == want
 
 
-@pytest.mark.parametrize("preset", ["qwen3-0.6b", "qwen3-30b-a3b"])
-def test_side_stream_l2_prefetch_matches_default(monkeypatch, preset):
-    """BLITZ_L2_PREFETCH=side (the next weights' L2 prefetch launched on a side stream beside
-    each decode attention kernel, joined at the end of the step, inside the CUDA graphs)
-    gives the default path's greedy tokens (bf16), and its launches ran."""
-    import blitzllm.kernels._common as common
-    kw = dict(num_layers=2, device="cuda", dtype="bfloat16", kv_cache_blocks=256, max_num_seqs=8,
-              max_model_len=512)
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    base = LLM(f"preset:{preset}", **kw)
-    prompts = _prompts(3, base.engine.model_config.vocab_size, seed=8)
-    want = [o.token_ids for o in base.generate(prompts, params) + base.generate(prompts[:1], params)]
-    del base
-    calls = []
-    orig = common.l2_prefetch_launch
-    monkeypatch.setattr(common, "l2_prefetch_launch", lambda r, *a: calls.append(len(r)) or orig(r, *a))
-    monkeypatch.setenv("BLITZ_L2_PREFETCH", "side")
-    llm = LLM(f"preset:{preset}", **kw)
-    assert llm.engine.runner.backend.l2_side_bytes > 0
-    got = [o.token_ids for o in llm.generate(prompts, params) + llm.generate(prompts[:1], params)]
-    assert calls and got == want
-
-
-@pytest.mark.parametrize("preset,layers", [("qwen3-30b-a3b", 2), ("minimax-m2", 2), ("deepseek-v3", 4)])
-def test_select_in_up_decode_matches_default(monkeypatch, preset, layers):
-    """MoE decode with the expert selection inside the gate/up launch (BLITZ_MOE_SELECT_IN_UP=1)
-    gives the default path's greedy tokens (the same selection code on the same logits), and
-    that launch ran."""
-    import blitzllm.kernels.fused_moe as fm
-    import blitzllm.kernels.moe as moe
-    kw = dict(num_layers=layers, device="cuda", dtype="bfloat16", kv_cache_blocks=256, max_num_seqs=8,
-              max_model_len=512)
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    monkeypatch.setattr(moe, "MOE_SELECT_IN_UP", False)
-    base = LLM(f"preset:{preset}", **kw)
-    prompts = _prompts(3, base.engine.model_config.vocab_size, seed=7)
-    want = [o.token_ids for o in base.generate(prompts, params) + base.generate(prompts[:1], params)]
-    del base
-    calls = []
-    orig = fm.fused_moe_select_triton
-    monkeypatch.setattr(moe, "MOE_SELECT_IN_UP", True)
-    monkeypatch.setattr(fm, "fused_moe_select_triton", lambda x, *a: calls.append(x.shape[0]) or orig(x, *a))
-    llm = LLM(f"preset:{preset}", **kw)
-    got = [o.token_ids for o in llm.generate(prompts, params) + llm.generate(prompts[:1], params)]
-    assert calls and max(calls) <= 2
-    assert got == want
-
-
 @pytest.mark.parametrize("preset,layers,select", [("qwen3-30b-a3b", 2, True), ("minimax-m2", 2, True),
                                                    ("deepseek-v3", 4, True), ("qwen3-30b-a3b", 2, False)])
 def test_norm_route_decode_matches_default(monkeypatch, preset, layers, select):

@@ -28,7 +28,6 @@ import torch
 
 from ._common import (L2_PREFETCH_LANES, device_sms, l2_prefetch, l2_prefetch_chunk, l2_prefetchable,
                       next_pow2, pdl_enabled, pdl_launch_dependents, pdl_launch_kwargs, pdl_wait, tl, triton)
-from .moe_select import select_topk
 
 MOE_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 # BLITZ_MOE_GEMV=1: decode batches of up to MOE_GEMV_MAX_TOKENS tokens take the two-launch
@@ -216,11 +215,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
                      GATED: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr,
                      DIRECT: tl.constexpr, COMBINE: tl.constexpr, TOP_K: tl.constexpr,
                      pf_ptr=None, pf_stride=0, pf_bytes=0, pf_chunk=0, PF: tl.constexpr = False,
-                     PF_LANES: tl.constexpr = 1,
-                     lg_ptr=None, stride_l=0, rb_ptr=None, scaling=1.0, ROUTE: tl.constexpr = False,
-                     GROUP: tl.constexpr = 1, N_GROUP: tl.constexpr = 1, NG_PAD: tl.constexpr = 1,
-                     G_PAD: tl.constexpr = 1, TOPK_GROUP: tl.constexpr = 1, K_PAD: tl.constexpr = 1,
-                     SIGMOID: tl.constexpr = False, HAS_BIAS: tl.constexpr = False, RENORM: tl.constexpr = False):
+                     PF_LANES: tl.constexpr = 1):
     """out[entry, n] = A[entry // row_div] . W[e, n] for the BLOCK_M sorted entries of one
     expert e. GATED: W holds gate rows [0, N) and up rows [N, 2N); the output is
     silu(gate) * up with the reference's rounding steps.
@@ -229,25 +224,10 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
     token's n-tile that finishes last also sums that tile over the token's TOP_K entries,
     weighted (tw_ptr), in entry order, into comb_ptr: the combine without its own launch.
     PF (with DIRECT): the n-tile programs of entry m ask the L2 for its expert's block of
-    pf_bytes at pf_ptr + expert * pf_stride (the down weights), split over those programs.
-    ROUTE (with DIRECT, the gate/up GEMM): every program routes its token from the router
-    logits (lg_ptr, ``moe.select_topk``: the selection kernel's code) and takes its entry's
-    expert; the token's first entry's first n-tile writes the ids (expert_ptr) and weights
-    (tw_ptr) for the down launch: no selection launch of its own."""
+    pf_bytes at pf_ptr + expert * pf_stride (the down weights), split over those programs."""
     pdl_wait(USE_PDL)  # (PDL launches write nothing before this)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    if ROUTE:
-        t_r = pid_m // TOP_K
-        sel_ids, sel_w = select_topk(lg_ptr + t_r * stride_l, rb_ptr, scaling, GROUP, N_GROUP, NG_PAD, G_PAD,
-                                     TOPK_GROUP, TOP_K, K_PAD, SIGMOID, HAS_BIAS, RENORM)
-        kk = tl.arange(0, K_PAD)
-        expert = tl.sum(tl.where(kk == pid_m % TOP_K, sel_ids, 0), axis=0).to(tl.int64)
-        if (pid_n == 0) & (pid_m % TOP_K == 0):
-            tl.store(expert_ptr + t_r * TOP_K + kk, sel_ids, mask=kk < TOP_K)
-            tl.store(tw_ptr + t_r * TOP_K + kk, sel_w, mask=kk < TOP_K)
-        entry = pid_m + tl.arange(0, BLOCK_M)
-        row_ok = tl.arange(0, BLOCK_M) == 0
-    elif DIRECT:
+    if DIRECT:
         expert = tl.load(expert_ptr + pid_m).to(tl.int64)
         entry = pid_m + tl.arange(0, BLOCK_M)
         row_ok = (tl.arange(0, BLOCK_M) == 0) & (expert >= 0)
@@ -464,14 +444,12 @@ def _moe_config_cached(tokens, top_k, num_experts, hidden, inter, dtype, sms, it
 
 
 def _grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_entries, row_div, n, gated, cfg,
-                  direct=False, combine=None, prefetch=None, route=None):
+                  direct=False, combine=None, prefetch=None):
     """direct: block_expert is the entries' expert ids (one program per entry, no sort);
     combine (direct only): (topk weights fp32 [T*K], output [T, n], top_k): the weighted
     sum over each token's entries is written there by the launch itself. prefetch (direct
     only): expert weights [E, ...] (contiguous per expert) whose chosen experts' blocks the
-    launch asks the L2 for. route (direct gate/up only): (logits [T, E] fp32, weights out
-    [T*K] fp32, top_k, scoring, bias, n_group, topk_group, renormalize, scaling): the launch
-    routes the tokens itself and writes the ids into block_expert and the weights out."""
+    launch asks the L2 for."""
     kd = a.shape[1]
     grid = (block_expert.numel(), triton.cdiv(n, cfg["BLOCK_N"]))
     pdl = pdl_enabled(a)
@@ -480,14 +458,6 @@ def _grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_entries, row_div
         cnt = _counters(a.device, next_pow2(comb.shape[0] * grid[1]))
     else:
         tw, comb, cnt, top_k = out, out, out, 1
-    rt = {}
-    if route is not None:
-        logits, tw, top_k, scoring, bias, n_group, topk_group, renorm, scaling = route
-        group = logits.shape[1] // n_group
-        rt = dict(lg_ptr=logits, stride_l=logits.stride(0), rb_ptr=bias if bias is not None else logits,
-                  scaling=float(scaling), ROUTE=True, GROUP=group, N_GROUP=n_group, NG_PAD=next_pow2(n_group),
-                  G_PAD=next_pow2(group), TOPK_GROUP=topk_group if n_group > 1 else 1, K_PAD=next_pow2(top_k),
-                  SIGMOID=scoring == "sigmoid", HAS_BIAS=bias is not None, RENORM=bool(renorm))
     pf = {}
     if prefetch is not None and direct:
         nbytes = prefetch[0].numel() * prefetch.element_size()
@@ -495,7 +465,7 @@ def _grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_entries, row_div
                   pf_chunk=l2_prefetch_chunk(nbytes, grid[1]), PF=True, PF_LANES=L2_PREFETCH_LANES)
     _moe_gemm_kernel[grid](a, w, out, sorted_ids, block_expert, total, n, kd, n_entries, row_div,
                            a.stride(0), w.stride(0), w.stride(1), out.stride(0), tw, comb, cnt, comb.stride(0),
-                           **pf, **rt,
+                           **pf,
                            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                            GATED=gated, EVEN_K=kd % cfg["BLOCK_K"] == 0, IEEE=a.dtype == torch.float32,
                            USE_PDL=pdl, DIRECT=direct, COMBINE=combine is not None, TOP_K=top_k,
@@ -509,30 +479,9 @@ def _counters(device: torch.device, numel: int) -> torch.Tensor:
     return torch.zeros(numel, dtype=torch.int32, device=device)
 
 
-def fused_moe_select_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, logits: torch.Tensor,
-                            top_k: int, scoring: str = "softmax", bias: Optional[torch.Tensor] = None,
-                            n_group: int = 1, topk_group: int = 1, renormalize: bool = True, scaling: float = 1.0,
-                            *, config: Optional[dict] = None) -> torch.Tensor:
-    """``fused_moe_triton`` of the routing ``select_experts(logits, ...)`` on the direct
-    (decode) path, with the selection inside the gate/up launch: every program of it routes
-    its token from the fp32 logits [T, E] (the selection kernel's code) and takes its entry's
-    expert, so the layer runs no selection launch. T * top_k <= MOE_DIRECT_MAX_ENTRIES; the
-    caller checks the routing settings (``moe.check_routing``)."""
-    T, H = x.shape
-    E = w13.shape[0]
-    assert logits.shape == (T, E) and logits.dtype == torch.float32 and logits.stride(1) == 1
-    assert 0 < T * top_k <= MOE_DIRECT_MAX_ENTRIES, "the routing launch is the direct path's"
-    ids = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
-    weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
-    route = (logits, weights, top_k, scoring, bias.contiguous() if bias is not None else None, n_group, topk_group,
-             renormalize, scaling)
-    return fused_moe_triton(x, w13, w2, weights, ids, config=config, direct=True, route=route)
-
-
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, *, config: Optional[dict] = None,
-                     dropped_ids: bool = False, gemv=None, direct: Optional[bool] = None,
-                     route=None) -> torch.Tensor:
+                     dropped_ids: bool = False, gemv=None, direct: Optional[bool] = None) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk weights / ids [T, K] -> [T, H] in x's dtype.
     ``config`` overrides MOE_CONFIG_KEYS of both GEMMs (tests, benchmarks). ``dropped_ids``:
     entries with id -1 (experts of other tensor-parallel ranks) are skipped. ``gemv``:
@@ -540,8 +489,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     MOE_GEMV_MAX_TOKENS tokens when BLITZ_MOE_GEMV=1. ``direct``: True / False forces the
     grouped GEMMs without the sort, one program row per (token, k) entry, the combine fused
     into the down GEMM (two launches); None takes it for up to MOE_DIRECT_MAX_ENTRIES
-    entries unless BLITZ_MOE_DIRECT=0. Ids < 0 are skipped on that path. ``route``: see
-    ``fused_moe_select_triton`` (topk_ids / topk_weights are then written, not read)."""
+    entries unless BLITZ_MOE_DIRECT=0. Ids < 0 are skipped on that path."""
     assert x.dim() == 2 and w13.dim() == 3 and w2.dim() == 3, "x [T, H], w13 [E, 2I, H], w2 [E, H, I]"
     T, H = x.shape
     E, two_i, _ = w13.shape
@@ -558,8 +506,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
         return out
     if inter == 0 or K == 0:
         return out.zero_()
-    assert route is None or (direct and gemv is None), "route is the direct path's"
-    if gemv is None and MOE_GEMV and config is None and T <= MOE_GEMV_MAX_TOKENS and route is None:
+    if gemv is None and MOE_GEMV and config is None and T <= MOE_GEMV_MAX_TOKENS:
         gemv = (16, None)
     if gemv is not None:
         return _moe_gemv(x, w13, w2, topk_weights, topk_ids, out, *gemv)
@@ -570,18 +517,14 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     up_cfg, down_cfg = (_moe_config_cached(T, K, E, H, inter, x.dtype, device_sms(x), tuple(sorted(k.items())))[i]
                         for i, k in enumerate(keys))
     if direct:  # two launches: no sort, the combine inside the down GEMM
-        if route is not None:  # written by the gate/up launch (views of the caller's buffers)
-            ids, tw = topk_ids.view(-1), topk_weights.view(-1)
-            route = (route[0], tw) + tuple(route[2:])
-        else:
-            ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
-            tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
+        ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
+        tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
         cfg_up, cfg_down = dict(up_cfg, BLOCK_M=16), dict(down_cfg, BLOCK_M=16)
         act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
         # each expert's block one contiguous, aligned range
         pf = w2 if (MOE_PF_DOWN and w2[0].is_contiguous()
                     and l2_prefetchable(w2, w2.stride(0) * w2.element_size())) else None
-        _grouped_gemm(x, w13, act, ids, ids, ids, n, K, inter, True, cfg_up, direct=True, prefetch=pf, route=route)
+        _grouped_gemm(x, w13, act, ids, ids, ids, n, K, inter, True, cfg_up, direct=True, prefetch=pf)
         y = torch.empty(n, H, dtype=x.dtype, device=x.device)
         _grouped_gemm(act, w2, y, ids, ids, ids, n, 1, H, False, cfg_down, direct=True, combine=(tw, out, K))
         return out

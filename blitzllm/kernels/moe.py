@@ -32,7 +32,6 @@ import torch.nn.functional as F
 from ._common import (device_sms, next_pow2, pdl_enabled, pdl_launch_dependents, pdl_launch_kwargs, pdl_wait,
                       tl, triton, use_triton)
 from .fused_moe import fused_moe_triton
-from .moe_select import select_topk
 from .rmsnorm import rms_normalize
 
 
@@ -331,10 +330,54 @@ def _select_row(row_ptr, bias_ptr, w_out_ptr, id_out_ptr, row, scaling,
     """Routing of one token from its fp32 logits at row_ptr (read from L2: in the fused
     router they were written by other programs of the same launch): writes its TOP_K
     weights and expert ids to row ``row`` of the outputs."""
-    ids, w = select_topk(row_ptr, bias_ptr, scaling, GROUP, N_GROUP, NG_PAD, G_PAD, TOPK_GROUP, TOP_K, K_PAD,
-                         SIGMOID, HAS_BIAS, RENORM)
+    grp = tl.arange(0, NG_PAD)
+    col = tl.arange(0, G_PAD)
+    expert = grp[:, None] * GROUP + col[None, :]  # the row as [group, expert in group]
+    valid = (grp[:, None] < N_GROUP) & (col[None, :] < GROUP)
+    logit = tl.load(row_ptr + expert, mask=valid, other=float("-inf"), cache_modifier=".cg")
+    mx = 0.0
+    denom = 1.0
+    if SIGMOID:
+        score = 1.0 / (1.0 + tl.exp(-logit))
+    else:
+        mx = tl.max(tl.max(logit, axis=1), axis=0)
+        p = tl.exp(logit - mx)
+        denom = tl.sum(tl.sum(p, axis=1), axis=0)
+        score = p / denom
+    choice = score
+    if HAS_BIAS:  # the correction bias steers the choice, not the weights
+        choice = score + tl.load(bias_ptr + expert, mask=valid, other=0.0).to(tl.float32)
+    choice = tl.where(valid, choice, float("-inf"))
+    if N_GROUP > 1:
+        gscore = tl.max(choice, axis=1)
+        if HAS_BIAS:  # a group scores the sum of its two best
+            first = tl.argmax(choice, axis=1)
+            gscore += tl.max(tl.where(col[None, :] == first[:, None], float("-inf"), choice), axis=1)
+        gscore = tl.where(grp < N_GROUP, gscore, float("-inf"))
+        keep = grp < 0
+        for _ in tl.static_range(TOPK_GROUP):
+            g = tl.argmax(gscore, axis=0)
+            keep = keep | (grp == g)
+            gscore = tl.where(grp == g, float("-inf"), gscore)
+        # experts of the other groups rank below every eligible one (and above the padding)
+        choice = tl.where(keep[:, None] | ~valid, choice, -3.4028234663852886e38)
+    flat = tl.reshape(choice, [NG_PAD * G_PAD])
+    pos = tl.arange(0, NG_PAD * G_PAD)
     k = tl.arange(0, K_PAD)
+    ids = tl.zeros([K_PAD], dtype=tl.int32)
+    picks = tl.full([K_PAD], -1, dtype=tl.int32)  # positions in flat of the chosen experts
+    for i in tl.static_range(TOP_K):  # best first; the lowest expert id among equals
+        f = tl.argmax(flat, axis=0)
+        ids = tl.where(k == i, (f // G_PAD) * GROUP + f % G_PAD, ids)
+        picks = tl.where(k == i, f, picks)
+        flat = tl.where(pos == f, float("-inf"), flat)
     kmask = k < TOP_K
+    # the chosen experts' scores gathered from registers (no second read of the logits)
+    sflat = tl.reshape(tl.where(valid, score, 0.0), [NG_PAD * G_PAD])
+    w = tl.sum(tl.where(pos[None, :] == picks[:, None], sflat[None, :], 0.0), axis=1)
+    if RENORM:
+        w = w / (tl.sum(w, axis=0) + 1e-20)
+    w = w * scaling
     tl.store(w_out_ptr + row * TOP_K + k, w, mask=kmask)
     tl.store(id_out_ptr + row * TOP_K + k, ids, mask=kmask)
 
@@ -451,12 +494,11 @@ def _norm_route_counter(device: torch.device) -> torch.Tensor:
 def norm_route_experts_triton(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
                               eps: float, weight: torch.Tensor, top_k: int, scoring: str = "softmax",
                               bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: int = 1,
-                              renormalize: bool = True, scaling: float = 1.0, select: Optional[bool] = True,
+                              renormalize: bool = True, scaling: float = 1.0, select: bool = True,
                               pdl_late: Optional[bool] = None):
     """``reference_norm_route_experts`` in one launch for up to NORM_ROUTE_MAX_T tokens;
     ``select`` False: the launch does the norm and the router GEMM, the selection runs as
-    ``select_experts_triton`` after it (two launches); None: no selection, the call returns
-    (h, residual, fp32 logits [T, E]) for ``fused_moe_select``. ``pdl_late``: see
+    ``select_experts_triton`` after it (two launches). ``pdl_late``: see
     BLITZ_MOE_NORM_ROUTE_PDL (None: that switch)."""
     T, H = x.shape
     E = weight.shape[0]
@@ -487,12 +529,9 @@ def norm_route_experts_triton(x: torch.Tensor, residual: Optional[torch.Tensor],
         SIGMOID=scoring == "sigmoid", HAS_BIAS=bias is not None, RENORM=bool(renormalize),
         SELECT=bool(select), PDL_LATE=_NORM_ROUTE_PDL_LATE if pdl_late is None else bool(pdl_late),
         num_warps=_NORM_ROUTE_WARPS or (4 if block_h <= 2048 else 8), **pdl_launch_kwargs(pdl))
-    res_out = res_out if residual is not None else x
-    if select is None:
-        return h, res_out, logits
     if not select:
         weights, ids = select_experts_triton(logits, top_k, scoring, bias, n_group, topk_group, renormalize, scaling)
-    return h, res_out, weights, ids
+    return h, (res_out if residual is not None else x), weights, ids
 
 
 def reference_norm_route_experts(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
@@ -576,54 +615,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 _NORM_ROUTE_MODE = os.environ.get("BLITZ_MOE_NORM_ROUTE", "2")
 MOE_NORM_ROUTE = _NORM_ROUTE_MODE in ("1", "2")
 _NORM_ROUTE_SELECT = _NORM_ROUTE_MODE == "1"
-
-
-# BLITZ_MOE_SELECT_IN_UP=1: where the decode path allows (the norm + router launch, the
-# direct MoE path, all experts on this rank), the expert selection runs inside the fused MoE's
-# gate/up launch (each program routes its token from the logits) instead of its own launch.
-MOE_SELECT_IN_UP = os.environ.get("BLITZ_MOE_SELECT_IN_UP", "0") == "1"
-
-
-def select_in_experts_ok(x: torch.Tensor, top_k: int) -> bool:
-    """Whether ``norm_route_logits`` + ``fused_moe_select`` take this decode batch x [T, H]."""
-    from . import fused_moe as fm
-    return (MOE_SELECT_IN_UP and norm_route_ok(x) and fm.MOE_DIRECT and not fm.MOE_GEMV
-            and x.shape[0] * top_k <= fm.MOE_DIRECT_MAX_ENTRIES)
-
-
-def norm_route_logits(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
-                      weight: torch.Tensor):
-    """(rms_norm(x + residual), x + residual, fp32 router logits [T, E]): the norm and the
-    router GEMM in one Triton launch where ``norm_route_ok(x)``, else the norm and
-    ``router_gemm``."""
-    if norm_route_ok(x):
-        return norm_route_experts_triton(x, residual, norm_weight, eps, weight, 1, select=None)
-    from .rmsnorm import fused_add_rms_norm
-    h, res = fused_add_rms_norm(x, residual, norm_weight, eps)
-    return h, res, router_gemm(h, weight)
-
-
-def reference_fused_moe_select(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, logits: torch.Tensor,
-                               top_k: int, scoring: str = "softmax", bias: Optional[torch.Tensor] = None,
-                               n_group: int = 1, topk_group: int = 1, renormalize: bool = True,
-                               scaling: float = 1.0) -> torch.Tensor:
-    """The experts of the routing ``select_experts(logits, ...)``."""
-    weights, ids = reference_select_experts(logits, top_k, scoring, bias, n_group, topk_group, renormalize, scaling)
-    return reference_fused_moe(x, w13, w2, weights, ids)
-
-
-def fused_moe_select(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, logits: torch.Tensor, top_k: int,
-                     scoring: str = "softmax", bias: Optional[torch.Tensor] = None, n_group: int = 1,
-                     topk_group: int = 1, renormalize: bool = True, scaling: float = 1.0) -> torch.Tensor:
-    """``fused_moe`` of ``select_experts(logits, ...)``: on CUDA decode batches the selection
-    runs inside the gate/up launch (``fused_moe_select_triton``), else the two in turn."""
-    check_routing(logits.shape[-1], top_k, scoring, bias, n_group, topk_group)
-    from . import fused_moe as fm
-    if use_triton(x) and 0 < x.shape[0] * top_k <= fm.MOE_DIRECT_MAX_ENTRIES:
-        return fm.fused_moe_select_triton(x, w13, w2, logits, top_k, scoring, bias, n_group, topk_group,
-                                          renormalize, scaling)
-    return fused_moe(x, w13, w2, *select_experts(logits, top_k, scoring, bias, n_group, topk_group, renormalize,
-                                                  scaling))
 
 
 def norm_route_ok(x: torch.Tensor) -> bool:

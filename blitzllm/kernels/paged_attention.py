@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from ._common import (device_sms, l2_prefetch, l2_prefetch_args,
+from ._common import (L2_PREFETCH_LANES, device_sms, l2_prefetch, l2_prefetch_chunk, l2_prefetch_supported,
                       next_pow2, pdl_enabled, pdl_launch_dependents, pdl_launch_kwargs, pdl_wait, tl, triton,
                       use_triton)
 from .qk_norm_rope_cache import _check as _check_qk
@@ -382,6 +382,25 @@ def _split_counters(device: torch.device) -> torch.Tensor:
     return torch.zeros(_MAX_COUNTERS, dtype=torch.int32, device=device)
 
 
+def _prefetch_args(t: torch.Tensor, ranges, programs: int) -> dict:
+    """Kernel arguments of up to 4 L2 prefetch ranges (tensor, nbytes): nbytes is rounded
+    down to 16 and capped at the tensor's size; misaligned or empty ranges are dropped."""
+    keep = []
+    if ranges and l2_prefetch_supported(t):
+        for w, n in ranges:
+            n = min(int(n), w.numel() * w.element_size()) // 16 * 16
+            if n > 0 and w.is_cuda and w.data_ptr() % 16 == 0:
+                keep.append((w, n))
+    assert len(keep) <= 4, "at most 4 prefetch ranges"
+    args = {}
+    for i in range(4):
+        w, n = keep[i] if i < len(keep) else (t, 0)
+        args[f"pf{i}"], args[f"pn{i}"] = w, n
+    total = max([n for _, n in keep], default=0)
+    args.update(pf_chunk=l2_prefetch_chunk(total, programs), NPF=len(keep), PF_LANES=L2_PREFETCH_LANES)
+    return args
+
+
 def paged_decode_attention_triton(
     q, k_cache, v_cache, block_tables, seq_lens, scale,
     num_splits: Optional[int] = None, block_n: Optional[int] = None,
@@ -425,7 +444,7 @@ def paged_decode_attention_triton(
     pdl = pdl_enabled(q) and (s == 1 or fused)
     g_comb = next_pow2(g)  # the combine's tiles hold the real heads only
     combine = max(1, min(next_pow2(s), 4096 // (g_comb * d_pad)))
-    pf = l2_prefetch_args(q, l2_prefetch_ranges, B * hkv * s)
+    pf = _prefetch_args(q, l2_prefetch_ranges, B * hkv * s)
     _decode_kernel[(B, hkv, s)](
         q_arg, k_cache, v_cache, block_tables, seq_lens, out, m, l_, acc, cnt,
         stride_qb, stride_qh, out.stride(0), out.stride(1),

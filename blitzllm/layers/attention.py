@@ -7,7 +7,6 @@ layers read it from there. Nothing here knows about requests or the scheduler.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from dataclasses import dataclass, field
 from typing import Optional
@@ -149,7 +148,6 @@ class ForwardContext:
     kv_caches: list          # per layer (k_cache, v_cache)
     backend: AttentionBackend
     scratch: dict = field(default_factory=dict)  # per-step values shared by the layers
-    joins: list = field(default_factory=list)  # side streams the step's stream waits for at its end
 
 
 _CURRENT: list = []
@@ -165,8 +163,6 @@ def forward_context(ctx: ForwardContext):
         yield ctx
     finally:
         _CURRENT.clear()
-        for side in ctx.joins:  # (a CUDA-graph capture must end with its forks joined)
-            torch.cuda.current_stream(side.device).wait_stream(side)
 
 
 def get_forward_context() -> ForwardContext:
@@ -206,23 +202,14 @@ class TritonAttentionBackend(AttentionBackend):
         # GEMVs after it (``Attention.prefetch_modules``, up to BLITZ_L2_PREFETCH_MB in all).
         # Off: on the H200 it measured slower (qwen3-0.6b 1047.6 vs 1152.3 tok/s; the decode
         # kernel took ~100 us more per step issuing the prefetches than the GEMVs saved)
-        # BLITZ_L2_PREFETCH=side: the same weights, asked for by a launch of their own on a side
-        # stream (a parallel branch of the decode graph) beside the decode kernel, which then
-        # issues nothing itself; the side stream joins at the end of the forward pass.
-        mode = os.environ.get("BLITZ_L2_PREFETCH", "0")
-        if mode not in ("0", "1", "side"):
-            raise ValueError(f"BLITZ_L2_PREFETCH must be 0, 1 or side, got {mode!r}")
-        budget = int(float(os.environ.get("BLITZ_L2_PREFETCH_MB", "40")) * (1 << 20))
-        self.l2_prefetch_bytes = budget if mode == "1" else 0
-        self.l2_side_bytes = budget if mode == "side" else 0
+        self.l2_prefetch_bytes = (int(float(os.environ.get("BLITZ_L2_PREFETCH_MB", "40")) * (1 << 20))
+                                  if os.environ.get("BLITZ_L2_PREFETCH", "0") == "1" else 0)
 
     def forward(self, layer, positions, qkv, k_cache, v_cache, md):
         from ..kernels.paged_attention import (fused_decode_attention_triton, paged_decode_attention_triton,
                                                paged_prefill_attention_triton)
         from ..kernels.qk_norm_rope_cache import fused_qk_norm_rope_cache_triton
         qn, kn = layer.q_norm, layer.k_norm
-        if md.is_pure_decode and self.l2_side_bytes and qkv.is_cuda:
-            self._side_prefetch(layer, qkv.device)
         if md.is_pure_decode and self.fused_decode and not getattr(layer, "full_width_qk_norm", False):
             return fused_decode_attention_triton(
                 qkv, positions, layer.rotary.cos_sin_cache, layer.num_heads, layer.num_kv_heads, layer.head_dim,
@@ -245,29 +232,6 @@ class TritonAttentionBackend(AttentionBackend):
             return _long_prompt_sdpa(q, k_cache, v_cache, md, layer.scale)
         return paged_prefill_attention_triton(q, k_cache, v_cache, md.query_start_loc, md.seq_lens,
                                               md.block_tables, layer.scale, md.max_q_len)
-
-
-    def _side_prefetch(self, layer, device):
-        """Fork a side stream here (after the kernel that made qkv) and launch the L2
-        prefetch of ``layer.prefetch_modules`` on it; the forward context joins it at the end
-        of the step, so the decode kernel and the GEMVs after it keep their PDL edges."""
-        from ..kernels._common import l2_prefetch_launch
-        ranges = l2_prefetch_ranges(getattr(layer, "prefetch_modules", ()), self.l2_side_bytes)
-        if not ranges:
-            return
-        side = _prefetch_stream(device.index if device.index is not None else torch.cuda.current_device())
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            launched = l2_prefetch_launch(ranges)
-        if launched and _CURRENT:
-            joins = _CURRENT[0].joins
-            if side not in joins:
-                joins.append(side)
-
-
-@functools.lru_cache(maxsize=None)
-def _prefetch_stream(index: int):
-    return torch.cuda.Stream(device=index)
 
 
 _SDPA_MIN_LEN = 2048

@@ -197,8 +197,8 @@ def test_fused_decode_passes_prefetch_ranges_to_the_launch(device, monkeypatch):
     """The ranges given to the fused decode wrapper reach the kernel launch's arguments."""
     import blitzllm.kernels.paged_attention as pa
     seen = []
-    real = pa.l2_prefetch_args
-    monkeypatch.setattr(pa, "l2_prefetch_args", lambda t, ranges, programs: seen.append(list(ranges)) or
+    real = pa._prefetch_args
+    monkeypatch.setattr(pa, "_prefetch_args", lambda t, ranges, programs: seen.append(list(ranges)) or
                         real(t, ranges, programs))
     seq_lens, hq, hkv, d, rot, bs = [5, 17], 4, 2, 32, 32, 16
     kc, vc, tables, seq = make_cache(seq_lens, hkv, d, bs, torch.float32, device)
@@ -221,7 +221,7 @@ def test_gpu_fused_decode_l2_prefetch_leaves_results_unchanged(case):
     misaligned view that the launcher drops, more ranges than programs need) writes the
     same output and cache, bit for bit, as without them."""
     from blitzllm.kernels._common import l2_prefetch_supported
-    from blitzllm.kernels.paged_attention import fused_decode_attention_triton, l2_prefetch_args
+    from blitzllm.kernels.paged_attention import _prefetch_args, fused_decode_attention_triton
     seq_lens, hq, hkv, d, rot, bs, norm, splits = case
     dt, dev = torch.bfloat16, "cuda"
     assert l2_prefetch_supported(torch.empty(1, device=dev)) == (torch.cuda.get_device_capability()[0] >= 9)
@@ -238,7 +238,7 @@ def test_gpu_fused_decode_l2_prefetch_leaves_results_unchanged(case):
     qw = kw = (1 + 0.3 * torch.randn(d, generator=g)).to(dev, dt) if norm else None
     big = torch.randn(4096, 1024, device=dev, dtype=dt)
     ranges = [(big, big.numel() * 2), (big.view(-1)[1:], 1 << 20), (big[:7], 10 ** 9), (big, 12345)]
-    args = l2_prefetch_args(qkv, ranges, B * hkv * splits)
+    args = _prefetch_args(qkv, ranges, B * hkv * splits)
     if l2_prefetch_supported(qkv):
         assert args["NPF"] == 3 and args["pn1"] == 7 * 1024 * 2 and args["pn2"] == 12336  # the view 2 bytes in: dropped
     outs = []

@@ -76,22 +76,3 @@ def test_moe_layers_prefetch_router_and_shared_experts():
     # the router's weight is a range like any other
     sizes = [n for _, n in l2_prefetch_ranges(moe.self_attn.attn.prefetch_modules, 10 ** 9)]
     assert sizes[1] == moe.mlp.gate.weight.numel() * moe.mlp.gate.weight.element_size()
-
-
-def test_l2_prefetch_modes(monkeypatch):
-    """BLITZ_L2_PREFETCH: 1 = from the decode kernel, side = a launch on a side stream, each
-    with the BLITZ_L2_PREFETCH_MB budget; anything else a ValueError naming the switch; and
-    no prefetch launch where nothing can be prefetched (CPU tensors)."""
-    import pytest
-
-    from blitzllm.kernels._common import l2_prefetch_launch
-    from blitzllm.layers.attention import TritonAttentionBackend
-    monkeypatch.setenv("BLITZ_L2_PREFETCH_MB", "8")
-    for mode, kernel, side in (("0", 0, 0), ("1", 8 << 20, 0), ("side", 0, 8 << 20)):
-        monkeypatch.setenv("BLITZ_L2_PREFETCH", mode)
-        b = TritonAttentionBackend()
-        assert (b.l2_prefetch_bytes, b.l2_side_bytes) == (kernel, side)
-    monkeypatch.setenv("BLITZ_L2_PREFETCH", "yes")
-    with pytest.raises(ValueError, match="BLITZ_L2_PREFETCH"):
-        TritonAttentionBackend()
-    assert not l2_prefetch_launch([(torch.zeros(64), 256)]) and not l2_prefetch_launch([])
