@@ -363,3 +363,71 @@ def test_env_config_reaches_the_launch_and_is_checked(monkeypatch, device):
     monkeypatch.setenv("BLITZ_GEMV_CONFIG", '{"BLOCK_Q": 2}')
     with pytest.raises(ValueError, match="BLITZ_GEMV_CONFIG"):
         gemv._env_config()
+
+
+# ---- the preload GEMV (o_proj behind the decode attention) ---------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k,cfg", [(1, 64, 256, None), (2, 40, 128, None), (1, 7, 64, {"BLOCK_N": 4, "CH": 2}),
+                                       (2, 130, 512, {"BLOCK_N": 16, "CH": 4}), (1, 33, 16, {"BLOCK_N": 8, "CH": 1})])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_preload(m, n, k, cfg, bias, dtype, device):
+    """Each program's whole W slice loaded at once, [CH, BLOCK_N, K / CH] tiles: against
+    the reference, with a ragged last tile, 1 and 2 rows, a row view of a wider x, bias."""
+    x, w, b = make(m, n, k, dtype, device, bias=bias)
+    xv = torch.randn(m, 2 * k).to(device, dtype)[:, :k]  # row stride 2k
+    for inp in (x, xv):
+        cfg_w = dict(cfg, num_warps=4) if cfg else None
+        close(gv.gemv_preload_triton(inp, w, b, config=cfg_w), reference_linear(inp, w, b), dtype)
+
+
+def test_preload_config():
+    """One program per SM at most, W per program within PRELOAD_MAX_BYTES, K a power of two,
+    1-2 rows: qwen3-30b-a3b's o_proj fits (16 rows x 4096 = 128 KB), Llama-3.1-8B's does not."""
+    bf16, sms = torch.bfloat16, 132
+    assert gv.preload_config(1, 2048, 4096, bf16, sms) == {"BLOCK_N": 16, "CH": 8, "num_warps": 8}
+    assert gv.preload_config(2, 1024, 2048, bf16, sms) == {"BLOCK_N": 8, "CH": 4, "num_warps": 8}
+    assert gv.preload_config(1, 4096, 4096, bf16, sms) is None           # 256 KB per program
+    assert gv.preload_config(1, 2048, 4096, torch.float32, sms) is None  # fp32: twice the bytes
+    assert gv.preload_config(1, 3072, 6144, bf16, sms) is None           # K not a power of two
+    assert gv.preload_config(3, 2048, 4096, bf16, sms) is None
+    with pytest.raises(ValueError, match="preload"):
+        gv.gemv_preload_triton(torch.zeros(1, 6144), torch.zeros(8, 6144))
+
+
+def test_preload_reaches_linear_only_with_pdl(monkeypatch, device):
+    """gemv_triton(preload=True) takes the preload kernel only where PDL runs (the kernel
+    before lets it launch early); without PDL, as here under the interpreter, the plain GEMV;
+    linear passes the flag on unless BLITZ_GEMV_PRELOAD=0."""
+    x, w, b = make(1, 64, 256, torch.float32, device)
+    seen = []
+    monkeypatch.setattr(gv, "_launch_preload", lambda *a: seen.append(a) or reference_linear(x, w, b))
+    close(gv.gemv_triton(x, w, b, preload=True), reference_linear(x, w, b), torch.float32)
+    assert not seen  # no PDL here: the plain GEMV ran
+    monkeypatch.setattr(gv, "pdl_enabled", lambda t: True)
+    gv.gemv_triton(x, w, b, preload=True)
+    assert len(seen) == 1 and seen[0][4] == gv.preload_config(1, 64, 256, torch.float32, gv.device_sms(x))
+    flags = []
+    monkeypatch.setattr(gv, "_gemv_ok", lambda *a: True)
+    monkeypatch.setattr(gv, "gemv_triton", lambda *a, **kw: flags.append(kw["preload"]) or reference_linear(x, w, b))
+    for mode, want in (("0", False), ("1", True), ("nodeps", True)):
+        monkeypatch.setattr(gv, "_PRELOAD_MODE", mode)
+        gv.linear(x, w, b, preload=True)
+        assert flags[-1] is want
+    gv.linear(x, w, b)
+    assert flags[-1] is False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_gemv_preload():
+    """The preload GEMV at the o_proj shapes it takes (qwen3-30b-a3b, qwen3-0.6b; bf16, 1-2 rows,
+    with PDL) against the reference, and through linear(preload=True)."""
+    dev, dt = "cuda", torch.bfloat16
+    for n, k in [(2048, 4096), (1024, 2048)]:
+        w = torch.randn(n, k, device=dev, dtype=dt) / k ** 0.5
+        for m in (1, 2):
+            x = torch.randn(m, k, device=dev, dtype=dt)
+            assert gv.preloads(m, w)
+            close(gv.gemv_preload_triton(x, w), reference_linear(x, w), dt)
+            close(gv.linear(x, w, preload=True), reference_linear(x, w), dt)
