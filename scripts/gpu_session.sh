@@ -248,14 +248,6 @@ for part in "$@"; do case $part in
        BLITZ_MOE_NORM_ROUTE=0 run 150 mm2_l8_nr0 --model preset:minimax-m2 --num-layers 8 $M
        timeout 120 python3 -m pytest -q -x --tb=short -m gpu tests/kernels/test_kernel_moe.py tests/test_gpu_e2e.py \
          -p no:cacheprovider -k "norm_route or moe" 2>&1 | tail -3 ;;
-  pre) # issue 5: o_proj as the preload GEMV behind the decode attention (default) against the plain GEMV
-       # (BLITZ_GEMV_PRELOAD=0) and without the attention's early launch (=nodeps); its GPU tests first
-       timeout 240 python3 -m pytest -q -x --tb=short -m gpu tests/kernels/test_kernel_gemv.py tests/test_gpu_e2e.py \
-         -p no:cacheprovider -k "preload" 2>&1 | tail -3
-       M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
-       Q="--model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
-       run 150 q30b_pre $M; BLITZ_GEMV_PRELOAD=0 run 150 q30b_pre0 $M; BLITZ_GEMV_PRELOAD=nodeps run 150 q30b_nodeps $M
-       run 150 q30b_pre_b $M; run 80 qwen06_pre $Q; BLITZ_GEMV_PRELOAD=0 run 80 qwen06_pre0 $Q ;;
   swapab) L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        run 100 llama_base $L; BLITZ_GEMV_CONFIG='{"SWAP": true}' run 100 llama_swap64 $L
        BLITZ_GEMV_CONFIG='{"SWAP": true, "BLOCK_N": 128}' run 100 llama_swap128 $L ;;

@@ -129,30 +129,6 @@ def test_opt_in_decode_paths_match_default(monkeypatch):
     assert got == want
 
 
-@pytest.mark.parametrize("preset,mode", [("qwen3-0.6b", "1"), ("qwen3-30b-a3b", "1"), ("qwen3-30b-a3b", "nodeps")])
-def test_preload_o_proj_decode_matches_plain_gemv(monkeypatch, preset, mode):
-    """o_proj as the preload GEMV behind the decode attention (BLITZ_GEMV_PRELOAD, default 1;
-    "nodeps": without the attention's early launch) gives the plain GEMV's greedy tokens
-    (bf16, CUDA graphs), and the preload kernel ran."""
-    import blitzllm.kernels.gemv as gv
-    kw = dict(num_layers=2, device="cuda", dtype="bfloat16", kv_cache_blocks=256, max_num_seqs=8,
-              max_model_len=512)
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    monkeypatch.setattr(gv, "_PRELOAD_MODE", "0")
-    base = LLM(f"preset:{preset}", **kw)
-    prompts = _prompts(3, base.engine.model_config.vocab_size, seed=9)
-    want = [o.token_ids for o in base.generate(prompts, params) + base.generate(prompts[:1], params)]
-    del base
-    calls = []
-    orig = gv._launch_preload
-    monkeypatch.setattr(gv, "_PRELOAD_MODE", mode)
-    monkeypatch.setattr(gv, "_launch_preload", lambda x, *a: calls.append(x.shape[0]) or orig(x, *a))
-    llm = LLM(f"preset:{preset}", **kw)
-    got = [o.token_ids for o in llm.generate(prompts, params) + llm.generate(prompts[:1], params)]
-    assert calls and max(calls) <= 2
-    assert got == want
-
-
 @pytest.mark.parametrize("preset,layers,select", [("qwen3-30b-a3b", 2, True), ("minimax-m2", 2, True),
                                                    ("deepseek-v3", 4, True), ("qwen3-30b-a3b", 2, False)])
 def test_norm_route_decode_matches_default(monkeypatch, preset, layers, select):

@@ -353,73 +353,6 @@ def _gemv_swap_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, st
                  cnt_ptr, b_ptr, n_splits, SPLIT, HAS_BIAS, False, acc, ws_ptr, 1, 1, False)
 
 
-@triton.jit
-def _gemv_preload_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, stride_xm, stride_wn, stride_om,
-                         K: tl.constexpr, BLOCK_N: tl.constexpr, CH: tl.constexpr, M_PAD: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr):
-    """Program p: output columns [p*BLOCK_N, +BLOCK_N) from its whole W slice, loaded into
-    registers before the PDL wait ([CH, BLOCK_N, K / CH] tiles, fp32 products summed over K):
-    behind a latency-bound kernel that lets its dependents launch early (the decode
-    attention before o_proj), the weight stream then runs while that kernel does."""
-    BK: tl.constexpr = K // CH
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    c = tl.arange(0, CH)[:, None, None]
-    k = tl.arange(0, BK)[None, None, :]
-    r = rows.to(tl.int64)[None, :, None]
-    w = tl.load(w_ptr + r * stride_wn + c * BK + k, mask=r < N, other=0.0, eviction_policy="evict_first")
-    pdl_wait(USE_PDL)
-    n_ok = rows < N
-    if HAS_BIAS:
-        bias = tl.load(b_ptr + rows, mask=n_ok, other=0.0).to(tl.float32)
-    pdl_launch_dependents(USE_PDL)
-    for m in tl.static_range(M_PAD):
-        x = tl.load(x_ptr + m * stride_xm + c * BK + k, mask=m < M, other=0.0)
-        acc = tl.sum(tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=2), axis=0)
-        if HAS_BIAS:
-            acc += bias
-        tl.store(out_ptr + m * stride_om + rows, acc.to(out_ptr.dtype.element_ty), mask=n_ok & (m < M))
-
-
-# BLITZ_GEMV_PRELOAD: "1" (default) o_proj at 1-2 decode rows loads its whole weight slice before
-# its PDL wait while the decode attention runs (which lets it launch at once); "0" off;
-# "nodeps" the preload without the attention's early launch (A/B)
-_PRELOAD_MODE = os.environ.get("BLITZ_GEMV_PRELOAD", "1")
-PRELOAD_MAX_BYTES = 128 << 10  # W bytes per program: 8 warps hold them in about 128 registers per thread
-PRELOAD_BK = 512
-
-
-def preload_config(M: int, N: int, K: int, dtype: torch.dtype, sms: int) -> Optional[dict]:
-    """Tiles of the preload GEMV, or None where it does not fit: 1-2 rows, K a power of two,
-    one program per SM at most (every program resident while the kernel before runs) and at
-    most PRELOAD_MAX_BYTES of W per program."""
-    if not 1 <= M <= 2 or K < 16 or K & (K - 1) or N < 1:
-        return None
-    bn = 1
-    while triton.cdiv(N, bn) > sms:
-        bn *= 2
-    if bn * K * dtype.itemsize > PRELOAD_MAX_BYTES:
-        return None
-    bk = min(K, PRELOAD_BK)
-    return {"BLOCK_N": bn, "CH": K // bk, "num_warps": 8}
-
-
-def preloads(M: int, w: torch.Tensor) -> bool:
-    """Whether ``linear(x [M, K], w, preload=True)`` runs the preload GEMV (CUDA half
-    precision with PDL, the GEMV preferred for the shape, ``preload_config`` fits)."""
-    return (preload_enabled() and w.is_cuda and w.dtype in (torch.bfloat16, torch.float16) and w.dim() == 2
-            and w.stride(-1) == 1 and 0 < M <= 2 and prefer_gemv(M, w.shape[0], w.shape[1]) and pdl_enabled(w)
-            and _cached_preload(M, w.shape[0], w.shape[1], w.dtype, device_sms(w)) is not None)
-
-
-def preload_enabled() -> bool:
-    return _PRELOAD_MODE in ("1", "nodeps")
-
-
-def preload_early_dependents() -> bool:
-    """Whether the kernel before a preload GEMV lets it launch as that kernel starts."""
-    return _PRELOAD_MODE == "1"
-
-
 def _pick_split(n_tiles: int, K: int, block_k: int, sms: int) -> int:
     """Split K only when the n-tiles alone leave SMs idle; then aim at about 4x SMs programs
     (the H200 sweep: a split beside >= 1 program per SM only added atomics)."""
@@ -500,11 +433,6 @@ def gemv_config(M: int, N: int, K: int, dtype: torch.dtype, sms: int, config: Op
             "num_warps": warps, "num_stages": config.get("num_stages", 3 if dot else 2)}
 
 
-@functools.lru_cache(maxsize=1024)
-def _cached_preload(M, N, K, dtype, sms):
-    return preload_config(M, N, K, dtype, sms)
-
-
 @functools.lru_cache(maxsize=4096)
 def _cached_config(M, N, K, dtype, sms, items, silu_mul_input):  # spares the host per call
     return gemv_config(M, N, K, dtype, sms, dict(items), silu_mul_input)
@@ -539,7 +467,7 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
                 config: Optional[dict] = None, norm_weight: Optional[torch.Tensor] = None,
                 residual: Optional[torch.Tensor] = None, eps: float = 1e-6,
                 ss: Optional[torch.Tensor] = None, add_residual: Optional[torch.Tensor] = None,
-                ss_clear: Optional[torch.Tensor] = None, preload: bool = False):
+                ss_clear: Optional[torch.Tensor] = None):
     """x [M, K] (or [M, 2K] gate|up with silu_mul_input), w [N, K] -> [M, N] in x.dtype.
     With ``norm_weight`` the GEMV input is ``rms_norm(x + residual)`` (``rms_norm(x)``
     without residual) and the call returns ``(out, x + residual)`` (``(out, x)``); with
@@ -549,9 +477,7 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
     rounded as unfused), adds the rows' sums of squares of that into the slot ``ss`` and
     zeroes the slot ``ss_clear`` (the other one of the pair). With PDL the residual tile
     loads before the wait on the previous kernel: ``add_residual`` must come from an
-    earlier launch than the one just before (true of the norm chain).
-    ``preload`` (a plain call with PDL, no config): where ``preload_config`` fits, each
-    program loads its whole W slice before its wait (``_gemv_preload_kernel``)."""
+    earlier launch than the one just before (true of the norm chain)."""
     norm = norm_weight is not None
     add_ss = add_residual is not None
     assert not (norm and silu_mul_input), "norm prologue and silu-mul input do not combine"
@@ -592,11 +518,6 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
         return out
     if K == 0:
         return out.copy_(bias.expand(M, N) if bias is not None else torch.zeros_like(out))
-    pdl = pdl_enabled(x)
-    if preload and pdl and not (config or norm or add_ss or silu_mul_input):
-        pc = _cached_preload(M, N, K, x.dtype, device_sms(x))
-        if pc is not None:
-            return _launch_preload(x, w, bias, out, pc, pdl)
     items = config or _ENV_CONFIG
     if not config and (norm or add_ss or silu_mul_input) and items.get("SWAP"):
         items = {}  # A/B runs of the swapped form: fused calls keep the heuristic
@@ -608,6 +529,7 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
     ws = _zeros(x.device, torch.float32, next_pow2(M * N)) if split else out
     cnt = _zeros(x.device, torch.int32, next_pow2(n_tiles)) if split else out
     m_pad = next_pow2(M)  # tl.dot pads small M itself
+    pdl = pdl_enabled(x)
     if cfg["SWAP"]:
         assert not (norm or add_ss or silu_mul_input), "the swapped form takes a plain input"
         _gemv_swap_kernel[(n_tiles, n_splits)](
@@ -632,31 +554,6 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
         **pdl_launch_kwargs(pdl),
     )
     return (out, new_res) if norm else out
-
-
-def _launch_preload(x, w, bias, out, pc: dict, pdl: bool) -> torch.Tensor:
-    M, (N, K) = x.shape[0], w.shape
-    _gemv_preload_kernel[(triton.cdiv(N, pc["BLOCK_N"]),)](
-        x, w, bias if bias is not None else w, out, M, N, x.stride(0), w.stride(0), out.stride(0),
-        K=K, BLOCK_N=pc["BLOCK_N"], CH=pc["CH"], M_PAD=next_pow2(M), HAS_BIAS=bias is not None,
-        USE_PDL=pdl, num_warps=pc["num_warps"], **pdl_launch_kwargs(pdl))
-    return out
-
-
-def gemv_preload_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-                        out: Optional[torch.Tensor] = None, config: Optional[dict] = None) -> torch.Tensor:
-    """The preload GEMV alone (tests, benchmarks): x [M <= 2, K], w [N, K] -> [M, N], tiles from
-    ``preload_config`` or ``config`` (BLOCK_N, CH, num_warps); K a power of two."""
-    assert x.dim() == 2 and w.dim() == 2 and x.dtype == w.dtype and x.shape[1] == w.shape[1]
-    M, (N, K) = x.shape[0], w.shape
-    pc = config or preload_config(M, N, K, x.dtype, device_sms(x) if x.is_cuda else 132)
-    if pc is None:
-        raise ValueError(f"the preload GEMV does not take x {tuple(x.shape)}, w {tuple(w.shape)} ({x.dtype})")
-    assert K & (K - 1) == 0 and K % pc["CH"] == 0, "K a power of two, CH dividing it"
-    x, bias, out = _launch_operands(x, w, bias, out, N)
-    if M == 0 or N == 0:
-        return out
-    return _launch_preload(x, w, bias, out, pc, pdl_enabled(x))
 
 
 def gemv_glu_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
@@ -758,15 +655,13 @@ def _gemv_ok(x: torch.Tensor, w: torch.Tensor, rows: int) -> bool:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-           silu_mul_input: bool = False, preload: bool = False) -> torch.Tensor:
+           silu_mul_input: bool = False) -> torch.Tensor:
     """``F.linear(x, w, bias)`` (of ``silu_and_mul(x)`` with silu_mul_input) for x [..., K].
-    The GEMV kernel takes CUDA bf16/fp16 inputs of at most 16 rows; the rest goes to torch.
-    ``preload``: see ``gemv_triton`` (BLITZ_GEMV_PRELOAD=0 ignores it)."""
+    The GEMV kernel takes CUDA bf16/fp16 inputs of at most 16 rows; the rest goes to torch."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     ok = _gemv_ok(x, w, rows)
     if ok and prefer_gemv(rows, w.shape[0], w.shape[1], silu_mul_input):
-        y = gemv_triton(x.reshape(rows, x.shape[-1]), w, bias, silu_mul_input=silu_mul_input,
-                        preload=preload and preload_enabled())
+        y = gemv_triton(x.reshape(rows, x.shape[-1]), w, bias, silu_mul_input=silu_mul_input)
         return y.view(*x.shape[:-1], w.shape[0])
     if silu_mul_input:
         x = silu_and_mul(x)

@@ -218,8 +218,7 @@ class TritonAttentionBackend(AttentionBackend):
                 k_norm_weight=kn.weight if kn is not None else None,
                 eps=qn.eps if qn is not None else 1e-6, rotary_dim=layer.rotary.rotary_dim,
                 l2_prefetch_ranges=(l2_prefetch_ranges(layer.prefetch_modules, self.l2_prefetch_bytes)
-                                    if self.l2_prefetch_bytes else ()),
-                early_dependents=_next_preloads(layer, qkv.shape[0]))
+                                    if self.l2_prefetch_bytes else ()))
         q = fused_qk_norm_rope_cache_triton(
             qkv, positions, layer.rotary.cos_sin_cache, layer.num_heads, layer.num_kv_heads, layer.head_dim,
             k_cache, v_cache, md.slot_mapping,
@@ -233,14 +232,6 @@ class TritonAttentionBackend(AttentionBackend):
             return _long_prompt_sdpa(q, k_cache, v_cache, md, layer.scale)
         return paged_prefill_attention_triton(q, k_cache, v_cache, md.query_start_loc, md.seq_lens,
                                               md.block_tables, layer.scale, md.max_q_len)
-
-
-def _next_preloads(layer, rows: int) -> bool:
-    """Whether the GEMV after this decode attention (``layer.preload_next``: (o_proj,))
-    loads its weights before its wait, so the attention lets it launch as it starts."""
-    from ..kernels.gemv import preload_early_dependents, preloads
-    nxt = getattr(layer, "preload_next", ())
-    return bool(nxt) and nxt[0].preload and preload_early_dependents() and preloads(rows, nxt[0].weight)
 
 
 _SDPA_MIN_LEN = 2048

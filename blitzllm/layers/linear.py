@@ -30,9 +30,6 @@ class Linear(nn.Module):
         self.register_buffer("qweight", None)  # packed int4 (quantize_int4) or int8 (quantize_int8)
         self.register_buffer("qscales_zeros", None)
         self.group_size = 0  # > 0: int4 groups of this size; -1: int8 per output channel
-        # decode GEMV loads all its weights before waiting on the kernel before (set on o_proj,
-        # which follows the latency-bound decode attention; see kernels.gemv.gemv_triton)
-        self.preload = False
 
     def forward(self, x: torch.Tensor, silu_mul_input: bool = False) -> torch.Tensor:
         """x [..., in] -> [..., out]. With ``silu_mul_input`` x is [..., 2*in] (gate, up) and
@@ -41,7 +38,7 @@ class Linear(nn.Module):
             return self._int4_forward(silu_and_mul(x) if silu_mul_input else x)
         w = self.weight
         if x.is_cuda and GEMV_ENABLED and x.dtype == w.dtype:
-            return gemv_linear(x, w, self.bias, silu_mul_input=silu_mul_input, preload=self.preload)
+            return gemv_linear(x, w, self.bias, silu_mul_input=silu_mul_input)
         if silu_mul_input:
             x = silu_and_mul(x)
         if x.dtype != w.dtype:  # weight-only lower precision (CPU bf16 weights, fp32 activations)

@@ -228,10 +228,6 @@ class DecoderModel(nn.Module):
                 if type(shared) is DenseMLP:
                     mods += [shared.gate_up_proj, shared.down_proj]
             attn.attn.prefetch_modules = tuple(mods)
-            # o_proj follows the decode attention: it may load its weights while that runs
-            if type(attn.o_proj).forward is Linear.forward:
-                attn.o_proj.preload = True
-                attn.attn.preload_next = (attn.o_proj,)  # (a tuple: not a submodule)
 
     def forward(self, input_ids, positions):
         x, residual = self.embed_tokens(input_ids), None
