@@ -7,7 +7,7 @@ set -u
 DIR=${DIR:-/tmp/ab_draft}; mkdir -p "$DIR"
 for v in "$@"; do
   name=${v%%=*}; extra=${v#*=}
-  /usr/bin/time -f "%e s" blitz train-draft --model smollm2 --prompts ../shared/data/mt_bench_questions.jsonl \
+  /usr/bin/time -f "%e s" blitz train-draft --model smollm2 --prompts ${PROMPTS:-../shared/data/mt_bench_questions.jsonl} \
     --prompt-range 81-100 --samples-per-prompt 3 --temperature 1.0 --max-tokens 128 --epochs 3 \
     --draft-vocab 4096 --out "$DIR/h_$name" --eval-range 141-160 --eval-k 3 --eval-max-tokens 128 $extra \
     > "$DIR/$name.json" 2> "$DIR/$name.log"

@@ -150,6 +150,29 @@ def copy_span_sequence(prompt: list, answer: list, rng: random.Random, min_len: 
     return list(prompt) + list(answer) + list(answer[i:i + n])
 
 
+LOOP_REPEATS = 3   # a loop sequence's span appears this many times
+
+
+def loop_span_sequence(prompt: list, answer: list, rng: random.Random, min_len: int = 8,
+                       max_len: int = 48) -> Optional[tuple]:
+    """(prompt + the answer up to a random cut + S repeated LOOP_REPEATS times, where the loss
+    starts), S being a random span of the answer, shuffled; None for an answer shorter than
+    ``min_len``. Greedy decoding of a small model often ends in such a loop, and the target
+    then continues by copying (SmolLM2-135M's argmax is the copy at 0.76 of the second
+    repeat's positions and 0.96 of the third's); S being new text each time, the head can
+    fit those labels only by copying from its context, not by remembering the answer. The
+    loss covers the repeats after the first S."""
+    if len(answer) < min_len:
+        return None
+    n = rng.randint(min_len, min(max_len, len(answer)))
+    i = rng.randint(0, len(answer) - n)
+    span = list(answer[i:i + n])
+    rng.shuffle(span)
+    cut = rng.randint(0, len(answer))
+    head = list(prompt) + list(answer[:cut])
+    return head + span * LOOP_REPEATS, len(head) + n
+
+
 def capture_features(llm, cap: HiddenCapture, ids: list, prompt_len: int) -> Sample:
     """One engine prefill over prompt + answer (prefix caching off, so every position is
     forwarded; chunks of a long prefill are concatenated) -> the features of positions
@@ -257,7 +280,7 @@ def train_draft(llm, prompts: list, out: Optional[str], epochs: int = 1, max_tok
                 temperature: float = 0.8, layer_ids: Optional[list] = None, labels: str = "target",
                 feature_norm: bool = True, init_layer: bool = False, step_decay: float = STEP_DECAY,
                 draft_vocab: int = 0, draft_intermediate: int = 0, branch: bool = False, copy_spans: int = 0,
-                log=print) -> Eagle3Head:
+                loop_spans: int = 0, log=print) -> Eagle3Head:
     """``llm``: an ``LLM`` built with prefix caching off. Epoch 1 is online: the engine
     answers ``batch`` prompts at a time (batched decode; ``samples`` answers per prompt, the
     first greedy), then each prompt + answer goes through one engine prefill with the capture
@@ -274,7 +297,9 @@ def train_draft(llm, prompts: list, out: Optional[str], epochs: int = 1, max_tok
     answers after each prompt's first are greedy ones with one sampled turn (``generate_answers``).
     ``copy_spans`` > 0: after each answer the head also trains on that many sequences of the
     answer followed by a copy of a random span of it (``copy_span_sequence``), its loss on the
-    copied tokens only (labelled by the target's own distributions there)."""
+    copied tokens only (labelled by the target's own distributions there). ``loop_spans`` > 0:
+    that many sequences per answer ending in a loop of a shuffled span of it
+    (``loop_span_sequence``), the loss on the loop's repeats."""
     if labels not in ("target", "tokens"):
         raise ValueError(f"--labels must be 'target' or 'tokens', got {labels!r}")
     torch.manual_seed(seed)
@@ -295,10 +320,13 @@ def train_draft(llm, prompts: list, out: Optional[str], epochs: int = 1, max_tok
                          f"or 0, got {draft_vocab}")
     if copy_spans < 0:
         raise ValueError(f"--copy-spans must be >= 0, got {copy_spans}")
+    if loop_spans < 0:
+        raise ValueError(f"--loop-spans must be >= 0, got {loop_spans}")
     opt = make_optimizer(head, lr)
-    total = epochs * len(prompts) * samples * (1 + copy_spans)
+    per_answer = 1 + copy_spans + loop_spans
+    total = epochs * len(prompts) * samples * per_answer
     copy_rng = random.Random(seed * 7919 + 1)
-    n_copies = 0
+    n_copies = n_loops = 0
     warmup = max(1, total * 3 // 100)
     step = 0
 
@@ -326,7 +354,7 @@ def train_draft(llm, prompts: list, out: Optional[str], epochs: int = 1, max_tok
                 s = capture_features(llm, cap, p + a, len(p))
                 kept.append(s)
                 loss, stats = train_step(s)
-                log(f"[train-draft] epoch 1 sample {len(kept)}/{len(prompts) * samples * (1 + copy_spans)} (prompt "
+                log(f"[train-draft] epoch 1 sample {len(kept)}/{len(prompts) * samples * per_answer} (prompt "
                     f"id {prompts[b + i][0]}): {len(a)} answer tok, loss {loss:.3f}, top-1 per step {_fmt(stats)}, "
                     f"{time.perf_counter() - t0:.0f}s")
                 for _ in range(copy_spans):
@@ -339,6 +367,17 @@ def train_draft(llm, prompts: list, out: Optional[str], epochs: int = 1, max_tok
                     loss, stats = train_step(s)
                     log(f"[train-draft] epoch 1 sample {len(kept)} (copy of {len(seq) - len(p) - len(a)} answer "
                         f"tokens): loss {loss:.3f}, top-1 per step {_fmt(stats)}")
+                for _ in range(loop_spans):
+                    made = loop_span_sequence(p, a, copy_rng)
+                    if made is None:
+                        continue
+                    seq, start = made
+                    s = capture_features(llm, cap, seq, start)   # loss on the repeats
+                    kept.append(s)
+                    n_loops += 1
+                    loss, stats = train_step(s)
+                    log(f"[train-draft] epoch 1 sample {len(kept)} (loop of a {(len(seq) - start) // (LOOP_REPEATS - 1)}"
+                        f"-token span): loss {loss:.3f}, top-1 per step {_fmt(stats)}")
     rng = random.Random(seed)
     for ep in range(2, epochs + 1):
         order = list(range(len(kept)))
@@ -354,8 +393,8 @@ def train_draft(llm, prompts: list, out: Optional[str], epochs: int = 1, max_tok
             f"{time.perf_counter() - t0:.0f}s")
     head.eval()
     wall = time.perf_counter() - t0
-    log(f"[train-draft] done: {len(prompts)} prompts, {len(kept) - n_copies} answers"
-        f"{f' + {n_copies} copy sequences' if n_copies else ''}, "
+    log(f"[train-draft] done: {len(prompts)} prompts, {len(kept) - n_copies - n_loops} answers"
+        f"{f' + {n_copies} copy sequences' if n_copies else ''}{f' + {n_loops} loop sequences' if n_loops else ''}, "
         f"{sum(len(s.tokens) - s.prompt_len for s in kept)} trained tokens, {epochs} epoch(s), "
         f"wall {wall:.1f}s (generation {gen_s:.1f}s) on {_machine(eng.device)}")
     if out:
@@ -417,6 +456,10 @@ def add_train_draft_args(p) -> None:
     p.add_argument("--copy-spans", type=int, default=0,
                    help="per answer, also train on N sequences of the answer followed by a copy of a random span "
                         "of it (loss on the copy: how the target continues text it repeats)")
+    p.add_argument("--loop-spans", type=int, default=0,
+                   help="per answer, also train on N sequences ending in a loop of a shuffled span of it "
+                        f"({LOOP_REPEATS} repeats, loss on the repeats after the first: the head learns to copy "
+                        "as the target does in the loops of greedy answers)")
     p.add_argument("--labels", choices=("target", "tokens"), default="target",
                    help="train on the target's next-token distributions (distillation; default) "
                         "or on the answer tokens")
@@ -457,6 +500,8 @@ def cmd_train_draft(a) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     if a.copy_spans < 0:
         raise ValueError(f"--copy-spans must be >= 0, got {a.copy_spans}")
+    if a.loop_spans < 0:
+        raise ValueError(f"--loop-spans must be >= 0, got {a.loop_spans}")
     if a.draft_vocab < 0:
         raise ValueError(f"--draft-vocab must be >= 0 (0: the target's whole vocabulary), got {a.draft_vocab}")
     if not a.lr > 0:
@@ -479,7 +524,7 @@ def cmd_train_draft(a) -> int:
                 seed=a.seed, batch=a.batch, samples=a.samples_per_prompt, temperature=a.temperature,
                 layer_ids=layer_ids, labels=a.labels, feature_norm=a.feature_norm, init_layer=a.init_layer,
                 step_decay=a.step_decay, draft_vocab=a.draft_vocab, draft_intermediate=a.draft_intermediate,
-                branch=a.branch, copy_spans=a.copy_spans, log=log)
+                branch=a.branch, copy_spans=a.copy_spans, loop_spans=a.loop_spans, log=log)
     if eval_prompts:
         del llm
         for n in eval_lens:

@@ -365,6 +365,50 @@ def test_copy_span_sequences_and_training_on_them(tiny4, tmp_path, monkeypatch):
         td.train_draft(llm, [(0, "q")], None, copy_spans=-1, log=logs.append)
 
 
+def test_loop_span_sequences_and_training_on_them(tiny4, monkeypatch):
+    """loop_span_sequence: prompt + a prefix of the answer + a shuffled span of the answer
+    (8..48 tokens) repeated LOOP_REPEATS times, the loss from the second repeat on; None for
+    shorter answers. train_draft(loop_spans=2) trains on two such sequences per answer."""
+    import random
+    from collections import Counter
+    from blitzllm.spec import train_draft as td
+    rng = random.Random(1)
+    prompt, answer = [1, 2, 3], list(range(10, 90))
+    shuffled = 0
+    for _ in range(50):
+        seq, start = td.loop_span_sequence(prompt, answer, rng)
+        n = (len(seq) - start) // (td.LOOP_REPEATS - 1)
+        head = seq[:start - n]
+        span = seq[start - n:start]
+        assert 8 <= n <= 48 and len(seq) == len(head) + td.LOOP_REPEATS * n
+        assert head == prompt + answer[:len(head) - len(prompt)]
+        assert seq[start - n:] == span * td.LOOP_REPEATS
+        i = min(span) - 10  # the span is a contiguous run of the answer, reordered
+        assert sorted(span) == answer[i:i + n]
+        shuffled += span != sorted(span)
+    assert shuffled >= 45 and td.loop_span_sequence(prompt, answer[:7], rng) is None
+    llm0, _ = tiny4
+    monkeypatch.setattr(td, "prompt_ids", lambda llm, text: [1 + ord(c) % 300 for c in text])
+    llm = LLM(llm0.engine.args.model, device="cpu", kv_cache_blocks=128, enable_prefix_caching=False, max_num_seqs=8)
+    kept = []
+    monkeypatch.setattr(td, "train_on", lambda head, opt, s, *a: kept.append(s) or (0.0, []))
+    logs = []
+    td.train_draft(llm, [(0, "a question"), (1, "another one")], None, epochs=1, max_tokens=12, steps=2,
+                   loop_spans=2, log=logs.append)
+    assert len(kept) == 6 and "2 answers + 4 loop sequences" in logs[-1]
+    for j in range(0, 6, 3):
+        first, loops = kept[j], kept[j + 1:j + 3]
+        answer = first.tokens[first.prompt_len:].tolist()
+        for lp in loops:
+            toks = lp.tokens.tolist()
+            n = (len(toks) - lp.prompt_len) // (td.LOOP_REPEATS - 1)
+            span = toks[lp.prompt_len - n:lp.prompt_len]
+            assert toks[lp.prompt_len - n:] == span * td.LOOP_REPEATS
+            assert Counter(span) <= Counter(answer)
+    with pytest.raises(ValueError, match="--loop-spans must be >= 0"):
+        td.train_draft(llm, [(0, "q")], None, loop_spans=-1, log=logs.append)
+
+
 def test_branched_answers_turn_once_off_the_greedy_path(tiny4):
     """generate_answers(branch=True): per prompt the greedy answer, then answers that follow
     it up to a point, take one token sampled there, and continue greedily: each continuation
