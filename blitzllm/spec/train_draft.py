@@ -458,8 +458,8 @@ def add_train_draft_args(p) -> None:
                         "of it (loss on the copy: how the target continues text it repeats)")
     p.add_argument("--loop-spans", type=int, default=0,
                    help="per answer, also train on N sequences ending in a loop of a shuffled span of it "
-                        f"({LOOP_REPEATS} repeats, loss on the repeats after the first: the head learns to copy "
-                        "as the target does in the loops of greedy answers)")
+                        f"({LOOP_REPEATS} repeats, loss on the repeats after the first: labels the head can fit only "
+                        "by copying from its context, as the target does in the loops of greedy answers)")
     p.add_argument("--labels", choices=("target", "tokens"), default="target",
                    help="train on the target's next-token distributions (distillation; default) "
                         "or on the answer tokens")
