@@ -32,32 +32,10 @@ def main():
     import triton
     import triton.language as tl
 
+    import decode_window
+
     from blitzllm.kernels._common import L2_PREFETCH_LANES, l2_prefetch, l2_prefetch_chunk
     from blitzllm.kernels.gemv import gemv_triton
-
-    @triton.jit
-    def spin_kernel(out_ptr, cycles):
-        n = tl.program_id(0)
-        t0 = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [n], dtype=tl.int64, is_pure=False, pack=1)
-        t = t0
-        while t - t0 < cycles:
-            n += 1
-            t = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [n], dtype=tl.int64, is_pure=False,
-                                          pack=1)
-        tl.store(out_ptr, n)
-
-    @triton.jit
-    def stream_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, EF: tl.constexpr):
-        pid, nprog = tl.program_id(0), tl.num_programs(0)
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for off in range(pid * BLOCK, n, nprog * BLOCK):
-            o = off + tl.arange(0, BLOCK)
-            if EF:
-                v = tl.load(x_ptr + o, mask=o < n, other=0.0, eviction_policy="evict_first")
-            else:
-                v = tl.load(x_ptr + o, mask=o < n, other=0.0)
-            acc += v.to(tl.float32)
-        tl.store(out_ptr + pid, tl.sum(acc, axis=0))
 
     @triton.jit
     def touch_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
@@ -94,10 +72,10 @@ def main():
     side = torch.cuda.Stream()
 
     def stream(s, ef):
-        stream_kernel[(2 * sms,)](s["big"], sink, big_n, BLOCK=2048, EF=ef, num_warps=8)
+        decode_window.stream_kernel[(2 * sms,)](s["big"], sink, big_n, BLOCK=2048, EF=ef, num_warps=8)
 
     def spin():
-        spin_kernel[(1,)](spin_out, cycles, num_warps=1)
+        decode_window.spin_kernel[(1,)](spin_out, cycles, num_warps=1)
 
     def warm(w, how):
         if how is None:
@@ -150,30 +128,7 @@ def main():
         gemv_triton(xq, s["wq"])
 
     def time_units(fn):
-        main_s = torch.cuda.current_stream()
-        side.wait_stream(main_s)
-        with torch.cuda.stream(side):
-            fn(sets[0])
-        main_s.wait_stream(side)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for i in range(a.units):
-                fn(sets[i % len(sets)])
-        g.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(7):
-            st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            st.record()
-            for _ in range(3):
-                g.replay()
-            en.record()
-            en.synchronize()
-            times.append(st.elapsed_time(en) * 1e3 / (3 * a.units))
-        del g
-        times.sort()
-        return times[len(times) // 2]
+        return decode_window.time_units(fn, sets, a.units)
 
     def trace(fn, label):
         """Kernel start / end (us from the first) of two units inside a replayed graph."""

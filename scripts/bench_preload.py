@@ -28,29 +28,9 @@ def main():
     import triton
     import triton.language as tl
 
+    import decode_window
+
     from blitzllm.kernels.gemv import gemv_triton
-
-    @triton.jit
-    def spin_kernel(out_ptr, cycles, EARLY: tl.constexpr):
-        if EARLY:
-            tl.extra.cuda.gdc_launch_dependents()
-        n = tl.program_id(0)
-        t0 = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [n], dtype=tl.int64, is_pure=False, pack=1)
-        t = t0
-        while t - t0 < cycles:
-            n += 1
-            t = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [n], dtype=tl.int64, is_pure=False,
-                                          pack=1)
-        tl.store(out_ptr, n)
-
-    @triton.jit
-    def stream_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
-        pid, nprog = tl.program_id(0), tl.num_programs(0)
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for off in range(pid * BLOCK, n, nprog * BLOCK):
-            o = off + tl.arange(0, BLOCK)
-            acc += tl.load(x_ptr + o, mask=o < n, other=0.0).to(tl.float32)
-        tl.store(out_ptr + pid, tl.sum(acc, axis=0))
 
     @triton.jit
     def preload_gemv(x_ptr, w_ptr, out_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexpr, CH: tl.constexpr,
@@ -102,8 +82,8 @@ def main():
             assert err < 2e-2
 
     def unit(s, form, early=True):
-        stream_kernel[(2 * sms,)](s["big"], sink, big_n, BLOCK=2048, num_warps=8)
-        spin_kernel[(1,)](spin_out, cycles, EARLY=early, num_warps=1)
+        decode_window.stream_kernel[(2 * sms,)](s["big"], sink, big_n, BLOCK=2048, num_warps=8)
+        decode_window.spin_kernel[(1,)](spin_out, cycles, EARLY=early, num_warps=1)
         x, w = (xo, s["wo"]) if form[0] == "o" else (xq, s["wq"])
         if form[1] == "gemv":
             gemv_triton(x, w)
@@ -112,28 +92,7 @@ def main():
             pre(x, w, bn, ch, warps)
 
     def time_units(fn):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn(sets[0])
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for i in range(a.units):
-                fn(sets[i % len(sets)])
-        g.replay()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(7):
-            st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            st.record()
-            for _ in range(3):
-                g.replay()
-            en.record()
-            en.synchronize()
-            ts.append(st.elapsed_time(en) * 1e3 / (3 * a.units))
-        return sorted(ts)[3]
+        return decode_window.time_units(fn, sets, a.units)
 
     rows = []
     for early in (True, False):

@@ -330,6 +330,21 @@ def test_train_draft_samples_and_eval_through_config(tiny4, tmp_path, monkeypatc
         td.train_draft(llm, prompts, None, draft_vocab=10 ** 6, log=logs.append)
 
 
+def _train_with_extra_sequences(tiny4, monkeypatch, **extra):
+    """train_draft on two prompts of the tiny model (12-token answers, one epoch) with the
+    extra sequences ``extra`` asks for, its optimizer step replaced by a recorder: (the
+    LLM, the samples it would have trained on, in order, the log lines)."""
+    from blitzllm.spec import train_draft as td
+    llm0, _ = tiny4
+    monkeypatch.setattr(td, "prompt_ids", lambda llm, text: [1 + ord(c) % 300 for c in text])
+    llm = LLM(llm0.engine.args.model, device="cpu", kv_cache_blocks=128, enable_prefix_caching=False, max_num_seqs=8)
+    kept, logs = [], []
+    monkeypatch.setattr(td, "train_on", lambda head, opt, s, *a: kept.append(s) or (0.0, []))
+    td.train_draft(llm, [(0, "a question"), (1, "another one")], None, epochs=1, max_tokens=12, steps=2,
+                   log=logs.append, **extra)
+    return llm, kept, logs
+
+
 def test_copy_span_sequences_and_training_on_them(tiny4, tmp_path, monkeypatch):
     """copy_span_sequence: prompt + answer + one contiguous span of the answer (>= 8 tokens),
     None for shorter answers; train_draft(copy_spans=2) trains on two such sequences per
@@ -345,14 +360,7 @@ def test_copy_span_sequences_and_training_on_them(tiny4, tmp_path, monkeypatch):
         i = answer.index(span[0])
         assert answer[i:i + len(span)] == span
     assert td.copy_span_sequence(prompt, answer[:7], rng) is None
-    llm0, _ = tiny4
-    monkeypatch.setattr(td, "prompt_ids", lambda llm, text: [1 + ord(c) % 300 for c in text])
-    llm = LLM(llm0.engine.args.model, device="cpu", kv_cache_blocks=128, enable_prefix_caching=False, max_num_seqs=8)
-    kept = []
-    monkeypatch.setattr(td, "train_on", lambda head, opt, s, *a: kept.append(s) or (0.0, []))
-    logs = []
-    td.train_draft(llm, [(0, "a question"), (1, "another one")], None, epochs=1, max_tokens=12, steps=2,
-                   copy_spans=2, log=logs.append)
+    llm, kept, logs = _train_with_extra_sequences(tiny4, monkeypatch, copy_spans=2)
     assert len(kept) == 6 and "2 answers + 4 copy sequences" in logs[-1]
     for j in range(0, 6, 3):
         first, copies = kept[j], kept[j + 1:j + 3]
@@ -387,14 +395,7 @@ def test_loop_span_sequences_and_training_on_them(tiny4, monkeypatch):
         assert sorted(span) == answer[i:i + n]
         shuffled += span != sorted(span)
     assert shuffled >= 45 and td.loop_span_sequence(prompt, answer[:7], rng) is None
-    llm0, _ = tiny4
-    monkeypatch.setattr(td, "prompt_ids", lambda llm, text: [1 + ord(c) % 300 for c in text])
-    llm = LLM(llm0.engine.args.model, device="cpu", kv_cache_blocks=128, enable_prefix_caching=False, max_num_seqs=8)
-    kept = []
-    monkeypatch.setattr(td, "train_on", lambda head, opt, s, *a: kept.append(s) or (0.0, []))
-    logs = []
-    td.train_draft(llm, [(0, "a question"), (1, "another one")], None, epochs=1, max_tokens=12, steps=2,
-                   loop_spans=2, log=logs.append)
+    llm, kept, logs = _train_with_extra_sequences(tiny4, monkeypatch, loop_spans=2)
     assert len(kept) == 6 and "2 answers + 4 loop sequences" in logs[-1]
     for j in range(0, 6, 3):
         first, loops = kept[j], kept[j + 1:j + 3]
