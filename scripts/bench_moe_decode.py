@@ -159,13 +159,14 @@ def run(args):
         want = reference_fused_moe(calls[0][0], w13, w2, calls[0][2].view(t, k), calls[0][1].view(t, k))
         pvars = [("default", None)]
         if not args.smoke:
-            pvars += [(f"n{bu}/{bd} k{ku}/{kd} w{w} s{st} x{ps}{' pf' if pf else ''}",
+            pvars += [(f"{'dot' if d else 'fma'} n{bu}/{bd} k{ku}/{kd} w{w} s{st} x{ps}",
                        dict(BLOCK_N_UP=bu, BLOCK_N_DOWN=bd, BLOCK_K_UP=ku, BLOCK_K_DOWN=kd, num_warps=w, PER_SM=ps,
-                            PF_DOWN=bool(pf), num_stages=st))
-                      for bu, bd, ku, kd, w, st, ps, pf in json.loads(os.environ.get("PERSIST_VARIANTS", "null") or "null")
-                      or ((16, 16, 128, 128, 4, 4, 2, 0), (16, 16, 128, 128, 4, 4, 1, 1), (16, 16, 128, 128, 4, 3, 2, 1),
-                          (16, 16, 256, 128, 4, 3, 2, 1), (32, 16, 128, 128, 4, 4, 1, 1), (16, 16, 128, 128, 4, 6, 1, 1),
-                          (16, 32, 128, 128, 4, 4, 2, 1), (16, 16, 64, 64, 4, 6, 2, 1), (16, 16, 128, 128, 8, 4, 1, 1))]
+                            DOT=bool(d), num_stages=st))
+                      for d, bu, bd, ku, kd, w, st, ps in json.loads(os.environ.get("PERSIST_VARIANTS", "null") or "null")
+                      or ((0, 16, 16, 256, 256, 8, 1, 2), (0, 16, 16, 256, 256, 4, 1, 4), (0, 8, 16, 512, 256, 4, 1, 4),
+                          (0, 8, 8, 256, 256, 4, 1, 6), (0, 16, 16, 128, 128, 2, 1, 8),
+                          (1, 64, 64, 128, 128, 4, 4, 1), (1, 32, 64, 128, 128, 4, 4, 1), (1, 32, 32, 128, 128, 4, 4, 2),
+                          (1, 16, 32, 128, 128, 4, 4, 3), (1, 16, 16, 128, 128, 4, 3, 4), (1, 32, 32, 256, 128, 4, 3, 2))]
         for name, pcfg in pvars:
             rec = dict(model=model, T=t, launch="persist", variant=name, config=pcfg)
 

@@ -3,21 +3,26 @@
 The direct decode path of ``fused_moe`` runs two launches: the gate/up GEMM (one program per
 (entry, n-tile); at batch 1 on Qwen3-30B-A3B 8 x 12 = 96 programs, so 36 of the H200's 132
 SMs stream nothing) and the down GEMM with the weighted combine, which may start only when
-every gate/up program has finished. Here a grid of one or two programs per SM runs two
-flattened tile loops (``tl.range(..., flatten=True)``: the compiler's load pipeline runs on
-from one tile into the next): gate/up tiles (16 gate rows and the matching up rows of one
-entry's expert over the whole hidden size, SiLU-and-mul in the epilogue; 384 tiles at batch 1,
-evenly spread), then, once every program's gate/up tiles are in, down tiles (16 output rows of
-one token over all its K experts, each expert's output rounded, weighted and summed in order:
-the combine without atomics, deterministic, the numerics of ``moe.reference_fused_moe``). While
-it waits, a program asks the L2 (Hopper bulk prefetch) for its first down tile's weights.
+every gate/up program has finished. Here a grid of about one program per SM walks a list of
+tiles: first every gate/up tile (BLOCK_N gate rows and the matching up rows of one entry's
+expert, the whole hidden size, SiLU-and-mul in the epilogue), then every down tile (BLOCK_N
+rows of one entry's down weights over the whole intermediate size). Work is spread evenly
+over all SMs, and a program that reaches a down tile loads its first weight chunk at once and
+only then waits, spinning on an arrival counter, until all gate/up tiles of that entry have
+written the entry's activation: the down weights stream while the last gate/up tiles finish,
+without a launch boundary in between.
 
-The wait is a spin on an arrival counter (release / acquire) that the launch leaves at zero
-(CUDA-graph replays): it needs every program resident at once, so the grid is at most
-``PER_SM`` programs per SM and never more than the compiled kernel's registers and shared
-memory allow (checked after the first launch, which runs one per SM). The interpreter runs
-programs one after another, so there (and with ``phases=True``) the kernel runs as two
-launches, gate/up loop then down loop, without the spin.
+Synchronisation, all in int32 counters that the launch leaves at zero (CUDA-graph replays):
+per entry the gate/up tiles done (release after a CTA barrier; the down tiles acquire it and
+read the activation from L2), per entry the down tiles done (the last resets both), per
+(token, n-tile) the entries done (the last sums the token's entries in entry order, weighted,
+into the output: deterministic, the numerics of ``moe.reference_fused_moe``).
+
+The spin needs every program resident at once: the grid is at most one program per SM (a
+program of 8 warps; the compiled kernel's registers and shared memory are checked against
+that before a second program per SM is allowed). The interpreter runs programs one after
+another, so there (and with ``phases=True``) the same kernel runs twice, gate/up tiles then
+down tiles, without spinning.
 """
 from __future__ import annotations
 
@@ -27,115 +32,210 @@ from typing import Optional
 
 import torch
 
-from ._common import _bulk_prefetch, device_sms, l2_prefetchable, next_pow2, pdl_enabled, pdl_launch_dependents, pdl_launch_kwargs, pdl_wait, tl, triton
+from ._common import device_sms, next_pow2, pdl_enabled, pdl_launch_dependents, pdl_launch_kwargs, pdl_wait, tl, triton
 from .fused_moe import _mma
 
 # BLITZ_MOE_PERSISTENT=1: decode batches of up to PERSISTENT_MAX_ENTRIES (token, k) entries run
 # the routed experts as this one persistent launch instead of the direct path's two.
 MOE_PERSISTENT = os.environ.get("BLITZ_MOE_PERSISTENT", "0") == "1"
 PERSISTENT_MAX_ENTRIES = 16
+_ENTRY_SLOTS = 16   # counters per entry kind (gate/up done, down done)
 # BLITZ_MOE_PERSISTENT_CONFIG='{"DOT": true, "BLOCK_N_UP": 32, ...}': the tiles of calls that pass
 # no config (A/B runs)
 _ENV_CONFIG = os.environ.get("BLITZ_MOE_PERSISTENT_CONFIG")
-CONFIG_KEYS = ("BLOCK_N_UP", "BLOCK_K_UP", "BLOCK_N_DOWN", "BLOCK_K_DOWN", "PER_SM", "PF_DOWN", "num_warps",
-               "num_stages")
+CONFIG_KEYS = ("BLOCK_N_UP", "BLOCK_K_UP", "BLOCK_N_DOWN", "BLOCK_K_DOWN", "PER_SM", "DOT", "num_warps", "num_stages")
 
 
 @triton.jit
-def _moe_persistent_kernel(x_ptr, w13_ptr, w2_ptr, ids_ptr, tw_ptr, act_ptr, out_ptr, cnt_ptr,
-                           H, I, n_entries, n_tokens, stride_x, stride_ue, stride_un, stride_de, stride_dn,
-                           stride_a, stride_o,
+def _moe_persistent_kernel(x_ptr, w13_ptr, w2_ptr, ids_ptr, tw_ptr, act_ptr, y_ptr, out_ptr, cnt_ptr,
+                           H, I, n_entries, stride_x, stride_ue, stride_un, stride_de, stride_dn,
+                           stride_a, stride_y, stride_o,
                            TOP_K: tl.constexpr, BN_UP: tl.constexpr, BK_UP: tl.constexpr,
-                           BN_DOWN: tl.constexpr, BK_DOWN: tl.constexpr, NPROG: tl.constexpr,
-                           PHASE: tl.constexpr, PF_DOWN: tl.constexpr, USE_PDL: tl.constexpr, IEEE: tl.constexpr,
-                           ELT: tl.constexpr = 2):
-    """PHASE 0: both loops, the down loop after every program's gate/up tiles have arrived
-    (GPU, one launch); 1: the gate/up loop only; 2: the down loop only (the interpreter).
-    Both loops are flattened (``tl.range(..., flatten=True)``), so the compiler's load
-    pipeline runs on from one tile into the next instead of draining per tile."""
+                           BN_DOWN: tl.constexpr, BK_DOWN: tl.constexpr, PHASE: tl.constexpr,
+                           USE_PDL: tl.constexpr, SLOTS: tl.constexpr, DOT: tl.constexpr = False,
+                           IEEE: tl.constexpr = False):
+    """PHASE 0: all tiles, down tiles wait for their entry's gate/up tiles (GPU, one launch);
+    1: gate/up tiles only; 2: down tiles only (the interpreter: two launches, no waiting).
+    DOT: the tiles multiply on tensor cores (the entry's row padded to 16, W through shared
+    memory in the compiler's num_stages pipeline) instead of register-prefetched FMAs."""
     pdl_wait(USE_PDL)
     pid = tl.program_id(0)
-    dt = out_ptr.dtype.element_ty
-    row0 = tl.arange(0, 16) == 0   # tensor-core tiles: the one real row padded to 16
-    n_up = n_entries * tl.cdiv(I, BN_UP)
+    nprog = tl.num_programs(0)
+    up_per = tl.cdiv(I, BN_UP)
     down_per = tl.cdiv(H, BN_DOWN)
-    if PHASE != 2:  # ---- gate/up tiles (entry m, rows j*BN ..): act = silu(gate) * up
-        offs_k = tl.arange(0, BK_UP)
-        for tile in tl.range(pid, n_up, NPROG, flatten=True):
+    n_up = n_entries * up_per
+    n_all = n_up + n_entries * down_per
+    start = pid
+    stop = n_all
+    if PHASE == 1:
+        stop = n_up
+    if PHASE == 2:
+        start = pid + n_up
+    dt = out_ptr.dtype.element_ty
+    for tile in range(start, stop, nprog):
+        if tile < n_up:  # ---- gate/up tile: act[m, j*BN .. +BN] = silu(gate) * up
             m = tile % n_entries
-            offs_n = (tile // n_entries) * BN_UP + tl.arange(0, BN_UP)
+            j = tile // n_entries
             e = tl.load(ids_ptr + m).to(tl.int64)
-            b_ok = (offs_n[None, :] < I) & (e >= 0)
-            b_ptrs = w13_ptr + tl.maximum(e, 0) * stride_ue + offs_n.to(tl.int64)[None, :] * stride_un + offs_k[:, None]
-            a_ptrs = x_ptr + (m // TOP_K).to(tl.int64) * stride_x + offs_k[None, :] + tl.zeros([16, 1], dtype=tl.int64)
-            acc_g = tl.zeros([16, BN_UP], dtype=tl.float32)
-            acc_u = tl.zeros([16, BN_UP], dtype=tl.float32)
-            for k in range(0, H, BK_UP):
-                a = tl.load(a_ptrs + k, mask=row0[:, None] & (offs_k[None, :] < H - k), other=0.0)
-                b_mask = b_ok & (offs_k[:, None] < H - k)
-                acc_g = _mma(a, tl.load(b_ptrs + k, mask=b_mask, other=0.0, eviction_policy="evict_first"),
-                             acc_g, IEEE)
-                acc_u = _mma(a, tl.load(b_ptrs + k + I * stride_un, mask=b_mask, other=0.0,
-                                        eviction_policy="evict_first"), acc_u, IEEE)
-            g = tl.sum(tl.where(row0[:, None], acc_g, 0.0), axis=0).to(dt).to(tl.float32)
-            act = (g / (1.0 + tl.exp(-g))).to(dt)   # the rounding steps of activation.silu_and_mul
-            u = tl.sum(tl.where(row0[:, None], acc_u, 0.0), axis=0).to(dt).to(tl.float32)
-            tl.store(act_ptr + m * stride_a + offs_n, (act.to(tl.float32) * u).to(dt), mask=(offs_n < I) & (e >= 0))
-    if PHASE != 1:  # ---- down tiles (token t, rows j*BN ..): out = sum_k w_k * round(W2_k . act_k)
-        n_down = n_tokens * down_per
-        offs_k = tl.arange(0, BK_DOWN)
-        k_steps = tl.cdiv(I, BK_DOWN)
-        if PF_DOWN:  # the first down tile's weights (contiguous rows per expert) into L2 meanwhile
-            if pid < n_down:
-                t0 = pid // down_per
-                rows = (pid % down_per) * BN_DOWN
-                lane = tl.arange(0, 16)
-                e_pf = tl.load(ids_ptr + t0 * TOP_K + lane, mask=lane < TOP_K, other=-1).to(tl.int64)
-                nbytes = (tl.minimum(H - rows, BN_DOWN) * stride_dn * ELT).to(tl.int32)
-                issued = _bulk_prefetch((w2_ptr + tl.maximum(e_pf, 0) * stride_de + rows * stride_dn).to(
-                    tl.pointer_type(tl.int8)), tl.where(e_pf >= 0, nbytes, 0))
-                tl.store(cnt_ptr + 8 + lane, issued, mask=issued != 0)   # never: keeps the asm
-        if PHASE == 0:  # every gate/up tile of every program is in
-            tl.debug_barrier()   # (this program's act stores issued before its release)
-            tl.atomic_add(cnt_ptr, 1, sem="release")
-            seen = tl.atomic_add(cnt_ptr, 0, sem="acquire")
-            while seen < NPROG:
-                seen = tl.atomic_add(cnt_ptr, 0, sem="acquire")
-        for tile in tl.range(pid, n_down, NPROG, flatten=True):
-            t = tile // down_per
-            offs_n = (tile % down_per) * BN_DOWN + tl.arange(0, BN_DOWN)
-            total = tl.zeros([16, BN_DOWN], dtype=tl.float32)
-            acc = tl.zeros([16, BN_DOWN], dtype=tl.float32)
-            for q in range(0, TOP_K * k_steps):   # entry q // k_steps, K chunk q % k_steps
-                ent = t * TOP_K + q // k_steps
-                k = (q % k_steps) * BK_DOWN
-                e = tl.load(ids_ptr + ent).to(tl.int64)
-                a = tl.load(act_ptr + ent * stride_a + k + offs_k[None, :] + tl.zeros([16, 1], dtype=tl.int64),
-                            mask=row0[:, None] & (offs_k[None, :] < I - k) & (e >= 0), other=0.0, cache_modifier=".cg")
-                b = tl.load(w2_ptr + tl.maximum(e, 0) * stride_de + offs_n.to(tl.int64)[None, :] * stride_dn
-                            + k + offs_k[:, None], mask=(offs_n[None, :] < H) & (offs_k[:, None] < I - k) & (e >= 0),
-                            other=0.0, eviction_policy="evict_first")
-                acc = _mma(a, b, acc, IEEE)
-                last = (q % k_steps) == k_steps - 1   # the entry's output, rounded, weighted, summed in order
-                w = tl.load(tw_ptr + ent)
-                total += tl.where(last, acc.to(dt).to(tl.float32) * w, 0.0)
-                acc = tl.where(last, 0.0, acc)
-            res = tl.sum(tl.where(row0[:, None], total, 0.0), axis=0)
-            tl.store(out_ptr + t * stride_o + offs_n, res.to(dt), mask=offs_n < H)
-        if PHASE == 0:  # the last program out resets the arrival counter for the next launch
-            if tl.atomic_add(cnt_ptr + 1, 1, sem="acq_rel") == NPROG - 1:
-                tl.atomic_xchg(cnt_ptr, 0)
-                tl.atomic_xchg(cnt_ptr + 1, 0)
+            if e >= 0:
+                if DOT:
+                    _up_tile_dot(x_ptr, w13_ptr, act_ptr, m, j, e, H, I, stride_x, stride_ue, stride_un, stride_a,
+                                 TOP_K, BN_UP, BK_UP, IEEE)
+                else:
+                    _up_tile_fma(x_ptr, w13_ptr, act_ptr, m, j, e, H, I, stride_x, stride_ue, stride_un, stride_a,
+                                 TOP_K, BN_UP, BK_UP)
+            tl.debug_barrier()  # every thread's stores are issued before the release
+            tl.atomic_add(cnt_ptr + m, 1, sem="release")
+        else:  # ---- down tile: y[m, j*BN .. +BN] = W2_e[rows] . act[m]
+            b = tile - n_up
+            m = b % n_entries
+            j = b // n_entries
+            e = tl.load(ids_ptr + m).to(tl.int64)
+            offs_n = j * BN_DOWN + tl.arange(0, BN_DOWN)
+            if DOT:
+                y = _down_tile_dot(w2_ptr, act_ptr, cnt_ptr, m, j, e, H, I, stride_de, stride_dn, stride_a,
+                                   up_per, BN_DOWN, BK_DOWN, PHASE, IEEE).to(dt)
+            else:
+                y = _down_tile_fma(w2_ptr, act_ptr, cnt_ptr, m, j, e, H, I, stride_de, stride_dn, stride_a,
+                                   up_per, BN_DOWN, BK_DOWN, PHASE).to(dt)
+            h_ok = offs_n < H
+            tl.store(y_ptr + m * stride_y + offs_n, y, mask=h_ok & (e >= 0))
+            tl.debug_barrier()
+            t = m // TOP_K
+            slot = cnt_ptr + 2 * SLOTS + t * down_per + j
+            if tl.atomic_add(slot, 1, sem="acq_rel") == TOP_K - 1:  # the token's last entry of this tile
+                total = tl.zeros([BN_DOWN], dtype=tl.float32)
+                for i in tl.static_range(TOP_K):
+                    e_i = tl.load(ids_ptr + t * TOP_K + i)
+                    y_i = tl.load(y_ptr + (t * TOP_K + i) * stride_y + offs_n, mask=h_ok & (e_i >= 0), other=0.0,
+                                  cache_modifier=".cg")
+                    total += y_i.to(tl.float32) * tl.load(tw_ptr + t * TOP_K + i)
+                tl.store(out_ptr + t * stride_o + offs_n, total.to(dt), mask=h_ok)
+                tl.atomic_xchg(slot, 0)
+            if tl.atomic_add(cnt_ptr + SLOTS + m, 1, sem="acq_rel") == down_per - 1:  # the entry's last down tile
+                tl.atomic_xchg(cnt_ptr + m, 0)
+                tl.atomic_xchg(cnt_ptr + SLOTS + m, 0)
     pdl_launch_dependents(USE_PDL)
+
+
+@triton.jit
+def _up_tile_fma(x_ptr, w13_ptr, act_ptr, m, j, e, H, I, stride_x, stride_ue, stride_un, stride_a,
+                 TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """act[m, j*BN .. +BN] = silu(gate) * up of entry m (expert e) with fp32 FMAs, the next K
+    chunk's loads in flight during each chunk's FMAs."""
+    dt = act_ptr.dtype.element_ty
+    offs_n = j * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    n_ok = offs_n[:, None] < I
+    g_ptrs = w13_ptr + e * stride_ue + offs_n.to(tl.int64)[:, None] * stride_un + offs_k[None, :]
+    u_ptrs = g_ptrs + I * stride_un
+    x_row = x_ptr + (m // TOP_K).to(tl.int64) * stride_x
+    acc_g = tl.zeros([BN, BK], dtype=tl.float32)
+    acc_u = tl.zeros([BN, BK], dtype=tl.float32)
+    wg = tl.load(g_ptrs, mask=n_ok & (offs_k[None, :] < H), other=0.0, eviction_policy="evict_first")
+    wu = tl.load(u_ptrs, mask=n_ok & (offs_k[None, :] < H), other=0.0, eviction_policy="evict_first")
+    for k in range(0, H, BK):
+        nk = k + BK
+        k_nx = n_ok & (offs_k[None, :] < H - nk)
+        wg_n = tl.load(g_ptrs + nk, mask=k_nx, other=0.0, eviction_policy="evict_first")
+        wu_n = tl.load(u_ptrs + nk, mask=k_nx, other=0.0, eviction_policy="evict_first")
+        xv = tl.load(x_row + k + offs_k[None, :], mask=offs_k[None, :] < H - k, other=0.0).to(tl.float32)
+        acc_g += wg.to(tl.float32) * xv
+        acc_u += wu.to(tl.float32) * xv
+        wg = wg_n
+        wu = wu_n
+    _store_act(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), act_ptr + m * stride_a + offs_n, offs_n < I, dt)
+
+
+@triton.jit
+def _store_act(g, u, ptrs, mask, dt):
+    """silu(gate) * up with the rounding steps of activation.silu_and_mul."""
+    g = g.to(dt).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(dt)
+    tl.store(ptrs, (act.to(tl.float32) * u.to(dt).to(tl.float32)).to(dt), mask=mask)
+
+
+@triton.jit
+def _up_tile_dot(x_ptr, w13_ptr, act_ptr, m, j, e, H, I, stride_x, stride_ue, stride_un, stride_a,
+                 TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+    """_up_tile_fma on tensor cores: x's row padded to 16 rows (row 0 real)."""
+    dt = act_ptr.dtype.element_ty
+    offs_n = j * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    row0 = tl.arange(0, 16) == 0
+    n_ok = offs_n[None, :] < I
+    b_ptrs = w13_ptr + e * stride_ue + offs_n.to(tl.int64)[None, :] * stride_un + offs_k[:, None]
+    a_ptrs = x_ptr + (m // TOP_K).to(tl.int64) * stride_x + offs_k[None, :] + tl.zeros([16, 1], dtype=tl.int64)
+    acc_g = tl.zeros([16, BN], dtype=tl.float32)
+    acc_u = tl.zeros([16, BN], dtype=tl.float32)
+    for k in range(0, H, BK):
+        a = tl.load(a_ptrs + k, mask=row0[:, None] & (offs_k[None, :] < H - k), other=0.0)
+        b_mask = n_ok & (offs_k[:, None] < H - k)
+        acc_g = _mma(a, tl.load(b_ptrs + k, mask=b_mask, other=0.0), acc_g, IEEE)
+        acc_u = _mma(a, tl.load(b_ptrs + k + I * stride_un, mask=b_mask, other=0.0), acc_u, IEEE)
+    g = tl.sum(tl.where(row0[:, None], acc_g, 0.0), axis=0)
+    u = tl.sum(tl.where(row0[:, None], acc_u, 0.0), axis=0)
+    _store_act(g, u, act_ptr + m * stride_a + offs_n, offs_n < I, dt)
+
+
+@triton.jit
+def _wait_entry(cnt_ptr, m, need, PHASE: tl.constexpr):
+    """PHASE 0: spin until entry m's gate/up tiles have all arrived (acquire)."""
+    if PHASE == 0:
+        seen = tl.atomic_add(cnt_ptr + m, 0, sem="acquire")
+        while seen < need:
+            seen = tl.atomic_add(cnt_ptr + m, 0, sem="acquire")
+
+
+@triton.jit
+def _down_tile_fma(w2_ptr, act_ptr, cnt_ptr, m, j, e, H, I, stride_de, stride_dn, stride_a, need,
+                   BN: tl.constexpr, BK: tl.constexpr, PHASE: tl.constexpr):
+    """fp32 [BN]: rows j*BN .. of W2_e times act[m]; the first weight chunk loads before the
+    wait for the entry's activation (the weights do not depend on it)."""
+    offs_n = j * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    n_ok = (offs_n[:, None] < H) & (e >= 0)
+    w_ptrs = w2_ptr + tl.maximum(e, 0) * stride_de + offs_n.to(tl.int64)[:, None] * stride_dn + offs_k[None, :]
+    w = tl.load(w_ptrs, mask=n_ok & (offs_k[None, :] < I), other=0.0, eviction_policy="evict_first")
+    _wait_entry(cnt_ptr, m, need, PHASE)
+    a_row = act_ptr + m * stride_a
+    acc = tl.zeros([BN, BK], dtype=tl.float32)
+    for k in range(0, I, BK):
+        nk = k + BK
+        w_n = tl.load(w_ptrs + nk, mask=n_ok & (offs_k[None, :] < I - nk), other=0.0, eviction_policy="evict_first")
+        av = tl.load(a_row + k + offs_k[None, :], mask=(offs_k[None, :] < I - k) & (e >= 0), other=0.0,
+                     cache_modifier=".cg").to(tl.float32)
+        acc += w.to(tl.float32) * av
+        w = w_n
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _down_tile_dot(w2_ptr, act_ptr, cnt_ptr, m, j, e, H, I, stride_de, stride_dn, stride_a, need,
+                   BN: tl.constexpr, BK: tl.constexpr, PHASE: tl.constexpr, IEEE: tl.constexpr):
+    """_down_tile_fma on tensor cores (the activation row padded to 16 rows); waits first."""
+    _wait_entry(cnt_ptr, m, need, PHASE)
+    offs_n = j * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    row0 = tl.arange(0, 16) == 0
+    n_ok = (offs_n[None, :] < H) & (e >= 0)
+    b_ptrs = w2_ptr + tl.maximum(e, 0) * stride_de + offs_n.to(tl.int64)[None, :] * stride_dn + offs_k[:, None]
+    a_ptrs = act_ptr + m * stride_a + offs_k[None, :] + tl.zeros([16, 1], dtype=tl.int64)
+    acc = tl.zeros([16, BN], dtype=tl.float32)
+    for k in range(0, I, BK):
+        a = tl.load(a_ptrs + k, mask=row0[:, None] & (offs_k[None, :] < I - k) & (e >= 0), other=0.0,
+                    cache_modifier=".cg")
+        acc = _mma(a, tl.load(b_ptrs + k, mask=n_ok & (offs_k[:, None] < I - k), other=0.0), acc, IEEE)
+    return tl.sum(tl.where(row0[:, None], acc, 0.0), axis=0)
 
 
 def persistent_config(tokens: int, top_k: int, hidden: int, inter: int, dtype: torch.dtype,
                       config: Optional[dict] = None) -> dict:
-    """Tiles: 16 gate rows (and the 16 matching up rows) and 16 down rows per tile, K chunks
-    of 256 bytes, 4 warps, 4 pipeline stages, up to two programs per SM; ``config`` overrides."""
-    cfg = dict(BLOCK_N_UP=16, BLOCK_K_UP=min(256 // dtype.itemsize, max(16, next_pow2(hidden))),
-               BLOCK_N_DOWN=16, BLOCK_K_DOWN=min(256 // dtype.itemsize, max(16, next_pow2(inter))), PER_SM=2,
-               PF_DOWN=True, num_warps=4, num_stages=4)
+    """Tiles: 16 gate rows (and the 16 matching up rows) and 16 down rows, K chunks of 512
+    bytes (register double-buffered), 8 warps, one program per SM; ``config`` overrides."""
+    cfg = dict(BLOCK_N_UP=16, BLOCK_K_UP=min(512 // dtype.itemsize, next_pow2(hidden)),
+               BLOCK_N_DOWN=16, BLOCK_K_DOWN=min(512 // dtype.itemsize, next_pow2(inter)), PER_SM=1, DOT=False,
+               num_warps=8, num_stages=3)
     unknown = set(config or {}) - set(CONFIG_KEYS)
     if unknown:
         raise KeyError(f"unknown persistent-moe config keys {sorted(unknown)}; expected {CONFIG_KEYS}")
@@ -144,10 +244,8 @@ def persistent_config(tokens: int, top_k: int, hidden: int, inter: int, dtype: t
 
 
 @functools.lru_cache(maxsize=None)
-def _counters(device: torch.device) -> torch.Tensor:
-    """[0] programs whose gate/up tiles are in, [1] programs done (the launch leaves both 0),
-    [8:24] the prefetch's never-taken store."""
-    return torch.zeros(32, dtype=torch.int32, device=device)
+def _counters(device: torch.device, numel: int) -> torch.Tensor:
+    return torch.zeros(numel, dtype=torch.int32, device=device)
 
 
 _RESIDENT: dict = {}   # (config key) -> programs per SM the compiled kernel allows
@@ -170,8 +268,8 @@ def fused_moe_persistent_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Te
                                 phases: Optional[bool] = None) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk weights / ids [T, K] (T * K <=
     PERSISTENT_MAX_ENTRIES; ids < 0 are skipped) -> [T, H] in x's dtype, the numerics of
-    ``moe.reference_fused_moe``. ``phases``: True runs the gate/up and the down loop as two
-    launches of the same kernel (no spinning; the default under the interpreter)."""
+    ``moe.reference_fused_moe``. ``phases``: True runs gate/up and down as two launches of the
+    same kernel (no spinning; the default under the interpreter)."""
     T, H = x.shape
     E, two_i, _ = w13.shape
     inter = two_i // 2
@@ -198,18 +296,19 @@ def fused_moe_persistent_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Te
     ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
-    cnt = _counters(x.device)
-    tiles = max(n * triton.cdiv(inter, cfg["BLOCK_N_UP"]), T * triton.cdiv(H, cfg["BLOCK_N_DOWN"]))
+    y = torch.empty(n, H, dtype=x.dtype, device=x.device)
+    down_per = triton.cdiv(H, cfg["BLOCK_N_DOWN"])
+    cnt = _counters(x.device, next_pow2(2 * _ENTRY_SLOTS + PERSISTENT_MAX_ENTRIES * down_per))
+    tiles = n * (triton.cdiv(inter, cfg["BLOCK_N_UP"]) + down_per)
     key = (cfg["BLOCK_N_UP"], cfg["BLOCK_K_UP"], cfg["BLOCK_N_DOWN"], cfg["BLOCK_K_DOWN"], cfg["num_warps"],
-           cfg["num_stages"], x.dtype, x.device)
+           bool(cfg["DOT"]), cfg["num_stages"], x.dtype, x.device)
     per_sm = min(int(cfg["PER_SM"]), _RESIDENT.get(key, 1))
     programs = max(1, min(tiles, device_sms(x) * per_sm)) if x.is_cuda else min(tiles, 8)
-    pf = bool(cfg["PF_DOWN"]) and not phases and l2_prefetchable(w2, w2.stride(1) * w2.element_size())
     pdl = pdl_enabled(x)
-    args = (x, w13, w2, ids, tw, act, out, cnt, H, inter, n, T, x.stride(0), w13.stride(0), w13.stride(1),
-            w2.stride(0), w2.stride(1), act.stride(0), out.stride(0))
+    args = (x, w13, w2, ids, tw, act, y, out, cnt, H, inter, n, x.stride(0), w13.stride(0), w13.stride(1),
+            w2.stride(0), w2.stride(1), act.stride(0), y.stride(0), out.stride(0))
     kw = dict(TOP_K=K, BN_UP=cfg["BLOCK_N_UP"], BK_UP=cfg["BLOCK_K_UP"], BN_DOWN=cfg["BLOCK_N_DOWN"],
-              BK_DOWN=cfg["BLOCK_K_DOWN"], NPROG=programs, PF_DOWN=pf, IEEE=x.dtype == torch.float32, ELT=x.element_size(),
+              BK_DOWN=cfg["BLOCK_K_DOWN"], SLOTS=_ENTRY_SLOTS, DOT=bool(cfg["DOT"]), IEEE=x.dtype == torch.float32,
               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if phases:
         for phase in (1, 2):

@@ -9,7 +9,9 @@ from blitzllm.kernels import moe  # noqa: E402
 from blitzllm.kernels.fused_moe import (  # noqa: E402
     fused_moe_triton, moe_align_block_size, moe_config)
 from blitzllm.kernels.moe_persistent import (  # noqa: E402
-    _counters as persistent_slots, fused_moe_persistent_triton, persistent_config)
+    _ENTRY_SLOTS, PERSISTENT_MAX_ENTRIES, _counters as persistent_slots, fused_moe_persistent_triton,
+    persistent_config)
+from blitzllm.kernels._common import next_pow2  # noqa: E402
 from blitzllm.kernels.moe import (  # noqa: E402
     reference_fused_moe, reference_router_gemm, reference_select_experts, router_config,
     router_gemm_triton, select_experts_triton)
@@ -514,7 +516,7 @@ def test_fused_moe_direct(t, e, k, h, inter, cfg, dtype, device):
     out = fused_moe_triton(x, w13, w2, w, dropped, config=MOE_CONFIGS[cfg], direct=True, dropped_ids=True)
     close(out, reference_fused_moe(x, w13, w2, w, dropped, dropped_ids=True), TOL[dtype])
     assert not out[0].any()
-    from blitzllm.kernels._common import device_sms, next_pow2
+    from blitzllm.kernels._common import device_sms
     down = fm.moe_config(t, k, e, h, inter, dtype, device_sms(x), MOE_CONFIGS[cfg])[1]
     cnt = fm._counters(x.device, next_pow2(t * math.ceil(h / down["BLOCK_N"])))
     assert not cnt.any()  # the launches' own counters, left at 0
@@ -569,9 +571,13 @@ def test_decode_env_config_reaches_direct_launches_only(device, monkeypatch):
 # ---- the persistent one-launch decode kernel (kernels/moe_persistent.py): under the
 # interpreter as its two phase launches, on a GPU (marked) as the single spinning launch
 
-PERSISTENT_CONFIGS = {  # ragged tiles; chunks dividing H and I
-    "k32": {"BLOCK_N_UP": 16, "BLOCK_K_UP": 32, "BLOCK_N_DOWN": 16, "BLOCK_K_DOWN": 32, "num_warps": 4},
-    "k16-n32": {"BLOCK_N_UP": 32, "BLOCK_K_UP": 16, "BLOCK_N_DOWN": 32, "BLOCK_K_DOWN": 16, "num_warps": 4}}
+PERSISTENT_SMALL = {"BLOCK_N_UP": 16, "BLOCK_K_UP": 32, "BLOCK_N_DOWN": 16, "BLOCK_K_DOWN": 16, "num_warps": 4}
+PERSISTENT_CONFIGS = {"fma": PERSISTENT_SMALL, "dot": dict(PERSISTENT_SMALL, DOT=True)}
+
+
+def persistent_counters(h, dtype, device, cfg):
+    down_per = -(-h // persistent_config(1, 1, h, 1, dtype, cfg)["BLOCK_N_DOWN"])
+    return persistent_slots(torch.device(device), next_pow2(2 * _ENTRY_SLOTS + PERSISTENT_MAX_ENTRIES * down_per))
 
 
 @pytest.mark.parametrize("cfg", list(PERSISTENT_CONFIGS))
@@ -579,9 +585,10 @@ PERSISTENT_CONFIGS = {  # ragged tiles; chunks dividing H and I
 @pytest.mark.parametrize("t,e,k,h,inter", [(1, 8, 2, 64, 40), (2, 10, 3, 48, 24), (1, 6, 6, 96, 72),
                                            (2, 8, 8, 64, 40)])
 def test_persistent_moe_matches_reference(t, e, k, h, inter, dtype, cfg, device):
-    """Ragged H / I against the tiles (40 and 24 rows against 16 / 32-row tiles, K chunks of
-    16 / 32 over 48-96 / 24-72), all experts of a token chosen, two tokens, twice in a row,
-    and dropped ids (a token with none of its experts here)."""
+    """Ragged H / I against the tiles (40 and 24 rows against 16-row tiles, K chunks of 32 / 16
+    over 48-96 / 24-72), all experts of a token chosen, two tokens, twice in a row (the
+    counters reset themselves), and dropped ids (a token with none of its experts here);
+    FMA and tensor-core tiles."""
     cfg = PERSISTENT_CONFIGS[cfg]
     x, w13, w2, weights, ids = moe_inputs(t, e, k, h, inter, dtype, device, seed=t + 5 * k)
     want = reference_fused_moe(x, w13, w2, weights, ids)
@@ -595,7 +602,7 @@ def test_persistent_moe_matches_reference(t, e, k, h, inter, dtype, cfg, device)
     out = fused_moe_persistent_triton(x, w13, w2, w, dropped, config=cfg)
     close(out, reference_fused_moe(x, w13, w2, w, dropped, dropped_ids=True), TOL[dtype])
     assert not out[0].any()
-    assert not persistent_slots(torch.device(device)).any()   # left at 0 for the next launch / replay
+    assert not persistent_counters(h, dtype, device, cfg).any()   # left at 0 for the next launch / replay
 
 
 def test_persistent_moe_rejects_large_batches(device):
@@ -609,16 +616,15 @@ def test_persistent_moe_rejects_large_batches(device):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("t", [1, 2])
-@pytest.mark.parametrize("pf", [False, True])
-def test_gpu_persistent_moe_single_launch(t, pf):
+@pytest.mark.parametrize("dot", [False, True])
+def test_gpu_persistent_moe_single_launch(t, dot):
     """The spinning single launch (down tiles wait for their entry's gate/up tiles) at
     Qwen3-30B-A3B sizes: the reference's result, bitwise the two-phase launches', for many
-    launches in a row (the resident-programs check lets the second run two per SM) and inside a
-    CUDA graph replayed with new routings; with and without the down-weight L2 prefetch."""
+    launches in a row and inside a CUDA graph replayed with new routings."""
     dt = torch.bfloat16
     x, w13, w2, weights, ids = moe_inputs(t, 128, 8, 2048, 768, dt, "cuda", seed=t)
     want = reference_fused_moe(x, w13, w2, weights, ids)
-    cfg = {"PF_DOWN": pf, "PER_SM": 2}
+    cfg = {"DOT": dot, "PER_SM": 2}
     two = fused_moe_persistent_triton(x, w13, w2, weights, ids, phases=True, config=cfg)
     for _ in range(20):
         got = fused_moe_persistent_triton(x, w13, w2, weights, ids, phases=False, config=cfg)
@@ -636,7 +642,7 @@ def test_gpu_persistent_moe_single_launch(t, pf):
         g.replay()
         torch.cuda.synchronize()
         close(out, reference_fused_moe(x, w13, w2, w_new, ids_new), 2e-2)
-    assert not persistent_slots(torch.device("cuda")).any()
+    assert not persistent_counters(2048, dt, "cuda", cfg).any()
 
 
 def test_direct_path_dispatches_to_persistent_when_enabled(device, monkeypatch):
