@@ -155,18 +155,15 @@ def run(args):
             del ws
         # the persistent one-launch kernel (kernels/moe_persistent.py) over the same calls
         from blitzllm.kernels.moe import reference_fused_moe
-        from blitzllm.kernels.moe_persistent import _RESIDENT, fused_moe_persistent_triton
+        from blitzllm.kernels.moe_persistent import fused_moe_persistent_triton
         want = reference_fused_moe(calls[0][0], w13, w2, calls[0][2].view(t, k), calls[0][1].view(t, k))
         pvars = [("default", None)]
         if not args.smoke:
-            pvars += [(f"{'dot' if d else 'fma'} n{bu}/{bd} k{ku}/{kd} w{w} s{st} x{ps}",
-                       dict(BLOCK_N_UP=bu, BLOCK_N_DOWN=bd, BLOCK_K_UP=ku, BLOCK_K_DOWN=kd, num_warps=w, PER_SM=ps,
-                            DOT=bool(d), num_stages=st))
-                      for d, bu, bd, ku, kd, w, st, ps in json.loads(os.environ.get("PERSIST_VARIANTS", "null") or "null")
-                      or ((0, 16, 16, 256, 256, 8, 1, 2), (0, 16, 16, 256, 256, 4, 1, 4), (0, 8, 16, 512, 256, 4, 1, 4),
-                          (0, 8, 8, 256, 256, 4, 1, 6), (0, 16, 16, 128, 128, 2, 1, 8),
-                          (1, 64, 64, 128, 128, 4, 4, 1), (1, 32, 64, 128, 128, 4, 4, 1), (1, 32, 32, 128, 128, 4, 4, 2),
-                          (1, 16, 32, 128, 128, 4, 4, 3), (1, 16, 16, 128, 128, 4, 3, 4), (1, 32, 32, 256, 128, 4, 3, 2))]
+            pvars += [(f"n{bu}/{bd} k{ku}/{kd} w{w} x{ps}", dict(BLOCK_N_UP=bu, BLOCK_N_DOWN=bd, BLOCK_K_UP=ku,
+                                                                 BLOCK_K_DOWN=kd, num_warps=w, PER_SM=ps))
+                      for bu, bd, ku, kd, w, ps in ((16, 16, 256, 256, 8, 2), (8, 16, 256, 256, 8, 1),
+                                                    (16, 32, 256, 256, 8, 1), (16, 16, 512, 512, 4, 2),
+                                                    (32, 32, 128, 128, 8, 1), (16, 16, 128, 128, 4, 2))]
         for name, pcfg in pvars:
             rec = dict(model=model, T=t, launch="persist", variant=name, config=pcfg)
 
@@ -178,14 +175,13 @@ def run(args):
                 if not args.smoke:
                     pf(calls[0])  # a second call: the resident-programs check of the compiled kernel is in
                     rec["us"] = gemv_bench.time_graph(pf, calls, torch)
-                    rec["per_sm"] = {str(k[:5]): v for k, v in _RESIDENT.items()}
                     rec["gbps"] = chosen * 3 * inter * h * 2 / rec["us"] / 1e3
             except Exception as ex:
                 rec["error"] = f"{type(ex).__name__}: {str(ex)[:160]}"
             results.append(rec)
             print(f"{model:14s}persist {name:22s}" + (f"ERROR {rec['error']}" if "error" in rec else
-                  f"err {rec['err']:.1e}" + (f"  {rec['us']:7.2f} us {rec['gbps']:6.0f} GB/s" if "us" in rec else "")
-                  + (f"  resident/SM {sorted(set(rec['per_sm'].values()))}" if rec.get("per_sm") else "")), flush=True)
+                  f"err {rec['err']:.1e}" + (f"  {rec['us']:7.2f} us {rec['gbps']:6.0f} GB/s" if "us" in rec else "")),
+                  flush=True)
         w13 = w2 = None  # free the experts before the next model
         if not args.smoke:
             torch.cuda.empty_cache()

@@ -33,17 +33,13 @@ from typing import Optional
 import torch
 
 from ._common import device_sms, next_pow2, pdl_enabled, pdl_launch_dependents, pdl_launch_kwargs, pdl_wait, tl, triton
-from .fused_moe import _mma
 
 # BLITZ_MOE_PERSISTENT=1: decode batches of up to PERSISTENT_MAX_ENTRIES (token, k) entries run
 # the routed experts as this one persistent launch instead of the direct path's two.
 MOE_PERSISTENT = os.environ.get("BLITZ_MOE_PERSISTENT", "0") == "1"
 PERSISTENT_MAX_ENTRIES = 16
 _ENTRY_SLOTS = 16   # counters per entry kind (gate/up done, down done)
-# BLITZ_MOE_PERSISTENT_CONFIG='{"DOT": true, "BLOCK_N_UP": 32, ...}': the tiles of calls that pass
-# no config (A/B runs)
-_ENV_CONFIG = os.environ.get("BLITZ_MOE_PERSISTENT_CONFIG")
-CONFIG_KEYS = ("BLOCK_N_UP", "BLOCK_K_UP", "BLOCK_N_DOWN", "BLOCK_K_DOWN", "PER_SM", "DOT", "num_warps", "num_stages")
+CONFIG_KEYS = ("BLOCK_N_UP", "BLOCK_K_UP", "BLOCK_N_DOWN", "BLOCK_K_DOWN", "PER_SM", "num_warps")
 
 
 @triton.jit
@@ -52,12 +48,9 @@ def _moe_persistent_kernel(x_ptr, w13_ptr, w2_ptr, ids_ptr, tw_ptr, act_ptr, y_p
                            stride_a, stride_y, stride_o,
                            TOP_K: tl.constexpr, BN_UP: tl.constexpr, BK_UP: tl.constexpr,
                            BN_DOWN: tl.constexpr, BK_DOWN: tl.constexpr, PHASE: tl.constexpr,
-                           USE_PDL: tl.constexpr, SLOTS: tl.constexpr, DOT: tl.constexpr = False,
-                           IEEE: tl.constexpr = False):
+                           USE_PDL: tl.constexpr, SLOTS: tl.constexpr):
     """PHASE 0: all tiles, down tiles wait for their entry's gate/up tiles (GPU, one launch);
-    1: gate/up tiles only; 2: down tiles only (the interpreter: two launches, no waiting).
-    DOT: the tiles multiply on tensor cores (the entry's row padded to 16, W through shared
-    memory in the compiler's num_stages pipeline) instead of register-prefetched FMAs."""
+    1: gate/up tiles only; 2: down tiles only (the interpreter: two launches, no waiting)."""
     pdl_wait(USE_PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -78,12 +71,30 @@ def _moe_persistent_kernel(x_ptr, w13_ptr, w2_ptr, ids_ptr, tw_ptr, act_ptr, y_p
             j = tile // n_entries
             e = tl.load(ids_ptr + m).to(tl.int64)
             if e >= 0:
-                if DOT:
-                    _up_tile_dot(x_ptr, w13_ptr, act_ptr, m, j, e, H, I, stride_x, stride_ue, stride_un, stride_a,
-                                 TOP_K, BN_UP, BK_UP, IEEE)
-                else:
-                    _up_tile_fma(x_ptr, w13_ptr, act_ptr, m, j, e, H, I, stride_x, stride_ue, stride_un, stride_a,
-                                 TOP_K, BN_UP, BK_UP)
+                offs_n = j * BN_UP + tl.arange(0, BN_UP)
+                offs_k = tl.arange(0, BK_UP)
+                n_ok = offs_n[:, None] < I
+                g_ptrs = w13_ptr + e * stride_ue + offs_n.to(tl.int64)[:, None] * stride_un + offs_k[None, :]
+                u_ptrs = g_ptrs + I * stride_un
+                x_row = x_ptr + (m // TOP_K).to(tl.int64) * stride_x
+                acc_g = tl.zeros([BN_UP, BK_UP], dtype=tl.float32)
+                acc_u = tl.zeros([BN_UP, BK_UP], dtype=tl.float32)
+                wg = tl.load(g_ptrs, mask=n_ok & (offs_k[None, :] < H), other=0.0, eviction_policy="evict_first")
+                wu = tl.load(u_ptrs, mask=n_ok & (offs_k[None, :] < H), other=0.0, eviction_policy="evict_first")
+                for k in range(0, H, BK_UP):  # the next chunk's loads in flight during these FMAs
+                    nk = k + BK_UP
+                    k_nx = n_ok & (offs_k[None, :] < H - nk)
+                    wg_n = tl.load(g_ptrs + nk, mask=k_nx, other=0.0, eviction_policy="evict_first")
+                    wu_n = tl.load(u_ptrs + nk, mask=k_nx, other=0.0, eviction_policy="evict_first")
+                    xv = tl.load(x_row + k + offs_k[None, :], mask=offs_k[None, :] < H - k, other=0.0).to(tl.float32)
+                    acc_g += wg.to(tl.float32) * xv
+                    acc_u += wu.to(tl.float32) * xv
+                    wg = wg_n
+                    wu = wu_n
+                g = tl.sum(acc_g, axis=1).to(dt).to(tl.float32)
+                act = (g / (1.0 + tl.exp(-g))).to(dt)
+                res = (act.to(tl.float32) * tl.sum(acc_u, axis=1).to(dt).to(tl.float32)).to(dt)
+                tl.store(act_ptr + m * stride_a + offs_n, res, mask=offs_n < I)
             tl.debug_barrier()  # every thread's stores are issued before the release
             tl.atomic_add(cnt_ptr + m, 1, sem="release")
         else:  # ---- down tile: y[m, j*BN .. +BN] = W2_e[rows] . act[m]
@@ -92,12 +103,26 @@ def _moe_persistent_kernel(x_ptr, w13_ptr, w2_ptr, ids_ptr, tw_ptr, act_ptr, y_p
             j = b // n_entries
             e = tl.load(ids_ptr + m).to(tl.int64)
             offs_n = j * BN_DOWN + tl.arange(0, BN_DOWN)
-            if DOT:
-                y = _down_tile_dot(w2_ptr, act_ptr, cnt_ptr, m, j, e, H, I, stride_de, stride_dn, stride_a,
-                                   up_per, BN_DOWN, BK_DOWN, PHASE, IEEE).to(dt)
-            else:
-                y = _down_tile_fma(w2_ptr, act_ptr, cnt_ptr, m, j, e, H, I, stride_de, stride_dn, stride_a,
-                                   up_per, BN_DOWN, BK_DOWN, PHASE).to(dt)
+            offs_k = tl.arange(0, BK_DOWN)
+            n_ok = (offs_n[:, None] < H) & (e >= 0)
+            w_ptrs = w2_ptr + tl.maximum(e, 0) * stride_de + offs_n.to(tl.int64)[:, None] * stride_dn + offs_k[None, :]
+            # the weights do not depend on the gate/up tiles: the first chunk loads before the wait
+            w = tl.load(w_ptrs, mask=n_ok & (offs_k[None, :] < I), other=0.0, eviction_policy="evict_first")
+            if PHASE == 0:
+                seen = tl.atomic_add(cnt_ptr + m, 0, sem="acquire")
+                while seen < up_per:
+                    seen = tl.atomic_add(cnt_ptr + m, 0, sem="acquire")
+            a_row = act_ptr + m * stride_a
+            acc = tl.zeros([BN_DOWN, BK_DOWN], dtype=tl.float32)
+            for k in range(0, I, BK_DOWN):
+                nk = k + BK_DOWN
+                w_n = tl.load(w_ptrs + nk, mask=n_ok & (offs_k[None, :] < I - nk), other=0.0,
+                              eviction_policy="evict_first")
+                av = tl.load(a_row + k + offs_k[None, :], mask=(offs_k[None, :] < I - k) & (e >= 0), other=0.0,
+                             cache_modifier=".cg").to(tl.float32)
+                acc += w.to(tl.float32) * av
+                w = w_n
+            y = tl.sum(acc, axis=1).to(dt)
             h_ok = offs_n < H
             tl.store(y_ptr + m * stride_y + offs_n, y, mask=h_ok & (e >= 0))
             tl.debug_barrier()
@@ -118,124 +143,12 @@ def _moe_persistent_kernel(x_ptr, w13_ptr, w2_ptr, ids_ptr, tw_ptr, act_ptr, y_p
     pdl_launch_dependents(USE_PDL)
 
 
-@triton.jit
-def _up_tile_fma(x_ptr, w13_ptr, act_ptr, m, j, e, H, I, stride_x, stride_ue, stride_un, stride_a,
-                 TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """act[m, j*BN .. +BN] = silu(gate) * up of entry m (expert e) with fp32 FMAs, the next K
-    chunk's loads in flight during each chunk's FMAs."""
-    dt = act_ptr.dtype.element_ty
-    offs_n = j * BN + tl.arange(0, BN)
-    offs_k = tl.arange(0, BK)
-    n_ok = offs_n[:, None] < I
-    g_ptrs = w13_ptr + e * stride_ue + offs_n.to(tl.int64)[:, None] * stride_un + offs_k[None, :]
-    u_ptrs = g_ptrs + I * stride_un
-    x_row = x_ptr + (m // TOP_K).to(tl.int64) * stride_x
-    acc_g = tl.zeros([BN, BK], dtype=tl.float32)
-    acc_u = tl.zeros([BN, BK], dtype=tl.float32)
-    wg = tl.load(g_ptrs, mask=n_ok & (offs_k[None, :] < H), other=0.0, eviction_policy="evict_first")
-    wu = tl.load(u_ptrs, mask=n_ok & (offs_k[None, :] < H), other=0.0, eviction_policy="evict_first")
-    for k in range(0, H, BK):
-        nk = k + BK
-        k_nx = n_ok & (offs_k[None, :] < H - nk)
-        wg_n = tl.load(g_ptrs + nk, mask=k_nx, other=0.0, eviction_policy="evict_first")
-        wu_n = tl.load(u_ptrs + nk, mask=k_nx, other=0.0, eviction_policy="evict_first")
-        xv = tl.load(x_row + k + offs_k[None, :], mask=offs_k[None, :] < H - k, other=0.0).to(tl.float32)
-        acc_g += wg.to(tl.float32) * xv
-        acc_u += wu.to(tl.float32) * xv
-        wg = wg_n
-        wu = wu_n
-    _store_act(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), act_ptr + m * stride_a + offs_n, offs_n < I, dt)
-
-
-@triton.jit
-def _store_act(g, u, ptrs, mask, dt):
-    """silu(gate) * up with the rounding steps of activation.silu_and_mul."""
-    g = g.to(dt).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(dt)
-    tl.store(ptrs, (act.to(tl.float32) * u.to(dt).to(tl.float32)).to(dt), mask=mask)
-
-
-@triton.jit
-def _up_tile_dot(x_ptr, w13_ptr, act_ptr, m, j, e, H, I, stride_x, stride_ue, stride_un, stride_a,
-                 TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
-    """_up_tile_fma on tensor cores: x's row padded to 16 rows (row 0 real)."""
-    dt = act_ptr.dtype.element_ty
-    offs_n = j * BN + tl.arange(0, BN)
-    offs_k = tl.arange(0, BK)
-    row0 = tl.arange(0, 16) == 0
-    n_ok = offs_n[None, :] < I
-    b_ptrs = w13_ptr + e * stride_ue + offs_n.to(tl.int64)[None, :] * stride_un + offs_k[:, None]
-    a_ptrs = x_ptr + (m // TOP_K).to(tl.int64) * stride_x + offs_k[None, :] + tl.zeros([16, 1], dtype=tl.int64)
-    acc_g = tl.zeros([16, BN], dtype=tl.float32)
-    acc_u = tl.zeros([16, BN], dtype=tl.float32)
-    for k in range(0, H, BK):
-        a = tl.load(a_ptrs + k, mask=row0[:, None] & (offs_k[None, :] < H - k), other=0.0)
-        b_mask = n_ok & (offs_k[:, None] < H - k)
-        acc_g = _mma(a, tl.load(b_ptrs + k, mask=b_mask, other=0.0), acc_g, IEEE)
-        acc_u = _mma(a, tl.load(b_ptrs + k + I * stride_un, mask=b_mask, other=0.0), acc_u, IEEE)
-    g = tl.sum(tl.where(row0[:, None], acc_g, 0.0), axis=0)
-    u = tl.sum(tl.where(row0[:, None], acc_u, 0.0), axis=0)
-    _store_act(g, u, act_ptr + m * stride_a + offs_n, offs_n < I, dt)
-
-
-@triton.jit
-def _wait_entry(cnt_ptr, m, need, PHASE: tl.constexpr):
-    """PHASE 0: spin until entry m's gate/up tiles have all arrived (acquire)."""
-    if PHASE == 0:
-        seen = tl.atomic_add(cnt_ptr + m, 0, sem="acquire")
-        while seen < need:
-            seen = tl.atomic_add(cnt_ptr + m, 0, sem="acquire")
-
-
-@triton.jit
-def _down_tile_fma(w2_ptr, act_ptr, cnt_ptr, m, j, e, H, I, stride_de, stride_dn, stride_a, need,
-                   BN: tl.constexpr, BK: tl.constexpr, PHASE: tl.constexpr):
-    """fp32 [BN]: rows j*BN .. of W2_e times act[m]; the first weight chunk loads before the
-    wait for the entry's activation (the weights do not depend on it)."""
-    offs_n = j * BN + tl.arange(0, BN)
-    offs_k = tl.arange(0, BK)
-    n_ok = (offs_n[:, None] < H) & (e >= 0)
-    w_ptrs = w2_ptr + tl.maximum(e, 0) * stride_de + offs_n.to(tl.int64)[:, None] * stride_dn + offs_k[None, :]
-    w = tl.load(w_ptrs, mask=n_ok & (offs_k[None, :] < I), other=0.0, eviction_policy="evict_first")
-    _wait_entry(cnt_ptr, m, need, PHASE)
-    a_row = act_ptr + m * stride_a
-    acc = tl.zeros([BN, BK], dtype=tl.float32)
-    for k in range(0, I, BK):
-        nk = k + BK
-        w_n = tl.load(w_ptrs + nk, mask=n_ok & (offs_k[None, :] < I - nk), other=0.0, eviction_policy="evict_first")
-        av = tl.load(a_row + k + offs_k[None, :], mask=(offs_k[None, :] < I - k) & (e >= 0), other=0.0,
-                     cache_modifier=".cg").to(tl.float32)
-        acc += w.to(tl.float32) * av
-        w = w_n
-    return tl.sum(acc, axis=1)
-
-
-@triton.jit
-def _down_tile_dot(w2_ptr, act_ptr, cnt_ptr, m, j, e, H, I, stride_de, stride_dn, stride_a, need,
-                   BN: tl.constexpr, BK: tl.constexpr, PHASE: tl.constexpr, IEEE: tl.constexpr):
-    """_down_tile_fma on tensor cores (the activation row padded to 16 rows); waits first."""
-    _wait_entry(cnt_ptr, m, need, PHASE)
-    offs_n = j * BN + tl.arange(0, BN)
-    offs_k = tl.arange(0, BK)
-    row0 = tl.arange(0, 16) == 0
-    n_ok = (offs_n[None, :] < H) & (e >= 0)
-    b_ptrs = w2_ptr + tl.maximum(e, 0) * stride_de + offs_n.to(tl.int64)[None, :] * stride_dn + offs_k[:, None]
-    a_ptrs = act_ptr + m * stride_a + offs_k[None, :] + tl.zeros([16, 1], dtype=tl.int64)
-    acc = tl.zeros([16, BN], dtype=tl.float32)
-    for k in range(0, I, BK):
-        a = tl.load(a_ptrs + k, mask=row0[:, None] & (offs_k[None, :] < I - k) & (e >= 0), other=0.0,
-                    cache_modifier=".cg")
-        acc = _mma(a, tl.load(b_ptrs + k, mask=n_ok & (offs_k[:, None] < I - k), other=0.0), acc, IEEE)
-    return tl.sum(tl.where(row0[:, None], acc, 0.0), axis=0)
-
-
 def persistent_config(tokens: int, top_k: int, hidden: int, inter: int, dtype: torch.dtype,
                       config: Optional[dict] = None) -> dict:
     """Tiles: 16 gate rows (and the 16 matching up rows) and 16 down rows, K chunks of 512
     bytes (register double-buffered), 8 warps, one program per SM; ``config`` overrides."""
     cfg = dict(BLOCK_N_UP=16, BLOCK_K_UP=min(512 // dtype.itemsize, next_pow2(hidden)),
-               BLOCK_N_DOWN=16, BLOCK_K_DOWN=min(512 // dtype.itemsize, next_pow2(inter)), PER_SM=1, DOT=False,
-               num_warps=8, num_stages=3)
+               BLOCK_N_DOWN=16, BLOCK_K_DOWN=min(512 // dtype.itemsize, next_pow2(inter)), PER_SM=1, num_warps=8)
     unknown = set(config or {}) - set(CONFIG_KEYS)
     if unknown:
         raise KeyError(f"unknown persistent-moe config keys {sorted(unknown)}; expected {CONFIG_KEYS}")
@@ -289,9 +202,6 @@ def fused_moe_persistent_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Te
         return out.zero_()
     if phases is None:
         phases = os.environ.get("TRITON_INTERPRET", "0") == "1" or not x.is_cuda
-    if config is None and _ENV_CONFIG:
-        import json
-        config = json.loads(_ENV_CONFIG)
     cfg = persistent_config(T, K, H, inter, x.dtype, config)
     ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
@@ -301,15 +211,14 @@ def fused_moe_persistent_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Te
     cnt = _counters(x.device, next_pow2(2 * _ENTRY_SLOTS + PERSISTENT_MAX_ENTRIES * down_per))
     tiles = n * (triton.cdiv(inter, cfg["BLOCK_N_UP"]) + down_per)
     key = (cfg["BLOCK_N_UP"], cfg["BLOCK_K_UP"], cfg["BLOCK_N_DOWN"], cfg["BLOCK_K_DOWN"], cfg["num_warps"],
-           bool(cfg["DOT"]), cfg["num_stages"], x.dtype, x.device)
+           x.dtype, x.device)
     per_sm = min(int(cfg["PER_SM"]), _RESIDENT.get(key, 1))
     programs = max(1, min(tiles, device_sms(x) * per_sm)) if x.is_cuda else min(tiles, 8)
     pdl = pdl_enabled(x)
     args = (x, w13, w2, ids, tw, act, y, out, cnt, H, inter, n, x.stride(0), w13.stride(0), w13.stride(1),
             w2.stride(0), w2.stride(1), act.stride(0), y.stride(0), out.stride(0))
     kw = dict(TOP_K=K, BN_UP=cfg["BLOCK_N_UP"], BK_UP=cfg["BLOCK_K_UP"], BN_DOWN=cfg["BLOCK_N_DOWN"],
-              BK_DOWN=cfg["BLOCK_K_DOWN"], SLOTS=_ENTRY_SLOTS, DOT=bool(cfg["DOT"]), IEEE=x.dtype == torch.float32,
-              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+              BK_DOWN=cfg["BLOCK_K_DOWN"], SLOTS=_ENTRY_SLOTS, num_warps=cfg["num_warps"])
     if phases:
         for phase in (1, 2):
             _moe_persistent_kernel[(programs,)](*args, PHASE=phase, USE_PDL=pdl, **kw, **pdl_launch_kwargs(pdl))

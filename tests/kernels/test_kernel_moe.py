@@ -572,7 +572,6 @@ def test_decode_env_config_reaches_direct_launches_only(device, monkeypatch):
 # interpreter as its two phase launches, on a GPU (marked) as the single spinning launch
 
 PERSISTENT_SMALL = {"BLOCK_N_UP": 16, "BLOCK_K_UP": 32, "BLOCK_N_DOWN": 16, "BLOCK_K_DOWN": 16, "num_warps": 4}
-PERSISTENT_CONFIGS = {"fma": PERSISTENT_SMALL, "dot": dict(PERSISTENT_SMALL, DOT=True)}
 
 
 def persistent_counters(h, dtype, device, cfg):
@@ -580,29 +579,26 @@ def persistent_counters(h, dtype, device, cfg):
     return persistent_slots(torch.device(device), next_pow2(2 * _ENTRY_SLOTS + PERSISTENT_MAX_ENTRIES * down_per))
 
 
-@pytest.mark.parametrize("cfg", list(PERSISTENT_CONFIGS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t,e,k,h,inter", [(1, 8, 2, 64, 40), (2, 10, 3, 48, 24), (1, 6, 6, 96, 72),
                                            (2, 8, 8, 64, 40)])
-def test_persistent_moe_matches_reference(t, e, k, h, inter, dtype, cfg, device):
+def test_persistent_moe_matches_reference(t, e, k, h, inter, dtype, device):
     """Ragged H / I against the tiles (40 and 24 rows against 16-row tiles, K chunks of 32 / 16
     over 48-96 / 24-72), all experts of a token chosen, two tokens, twice in a row (the
-    counters reset themselves), and dropped ids (a token with none of its experts here);
-    FMA and tensor-core tiles."""
-    cfg = PERSISTENT_CONFIGS[cfg]
+    counters reset themselves), and dropped ids (a token with none of its experts here)."""
     x, w13, w2, weights, ids = moe_inputs(t, e, k, h, inter, dtype, device, seed=t + 5 * k)
     want = reference_fused_moe(x, w13, w2, weights, ids)
     for _ in range(2):
-        out = fused_moe_persistent_triton(x, w13, w2, weights, ids, config=cfg)
+        out = fused_moe_persistent_triton(x, w13, w2, weights, ids, config=PERSISTENT_SMALL)
         assert out.shape == (t, h) and out.dtype == dtype
         close(out, want, TOL[dtype])
     dropped = torch.where(ids % 2 == 0, ids, -1)
     dropped[0] = -1
     w = weights * (dropped >= 0)
-    out = fused_moe_persistent_triton(x, w13, w2, w, dropped, config=cfg)
+    out = fused_moe_persistent_triton(x, w13, w2, w, dropped, config=PERSISTENT_SMALL)
     close(out, reference_fused_moe(x, w13, w2, w, dropped, dropped_ids=True), TOL[dtype])
     assert not out[0].any()
-    assert not persistent_counters(h, dtype, device, cfg).any()   # left at 0 for the next launch / replay
+    assert not persistent_counters(h, dtype, device, PERSISTENT_SMALL).any()   # left at 0 for the next launch / replay
 
 
 def test_persistent_moe_rejects_large_batches(device):
@@ -616,25 +612,23 @@ def test_persistent_moe_rejects_large_batches(device):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("t", [1, 2])
-@pytest.mark.parametrize("dot", [False, True])
-def test_gpu_persistent_moe_single_launch(t, dot):
+def test_gpu_persistent_moe_single_launch(t):
     """The spinning single launch (down tiles wait for their entry's gate/up tiles) at
     Qwen3-30B-A3B sizes: the reference's result, bitwise the two-phase launches', for many
     launches in a row and inside a CUDA graph replayed with new routings."""
     dt = torch.bfloat16
     x, w13, w2, weights, ids = moe_inputs(t, 128, 8, 2048, 768, dt, "cuda", seed=t)
     want = reference_fused_moe(x, w13, w2, weights, ids)
-    cfg = {"DOT": dot, "PER_SM": 2}
-    two = fused_moe_persistent_triton(x, w13, w2, weights, ids, phases=True, config=cfg)
+    two = fused_moe_persistent_triton(x, w13, w2, weights, ids, phases=True)
     for _ in range(20):
-        got = fused_moe_persistent_triton(x, w13, w2, weights, ids, phases=False, config=cfg)
+        got = fused_moe_persistent_triton(x, w13, w2, weights, ids, phases=False)
         assert torch.equal(got, two)
     close(got, want, 2e-2)
     ids_buf, w_buf = ids.clone(), weights.clone()
-    out = fused_moe_persistent_triton(x, w13, w2, w_buf, ids_buf, phases=False, config=cfg)   # warm-up
+    out = fused_moe_persistent_triton(x, w13, w2, w_buf, ids_buf, phases=False)   # warm-up (compile)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out = fused_moe_persistent_triton(x, w13, w2, w_buf, ids_buf, phases=False, config=cfg)
+        out = fused_moe_persistent_triton(x, w13, w2, w_buf, ids_buf, phases=False)
     for seed in range(5):
         _, _, _, w_new, ids_new = moe_inputs(t, 128, 8, 2048, 768, dt, "cuda", seed=100 + seed)
         ids_buf.copy_(ids_new)
@@ -642,7 +636,7 @@ def test_gpu_persistent_moe_single_launch(t, dot):
         g.replay()
         torch.cuda.synchronize()
         close(out, reference_fused_moe(x, w13, w2, w_new, ids_new), 2e-2)
-    assert not persistent_counters(2048, dt, "cuda", cfg).any()
+    assert not persistent_counters(2048, dt, "cuda", None).any()
 
 
 def test_direct_path_dispatches_to_persistent_when_enabled(device, monkeypatch):
