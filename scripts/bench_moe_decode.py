@@ -153,35 +153,6 @@ def run(args):
                 rec["error"] = f"{type(ex).__name__}: {str(ex)[:160]}"
             results.append(rec)
             del ws
-        # the persistent one-launch kernel (kernels/moe_persistent.py) over the same calls
-        from blitzllm.kernels.moe import reference_fused_moe
-        from blitzllm.kernels.moe_persistent import fused_moe_persistent_triton
-        want = reference_fused_moe(calls[0][0], w13, w2, calls[0][2].view(t, k), calls[0][1].view(t, k))
-        pvars = [("default", None)]
-        if not args.smoke:
-            pvars += [(f"n{bu}/{bd} k{ku}/{kd} w{w} x{ps}", dict(BLOCK_N_UP=bu, BLOCK_N_DOWN=bd, BLOCK_K_UP=ku,
-                                                                 BLOCK_K_DOWN=kd, num_warps=w, PER_SM=ps))
-                      for bu, bd, ku, kd, w, ps in ((16, 16, 256, 256, 8, 2), (8, 16, 256, 256, 8, 1),
-                                                    (16, 32, 256, 256, 8, 1), (16, 16, 512, 512, 4, 2),
-                                                    (32, 32, 128, 128, 8, 1), (16, 16, 128, 128, 4, 2))]
-        for name, pcfg in pvars:
-            rec = dict(model=model, T=t, launch="persist", variant=name, config=pcfg)
-
-            def pf(c, pcfg=pcfg):
-                return fused_moe_persistent_triton(c[0], w13, w2, c[2].view(t, k), c[1].view(t, k), config=pcfg)
-            try:
-                got = pf(calls[0])
-                rec["err"] = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
-                if not args.smoke:
-                    pf(calls[0])  # a second call: the resident-programs check of the compiled kernel is in
-                    rec["us"] = gemv_bench.time_graph(pf, calls, torch)
-                    rec["gbps"] = chosen * 3 * inter * h * 2 / rec["us"] / 1e3
-            except Exception as ex:
-                rec["error"] = f"{type(ex).__name__}: {str(ex)[:160]}"
-            results.append(rec)
-            print(f"{model:14s}persist {name:22s}" + (f"ERROR {rec['error']}" if "error" in rec else
-                  f"err {rec['err']:.1e}" + (f"  {rec['us']:7.2f} us {rec['gbps']:6.0f} GB/s" if "us" in rec else "")),
-                  flush=True)
         w13 = w2 = None  # free the experts before the next model
         if not args.smoke:
             torch.cuda.empty_cache()
@@ -190,11 +161,7 @@ def run(args):
                 json.dump(results, fh, indent=1)
     print(f"\n== summary ({time.time() - t0:.0f} s; us per launch, CUDA-graph replay; GB/s of the chosen experts' weights)")
     for model in args.models.split(","):
-        both = [min((r["us"] for r in results if r["model"] == model and r["launch"] == la
-                     and r["variant"] == "heuristic" and "us" in r), default=None) for la in ("up", "down")]
-        if None not in both:
-            print(f"{model:14s}up + down heuristic {both[0] + both[1]:.2f} us")
-        for launch in ("up", "down", "persist"):
+        for launch in ("up", "down"):
             rs = [r for r in results if r["model"] == model and r["launch"] == launch and "us" in r
                   and r.get("err", 0) < tol]
             bad = [r for r in results if r["model"] == model and r["launch"] == launch
@@ -203,7 +170,7 @@ def run(args):
                 print(f"{model:14s}{launch:5s} (no timings; {len(bad)} failed)")
                 continue
             pick = {r["variant"]: r for r in rs}
-            line = "  ".join(f"{v} {pick[v]['us']:.2f}" for v in ("heuristic", "default", "dense-gemv")
+            line = "  ".join(f"{v} {pick[v]['us']:.2f}" for v in ("heuristic", "dense-gemv")
                              if v in pick)
             best = sorted((r for r in rs if r["variant"] not in ("dense-gemv",)), key=lambda r: r["us"])[:5]
             print(f"{model:14s}{launch:5s} {line} | best: " + ", ".join(

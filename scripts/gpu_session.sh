@@ -32,11 +32,6 @@ for part in "$@"; do case $part in
        run 150 q30b_b32 --model preset:qwen3-30b-a3b --batch-size 32 --input-len 128 --output-len 128 --max-num-seqs 32
        run 150 dsv3_l8_b1 --model preset:deepseek-v3 --num-layers 8 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8
        run 150 mm2_l8_b1 --model preset:minimax-m2 --num-layers 8 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8 ;;
-  persist) M="--batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
-       timeout 240 python3 -m pytest -q -m gpu tests/kernels/test_kernel_moe.py -p no:cacheprovider -k "persistent or direct or model_shapes" 2>&1 | tail -4
-       timeout 200 python3 scripts/bench_moe_decode.py --budget-s 20 2>&1 | tail -14
-       run 150 q30b_b1 --model preset:qwen3-30b-a3b $M; BLITZ_MOE_PERSISTENT=1 run 150 q30b_b1_persist --model preset:qwen3-30b-a3b $M
-       run 150 mm2_l8_b1 --model preset:minimax-m2 --num-layers 8 $M; BLITZ_MOE_PERSISTENT=1 run 150 mm2_l8_b1_persist --model preset:minimax-m2 --num-layers 8 $M ;;
   moeab) M="--batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
        run 150 q30b_b1 --model preset:qwen3-30b-a3b $M; BLITZ_MOE_DIRECT=1 run 150 q30b_b1_direct --model preset:qwen3-30b-a3b $M
        BLITZ_MOE_DIRECT=1 BLITZ_MOE_FUSED_ROUTING=1 run 150 q30b_b1_direct_route --model preset:qwen3-30b-a3b $M

@@ -49,12 +49,6 @@ MOE_DIRECT_MAX_ENTRIES = 16
 MOE_PF_DOWN = os.environ.get("BLITZ_MOE_PF_DOWN", "0") == "1"
 
 
-def persistent_ok(entries: int) -> bool:
-    """Whether the direct path's two launches become ``moe_persistent``'s one (opt-in)."""
-    from . import moe_persistent
-    return moe_persistent.MOE_PERSISTENT and entries <= moe_persistent.PERSISTENT_MAX_ENTRIES
-
-
 def _env_decode_config() -> tuple:
     """BLITZ_MOE_DECODE_CONFIG='{"BLOCK_N": 32, "BLOCK_K": 128}': tile keys for both GEMMs of
     the direct (decode) path in calls that pass no config of their own (A/B runs of the
@@ -522,9 +516,6 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     keys = _DECODE_ENV_CONFIG if config is None and direct else (config or {},) * 2  # (gate/up, down)
     up_cfg, down_cfg = (_moe_config_cached(T, K, E, H, inter, x.dtype, device_sms(x), tuple(sorted(k.items())))[i]
                         for i, k in enumerate(keys))
-    if direct and config is None and persistent_ok(n):  # one persistent launch (BLITZ_MOE_PERSISTENT=1)
-        from .moe_persistent import fused_moe_persistent_triton
-        return fused_moe_persistent_triton(x, w13, w2, topk_weights, topk_ids)
     if direct:  # two launches: no sort, the combine inside the down GEMM
         ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
         tw = topk_weights.reshape(-1).to(torch.float32).contiguous()

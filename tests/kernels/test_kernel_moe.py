@@ -8,10 +8,6 @@ pytest.importorskip("triton")
 from blitzllm.kernels import moe  # noqa: E402
 from blitzllm.kernels.fused_moe import (  # noqa: E402
     fused_moe_triton, moe_align_block_size, moe_config)
-from blitzllm.kernels.moe_persistent import (  # noqa: E402
-    _ENTRY_SLOTS, PERSISTENT_MAX_ENTRIES, _counters as persistent_slots, fused_moe_persistent_triton,
-    persistent_config)
-from blitzllm.kernels._common import next_pow2  # noqa: E402
 from blitzllm.kernels.moe import (  # noqa: E402
     reference_fused_moe, reference_router_gemm, reference_select_experts, router_config,
     router_gemm_triton, select_experts_triton)
@@ -516,7 +512,7 @@ def test_fused_moe_direct(t, e, k, h, inter, cfg, dtype, device):
     out = fused_moe_triton(x, w13, w2, w, dropped, config=MOE_CONFIGS[cfg], direct=True, dropped_ids=True)
     close(out, reference_fused_moe(x, w13, w2, w, dropped, dropped_ids=True), TOL[dtype])
     assert not out[0].any()
-    from blitzllm.kernels._common import device_sms
+    from blitzllm.kernels._common import device_sms, next_pow2
     down = fm.moe_config(t, k, e, h, inter, dtype, device_sms(x), MOE_CONFIGS[cfg])[1]
     cnt = fm._counters(x.device, next_pow2(t * math.ceil(h / down["BLOCK_N"])))
     assert not cnt.any()  # the launches' own counters, left at 0
@@ -566,90 +562,3 @@ def test_decode_env_config_reaches_direct_launches_only(device, monkeypatch):
         monkeypatch.setenv("BLITZ_MOE_DECODE_CONFIG", bad)
         with pytest.raises(ValueError, match="BLITZ_MOE_DECODE_CONFIG"):
             fm._env_decode_config()
-
-
-# ---- the persistent one-launch decode kernel (kernels/moe_persistent.py): under the
-# interpreter as its two phase launches, on a GPU (marked) as the single spinning launch
-
-PERSISTENT_SMALL = {"BLOCK_N_UP": 16, "BLOCK_K_UP": 32, "BLOCK_N_DOWN": 16, "BLOCK_K_DOWN": 16, "num_warps": 4}
-
-
-def persistent_counters(h, dtype, device, cfg):
-    down_per = -(-h // persistent_config(1, 1, h, 1, dtype, cfg)["BLOCK_N_DOWN"])
-    return persistent_slots(torch.device(device), next_pow2(2 * _ENTRY_SLOTS + PERSISTENT_MAX_ENTRIES * down_per))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("t,e,k,h,inter", [(1, 8, 2, 64, 40), (2, 10, 3, 48, 24), (1, 6, 6, 96, 72),
-                                           (2, 8, 8, 64, 40)])
-def test_persistent_moe_matches_reference(t, e, k, h, inter, dtype, device):
-    """Ragged H / I against the tiles (40 and 24 rows against 16-row tiles, K chunks of 32 / 16
-    over 48-96 / 24-72), all experts of a token chosen, two tokens, twice in a row (the
-    counters reset themselves), and dropped ids (a token with none of its experts here)."""
-    x, w13, w2, weights, ids = moe_inputs(t, e, k, h, inter, dtype, device, seed=t + 5 * k)
-    want = reference_fused_moe(x, w13, w2, weights, ids)
-    for _ in range(2):
-        out = fused_moe_persistent_triton(x, w13, w2, weights, ids, config=PERSISTENT_SMALL)
-        assert out.shape == (t, h) and out.dtype == dtype
-        close(out, want, TOL[dtype])
-    dropped = torch.where(ids % 2 == 0, ids, -1)
-    dropped[0] = -1
-    w = weights * (dropped >= 0)
-    out = fused_moe_persistent_triton(x, w13, w2, w, dropped, config=PERSISTENT_SMALL)
-    close(out, reference_fused_moe(x, w13, w2, w, dropped, dropped_ids=True), TOL[dtype])
-    assert not out[0].any()
-    assert not persistent_counters(h, dtype, device, PERSISTENT_SMALL).any()   # left at 0 for the next launch / replay
-
-
-def test_persistent_moe_rejects_large_batches(device):
-    x, w13, w2, weights, ids = moe_inputs(3, 12, 8, 64, 40, torch.float32, device)
-    with pytest.raises(ValueError, match="up to 16"):
-        fused_moe_persistent_triton(x, w13, w2, weights, ids)
-    with pytest.raises(KeyError, match="BLOCK_Q"):
-        persistent_config(1, 8, 64, 40, torch.float32, {"BLOCK_Q": 1})
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("t", [1, 2])
-def test_gpu_persistent_moe_single_launch(t):
-    """The spinning single launch (down tiles wait for their entry's gate/up tiles) at
-    Qwen3-30B-A3B sizes: the reference's result, bitwise the two-phase launches', for many
-    launches in a row and inside a CUDA graph replayed with new routings."""
-    dt = torch.bfloat16
-    x, w13, w2, weights, ids = moe_inputs(t, 128, 8, 2048, 768, dt, "cuda", seed=t)
-    want = reference_fused_moe(x, w13, w2, weights, ids)
-    two = fused_moe_persistent_triton(x, w13, w2, weights, ids, phases=True)
-    for _ in range(20):
-        got = fused_moe_persistent_triton(x, w13, w2, weights, ids, phases=False)
-        assert torch.equal(got, two)
-    close(got, want, 2e-2)
-    ids_buf, w_buf = ids.clone(), weights.clone()
-    out = fused_moe_persistent_triton(x, w13, w2, w_buf, ids_buf, phases=False)   # warm-up (compile)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fused_moe_persistent_triton(x, w13, w2, w_buf, ids_buf, phases=False)
-    for seed in range(5):
-        _, _, _, w_new, ids_new = moe_inputs(t, 128, 8, 2048, 768, dt, "cuda", seed=100 + seed)
-        ids_buf.copy_(ids_new)
-        w_buf.copy_(w_new)
-        g.replay()
-        torch.cuda.synchronize()
-        close(out, reference_fused_moe(x, w13, w2, w_new, ids_new), 2e-2)
-    assert not persistent_counters(2048, dt, "cuda", None).any()
-
-
-def test_direct_path_dispatches_to_persistent_when_enabled(device, monkeypatch):
-    """BLITZ_MOE_PERSISTENT=1: decode batches of up to 16 entries take the one-launch kernel
-    (two phase launches under the interpreter), larger ones the sort; results unchanged."""
-    from blitzllm.kernels import fused_moe as fm
-    from blitzllm.kernels import moe_persistent as mp
-    seen = []
-    orig = mp.fused_moe_persistent_triton
-    monkeypatch.setattr(mp, "MOE_PERSISTENT", True)
-    monkeypatch.setattr(mp, "fused_moe_persistent_triton", lambda *a, **kw: seen.append(a[0].shape[0]) or orig(*a, **kw))
-    for t in (1, 2, 3):  # 8 and 16 entries: persistent; 24: sorted
-        x, w13, w2, weights, ids = moe_inputs(t, 12, 8, 64, 40, torch.float32, device, seed=t)
-        close(fm.fused_moe_triton(x, w13, w2, weights, ids), reference_fused_moe(x, w13, w2, weights, ids),
-              TOL[torch.float32])
-    assert seen == [1, 2]
