@@ -28,6 +28,41 @@ WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 
 
+COPY_MAX_N = 3     # longest suffix n-gram the copy input looks up
+COPY_GATE_SCALE = 8.0   # the gate's parameters are this many times smaller than its effect
+# (they start at 0; Adam's step then moves the gate by ~lr * 8 per step)
+
+
+def copy_candidates(tokens: list, max_n: int = COPY_MAX_N) -> tuple:
+    """Per position p of ``tokens``: (the token after the most recent earlier occurrence of
+    the longest n-gram (n <= max_n) that ends at p, n), or (0, 0) where none occurred."""
+    last = [dict() for _ in range(max_n + 1)]
+    cand, length = [], []
+    for p in range(len(tokens)):
+        c = n_found = 0
+        for n in range(min(max_n, p + 1), 0, -1):
+            q = last[n].get(tuple(tokens[p - n + 1:p + 1]))
+            if q is not None:
+                c, n_found = tokens[q + 1], n
+                break
+        cand.append(c)
+        length.append(n_found)
+        for n in range(1, min(max_n, p + 1) + 1):
+            last[n][tuple(tokens[p - n + 1:p + 1])] = p
+    return cand, length
+
+
+def copy_candidate_at(tokens: list, max_n: int = COPY_MAX_N) -> tuple:
+    """``copy_candidates`` of the last position alone (a scan back from the end)."""
+    p = len(tokens) - 1
+    for n in range(min(max_n, p + 1), 0, -1):
+        suffix = tokens[p - n + 1:]
+        for q in range(p - 1, n - 2, -1):
+            if tokens[q - n + 1:q + 1] == suffix:
+                return tokens[q + 1], n
+    return 0, 0
+
+
 def default_layer_ids(num_layers: int) -> list:
     """Outputs of layers 1, L/2 - 1 and L - 4 (the hidden states entering layers 2, L/2
     and L - 3), clamped for very shallow models."""
@@ -54,6 +89,10 @@ class Eagle3Config:
     # > 0: the head predicts over this many target tokens only (the buffer d2t maps its
     # indices to target ids; its lm_head rows are the target's rows of those tokens)
     draft_vocab_size: int = 0
+    # the copy input (``copy_candidates``): the layer output also gets, per position, the
+    # embedding of the token that followed the last earlier occurrence of its longest suffix
+    # n-gram (n <= COPY_MAX_N, as prompt lookup finds it), times a learned gate per n
+    copy_input: bool = False
     architecture: str = "Eagle3DraftHead"
 
     @classmethod
@@ -96,6 +135,8 @@ class Eagle3Head(nn.Module):
         self.norm = nn.RMSNorm(H, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size or cfg.vocab_size, bias=False)
         self.lm_head.weight.requires_grad_(False)   # the target's (rows), frozen
+        if cfg.copy_input:   # gate per n-gram length (row 0: no occurrence, never used)
+            self.copy_gate = nn.Parameter(torch.zeros(COPY_MAX_N + 1, H))
         if cfg.draft_vocab_size:
             self.register_buffer("d2t", torch.arange(cfg.draft_vocab_size))
         self.register_buffer("cos_sin", build_cos_sin_cache(D, cfg.max_position_embeddings, cfg.rope_theta),
@@ -127,9 +168,19 @@ class Eagle3Head(nn.Module):
                                            attn_mask=mask)
         return o.transpose(0, 1).reshape(q.shape[0], -1)
 
-    def finish_layer(self, attn_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """o_proj + residual, then the MLP block; returns the layer output (pre final norm)."""
+    def copy_vector(self, cand: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+        """The copy input of positions with copy candidates ``cand`` [T] found by n-grams of
+        ``length`` [T] (0: none): gate[n] * embedding(candidate), 0 where length is 0."""
+        gate = self.copy_gate[length] * COPY_GATE_SCALE
+        return gate * self.embed_tokens(cand) * (length > 0).unsqueeze(-1).to(gate.dtype)
+
+    def finish_layer(self, attn_out: torch.Tensor, residual: torch.Tensor,
+                     copy: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """o_proj + residual (+ the copy input), then the MLP block; returns the layer output
+        (pre final norm)."""
         h = residual + self.o_proj(attn_out)
+        if copy is not None:
+            h = h + copy
         m = self.post_attention_norm(h)
         return h + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
 
@@ -163,9 +214,12 @@ class Eagle3Head(nn.Module):
         self.config.draft_vocab_size = int(d2t.numel())
 
     # ---- training: one sequence, ``steps`` draft steps (training-time test) ------------
-    def forward_steps(self, feats: torch.Tensor, tokens: torch.Tensor, steps: int) -> list:
+    def forward_steps(self, feats: torch.Tensor, tokens: torch.Tensor, steps: int,
+                      copy: Optional[tuple] = None) -> list:
         """feats [T, 3Ht]: target features of positions 0..T-1; tokens [T + steps]: token
-        ids of positions 1..T+steps (token t+1+j is step j's input at position t).
+        ids of positions 1..T+steps (token t+1+j is step j's input at position t); ``copy``
+        (heads with the copy input): (candidates, lengths), each [T + steps], of the same
+        positions (``copy_candidates`` of the sequence the step inputs continue).
         Returns per step j the layer output [T, H] (``logits`` of row t predict the token
         at position t + 2 + j). Step j's query at row t attends to step-0 keys <= t and to
         steps 1..j at row t."""
@@ -180,7 +234,8 @@ class Eagle3Head(nn.Module):
             ks.append(k)
             vs.append(v)
             mask = torch.cat([causal] + [eye] * j, 1)
-            hidden = self.finish_layer(self.attend(q, torch.cat(ks), torch.cat(vs), mask), hidden)
+            cv = self.copy_vector(copy[0][j:j + T], copy[1][j:j + T]) if self.config.copy_input else None
+            hidden = self.finish_layer(self.attend(q, torch.cat(ks), torch.cat(vs), mask), hidden, cv)
             out.append(hidden)
         return out
 
@@ -240,7 +295,7 @@ class Eagle3Head(nn.Module):
 
     @classmethod
     def from_target(cls, model, cfg, layer_ids: Optional[list] = None, feature_norm: bool = False,
-                    init_layer: bool = False, intermediate_size: int = 0) -> "Eagle3Head":
+                    init_layer: bool = False, intermediate_size: int = 0, copy_input: bool = False) -> "Eagle3Head":
         """A fresh head for ``model`` (a blitzllm causal LM): embedding and lm_head copied
         (frozen), final norm from the target's (trained); fc starts as the identity
         on the high layer's features (a logit-lens start); the layer starts small, or
@@ -248,6 +303,7 @@ class Eagle3Head(nn.Module):
         its input (the embedding half small). ``intermediate_size`` > 0: the layer's MLP
         width (default the target's)."""
         hc = Eagle3Config.from_target(cfg, layer_ids, feature_norm)
+        hc.copy_input = copy_input
         if intermediate_size:
             if init_layer and intermediate_size != cfg.intermediate_size:
                 raise ValueError(f"--init-layer copies the target's MLP ({cfg.intermediate_size} wide): "
@@ -436,6 +492,13 @@ class Eagle3Proposer:
         old = self.feats.get(rid)
         self.feats[rid] = feats if old is None or start == 0 else torch.cat([old[:start], feats])
 
+    def _copy(self, hist: list, dev) -> Optional[torch.Tensor]:
+        """The copy input of the last position of ``hist`` (heads with ``copy_input``)."""
+        if not self.head.config.copy_input:
+            return None
+        c, n = copy_candidate_at(hist)
+        return self.head.copy_vector(torch.tensor([c], device=dev), torch.tensor([n], device=dev))
+
     @torch.inference_mode()
     def propose(self, reqs, limits):
         self._ingest()
@@ -465,7 +528,8 @@ class Eagle3Proposer:
             v0 = v if m == 0 else torch.cat([v0[:m], v])
             self.cache[rid] = (list(all_ids[1:n + 1]), k0, v0)
             # step 0: the last position's query over all step-0 entries
-            out = head.finish_layer(head.attend(q[-1:], k0, v0, None), hidden[-1:])
+            hist = list(all_ids[:n + 1])
+            out = head.finish_layer(head.attend(q[-1:], k0, v0, None), hidden[-1:], self._copy(hist, dev))
             d = [int(head.draft_tokens(head.logits(out)))]
             ks, vs = [k0], [v0]
             for j in range(1, lim):
@@ -473,7 +537,9 @@ class Eagle3Proposer:
                                       torch.tensor([n - 1 + j], device=dev))
                 ks.append(kj)
                 vs.append(vj)
-                out = head.finish_layer(head.attend(qj, torch.cat(ks), torch.cat(vs), None), out)
+                hist.append(d[-1])
+                out = head.finish_layer(head.attend(qj, torch.cat(ks), torch.cat(vs), None), out,
+                                        self._copy(hist, dev))
                 d.append(int(head.draft_tokens(head.logits(out))))
             drafts.append(d)
         return self._proposal(drafts)

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .eagle3 import Eagle3Head, HiddenCapture
+from .eagle3 import Eagle3Head, HiddenCapture, copy_candidates
 
 STEP_DECAY = 0.8   # default loss weight of draft step j: STEP_DECAY ** j (--step-decay)
 
@@ -215,7 +215,11 @@ def sample_loss(head: Eagle3Head, s: Sample, steps: int, step_decay: float = STE
         return None, []
     toks = s.tokens.to(dev)
     padded = torch.cat([toks[1:], toks.new_zeros(steps)])
-    outs = head.forward_steps(s.feats[:T].to(dev), padded, steps)
+    copy = None
+    if head.config.copy_input:   # candidates of positions 1..N-1, padded like the tokens
+        cand, length = copy_candidates(s.tokens.tolist())
+        copy = (torch.tensor(cand[1:] + [0] * steps, device=dev), torch.tensor(length[1:] + [0] * steps, device=dev))
+    outs = head.forward_steps(s.feats[:T].to(dev), padded, steps, copy)
     t = torch.arange(T, device=dev)
     reduced = bool(head.config.draft_vocab_size)
     if reduced:   # target id -> draft index (-1: not in the draft vocabulary)
@@ -280,7 +284,7 @@ def train_draft(llm, prompts: list, out: Optional[str], epochs: int = 1, max_tok
                 temperature: float = 0.8, layer_ids: Optional[list] = None, labels: str = "target",
                 feature_norm: bool = True, init_layer: bool = False, step_decay: float = STEP_DECAY,
                 draft_vocab: int = 0, draft_intermediate: int = 0, branch: bool = False, copy_spans: int = 0,
-                loop_spans: int = 0, log=print) -> Eagle3Head:
+                loop_spans: int = 0, copy_input: bool = False, log=print) -> Eagle3Head:
     """``llm``: an ``LLM`` built with prefix caching off. Epoch 1 is online: the engine
     answers ``batch`` prompts at a time (batched decode; ``samples`` answers per prompt, the
     first greedy), then each prompt + answer goes through one engine prefill with the capture
@@ -299,7 +303,8 @@ def train_draft(llm, prompts: list, out: Optional[str], epochs: int = 1, max_tok
     answer followed by a copy of a random span of it (``copy_span_sequence``), its loss on the
     copied tokens only (labelled by the target's own distributions there). ``loop_spans`` > 0:
     that many sequences per answer ending in a loop of a shuffled span of it
-    (``loop_span_sequence``), the loss on the loop's repeats."""
+    (``loop_span_sequence``), the loss on the loop's repeats. ``copy_input``: the head gets
+    the copy input (``Eagle3Config.copy_input``)."""
     if labels not in ("target", "tokens"):
         raise ValueError(f"--labels must be 'target' or 'tokens', got {labels!r}")
     torch.manual_seed(seed)
@@ -314,7 +319,8 @@ def train_draft(llm, prompts: list, out: Optional[str], epochs: int = 1, max_tok
     if draft_intermediate < 0:
         raise ValueError(f"--draft-intermediate must be positive (or 0: the target's width), got {draft_intermediate}")
     head = Eagle3Head.from_target(target, eng.model_config, layer_ids, feature_norm=feature_norm,
-                                  init_layer=init_layer, intermediate_size=draft_intermediate).to(eng.device)
+                                  init_layer=init_layer, intermediate_size=draft_intermediate,
+                                  copy_input=copy_input).to(eng.device)
     if draft_vocab and not 0 < draft_vocab <= head.config.vocab_size:
         raise ValueError(f"--draft-vocab must be in [1, {head.config.vocab_size}] (the target vocabulary) "
                          f"or 0, got {draft_vocab}")
@@ -460,6 +466,10 @@ def add_train_draft_args(p) -> None:
                    help="per answer, also train on N sequences ending in a loop of a shuffled span of it "
                         f"({LOOP_REPEATS} repeats, loss on the repeats after the first: labels the head can fit only "
                         "by copying from its context, as the target does in the loops of greedy answers)")
+    p.add_argument("--copy-input", action="store_true",
+                   help="give the head a copy input: per position the embedding of the token that followed the last "
+                        "earlier occurrence of its longest suffix n-gram (n <= 3, what prompt lookup finds), times a "
+                        "learned gate per n, added to its layer output")
     p.add_argument("--labels", choices=("target", "tokens"), default="target",
                    help="train on the target's next-token distributions (distillation; default) "
                         "or on the answer tokens")
@@ -524,7 +534,7 @@ def cmd_train_draft(a) -> int:
                 seed=a.seed, batch=a.batch, samples=a.samples_per_prompt, temperature=a.temperature,
                 layer_ids=layer_ids, labels=a.labels, feature_norm=a.feature_norm, init_layer=a.init_layer,
                 step_decay=a.step_decay, draft_vocab=a.draft_vocab, draft_intermediate=a.draft_intermediate,
-                branch=a.branch, copy_spans=a.copy_spans, loop_spans=a.loop_spans, log=log)
+                branch=a.branch, copy_spans=a.copy_spans, loop_spans=a.loop_spans, copy_input=a.copy_input, log=log)
     if eval_prompts:
         del llm
         for n in eval_lens:

@@ -624,3 +624,63 @@ def test_reduced_vocab_head_greedy_equals_plain(tiny4, greedy_setup, tmp_path):
     assert st["spec_draft_tokens"] > 0 and st["spec_accepted_tokens"] > 0.05 * st["spec_draft_tokens"]
     drafted = [t for _, d in calls for t in d]
     assert drafted and set(drafted) <= set(d2t.tolist())
+
+
+def test_copy_candidates():
+    from blitzllm.spec.eagle3 import copy_candidate_at, copy_candidates
+    toks = [5, 6, 7, 5, 6, 9, 5, 6]
+    cand, n = copy_candidates(toks)
+    # p=3: "5" seen at 0 -> 6; p=4: "5 6" seen ending at 1 -> 7; p=7: "5 6" last ended at 4 -> 9
+    assert (cand[3], n[3]) == (6, 1) and (cand[4], n[4]) == (7, 2) and (cand[7], n[7]) == (9, 2)
+    assert n[:3] == [0, 0, 0] and cand[:3] == [0, 0, 0]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):   # the forward pass and the per-position scan back agree
+        seq = torch.randint(0, 4, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
+        cand, n = copy_candidates(seq)
+        assert [copy_candidate_at(seq[:p + 1]) for p in range(len(seq))] == list(zip(cand, n))
+
+
+def test_copy_input_head_trains_drafts_as_trained_and_keeps_greedy(tiny4, greedy_setup, tmp_path):
+    """A head with the copy input (``--copy-input``): its gates learn (they start at 0), it
+    saves and loads through speculative_config, greedy output stays the plain one, and every
+    draft the engine makes is the argmax of the training forward with the copy candidates of
+    the same tokens (drafts included)."""
+    from blitzllm.spec.eagle3 import copy_candidates
+    llm0, _ = tiny4
+    model_dir, prompts, params, ref, _ = greedy_setup
+    llm = LLM(model_dir, device="cpu", kv_cache_blocks=128, max_num_seqs=4, max_num_batched_tokens=64,
+              enable_prefix_caching=False)
+    torch.manual_seed(0)
+    head = Eagle3Head.from_target(llm.engine.runner.model, llm.engine.model_config, [0, 1, 2], copy_input=True)
+    opt = make_optimizer(head, 3e-3)
+    with HiddenCapture(llm.engine.runner.model, head.config.layer_ids) as cap:
+        samples = [capture_features(llm, cap, p + r, len(p)) for p, r in zip(prompts, ref) if len(r) > 10]
+    for _ in range(6):
+        for s in samples:
+            train_on(head, opt, s, 3)
+    assert head.copy_gate[1:].abs().max() > 0 and not head.copy_gate[0].any()
+    head.save(str(tmp_path / "h"))
+    spec = {"method": "eagle3", "num_speculative_tokens": 3, "model": str(tmp_path / "h")}
+    llm2 = LLM(model_dir, device="cpu", kv_cache_blocks=128, max_num_seqs=4, max_num_batched_tokens=64,
+               speculative_config=spec)
+    loaded = llm2.engine.spec.proposer.head
+    assert loaded.config.copy_input and torch.equal(loaded.copy_gate, head.copy_gate.detach())
+    calls = _record_proposals(llm2)
+    assert [o.outputs[0].token_ids for o in llm2.generate(prompts, params)] == ref
+    st = llm2.stats()
+    assert st["spec_draft_tokens"] > 0 and st["spec_accepted_tokens"] > 0.05 * st["spec_draft_tokens"]
+    drafted = [(ids, d) for ids, d in calls if d]
+    checked = 0
+    with HiddenCapture(llm0.engine.runner.model, loaded.config.layer_ids) as cap, torch.no_grad():
+        for ids, d in drafted[:40]:
+            n = len(ids) - 1
+            s = capture_features(llm0, cap, ids, prompt_len=1)
+            seq = ids + d[:-1]
+            cand, length = copy_candidates(seq)
+            copy = (torch.tensor(cand[1:] + [0]), torch.tensor(length[1:] + [0]))
+            outs = loaded.forward_steps(s.feats, torch.tensor(seq[1:] + [0]), len(d), copy)
+            for j, o in enumerate(outs):
+                logits = loaded.logits(o[n - 1])
+                assert float(logits.max() - logits[d[j]]) < 1e-3, (n, j, d, int(logits.argmax()))
+                checked += 1
+    assert checked > 20
