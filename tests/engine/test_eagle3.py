@@ -220,6 +220,41 @@ def test_sample_without_answer_targets_is_skipped():
     assert loss is None and stats == [(0, 0), (0, 0)]
 
 
+def _fit_greedy(llm, head, prompts, ref) -> None:
+    """Train ``head`` a little (6 epochs) on the target's greedy answers ``ref`` to ``prompts``."""
+    opt = make_optimizer(head, 3e-3)
+    with HiddenCapture(llm.engine.runner.model, head.config.layer_ids) as cap:
+        samples = [capture_features(llm, cap, p + r, len(p)) for p, r in zip(prompts, ref) if len(r) > 10]
+    for _ in range(6):
+        for s in samples:
+            train_on(head, opt, s, 3)
+
+
+def _check_drafts_equal_training_forward(llm0, head, drafted) -> int:
+    """Every (token ids, drafts) of ``drafted`` against the training forward (``forward_steps``)
+    over the features of one prefill of the same tokens, the earlier drafts fed as the step
+    inputs (and, with the copy input, the copy candidates of those tokens): draft j is the
+    argmax of row n - 1, step j. Returns the drafts checked."""
+    from blitzllm.spec.eagle3 import copy_candidates
+    checked = 0
+    with HiddenCapture(llm0.engine.runner.model, head.config.layer_ids) as cap, torch.no_grad():
+        for ids, d in drafted:
+            n = len(ids) - 1
+            s = capture_features(llm0, cap, ids, prompt_len=1)   # features of positions 0..n-1
+            seq = ids + d[:-1]   # step j at row n - 1 reads draft j - 1
+            copy = None
+            if head.config.copy_input:
+                cand, length = copy_candidates(seq)
+                copy = (torch.tensor(cand[1:] + [0]), torch.tensor(length[1:] + [0]))
+            outs = head.forward_steps(s.feats, torch.tensor(seq[1:] + [0]), len(d), copy)
+            for j, o in enumerate(outs):
+                logits = head.logits(o[n - 1])
+                # the engine's features come from decode / verify forwards: equal up to rounding
+                assert float(logits.max() - logits[d[j]]) < 1e-3, (n, j, d, int(logits.argmax()))
+                checked += 1
+    return checked
+
+
 @pytest.fixture(scope="module")
 def greedy_setup(tiny4, tmp_path_factory):
     """Prompts, their plain greedy answers, and a head trained a little on the target's own
@@ -235,12 +270,7 @@ def greedy_setup(tiny4, tmp_path_factory):
     llm = LLM(model_dir, device="cpu", kv_cache_blocks=128, max_num_seqs=4, max_num_batched_tokens=64,
               enable_prefix_caching=False)
     head = _head(llm)
-    opt = make_optimizer(head, 3e-3)
-    with HiddenCapture(llm.engine.runner.model, head.config.layer_ids) as cap:
-        samples = [capture_features(llm, cap, p + r, len(p)) for p, r in zip(prompts, ref) if len(r) > 10]
-    for _ in range(6):
-        for s in samples:
-            train_on(head, opt, s, 3)
+    _fit_greedy(llm, head, prompts, ref)
     path = str(tmp_path_factory.mktemp("greedy-head") / "head")
     head.save(path)
     return model_dir, prompts, params, ref, path
@@ -277,19 +307,7 @@ def test_engine_drafts_equal_training_forward(tiny4, greedy_setup):
     assert 0 < acc[1] and acc[0] < 1   # drafts accepted past the first, and rejections
     drafted = [(ids, d) for ids, d in calls if d]
     assert len(drafted) > 20 and any(len(d) == 3 for _, d in drafted)
-    head = llm.engine.spec.proposer.head
-    checked = 0
-    with HiddenCapture(llm0.engine.runner.model, head.config.layer_ids) as cap, torch.no_grad():
-        for ids, d in drafted:
-            n = len(ids) - 1
-            s = capture_features(llm0, cap, ids, prompt_len=1)   # features of positions 0..n-1
-            tokens = torch.tensor(ids[1:] + d[:-1] + [0])   # step j at row n - 1 reads draft j - 1
-            outs = head.forward_steps(s.feats, tokens, len(d))
-            for j, o in enumerate(outs):
-                logits = head.logits(o[n - 1])
-                # the engine's features come from decode / verify forwards: equal up to rounding
-                assert float(logits.max() - logits[d[j]]) < 1e-3, (n, j, d, int(logits.argmax()))
-                checked += 1
+    checked = _check_drafts_equal_training_forward(llm0, llm.engine.spec.proposer.head, drafted)
     assert checked == sum(len(d) for _, d in drafted)
 
 
@@ -608,12 +626,7 @@ def test_reduced_vocab_head_greedy_equals_plain(tiny4, greedy_setup, tmp_path):
     head = _head(llm)
     d2t = choose_draft_vocab(prompts + ref, 64, head.config.vocab_size)
     head.reduce_vocab(d2t)
-    opt = make_optimizer(head, 3e-3)
-    with HiddenCapture(llm.engine.runner.model, head.config.layer_ids) as cap:
-        samples = [capture_features(llm, cap, p + r, len(p)) for p, r in zip(prompts, ref) if len(r) > 10]
-    for _ in range(6):
-        for s in samples:
-            train_on(head, opt, s, 3)
+    _fit_greedy(llm, head, prompts, ref)
     head.save(str(tmp_path / "h"))
     spec = {"method": "eagle3", "num_speculative_tokens": 3, "model": str(tmp_path / "h")}
     llm2 = LLM(model_dir, device="cpu", kv_cache_blocks=128, max_num_seqs=4, max_num_batched_tokens=64,
@@ -645,19 +658,13 @@ def test_copy_input_head_trains_drafts_as_trained_and_keeps_greedy(tiny4, greedy
     saves and loads through speculative_config, greedy output stays the plain one, and every
     draft the engine makes is the argmax of the training forward with the copy candidates of
     the same tokens (drafts included)."""
-    from blitzllm.spec.eagle3 import copy_candidates
     llm0, _ = tiny4
     model_dir, prompts, params, ref, _ = greedy_setup
     llm = LLM(model_dir, device="cpu", kv_cache_blocks=128, max_num_seqs=4, max_num_batched_tokens=64,
               enable_prefix_caching=False)
     torch.manual_seed(0)
     head = Eagle3Head.from_target(llm.engine.runner.model, llm.engine.model_config, [0, 1, 2], copy_input=True)
-    opt = make_optimizer(head, 3e-3)
-    with HiddenCapture(llm.engine.runner.model, head.config.layer_ids) as cap:
-        samples = [capture_features(llm, cap, p + r, len(p)) for p, r in zip(prompts, ref) if len(r) > 10]
-    for _ in range(6):
-        for s in samples:
-            train_on(head, opt, s, 3)
+    _fit_greedy(llm, head, prompts, ref)
     assert head.copy_gate[1:].abs().max() > 0 and not head.copy_gate[0].any()
     head.save(str(tmp_path / "h"))
     spec = {"method": "eagle3", "num_speculative_tokens": 3, "model": str(tmp_path / "h")}
@@ -670,17 +677,5 @@ def test_copy_input_head_trains_drafts_as_trained_and_keeps_greedy(tiny4, greedy
     st = llm2.stats()
     assert st["spec_draft_tokens"] > 0 and st["spec_accepted_tokens"] > 0.05 * st["spec_draft_tokens"]
     drafted = [(ids, d) for ids, d in calls if d]
-    checked = 0
-    with HiddenCapture(llm0.engine.runner.model, loaded.config.layer_ids) as cap, torch.no_grad():
-        for ids, d in drafted[:40]:
-            n = len(ids) - 1
-            s = capture_features(llm0, cap, ids, prompt_len=1)
-            seq = ids + d[:-1]
-            cand, length = copy_candidates(seq)
-            copy = (torch.tensor(cand[1:] + [0]), torch.tensor(length[1:] + [0]))
-            outs = loaded.forward_steps(s.feats, torch.tensor(seq[1:] + [0]), len(d), copy)
-            for j, o in enumerate(outs):
-                logits = loaded.logits(o[n - 1])
-                assert float(logits.max() - logits[d[j]]) < 1e-3, (n, j, d, int(logits.argmax()))
-                checked += 1
+    checked = _check_drafts_equal_training_forward(llm0, loaded, drafted[:40])
     assert checked > 20
