@@ -53,7 +53,8 @@ def copy_candidates(tokens: list, max_n: int = COPY_MAX_N) -> tuple:
 
 
 def copy_candidate_at(tokens: list, max_n: int = COPY_MAX_N) -> tuple:
-    """``copy_candidates`` of the last position alone (a scan back from the end)."""
+    """``copy_candidates`` of the last position alone (a scan back from the end; the reference
+    the proposer's ``CopyIndex`` is tested against)."""
     p = len(tokens) - 1
     for n in range(min(max_n, p + 1), 0, -1):
         suffix = tokens[p - n + 1:]
@@ -61,6 +62,42 @@ def copy_candidate_at(tokens: list, max_n: int = COPY_MAX_N) -> tuple:
             if tokens[q - n + 1:q + 1] == suffix:
                 return tokens[q + 1], n
     return 0, 0
+
+
+class CopyIndex:
+    """``copy_candidate_at`` for a growing token sequence without a scan of it per call: per
+    n <= max_n the last end position of every n-gram ending before the sequence's last token
+    (extended as the sequence grows; rebuilt if the old one is not a prefix of the new one).
+    ``candidate(extra)``: the copy candidate of the last position of tokens + extra (ends from
+    the last indexed token on are looked at directly)."""
+
+    def __init__(self, max_n: int = COPY_MAX_N):
+        self.max_n = max_n
+        self.tokens: list = []
+        self.last = [dict() for _ in range(max_n + 1)]
+
+    def update(self, tokens: list) -> None:
+        tokens = list(tokens)
+        if tokens[:len(self.tokens)] != self.tokens:
+            self.tokens, self.last = [], [dict() for _ in range(self.max_n + 1)]
+        for q in range(max(0, len(self.tokens) - 1), len(tokens) - 1):   # ends 0 .. len - 2
+            for n in range(1, min(self.max_n, q + 1) + 1):
+                self.last[n][tuple(tokens[q - n + 1:q + 1])] = q
+        self.tokens = tokens
+
+    def candidate(self, extra: list = ()) -> tuple:
+        seq = self.tokens + list(extra)
+        p = len(seq) - 1
+        first_direct = max(0, len(self.tokens) - 1)   # ends from here to p - 1: not indexed
+        for n in range(min(self.max_n, p + 1), 0, -1):
+            suffix = seq[p - n + 1:]
+            for q in range(p - 1, max(first_direct, n - 1) - 1, -1):
+                if seq[q - n + 1:q + 1] == suffix:
+                    return seq[q + 1], n
+            q = self.last[n].get(tuple(suffix))
+            if q is not None:
+                return seq[q + 1], n
+        return 0, 0
 
 
 def default_layer_ids(num_layers: int) -> list:
@@ -456,9 +493,10 @@ class Eagle3Proposer:
         self.toks: dict = {}    # rid -> input token of each position whose features we hold
         self.feats: dict = {}   # rid -> [m, 3H] features of those positions
         self.cache: dict = {}   # rid -> (tokens used, k [c, Hkv, D], v [c, Hkv, D]) of step-0 entries
+        self.copy_index: dict = {}   # rid -> CopyIndex of its tokens (heads with the copy input)
 
     def finish(self, rid: str) -> None:
-        for d in (self.toks, self.feats, self.cache):
+        for d in (self.toks, self.feats, self.cache, self.copy_index):
             d.pop(rid, None)
 
     def stats(self) -> dict:
@@ -492,11 +530,12 @@ class Eagle3Proposer:
         old = self.feats.get(rid)
         self.feats[rid] = feats if old is None or start == 0 else torch.cat([old[:start], feats])
 
-    def _copy(self, hist: list, dev) -> Optional[torch.Tensor]:
-        """The copy input of the last position of ``hist`` (heads with ``copy_input``)."""
-        if not self.head.config.copy_input:
+    def _copy(self, index: Optional[CopyIndex], drafts: list, dev) -> Optional[torch.Tensor]:
+        """The copy input of the last position of the request's tokens + ``drafts`` (heads
+        with the copy input; ``index`` holds the request's tokens)."""
+        if index is None:
             return None
-        c, n = copy_candidate_at(hist)
+        c, n = index.candidate(drafts)
         return self.head.copy_vector(torch.tensor([c], device=dev), torch.tensor([n], device=dev))
 
     @torch.inference_mode()
@@ -528,8 +567,11 @@ class Eagle3Proposer:
             v0 = v if m == 0 else torch.cat([v0[:m], v])
             self.cache[rid] = (list(all_ids[1:n + 1]), k0, v0)
             # step 0: the last position's query over all step-0 entries
-            hist = list(all_ids[:n + 1])
-            out = head.finish_layer(head.attend(q[-1:], k0, v0, None), hidden[-1:], self._copy(hist, dev))
+            index = None
+            if head.config.copy_input:
+                index = self.copy_index.setdefault(rid, CopyIndex())
+                index.update(all_ids)
+            out = head.finish_layer(head.attend(q[-1:], k0, v0, None), hidden[-1:], self._copy(index, [], dev))
             d = [int(head.draft_tokens(head.logits(out)))]
             ks, vs = [k0], [v0]
             for j in range(1, lim):
@@ -537,9 +579,8 @@ class Eagle3Proposer:
                                       torch.tensor([n - 1 + j], device=dev))
                 ks.append(kj)
                 vs.append(vj)
-                hist.append(d[-1])
                 out = head.finish_layer(head.attend(qj, torch.cat(ks), torch.cat(vs), None), out,
-                                        self._copy(hist, dev))
+                                        self._copy(index, d, dev))
                 d.append(int(head.draft_tokens(head.logits(out))))
             drafts.append(d)
         return self._proposal(drafts)

@@ -640,7 +640,7 @@ def test_reduced_vocab_head_greedy_equals_plain(tiny4, greedy_setup, tmp_path):
 
 
 def test_copy_candidates():
-    from blitzllm.spec.eagle3 import copy_candidate_at, copy_candidates
+    from blitzllm.spec.eagle3 import CopyIndex, copy_candidate_at, copy_candidates
     toks = [5, 6, 7, 5, 6, 9, 5, 6]
     cand, n = copy_candidates(toks)
     # p=3: "5" seen at 0 -> 6; p=4: "5 6" seen ending at 1 -> 7; p=7: "5 6" last ended at 4 -> 9
@@ -651,6 +651,16 @@ def test_copy_candidates():
         seq = torch.randint(0, 4, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
         cand, n = copy_candidates(seq)
         assert [copy_candidate_at(seq[:p + 1]) for p in range(len(seq))] == list(zip(cand, n))
+    # the proposer's incremental index: grown in steps, with drafts on top, and rebuilt when
+    # the sequence it holds is not a prefix of the new one
+    idx = CopyIndex()
+    for _ in range(30):
+        seq = torch.randint(0, 4, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
+        for cut in sorted({1, len(seq) // 2, len(seq)}):
+            idx.update(seq[:cut])
+            for k in range(4):
+                extra = torch.randint(0, 4, (k,), generator=g).tolist()
+                assert idx.candidate(extra) == copy_candidate_at(seq[:cut] + extra), (seq[:cut], extra)
 
 
 def test_copy_input_head_trains_drafts_as_trained_and_keeps_greedy(tiny4, greedy_setup, tmp_path):
