@@ -53,15 +53,11 @@ def copy_candidates(tokens: list, max_n: int = COPY_MAX_N) -> tuple:
 
 
 def copy_candidate_at(tokens: list, max_n: int = COPY_MAX_N) -> tuple:
-    """``copy_candidates`` of the last position alone (a scan back from the end; the reference
-    the proposer's ``CopyIndex`` is tested against)."""
-    p = len(tokens) - 1
-    for n in range(min(max_n, p + 1), 0, -1):
-        suffix = tokens[p - n + 1:]
-        for q in range(p - 1, n - 2, -1):
-            if tokens[q - n + 1:q + 1] == suffix:
-                return tokens[q + 1], n
-    return 0, 0
+    """``copy_candidates`` of the last position alone: prompt lookup's match (a scan back
+    from the end; the reference the proposer's ``CopyIndex`` is tested against)."""
+    from .proposers import ngram_match
+    i, n = ngram_match(tokens, 1, max_n)
+    return (tokens[i + n], n) if n else (0, 0)
 
 
 class CopyIndex:

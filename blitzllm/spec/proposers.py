@@ -36,19 +36,26 @@ class Proposer:
         return {}
 
 
-def ngram_lookup(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list:
-    """Prompt lookup: the longest suffix n-gram (n_max down to n_min) that occurred earlier
-    in ``tokens``; returns up to k tokens that followed its latest earlier occurrence."""
+def ngram_match(tokens: Sequence[int], n_min: int, n_max: int) -> tuple:
+    """Prompt lookup's match: the longest suffix n-gram (n_max down to n_min) that occurred
+    earlier in ``tokens``, as (start of its latest earlier occurrence, n), or (-1, 0)."""
     L = len(tokens)
-    if k <= 0:
-        return []
     for n in range(min(n_max, L - 1), n_min - 1, -1):
         suffix = list(tokens[L - n:])
         first = suffix[0]
         for i in range(L - n - 1, -1, -1):
             if tokens[i] == first and list(tokens[i:i + n]) == suffix:
-                return list(tokens[i + n:i + n + k])
-    return []
+                return i, n
+    return -1, 0
+
+
+def ngram_lookup(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list:
+    """Prompt lookup: up to k tokens that followed the latest earlier occurrence of the
+    longest suffix n-gram (``ngram_match``)."""
+    if k <= 0:
+        return []
+    i, n = ngram_match(tokens, n_min, n_max)
+    return list(tokens[i + n:i + n + k]) if n else []
 
 
 class NgramProposer(Proposer):

@@ -34,6 +34,7 @@ class Sample:
     tokens: torch.Tensor   # [N] prompt + answer
     prompt_len: int
     final: Optional[torch.Tensor] = None   # [N-1, H] target outputs (final-normed) of positions 0..N-2
+    copy: Optional[tuple] = None   # copy_candidates of tokens (heads with the copy input; made once)
 
 
 def parse_range(text: Optional[str]) -> Optional[tuple]:
@@ -217,7 +218,9 @@ def sample_loss(head: Eagle3Head, s: Sample, steps: int, step_decay: float = STE
     padded = torch.cat([toks[1:], toks.new_zeros(steps)])
     copy = None
     if head.config.copy_input:   # candidates of positions 1..N-1, padded like the tokens
-        cand, length = copy_candidates(s.tokens.tolist())
+        if s.copy is None:   # (each epoch replays the sample)
+            s.copy = copy_candidates(s.tokens.tolist())
+        cand, length = s.copy
         copy = (torch.tensor(cand[1:] + [0] * steps, device=dev), torch.tensor(length[1:] + [0] * steps, device=dev))
     outs = head.forward_steps(s.feats[:T].to(dev), padded, steps, copy)
     t = torch.arange(T, device=dev)
