@@ -77,6 +77,10 @@ for part in "$@"; do case $part in
        run 100 llama_base $L; BLITZ_PDL_EARLY=1 run 100 llama_early $L ;;
   ab7) L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        run 100 llama_base $L; BLITZ_GEMV_MAX_WEIGHTS=$((64<<20)) run 100 llama_down_gemv $L ;;
+  moediag) # qwen3-30b-a3b batch 1 with PDL and without (each kernel's own time): scripts/kernel_table.py on the JSONs
+       M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
+       run 150 q30b_b1 $M; BLITZ_PDL=0 run 150 q30b_b1_nopdl $M
+       python3 scripts/kernel_table.py "$OUT/q30b_b1.json" "$OUT/q30b_b1_nopdl.json" ;;
   attrib) # per-kernel times without PDL overlap (each kernel starts after the one before ends)
        Q="--model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"

