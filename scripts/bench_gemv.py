@@ -70,8 +70,9 @@ def sweep(m):
     cfgs = [dict(DOT=True, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s) for bn, bk, w, s in
             [(16, 256, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3), (32, 128, 4, 4), (32, 256, 8, 4),
              (64, 128, 4, 3), (64, 128, 2, 3), (128, 128, 4, 3), (16, 256, 2, 2)]]
-    if m <= 4:
-        cfgs.append(dict(DOT=False, BLOCK_N=4, BLOCK_K=512, num_warps=4))
+    if m <= 8:  # the FMA path with more rows (its accumulator [BN, M, BK] caps BN)
+        cfgs += [dict(DOT=False, BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn, bk, w in
+                 [(4, 512, 4), (2, 1024, 4), (4, 1024, 8), (8, 256, 4), (2, 512, 2)]]
     return cfgs
 
 

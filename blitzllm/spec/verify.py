@@ -7,6 +7,12 @@ position is sampled by the ordinary ``Sampler`` with that position's history (ou
 accepted drafts) and drafts are accepted while they equal what the target itself drew.
 That is exact too (the sampler is a pure function of seed, step and logits) and even
 reproduces non-speculative tokens one for one, at a lower acceptance for random rows.
+
+``_greedy_verify`` is the fast path when every row is plain greedy (no penalties, banned
+tokens or top logprobs): every emitted token is then the argmax of its position's raw
+logits, so one greedy-sampling launch (argmax + log-probability, ``kernels/greedy.py``)
+and one copy to the host replace the rejection sampler's few dozen small kernels; the
+accepted prefix is found on the host. Same tokens and acceptance as the general path.
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from ..kernels.greedy import greedy_sample
 from ..layers.sampler import Sampler, SamplingMetadata, SamplingRow
 
 from ..layers import rejection_sampler as _rs
@@ -62,6 +69,40 @@ def _match_target(sampler: Sampler, logits, rows, drafts, vocab_size, device, sy
     return res
 
 
+def _plain_greedy(rows, drafts) -> bool:
+    """Whether every verified position samples as ``Sampler``'s greedy kernel path: greedy,
+    no penalties, no top logprobs, and past min_tokens (no banned stop tokens)."""
+    return all(r.params.temperature == 0.0 and not r.params.logprobs and not r.params.uses_penalties
+               and len(r.output_ids) >= r.params.min_tokens for r in rows)
+
+
+def _greedy_verify(logits, rows, drafts, synthetic_rate) -> list:
+    """All rows plain greedy: a draft is accepted while it equals its position's argmax
+    (or, in synthetic mode, while the seeded acceptance uniform is below the rate, as
+    ``rejection_sample`` draws it); the emitted logprobs are of the raw distribution."""
+    tokens, chosen = greedy_sample(logits)
+    lp_draft = None
+    if synthetic_rate is not None:  # accepted drafts may differ from the argmax
+        dtok = torch.tensor([t for d in drafts for t in list(d) + [0]], dtype=torch.int64)
+        g = logits.gather(1, torch.stack([tokens, dtok.to(logits.device, non_blocking=True)], 1)).float()
+        lp_draft = (g[:, 1] - g[:, 0] + chosen).tolist()  # log p(draft) = x_d - lse, lse = x_max - lp(argmax)
+        seeds = torch.tensor([r.seed for r, d in zip(rows, drafts) for _ in range(len(d) + 1)], dtype=torch.int64)
+        steps = torch.tensor([len(r.output_ids) + i for r, d in zip(rows, drafts) for i in range(len(d) + 1)],
+                             dtype=torch.int64)
+        synth = (_rs.accept_uniform(seeds, steps) < synthetic_rate).tolist()
+    toks, lps = tokens.tolist(), chosen.tolist()
+    res, base = [], 0
+    for d in drafts:
+        m = 0
+        while m < len(d) and (synth[base + m] if lp_draft is not None else d[m] == toks[base + m]):
+            m += 1
+        emitted = list(d[:m]) + [toks[base + m]]
+        lp = lp_draft[base:base + m] if lp_draft is not None else lps[base:base + m]
+        res.append(Verified(emitted, lp + [lps[base + m]], None, m))
+        base += len(d) + 1
+    return res
+
+
 def _rejection(logits, rows, drafts, vocab_size, device, synthetic_rate, draft_probs) -> list:
     md = _rs.build_spec_metadata(rows, drafts, vocab_size, device)
     out = _rs.rejection_sample(logits, drafts, md, draft_probs=draft_probs,
@@ -83,6 +124,8 @@ def verify(sampler: Sampler, logits, rows: list, drafts: list, vocab_size: int, 
            synthetic_rate: Optional[float] = None, draft_probs=None) -> list:
     """logits: [sum(len(d) + 1), V], each request's rows contiguous (its draft positions,
     then the bonus position). Returns one ``Verified`` per request."""
+    if _rs is not None and _plain_greedy(rows, drafts):  # greedy acceptance ignores draft_probs
+        return _greedy_verify(logits, rows, drafts, synthetic_rate)
     if _rs is not None:
         return _rejection(logits, rows, drafts, vocab_size, device, synthetic_rate, draft_probs)
     return _match_target(sampler, logits, rows, drafts, vocab_size, device, synthetic_rate)

@@ -277,3 +277,49 @@ def test_sampled_self_draft_is_accepted(tiny_llama):
     assert all(len(o.token_ids) == 24 for o in outs)
     s = _check_stats(llm, spec)
     assert s["spec_accepted_tokens"] >= 0.95 * s["spec_draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("synthetic", [None, 0.5])
+def test_greedy_verify_fast_path_equals_rejection_sampler(dtype, synthetic):
+    """Plain-greedy rows take the one-launch verify path; it emits the tokens, acceptance
+    and logprobs of the general rejection sampler (drafts that match the argmax for a
+    while, then differ; a row without drafts; synthetic acceptance)."""
+    from blitzllm.layers.sampler import SamplingRow
+    from blitzllm.spec import verify as verify_mod
+    g = torch.Generator().manual_seed(3)
+    V = 97
+    lens = [3, 0, 2, 4]
+    logits = torch.randn(sum(lens) + len(lens), V, generator=g).to(dtype)
+    top = logits.float().argmax(-1).tolist()
+    drafts, base = [], 0
+    for b, n in enumerate(lens):
+        match = [2, 0, 0, 4][b]  # leading drafts equal to the argmax
+        drafts.append([top[base + i] if i < match else (top[base + i] + 1) % V for i in range(n)])
+        base += n + 1
+    rows = [SamplingRow(params=SamplingParams(temperature=0, max_tokens=50), seed=40 + b, prompt_ids=[1, 2],
+                        output_ids=list(range(5 + b)), eos_token_id=0) for b in range(len(lens))]
+    assert verify_mod._plain_greedy(rows, drafts)
+    fast = verify_mod._greedy_verify(logits, rows, drafts, synthetic)
+    ref = verify_mod._rejection(logits, rows, drafts, V, "cpu", synthetic, None)
+    assert [v.tokens for v in fast] == [v.tokens for v in ref]
+    assert [v.num_accepted for v in fast] == [v.num_accepted for v in ref]
+    if synthetic is None:
+        assert [v.num_accepted for v in fast] == [2, 0, 0, 4]
+    else:  # some accepted drafts differ from the argmax: their own logprobs are reported
+        assert any(t != top[sum(lens[:b]) + b + i] for b, v in enumerate(fast) for i, t in enumerate(v.tokens))
+    for f, r in zip(fast, ref):
+        assert f.top is None and r.top is None
+        assert f.logprobs == pytest.approx(r.logprobs, abs=1e-5)
+
+
+def test_greedy_verify_fast_path_only_for_plain_greedy():
+    from blitzllm.layers.sampler import SamplingRow
+    from blitzllm.spec import verify as verify_mod
+
+    def row(**kw):
+        return [SamplingRow(params=SamplingParams(**kw), seed=1, prompt_ids=[1], output_ids=[3, 4], eos_token_id=0)]
+    assert verify_mod._plain_greedy(row(temperature=0), [[5]])
+    for kw in (dict(temperature=0.7), dict(temperature=0, logprobs=2), dict(temperature=0, presence_penalty=0.5),
+               dict(temperature=0, repetition_penalty=1.2), dict(temperature=0, min_tokens=5)):
+        assert not verify_mod._plain_greedy(row(**kw), [[5]]), kw
