@@ -23,9 +23,15 @@ _BLOCK = 1024
 _ENABLED = os.environ.get("BLITZ_GREEDY_KERNEL", "1") != "0"   # 0: the eager torch ops (A/B)
 
 
-@triton.jit
-def _greedy_kernel(x_ptr, stride_x, V, chunk, tok_ptr, lp_ptr, m_ws, s_ws, i_ws, cnt_ptr,
-                   SPLITS: tl.constexpr, S_PAD: tl.constexpr, BLOCK: tl.constexpr):
+# splits is a plain argument (not specialised) and the merge reads _MAX_SPLITS slots: one
+# compiled kernel for every row count, as the verify steps of speculative decoding need
+# (their row count changes step to step; a constexpr split count compiled anew for each).
+_MAX_SPLITS = 256
+
+
+@triton.jit(do_not_specialize=["splits"])
+def _greedy_kernel(x_ptr, stride_x, V, chunk, tok_ptr, lp_ptr, m_ws, s_ws, i_ws, cnt_ptr, splits,
+                   S_PAD: tl.constexpr, BLOCK: tl.constexpr):
     b = tl.program_id(0)
     sp = tl.program_id(1)
     row = x_ptr + b.to(tl.int64) * stride_x
@@ -47,17 +53,17 @@ def _greedy_kernel(x_ptr, stride_x, V, chunk, tok_ptr, lp_ptr, m_ws, s_ws, i_ws,
     mx = tl.max(m, axis=0)
     first = tl.min(tl.where(m == mx, idx, 2147483647), axis=0)
     tot = tl.sum(tl.where(m == float("-inf"), 0.0, s * tl.exp(m - mx)), axis=0)
-    slot = b * SPLITS + sp
+    slot = b * splits + sp
     tl.store(m_ws + slot, mx)
     tl.store(s_ws + slot, tot)
     tl.store(i_ws + slot, first)
     done = tl.atomic_add(cnt_ptr + b, 1, sem="acq_rel")
-    if done == SPLITS - 1:   # the last slice of this row: merge
+    if done == splits - 1:   # the last slice of this row: merge
         offs_s = tl.arange(0, S_PAD)
-        ok = offs_s < SPLITS
-        ms = tl.load(m_ws + b * SPLITS + offs_s, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        ss = tl.load(s_ws + b * SPLITS + offs_s, mask=ok, other=0.0, cache_modifier=".cg")
-        ids = tl.load(i_ws + b * SPLITS + offs_s, mask=ok, other=2147483647, cache_modifier=".cg")
+        ok = offs_s < splits
+        ms = tl.load(m_ws + b * splits + offs_s, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        ss = tl.load(s_ws + b * splits + offs_s, mask=ok, other=0.0, cache_modifier=".cg")
+        ids = tl.load(i_ws + b * splits + offs_s, mask=ok, other=2147483647, cache_modifier=".cg")
         gmax = tl.max(ms, axis=0)
         tok = tl.min(tl.where(ms == gmax, ids, 2147483647), axis=0)
         total = tl.sum(tl.where(ms == float("-inf"), 0.0, ss * tl.exp(ms - gmax)), axis=0)
@@ -82,13 +88,14 @@ def greedy_sample_triton(logits: torch.Tensor, splits: int | None = None) -> tup
     if B == 0:
         return tokens, lps
     if splits is None:  # about two programs per SM, each slice at least one block
-        splits = max(1, min(triton.cdiv(2 * device_sms(logits), B), triton.cdiv(V, _BLOCK), 256))
+        splits = max(1, min(triton.cdiv(2 * device_sms(logits), B), triton.cdiv(V, _BLOCK), _MAX_SPLITS))
     chunk = triton.cdiv(triton.cdiv(V, splits), _BLOCK) * _BLOCK
     splits = triton.cdiv(V, chunk)
+    assert splits <= _MAX_SPLITS, f"at most {_MAX_SPLITS} slices per row"
     m_ws, s_ws, i_ws, cnt = _workspace(logits.device, next_pow2(max(B * splits, B, 1024)))
     assert B * splits <= m_ws.numel()
-    _greedy_kernel[(B, splits)](logits, logits.stride(0), V, chunk, tokens, lps, m_ws, s_ws, i_ws, cnt,
-                                SPLITS=splits, S_PAD=next_pow2(splits), BLOCK=_BLOCK, num_warps=4)
+    _greedy_kernel[(B, splits)](logits, logits.stride(0), V, chunk, tokens, lps, m_ws, s_ws, i_ws, cnt, splits,
+                                S_PAD=_MAX_SPLITS, BLOCK=_BLOCK, num_warps=4)
     return tokens, lps
 
 

@@ -31,3 +31,17 @@ def test_greedy_ties_pick_the_first_index_and_masked_slices(device):
     rt, rl = reference_greedy_sample(x)
     assert tok.cpu().tolist() == [7, 2100] == rt.cpu().tolist()
     torch.testing.assert_close(lp.cpu(), rl.cpu(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (compiled kernels)")
+def test_one_compiled_kernel_for_every_row_count():
+    """Speculative verify steps call it with a different row count each step: the split
+    count per row must not be a compile-time constant, or each new count recompiles."""
+    from blitzllm.kernels.greedy import _greedy_kernel
+    x = torch.randn(64, 32000, device="cuda", dtype=torch.bfloat16)
+    for b in (1, 3, 4, 7, 12, 29, 64):   # 264 SMs' worth of splits: 132 ... 5 per row
+        tok, _ = greedy_sample_triton(x[:b])
+        assert torch.equal(tok.cpu(), x[:b].float().argmax(-1).cpu())
+    compiled = sum(len(c[0]) for c in _greedy_kernel.device_caches.values())
+    assert compiled == 1, compiled
