@@ -15,7 +15,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # a request is its identity: list membership must not compare every field
 class Request:
     request_id: str
     prompt_token_ids: list

@@ -69,7 +69,7 @@ class Scheduler:
         for req in order:
             if budget <= 0:
                 break
-            if req not in self.running:  # preempted as a victim below
+            if req.status is not Status.RUNNING:  # preempted as a victim below
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             # decodes reserve the next token's slot too when blocks are plentiful: the

@@ -8,6 +8,7 @@ implementing the same two methods.
 """
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -58,14 +59,64 @@ def ngram_lookup(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list:
     return list(tokens[i + n:i + n + k]) if n else []
 
 
+assert array("I").itemsize == 4, "TokenBytes packs token ids as 4-byte words"
+
+
+class TokenBytes:
+    """A request's token ids as 4-byte words, extended as the request grows, so prompt
+    lookup's match is a C substring search (``bytes.rfind``) rather than a Python loop over
+    the history: what a decode step of every running request can afford at large batch."""
+
+    def __init__(self):
+        self.buf = bytearray()
+        self.n = 0
+
+    def update(self, prompt: Sequence[int], output: Sequence[int]) -> None:
+        total = len(prompt) + len(output)
+        if total < self.n:  # not the sequence indexed so far: start over
+            self.buf, self.n = bytearray(), 0
+        p = len(prompt)
+        new = (list(prompt[self.n:]) + list(output)) if self.n < p else output[self.n - p:]
+        self.buf += array("I", new).tobytes()
+        self.n = total
+
+    def match(self, n_min: int, n_max: int) -> tuple:
+        """``ngram_match`` of the indexed tokens: (start, n) or (-1, 0)."""
+        L, buf = self.n, self.buf
+        for n in range(min(n_max, L - 1), n_min - 1, -1):
+            suffix = bytes(buf[4 * (L - n):])
+            end = 4 * (L - 1)  # an earlier occurrence starts at <= L - n - 1: it lies within buf[:end]
+            pos = buf.rfind(suffix, 0, end)
+            while pos > 0 and pos % 4:  # a match straddling token boundaries: look further back
+                pos = buf.rfind(suffix, 0, pos + len(suffix) - 1)
+            if pos >= 0:
+                return pos // 4, n
+        return -1, 0
+
+    def tokens(self, start: int, stop: int) -> list:
+        return array("I", bytes(self.buf[4 * start:4 * min(stop, self.n)])).tolist()
+
+
 class NgramProposer(Proposer):
+    """Prompt lookup (``ngram_lookup``) over a per-request ``TokenBytes``."""
+
     def __init__(self, spec: SpeculativeConfig):
         self.spec = spec
+        self.index: dict[str, TokenBytes] = {}
+
+    def finish(self, rid: str) -> None:
+        self.index.pop(rid, None)
 
     def propose(self, reqs, limits) -> Proposal:
-        s = self.spec
-        return Proposal([ngram_lookup(r.all_token_ids, lim, s.prompt_lookup_min, s.prompt_lookup_max)
-                         for r, lim in zip(reqs, limits)])
+        s, drafts = self.spec, []
+        for r, lim in zip(reqs, limits):
+            idx = self.index.get(r.request_id)
+            if idx is None:
+                idx = self.index[r.request_id] = TokenBytes()
+            idx.update(r.prompt_token_ids, r.output_token_ids)
+            i, n = idx.match(s.prompt_lookup_min, s.prompt_lookup_max) if lim > 0 else (-1, 0)
+            drafts.append(idx.tokens(i + n, i + n + lim) if n else [])
+        return Proposal(drafts)
 
 
 _DRAFT_SALT = 0x5DEECE66D  # the draft's noise must be independent of the target's draws

@@ -323,3 +323,25 @@ def test_greedy_verify_fast_path_only_for_plain_greedy():
     for kw in (dict(temperature=0.7), dict(temperature=0, logprobs=2), dict(temperature=0, presence_penalty=0.5),
                dict(temperature=0, repetition_penalty=1.2), dict(temperature=0, min_tokens=5)):
         assert not verify_mod._plain_greedy(row(**kw), [[5]]), kw
+
+
+def test_token_bytes_match_is_ngram_match():
+    """The proposer's byte-search match equals the Python scan on growing sequences, also
+    where a byte pattern occurs across token boundaries (ids whose bytes shift into each
+    other: 1, 256, 65536, 2**24) and with prompt / output splits that move."""
+    from blitzllm.spec.proposers import TokenBytes, ngram_match
+    g = torch.Generator().manual_seed(5)
+    for vocab in ([1, 256, 65536, 1 << 24, 0], [3, 4, 5], list(range(40))):
+        for trial in range(20):
+            toks = [vocab[i] for i in torch.randint(0, len(vocab), (60,), generator=g).tolist()]
+            p = int(torch.randint(1, 20, (1,), generator=g))
+            idx = TokenBytes()
+            for L in range(p, len(toks) + 1):
+                idx.update(toks[:p], toks[p:L])
+                for n_min, n_max in ((1, 3), (2, 4), (1, 1), (3, 5)):
+                    i, n = idx.match(n_min, n_max)
+                    assert (i, n) == ngram_match(toks[:L], n_min, n_max), (vocab, toks[:L], n_min, n_max)
+                    if n:
+                        assert idx.tokens(i + n, i + n + 3) == toks[i + n:min(i + n + 3, L)]
+    idx.update([7, 8], [9])   # a shorter (new) sequence starts over
+    assert idx.n == 3 and idx.tokens(0, 3) == [7, 8, 9]
