@@ -49,6 +49,19 @@ def _synthetic_accept(seed: int, step: int, rate: float) -> bool:
     return (h + 0.5) / 2**24 < rate
 
 
+def _accepted_prefixes(drafts, accept) -> list:
+    """Per request, (its first row among the stacked positions, accepted drafts): drafts
+    are taken while ``accept(request, j, row)`` holds, row = first row + j."""
+    out, base = [], 0
+    for b, d in enumerate(drafts):
+        m = 0
+        while m < len(d) and accept(b, m, base + m):
+            m += 1
+        out.append((base, m))
+        base += len(d) + 1
+    return out
+
+
 def _match_target(sampler: Sampler, logits, rows, drafts, vocab_size, device, synthetic_rate) -> list:
     md = SamplingMetadata.build(_position_rows(rows, drafts), vocab_size, device)
     out = sampler(logits, md)
@@ -56,16 +69,14 @@ def _match_target(sampler: Sampler, logits, rows, drafts, vocab_size, device, sy
     top = None
     if out.top_ids is not None:
         top = [list(zip(a, b)) for a, b in zip(out.top_ids.tolist(), out.top_logprobs.tolist())]
-    res, base = [], 0
-    for r, d in zip(rows, drafts):
-        m = 0
-        while m < len(d) and (_synthetic_accept(r.seed, len(r.output_ids) + m, synthetic_rate)
-                              if synthetic_rate is not None else d[m] == toks[base + m]):
-            m += 1
-        emitted = list(d[:m]) + [toks[base + m]]
+    if synthetic_rate is not None:
+        accept = lambda b, j, row: _synthetic_accept(rows[b].seed, len(rows[b].output_ids) + j, synthetic_rate)  # noqa: E731
+    else:
+        accept = lambda b, j, row: drafts[b][j] == toks[row]  # noqa: E731
+    res = []
+    for d, (base, m) in zip(drafts, _accepted_prefixes(drafts, accept)):
         sl = slice(base, base + m + 1)
-        res.append(Verified(emitted, lps[sl], top[sl] if top is not None else None, m))
-        base += len(d) + 1
+        res.append(Verified(list(d[:m]) + [toks[base + m]], lps[sl], top[sl] if top is not None else None, m))
     return res
 
 
@@ -91,15 +102,14 @@ def _greedy_verify(logits, rows, drafts, synthetic_rate) -> list:
                              dtype=torch.int64)
         synth = (_rs.accept_uniform(seeds, steps) < synthetic_rate).tolist()
     toks, lps = tokens.tolist(), chosen.tolist()
-    res, base = [], 0
-    for d in drafts:
-        m = 0
-        while m < len(d) and (synth[base + m] if lp_draft is not None else d[m] == toks[base + m]):
-            m += 1
-        emitted = list(d[:m]) + [toks[base + m]]
+    if lp_draft is not None:
+        accept = lambda b, j, row: synth[row]  # noqa: E731
+    else:
+        accept = lambda b, j, row: drafts[b][j] == toks[row]  # noqa: E731
+    res = []
+    for d, (base, m) in zip(drafts, _accepted_prefixes(drafts, accept)):
         lp = lp_draft[base:base + m] if lp_draft is not None else lps[base:base + m]
-        res.append(Verified(emitted, lp + [lps[base + m]], None, m))
-        base += len(d) + 1
+        res.append(Verified(list(d[:m]) + [toks[base + m]], lp + [lps[base + m]], None, m))
     return res
 
 
