@@ -77,6 +77,31 @@ for part in "$@"; do case $part in
        run 100 llama_base $L; BLITZ_PDL_EARLY=1 run 100 llama_early $L ;;
   ab7) L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        run 100 llama_base $L; BLITZ_GEMV_MAX_WEIGHTS=$((64<<20)) run 100 llama_down_gemv $L ;;
+  tma) # issue 5: o_proj / qkv as the TMA GEMV (weights streamed before the PDL wait, behind the attention / RMSNorm)
+       timeout 200 python3 -m pytest -q -x --tb=short -m gpu tests/kernels/test_kernel_gemv_tma.py -p no:cacheprovider 2>&1 | tail -3
+       timeout 200 python3 scripts/bench_gemv_tma.py 2>&1 | tail -12
+       M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
+       Q="--model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
+       L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
+       run 150 q30b_tma $M; BLITZ_GEMV_TMA=0 run 150 q30b_tma0 $M; BLITZ_GEMV_TMA=nodeps run 150 q30b_nodeps $M
+       run 80 qwen06_tma $Q; BLITZ_GEMV_TMA=0 run 80 qwen06_tma0 $Q
+       run 100 llama_tma $L; BLITZ_GEMV_TMA=0 run 100 llama_tma0 $L
+       python3 scripts/kernel_table.py "$OUT/q30b_tma.json" "$OUT/q30b_tma0.json" 2>&1 | tail -30 ;;
+  tmaq) # the tma part's qwen3-30b-a3b runs only (kernel test, microbenchmark, batch 1 with and without)
+       timeout 200 python3 -m pytest -q -x --tb=short -m gpu tests/kernels/test_kernel_gemv_tma.py -p no:cacheprovider 2>&1 | tail -3
+       timeout 200 python3 scripts/bench_gemv_tma.py 2>&1 | tail -12
+       M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
+       run 150 q30b_tma $M; BLITZ_GEMV_TMA=0 run 150 q30b_tma0 $M
+       python3 scripts/kernel_table.py "$OUT/q30b_tma.json" "$OUT/q30b_tma0.json" 2>&1 | tail -30 ;;
+  tmaab) # the TMA GEMV's GPU tests, then batch 1 with and without it on the dense presets and qwen3-30b-a3b
+       timeout 300 python3 -m pytest -q --tb=short -m gpu tests/kernels/test_kernel_gemv_tma.py tests/test_gpu_e2e.py \
+         -p no:cacheprovider -k "tma or bf16" 2>&1 | tail -3
+       M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
+       Q="--model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
+       L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
+       run 80 qwen06_tma $Q; BLITZ_GEMV_TMA=0 run 80 qwen06_tma0 $Q; BLITZ_GEMV_TMA=o_proj run 80 qwen06_tmao $Q
+       run 100 llama_tma $L; BLITZ_GEMV_TMA=0 run 100 llama_tma0 $L
+       run 150 q30b_tma $M; BLITZ_GEMV_TMA=0 run 150 q30b_tma0 $M ;;
   moediag) # qwen3-30b-a3b batch 1 with PDL and without (each kernel's own time): scripts/kernel_table.py on the JSONs
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
        run 150 q30b_b1 $M; BLITZ_PDL=0 run 150 q30b_b1_nopdl $M

@@ -154,3 +154,31 @@ def test_norm_route_decode_matches_default(monkeypatch, preset, layers, select):
     got = [o.token_ids for o in llm.generate(prompts, params) + llm.generate(prompts[:1], params)]
     assert calls and max(calls) <= moe.NORM_ROUTE_MAX_T
     assert got == want
+
+
+@pytest.mark.parametrize("preset,layers", [("qwen3-30b-a3b", 2), ("qwen3-0.6b", 4), ("llama-3.1-8b", 2)])
+def test_tma_gemv_decode_matches_fma_gemv(monkeypatch, preset, layers):
+    """Decode with o_proj and qkv as the TMA GEMV (the default on Hopper; the attention and the
+    input RMSNorm let it launch as they start) gives the FMA GEMV's greedy tokens (bf16, batches of 2
+    and 1), and the TMA GEMV ran, in the CUDA graphs too."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("Hopper only")
+    import blitzllm.kernels.gemv_tma as gemv_tma
+    kw = dict(num_layers=layers, device="cuda", dtype="bfloat16", kv_cache_blocks=256, max_num_seqs=8,
+              max_model_len=1024)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    monkeypatch.setattr(gemv_tma, "TMA_MODE", "0")
+    base = LLM(f"preset:{preset}", **kw)
+    prompts = _prompts(2, base.engine.model_config.vocab_size, seed=8)
+    want = [[o.token_ids for o in base.generate(p, params)] for p in (prompts, prompts[:1])]
+    del base
+    monkeypatch.setattr(gemv_tma, "TMA_MODE", "1")
+    calls = []
+    orig = gemv_tma.gemv_tma_triton
+    monkeypatch.setattr(gemv_tma, "gemv_tma_triton", lambda *a, **k: calls.append(a[0].shape[0]) or orig(*a, **k))
+    llm = LLM(f"preset:{preset}", **kw)
+    layer = llm.engine.runner.model.model.layers[0]
+    assert layer.self_attn.o_proj.tma_preload and layer.self_attn.qkv_proj.tma_preload
+    got = [[o.token_ids for o in llm.generate(p, params)] for p in (prompts, prompts[:1])]
+    assert calls and set(calls) <= {1, 2}
+    assert got == want

@@ -126,7 +126,10 @@ def _decode_kernel(
     FUSE_QK: tl.constexpr, HAS_NORM: tl.constexpr, ROT: tl.constexpr, EARLY_QK: tl.constexpr,
     IDLE_EXIT: tl.constexpr,
     pf0, pn0, pf1, pn1, pf2, pn2, pf3, pn3, pf_chunk, NPF: tl.constexpr, PF_LANES: tl.constexpr,
+    EARLY_DEPS: tl.constexpr = False,
 ):
+    if EARLY_DEPS:  # the next kernel (the TMA GEMV, streaming its weights meanwhile) launches now
+        pdl_launch_dependents(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -405,11 +408,13 @@ def paged_decode_attention_triton(
     q, k_cache, v_cache, block_tables, seq_lens, scale,
     num_splits: Optional[int] = None, block_n: Optional[int] = None,
     num_stages: int = 2, early_v: bool = True, fused_reduce: bool = True, _fuse=None,
-    l2_prefetch_ranges=(), num_warps: Optional[int] = None,
+    l2_prefetch_ranges=(), num_warps: Optional[int] = None, early_dependents: bool = False,
 ):
     """``l2_prefetch_ranges``: up to 4 (tensor, nbytes) whose first nbytes the kernel asks
     the L2 to fetch while it runs (the GEMVs after it; see ``_common.l2_prefetch``);
-    ignored where the GPU has no bulk prefetch."""
+    ignored where the GPU has no bulk prefetch. ``early_dependents`` (PDL): the next kernel
+    may launch as this one starts (a GEMV that streams its weights before its wait:
+    ``kernels/gemv_tma.py``)."""
     hq, hkv, d = _check_cache(q, k_cache, v_cache)
     B = q.shape[0]
     if q.stride(2) != 1:
@@ -454,7 +459,7 @@ def paged_decode_attention_triton(
         NUM_SPLITS=s, G_PAD=g_pad, D=d, D_PAD=d_pad, BLOCK_N=bn,
         BLOCK_SIZE=k_cache.shape[1], IEEE=ieee, EARLY_V=early_v, FUSED_REDUCE=fused,
         USE_PDL=pdl, G_COMB=g_comb, COMBINE=combine, IDLE_EXIT=_IDLE_EXIT, **fuse_kw, **pf,
-        num_warps=num_warps or decode_warps(g), num_stages=num_stages, **pdl_launch_kwargs(pdl),
+        EARLY_DEPS=bool(early_dependents) and bool(pdl), num_warps=num_warps or decode_warps(g), num_stages=num_stages, **pdl_launch_kwargs(pdl),
     )
     if s > 1 and not fused:
         _decode_reduce_kernel[(B, hq)](
@@ -468,7 +473,7 @@ def fused_decode_attention_triton(
     qkv, positions, cos_sin_cache, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot_mapping,
     block_tables, seq_lens, scale, q_norm_weight=None, k_norm_weight=None, eps=1e-6, rotary_dim=None,
     num_splits: Optional[int] = None, l2_prefetch_ranges=(), block_n: Optional[int] = None,
-    num_warps: Optional[int] = None,
+    num_warps: Optional[int] = None, early_dependents: bool = False,
 ):
     """One decode step of one layer in one launch: per-head q/k RMSNorm (optional) + rotary
     + writing the new k/v into the paged cache (``fused_qk_norm_rope_cache_triton``) and
@@ -486,7 +491,7 @@ def fused_decode_attention_triton(
     return paged_decode_attention_triton(
         out, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=num_splits,
         l2_prefetch_ranges=l2_prefetch_ranges, block_n=block_n, num_warps=num_warps,
-        _fuse=(qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, slot_mapping, eps, rot))
+        early_dependents=early_dependents, _fuse=(qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, slot_mapping, eps, rot))
 
 
 def paged_prefill_attention_triton(

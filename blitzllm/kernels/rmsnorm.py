@@ -19,7 +19,10 @@ def _rms_norm_kernel(
     stride_x, stride_r, stride_o, stride_ro,
     N, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    EARLY_DEPS: tl.constexpr = False,
 ):
+    if EARLY_DEPS:  # the next kernel (the TMA GEMV, streaming its weights meanwhile) launches now
+        pdl_launch_dependents(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -53,7 +56,7 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
     return t2
 
 
-def _launch(x, residual, weight, eps):
+def _launch(x, residual, weight, eps, early_dependents: bool = False):
     n = x.shape[-1]
     x2 = _as_rows(x)
     rows = x2.shape[0]
@@ -74,21 +77,23 @@ def _launch(x, residual, weight, eps):
             x2.stride(0), r2.stride(0), out2.stride(0), ro2.stride(0),
             n, float(eps),
             HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps,
-            USE_PDL=pdl, **pdl_launch_kwargs(pdl),
+            USE_PDL=pdl, EARLY_DEPS=bool(early_dependents) and bool(pdl), **pdl_launch_kwargs(pdl),
         )
     return out, res_out
 
 
 # ----------------------------------------------------------------- launchers
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _launch(x, None, weight, eps)[0]
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, early_dependents: bool = False) -> torch.Tensor:
+    """``early_dependents`` (PDL): the next kernel may launch as this one starts (the TMA
+    GEMV of kernels/gemv_tma.py, which streams its weights before its wait)."""
+    return _launch(x, None, weight, eps, early_dependents)[0]
 
 
 def fused_add_rms_norm_triton(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, early_dependents: bool = False
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     assert x.shape == residual.shape and x.dtype == residual.dtype
-    return _launch(x, residual, weight, eps)
+    return _launch(x, residual, weight, eps, early_dependents)
 
 
 # ---------------------------------------------------------------- references

@@ -218,7 +218,8 @@ class TritonAttentionBackend(AttentionBackend):
                 k_norm_weight=kn.weight if kn is not None else None,
                 eps=qn.eps if qn is not None else 1e-6, rotary_dim=layer.rotary.rotary_dim,
                 l2_prefetch_ranges=(l2_prefetch_ranges(layer.prefetch_modules, self.l2_prefetch_bytes)
-                                    if self.l2_prefetch_bytes else ()))
+                                    if self.l2_prefetch_bytes else ()),
+                early_dependents=_next_streams_early(layer, qkv))
         q = fused_qk_norm_rope_cache_triton(
             qkv, positions, layer.rotary.cos_sin_cache, layer.num_heads, layer.num_kv_heads, layer.head_dim,
             k_cache, v_cache, md.slot_mapping,
@@ -232,6 +233,18 @@ class TritonAttentionBackend(AttentionBackend):
             return _long_prompt_sdpa(q, k_cache, v_cache, md, layer.scale)
         return paged_prefill_attention_triton(q, k_cache, v_cache, md.query_start_loc, md.seq_lens,
                                               md.block_tables, layer.scale, md.max_q_len)
+
+
+def _next_streams_early(layer, qkv) -> bool:
+    """Whether the projection after this decode attention (``layer.preload_next``, o_proj)
+    runs the TMA GEMV, which streams its weights before its wait: then the attention lets
+    it launch as the attention starts."""
+    nxt = getattr(layer, "preload_next", ())
+    if not nxt:
+        return False
+    from ..kernels.gemv_tma import tma_early_dependents
+    o_proj = nxt[0]
+    return tma_early_dependents() and o_proj.tma_ok(qkv.new_empty((qkv.shape[0], o_proj.in_features)))
 
 
 _SDPA_MIN_LEN = 2048

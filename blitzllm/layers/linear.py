@@ -30,6 +30,17 @@ class Linear(nn.Module):
         self.register_buffer("qweight", None)  # packed int4 (quantize_int4) or int8 (quantize_int8)
         self.register_buffer("qscales_zeros", None)
         self.group_size = 0  # > 0: int4 groups of this size; -1: int8 per output channel
+        # decode at 1-2 rows through the TMA GEMV (kernels/gemv_tma.py), which streams its
+        # weights before waiting on the kernel before: set on o_proj and qkv, which follow the
+        # latency-bound decode attention and RMSNorm (those let it launch as they start)
+        self.tma_preload = False
+
+    def tma_ok(self, x: torch.Tensor) -> bool:
+        """Whether ``forward(x)`` (and ``forward_norm``) runs the TMA GEMV."""
+        if not self.tma_preload or self.qweight is not None or not GEMV_ENABLED:
+            return False
+        from ..kernels.gemv_tma import tma_gemv_ok
+        return tma_gemv_ok(x, self.weight)
 
     def forward(self, x: torch.Tensor, silu_mul_input: bool = False) -> torch.Tensor:
         """x [..., in] -> [..., out]. With ``silu_mul_input`` x is [..., 2*in] (gate, up) and
@@ -37,6 +48,8 @@ class Linear(nn.Module):
         if self.qweight is not None:
             return self._int4_forward(silu_and_mul(x) if silu_mul_input else x)
         w = self.weight
+        if not silu_mul_input and self.tma_ok(x):
+            return self._tma_forward(x)
         if x.is_cuda and GEMV_ENABLED and x.dtype == w.dtype:
             return gemv_linear(x, w, self.bias, silu_mul_input=silu_mul_input)
         if silu_mul_input:
@@ -55,12 +68,28 @@ class Linear(nn.Module):
         """Pre-norm block entry: ``(self(norm(x + residual)), x + residual)``; ``norm`` is the
         RMSNorm module. On CUDA decode the norm is the GEMV's prologue (one kernel)."""
         if norm.tp is None:  # (a norm that all-reduces over tensor-parallel ranks runs on its own)
+            if self.tma_ok(x) and x.dtype == norm.weight.dtype:  # the norm lets the GEMV launch at once
+                from ..kernels.gemv_tma import tma_early_dependents
+                from ..kernels.rmsnorm import fused_add_rms_norm_triton, rms_norm_triton
+                early = tma_early_dependents()
+                if residual is None:
+                    h, residual = rms_norm_triton(x, norm.weight, norm.eps, early_dependents=early), x
+                else:
+                    h, residual = fused_add_rms_norm_triton(x, residual, norm.weight, norm.eps,
+                                                            early_dependents=early)
+                return self._tma_forward(h), residual
             if self.qweight is None and x.is_cuda and GEMV_ENABLED and x.dtype == self.weight.dtype:
                 return norm_linear(x, residual, self.weight, self.bias, norm.weight, norm.eps)
             if residual is None:
                 return self(norm(x)), x
         h, residual = norm(x, residual)
         return self(h), residual
+
+    def _tma_forward(self, x: torch.Tensor) -> torch.Tensor:
+        from ..kernels.gemv_tma import gemv_tma_triton
+        rows = x.numel() // x.shape[-1]
+        y = gemv_tma_triton(x.reshape(rows, x.shape[-1]), self.weight, self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
 
     # ---- weight-only int4 (CPU) -------------------------------------------------------
     def quantize_int4(self, group_size: int = 32) -> None:

@@ -22,6 +22,7 @@ from ..distributed.layers import Part, lm_head, packed_column_linear, row_linear
 from ..distributed.parallel_state import get_tp_group, split_heads
 from ..kernels._common import use_triton
 from ..kernels.fused_mlp import FUSED_MLP, fused_mlp_ok, fused_mlp_triton
+from ..kernels.gemv_tma import tma_for_qkv
 from ..kernels.gemv import (GEMV_MAX_ROWS, glu_linear, glu_ok, linear_add_ss, prefer_gemv, ss_norm_glu,
                             ss_norm_linear, sum_squares_slots)
 from ..layers.attention import Attention
@@ -228,6 +229,15 @@ class DecoderModel(nn.Module):
                 if type(shared) is DenseMLP:
                     mods += [shared.gate_up_proj, shared.down_proj]
             attn.attn.prefetch_modules = tuple(mods)
+            # decode's o_proj and qkv as the TMA GEMV (layers/linear.py ``tma_preload``): o_proj
+            # streams its weights while the attention runs, qkv while the input RMSNorm does
+            if type(attn.o_proj).forward is Linear.forward:
+                attn.o_proj.tma_preload = True
+                attn.attn.preload_next = (attn.o_proj,)  # (a tuple: not a submodule)
+            qkv = attn.qkv_proj
+            if (type(qkv).forward is Linear.forward and type(qkv).forward_norm is Linear.forward_norm
+                    and tma_for_qkv()):
+                qkv.tma_preload = True
 
     def forward(self, input_ids, positions):
         x, residual = self.embed_tokens(input_ids), None
