@@ -102,6 +102,12 @@ for part in "$@"; do case $part in
        run 80 qwen06_tma $Q; BLITZ_GEMV_TMA=0 run 80 qwen06_tma0 $Q; BLITZ_GEMV_TMA=o_proj run 80 qwen06_tmao $Q
        run 100 llama_tma $L; BLITZ_GEMV_TMA=0 run 100 llama_tma0 $L
        run 150 q30b_tma $M; BLITZ_GEMV_TMA=0 run 150 q30b_tma0 $M ;;
+  tmafin) # issue 5 acceptance 2 with the TMA GEMV: qwen3-30b-a3b batch 1 (default, lm_head too, off, PDL off) and batch 32
+       M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
+       run 150 q30b_b1 $M; BLITZ_GEMV_TMA=lm_head run 150 q30b_b1_lmh $M; BLITZ_GEMV_TMA=0 run 150 q30b_b1_tma0 $M
+       BLITZ_PDL=0 run 150 q30b_b1_nopdl $M
+       run 200 q30b_b32 --model preset:qwen3-30b-a3b --batch-size 32 --input-len 128 --output-len 128 --max-num-seqs 32
+       python3 scripts/kernel_table.py "$OUT/q30b_b1.json" "$OUT/q30b_b1_nopdl.json" 2>&1 | tail -24 ;;
   moediag) # qwen3-30b-a3b batch 1 with PDL and without (each kernel's own time): scripts/kernel_table.py on the JSONs
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
        run 150 q30b_b1 $M; BLITZ_PDL=0 run 150 q30b_b1_nopdl $M

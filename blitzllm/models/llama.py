@@ -22,7 +22,7 @@ from ..distributed.layers import Part, lm_head, packed_column_linear, row_linear
 from ..distributed.parallel_state import get_tp_group, split_heads
 from ..kernels._common import use_triton
 from ..kernels.fused_mlp import FUSED_MLP, fused_mlp_ok, fused_mlp_triton
-from ..kernels.gemv_tma import tma_for_qkv
+from ..kernels.gemv_tma import tma_for_lm_head, tma_for_qkv
 from ..kernels.gemv import (GEMV_MAX_ROWS, glu_linear, glu_ok, linear_add_ss, prefer_gemv, ss_norm_glu,
                             ss_norm_linear, sum_squares_slots)
 from ..layers.attention import Attention
@@ -292,6 +292,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = lm_head(cfg.hidden_size, cfg.vocab_size, get_tp_group())
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        if type(self.lm_head).forward is Linear.forward and tma_for_lm_head():
+            self.lm_head.tma_preload = True  # decode logits through the TMA GEMV (kernels/gemv_tma.py)
 
     def make_layer(self, cfg: ModelConfig, idx: int, rotary: RotaryEmbedding) -> nn.Module:
         return DecoderLayer(cfg, idx, rotary)
