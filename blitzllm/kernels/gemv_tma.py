@@ -46,6 +46,7 @@ TMA_SMEM_BYTES = int(os.environ.get("BLITZ_GEMV_TMA_SMEM", str(160 << 10)))  # p
 TMA_MAX_ROWS = 2
 _BLOCK_NS = (8, 16)
 TMA_WARPS = int(os.environ.get("BLITZ_GEMV_TMA_WARPS", "8"))
+_ENV_BLOCK_N = int(os.environ.get("BLITZ_GEMV_TMA_BLOCK_N", "0"))  # (A/B: force the row-tile size)
 TMA_GROUP_BYTES = 32 << 10  # bytes per copy at most
 
 if HAS_GLUON:
@@ -183,7 +184,7 @@ def tma_gemv_config(N: int, K: int, itemsize: int, sms: int, smem_bytes: int = T
     bk = min(256, max(16 // itemsize, next_pow2(K)))
     chunks = triton.cdiv(K, bk)
     best = None
-    for bn in _BLOCK_NS:
+    for bn in ((_ENV_BLOCK_N,) if _ENV_BLOCK_N else _BLOCK_NS):
         tiles = triton.cdiv(N, bn)
         progs = min(tiles, sms)
         per_prog = triton.cdiv(tiles, progs) * bn * chunks * bk * itemsize  # the busiest program's bytes
