@@ -176,9 +176,9 @@ def tma_gemv_config(N: int, K: int, itemsize: int, sms: int, smem_bytes: int = T
     """BLOCK_N (the row-tile size that spreads W most evenly over at most one program per
     SM), BLOCK_K (256 values, a TMA box row), G (chunks per copy: up to ``group_bytes``, where
     BLOCK_K divides K), programs, SLOTS (a program's copies, capped by ``smem_bytes``) and the
-    warps (WN, over the rows; a copy's chunks stay within each thread). E.g. H200, bf16: Qwen3-30B-A3B o_proj
-    (2048 x 4096): 128 programs of 16 rows x 4096, four 32 KB copies each, all preloaded; qkv
-    (5120 x 2048): 132 programs of 4-5 8-row tiles, one 32 KB copy per tile."""
+    warps (WN, over the rows; a copy's chunks stay within each thread). E.g. H200, bf16:
+    Qwen3-30B-A3B o_proj (2048 x 4096): 128 programs of 16 rows x 4096, four 32 KB copies each,
+    all preloaded; qkv (5120 x 2048): 132 programs of 4-5 8-row tiles, one 32 KB copy per tile."""
     warps = warps or TMA_WARPS
     group_bytes = group_bytes or TMA_GROUP_BYTES
     bk = min(256, max(16 // itemsize, next_pow2(K)))

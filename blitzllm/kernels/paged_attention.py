@@ -459,7 +459,8 @@ def paged_decode_attention_triton(
         NUM_SPLITS=s, G_PAD=g_pad, D=d, D_PAD=d_pad, BLOCK_N=bn,
         BLOCK_SIZE=k_cache.shape[1], IEEE=ieee, EARLY_V=early_v, FUSED_REDUCE=fused,
         USE_PDL=pdl, G_COMB=g_comb, COMBINE=combine, IDLE_EXIT=_IDLE_EXIT, **fuse_kw, **pf,
-        EARLY_DEPS=bool(early_dependents) and bool(pdl), num_warps=num_warps or decode_warps(g), num_stages=num_stages, **pdl_launch_kwargs(pdl),
+        EARLY_DEPS=bool(early_dependents) and bool(pdl), num_warps=num_warps or decode_warps(g),
+        num_stages=num_stages, **pdl_launch_kwargs(pdl),
     )
     if s > 1 and not fused:
         _decode_reduce_kernel[(B, hq)](
@@ -491,7 +492,8 @@ def fused_decode_attention_triton(
     return paged_decode_attention_triton(
         out, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=num_splits,
         l2_prefetch_ranges=l2_prefetch_ranges, block_n=block_n, num_warps=num_warps,
-        early_dependents=early_dependents, _fuse=(qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, slot_mapping, eps, rot))
+        early_dependents=early_dependents,
+        _fuse=(qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, slot_mapping, eps, rot))
 
 
 def paged_prefill_attention_triton(

@@ -83,7 +83,8 @@ def _launch(x, residual, weight, eps, early_dependents: bool = False):
 
 
 # ----------------------------------------------------------------- launchers
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, early_dependents: bool = False) -> torch.Tensor:
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                    early_dependents: bool = False) -> torch.Tensor:
     """``early_dependents`` (PDL): the next kernel may launch as this one starts (the TMA
     GEMV of kernels/gemv_tma.py, which streams its weights before its wait)."""
     return _launch(x, None, weight, eps, early_dependents)[0]

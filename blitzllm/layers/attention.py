@@ -244,7 +244,8 @@ def _next_streams_early(layer, qkv) -> bool:
         return False
     from ..kernels.gemv_tma import tma_early_dependents
     o_proj = nxt[0]
-    return tma_early_dependents() and o_proj.tma_ok(qkv.new_empty((qkv.shape[0], o_proj.in_features)))
+    # (the attention output is [rows, in_features] of qkv's dtype and device: a view stands in)
+    return tma_early_dependents() and o_proj.tma_ok(qkv[:, :o_proj.in_features])
 
 
 _SDPA_MIN_LEN = 2048
