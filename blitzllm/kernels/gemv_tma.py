@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from ._common import HAS_TRITON, device_sms, next_pow2, pdl_enabled, triton
+from ._common import HAS_TRITON, _capability, device_sms, next_pow2, pdl_enabled, triton
 
 try:  # Gluon ships with Triton >= 3.5
     from triton.experimental import gluon
@@ -209,11 +209,6 @@ def _cached_config(N, K, itemsize, sms, smem_bytes):
     return tma_gemv_config(N, K, itemsize, sms, smem_bytes)
 
 
-@functools.lru_cache(maxsize=None)
-def _hopper(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] == 9
-
-
 def tma_gemv_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether ``gemv_tma_triton(x, w)`` runs here: Hopper with PDL, 1-2 rows, a contiguous
     bf16/fp16 W whose rows are 16-byte aligned (the TMA's rule), x of W's dtype."""
@@ -221,7 +216,7 @@ def tma_gemv_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
         return False
     idx = w.device.index if w.device.index is not None else torch.cuda.current_device()
     rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-    return (_hopper(idx) and 1 <= rows <= TMA_MAX_ROWS and w.dim() == 2 and w.dtype in (torch.bfloat16, torch.float16)
+    return (_capability(idx)[0] == 9 and 1 <= rows <= TMA_MAX_ROWS and w.dim() == 2 and w.dtype in (torch.bfloat16, torch.float16)
             and x.dtype == w.dtype and w.is_contiguous() and w.data_ptr() % 16 == 0
             and (w.shape[1] * w.element_size()) % 16 == 0 and w.shape[0] > 0)
 

@@ -113,10 +113,12 @@ def reference_fused_add_rms_norm(
 
 
 # ------------------------------------------------------------------- public
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """RMSNorm over the last dim of ``x`` (any leading shape); returns a new tensor."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+             early_dependents: bool = False) -> torch.Tensor:
+    """RMSNorm over the last dim of ``x`` (any leading shape); returns a new tensor.
+    ``early_dependents``: see ``rms_norm_triton`` (CUDA only; ignored elsewhere)."""
     if use_triton(x):
-        return rms_norm_triton(x, weight, eps)
+        return rms_norm_triton(x, weight, eps, early_dependents)
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         # torch's op computes the same fp32 expression in one call (the CPU path is
         # dominated by per-op overhead); lower precisions keep the reference's roundings
@@ -125,14 +127,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float = 1e-6
+    x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float = 1e-6,
+    early_dependents: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Returns ``(rms_norm(x + residual), x + residual)``; ``residual=None`` means
-    the first layer: ``(rms_norm(x), x)``."""
+    the first layer: ``(rms_norm(x), x)``. ``early_dependents``: see ``rms_norm_triton``."""
     if residual is None:
-        return rms_norm(x, weight, eps), x
+        return rms_norm(x, weight, eps, early_dependents), x
     if use_triton(x):
-        return fused_add_rms_norm_triton(x, residual, weight, eps)
+        return fused_add_rms_norm_triton(x, residual, weight, eps, early_dependents)
     if x.dtype == torch.float32:
         new_residual = x + residual
         return rms_norm(new_residual, weight, eps), new_residual

@@ -70,13 +70,9 @@ class Linear(nn.Module):
         if norm.tp is None:  # (a norm that all-reduces over tensor-parallel ranks runs on its own)
             if self.tma_ok(x) and x.dtype == norm.weight.dtype:  # the norm lets the GEMV launch at once
                 from ..kernels.gemv_tma import tma_early_dependents
-                from ..kernels.rmsnorm import fused_add_rms_norm_triton, rms_norm_triton
-                early = tma_early_dependents()
-                if residual is None:
-                    h, residual = rms_norm_triton(x, norm.weight, norm.eps, early_dependents=early), x
-                else:
-                    h, residual = fused_add_rms_norm_triton(x, residual, norm.weight, norm.eps,
-                                                            early_dependents=early)
+                from ..kernels.rmsnorm import fused_add_rms_norm
+                h, residual = fused_add_rms_norm(x, residual, norm.weight, norm.eps,
+                                                 early_dependents=tma_early_dependents())
                 return self._tma_forward(h), residual
             if self.qweight is None and x.is_cuda and GEMV_ENABLED and x.dtype == self.weight.dtype:
                 return norm_linear(x, residual, self.weight, self.bias, norm.weight, norm.eps)
