@@ -108,6 +108,16 @@ for part in "$@"; do case $part in
        BLITZ_PDL=0 run 150 q30b_b1_nopdl $M
        run 200 q30b_b32 --model preset:qwen3-30b-a3b --batch-size 32 --input-len 128 --output-len 128 --max-num-seqs 32
        python3 scripts/kernel_table.py "$OUT/q30b_b1.json" "$OUT/q30b_b1_nopdl.json" 2>&1 | tail -24 ;;
+  moetma) # issue 5: the one-launch TMA MoE (kernels/moe_tma.py): its GPU tests (stop here if they fail),
+       # the kernel against the direct path's two GEMMs, then qwen3-30b-a3b batch 1 with and without it
+       timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -x --tb=short -m gpu tests/kernels/test_kernel_moe_tma.py \
+         -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/moe_tma_tests.log"
+       grep -q " passed" "$OUT/moe_tma_tests.log" && ! grep -q "failed\|error" "$OUT/moe_tma_tests.log" || exit 3
+       timeout 150 python3 scripts/bench_moe_tma.py 2>&1 | tail -30 | tee "$OUT/bench_moe_tma.log"
+       M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
+       run 150 q30b_moetma $M; BLITZ_MOE_TMA=0 run 150 q30b_moetma0 $M ;;
+  moetmae2e) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -x --tb=short -m gpu tests/test_gpu_e2e.py -k "tma_moe" \
+         -p no:cacheprovider 2>&1 | tail -6 | tee "$OUT/moe_tma_e2e.log" ;;
   moediag) # qwen3-30b-a3b batch 1 with PDL and without (each kernel's own time): scripts/kernel_table.py on the JSONs
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
        run 150 q30b_b1 $M; BLITZ_PDL=0 run 150 q30b_b1_nopdl $M

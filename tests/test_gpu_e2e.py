@@ -182,3 +182,29 @@ def test_tma_gemv_decode_matches_fma_gemv(monkeypatch, preset, layers):
     got = [[o.token_ids for o in llm.generate(p, params)] for p in (prompts, prompts[:1])]
     assert calls and set(calls) <= {1, 2}
     assert got == want
+
+
+@pytest.mark.parametrize("preset,layers", [("qwen3-30b-a3b", 2), ("minimax-m2", 2), ("deepseek-v3", 4)])
+def test_tma_moe_decode_matches_direct_moe(monkeypatch, preset, layers):
+    """MoE decode with the experts as the one-launch TMA MoE (the default on Hopper at 1-2
+    tokens) gives the direct path's greedy tokens (bf16, batches of 2 and 1), and the launch
+    ran, in the CUDA graphs too."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("Hopper only")
+    import blitzllm.kernels.moe_tma as moe_tma
+    kw = dict(num_layers=layers, device="cuda", dtype="bfloat16", kv_cache_blocks=256, max_num_seqs=8,
+              max_model_len=1024)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    monkeypatch.setattr(moe_tma, "MOE_TMA", "0")
+    base = LLM(f"preset:{preset}", **kw)
+    prompts = _prompts(2, base.engine.model_config.vocab_size, seed=12)
+    want = [[o.token_ids for o in base.generate(p, params)] for p in (prompts, prompts[:1])]
+    del base
+    monkeypatch.setattr(moe_tma, "MOE_TMA", "1")
+    calls = []
+    orig = moe_tma.moe_tma_triton
+    monkeypatch.setattr(moe_tma, "moe_tma_triton", lambda *a, **k: calls.append(a[0].shape[0]) or orig(*a, **k))
+    llm = LLM(f"preset:{preset}", **kw)
+    got = [[o.token_ids for o in llm.generate(p, params)] for p in (prompts, prompts[:1])]
+    assert calls and set(calls) <= {1, 2}
+    assert got == want

@@ -489,7 +489,9 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     MOE_GEMV_MAX_TOKENS tokens when BLITZ_MOE_GEMV=1. ``direct``: True / False forces the
     grouped GEMMs without the sort, one program row per (token, k) entry, the combine fused
     into the down GEMM (two launches); None takes it for up to MOE_DIRECT_MAX_ENTRIES
-    entries unless BLITZ_MOE_DIRECT=0. Ids < 0 are skipped on that path."""
+    entries unless BLITZ_MOE_DIRECT=0. Ids < 0 are skipped on that path. With neither
+    ``config`` nor ``direct`` given, 1-2 tokens on Hopper run ``moe_tma.moe_tma_triton``
+    (one launch) where ``moe_tma.moe_tma_ok`` (BLITZ_MOE_TMA=0: never)."""
     assert x.dim() == 2 and w13.dim() == 3 and w2.dim() == 3, "x [T, H], w13 [E, 2I, H], w2 [E, H, I]"
     T, H = x.shape
     E, two_i, _ = w13.shape
@@ -511,6 +513,10 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     if gemv is not None:
         return _moe_gemv(x, w13, w2, topk_weights, topk_ids, out, *gemv)
     n = T * K
+    if direct is None and config is None and not dropped_ids:
+        from . import moe_tma  # one launch streaming both weight sets (Hopper, 1-2 tokens)
+        if moe_tma.moe_tma_ok(x, w13, w2, topk_ids):
+            return moe_tma.moe_tma_triton(x, w13, w2, topk_weights, topk_ids, out=out)
     if direct is None:
         direct = MOE_DIRECT and n <= MOE_DIRECT_MAX_ENTRIES
     keys = _DECODE_ENV_CONFIG if config is None and direct else (config or {},) * 2  # (gate/up, down)

@@ -1,0 +1,324 @@
+"""Decode MoE experts in one launch whose weights stream through Hopper's bulk tensor copy
+(TMA) into shared memory: gate/up, SiLU-and-mul, a grid-wide handoff, down and the
+weighted combine, for 1-2 tokens.
+
+``out[t] = sum_k w[t, k] * round(down_e(round(silu(round(gate_e x_t))) * round(up_e x_t)))``
+with e = ids[t, k], the numerics of ``moe.reference_fused_moe``.
+
+Why one launch: at batch 1 the two grouped GEMMs of the direct path (``fused_moe.py``)
+each ramp up and drain, the gate/up one on only (chosen experts x n-tiles) programs, and
+the down launch cannot start its weight stream before gate/up ends. Here every SM runs one
+program (persistent) and streams a fixed share of *both* weight sets through one ring of
+shared-memory slots: its gate/up tiles first, then its down tiles. The down copies are
+issued as the gate/up slots free up (the chosen experts are known from the start), so
+the weight stream does not pause at the handoff; a program only waits (an arrival counter
+in global memory) before it *multiplies* by the intermediate activations, which every
+program must have written first. All programs are resident at once (one per SM at most,
+nothing launched after this kernel takes an SM before each program has started), so the
+wait cannot deadlock.
+
+Work split, all 32 KB copies of [G, BLOCK_N, BLOCK_K] (G chunks of BLOCK_K along K, from a
+3-D view [K / BLOCK_K, rows, BLOCK_K] of the weights, past-the-end chunks zero-filled by
+the copy itself):
+- gate/up tile (entry s = (token, k), rows [r, r + BLOCK_N) of the intermediate): the gate
+  rows and the up rows over all of H -> act[s, r:r+BLOCK_N] (to global memory, L2);
+- down tile (token t, rows [n, n + BLOCK_N) of the output): the down rows of all K chosen
+  experts over all of I, each expert's output rounded, weighted and summed in k order, so the
+  combine needs no other launch and no atomics on the data (deterministic).
+Gate/up tiles go round robin from program 0, down tiles from the last program backwards,
+so programs with one gate/up tile fewer take the down tiles first.
+
+Written in Gluon (explicit shared memory, mbarriers, TMA), Hopper only: no interpreter
+path; ``reference_moe_tma`` is the torch form (``moe.reference_fused_moe``), and
+``tests/kernels/test_kernel_moe_tma.py`` compiles the kernel for sm_90 on any machine and
+checks it against the reference on a GPU.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional
+
+import torch
+
+from ._common import _capability, device_sms, next_pow2, pdl_enabled, triton
+from .gemv_tma import HAS_GLUON
+
+if HAS_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from .gemv_tma import _gdc_launch_dependents, _gdc_wait, _pow2, _stamp
+
+# BLITZ_MOE_TMA: "1" (default) decode MoE layers of 1-2 tokens on Hopper take this launch
+# instead of the direct path's two grouped GEMMs; "0" off (A/B)
+MOE_TMA = os.environ.get("BLITZ_MOE_TMA", "1")
+if MOE_TMA not in ("0", "1"):
+    raise ValueError(f"BLITZ_MOE_TMA must be 0 or 1, got {MOE_TMA!r}")
+MOE_TMA_MAX_TOKENS = 2
+MOE_TMA_SMEM = int(os.environ.get("BLITZ_MOE_TMA_SMEM", str(216 << 10)))  # per program, all buffers
+MOE_TMA_COPY_BYTES = 32 << 10
+MOE_TMA_BLOCK_K = 256
+MOE_TMA_WARPS = 8
+
+if HAS_GLUON:
+    @gluon.jit
+    def _pick(vec, lanes, i):
+        """vec[i] of a small vector every thread holds whole (no shuffles)."""
+        return gl.sum(gl.where(lanes == i, vec, gl.zeros_like(vec)), axis=0)
+
+    @gluon.jit
+    def _issue(w13_desc, w2_desc, smem, bars, c, gu_total, total, pid, qd, nprog, idv, lanes, H, I,
+               BLOCK_N: gl.constexpr, G: gl.constexpr, GUC: gl.constexpr, DNC: gl.constexpr,
+               TOP_K: gl.constexpr, SLOTS: gl.constexpr):
+        """Copy c of this program's sequence into slot c % SLOTS (nothing where c >= total):
+        copies [0, gu_total) are its gate/up tiles (gate part, then up part, GUC copies
+        each), the rest its down tiles (TOP_K experts, DNC copies each)."""
+        ok = c < total
+        s_slot = c % SLOTS
+        bar = bars.index(s_slot)
+        mbarrier.expect(bar, w13_desc.block_type.nbytes, pred=ok)
+        rb_i = I // BLOCK_N
+        if c < gu_total:
+            r = c % (2 * GUC)
+            tile = pid + (c // (2 * GUC)) * nprog
+            e = _pick(idv, lanes, tile // rb_i)
+            row = e * (2 * I) + (r // GUC) * I + (tile % rb_i) * BLOCK_N
+            tma.async_copy_global_to_shared(w13_desc, [(r % GUC) * G, row, 0], bar, smem.index(s_slot), pred=ok)
+        else:
+            c2 = c - gu_total
+            r = c2 % (TOP_K * DNC)
+            tile = qd + (c2 // (TOP_K * DNC)) * nprog
+            rb_h = H // BLOCK_N
+            e = _pick(idv, lanes, (tile // rb_h) * TOP_K + r // DNC)
+            row = e * H + (tile % rb_h) * BLOCK_N
+            tma.async_copy_global_to_shared(w2_desc, [(r % DNC) * G, row, 0], bar, smem.index(s_slot), pred=ok)
+
+    @gluon.jit
+    def _consume(w13_desc, w2_desc, smem, bars, c, acc, vs, gu_total, total, pid, qd, nprog, idv, lanes, H, I,
+                 L3: gl.constexpr, BLOCK_N: gl.constexpr, G: gl.constexpr, GUC: gl.constexpr,
+                 DNC: gl.constexpr, TOP_K: gl.constexpr, SLOTS: gl.constexpr):
+        """acc += copy c times its G input chunks vs (shared memory [G, BLOCK_K]), then the
+        slot refills with copy c + SLOTS once every warp has read it."""
+        mbarrier.wait(bars.index(c % SLOTS), (c // SLOTS) & 1)
+        w = smem.index(c % SLOTS).load(L3).to(gl.float32)
+        v = vs.load(gl.SliceLayout(1, L3)).to(gl.float32)
+        acc += gl.sum(w * gl.expand_dims(v, 1), axis=0)
+        if SLOTS < total:
+            gl.thread_barrier()
+            fence_async_shared()
+            _issue(w13_desc, w2_desc, smem, bars, c + SLOTS, gu_total, total, pid, qd, nprog, idv, lanes, H, I,
+                   BLOCK_N, G, GUC, DNC, TOP_K, SLOTS)
+        return acc
+
+    @gluon.jit
+    def _moe_tma_kernel(w13_desc, w2_desc, x_ptr, ids_ptr, tw_ptr, act_ptr, out_ptr, cnt_ptr,
+                        T, H, I, stride_x, stride_o,
+                        BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, G: gl.constexpr,
+                        GUC: gl.constexpr, DNC: gl.constexpr, TOP_K: gl.constexpr, T_PAD: gl.constexpr,
+                        SLOTS: gl.constexpr, WN: gl.constexpr, USE_PDL: gl.constexpr,
+                        t_ptr=None, TIMED: gl.constexpr = False):
+        pid = gl.program_id(0)
+        _stamp(t_ptr, pid, 0, TIMED)
+        nprog = gl.num_programs(0)
+        qd = nprog - 1 - pid  # down tiles are dealt from the last program backwards
+        n_gu = T * TOP_K * (I // BLOCK_N)
+        n_dn = T * (H // BLOCK_N)
+        my_gu = (n_gu - pid + nprog - 1) // nprog
+        my_dn = (n_dn - qd + nprog - 1) // nprog
+        gu_total = my_gu * (2 * GUC)
+        total = gu_total + my_dn * (TOP_K * DNC)
+        smem = gl.allocate_shared_memory(w13_desc.dtype, [SLOTS, G, BLOCK_N, BLOCK_K], w13_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(SLOTS):
+            mbarrier.init(bars.index(i), count=1)
+        # x per token as [GUC * G, BLOCK_K] chunks (zero past H); the activations per entry as
+        # [DNC * G, BLOCK_K] (zero past I): the input side of every copy is one slice
+        XP: gl.constexpr = _pow2(GUC * G)
+        AP: gl.constexpr = _pow2(DNC * G)
+        S_PAD: gl.constexpr = T_PAD * TOP_K
+        flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+        xs = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [T_PAD, XP, BLOCK_K], flat)
+        acts = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [S_PAD, AP, BLOCK_K], flat)
+        # a copy [G, BLOCK_N, BLOCK_K]: each thread 16-byte runs along K of all G chunks (their
+        # sum stays in the thread), lanes along K, warps over the rows
+        L3: gl.constexpr = gl.BlockedLayout([G, 1, 8], [1, 32 * 8 // BLOCK_K, BLOCK_K // 8], [1, WN, 1], [2, 1, 0])
+        L2: gl.constexpr = gl.SliceLayout(0, L3)
+        YL: gl.constexpr = gl.SliceLayout(1, L2)
+        PL: gl.constexpr = gl.BlockedLayout([S_PAD], [32], [WN], [0])  # small vectors, whole in each thread
+        SL: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_K, BLOCK_K // 8], [WN, 1], [1, 0])
+        lanes = gl.arange(0, S_PAD, layout=PL)
+        offs_n = gl.arange(0, BLOCK_N, layout=YL)
+        dt = out_ptr.dtype.element_ty
+        if USE_PDL:
+            _gdc_wait()
+        _stamp(t_ptr, pid, 1, TIMED)
+        idv = gl.load(ids_ptr + lanes, mask=lanes < T * TOP_K, other=0)
+        for i in gl.static_range(SLOTS):  # the ring's first copies, then x while they fly
+            _issue(w13_desc, w2_desc, smem, bars, i, gu_total, total, pid, qd, nprog, idv, lanes, H, I,
+                   BLOCK_N, G, GUC, DNC, TOP_K, SLOTS)
+        twv = gl.load(tw_ptr + lanes, mask=lanes < T * TOP_K, other=0.0)
+        # staged through 2-D views [rows, BLOCK_K]: row = token * XP + chunk
+        ri = gl.expand_dims(gl.arange(0, T_PAD * XP, layout=gl.SliceLayout(1, SL)), 1)
+        ki = gl.expand_dims(gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, SL)), 0)
+        xk = (ri % XP) * BLOCK_K + ki
+        xv = gl.load(x_ptr + (ri // XP) * stride_x + xk, mask=(ri // XP < T) & (xk < H), other=0.0)
+        xs._reinterpret(x_ptr.dtype.element_ty, [T_PAD * XP, BLOCK_K], flat).store(xv)
+        gl.thread_barrier()
+        _stamp(t_ptr, pid, 2, TIMED)
+        c = 0
+        rb_i = I // BLOCK_N
+        for u in range(0, my_gu):  # gate/up tiles
+            tile = pid + u * nprog
+            s = tile // rb_i
+            xt = xs.index(s // TOP_K)
+            acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, L2)
+            for g in gl.static_range(GUC):
+                acc = _consume(w13_desc, w2_desc, smem, bars, c, acc, xt.slice(g * G, G), gu_total, total, pid, qd,
+                               nprog, idv, lanes, H, I, L3, BLOCK_N, G, GUC, DNC, TOP_K, SLOTS)
+                c += 1
+            gate = gl.sum(acc, axis=1).to(dt).to(gl.float32)
+            acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, L2)
+            for g in gl.static_range(GUC):
+                acc = _consume(w13_desc, w2_desc, smem, bars, c, acc, xt.slice(g * G, G), gu_total, total, pid, qd,
+                               nprog, idv, lanes, H, I, L3, BLOCK_N, G, GUC, DNC, TOP_K, SLOTS)
+                c += 1
+            up = gl.sum(acc, axis=1).to(dt).to(gl.float32)
+            a = (gate / (1.0 + gl.exp(-gate))).to(dt).to(gl.float32)
+            gl.store(act_ptr + s * I + (tile % rb_i) * BLOCK_N + offs_n, (a * up).to(dt))
+        _stamp(t_ptr, pid, 3, TIMED)
+        # the handoff: every program's activations are written before any program reads them
+        gl.thread_barrier()
+        gl.atomic_add(cnt_ptr, 1, sem="release")
+        arrived = gl.atomic_add(cnt_ptr, 0, sem="acquire")
+        while arrived < nprog:
+            arrived = gl.atomic_add(cnt_ptr, 0, sem="acquire")
+        if gl.atomic_add(cnt_ptr + 1, 1, sem="relaxed") == nprog - 1:  # the last one through resets both
+            gl.atomic_xchg(cnt_ptr + 1, 0, sem="relaxed")
+            gl.atomic_xchg(cnt_ptr, 0, sem="relaxed")
+        if USE_PDL:
+            _gdc_launch_dependents()
+        _stamp(t_ptr, pid, 4, TIMED)
+        if my_dn > 0:  # the activations of every entry (from L2: written by other SMs)
+            ai = gl.expand_dims(gl.arange(0, S_PAD * AP, layout=gl.SliceLayout(1, SL)), 1)  # entry * AP + chunk
+            ak = (ai % AP) * BLOCK_K + ki
+            av = gl.load(act_ptr + (ai // AP) * I + ak, mask=(ai // AP < T * TOP_K) & (ak < I), other=0.0,
+                         cache_modifier=".cg")
+            acts._reinterpret(x_ptr.dtype.element_ty, [S_PAD * AP, BLOCK_K], flat).store(av)
+            gl.thread_barrier()
+        rb_h = H // BLOCK_N
+        for v in range(0, my_dn):  # down tiles: all TOP_K experts of a token's rows
+            tile = qd + v * nprog
+            t = tile // rb_h
+            y = gl.zeros([BLOCK_N], gl.float32, YL)
+            for j in gl.static_range(TOP_K):
+                aj = acts.index(t * TOP_K + j)
+                acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, L2)
+                for g in gl.static_range(DNC):
+                    acc = _consume(w13_desc, w2_desc, smem, bars, c, acc, aj.slice(g * G, G), gu_total, total, pid,
+                                   qd, nprog, idv, lanes, H, I, L3, BLOCK_N, G, GUC, DNC, TOP_K, SLOTS)
+                    c += 1
+                y += gl.sum(acc, axis=1).to(dt).to(gl.float32) * _pick(twv, lanes, t * TOP_K + j)
+            gl.store(out_ptr + t * stride_o + (tile % rb_h) * BLOCK_N + offs_n, y.to(dt))
+        for i in gl.static_range(SLOTS):
+            mbarrier.invalidate(bars.index(i))
+        _stamp(t_ptr, pid, 5, TIMED)
+
+
+def moe_tma_config(T: int, H: int, I: int, top_k: int, itemsize: int, sms: int,
+                   smem_bytes: int = MOE_TMA_SMEM) -> Optional[dict]:
+    """The launch's tiles for T tokens (None where they do not fit): BLOCK_K 256 values, copies
+    of ``MOE_TMA_COPY_BYTES`` (G chunks x BLOCK_N rows), GUC / DNC copies per gate-or-up part /
+    per expert of a down tile, one program per SM (or per tile where there are fewer), and as
+    many ring slots as the shared memory left after x and the activations holds (at least 3).
+    E.g. H200, bf16, Qwen3-30B-A3B at one token: 16-row tiles, 4 chunks per copy, 132
+    programs of 2-3 gate/up tiles (128 KB each) and 0-1 down tiles (8 experts x 24 KB), 6 slots."""
+    bk = MOE_TMA_BLOCK_K
+    if H % bk or I % bk or not 1 <= T <= MOE_TMA_MAX_TOKENS:
+        return None
+    g = 4
+    bn = MOE_TMA_COPY_BYTES // (g * bk * itemsize)
+    if I % bn or H % bn:
+        return None
+    guc, dnc = triton.cdiv(H // bk, g), triton.cdiv(I // bk, g)
+    t_pad = next_pow2(T)
+    fixed = (t_pad * next_pow2(guc * g) + t_pad * top_k * next_pow2(dnc * g)) * bk * itemsize + 1024
+    copy = g * bn * bk * itemsize
+    slots = (smem_bytes - fixed) // copy
+    if slots < 3:
+        return None
+    tiles = T * top_k * (I // bn) + T * (H // bn)
+    return {"BLOCK_N": bn, "BLOCK_K": bk, "G": g, "GUC": guc, "DNC": dnc, "T_PAD": t_pad, "SLOTS": slots,
+            "programs": min(sms, tiles), "WN": MOE_TMA_WARPS, "num_warps": MOE_TMA_WARPS}
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_config(T, H, I, top_k, itemsize, sms, smem_bytes):
+    return moe_tma_config(T, H, I, top_k, itemsize, sms, smem_bytes)
+
+
+def moe_tma_ok(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor) -> bool:
+    """Whether ``moe_tma_triton`` runs these: Hopper with PDL, 1-2 tokens, bf16/fp16 contiguous
+    expert weights, H and I multiples of 256, every buffer fitting one SM's shared memory."""
+    if MOE_TMA == "0" or not HAS_GLUON or not (x.is_cuda and w13.is_cuda) or not pdl_enabled(x):
+        return False
+    idx = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if _capability(idx)[0] != 9 or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if not (w13.dtype == w2.dtype == x.dtype and w13.is_contiguous() and w2.is_contiguous()):
+        return False
+    if w13.data_ptr() % 16 or w2.data_ptr() % 16:
+        return False
+    T, H = x.shape
+    I = w2.shape[2]
+    return _cached_config(T, H, I, topk_ids.shape[-1], x.element_size(), device_sms(x), MOE_TMA_SMEM) is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _counters(device: torch.device) -> torch.Tensor:
+    """The handoff's arrival and departure counters (each launch leaves them 0)."""
+    return torch.zeros(2, dtype=torch.int32, device=device)
+
+
+def moe_tma_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor, *, out: Optional[torch.Tensor] = None, config: Optional[dict] = None,
+                   times: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [T <= 2, H], w13 [E, 2I, H], w2 [E, H, I], topk weights (fp32) / ids [T, K] -> [T, H] in
+    x's dtype (``config``: moe_tma_config's keys, tests and benchmarks). Every id must be a
+    valid expert (no dropped entries). ``times`` (diagnostics): int64 [programs, 8] receiving
+    each program's %globaltimer at its start, PDL wait over, x staged, gate/up done, handoff
+    passed, end."""
+    assert HAS_GLUON and x.is_cuda, "the TMA MoE needs a Hopper GPU and Gluon"
+    T, H = x.shape
+    E, two_i, _ = w13.shape
+    I = two_i // 2
+    K = topk_ids.shape[-1]
+    cfg = config or _cached_config(T, H, I, K, x.element_size(), device_sms(x), MOE_TMA_SMEM)
+    assert cfg is not None, "shapes outside the TMA MoE (see moe_tma_ok)"
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if out is None:
+        out = torch.empty(T, H, dtype=x.dtype, device=x.device)
+    ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
+    tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    act = torch.empty(T * K, I, dtype=x.dtype, device=x.device)
+    bn, bk, g = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["G"]
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8 * x.element_size(), rank=3)
+    d13 = TensorDescriptor(w13, [H // bk, E * two_i, bk], [bk, H, 1], [g, bn, bk], layout)
+    d2 = TensorDescriptor(w2, [I // bk, E * H, bk], [bk, I, 1], [g, bn, bk], layout)
+    pdl = pdl_enabled(x)
+    kw = {"launch_pdl": True} if pdl else {}
+    _moe_tma_kernel[(cfg["programs"],)](
+        d13, d2, x, ids, tw, act, out, _counters(x.device), T, H, I, x.stride(0), out.stride(0),
+        BLOCK_N=bn, BLOCK_K=bk, G=g, GUC=cfg["GUC"], DNC=cfg["DNC"], TOP_K=K, T_PAD=cfg["T_PAD"],
+        SLOTS=cfg["SLOTS"], WN=cfg["WN"], USE_PDL=pdl, t_ptr=times, TIMED=times is not None,
+        num_warps=cfg["num_warps"], **kw)
+    return out
+
+
+def reference_moe_tma(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor) -> torch.Tensor:
+    """The torch form: ``moe.reference_fused_moe``."""
+    from .moe import reference_fused_moe
+    return reference_fused_moe(x, w13, w2, topk_weights, topk_ids)

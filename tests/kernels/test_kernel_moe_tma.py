@@ -1,0 +1,189 @@
+"""The one-launch TMA MoE (kernels/moe_tma.py): a Gluon kernel, so no interpreter run.
+Everywhere: its tile heuristic, and that it compiles for sm_90 without spills (a subprocess
+with a stand-in driver, as scripts/ptxas_check.py). On a GPU: against the torch reference at
+the MoE presets' expert shapes, launch after launch (the handoff counters reset), under a
+CUDA graph, and that ``fused_moe_triton`` dispatches to it."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from blitzllm.kernels import moe_tma
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HAS_CUDA = torch.cuda.is_available()
+# (H, I, top_k) of qwen3-30b-a3b, minimax-m2, deepseek-v3
+PRESET_SHAPES = [(2048, 768, 8), (3072, 1536, 8), (7168, 2048, 8)]
+
+
+@pytest.mark.parametrize("H,I,K", PRESET_SHAPES + [(1024, 512, 4), (4096, 256, 2)])
+@pytest.mark.parametrize("T", [1, 2])
+@pytest.mark.parametrize("sms", [132, 16])
+def test_config_covers_the_work_within_shared_memory(H, I, K, T, sms):
+    cfg = moe_tma.moe_tma_config(T, H, I, K, 2, sms)
+    assert cfg is not None
+    bn, bk, g = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["G"]
+    assert g * bn * bk * 2 == moe_tma.MOE_TMA_COPY_BYTES and bk <= 256 and bn <= 256 and g <= 256
+    assert I % bn == 0 and H % bn == 0  # whole row tiles
+    assert (cfg["GUC"] - 1) * g < H // bk <= cfg["GUC"] * g  # every K chunk of x in one copy
+    assert (cfg["DNC"] - 1) * g < I // bk <= cfg["DNC"] * g
+    tiles = T * K * (I // bn) + T * (H // bn)
+    assert cfg["programs"] == min(sms, tiles)
+    buffers = cfg["SLOTS"] * g * bn * bk * 2 + (cfg["T_PAD"] * _pow2(cfg["GUC"] * g)
+                                                 + cfg["T_PAD"] * K * _pow2(cfg["DNC"] * g)) * bk * 2
+    assert cfg["SLOTS"] >= 3 and buffers <= moe_tma.MOE_TMA_SMEM <= 227 * 1024
+    assert cfg["num_warps"] == cfg["WN"] <= bn
+
+
+def _pow2(n):
+    return 1 << (n - 1).bit_length()
+
+
+@pytest.mark.parametrize("T,H,I,K", [(3, 2048, 768, 8), (1, 2048, 100, 8), (1, 1000, 768, 8)])
+def test_config_declines_what_it_cannot_tile(T, H, I, K):
+    assert moe_tma.moe_tma_config(T, H, I, K, 2, 132) is None
+
+
+def test_config_declines_when_shared_memory_is_short():
+    assert moe_tma.moe_tma_config(2, 7168, 2048, 8, 2, 132, smem_bytes=100 << 10) is None
+
+
+def test_off_gpu_not_taken():
+    x = torch.randn(1, 2048, dtype=torch.bfloat16)
+    w13 = torch.zeros(4, 2 * 768, 2048, dtype=torch.bfloat16)
+    w2 = torch.zeros(4, 2048, 768, dtype=torch.bfloat16)
+    assert not moe_tma.moe_tma_ok(x, w13, w2, torch.zeros(1, 2, dtype=torch.int32))
+
+
+@pytest.mark.skipif(not moe_tma.HAS_GLUON, reason="needs Triton's Gluon")
+def test_compiles_for_sm90_without_spills():
+    """ptxas accepts the kernel at the presets' shapes (one token) with no spills, the weight
+    copies are bulk tensor copies, and the handoff is one release add and acquire loads."""
+    code = r"""
+import sys
+sys.path.insert(0, "scripts"); sys.path.insert(0, ".")
+import ptxas_check as pc
+import torch
+import triton.runtime.driver as drv
+drv.set_active(pc._Sm90())
+from blitzllm.kernels import moe_tma as m
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+bf = torch.bfloat16
+for H, I, K in ((2048, 768, 8), (3072, 1536, 8), (7168, 2048, 8)):
+    E = 4
+    cfg = m.moe_tma_config(1, H, I, K, 2, 132)
+    bn, bk, g = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["G"]
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=3)
+    w13 = torch.zeros(E, 2 * I, H, dtype=bf); w2 = torch.zeros(E, H, I, dtype=bf)
+    d13 = TensorDescriptor(w13, [H // bk, E * 2 * I, bk], [bk, H, 1], [g, bn, bk], layout)
+    d2 = TensorDescriptor(w2, [I // bk, E * H, bk], [bk, I, 1], [g, bn, bk], layout)
+    x = torch.zeros(1, H, dtype=bf)
+    k = m._moe_tma_kernel.warmup(d13, d2, x, torch.zeros(K, dtype=torch.int32), torch.zeros(K),
+        torch.zeros(K, I, dtype=bf), x, torch.zeros(2, dtype=torch.int32), 1, H, I, H, H,
+        BLOCK_N=bn, BLOCK_K=bk, G=g, GUC=cfg["GUC"], DNC=cfg["DNC"], TOP_K=K, T_PAD=1, SLOTS=cfg["SLOTS"],
+        WN=cfg["WN"], USE_PDL=True, num_warps=cfg["num_warps"], grid=(cfg["programs"],))
+    ptx = k.asm["ptx"]
+    print(H, I, ptx.count("cp.async.bulk.tensor"), ptx.count("atom.global.gpu.release.add"),
+          ptx.count("ld.global.gpu.acquire"), k.metadata.shared, pc.ptxas_report(k))
+"""
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [ln.split(" ", 6) for ln in r.stdout.strip().splitlines()]
+    assert len(lines) == 3
+    for h, i, copies, release, acquire, shared, report in lines:
+        assert int(copies) >= 2  # the gate/up and the down descriptor
+        assert int(release) == 1 and int(acquire) >= 1
+        assert int(shared) <= 227 * 1024
+        assert "0 bytes spill stores" in report, report
+
+
+def _case(E, H, I, K, T, seed, device="cuda"):
+    g = torch.Generator(device=device).manual_seed(seed)
+    bf = torch.bfloat16
+    x = torch.randn(T, H, device=device, generator=g).to(bf)
+    w13 = (torch.randn(E, 2 * I, H, device=device, generator=g) * H ** -0.5).to(bf)
+    w2 = (torch.randn(E, H, I, device=device, generator=g) * I ** -0.5).to(bf)
+    ids = torch.stack([torch.randperm(E, device=device, generator=g)[:K] for _ in range(T)]).to(torch.int32)
+    tw = torch.rand(T, K, device=device, generator=g)
+    return x, w13, w2, tw / tw.sum(-1, keepdim=True), ids
+
+
+def _hopper():
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("Hopper only")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("H,I,K", PRESET_SHAPES)
+@pytest.mark.parametrize("T", [1, 2])
+def test_matches_reference_gpu(H, I, K, T):
+    _hopper()
+    x, w13, w2, tw, ids = _case(12, H, I, K, T, seed=H + I + T)
+    if T == 2:
+        ids[1, :2] = ids[0, :2]  # the tokens share some experts
+    assert moe_tma.moe_tma_ok(x, w13, w2, ids)
+    ref = moe_tma.reference_moe_tma(x, w13, w2, tw, ids).float()
+    for _ in range(3):  # launch after launch: the handoff counters are left at 0
+        got = moe_tma.moe_tma_triton(x, w13, w2, tw, ids).float()
+        torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
+    assert torch.equal(moe_tma._counters(x.device).cpu(), torch.zeros(2, dtype=torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_small_ring_and_few_programs_gpu():
+    """A ring that turns many times (three slots) and fewer programs than tiles."""
+    _hopper()
+    x, w13, w2, tw, ids = _case(10, 2048, 768, 8, 1, seed=5)
+    cfg = dict(moe_tma.moe_tma_config(1, 2048, 768, 8, 2, 132), SLOTS=3, programs=7)
+    got = moe_tma.moe_tma_triton(x, w13, w2, tw, ids, config=cfg).float()
+    torch.testing.assert_close(got, moe_tma.reference_moe_tma(x, w13, w2, tw, ids).float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_in_cuda_graph_gpu():
+    _hopper()
+    x, w13, w2, tw, ids = _case(16, 2048, 768, 8, 1, seed=3)
+    out = torch.empty_like(x)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        moe_tma.moe_tma_triton(x, w13, w2, tw, ids, out=out)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(4):  # back to back, as layer after layer
+            moe_tma.moe_tma_triton(x, w13, w2, tw, ids, out=out)
+    g = torch.Generator(device="cuda").manual_seed(11)
+    for _ in range(3):
+        x.copy_(torch.randn(x.shape, device="cuda", generator=g))
+        ids.copy_(torch.randperm(16, device="cuda", generator=g)[:8][None])
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = moe_tma.reference_moe_tma(x, w13, w2, tw, ids).float()
+        torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_fused_moe_dispatches_to_it_gpu(monkeypatch):
+    """fused_moe_triton takes the one launch at 1-2 tokens (not with an explicit config or
+    forced direct path, nor with dropped ids), and its result matches the direct path's."""
+    _hopper()
+    from blitzllm.kernels import fused_moe
+    x, w13, w2, tw, ids = _case(12, 2048, 768, 8, 2, seed=9)
+    calls = []
+    orig = moe_tma.moe_tma_triton
+    monkeypatch.setattr(moe_tma, "moe_tma_triton", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    got = fused_moe.fused_moe_triton(x, w13, w2, tw, ids)
+    assert calls == [1]
+    direct = fused_moe.fused_moe_triton(x, w13, w2, tw, ids, direct=True)
+    fused_moe.fused_moe_triton(x, w13, w2, tw, ids, dropped_ids=True)
+    assert calls == [1]
+    torch.testing.assert_close(got.float(), direct.float(), rtol=2e-2, atol=2e-2)
