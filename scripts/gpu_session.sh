@@ -113,9 +113,9 @@ for part in "$@"; do case $part in
        timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -x --tb=short -m gpu tests/kernels/test_kernel_moe_tma.py \
          -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/moe_tma_tests.log"
        grep -q " passed" "$OUT/moe_tma_tests.log" && ! grep -q "failed\|error" "$OUT/moe_tma_tests.log" || exit 3
-       timeout 150 python3 scripts/bench_moe_tma.py 2>&1 | tail -30 | tee "$OUT/bench_moe_tma.log"
+       timeout 240 python3 scripts/bench_moe_tma.py ${MOETMA_ARGS:-} 2>&1 | tail -60 > "$OUT/bench_moe_tma.log"; tail -4 "$OUT/bench_moe_tma.log"
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
-       run 150 q30b_moetma $M; BLITZ_MOE_TMA=0 run 150 q30b_moetma0 $M ;;
+       run 150 q30b_moetma $M; BLITZ_MOE_TMA_TLB=1 run 150 q30b_moetma_tlb $M; BLITZ_MOE_TMA=0 run 150 q30b_moetma0 $M ;;
   moetmae2e) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -x --tb=short -m gpu tests/test_gpu_e2e.py -k "tma_moe" \
          -p no:cacheprovider 2>&1 | tail -6 | tee "$OUT/moe_tma_e2e.log" ;;
   moediag) # qwen3-30b-a3b batch 1 with PDL and without (each kernel's own time): scripts/kernel_table.py on the JSONs

@@ -61,6 +61,8 @@ MOE_TMA_SMEM = int(os.environ.get("BLITZ_MOE_TMA_SMEM", str(216 << 10)))  # per 
 MOE_TMA_COPY_BYTES = 32 << 10
 MOE_TMA_BLOCK_K = 256
 MOE_TMA_WARPS = 8
+# BLITZ_MOE_TMA_TLB=1: each program first touches (L2 prefetch) the first row of all its copies
+MOE_TMA_TLB = os.environ.get("BLITZ_MOE_TMA_TLB", "0") == "1"
 
 if HAS_GLUON:
     @gluon.jit
@@ -96,6 +98,38 @@ if HAS_GLUON:
             tma.async_copy_global_to_shared(w2_desc, [(r % DNC) * G, row, 0], bar, smem.index(s_slot), pred=ok)
 
     @gluon.jit
+    def _touch_copies(w13_ptr, w2_ptr, ids_ptr, gu_total, total, pid, qd, nprog, H, I,
+                      BLOCK_N: gl.constexpr, GUC: gl.constexpr, DNC: gl.constexpr, TOP_K: gl.constexpr,
+                      WN: gl.constexpr):
+        """prefetch.global.L2 of the first row of each of this program's copies after the ring's
+        first SLOTS (a thread per copy; the rows as ``_issue`` computes them), so the page walks of
+        all the experts it will read run at once instead of one by one in the copy engine."""
+        TL: gl.constexpr = gl.BlockedLayout([1], [32], [WN], [0])
+        n: gl.constexpr = 32 * WN
+        rb_i = I // BLOCK_N
+        rb_h = H // BLOCK_N
+        done = gl.zeros([n], gl.int32, TL)
+        for base in range(0, total, n):
+            i = base + gl.arange(0, n, layout=TL)
+            ok = i < total
+            gu = i < gu_total
+            r = i % (2 * GUC)
+            tile = pid + (i // (2 * GUC)) * nprog
+            e = gl.load(ids_ptr + tile // rb_i, mask=ok & gu, other=0).to(gl.int64)
+            a13 = w13_ptr + (e * (2 * I) + (r // GUC) * I + (tile % rb_i) * BLOCK_N) * H
+            c2 = i - gu_total
+            r2 = c2 % (TOP_K * DNC)
+            tile2 = qd + (c2 // (TOP_K * DNC)) * nprog
+            e2 = gl.load(ids_ptr + (tile2 // rb_h) * TOP_K + r2 // DNC, mask=ok & ~gu, other=0).to(gl.int64)
+            a2 = w2_ptr + (e2 * H + (tile2 % rb_h) * BLOCK_N) * I
+            a13 = gl.where(ok & gu, a13, w13_ptr)
+            a2 = gl.where(ok & ~gu, a2, w2_ptr)
+            done += gl.inline_asm_elementwise("prefetch.global.L2 [$1]; prefetch.global.L2 [$2]; mov.u32 $0, 0;",
+                                              "=r,l,l", [a13, a2], dtype=gl.int32, is_pure=False, pack=1)
+        # the asm's result (always 0) feeds a store that never happens, or the compiler drops it
+        gl.store(ids_ptr + gl.arange(0, n, layout=TL), done, mask=done != 0)
+
+    @gluon.jit
     def _consume(w13_desc, w2_desc, smem, bars, c, acc, vs, gu_total, total, pid, qd, nprog, idv, lanes, H, I,
                  L3: gl.constexpr, BLOCK_N: gl.constexpr, G: gl.constexpr, GUC: gl.constexpr,
                  DNC: gl.constexpr, TOP_K: gl.constexpr, SLOTS: gl.constexpr):
@@ -113,11 +147,11 @@ if HAS_GLUON:
         return acc
 
     @gluon.jit
-    def _moe_tma_kernel(w13_desc, w2_desc, x_ptr, ids_ptr, tw_ptr, act_ptr, out_ptr, cnt_ptr,
+    def _moe_tma_kernel(w13_desc, w2_desc, w13_ptr, w2_ptr, x_ptr, ids_ptr, tw_ptr, act_ptr, out_ptr, cnt_ptr,
                         T, H, I, stride_x, stride_o,
                         BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, G: gl.constexpr,
                         GUC: gl.constexpr, DNC: gl.constexpr, TOP_K: gl.constexpr, T_PAD: gl.constexpr,
-                        SLOTS: gl.constexpr, WN: gl.constexpr, USE_PDL: gl.constexpr,
+                        SLOTS: gl.constexpr, WN: gl.constexpr, USE_PDL: gl.constexpr, TLB: gl.constexpr,
                         t_ptr=None, TIMED: gl.constexpr = False):
         pid = gl.program_id(0)
         _stamp(t_ptr, pid, 0, TIMED)
@@ -158,6 +192,9 @@ if HAS_GLUON:
         for i in gl.static_range(SLOTS):  # the ring's first copies, then x while they fly
             _issue(w13_desc, w2_desc, smem, bars, i, gu_total, total, pid, qd, nprog, idv, lanes, H, I,
                    BLOCK_N, G, GUC, DNC, TOP_K, SLOTS)
+        if TLB:  # every later copy's first row, asked of the L2 now: its address translation starts early
+            _touch_copies(w13_ptr, w2_ptr, ids_ptr, gu_total, total, pid, qd, nprog, H, I, BLOCK_N, GUC, DNC,
+                          TOP_K, WN)
         twv = gl.load(tw_ptr + lanes, mask=lanes < T * TOP_K, other=0.0)
         # staged through 2-D views [rows, BLOCK_K]: row = token * XP + chunk
         ri = gl.expand_dims(gl.arange(0, T_PAD * XP, layout=gl.SliceLayout(1, SL)), 1)
@@ -310,9 +347,9 @@ def moe_tma_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     pdl = pdl_enabled(x)
     kw = {"launch_pdl": True} if pdl else {}
     _moe_tma_kernel[(cfg["programs"],)](
-        d13, d2, x, ids, tw, act, out, _counters(x.device), T, H, I, x.stride(0), out.stride(0),
+        d13, d2, w13, w2, x, ids, tw, act, out, _counters(x.device), T, H, I, x.stride(0), out.stride(0),
         BLOCK_N=bn, BLOCK_K=bk, G=g, GUC=cfg["GUC"], DNC=cfg["DNC"], TOP_K=K, T_PAD=cfg["T_PAD"],
-        SLOTS=cfg["SLOTS"], WN=cfg["WN"], USE_PDL=pdl, t_ptr=times, TIMED=times is not None,
+        SLOTS=cfg["SLOTS"], WN=cfg["WN"], USE_PDL=pdl, TLB=cfg.get("TLB", MOE_TMA_TLB), t_ptr=times, TIMED=times is not None,
         num_warps=cfg["num_warps"], **kw)
     return out
 

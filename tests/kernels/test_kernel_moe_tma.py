@@ -81,10 +81,10 @@ for H, I, K in ((2048, 768, 8), (3072, 1536, 8), (7168, 2048, 8)):
     d13 = TensorDescriptor(w13, [H // bk, E * 2 * I, bk], [bk, H, 1], [g, bn, bk], layout)
     d2 = TensorDescriptor(w2, [I // bk, E * H, bk], [bk, I, 1], [g, bn, bk], layout)
     x = torch.zeros(1, H, dtype=bf)
-    k = m._moe_tma_kernel.warmup(d13, d2, x, torch.zeros(K, dtype=torch.int32), torch.zeros(K),
+    k = m._moe_tma_kernel.warmup(d13, d2, w13, w2, x, torch.zeros(K, dtype=torch.int32), torch.zeros(K),
         torch.zeros(K, I, dtype=bf), x, torch.zeros(2, dtype=torch.int32), 1, H, I, H, H,
         BLOCK_N=bn, BLOCK_K=bk, G=g, GUC=cfg["GUC"], DNC=cfg["DNC"], TOP_K=K, T_PAD=1, SLOTS=cfg["SLOTS"],
-        WN=cfg["WN"], USE_PDL=True, num_warps=cfg["num_warps"], grid=(cfg["programs"],))
+        WN=cfg["WN"], USE_PDL=True, TLB=True, num_warps=cfg["num_warps"], grid=(cfg["programs"],))
     ptx = k.asm["ptx"]
     print(H, I, ptx.count("cp.async.bulk.tensor"), ptx.count("atom.global.gpu.release.add"),
           ptx.count("ld.global.gpu.acquire"), k.metadata.shared, pc.ptxas_report(k))
@@ -136,11 +136,13 @@ def test_matches_reference_gpu(H, I, K, T):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-def test_small_ring_and_few_programs_gpu():
-    """A ring that turns many times (three slots) and fewer programs than tiles."""
+@pytest.mark.parametrize("tlb", [False, True])
+def test_small_ring_and_few_programs_gpu(tlb):
+    """A ring that turns many times (three slots) and fewer programs than tiles; with and
+    without the early touch of every copy's first row."""
     _hopper()
     x, w13, w2, tw, ids = _case(10, 2048, 768, 8, 1, seed=5)
-    cfg = dict(moe_tma.moe_tma_config(1, 2048, 768, 8, 2, 132), SLOTS=3, programs=7)
+    cfg = dict(moe_tma.moe_tma_config(1, 2048, 768, 8, 2, 132), SLOTS=3, programs=7, TLB=tlb)
     got = moe_tma.moe_tma_triton(x, w13, w2, tw, ids, config=cfg).float()
     torch.testing.assert_close(got, moe_tma.reference_moe_tma(x, w13, w2, tw, ids).float(), rtol=2e-2, atol=2e-2)
 
