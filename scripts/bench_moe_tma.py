@@ -85,9 +85,9 @@ def main():
             times = torch.zeros(L, cfg["programs"], 8, dtype=torch.int64, device="cuda")
             graph_us(lambda i: moe_tma.moe_tma_triton(x, w13[i], w2[i], tw, ids[i], config=c, times=times[i]), L,
                      reps=2)
-            t = times[L - 1, :, :6].double()
+            t = times[L - 1, :, :len(moe_tma.TIMELINE)].double()
             t = (t - t[:, 0].min()) / 1000.0
-            names = ["start", "wait over", "x staged", "gate/up done", "handoff", "end"]
+            names = moe_tma.TIMELINE
             print(f"{name} tlb={tlb} timeline of a launch in the graph (us after its first program's start; "
                   f"min / median / max over {cfg['programs']} programs), config {c}:")
             for j, nm in enumerate(names):

@@ -116,7 +116,16 @@ for part in "$@"; do case $part in
        timeout 240 python3 scripts/bench_moe_tma.py ${MOETMA_ARGS:-} 2>&1 | tail -60 > "$OUT/bench_moe_tma.log"; tail -4 "$OUT/bench_moe_tma.log"
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
        run 150 q30b_moetma $M; BLITZ_MOE_TMA_TLB=1 run 150 q30b_moetma_tlb $M; BLITZ_MOE_TMA=0 run 150 q30b_moetma0 $M ;;
-  moetmae2e) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -x --tb=short -m gpu tests/test_gpu_e2e.py -k "tma_moe" \
+  moetma2) # the TMA MoE in the engine: its timeline (BLITZ_MOE_TMA_TIMES), dependents launched late, own
+       # kernel times (PDL off), against the direct path; the kernel alone at qwen3-30b-a3b's spread
+       M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
+       BLITZ_MOE_TMA_TIMES=$OUT/tl_e2e.txt run 150 q30b_moetma_tl $M; cat $OUT/tl_e2e.txt
+       run 150 q30b_moetma $M; BLITZ_MOE_TMA_DEPS=late run 150 q30b_moetma_late $M; BLITZ_MOE_TMA=0 run 150 q30b_moetma0 $M
+       BLITZ_PDL=0 run 150 q30b_moetma_nopdl $M; BLITZ_PDL=0 BLITZ_MOE_TMA=0 run 150 q30b_moetma0_nopdl $M
+       python3 scripts/kernel_table.py $OUT/q30b_moetma_nopdl.json $OUT/q30b_moetma0_nopdl.json $OUT/q30b_moetma_late.json
+       timeout 200 python3 scripts/bench_moe_tma.py --models qwen3-30b-a3b 2>&1 | tail -30 > "$OUT/bench_moe_tma.log"
+       head -20 "$OUT/bench_moe_tma.log"; tail -1 "$OUT/bench_moe_tma.log" ;;
+  moetmae2e) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q --tb=line -m gpu tests/test_gpu_e2e.py -k "tma_moe" \
          -p no:cacheprovider 2>&1 | tail -6 | tee "$OUT/moe_tma_e2e.log" ;;
   moediag) # qwen3-30b-a3b batch 1 with PDL and without (each kernel's own time): scripts/kernel_table.py on the JSONs
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"

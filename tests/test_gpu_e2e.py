@@ -207,4 +207,6 @@ def test_tma_moe_decode_matches_direct_moe(monkeypatch, preset, layers):
     llm = LLM(f"preset:{preset}", **kw)
     got = [[o.token_ids for o in llm.generate(p, params)] for p in (prompts, prompts[:1])]
     assert calls and set(calls) <= {1, 2}
-    assert got == want
+    first_diff = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), None)
+                  for gs, ws in zip(got, want) for g, w in zip(gs, ws)]
+    assert got == want, f"first differing token per sequence: {first_diff}"

@@ -61,6 +61,8 @@ MOE_TMA_SMEM = int(os.environ.get("BLITZ_MOE_TMA_SMEM", str(216 << 10)))  # per 
 MOE_TMA_COPY_BYTES = 32 << 10
 MOE_TMA_BLOCK_K = 256
 MOE_TMA_WARPS = 8
+# BLITZ_MOE_TMA_DEPS=late (A/B): the kernels after it launch as its programs end, not at the handoff
+MOE_TMA_LATE_DEPS = os.environ.get("BLITZ_MOE_TMA_DEPS", "") == "late"
 # BLITZ_MOE_TMA_TLB=1: each program first touches (L2 prefetch) the first row of all its copies
 MOE_TMA_TLB = os.environ.get("BLITZ_MOE_TMA_TLB", "0") == "1"
 
@@ -152,7 +154,7 @@ if HAS_GLUON:
                         BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, G: gl.constexpr,
                         GUC: gl.constexpr, DNC: gl.constexpr, TOP_K: gl.constexpr, T_PAD: gl.constexpr,
                         SLOTS: gl.constexpr, WN: gl.constexpr, USE_PDL: gl.constexpr, TLB: gl.constexpr,
-                        t_ptr=None, TIMED: gl.constexpr = False):
+                        LATE_DEPS: gl.constexpr = False, t_ptr=None, TIMED: gl.constexpr = False):
         pid = gl.program_id(0)
         _stamp(t_ptr, pid, 0, TIMED)
         nprog = gl.num_programs(0)
@@ -188,22 +190,24 @@ if HAS_GLUON:
         if USE_PDL:
             _gdc_wait()
         _stamp(t_ptr, pid, 1, TIMED)
+        # the three inputs from the kernels before, loaded at once (their round trips overlap)
         idv = gl.load(ids_ptr + lanes, mask=lanes < T * TOP_K, other=0)
-        for i in gl.static_range(SLOTS):  # the ring's first copies, then x while they fly
-            _issue(w13_desc, w2_desc, smem, bars, i, gu_total, total, pid, qd, nprog, idv, lanes, H, I,
-                   BLOCK_N, G, GUC, DNC, TOP_K, SLOTS)
-        if TLB:  # every later copy's first row, asked of the L2 now: its address translation starts early
-            _touch_copies(w13_ptr, w2_ptr, ids_ptr, gu_total, total, pid, qd, nprog, H, I, BLOCK_N, GUC, DNC,
-                          TOP_K, WN)
         twv = gl.load(tw_ptr + lanes, mask=lanes < T * TOP_K, other=0.0)
-        # staged through 2-D views [rows, BLOCK_K]: row = token * XP + chunk
+        # x staged through a 2-D view [rows, BLOCK_K]: row = token * XP + chunk
         ri = gl.expand_dims(gl.arange(0, T_PAD * XP, layout=gl.SliceLayout(1, SL)), 1)
         ki = gl.expand_dims(gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, SL)), 0)
         xk = (ri % XP) * BLOCK_K + ki
         xv = gl.load(x_ptr + (ri // XP) * stride_x + xk, mask=(ri // XP < T) & (xk < H), other=0.0)
+        for i in gl.static_range(SLOTS):  # the ring's first copies, then x while they fly
+            _issue(w13_desc, w2_desc, smem, bars, i, gu_total, total, pid, qd, nprog, idv, lanes, H, I,
+                   BLOCK_N, G, GUC, DNC, TOP_K, SLOTS)
+        _stamp(t_ptr, pid, 2, TIMED)
+        if TLB:  # every later copy's first row, asked of the L2 now: its address translation starts early
+            _touch_copies(w13_ptr, w2_ptr, ids_ptr, gu_total, total, pid, qd, nprog, H, I, BLOCK_N, GUC, DNC,
+                          TOP_K, WN)
         xs._reinterpret(x_ptr.dtype.element_ty, [T_PAD * XP, BLOCK_K], flat).store(xv)
         gl.thread_barrier()
-        _stamp(t_ptr, pid, 2, TIMED)
+        _stamp(t_ptr, pid, 3, TIMED)
         c = 0
         rb_i = I // BLOCK_N
         for u in range(0, my_gu):  # gate/up tiles
@@ -224,7 +228,7 @@ if HAS_GLUON:
             up = gl.sum(acc, axis=1).to(dt).to(gl.float32)
             a = (gate / (1.0 + gl.exp(-gate))).to(dt).to(gl.float32)
             gl.store(act_ptr + s * I + (tile % rb_i) * BLOCK_N + offs_n, (a * up).to(dt))
-        _stamp(t_ptr, pid, 3, TIMED)
+        _stamp(t_ptr, pid, 4, TIMED)
         # the handoff: every program's activations are written before any program reads them
         gl.thread_barrier()
         gl.atomic_add(cnt_ptr, 1, sem="release")
@@ -234,9 +238,9 @@ if HAS_GLUON:
         if gl.atomic_add(cnt_ptr + 1, 1, sem="relaxed") == nprog - 1:  # the last one through resets both
             gl.atomic_xchg(cnt_ptr + 1, 0, sem="relaxed")
             gl.atomic_xchg(cnt_ptr, 0, sem="relaxed")
-        if USE_PDL:
+        if USE_PDL and not LATE_DEPS:
             _gdc_launch_dependents()
-        _stamp(t_ptr, pid, 4, TIMED)
+        _stamp(t_ptr, pid, 5, TIMED)
         if my_dn > 0:  # the activations of every entry (from L2: written by other SMs)
             ai = gl.expand_dims(gl.arange(0, S_PAD * AP, layout=gl.SliceLayout(1, SL)), 1)  # entry * AP + chunk
             ak = (ai % AP) * BLOCK_K + ki
@@ -260,7 +264,9 @@ if HAS_GLUON:
             gl.store(out_ptr + t * stride_o + (tile % rb_h) * BLOCK_N + offs_n, y.to(dt))
         for i in gl.static_range(SLOTS):
             mbarrier.invalidate(bars.index(i))
-        _stamp(t_ptr, pid, 5, TIMED)
+        if USE_PDL and LATE_DEPS:
+            _gdc_launch_dependents()
+        _stamp(t_ptr, pid, 6, TIMED)
 
 
 def moe_tma_config(T: int, H: int, I: int, top_k: int, itemsize: int, sms: int,
@@ -312,6 +318,46 @@ def moe_tma_ok(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: t
     return _cached_config(T, H, I, topk_ids.shape[-1], x.element_size(), device_sms(x), MOE_TMA_SMEM) is not None
 
 
+TIMELINE = ("start", "wait over", "copies issued", "x staged", "gate/up done", "handoff", "end")
+# BLITZ_MOE_TMA_TIMES=path (diagnostics): every launch records its timeline (a buffer per call,
+# so per captured layer too); at exit the last decode step's launches are summarised into path
+_TIMES_PATH = os.environ.get("BLITZ_MOE_TMA_TIMES", "")
+_TIMES = []
+
+
+def _diag_times(programs: int, device: torch.device) -> torch.Tensor:
+    if not _TIMES:
+        import atexit
+        atexit.register(_dump_times)
+    _TIMES.append(torch.zeros(programs, 8, dtype=torch.int64, device=device))
+    return _TIMES[-1]
+
+
+def _dump_times(last: int = 48) -> None:
+    """Mean over the latest ``last`` launches of each point (us after the launch's own wait):
+    min / median / max over programs; the period between launches and the gap from one
+    launch's last program to the next launch's wait."""
+    runs = [t[:, :len(TIMELINE)].double().cpu() / 1000.0 for t in _TIMES]
+    runs = sorted((t for t in runs if bool((t[:, 0] > 0).all())), key=lambda t: t[:, 0].min().item())[-last:]
+    if not runs:
+        return
+    rows = {name: torch.zeros(3, dtype=torch.float64) for name in TIMELINE}
+    for t in runs:
+        rel = t - t[:, 1].min()
+        for j, name in enumerate(TIMELINE):
+            rows[name] += torch.stack([rel[:, j].min(), rel[:, j].median(), rel[:, j].max()]) / len(runs)
+    waits = [t[:, 1].min().item() for t in runs]
+    gaps = [waits[i + 1] - runs[i][:, 6].max().item() for i in range(len(runs) - 1)]
+    with open(_TIMES_PATH, "w") as f:
+        f.write(f"TMA MoE timeline, mean of the last {len(runs)} launches (us after each launch's PDL wait; "
+                f"min / median / max over programs)\n")
+        for name, v in rows.items():
+            f.write(f"  {name:<14} {v[0]:8.2f} {v[1]:8.2f} {v[2]:8.2f}\n")
+        if gaps:
+            f.write(f"  period between launches {(waits[-1] - waits[0]) / (len(waits) - 1):8.2f}; from a launch's "
+                    f"last program to the next launch's wait {sum(gaps) / len(gaps):8.2f}\n")
+
+
 @functools.lru_cache(maxsize=None)
 def _counters(device: torch.device) -> torch.Tensor:
     """The handoff's arrival and departure counters (each launch leaves them 0)."""
@@ -324,8 +370,7 @@ def moe_tma_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     """x [T <= 2, H], w13 [E, 2I, H], w2 [E, H, I], topk weights (fp32) / ids [T, K] -> [T, H] in
     x's dtype (``config``: moe_tma_config's keys, tests and benchmarks). Every id must be a
     valid expert (no dropped entries). ``times`` (diagnostics): int64 [programs, 8] receiving
-    each program's %globaltimer at its start, PDL wait over, x staged, gate/up done, handoff
-    passed, end."""
+    each program's %globaltimer at ``TIMELINE``'s points."""
     assert HAS_GLUON and x.is_cuda, "the TMA MoE needs a Hopper GPU and Gluon"
     T, H = x.shape
     E, two_i, _ = w13.shape
@@ -344,12 +389,15 @@ def moe_tma_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8 * x.element_size(), rank=3)
     d13 = TensorDescriptor(w13, [H // bk, E * two_i, bk], [bk, H, 1], [g, bn, bk], layout)
     d2 = TensorDescriptor(w2, [I // bk, E * H, bk], [bk, I, 1], [g, bn, bk], layout)
+    if times is None and _TIMES_PATH:
+        times = _diag_times(cfg["programs"], x.device)
     pdl = pdl_enabled(x)
     kw = {"launch_pdl": True} if pdl else {}
     _moe_tma_kernel[(cfg["programs"],)](
         d13, d2, w13, w2, x, ids, tw, act, out, _counters(x.device), T, H, I, x.stride(0), out.stride(0),
         BLOCK_N=bn, BLOCK_K=bk, G=g, GUC=cfg["GUC"], DNC=cfg["DNC"], TOP_K=K, T_PAD=cfg["T_PAD"],
-        SLOTS=cfg["SLOTS"], WN=cfg["WN"], USE_PDL=pdl, TLB=cfg.get("TLB", MOE_TMA_TLB), t_ptr=times, TIMED=times is not None,
+        SLOTS=cfg["SLOTS"], WN=cfg["WN"], USE_PDL=pdl, TLB=cfg.get("TLB", MOE_TMA_TLB),
+        LATE_DEPS=MOE_TMA_LATE_DEPS, t_ptr=times, TIMED=times is not None,
         num_warps=cfg["num_warps"], **kw)
     return out
 
