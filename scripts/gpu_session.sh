@@ -126,7 +126,7 @@ for part in "$@"; do case $part in
        timeout 200 python3 scripts/bench_moe_tma.py --models qwen3-30b-a3b 2>&1 | tail -30 > "$OUT/bench_moe_tma.log"
        head -20 "$OUT/bench_moe_tma.log"; tail -1 "$OUT/bench_moe_tma.log" ;;
   moetmae2e) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q --tb=line -m gpu tests/test_gpu_e2e.py -k "tma_moe" \
-         -p no:cacheprovider 2>&1 | tail -6 | tee "$OUT/moe_tma_e2e.log" ;;
+         -p no:cacheprovider 2>&1 | tail -12 | tee "$OUT/moe_tma_e2e.log" ;;
   moediag) # qwen3-30b-a3b batch 1 with PDL and without (each kernel's own time): scripts/kernel_table.py on the JSONs
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
        run 150 q30b_b1 $M; BLITZ_PDL=0 run 150 q30b_b1_nopdl $M
