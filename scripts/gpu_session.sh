@@ -125,6 +125,17 @@ for part in "$@"; do case $part in
        python3 scripts/kernel_table.py $OUT/q30b_moetma_nopdl.json $OUT/q30b_moetma0_nopdl.json $OUT/q30b_moetma_late.json
        timeout 200 python3 scripts/bench_moe_tma.py --models qwen3-30b-a3b 2>&1 | tail -30 > "$OUT/bench_moe_tma.log"
        head -20 "$OUT/bench_moe_tma.log"; tail -1 "$OUT/bench_moe_tma.log" ;;
+  moetma3) # the TMA MoE with whole-row copies (no box past a row's end): tests (stop if they fail), the kernel
+       # alone, the engine with its timeline, dependents at the handoff / late, against the direct path
+       timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -x --tb=short -m gpu tests/kernels/test_kernel_moe_tma.py \
+         -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/moe_tma_tests.log"
+       grep -q " passed" "$OUT/moe_tma_tests.log" && ! grep -q "failed\|error" "$OUT/moe_tma_tests.log" || exit 3
+       timeout 240 python3 scripts/bench_moe_tma.py ${MOETMA_ARGS:-} 2>&1 | tail -60 > "$OUT/bench_moe_tma.log"
+       grep -A7 "qwen3-30b-a3b tlb" "$OUT/bench_moe_tma.log" | head -8; tail -3 "$OUT/bench_moe_tma.log"
+       M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
+       BLITZ_MOE_TMA_TIMES=$OUT/tl_e2e.txt run 150 q30b_moetma_tl $M; cat $OUT/tl_e2e.txt
+       run 150 q30b_moetma $M; BLITZ_MOE_TMA_DEPS=late run 150 q30b_moetma_late $M; BLITZ_MOE_TMA=0 run 150 q30b_moetma0 $M
+       python3 scripts/kernel_table.py $OUT/q30b_moetma.json | head -8 ;;
   moetmae2e) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q --tb=line -m gpu tests/test_gpu_e2e.py -k "tma_moe" \
          -p no:cacheprovider 2>&1 | tail -12 | tee "$OUT/moe_tma_e2e.log" ;;
   moediag) # qwen3-30b-a3b batch 1 with PDL and without (each kernel's own time): scripts/kernel_table.py on the JSONs

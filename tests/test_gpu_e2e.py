@@ -187,26 +187,37 @@ def test_tma_gemv_decode_matches_fma_gemv(monkeypatch, preset, layers):
 @pytest.mark.parametrize("preset,layers", [("qwen3-30b-a3b", 2), ("minimax-m2", 2), ("deepseek-v3", 4)])
 def test_tma_moe_decode_matches_direct_moe(monkeypatch, preset, layers):
     """MoE decode with the experts as the one-launch TMA MoE (the default on Hopper at 1-2
-    tokens) gives the direct path's greedy tokens (bf16, batches of 2 and 1), and the launch
-    ran, in the CUDA graphs too."""
+    tokens) against the direct path's two grouped GEMMs (bf16, batches of 2 and 1, CUDA graphs):
+    the launch ran; every step's chosen-token logprob agrees within 0.05; greedy tokens are equal
+    until a step where the two paths' top tokens are a near tie (logprobs within 0.05 of each other
+    in both runs: the expert sums are taken in another order, FMAs against tensor-core MMAs, so a
+    last-bit difference may pick the other of two equal tokens), and no sequence diverges before
+    its fourth token."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("Hopper only")
     import blitzllm.kernels.moe_tma as moe_tma
     kw = dict(num_layers=layers, device="cuda", dtype="bfloat16", kv_cache_blocks=256, max_num_seqs=8,
               max_model_len=1024)
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
     monkeypatch.setattr(moe_tma, "MOE_TMA", "0")
     base = LLM(f"preset:{preset}", **kw)
     prompts = _prompts(2, base.engine.model_config.vocab_size, seed=12)
-    want = [[o.token_ids for o in base.generate(p, params)] for p in (prompts, prompts[:1])]
+    want = [o for p in (prompts, prompts[:1]) for o in base.generate(p, params)]
     del base
     monkeypatch.setattr(moe_tma, "MOE_TMA", "1")
     calls = []
     orig = moe_tma.moe_tma_triton
     monkeypatch.setattr(moe_tma, "moe_tma_triton", lambda *a, **k: calls.append(a[0].shape[0]) or orig(*a, **k))
     llm = LLM(f"preset:{preset}", **kw)
-    got = [[o.token_ids for o in llm.generate(p, params)] for p in (prompts, prompts[:1])]
+    got = [o for p in (prompts, prompts[:1]) for o in llm.generate(p, params)]
     assert calls and set(calls) <= {1, 2}
-    first_diff = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), None)
-                  for gs, ws in zip(got, want) for g, w in zip(gs, ws)]
-    assert got == want, f"first differing token per sequence: {first_diff}"
+    for g, w in zip(got, want):
+        d = next((i for i, (a, b) in enumerate(zip(g.token_ids, w.token_ids)) if a != b), None)
+        for i in range(len(g.token_ids) if d is None else d):
+            t = w.token_ids[i]
+            assert abs(g.logprobs[i][t] - w.logprobs[i][t]) < 0.05, (i, g.logprobs[i][t], w.logprobs[i][t])
+        if d is not None:
+            a, b = g.token_ids[d], w.token_ids[d]
+            assert d >= 3, f"diverged at token {d}"
+            for lp in (g.logprobs[d], w.logprobs[d]):
+                assert a in lp and b in lp and abs(lp[a] - lp[b]) < 0.05, (d, a, b, lp)

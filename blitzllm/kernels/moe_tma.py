@@ -41,7 +41,7 @@ from typing import Optional
 
 import torch
 
-from ._common import _capability, device_sms, next_pow2, pdl_enabled, triton
+from ._common import _capability, device_sms, next_pow2, pdl_enabled
 from .gemv_tma import HAS_GLUON
 
 if HAS_GLUON:
@@ -63,8 +63,6 @@ MOE_TMA_BLOCK_K = 256
 MOE_TMA_WARPS = 8
 # BLITZ_MOE_TMA_DEPS=late (A/B): the kernels after it launch as its programs end, not at the handoff
 MOE_TMA_LATE_DEPS = os.environ.get("BLITZ_MOE_TMA_DEPS", "") == "late"
-# BLITZ_MOE_TMA_TLB=1: each program first touches (L2 prefetch) the first row of all its copies
-MOE_TMA_TLB = os.environ.get("BLITZ_MOE_TMA_TLB", "0") == "1"
 
 if HAS_GLUON:
     @gluon.jit
@@ -74,22 +72,26 @@ if HAS_GLUON:
 
     @gluon.jit
     def _issue(w13_desc, w2_desc, smem, bars, c, gu_total, total, pid, qd, nprog, idv, lanes, H, I,
-               BLOCK_N: gl.constexpr, G: gl.constexpr, GUC: gl.constexpr, DNC: gl.constexpr,
-               TOP_K: gl.constexpr, SLOTS: gl.constexpr):
+               BLOCK_N: gl.constexpr, G: gl.constexpr, GG: gl.constexpr, GD: gl.constexpr, GGB: gl.constexpr,
+               GDB: gl.constexpr, GUC: gl.constexpr, DNC: gl.constexpr, TOP_K: gl.constexpr, SLOTS: gl.constexpr):
         """Copy c of this program's sequence into slot c % SLOTS (nothing where c >= total):
-        copies [0, gu_total) are its gate/up tiles (gate part, then up part, GUC copies
-        each), the rest its down tiles (TOP_K experts, DNC copies each)."""
+        copies [0, gu_total) are its gate/up tiles (gate part, then up part, GUC copies of GG
+        chunks each), the rest its down tiles (TOP_K experts, DNC copies of GD chunks each).
+        A copy of fewer than G chunks fills the slot's first ones (no reads past a row's end),
+        as boxes of GGB / GDB chunks (TMA boxes here are powers of two) on the slot's barrier."""
         ok = c < total
         s_slot = c % SLOTS
         bar = bars.index(s_slot)
-        mbarrier.expect(bar, w13_desc.block_type.nbytes, pred=ok)
         rb_i = I // BLOCK_N
         if c < gu_total:
             r = c % (2 * GUC)
             tile = pid + (c // (2 * GUC)) * nprog
             e = _pick(idv, lanes, tile // rb_i)
             row = e * (2 * I) + (r // GUC) * I + (tile % rb_i) * BLOCK_N
-            tma.async_copy_global_to_shared(w13_desc, [(r % GUC) * G, row, 0], bar, smem.index(s_slot), pred=ok)
+            mbarrier.expect(bar, w13_desc.block_type.nbytes * (GG // GGB), pred=ok)
+            for j in gl.static_range(GG // GGB):  # boxes of GGB chunks (a power of two)
+                tma.async_copy_global_to_shared(w13_desc, [(r % GUC) * GG + j * GGB, row, 0], bar,
+                                                smem.index(s_slot).slice(j * GGB, GGB), pred=ok)
         else:
             c2 = c - gu_total
             r = c2 % (TOP_K * DNC)
@@ -97,44 +99,15 @@ if HAS_GLUON:
             rb_h = H // BLOCK_N
             e = _pick(idv, lanes, (tile // rb_h) * TOP_K + r // DNC)
             row = e * H + (tile % rb_h) * BLOCK_N
-            tma.async_copy_global_to_shared(w2_desc, [(r % DNC) * G, row, 0], bar, smem.index(s_slot), pred=ok)
-
-    @gluon.jit
-    def _touch_copies(w13_ptr, w2_ptr, ids_ptr, gu_total, total, pid, qd, nprog, H, I,
-                      BLOCK_N: gl.constexpr, GUC: gl.constexpr, DNC: gl.constexpr, TOP_K: gl.constexpr,
-                      WN: gl.constexpr):
-        """prefetch.global.L2 of the first row of each of this program's copies after the ring's
-        first SLOTS (a thread per copy; the rows as ``_issue`` computes them), so the page walks of
-        all the experts it will read run at once instead of one by one in the copy engine."""
-        TL: gl.constexpr = gl.BlockedLayout([1], [32], [WN], [0])
-        n: gl.constexpr = 32 * WN
-        rb_i = I // BLOCK_N
-        rb_h = H // BLOCK_N
-        done = gl.zeros([n], gl.int32, TL)
-        for base in range(0, total, n):
-            i = base + gl.arange(0, n, layout=TL)
-            ok = i < total
-            gu = i < gu_total
-            r = i % (2 * GUC)
-            tile = pid + (i // (2 * GUC)) * nprog
-            e = gl.load(ids_ptr + tile // rb_i, mask=ok & gu, other=0).to(gl.int64)
-            a13 = w13_ptr + (e * (2 * I) + (r // GUC) * I + (tile % rb_i) * BLOCK_N) * H
-            c2 = i - gu_total
-            r2 = c2 % (TOP_K * DNC)
-            tile2 = qd + (c2 // (TOP_K * DNC)) * nprog
-            e2 = gl.load(ids_ptr + (tile2 // rb_h) * TOP_K + r2 // DNC, mask=ok & ~gu, other=0).to(gl.int64)
-            a2 = w2_ptr + (e2 * H + (tile2 % rb_h) * BLOCK_N) * I
-            a13 = gl.where(ok & gu, a13, w13_ptr)
-            a2 = gl.where(ok & ~gu, a2, w2_ptr)
-            done += gl.inline_asm_elementwise("prefetch.global.L2 [$1]; prefetch.global.L2 [$2]; mov.u32 $0, 0;",
-                                              "=r,l,l", [a13, a2], dtype=gl.int32, is_pure=False, pack=1)
-        # the asm's result (always 0) feeds a store that never happens, or the compiler drops it
-        gl.store(ids_ptr + gl.arange(0, n, layout=TL), done, mask=done != 0)
+            mbarrier.expect(bar, w2_desc.block_type.nbytes * (GD // GDB), pred=ok)
+            for j in gl.static_range(GD // GDB):
+                tma.async_copy_global_to_shared(w2_desc, [(r % DNC) * GD + j * GDB, row, 0], bar,
+                                                smem.index(s_slot).slice(j * GDB, GDB), pred=ok)
 
     @gluon.jit
     def _consume(w13_desc, w2_desc, smem, bars, c, acc, vs, gu_total, total, pid, qd, nprog, idv, lanes, H, I,
-                 L3: gl.constexpr, BLOCK_N: gl.constexpr, G: gl.constexpr, GUC: gl.constexpr,
-                 DNC: gl.constexpr, TOP_K: gl.constexpr, SLOTS: gl.constexpr):
+                 L3: gl.constexpr, BLOCK_N: gl.constexpr, G: gl.constexpr, GG: gl.constexpr, GD: gl.constexpr,
+                 GGB: gl.constexpr, GDB: gl.constexpr, GUC: gl.constexpr, DNC: gl.constexpr, TOP_K: gl.constexpr, SLOTS: gl.constexpr):
         """acc += copy c times its G input chunks vs (shared memory [G, BLOCK_K]), then the
         slot refills with copy c + SLOTS once every warp has read it."""
         mbarrier.wait(bars.index(c % SLOTS), (c // SLOTS) & 1)
@@ -145,15 +118,15 @@ if HAS_GLUON:
             gl.thread_barrier()
             fence_async_shared()
             _issue(w13_desc, w2_desc, smem, bars, c + SLOTS, gu_total, total, pid, qd, nprog, idv, lanes, H, I,
-                   BLOCK_N, G, GUC, DNC, TOP_K, SLOTS)
+                   BLOCK_N, G, GG, GD, GGB, GDB, GUC, DNC, TOP_K, SLOTS)
         return acc
 
     @gluon.jit
-    def _moe_tma_kernel(w13_desc, w2_desc, w13_ptr, w2_ptr, x_ptr, ids_ptr, tw_ptr, act_ptr, out_ptr, cnt_ptr,
+    def _moe_tma_kernel(w13_desc, w2_desc, x_ptr, ids_ptr, tw_ptr, act_ptr, out_ptr, cnt_ptr,
                         T, H, I, stride_x, stride_o,
-                        BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, G: gl.constexpr,
-                        GUC: gl.constexpr, DNC: gl.constexpr, TOP_K: gl.constexpr, T_PAD: gl.constexpr,
-                        SLOTS: gl.constexpr, WN: gl.constexpr, USE_PDL: gl.constexpr, TLB: gl.constexpr,
+                        BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, G: gl.constexpr, GG: gl.constexpr,
+                        GD: gl.constexpr, GGB: gl.constexpr, GDB: gl.constexpr, GUC: gl.constexpr, DNC: gl.constexpr, TOP_K: gl.constexpr, T_PAD: gl.constexpr,
+                        SLOTS: gl.constexpr, WN: gl.constexpr, USE_PDL: gl.constexpr,
                         LATE_DEPS: gl.constexpr = False, t_ptr=None, TIMED: gl.constexpr = False):
         pid = gl.program_id(0)
         _stamp(t_ptr, pid, 0, TIMED)
@@ -169,8 +142,9 @@ if HAS_GLUON:
         bars = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(SLOTS):
             mbarrier.init(bars.index(i), count=1)
-        # x per token as [GUC * G, BLOCK_K] chunks (zero past H); the activations per entry as
-        # [DNC * G, BLOCK_K] (zero past I): the input side of every copy is one slice
+        # x per token as GUC groups of G rows [BLOCK_K] (row r of group q: chunk q * GG + r of H,
+        # zero for r >= GG and past H), the activations per entry likewise (DNC groups, GD chunks
+        # of I each): the input side of copy q is the slice of rows [q * G, q * G + G)
         XP: gl.constexpr = _pow2(GUC * G)
         AP: gl.constexpr = _pow2(DNC * G)
         S_PAD: gl.constexpr = T_PAD * TOP_K
@@ -184,6 +158,11 @@ if HAS_GLUON:
         YL: gl.constexpr = gl.SliceLayout(1, L2)
         PL: gl.constexpr = gl.BlockedLayout([S_PAD], [32], [WN], [0])  # small vectors, whole in each thread
         SL: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_K, BLOCK_K // 8], [WN, 1], [1, 0])
+        if GG < G or GD < G:  # slot chunks a copy leaves alone hold finite values (they meet zero inputs)
+            for i in gl.static_range(SLOTS):
+                smem.index(i).store(gl.zeros([G, BLOCK_N, BLOCK_K], w13_desc.dtype, L3))
+            gl.thread_barrier()
+            fence_async_shared()
         lanes = gl.arange(0, S_PAD, layout=PL)
         offs_n = gl.arange(0, BLOCK_N, layout=YL)
         dt = out_ptr.dtype.element_ty
@@ -193,18 +172,16 @@ if HAS_GLUON:
         # the three inputs from the kernels before, loaded at once (their round trips overlap)
         idv = gl.load(ids_ptr + lanes, mask=lanes < T * TOP_K, other=0)
         twv = gl.load(tw_ptr + lanes, mask=lanes < T * TOP_K, other=0.0)
-        # x staged through a 2-D view [rows, BLOCK_K]: row = token * XP + chunk
+        # x staged through a 2-D view [rows, BLOCK_K]: row = token * XP + group row
         ri = gl.expand_dims(gl.arange(0, T_PAD * XP, layout=gl.SliceLayout(1, SL)), 1)
         ki = gl.expand_dims(gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, SL)), 0)
-        xk = (ri % XP) * BLOCK_K + ki
-        xv = gl.load(x_ptr + (ri // XP) * stride_x + xk, mask=(ri // XP < T) & (xk < H), other=0.0)
+        xr = ri % XP
+        xk = ((xr // G) * GG + xr % G) * BLOCK_K + ki
+        xv = gl.load(x_ptr + (ri // XP) * stride_x + xk, mask=(ri // XP < T) & (xr % G < GG) & (xk < H), other=0.0)
         for i in gl.static_range(SLOTS):  # the ring's first copies, then x while they fly
             _issue(w13_desc, w2_desc, smem, bars, i, gu_total, total, pid, qd, nprog, idv, lanes, H, I,
-                   BLOCK_N, G, GUC, DNC, TOP_K, SLOTS)
+                   BLOCK_N, G, GG, GD, GGB, GDB, GUC, DNC, TOP_K, SLOTS)
         _stamp(t_ptr, pid, 2, TIMED)
-        if TLB:  # every later copy's first row, asked of the L2 now: its address translation starts early
-            _touch_copies(w13_ptr, w2_ptr, ids_ptr, gu_total, total, pid, qd, nprog, H, I, BLOCK_N, GUC, DNC,
-                          TOP_K, WN)
         xs._reinterpret(x_ptr.dtype.element_ty, [T_PAD * XP, BLOCK_K], flat).store(xv)
         gl.thread_barrier()
         _stamp(t_ptr, pid, 3, TIMED)
@@ -217,13 +194,13 @@ if HAS_GLUON:
             acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, L2)
             for g in gl.static_range(GUC):
                 acc = _consume(w13_desc, w2_desc, smem, bars, c, acc, xt.slice(g * G, G), gu_total, total, pid, qd,
-                               nprog, idv, lanes, H, I, L3, BLOCK_N, G, GUC, DNC, TOP_K, SLOTS)
+                               nprog, idv, lanes, H, I, L3, BLOCK_N, G, GG, GD, GGB, GDB, GUC, DNC, TOP_K, SLOTS)
                 c += 1
             gate = gl.sum(acc, axis=1).to(dt).to(gl.float32)
             acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, L2)
             for g in gl.static_range(GUC):
                 acc = _consume(w13_desc, w2_desc, smem, bars, c, acc, xt.slice(g * G, G), gu_total, total, pid, qd,
-                               nprog, idv, lanes, H, I, L3, BLOCK_N, G, GUC, DNC, TOP_K, SLOTS)
+                               nprog, idv, lanes, H, I, L3, BLOCK_N, G, GG, GD, GGB, GDB, GUC, DNC, TOP_K, SLOTS)
                 c += 1
             up = gl.sum(acc, axis=1).to(dt).to(gl.float32)
             a = (gate / (1.0 + gl.exp(-gate))).to(dt).to(gl.float32)
@@ -243,9 +220,10 @@ if HAS_GLUON:
         _stamp(t_ptr, pid, 5, TIMED)
         if my_dn > 0:  # the activations of every entry (from L2: written by other SMs)
             ai = gl.expand_dims(gl.arange(0, S_PAD * AP, layout=gl.SliceLayout(1, SL)), 1)  # entry * AP + chunk
-            ak = (ai % AP) * BLOCK_K + ki
-            av = gl.load(act_ptr + (ai // AP) * I + ak, mask=(ai // AP < T * TOP_K) & (ak < I), other=0.0,
-                         cache_modifier=".cg")
+            ar = ai % AP
+            ak = ((ar // G) * GD + ar % G) * BLOCK_K + ki
+            av = gl.load(act_ptr + (ai // AP) * I + ak, mask=(ai // AP < T * TOP_K) & (ar % G < GD) & (ak < I),
+                         other=0.0, cache_modifier=".cg")
             acts._reinterpret(x_ptr.dtype.element_ty, [S_PAD * AP, BLOCK_K], flat).store(av)
             gl.thread_barrier()
         rb_h = H // BLOCK_N
@@ -258,7 +236,7 @@ if HAS_GLUON:
                 acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, L2)
                 for g in gl.static_range(DNC):
                     acc = _consume(w13_desc, w2_desc, smem, bars, c, acc, aj.slice(g * G, G), gu_total, total, pid,
-                                   qd, nprog, idv, lanes, H, I, L3, BLOCK_N, G, GUC, DNC, TOP_K, SLOTS)
+                                   qd, nprog, idv, lanes, H, I, L3, BLOCK_N, G, GG, GD, GGB, GDB, GUC, DNC, TOP_K, SLOTS)
                     c += 1
                 y += gl.sum(acc, axis=1).to(dt).to(gl.float32) * _pick(twv, lanes, t * TOP_K + j)
             gl.store(out_ptr + t * stride_o + (tile % rb_h) * BLOCK_N + offs_n, y.to(dt))
@@ -284,7 +262,12 @@ def moe_tma_config(T: int, H: int, I: int, top_k: int, itemsize: int, sms: int,
     bn = MOE_TMA_COPY_BYTES // (g * bk * itemsize)
     if I % bn or H % bn:
         return None
-    guc, dnc = triton.cdiv(H // bk, g), triton.cdiv(I // bk, g)
+    # chunks per copy: the largest divisor of the row's chunks up to G (whole copies, no box
+    # past a row's end: such copies measured far slower on the H200)
+    gg = max(d for d in range(1, g + 1) if (H // bk) % d == 0)
+    gd = max(d for d in range(1, g + 1) if (I // bk) % d == 0)
+    guc, dnc = H // bk // gg, I // bk // gd
+    ggb, gdb = gg & -gg, gd & -gd  # their largest power-of-two factors: the TMA box's chunks
     t_pad = next_pow2(T)
     fixed = (t_pad * next_pow2(guc * g) + t_pad * top_k * next_pow2(dnc * g)) * bk * itemsize + 1024
     copy = g * bn * bk * itemsize
@@ -292,7 +275,7 @@ def moe_tma_config(T: int, H: int, I: int, top_k: int, itemsize: int, sms: int,
     if slots < 3:
         return None
     tiles = T * top_k * (I // bn) + T * (H // bn)
-    return {"BLOCK_N": bn, "BLOCK_K": bk, "G": g, "GUC": guc, "DNC": dnc, "T_PAD": t_pad, "SLOTS": slots,
+    return {"BLOCK_N": bn, "BLOCK_K": bk, "G": g, "GG": gg, "GD": gd, "GGB": ggb, "GDB": gdb, "GUC": guc, "DNC": dnc, "T_PAD": t_pad, "SLOTS": slots,
             "programs": min(sms, tiles), "WN": MOE_TMA_WARPS, "num_warps": MOE_TMA_WARPS}
 
 
@@ -387,17 +370,17 @@ def moe_tma_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     act = torch.empty(T * K, I, dtype=x.dtype, device=x.device)
     bn, bk, g = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["G"]
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8 * x.element_size(), rank=3)
-    d13 = TensorDescriptor(w13, [H // bk, E * two_i, bk], [bk, H, 1], [g, bn, bk], layout)
-    d2 = TensorDescriptor(w2, [I // bk, E * H, bk], [bk, I, 1], [g, bn, bk], layout)
+    d13 = TensorDescriptor(w13, [H // bk, E * two_i, bk], [bk, H, 1], [cfg["GGB"], bn, bk], layout)
+    d2 = TensorDescriptor(w2, [I // bk, E * H, bk], [bk, I, 1], [cfg["GDB"], bn, bk], layout)
     if times is None and _TIMES_PATH:
         times = _diag_times(cfg["programs"], x.device)
     pdl = pdl_enabled(x)
     kw = {"launch_pdl": True} if pdl else {}
     _moe_tma_kernel[(cfg["programs"],)](
-        d13, d2, w13, w2, x, ids, tw, act, out, _counters(x.device), T, H, I, x.stride(0), out.stride(0),
-        BLOCK_N=bn, BLOCK_K=bk, G=g, GUC=cfg["GUC"], DNC=cfg["DNC"], TOP_K=K, T_PAD=cfg["T_PAD"],
-        SLOTS=cfg["SLOTS"], WN=cfg["WN"], USE_PDL=pdl, TLB=cfg.get("TLB", MOE_TMA_TLB),
-        LATE_DEPS=MOE_TMA_LATE_DEPS, t_ptr=times, TIMED=times is not None,
+        d13, d2, x, ids, tw, act, out, _counters(x.device), T, H, I, x.stride(0), out.stride(0),
+        BLOCK_N=bn, BLOCK_K=bk, G=g, GG=cfg["GG"], GD=cfg["GD"], GGB=cfg["GGB"],
+        GDB=cfg["GDB"], GUC=cfg["GUC"], DNC=cfg["DNC"], TOP_K=K, T_PAD=cfg["T_PAD"],
+        SLOTS=cfg["SLOTS"], WN=cfg["WN"], USE_PDL=pdl, LATE_DEPS=MOE_TMA_LATE_DEPS, t_ptr=times, TIMED=times is not None,
         num_warps=cfg["num_warps"], **kw)
     return out
 

@@ -18,7 +18,7 @@ HAS_CUDA = torch.cuda.is_available()
 PRESET_SHAPES = [(2048, 768, 8), (3072, 1536, 8), (7168, 2048, 8)]
 
 
-@pytest.mark.parametrize("H,I,K", PRESET_SHAPES + [(1024, 512, 4), (4096, 256, 2)])
+@pytest.mark.parametrize("H,I,K", PRESET_SHAPES + [(1024, 512, 4), (4096, 256, 2), (1536, 512, 8)])
 @pytest.mark.parametrize("T", [1, 2])
 @pytest.mark.parametrize("sms", [132, 16])
 def test_config_covers_the_work_within_shared_memory(H, I, K, T, sms):
@@ -27,8 +27,13 @@ def test_config_covers_the_work_within_shared_memory(H, I, K, T, sms):
     bn, bk, g = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["G"]
     assert g * bn * bk * 2 == moe_tma.MOE_TMA_COPY_BYTES and bk <= 256 and bn <= 256 and g <= 256
     assert I % bn == 0 and H % bn == 0  # whole row tiles
-    assert (cfg["GUC"] - 1) * g < H // bk <= cfg["GUC"] * g  # every K chunk of x in one copy
-    assert (cfg["DNC"] - 1) * g < I // bk <= cfg["DNC"] * g
+    # every chunk of a row in exactly one copy, no copy past a row's end
+    assert cfg["GUC"] * cfg["GG"] == H // bk and cfg["DNC"] * cfg["GD"] == I // bk
+    assert 1 <= cfg["GG"] <= g and 1 <= cfg["GD"] <= g
+    assert cfg["GG"] == max(d for d in range(1, g + 1) if (H // bk) % d == 0)
+    assert cfg["GD"] == max(d for d in range(1, g + 1) if (I // bk) % d == 0)
+    for whole, box in ((cfg["GG"], cfg["GGB"]), (cfg["GD"], cfg["GDB"])):  # boxes: powers of two that tile a copy
+        assert box & (box - 1) == 0 and whole % box == 0
     tiles = T * K * (I // bn) + T * (H // bn)
     assert cfg["programs"] == min(sms, tiles)
     buffers = cfg["SLOTS"] * g * bn * bk * 2 + (cfg["T_PAD"] * _pow2(cfg["GUC"] * g)
@@ -78,13 +83,13 @@ for H, I, K in ((2048, 768, 8), (3072, 1536, 8), (7168, 2048, 8)):
     bn, bk, g = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["G"]
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=3)
     w13 = torch.zeros(E, 2 * I, H, dtype=bf); w2 = torch.zeros(E, H, I, dtype=bf)
-    d13 = TensorDescriptor(w13, [H // bk, E * 2 * I, bk], [bk, H, 1], [g, bn, bk], layout)
-    d2 = TensorDescriptor(w2, [I // bk, E * H, bk], [bk, I, 1], [g, bn, bk], layout)
+    d13 = TensorDescriptor(w13, [H // bk, E * 2 * I, bk], [bk, H, 1], [cfg["GGB"], bn, bk], layout)
+    d2 = TensorDescriptor(w2, [I // bk, E * H, bk], [bk, I, 1], [cfg["GDB"], bn, bk], layout)
     x = torch.zeros(1, H, dtype=bf)
-    k = m._moe_tma_kernel.warmup(d13, d2, w13, w2, x, torch.zeros(K, dtype=torch.int32), torch.zeros(K),
+    k = m._moe_tma_kernel.warmup(d13, d2, x, torch.zeros(K, dtype=torch.int32), torch.zeros(K),
         torch.zeros(K, I, dtype=bf), x, torch.zeros(2, dtype=torch.int32), 1, H, I, H, H,
-        BLOCK_N=bn, BLOCK_K=bk, G=g, GUC=cfg["GUC"], DNC=cfg["DNC"], TOP_K=K, T_PAD=1, SLOTS=cfg["SLOTS"],
-        WN=cfg["WN"], USE_PDL=True, TLB=True, num_warps=cfg["num_warps"], grid=(cfg["programs"],))
+        BLOCK_N=bn, BLOCK_K=bk, G=g, GG=cfg["GG"], GD=cfg["GD"], GGB=cfg["GGB"], GDB=cfg["GDB"], GUC=cfg["GUC"], DNC=cfg["DNC"], TOP_K=K, T_PAD=1, SLOTS=cfg["SLOTS"],
+        WN=cfg["WN"], USE_PDL=True, num_warps=cfg["num_warps"], grid=(cfg["programs"],))
     ptx = k.asm["ptx"]
     print(H, I, ptx.count("cp.async.bulk.tensor"), ptx.count("atom.global.gpu.release.add"),
           ptx.count("ld.global.gpu.acquire"), k.metadata.shared, pc.ptxas_report(k))
@@ -136,13 +141,14 @@ def test_matches_reference_gpu(H, I, K, T):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("tlb", [False, True])
-def test_small_ring_and_few_programs_gpu(tlb):
-    """A ring that turns many times (three slots) and fewer programs than tiles; with and
-    without the early touch of every copy's first row."""
+@pytest.mark.parametrize("H,I", [(2048, 768), (1536, 512)])
+def test_small_ring_and_few_programs_gpu(H, I):
+    """A ring that turns many times (three slots) and fewer programs than tiles; copies of 4 and 3
+    chunks (qwen3-30b-a3b's down rows: 768 = 3 x 256, three 1-chunk boxes), 3 and 2 chunks (H = 1536,
+    I = 512) in one ring."""
     _hopper()
-    x, w13, w2, tw, ids = _case(10, 2048, 768, 8, 1, seed=5)
-    cfg = dict(moe_tma.moe_tma_config(1, 2048, 768, 8, 2, 132), SLOTS=3, programs=7, TLB=tlb)
+    x, w13, w2, tw, ids = _case(10, H, I, 8, 1, seed=5)
+    cfg = dict(moe_tma.moe_tma_config(1, H, I, 8, 2, 132), SLOTS=3, programs=7)
     got = moe_tma.moe_tma_triton(x, w13, w2, tw, ids, config=cfg).float()
     torch.testing.assert_close(got, moe_tma.reference_moe_tma(x, w13, w2, tw, ids).float(), rtol=2e-2, atol=2e-2)
 
