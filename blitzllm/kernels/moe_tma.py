@@ -17,16 +17,18 @@ program must have written first. All programs are resident at once (one per SM a
 nothing launched after this kernel takes an SM before each program has started), so the
 wait cannot deadlock.
 
-Work split, all 32 KB copies of [G, BLOCK_N, BLOCK_K] (G chunks of BLOCK_K along K, from a
-3-D view [K / BLOCK_K, rows, BLOCK_K] of the weights, past-the-end chunks zero-filled by
-the copy itself):
+Work split: copies of up to 32 KB ([G, BLOCK_N, BLOCK_K] slots: G chunks of BLOCK_K along K
+of BLOCK_N rows, from a 3-D view [K / BLOCK_K, rows, BLOCK_K] of the weights; a copy never
+reaches past a row's end, so where a row's chunks are not a multiple of G a copy fills fewer):
 - gate/up tile (entry s = (token, k), rows [r, r + BLOCK_N) of the intermediate): the gate
   rows and the up rows over all of H -> act[s, r:r+BLOCK_N] (to global memory, L2);
-- down tile (token t, rows [n, n + BLOCK_N) of the output): the down rows of all K chosen
-  experts over all of I, each expert's output rounded, weighted and summed in k order, so the
-  combine needs no other launch and no atomics on the data (deterministic).
-Gate/up tiles go round robin from program 0, down tiles from the last program backwards,
-so programs with one gate/up tile fewer take the down tiles first.
+- down tile (entry s, rows [n, n + BLOCK_N) of the output): that expert's rows over all of I,
+  rounded -> y[s, n:n+BLOCK_N]; per (token, row block) the program whose tile arrives last
+  (an arrival counter) sums the TOP_K outputs weighted, in k order (deterministic).
+Each program takes a contiguous range of the gate/up tiles and of the down tiles, so its
+copies come from one or two experts: a copy stream that changes expert at every copy (the
+first form of this kernel took every expert's rows for a row block) stalled the copy engine
+on each new expert (H200: the down phase ran at 1.3-1.9 TB/s, all programs ending together).
 
 Written in Gluon (explicit shared memory, mbarriers, TMA), Hopper only: no interpreter
 path; ``reference_moe_tma`` is the torch form (``moe.reference_fused_moe``), and
@@ -41,7 +43,7 @@ from typing import Optional
 
 import torch
 
-from ._common import _capability, device_sms, next_pow2, pdl_enabled
+from ._common import _capability, device_sms, next_pow2, pdl_enabled, triton
 from .gemv_tma import HAS_GLUON
 
 if HAS_GLUON:
@@ -71,21 +73,22 @@ if HAS_GLUON:
         return gl.sum(gl.where(lanes == i, vec, gl.zeros_like(vec)), axis=0)
 
     @gluon.jit
-    def _issue(w13_desc, w2_desc, smem, bars, c, gu_total, total, pid, qd, nprog, idv, lanes, H, I,
+    def _issue(w13_desc, w2_desc, smem, bars, c, gu_total, total, g0, d0, idv, lanes, H, I,
                BLOCK_N: gl.constexpr, G: gl.constexpr, GG: gl.constexpr, GD: gl.constexpr, GGB: gl.constexpr,
-               GDB: gl.constexpr, GUC: gl.constexpr, DNC: gl.constexpr, TOP_K: gl.constexpr, SLOTS: gl.constexpr):
+               GDB: gl.constexpr, GUC: gl.constexpr, DNC: gl.constexpr, SLOTS: gl.constexpr):
         """Copy c of this program's sequence into slot c % SLOTS (nothing where c >= total):
-        copies [0, gu_total) are its gate/up tiles (gate part, then up part, GUC copies of GG
-        chunks each), the rest its down tiles (TOP_K experts, DNC copies of GD chunks each).
-        A copy of fewer than G chunks fills the slot's first ones (no reads past a row's end),
-        as boxes of GGB / GDB chunks (TMA boxes here are powers of two) on the slot's barrier."""
+        copies [0, gu_total) are its gate/up tiles g0, g0 + 1, ... (gate part, then up part,
+        GUC copies of GG chunks each), the rest its down tiles d0, d0 + 1, ... (DNC copies of GD
+        chunks each). A copy of fewer than G chunks fills the slot's first ones (no reads past a
+        row's end), as boxes of GGB / GDB chunks (TMA boxes here are powers of two) on the slot's
+        barrier."""
         ok = c < total
         s_slot = c % SLOTS
         bar = bars.index(s_slot)
-        rb_i = I // BLOCK_N
         if c < gu_total:
+            rb_i = I // BLOCK_N
             r = c % (2 * GUC)
-            tile = pid + (c // (2 * GUC)) * nprog
+            tile = g0 + c // (2 * GUC)
             e = _pick(idv, lanes, tile // rb_i)
             row = e * (2 * I) + (r // GUC) * I + (tile % rb_i) * BLOCK_N
             mbarrier.expect(bar, w13_desc.block_type.nbytes * (GG // GGB), pred=ok)
@@ -93,21 +96,20 @@ if HAS_GLUON:
                 tma.async_copy_global_to_shared(w13_desc, [(r % GUC) * GG + j * GGB, row, 0], bar,
                                                 smem.index(s_slot).slice(j * GGB, GGB), pred=ok)
         else:
-            c2 = c - gu_total
-            r = c2 % (TOP_K * DNC)
-            tile = qd + (c2 // (TOP_K * DNC)) * nprog
             rb_h = H // BLOCK_N
-            e = _pick(idv, lanes, (tile // rb_h) * TOP_K + r // DNC)
+            c2 = c - gu_total
+            tile = d0 + c2 // DNC
+            e = _pick(idv, lanes, tile // rb_h)
             row = e * H + (tile % rb_h) * BLOCK_N
             mbarrier.expect(bar, w2_desc.block_type.nbytes * (GD // GDB), pred=ok)
             for j in gl.static_range(GD // GDB):
-                tma.async_copy_global_to_shared(w2_desc, [(r % DNC) * GD + j * GDB, row, 0], bar,
+                tma.async_copy_global_to_shared(w2_desc, [(c2 % DNC) * GD + j * GDB, row, 0], bar,
                                                 smem.index(s_slot).slice(j * GDB, GDB), pred=ok)
 
     @gluon.jit
-    def _consume(w13_desc, w2_desc, smem, bars, c, acc, vs, gu_total, total, pid, qd, nprog, idv, lanes, H, I,
+    def _consume(w13_desc, w2_desc, smem, bars, c, acc, vs, gu_total, total, g0, d0, idv, lanes, H, I,
                  L3: gl.constexpr, BLOCK_N: gl.constexpr, G: gl.constexpr, GG: gl.constexpr, GD: gl.constexpr,
-                 GGB: gl.constexpr, GDB: gl.constexpr, GUC: gl.constexpr, DNC: gl.constexpr, TOP_K: gl.constexpr, SLOTS: gl.constexpr):
+                 GGB: gl.constexpr, GDB: gl.constexpr, GUC: gl.constexpr, DNC: gl.constexpr, SLOTS: gl.constexpr):
         """acc += copy c times its G input chunks vs (shared memory [G, BLOCK_K]), then the
         slot refills with copy c + SLOTS once every warp has read it."""
         mbarrier.wait(bars.index(c % SLOTS), (c // SLOTS) & 1)
@@ -117,27 +119,33 @@ if HAS_GLUON:
         if SLOTS < total:
             gl.thread_barrier()
             fence_async_shared()
-            _issue(w13_desc, w2_desc, smem, bars, c + SLOTS, gu_total, total, pid, qd, nprog, idv, lanes, H, I,
-                   BLOCK_N, G, GG, GD, GGB, GDB, GUC, DNC, TOP_K, SLOTS)
+            _issue(w13_desc, w2_desc, smem, bars, c + SLOTS, gu_total, total, g0, d0, idv, lanes, H, I,
+                   BLOCK_N, G, GG, GD, GGB, GDB, GUC, DNC, SLOTS)
         return acc
 
     @gluon.jit
-    def _moe_tma_kernel(w13_desc, w2_desc, x_ptr, ids_ptr, tw_ptr, act_ptr, out_ptr, cnt_ptr,
+    def _moe_tma_kernel(w13_desc, w2_desc, x_ptr, ids_ptr, tw_ptr, act_ptr, y_ptr, out_ptr, cnt_ptr,
                         T, H, I, stride_x, stride_o,
                         BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, G: gl.constexpr, GG: gl.constexpr,
-                        GD: gl.constexpr, GGB: gl.constexpr, GDB: gl.constexpr, GUC: gl.constexpr, DNC: gl.constexpr, TOP_K: gl.constexpr, T_PAD: gl.constexpr,
+                        GD: gl.constexpr, GGB: gl.constexpr, GDB: gl.constexpr, GUC: gl.constexpr,
+                        DNC: gl.constexpr, TOP_K: gl.constexpr, T_PAD: gl.constexpr, DN_MAX: gl.constexpr,
                         SLOTS: gl.constexpr, WN: gl.constexpr, USE_PDL: gl.constexpr,
                         LATE_DEPS: gl.constexpr = False, t_ptr=None, TIMED: gl.constexpr = False):
         pid = gl.program_id(0)
         _stamp(t_ptr, pid, 0, TIMED)
         nprog = gl.num_programs(0)
-        qd = nprog - 1 - pid  # down tiles are dealt from the last program backwards
-        n_gu = T * TOP_K * (I // BLOCK_N)
-        n_dn = T * (H // BLOCK_N)
-        my_gu = (n_gu - pid + nprog - 1) // nprog
-        my_dn = (n_dn - qd + nprog - 1) // nprog
+        rb_i = I // BLOCK_N
+        rb_h = H // BLOCK_N
+        n_gu = T * TOP_K * rb_i  # gate/up tiles (entry, rows of I)
+        n_dn = T * TOP_K * rb_h  # down tiles (entry, rows of H)
+        # contiguous ranges of both: a program's tiles lie in one or two experts (each new expert
+        # in a program's copy stream costs it an address translation before its copies can go)
+        g0 = pid * n_gu // nprog
+        d0 = pid * n_dn // nprog
+        my_gu = (pid + 1) * n_gu // nprog - g0
+        my_dn = (pid + 1) * n_dn // nprog - d0
         gu_total = my_gu * (2 * GUC)
-        total = gu_total + my_dn * (TOP_K * DNC)
+        total = gu_total + my_dn * DNC
         smem = gl.allocate_shared_memory(w13_desc.dtype, [SLOTS, G, BLOCK_N, BLOCK_K], w13_desc.layout)
         bars = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(SLOTS):
@@ -171,7 +179,6 @@ if HAS_GLUON:
         _stamp(t_ptr, pid, 1, TIMED)
         # the three inputs from the kernels before, loaded at once (their round trips overlap)
         idv = gl.load(ids_ptr + lanes, mask=lanes < T * TOP_K, other=0)
-        twv = gl.load(tw_ptr + lanes, mask=lanes < T * TOP_K, other=0.0)
         # x staged through a 2-D view [rows, BLOCK_K]: row = token * XP + group row
         ri = gl.expand_dims(gl.arange(0, T_PAD * XP, layout=gl.SliceLayout(1, SL)), 1)
         ki = gl.expand_dims(gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, SL)), 0)
@@ -179,28 +186,27 @@ if HAS_GLUON:
         xk = ((xr // G) * GG + xr % G) * BLOCK_K + ki
         xv = gl.load(x_ptr + (ri // XP) * stride_x + xk, mask=(ri // XP < T) & (xr % G < GG) & (xk < H), other=0.0)
         for i in gl.static_range(SLOTS):  # the ring's first copies, then x while they fly
-            _issue(w13_desc, w2_desc, smem, bars, i, gu_total, total, pid, qd, nprog, idv, lanes, H, I,
-                   BLOCK_N, G, GG, GD, GGB, GDB, GUC, DNC, TOP_K, SLOTS)
+            _issue(w13_desc, w2_desc, smem, bars, i, gu_total, total, g0, d0, idv, lanes, H, I,
+                   BLOCK_N, G, GG, GD, GGB, GDB, GUC, DNC, SLOTS)
         _stamp(t_ptr, pid, 2, TIMED)
         xs._reinterpret(x_ptr.dtype.element_ty, [T_PAD * XP, BLOCK_K], flat).store(xv)
         gl.thread_barrier()
         _stamp(t_ptr, pid, 3, TIMED)
         c = 0
-        rb_i = I // BLOCK_N
         for u in range(0, my_gu):  # gate/up tiles
-            tile = pid + u * nprog
+            tile = g0 + u
             s = tile // rb_i
             xt = xs.index(s // TOP_K)
             acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, L2)
             for g in gl.static_range(GUC):
-                acc = _consume(w13_desc, w2_desc, smem, bars, c, acc, xt.slice(g * G, G), gu_total, total, pid, qd,
-                               nprog, idv, lanes, H, I, L3, BLOCK_N, G, GG, GD, GGB, GDB, GUC, DNC, TOP_K, SLOTS)
+                acc = _consume(w13_desc, w2_desc, smem, bars, c, acc, xt.slice(g * G, G), gu_total, total, g0, d0,
+                               idv, lanes, H, I, L3, BLOCK_N, G, GG, GD, GGB, GDB, GUC, DNC, SLOTS)
                 c += 1
             gate = gl.sum(acc, axis=1).to(dt).to(gl.float32)
             acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, L2)
             for g in gl.static_range(GUC):
-                acc = _consume(w13_desc, w2_desc, smem, bars, c, acc, xt.slice(g * G, G), gu_total, total, pid, qd,
-                               nprog, idv, lanes, H, I, L3, BLOCK_N, G, GG, GD, GGB, GDB, GUC, DNC, TOP_K, SLOTS)
+                acc = _consume(w13_desc, w2_desc, smem, bars, c, acc, xt.slice(g * G, G), gu_total, total, g0, d0,
+                               idv, lanes, H, I, L3, BLOCK_N, G, GG, GD, GGB, GDB, GUC, DNC, SLOTS)
                 c += 1
             up = gl.sum(acc, axis=1).to(dt).to(gl.float32)
             a = (gate / (1.0 + gl.exp(-gate))).to(dt).to(gl.float32)
@@ -218,33 +224,59 @@ if HAS_GLUON:
         if USE_PDL and not LATE_DEPS:
             _gdc_launch_dependents()
         _stamp(t_ptr, pid, 5, TIMED)
-        if my_dn > 0:  # the activations of every entry (from L2: written by other SMs)
-            ai = gl.expand_dims(gl.arange(0, S_PAD * AP, layout=gl.SliceLayout(1, SL)), 1)  # entry * AP + chunk
-            ar = ai % AP
-            ak = ((ar // G) * GD + ar % G) * BLOCK_K + ki
-            av = gl.load(act_ptr + (ai // AP) * I + ak, mask=(ai // AP < T * TOP_K) & (ar % G < GD) & (ak < I),
-                         other=0.0, cache_modifier=".cg")
-            acts._reinterpret(x_ptr.dtype.element_ty, [S_PAD * AP, BLOCK_K], flat).store(av)
-            gl.thread_barrier()
-        rb_h = H // BLOCK_N
-        for v in range(0, my_dn):  # down tiles: all TOP_K experts of a token's rows
-            tile = qd + v * nprog
-            t = tile // rb_h
-            y = gl.zeros([BLOCK_N], gl.float32, YL)
-            for j in gl.static_range(TOP_K):
-                aj = acts.index(t * TOP_K + j)
-                acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, L2)
-                for g in gl.static_range(DNC):
-                    acc = _consume(w13_desc, w2_desc, smem, bars, c, acc, aj.slice(g * G, G), gu_total, total, pid,
-                                   qd, nprog, idv, lanes, H, I, L3, BLOCK_N, G, GG, GD, GGB, GDB, GUC, DNC, TOP_K, SLOTS)
-                    c += 1
-                y += gl.sum(acc, axis=1).to(dt).to(gl.float32) * _pick(twv, lanes, t * TOP_K + j)
-            gl.store(out_ptr + t * stride_o + (tile % rb_h) * BLOCK_N + offs_n, y.to(dt))
+        # the activations of every entry (from L2: written by other SMs)
+        ai = gl.expand_dims(gl.arange(0, S_PAD * AP, layout=gl.SliceLayout(1, SL)), 1)  # entry * AP + group row
+        ar = ai % AP
+        ak = ((ar // G) * GD + ar % G) * BLOCK_K + ki
+        av = gl.load(act_ptr + (ai // AP) * I + ak, mask=(ai // AP < T * TOP_K) & (ar % G < GD) & (ak < I),
+                     other=0.0, cache_modifier=".cg")
+        acts._reinterpret(x_ptr.dtype.element_ty, [S_PAD * AP, BLOCK_K], flat).store(av)
+        gl.thread_barrier()
+        for v in range(0, my_dn):  # down tiles: one entry's expert output, rounded, for BLOCK_N rows
+            tile = d0 + v
+            s = tile // rb_h
+            aj = acts.index(s)
+            acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, L2)
+            for g in gl.static_range(DNC):
+                acc = _consume(w13_desc, w2_desc, smem, bars, c, acc, aj.slice(g * G, G), gu_total, total, g0, d0,
+                               idv, lanes, H, I, L3, BLOCK_N, G, GG, GD, GGB, GDB, GUC, DNC, SLOTS)
+                c += 1
+            gl.store(y_ptr + s * H + (tile % rb_h) * BLOCK_N + offs_n, gl.sum(acc, axis=1).to(dt))
+        _stamp(t_ptr, pid, 6, TIMED)
+        # the combine: per (token, row block) the program whose down tile arrives last sums the
+        # TOP_K expert outputs, weighted, in k order (one vector of arrivals per program)
+        gl.thread_barrier()  # every thread's y stores are issued before the release below
+        CL: gl.constexpr = gl.BlockedLayout([1, 1, S_PAD], [32 // BLOCK_N, BLOCK_N, 1], [WN, 1, 1], [2, 1, 0])
+        VL: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, CL))
+        vi = gl.arange(0, DN_MAX, layout=VL)
+        tile_v = d0 + vi
+        cid = (tile_v // rb_h // TOP_K) * rb_h + tile_v % rb_h  # (token, row block)
+        old = gl.atomic_add(cnt_ptr + 2 + cid, gl.full([DN_MAX], 1, gl.int32, VL),
+                            mask=vi < my_dn, sem="acq_rel")
+        won = (vi < my_dn) & (old == TOP_K - 1)
+        if gl.max(won.to(gl.int32), axis=0) > 0:
+            t3 = gl.expand_dims(gl.expand_dims(tile_v // rb_h // TOP_K, 1), 2)
+            nb3 = gl.expand_dims(gl.expand_dims(tile_v % rb_h, 1), 2)
+            w3 = gl.expand_dims(gl.expand_dims(won, 1), 2)
+            r3 = gl.expand_dims(gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, CL))),
+                                               0), 2)
+            j3 = gl.expand_dims(gl.expand_dims(gl.arange(0, S_PAD, layout=gl.SliceLayout(0, gl.SliceLayout(1, CL))),
+                                               0), 1)
+            jk = j3 < TOP_K
+            yv = gl.load(y_ptr + (t3 * TOP_K + j3) * H + nb3 * BLOCK_N + r3, mask=w3 & jk, other=0.0,
+                         cache_modifier=".cg").to(gl.float32)
+            wv = gl.load(tw_ptr + t3 * TOP_K + j3, mask=w3 & jk, other=0.0)
+            tot = gl.sum(yv * wv, axis=2)
+            t2 = gl.expand_dims(tile_v // rb_h // TOP_K, 1)
+            nb2 = gl.expand_dims(tile_v % rb_h, 1)
+            r2 = gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, CL))), 0)
+            gl.store(out_ptr + t2 * stride_o + nb2 * BLOCK_N + r2, tot.to(dt), mask=gl.expand_dims(won, 1))
+            gl.atomic_xchg(cnt_ptr + 2 + cid, gl.zeros([DN_MAX], gl.int32, VL), mask=won, sem="relaxed")
         for i in gl.static_range(SLOTS):
             mbarrier.invalidate(bars.index(i))
         if USE_PDL and LATE_DEPS:
             _gdc_launch_dependents()
-        _stamp(t_ptr, pid, 6, TIMED)
+        _stamp(t_ptr, pid, 7, TIMED)
 
 
 def moe_tma_config(T: int, H: int, I: int, top_k: int, itemsize: int, sms: int,
@@ -274,9 +306,8 @@ def moe_tma_config(T: int, H: int, I: int, top_k: int, itemsize: int, sms: int,
     slots = (smem_bytes - fixed) // copy
     if slots < 3:
         return None
-    tiles = T * top_k * (I // bn) + T * (H // bn)
     return {"BLOCK_N": bn, "BLOCK_K": bk, "G": g, "GG": gg, "GD": gd, "GGB": ggb, "GDB": gdb, "GUC": guc, "DNC": dnc, "T_PAD": t_pad, "SLOTS": slots,
-            "programs": min(sms, tiles), "WN": MOE_TMA_WARPS, "num_warps": MOE_TMA_WARPS}
+            "programs": sms, "WN": MOE_TMA_WARPS, "num_warps": MOE_TMA_WARPS}
 
 
 @functools.lru_cache(maxsize=256)
@@ -301,7 +332,7 @@ def moe_tma_ok(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: t
     return _cached_config(T, H, I, topk_ids.shape[-1], x.element_size(), device_sms(x), MOE_TMA_SMEM) is not None
 
 
-TIMELINE = ("start", "wait over", "copies issued", "x staged", "gate/up done", "handoff", "end")
+TIMELINE = ("start", "wait over", "copies issued", "x staged", "gate/up done", "handoff", "down done", "end")
 # BLITZ_MOE_TMA_TIMES=path (diagnostics): every launch records its timeline (a buffer per call,
 # so per captured layer too); at exit the last decode step's launches are summarised into path
 _TIMES_PATH = os.environ.get("BLITZ_MOE_TMA_TIMES", "")
@@ -330,7 +361,7 @@ def _dump_times(last: int = 48) -> None:
         for j, name in enumerate(TIMELINE):
             rows[name] += torch.stack([rel[:, j].min(), rel[:, j].median(), rel[:, j].max()]) / len(runs)
     waits = [t[:, 1].min().item() for t in runs]
-    gaps = [waits[i + 1] - runs[i][:, 6].max().item() for i in range(len(runs) - 1)]
+    gaps = [waits[i + 1] - runs[i][:, len(TIMELINE) - 1].max().item() for i in range(len(runs) - 1)]
     with open(_TIMES_PATH, "w") as f:
         f.write(f"TMA MoE timeline, mean of the last {len(runs)} launches (us after each launch's PDL wait; "
                 f"min / median / max over programs)\n")
@@ -342,9 +373,10 @@ def _dump_times(last: int = 48) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _counters(device: torch.device) -> torch.Tensor:
-    """The handoff's arrival and departure counters (each launch leaves them 0)."""
-    return torch.zeros(2, dtype=torch.int32, device=device)
+def _counters(device: torch.device, numel: int) -> torch.Tensor:
+    """The handoff's arrival and departure counters, then the combine's arrivals per (token,
+    row block); each launch leaves them all 0."""
+    return torch.zeros(numel, dtype=torch.int32, device=device)
 
 
 def moe_tma_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -368,7 +400,9 @@ def moe_tma_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     act = torch.empty(T * K, I, dtype=x.dtype, device=x.device)
+    y = torch.empty(T * K, H, dtype=x.dtype, device=x.device)  # each entry's expert output
     bn, bk, g = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["G"]
+    dn_max = next_pow2(triton.cdiv(T * K * (H // bn), cfg["programs"]))  # down tiles per program, at most
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8 * x.element_size(), rank=3)
     d13 = TensorDescriptor(w13, [H // bk, E * two_i, bk], [bk, H, 1], [cfg["GGB"], bn, bk], layout)
     d2 = TensorDescriptor(w2, [I // bk, E * H, bk], [bk, I, 1], [cfg["GDB"], bn, bk], layout)
@@ -377,9 +411,10 @@ def moe_tma_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     pdl = pdl_enabled(x)
     kw = {"launch_pdl": True} if pdl else {}
     _moe_tma_kernel[(cfg["programs"],)](
-        d13, d2, x, ids, tw, act, out, _counters(x.device), T, H, I, x.stride(0), out.stride(0),
+        d13, d2, x, ids, tw, act, y, out, _counters(x.device, 2 + MOE_TMA_MAX_TOKENS * (H // bn)), T, H, I,
+        x.stride(0), out.stride(0),
         BLOCK_N=bn, BLOCK_K=bk, G=g, GG=cfg["GG"], GD=cfg["GD"], GGB=cfg["GGB"],
-        GDB=cfg["GDB"], GUC=cfg["GUC"], DNC=cfg["DNC"], TOP_K=K, T_PAD=cfg["T_PAD"],
+        GDB=cfg["GDB"], GUC=cfg["GUC"], DNC=cfg["DNC"], TOP_K=K, T_PAD=cfg["T_PAD"], DN_MAX=dn_max,
         SLOTS=cfg["SLOTS"], WN=cfg["WN"], USE_PDL=pdl, LATE_DEPS=MOE_TMA_LATE_DEPS, t_ptr=times, TIMED=times is not None,
         num_warps=cfg["num_warps"], **kw)
     return out
