@@ -77,10 +77,9 @@ def main():
         cfg = moe_tma._cached_config(T, H, I, K, 2, torch.cuda.get_device_properties(0).multi_processor_count,
                                      moe_tma.MOE_TMA_SMEM)
         line = f"{name:<14} T={T} E={E} L={L}  direct {us_d:7.2f} us ({nbytes / us_d / 1e6:5.2f} TB/s, err {err_d:.3g})"
-        for tlb in (False,):
-            c = dict(cfg)
+        for c in (cfg,):
             us_t = graph_us(lambda i: moe_tma.moe_tma_triton(x, w13[i], w2[i], tw, ids[i], config=c), L)
-            line += f"   tma{'+tlb' if tlb else ''} {us_t:7.2f} us ({nbytes / us_t / 1e6:5.2f} TB/s) x{us_d / us_t:.3f}"
+            line += f"   tma {us_t:7.2f} us ({nbytes / us_t / 1e6:5.2f} TB/s) x{us_d / us_t:.3f}"
             # the timeline of the graph's last launch (TIMED variant, in the graph like the engine)
             times = torch.zeros(L, cfg["programs"], 8, dtype=torch.int64, device="cuda")
             graph_us(lambda i: moe_tma.moe_tma_triton(x, w13[i], w2[i], tw, ids[i], config=c, times=times[i]), L,
@@ -88,7 +87,7 @@ def main():
             t = times[L - 1, :, :len(moe_tma.TIMELINE)].double()
             t = (t - t[:, 0].min()) / 1000.0
             names = moe_tma.TIMELINE
-            print(f"{name} tlb={tlb} timeline of a launch in the graph (us after its first program's start; "
+            print(f"{name} timeline of a launch in the graph (us after its first program's start; "
                   f"min / median / max over {cfg['programs']} programs), config {c}:")
             for j, nm in enumerate(names):
                 col = t[:, j]

@@ -108,34 +108,18 @@ for part in "$@"; do case $part in
        BLITZ_PDL=0 run 150 q30b_b1_nopdl $M
        run 200 q30b_b32 --model preset:qwen3-30b-a3b --batch-size 32 --input-len 128 --output-len 128 --max-num-seqs 32
        python3 scripts/kernel_table.py "$OUT/q30b_b1.json" "$OUT/q30b_b1_nopdl.json" 2>&1 | tail -24 ;;
-  moetma) # issue 5: the one-launch TMA MoE (kernels/moe_tma.py): its GPU tests (stop here if they fail),
-       # the kernel against the direct path's two GEMMs, then qwen3-30b-a3b batch 1 with and without it
-       timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -x --tb=short -m gpu tests/kernels/test_kernel_moe_tma.py \
-         -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/moe_tma_tests.log"
-       grep -q " passed" "$OUT/moe_tma_tests.log" && ! grep -q "failed\|error" "$OUT/moe_tma_tests.log" || exit 3
-       timeout 240 python3 scripts/bench_moe_tma.py ${MOETMA_ARGS:-} 2>&1 | tail -60 > "$OUT/bench_moe_tma.log"; tail -4 "$OUT/bench_moe_tma.log"
-       M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
-       run 150 q30b_moetma $M; BLITZ_MOE_TMA_TLB=1 run 150 q30b_moetma_tlb $M; BLITZ_MOE_TMA=0 run 150 q30b_moetma0 $M ;;
-  moetma2) # the TMA MoE in the engine: its timeline (BLITZ_MOE_TMA_TIMES), dependents launched late, own
-       # kernel times (PDL off), against the direct path; the kernel alone at qwen3-30b-a3b's spread
-       M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
-       BLITZ_MOE_TMA_TIMES=$OUT/tl_e2e.txt run 150 q30b_moetma_tl $M; cat $OUT/tl_e2e.txt
-       run 150 q30b_moetma $M; BLITZ_MOE_TMA_DEPS=late run 150 q30b_moetma_late $M; BLITZ_MOE_TMA=0 run 150 q30b_moetma0 $M
-       BLITZ_PDL=0 run 150 q30b_moetma_nopdl $M; BLITZ_PDL=0 BLITZ_MOE_TMA=0 run 150 q30b_moetma0_nopdl $M
-       python3 scripts/kernel_table.py $OUT/q30b_moetma_nopdl.json $OUT/q30b_moetma0_nopdl.json $OUT/q30b_moetma_late.json
-       timeout 200 python3 scripts/bench_moe_tma.py --models qwen3-30b-a3b 2>&1 | tail -30 > "$OUT/bench_moe_tma.log"
-       head -20 "$OUT/bench_moe_tma.log"; tail -1 "$OUT/bench_moe_tma.log" ;;
-  moetma3) # the TMA MoE with whole-row copies (no box past a row's end): tests (stop if they fail), the kernel
-       # alone, the engine with its timeline, dependents at the handoff / late, against the direct path
+  moetma) # issue 5: the one-launch TMA MoE (kernels/moe_tma.py, BLITZ_MOE_TMA=1): its GPU tests (stop if they
+       # fail), the kernel alone against the direct path's two launches (with in-graph timelines), then
+       # qwen3-30b-a3b batch 1 with it (its engine timeline; dependents launched early too) and without
        timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -x --tb=short -m gpu tests/kernels/test_kernel_moe_tma.py \
          -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/moe_tma_tests.log"
        grep -q " passed" "$OUT/moe_tma_tests.log" && ! grep -q "failed\|error" "$OUT/moe_tma_tests.log" || exit 3
        timeout 240 python3 scripts/bench_moe_tma.py ${MOETMA_ARGS:-} 2>&1 | tail -60 > "$OUT/bench_moe_tma.log"
-       grep -A7 "qwen3-30b-a3b tlb" "$OUT/bench_moe_tma.log" | head -8; tail -3 "$OUT/bench_moe_tma.log"
+       grep -A9 "qwen3-30b-a3b timeline" "$OUT/bench_moe_tma.log" | head -10; tail -3 "$OUT/bench_moe_tma.log"
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
-       BLITZ_MOE_TMA_TIMES=$OUT/tl_e2e.txt run 150 q30b_moetma_tl $M; cat $OUT/tl_e2e.txt
-       run 150 q30b_moetma $M; BLITZ_MOE_TMA_DEPS=late run 150 q30b_moetma_late $M; BLITZ_MOE_TMA=0 run 150 q30b_moetma0 $M
-       python3 scripts/kernel_table.py $OUT/q30b_moetma.json | head -8 ;;
+       BLITZ_MOE_TMA=1 BLITZ_MOE_TMA_TIMES=$OUT/tl_e2e.txt run 150 q30b_moetma_tl $M; cat $OUT/tl_e2e.txt
+       BLITZ_MOE_TMA=1 run 150 q30b_moetma $M; BLITZ_MOE_TMA=1 BLITZ_MOE_TMA_DEPS=early run 150 q30b_moetma_early $M
+       run 150 q30b_moetma0 $M; python3 scripts/kernel_table.py $OUT/q30b_moetma.json | head -8 ;;
   moetmae2e) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q --tb=line -m gpu tests/test_gpu_e2e.py -k "tma_moe" \
          -p no:cacheprovider 2>&1 | tail -12 | tee "$OUT/moe_tma_e2e.log" ;;
   moediag) # qwen3-30b-a3b batch 1 with PDL and without (each kernel's own time): scripts/kernel_table.py on the JSONs

@@ -186,7 +186,7 @@ def test_tma_gemv_decode_matches_fma_gemv(monkeypatch, preset, layers):
 
 @pytest.mark.parametrize("preset,layers", [("qwen3-30b-a3b", 2), ("minimax-m2", 2), ("deepseek-v3", 4)])
 def test_tma_moe_decode_matches_direct_moe(monkeypatch, preset, layers):
-    """MoE decode with the experts as the one-launch TMA MoE (the default on Hopper at 1-2
+    """MoE decode with the experts as the one-launch TMA MoE (BLITZ_MOE_TMA=1, Hopper, 1-2
     tokens) against the direct path's two grouped GEMMs (bf16, batches of 2 and 1, CUDA graphs):
     the launch ran; every step's chosen-token logprob agrees within 0.05; greedy tokens are equal
     until a step where the two paths' top tokens are a near tie (logprobs within 0.05 of each other

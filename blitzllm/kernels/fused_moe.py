@@ -490,8 +490,8 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     grouped GEMMs without the sort, one program row per (token, k) entry, the combine fused
     into the down GEMM (two launches); None takes it for up to MOE_DIRECT_MAX_ENTRIES
     entries unless BLITZ_MOE_DIRECT=0. Ids < 0 are skipped on that path. With neither
-    ``config`` nor ``direct`` given, 1-2 tokens on Hopper run ``moe_tma.moe_tma_triton``
-    (one launch) where ``moe_tma.moe_tma_ok`` (BLITZ_MOE_TMA=0: never)."""
+    ``config`` nor ``direct`` given and BLITZ_MOE_TMA=1, 1-2 tokens on Hopper run
+    ``moe_tma.moe_tma_triton`` (one launch) where ``moe_tma.moe_tma_ok``."""
     assert x.dim() == 2 and w13.dim() == 3 and w2.dim() == 3, "x [T, H], w13 [E, 2I, H], w2 [E, H, I]"
     T, H = x.shape
     E, two_i, _ = w13.shape
@@ -514,7 +514,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
         return _moe_gemv(x, w13, w2, topk_weights, topk_ids, out, *gemv)
     n = T * K
     if direct is None and config is None and not dropped_ids:
-        from . import moe_tma  # one launch streaming both weight sets (Hopper, 1-2 tokens)
+        from . import moe_tma  # one launch streaming both weight sets (Hopper, 1-2 tokens; opt-in)
         if moe_tma.moe_tma_ok(x, w13, w2, topk_ids):
             return moe_tma.moe_tma_triton(x, w13, w2, topk_weights, topk_ids, out=out)
     if direct is None:

@@ -30,6 +30,9 @@ copies come from one or two experts: a copy stream that changes expert at every 
 first form of this kernel took every expert's rows for a row block) stalled the copy engine
 on each new expert (H200: the down phase ran at 1.3-1.9 TB/s, all programs ending together).
 
+Opt-in (BLITZ_MOE_TMA=1): on the H200 it matches the two launches alone but measured slower
+end to end (the switch's comment has the figures).
+
 Written in Gluon (explicit shared memory, mbarriers, TMA), Hopper only: no interpreter
 path; ``reference_moe_tma`` is the torch form (``moe.reference_fused_moe``), and
 ``tests/kernels/test_kernel_moe_tma.py`` compiles the kernel for sm_90 on any machine and
@@ -53,9 +56,13 @@ if HAS_GLUON:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from .gemv_tma import _gdc_launch_dependents, _gdc_wait, _pow2, _stamp
 
-# BLITZ_MOE_TMA: "1" (default) decode MoE layers of 1-2 tokens on Hopper take this launch
-# instead of the direct path's two grouped GEMMs; "0" off (A/B)
-MOE_TMA = os.environ.get("BLITZ_MOE_TMA", "1")
+# BLITZ_MOE_TMA=1 (opt-in, Hopper): decode MoE layers of 1-2 tokens take this launch instead
+# of the direct path's two grouped GEMMs. Off by default: on the H200 it matches the two launches
+# alone (scripts/bench_moe_tma.py, CUDA graphs, us per layer: qwen3-30b-a3b 27.20 vs 27.28,
+# minimax-m2 65.72 vs 67.09, deepseek-v3 166.26 vs 167.55) but end to end qwen3-30b-a3b batch 1
+# measured 376.2 vs 409.5 tok/s: the kernels after it lose their overlap (its programs hold
+# 217 KB of shared memory each, so the next layer's qkv GEMV cannot start its preload beside them)
+MOE_TMA = os.environ.get("BLITZ_MOE_TMA", "0")
 if MOE_TMA not in ("0", "1"):
     raise ValueError(f"BLITZ_MOE_TMA must be 0 or 1, got {MOE_TMA!r}")
 MOE_TMA_MAX_TOKENS = 2
@@ -63,8 +70,9 @@ MOE_TMA_SMEM = int(os.environ.get("BLITZ_MOE_TMA_SMEM", str(216 << 10)))  # per 
 MOE_TMA_COPY_BYTES = 32 << 10
 MOE_TMA_BLOCK_K = 256
 MOE_TMA_WARPS = 8
-# BLITZ_MOE_TMA_DEPS=late (A/B): the kernels after it launch as its programs end, not at the handoff
-MOE_TMA_LATE_DEPS = os.environ.get("BLITZ_MOE_TMA_DEPS", "") == "late"
+# BLITZ_MOE_TMA_DEPS=early (A/B): the kernels after it launch at the handoff, not as its programs
+# end (qwen3-30b-a3b batch 1: 368.8 vs 376.2 tok/s)
+MOE_TMA_LATE_DEPS = os.environ.get("BLITZ_MOE_TMA_DEPS", "late") != "early"
 
 if HAS_GLUON:
     @gluon.jit

@@ -126,8 +126,9 @@ def _hopper():
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("H,I,K", PRESET_SHAPES)
 @pytest.mark.parametrize("T", [1, 2])
-def test_matches_reference_gpu(H, I, K, T):
+def test_matches_reference_gpu(monkeypatch, H, I, K, T):
     _hopper()
+    monkeypatch.setattr(moe_tma, "MOE_TMA", "1")
     x, w13, w2, tw, ids = _case(12, H, I, K, T, seed=H + I + T)
     if T == 2:
         ids[1, :2] = ids[0, :2]  # the tokens share some experts
@@ -182,17 +183,22 @@ def test_in_cuda_graph_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_fused_moe_dispatches_to_it_gpu(monkeypatch):
-    """fused_moe_triton takes the one launch at 1-2 tokens (not with an explicit config or
-    forced direct path, nor with dropped ids), and its result matches the direct path's."""
+    """fused_moe_triton takes the one launch at 1-2 tokens only with BLITZ_MOE_TMA=1 (off by
+    default), not with an explicit config or a forced direct path, nor with dropped ids; its
+    result matches the direct path's."""
     _hopper()
     from blitzllm.kernels import fused_moe
     x, w13, w2, tw, ids = _case(12, 2048, 768, 8, 2, seed=9)
     calls = []
     orig = moe_tma.moe_tma_triton
     monkeypatch.setattr(moe_tma, "moe_tma_triton", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    monkeypatch.setattr(moe_tma, "MOE_TMA", "0")
+    direct = fused_moe.fused_moe_triton(x, w13, w2, tw, ids)
+    assert calls == []
+    monkeypatch.setattr(moe_tma, "MOE_TMA", "1")
     got = fused_moe.fused_moe_triton(x, w13, w2, tw, ids)
     assert calls == [1]
-    direct = fused_moe.fused_moe_triton(x, w13, w2, tw, ids, direct=True)
+    fused_moe.fused_moe_triton(x, w13, w2, tw, ids, direct=True)
     fused_moe.fused_moe_triton(x, w13, w2, tw, ids, dropped_ids=True)
     assert calls == [1]
     torch.testing.assert_close(got.float(), direct.float(), rtol=2e-2, atol=2e-2)
