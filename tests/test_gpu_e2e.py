@@ -156,6 +156,26 @@ def test_norm_route_decode_matches_default(monkeypatch, preset, layers, select):
     assert got == want
 
 
+def _switch_runs(monkeypatch, module, switch, off, on, launcher, preset, layers, params, seed):
+    """Decode outputs (batches of 2 and 1, bf16, CUDA graphs) with ``module.switch`` = off, then
+    = on with ``module.launcher`` counted: (outputs off, outputs on, the rows of each counted
+    call, the second LLM)."""
+    kw = dict(num_layers=layers, device="cuda", dtype="bfloat16", kv_cache_blocks=256, max_num_seqs=8,
+              max_model_len=1024)
+    monkeypatch.setattr(module, switch, off)
+    base = LLM(f"preset:{preset}", **kw)
+    prompts = _prompts(2, base.engine.model_config.vocab_size, seed=seed)
+    want = [o for p in (prompts, prompts[:1]) for o in base.generate(p, params)]
+    del base
+    monkeypatch.setattr(module, switch, on)
+    calls = []
+    orig = getattr(module, launcher)
+    monkeypatch.setattr(module, launcher, lambda *a, **k: calls.append(a[0].shape[0]) or orig(*a, **k))
+    llm = LLM(f"preset:{preset}", **kw)
+    got = [o for p in (prompts, prompts[:1]) for o in llm.generate(p, params)]
+    return want, got, calls, llm
+
+
 @pytest.mark.parametrize("preset,layers", [("qwen3-30b-a3b", 2), ("qwen3-0.6b", 4), ("llama-3.1-8b", 2)])
 def test_tma_gemv_decode_matches_fma_gemv(monkeypatch, preset, layers):
     """Decode with o_proj and qkv as the TMA GEMV (the default on Hopper; the attention and the
@@ -164,24 +184,13 @@ def test_tma_gemv_decode_matches_fma_gemv(monkeypatch, preset, layers):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("Hopper only")
     import blitzllm.kernels.gemv_tma as gemv_tma
-    kw = dict(num_layers=layers, device="cuda", dtype="bfloat16", kv_cache_blocks=256, max_num_seqs=8,
-              max_model_len=1024)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    monkeypatch.setattr(gemv_tma, "TMA_MODE", "0")
-    base = LLM(f"preset:{preset}", **kw)
-    prompts = _prompts(2, base.engine.model_config.vocab_size, seed=8)
-    want = [[o.token_ids for o in base.generate(p, params)] for p in (prompts, prompts[:1])]
-    del base
-    monkeypatch.setattr(gemv_tma, "TMA_MODE", "1")
-    calls = []
-    orig = gemv_tma.gemv_tma_triton
-    monkeypatch.setattr(gemv_tma, "gemv_tma_triton", lambda *a, **k: calls.append(a[0].shape[0]) or orig(*a, **k))
-    llm = LLM(f"preset:{preset}", **kw)
+    want, got, calls, llm = _switch_runs(monkeypatch, gemv_tma, "TMA_MODE", "0", "1", "gemv_tma_triton", preset,
+                                         layers, params, seed=8)
     layer = llm.engine.runner.model.model.layers[0]
     assert layer.self_attn.o_proj.tma_preload and layer.self_attn.qkv_proj.tma_preload
-    got = [[o.token_ids for o in llm.generate(p, params)] for p in (prompts, prompts[:1])]
     assert calls and set(calls) <= {1, 2}
-    assert got == want
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
 
 
 @pytest.mark.parametrize("preset,layers", [("qwen3-30b-a3b", 2), ("minimax-m2", 2), ("deepseek-v3", 4)])
@@ -196,20 +205,9 @@ def test_tma_moe_decode_matches_direct_moe(monkeypatch, preset, layers):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("Hopper only")
     import blitzllm.kernels.moe_tma as moe_tma
-    kw = dict(num_layers=layers, device="cuda", dtype="bfloat16", kv_cache_blocks=256, max_num_seqs=8,
-              max_model_len=1024)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
-    monkeypatch.setattr(moe_tma, "MOE_TMA", "0")
-    base = LLM(f"preset:{preset}", **kw)
-    prompts = _prompts(2, base.engine.model_config.vocab_size, seed=12)
-    want = [o for p in (prompts, prompts[:1]) for o in base.generate(p, params)]
-    del base
-    monkeypatch.setattr(moe_tma, "MOE_TMA", "1")
-    calls = []
-    orig = moe_tma.moe_tma_triton
-    monkeypatch.setattr(moe_tma, "moe_tma_triton", lambda *a, **k: calls.append(a[0].shape[0]) or orig(*a, **k))
-    llm = LLM(f"preset:{preset}", **kw)
-    got = [o for p in (prompts, prompts[:1]) for o in llm.generate(p, params)]
+    want, got, calls, _ = _switch_runs(monkeypatch, moe_tma, "MOE_TMA", "0", "1", "moe_tma_triton", preset, layers,
+                                       params, seed=12)
     assert calls and set(calls) <= {1, 2}
     for g, w in zip(got, want):
         d = next((i for i, (a, b) in enumerate(zip(g.token_ids, w.token_ids)) if a != b), None)

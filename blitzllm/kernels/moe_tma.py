@@ -132,6 +132,20 @@ if HAS_GLUON:
         return acc
 
     @gluon.jit
+    def _rows_dot(w13_desc, w2_desc, smem, bars, c, vs, gu_total, total, g0, d0, idv, lanes, H, I,
+                  N_COPIES: gl.constexpr, L3: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                  G: gl.constexpr,
+                  GG: gl.constexpr, GD: gl.constexpr, GGB: gl.constexpr, GDB: gl.constexpr, GUC: gl.constexpr,
+                  DNC: gl.constexpr, SLOTS: gl.constexpr):
+        """The BLOCK_N rows of copies c .. c + N_COPIES - 1 (one row block over all of K) times
+        their inputs vs (group q: rows [q * G, q * G + G)): fp32 [BLOCK_N]."""
+        acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, gl.SliceLayout(0, L3))
+        for q in gl.static_range(N_COPIES):
+            acc = _consume(w13_desc, w2_desc, smem, bars, c + q, acc, vs.slice(q * G, G), gu_total, total, g0, d0,
+                           idv, lanes, H, I, L3, BLOCK_N, G, GG, GD, GGB, GDB, GUC, DNC, SLOTS)
+        return gl.sum(acc, axis=1)
+
+    @gluon.jit
     def _moe_tma_kernel(w13_desc, w2_desc, x_ptr, ids_ptr, tw_ptr, act_ptr, y_ptr, out_ptr, cnt_ptr,
                         T, H, I, stride_x, stride_o,
                         BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, G: gl.constexpr, GG: gl.constexpr,
@@ -205,18 +219,11 @@ if HAS_GLUON:
             tile = g0 + u
             s = tile // rb_i
             xt = xs.index(s // TOP_K)
-            acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, L2)
-            for g in gl.static_range(GUC):
-                acc = _consume(w13_desc, w2_desc, smem, bars, c, acc, xt.slice(g * G, G), gu_total, total, g0, d0,
-                               idv, lanes, H, I, L3, BLOCK_N, G, GG, GD, GGB, GDB, GUC, DNC, SLOTS)
-                c += 1
-            gate = gl.sum(acc, axis=1).to(dt).to(gl.float32)
-            acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, L2)
-            for g in gl.static_range(GUC):
-                acc = _consume(w13_desc, w2_desc, smem, bars, c, acc, xt.slice(g * G, G), gu_total, total, g0, d0,
-                               idv, lanes, H, I, L3, BLOCK_N, G, GG, GD, GGB, GDB, GUC, DNC, SLOTS)
-                c += 1
-            up = gl.sum(acc, axis=1).to(dt).to(gl.float32)
+            gate = _rows_dot(w13_desc, w2_desc, smem, bars, c, xt, gu_total, total, g0, d0, idv, lanes, H, I, GUC,
+                             L3, BLOCK_N, BLOCK_K, G, GG, GD, GGB, GDB, GUC, DNC, SLOTS).to(dt).to(gl.float32)
+            up = _rows_dot(w13_desc, w2_desc, smem, bars, c + GUC, xt, gu_total, total, g0, d0, idv, lanes, H, I,
+                           GUC, L3, BLOCK_N, BLOCK_K, G, GG, GD, GGB, GDB, GUC, DNC, SLOTS).to(dt).to(gl.float32)
+            c += 2 * GUC
             a = (gate / (1.0 + gl.exp(-gate))).to(dt).to(gl.float32)
             gl.store(act_ptr + s * I + (tile % rb_i) * BLOCK_N + offs_n, (a * up).to(dt))
         _stamp(t_ptr, pid, 4, TIMED)
@@ -243,13 +250,10 @@ if HAS_GLUON:
         for v in range(0, my_dn):  # down tiles: one entry's expert output, rounded, for BLOCK_N rows
             tile = d0 + v
             s = tile // rb_h
-            aj = acts.index(s)
-            acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, L2)
-            for g in gl.static_range(DNC):
-                acc = _consume(w13_desc, w2_desc, smem, bars, c, acc, aj.slice(g * G, G), gu_total, total, g0, d0,
-                               idv, lanes, H, I, L3, BLOCK_N, G, GG, GD, GGB, GDB, GUC, DNC, SLOTS)
-                c += 1
-            gl.store(y_ptr + s * H + (tile % rb_h) * BLOCK_N + offs_n, gl.sum(acc, axis=1).to(dt))
+            yv = _rows_dot(w13_desc, w2_desc, smem, bars, c, acts.index(s), gu_total, total, g0, d0, idv, lanes, H,
+                           I, DNC, L3, BLOCK_N, BLOCK_K, G, GG, GD, GGB, GDB, GUC, DNC, SLOTS)
+            c += DNC
+            gl.store(y_ptr + s * H + (tile % rb_h) * BLOCK_N + offs_n, yv.to(dt))
         _stamp(t_ptr, pid, 6, TIMED)
         # the combine: per (token, row block) the program whose down tile arrives last sums the
         # TOP_K expert outputs, weighted, in k order (one vector of arrivals per program)
