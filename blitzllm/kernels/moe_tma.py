@@ -26,9 +26,10 @@ reaches past a row's end, so where a row's chunks are not a multiple of G a copy
   rounded -> y[s, n:n+BLOCK_N]; per (token, row block) the program whose tile arrives last
   (an arrival counter) sums the TOP_K outputs weighted, in k order (deterministic).
 Each program takes a contiguous range of the gate/up tiles and of the down tiles, so its
-copies come from one or two experts: a copy stream that changes expert at every copy (the
-first form of this kernel took every expert's rows for a row block) stalled the copy engine
-on each new expert (H200: the down phase ran at 1.3-1.9 TB/s, all programs ending together).
+copies come from one or two experts. The first form of this kernel, whose down tiles took
+every chosen expert's rows of a row block (a copy stream changing expert at every copy), ran
+its down phase at 1.3-1.9 TB/s on the H200 with all programs ending at the same moment, as
+if each new expert stalled a program's copies.
 
 Opt-in (BLITZ_MOE_TMA=1): on the H200 it matches the two launches alone but measured slower
 end to end (the switch's comment has the figures).
