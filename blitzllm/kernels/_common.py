@@ -49,6 +49,11 @@ def _capability(device_index: int) -> tuple:
     return torch.cuda.get_device_capability(device_index)
 
 
+def capability(t: torch.Tensor) -> tuple:
+    """(major, minor) compute capability of the CUDA device holding ``t``."""
+    return _capability(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
 def pdl_enabled(t: torch.Tensor) -> bool:
     """Programmatic dependent launch (Hopper+): a kernel launched with it may start while
     the kernel before it finishes; it does its independent work (index math, weight loads)
@@ -56,8 +61,7 @@ def pdl_enabled(t: torch.Tensor) -> bool:
     off."""
     if not (HAS_TRITON and t.is_cuda) or os.environ.get("BLITZ_PDL", "1") == "0":
         return False
-    idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    if _capability(idx)[0] < 9:
+    if capability(t)[0] < 9:
         return False
     return PDL_EARLY if PDL_EARLY else True
 
@@ -104,8 +108,7 @@ def l2_prefetch_supported(t: torch.Tensor) -> bool:
     """cp.async.bulk.prefetch.L2 exists from sm_90 on (not in the interpreter)."""
     if not (HAS_TRITON and t.is_cuda) or os.environ.get("TRITON_INTERPRET", "0") == "1":
         return False
-    idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    return _capability(idx)[0] >= 9
+    return capability(t)[0] >= 9
 
 
 def l2_prefetchable(t: torch.Tensor, stride_bytes: int) -> bool:

@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from ._common import HAS_TRITON, _capability, device_sms, next_pow2, pdl_enabled, triton
+from ._common import HAS_TRITON, capability, device_sms, next_pow2, pdl_enabled, triton
 
 try:  # Gluon ships with Triton >= 3.5
     from triton.experimental import gluon
@@ -214,9 +214,8 @@ def tma_gemv_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     bf16/fp16 W whose rows are 16-byte aligned (the TMA's rule), x of W's dtype."""
     if TMA_MODE == "0" or not HAS_GLUON or not (x.is_cuda and w.is_cuda) or not pdl_enabled(w):
         return False
-    idx = w.device.index if w.device.index is not None else torch.cuda.current_device()
     rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-    return (_capability(idx)[0] == 9 and 1 <= rows <= TMA_MAX_ROWS and w.dim() == 2 and w.dtype in (torch.bfloat16, torch.float16)
+    return (capability(w)[0] == 9 and 1 <= rows <= TMA_MAX_ROWS and w.dim() == 2 and w.dtype in (torch.bfloat16, torch.float16)
             and x.dtype == w.dtype and w.is_contiguous() and w.data_ptr() % 16 == 0
             and (w.shape[1] * w.element_size()) % 16 == 0 and w.shape[0] > 0)
 

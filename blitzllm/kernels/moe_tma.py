@@ -47,7 +47,8 @@ from typing import Optional
 
 import torch
 
-from ._common import _capability, device_sms, next_pow2, pdl_enabled, triton
+from ._common import capability, device_sms, next_pow2, pdl_enabled, triton
+from .fused_moe import _counters  # zeroed int32 counters per device, left 0 by each launch
 from .gemv_tma import HAS_GLUON
 
 if HAS_GLUON:
@@ -333,8 +334,7 @@ def moe_tma_ok(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: t
     expert weights, H and I multiples of 256, every buffer fitting one SM's shared memory."""
     if MOE_TMA == "0" or not HAS_GLUON or not (x.is_cuda and w13.is_cuda) or not pdl_enabled(x):
         return False
-    idx = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    if _capability(idx)[0] != 9 or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16):
+    if capability(x)[0] != 9 or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16):
         return False
     if not (w13.dtype == w2.dtype == x.dtype and w13.is_contiguous() and w2.is_contiguous()):
         return False
@@ -385,13 +385,6 @@ def _dump_times(last: int = 48) -> None:
                     f"last program to the next launch's wait {sum(gaps) / len(gaps):8.2f}\n")
 
 
-@functools.lru_cache(maxsize=None)
-def _counters(device: torch.device, numel: int) -> torch.Tensor:
-    """The handoff's arrival and departure counters, then the combine's arrivals per (token,
-    row block); each launch leaves them all 0."""
-    return torch.zeros(numel, dtype=torch.int32, device=device)
-
-
 def moe_tma_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                    topk_ids: torch.Tensor, *, out: Optional[torch.Tensor] = None, config: Optional[dict] = None,
                    times: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -424,6 +417,7 @@ def moe_tma_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     pdl = pdl_enabled(x)
     kw = {"launch_pdl": True} if pdl else {}
     _moe_tma_kernel[(cfg["programs"],)](
+        # counters: the handoff's arrivals and departures, then the combine's per (token, row block)
         d13, d2, x, ids, tw, act, y, out, _counters(x.device, 2 + MOE_TMA_MAX_TOKENS * (H // bn)), T, H, I,
         x.stride(0), out.stride(0),
         BLOCK_N=bn, BLOCK_K=bk, G=g, GG=cfg["GG"], GD=cfg["GD"], GGB=cfg["GGB"],
