@@ -163,7 +163,9 @@ def _kernel_counts(eng, cfg, B, I) -> dict:
             "gpu_span_us_per_step": round(timeline["span_us"], 1),
             "gpu_idle_us_per_step": round(timeline["idle_us"], 1),
             "kernel_overlap_us_per_step": round(timeline["overlap_us"], 1),
-            "gpu_copy_us_per_step": round(timeline["copy_us"], 1)}
+            "gpu_copy_us_per_step": round(timeline["copy_us"], 1),
+            "kernel_exposed_us": {k: round(v, 1) for k, v in timeline["exposed_us"].items()},
+            "kernel_sequence": [[k, round(s, 2), round(e, 2)] for k, s, e in timeline["sequence"]]}
 
 
 def _compare_hf(a, eng, cfg, B, I, O, dev, ours_tps) -> dict:
@@ -220,7 +222,7 @@ def _compare_llamacpp(model, cfg, B, I, O, ours_tps) -> dict:
 def _print(res: dict) -> None:
     w = max(len(k) for k in res)
     for k, v in res.items():
-        if isinstance(v, dict):
+        if isinstance(v, (dict, list)):
             continue  # detail for the JSON file
         if isinstance(v, float):
             v = f"{v:.4g}" if abs(v) < 1e5 else f"{v:.4e}"

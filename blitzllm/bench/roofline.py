@@ -76,7 +76,9 @@ def count_kernels(fn, device: torch.device, steps: int = 1):
     "idle_us": the part of the span in which neither a kernel nor a copy runs (the GPU
     waiting for the host or a launch), "overlap_us": summed kernel time beyond the span's
     busy part (kernels that overlap, e.g. with programmatic dependent launch), "copy_us":
-    memcpy / memset time}, all per call."""
+    memcpy / memset time, "exposed_us": {name: the step time the kernel adds, see
+    ``kernel_exposed``}, "sequence": the kernels of the first profiled step, in stream order,
+    as (name, start_us, end_us) relative to its first kernel}, all per call."""
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize(device)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -85,7 +87,7 @@ def count_kernels(fn, device: torch.device, steps: int = 1):
         torch.cuda.synchronize(device)
     names: dict = {}
     micros: dict = {}
-    spans, copies = [], []
+    spans, copies, named = [], [], []
     for evt in prof.events():
         if evt.device_type != torch.autograd.DeviceType.CUDA:
             continue
@@ -97,11 +99,32 @@ def count_kernels(fn, device: torch.device, steps: int = 1):
         names[key] = names.get(key, 0) + 1
         micros[key] = micros.get(key, 0.0) + evt.time_range.elapsed_us()
         spans.append(span)
+        named.append((key, *span))
     n = sum(names.values())
-    timeline = kernel_timeline(spans, copies)
     per = lambda d: {k: v / steps for k, v in d.items()}
+    timeline = per(kernel_timeline(spans, copies))
+    timeline["exposed_us"] = dict(sorted(per(kernel_exposed(named)).items(), key=lambda kv: -kv[1]))
+    named.sort(key=lambda x: x[2])
+    first = named[: len(named) // steps] if named else []
+    t0 = first[0][1] if first else 0.0
+    timeline["sequence"] = [(k, s - t0, e - t0) for k, s, e in first]
     return (n / steps, dict(sorted(per(names).items(), key=lambda kv: -kv[1])),
-            dict(sorted(per(micros).items(), key=lambda kv: -kv[1])), per(timeline))
+            dict(sorted(per(micros).items(), key=lambda kv: -kv[1])), timeline)
+
+
+def kernel_exposed(named) -> dict:
+    """{name: microseconds} from kernels [(name, start_us, end_us), ...]: with the kernels taken
+    in order of their end, each is charged end - max(start, the previous kernel's end), the
+    stretch of the step that ends with it and that no earlier kernel covers. With programmatic
+    dependent launch a kernel starts early and waits; this charges it only for what it adds
+    after the one before it ends (its critical-path share), where the plain durations count
+    the waits too. Launch gaps (a kernel starting after the previous end) are not charged."""
+    out: dict = {}
+    prev = None
+    for name, s, e in sorted(named, key=lambda x: x[2]):
+        out[name] = out.get(name, 0.0) + (e - (s if prev is None else max(s, prev)))
+        prev = e
+    return out
 
 
 def _union(spans) -> float:

@@ -52,3 +52,14 @@ def test_kernel_timeline_idle_and_overlap():
     assert c["span_us"] == 31 and c["idle_us"] == (15 - 12) + (30 - 20) - 3 and c["copy_us"] == 3 + 4
     assert c["overlap_us"] == 3
     assert kernel_timeline([]) == {"span_us": 0.0, "idle_us": 0.0, "overlap_us": 0.0, "copy_us": 0.0}
+
+
+def test_kernel_exposed_charges_each_kernel_past_the_previous_end():
+    from blitzllm.bench.roofline import kernel_exposed
+    # a [0,10]; b starts early (PDL) at 2, waits, ends at 13: charged 3; c [15,20] after a
+    # 2 us launch gap: charged 5 (the gap is nobody's); a second b [18,22] inside c's tail: 2
+    k = kernel_exposed([("c", 15, 20), ("a", 0, 10), ("b", 2, 13), ("b", 18, 22)])
+    assert k == {"a": 10, "b": 3 + 2, "c": 5}
+    # the charges add up to the busy time (span less the gaps)
+    assert sum(k.values()) == 22 - 2
+    assert kernel_exposed([]) == {}
