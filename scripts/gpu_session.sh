@@ -122,6 +122,16 @@ for part in "$@"; do case $part in
        run 150 q30b_moetma0 $M; python3 scripts/kernel_table.py $OUT/q30b_moetma.json | head -8 ;;
   moetmae2e) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q --tb=line -m gpu tests/test_gpu_e2e.py -k "tma_moe" \
          -p no:cacheprovider 2>&1 | tail -12 | tee "$OUT/moe_tma_e2e.log" ;;
+  tdown) # the direct MoE path's down GEMM as the TMA down launch (BLITZ_MOE_TMA_DOWN=1): its GPU tests,
+       # then qwen3-30b-a3b batch 1 with and without (kernel_table: each kernel's critical-path share),
+       # then its e2e tests
+       timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q --tb=short -m gpu tests/kernels/test_kernel_moe_tma.py \
+         -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/tdown_tests.log"
+       M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
+       run 150 q30b_b1 $M; BLITZ_MOE_TMA_DOWN=1 run 150 q30b_b1_tdown $M
+       python3 scripts/kernel_table.py "$OUT/q30b_b1.json" "$OUT/q30b_b1_tdown.json"
+       timeout ${E2E_TIMEOUT:-200} python3 -m pytest -q --tb=short -m gpu tests/test_gpu_e2e.py \
+         -k "tma_moe and MOE_TMA_DOWN" -p no:cacheprovider 2>&1 | tail -4 | tee -a "$OUT/tdown_tests.log" ;;
   expo) # qwen3-30b-a3b batch 1: each kernel's critical-path share (kernel_exposed_us) and two layers'
        # timeline, default and with the selection in the norm + router launch (BLITZ_MOE_NORM_ROUTE=1)
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"

@@ -215,7 +215,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
                      GATED: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr,
                      DIRECT: tl.constexpr, COMBINE: tl.constexpr, TOP_K: tl.constexpr,
                      pf_ptr=None, pf_stride=0, pf_bytes=0, pf_chunk=0, PF: tl.constexpr = False,
-                     PF_LANES: tl.constexpr = 1):
+                     PF_LANES: tl.constexpr = 1, EARLY_DEPS: tl.constexpr = False):
     """out[entry, n] = A[entry // row_div] . W[e, n] for the BLOCK_M sorted entries of one
     expert e. GATED: W holds gate rows [0, N) and up rows [N, 2N); the output is
     silu(gate) * up with the reference's rounding steps.
@@ -224,8 +224,12 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
     token's n-tile that finishes last also sums that tile over the token's TOP_K entries,
     weighted (tw_ptr), in entry order, into comb_ptr: the combine without its own launch.
     PF (with DIRECT): the n-tile programs of entry m ask the L2 for its expert's block of
-    pf_bytes at pf_ptr + expert * pf_stride (the down weights), split over those programs."""
+    pf_bytes at pf_ptr + expert * pf_stride (the down weights), split over those programs.
+    EARLY_DEPS: the launch after this one may start as soon as this one's wait is over (the
+    TMA down launch, which reads the routing before its own wait), not after the main loop."""
     pdl_wait(USE_PDL)  # (PDL launches write nothing before this)
+    if EARLY_DEPS:
+        pdl_launch_dependents(USE_PDL)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if DIRECT:
         expert = tl.load(expert_ptr + pid_m).to(tl.int64)
@@ -263,7 +267,8 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
             acc_up = _mma(a, tl.load(b_ptrs + N * stride_wn, mask=b_mask, other=0.0), acc_up, IEEE)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    pdl_launch_dependents(USE_PDL)
+    if not EARLY_DEPS:
+        pdl_launch_dependents(USE_PDL)
     dt = out_ptr.dtype.element_ty
     res = acc.to(dt)
     if GATED:  # silu in fp32 rounded to dt, times up (as activation.silu_and_mul)
@@ -444,7 +449,7 @@ def _moe_config_cached(tokens, top_k, num_experts, hidden, inter, dtype, sms, it
 
 
 def _grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_entries, row_div, n, gated, cfg,
-                  direct=False, combine=None, prefetch=None):
+                  direct=False, combine=None, prefetch=None, early_dependents=False):
     """direct: block_expert is the entries' expert ids (one program per entry, no sort);
     combine (direct only): (topk weights fp32 [T*K], output [T, n], top_k): the weighted
     sum over each token's entries is written there by the launch itself. prefetch (direct
@@ -469,6 +474,7 @@ def _grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_entries, row_div
                            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                            GATED=gated, EVEN_K=kd % cfg["BLOCK_K"] == 0, IEEE=a.dtype == torch.float32,
                            USE_PDL=pdl, DIRECT=direct, COMBINE=combine is not None, TOP_K=top_k,
+                           EARLY_DEPS=bool(early_dependents) and pdl,
                            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                            **pdl_launch_kwargs(pdl))
 
@@ -530,7 +536,12 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
         # each expert's block one contiguous, aligned range
         pf = w2 if (MOE_PF_DOWN and w2[0].is_contiguous()
                     and l2_prefetchable(w2, w2.stride(0) * w2.element_size())) else None
-        _grouped_gemm(x, w13, act, ids, ids, ids, n, K, inter, True, cfg_up, direct=True, prefetch=pf)
+        from . import moe_tma  # the down GEMM with its weight copies issued before its wait (opt-in)
+        tma_down = config is None and not dropped_ids and moe_tma.moe_tma_down_ok(x, w13, w2, topk_ids)
+        _grouped_gemm(x, w13, act, ids, ids, ids, n, K, inter, True, cfg_up, direct=True, prefetch=pf,
+                      early_dependents=tma_down)
+        if tma_down:
+            return moe_tma.moe_tma_down_triton(act, w13, w2, tw, ids.view(T, K), out)
         y = torch.empty(n, H, dtype=x.dtype, device=x.device)
         _grouped_gemm(act, w2, y, ids, ids, ids, n, 1, H, False, cfg_down, direct=True, combine=(tw, out, K))
         return out

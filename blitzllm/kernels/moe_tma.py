@@ -70,8 +70,14 @@ if MOE_TMA not in ("0", "1"):
 MOE_TMA_MAX_TOKENS = 2
 MOE_TMA_SMEM = int(os.environ.get("BLITZ_MOE_TMA_SMEM", str(216 << 10)))  # per program, all buffers
 MOE_TMA_COPY_BYTES = 32 << 10
+MOE_TMA_DOWN_COPY_BYTES = 16 << 10
 MOE_TMA_BLOCK_K = 256
 MOE_TMA_WARPS = 8
+# BLITZ_MOE_TMA_DOWN=1: the direct path's down GEMM (1-2 tokens, Hopper) runs as this kernel's
+# down phase alone (``moe_tma_down_triton``): the gate/up launch lets it launch as soon as the
+# routing is known, so its programs issue their weight copies before their PDL wait, on the SMs
+# the gate/up launch leaves free at once and on the others as its programs end
+MOE_TMA_DOWN = os.environ.get("BLITZ_MOE_TMA_DOWN", "0") == "1"
 # BLITZ_MOE_TMA_DEPS=early (A/B): the kernels after it launch at the handoff, not as its programs
 # end (qwen3-30b-a3b batch 1: 368.8 vs 376.2 tok/s)
 MOE_TMA_LATE_DEPS = os.environ.get("BLITZ_MOE_TMA_DEPS", "late") != "early"
@@ -154,13 +160,17 @@ if HAS_GLUON:
                         GD: gl.constexpr, GGB: gl.constexpr, GDB: gl.constexpr, GUC: gl.constexpr,
                         DNC: gl.constexpr, TOP_K: gl.constexpr, T_PAD: gl.constexpr, DN_MAX: gl.constexpr,
                         SLOTS: gl.constexpr, WN: gl.constexpr, USE_PDL: gl.constexpr,
-                        LATE_DEPS: gl.constexpr = False, t_ptr=None, TIMED: gl.constexpr = False):
+                        LATE_DEPS: gl.constexpr = False, t_ptr=None, TIMED: gl.constexpr = False,
+                        DOWN_ONLY: gl.constexpr = False):
+        """DOWN_ONLY (``moe_tma_down_triton``): no gate/up tiles; act_ptr holds the activations
+        the kernel before wrote, and the ids are already valid at launch, so the down copies are
+        issued before the PDL wait."""
         pid = gl.program_id(0)
         _stamp(t_ptr, pid, 0, TIMED)
         nprog = gl.num_programs(0)
         rb_i = I // BLOCK_N
         rb_h = H // BLOCK_N
-        n_gu = T * TOP_K * rb_i  # gate/up tiles (entry, rows of I)
+        n_gu = 0 if DOWN_ONLY else T * TOP_K * rb_i  # gate/up tiles (entry, rows of I)
         n_dn = T * TOP_K * rb_h  # down tiles (entry, rows of H)
         # contiguous ranges of both: a program's tiles lie in one or two experts (each new expert
         # in a program's copy stream costs it an address translation before its copies can go)
@@ -198,46 +208,56 @@ if HAS_GLUON:
         lanes = gl.arange(0, S_PAD, layout=PL)
         offs_n = gl.arange(0, BLOCK_N, layout=YL)
         dt = out_ptr.dtype.element_ty
+        ki = gl.expand_dims(gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, SL)), 0)
+        c = 0
+        if DOWN_ONLY:  # the ids come from a kernel that ended before the one this waits on
+            idv = gl.load(ids_ptr + lanes, mask=lanes < T * TOP_K, other=0, cache_modifier=".cg")
+            for i in gl.static_range(SLOTS):  # the preload: in flight while the gate/up launch runs
+                _issue(w13_desc, w2_desc, smem, bars, i, gu_total, total, g0, d0, idv, lanes, H, I,
+                       BLOCK_N, G, GG, GD, GGB, GDB, GUC, DNC, SLOTS)
+            _stamp(t_ptr, pid, 2, TIMED)
         if USE_PDL:
             _gdc_wait()
         _stamp(t_ptr, pid, 1, TIMED)
-        # the three inputs from the kernels before, loaded at once (their round trips overlap)
-        idv = gl.load(ids_ptr + lanes, mask=lanes < T * TOP_K, other=0)
-        # x staged through a 2-D view [rows, BLOCK_K]: row = token * XP + group row
-        ri = gl.expand_dims(gl.arange(0, T_PAD * XP, layout=gl.SliceLayout(1, SL)), 1)
-        ki = gl.expand_dims(gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, SL)), 0)
-        xr = ri % XP
-        xk = ((xr // G) * GG + xr % G) * BLOCK_K + ki
-        xv = gl.load(x_ptr + (ri // XP) * stride_x + xk, mask=(ri // XP < T) & (xr % G < GG) & (xk < H), other=0.0)
-        for i in gl.static_range(SLOTS):  # the ring's first copies, then x while they fly
-            _issue(w13_desc, w2_desc, smem, bars, i, gu_total, total, g0, d0, idv, lanes, H, I,
-                   BLOCK_N, G, GG, GD, GGB, GDB, GUC, DNC, SLOTS)
-        _stamp(t_ptr, pid, 2, TIMED)
-        xs._reinterpret(x_ptr.dtype.element_ty, [T_PAD * XP, BLOCK_K], flat).store(xv)
-        gl.thread_barrier()
-        _stamp(t_ptr, pid, 3, TIMED)
-        c = 0
-        for u in range(0, my_gu):  # gate/up tiles
-            tile = g0 + u
-            s = tile // rb_i
-            xt = xs.index(s // TOP_K)
-            gate = _rows_dot(w13_desc, w2_desc, smem, bars, c, xt, gu_total, total, g0, d0, idv, lanes, H, I, GUC,
-                             L3, BLOCK_N, BLOCK_K, G, GG, GD, GGB, GDB, GUC, DNC, SLOTS).to(dt).to(gl.float32)
-            up = _rows_dot(w13_desc, w2_desc, smem, bars, c + GUC, xt, gu_total, total, g0, d0, idv, lanes, H, I,
-                           GUC, L3, BLOCK_N, BLOCK_K, G, GG, GD, GGB, GDB, GUC, DNC, SLOTS).to(dt).to(gl.float32)
-            c += 2 * GUC
-            a = (gate / (1.0 + gl.exp(-gate))).to(dt).to(gl.float32)
-            gl.store(act_ptr + s * I + (tile % rb_i) * BLOCK_N + offs_n, (a * up).to(dt))
-        _stamp(t_ptr, pid, 4, TIMED)
-        # the handoff: every program's activations are written before any program reads them
-        gl.thread_barrier()
-        gl.atomic_add(cnt_ptr, 1, sem="release")
-        arrived = gl.atomic_add(cnt_ptr, 0, sem="acquire")
-        while arrived < nprog:
+        if DOWN_ONLY:  # (no x, no gate/up tiles, no handoff)
+            for i in gl.static_range(3, 6):
+                _stamp(t_ptr, pid, i, TIMED)
+        if not DOWN_ONLY:
+            # the three inputs from the kernels before, loaded at once (their round trips overlap)
+            idv = gl.load(ids_ptr + lanes, mask=lanes < T * TOP_K, other=0)
+            # x staged through a 2-D view [rows, BLOCK_K]: row = token * XP + group row
+            ri = gl.expand_dims(gl.arange(0, T_PAD * XP, layout=gl.SliceLayout(1, SL)), 1)
+            xr = ri % XP
+            xk = ((xr // G) * GG + xr % G) * BLOCK_K + ki
+            xv = gl.load(x_ptr + (ri // XP) * stride_x + xk, mask=(ri // XP < T) & (xr % G < GG) & (xk < H), other=0.0)
+            for i in gl.static_range(SLOTS):  # the ring's first copies, then x while they fly
+                _issue(w13_desc, w2_desc, smem, bars, i, gu_total, total, g0, d0, idv, lanes, H, I,
+                       BLOCK_N, G, GG, GD, GGB, GDB, GUC, DNC, SLOTS)
+            _stamp(t_ptr, pid, 2, TIMED)
+            xs._reinterpret(x_ptr.dtype.element_ty, [T_PAD * XP, BLOCK_K], flat).store(xv)
+            gl.thread_barrier()
+            _stamp(t_ptr, pid, 3, TIMED)
+            for u in range(0, my_gu):  # gate/up tiles
+                tile = g0 + u
+                s = tile // rb_i
+                xt = xs.index(s // TOP_K)
+                gate = _rows_dot(w13_desc, w2_desc, smem, bars, c, xt, gu_total, total, g0, d0, idv, lanes, H, I, GUC,
+                                 L3, BLOCK_N, BLOCK_K, G, GG, GD, GGB, GDB, GUC, DNC, SLOTS).to(dt).to(gl.float32)
+                up = _rows_dot(w13_desc, w2_desc, smem, bars, c + GUC, xt, gu_total, total, g0, d0, idv, lanes, H, I,
+                               GUC, L3, BLOCK_N, BLOCK_K, G, GG, GD, GGB, GDB, GUC, DNC, SLOTS).to(dt).to(gl.float32)
+                c += 2 * GUC
+                a = (gate / (1.0 + gl.exp(-gate))).to(dt).to(gl.float32)
+                gl.store(act_ptr + s * I + (tile % rb_i) * BLOCK_N + offs_n, (a * up).to(dt))
+            _stamp(t_ptr, pid, 4, TIMED)
+            # the handoff: every program's activations are written before any program reads them
+            gl.thread_barrier()
+            gl.atomic_add(cnt_ptr, 1, sem="release")
             arrived = gl.atomic_add(cnt_ptr, 0, sem="acquire")
-        if gl.atomic_add(cnt_ptr + 1, 1, sem="relaxed") == nprog - 1:  # the last one through resets both
-            gl.atomic_xchg(cnt_ptr + 1, 0, sem="relaxed")
-            gl.atomic_xchg(cnt_ptr, 0, sem="relaxed")
+            while arrived < nprog:
+                arrived = gl.atomic_add(cnt_ptr, 0, sem="acquire")
+            if gl.atomic_add(cnt_ptr + 1, 1, sem="relaxed") == nprog - 1:  # the last one through resets both
+                gl.atomic_xchg(cnt_ptr + 1, 0, sem="relaxed")
+                gl.atomic_xchg(cnt_ptr, 0, sem="relaxed")
         if USE_PDL and not LATE_DEPS:
             _gdc_launch_dependents()
         _stamp(t_ptr, pid, 5, TIMED)
@@ -329,20 +349,65 @@ def _cached_config(T, H, I, top_k, itemsize, sms, smem_bytes):
     return moe_tma_config(T, H, I, top_k, itemsize, sms, smem_bytes)
 
 
+def moe_tma_down_config(T: int, H: int, I: int, top_k: int, itemsize: int, sms: int,
+                        smem_bytes: int = MOE_TMA_SMEM) -> Optional[dict]:
+    """The down-only launch's tiles (``moe_tma_down_triton``; None where they do not fit): a
+    copy is one 256-value chunk of MOE_TMA_DOWN_COPY_BYTES // 512 rows (G = 1: every copy
+    whole, whatever I's chunk count), a down tile one entry's BLOCK_N rows over all of I (DNC
+    copies), one program per SM, and as many ring slots as the shared memory left after the
+    activations holds. E.g. H200, bf16, Qwen3-30B-A3B at one token: 32-row tiles, 512 tiles
+    over 132 programs (at most 4 tiles, 12 copies of 16 KB), 12 slots: each program's whole
+    share in flight before the wait."""
+    bk = MOE_TMA_BLOCK_K
+    if H % bk or I % bk or not 1 <= T <= MOE_TMA_MAX_TOKENS:
+        return None
+    bn = min(32, MOE_TMA_DOWN_COPY_BYTES // (bk * itemsize))  # the combine's layout takes <= 32 rows
+    if H % bn:
+        return None
+    dnc = I // bk
+    t_pad = next_pow2(T)
+    fixed = (t_pad + t_pad * top_k * next_pow2(dnc)) * bk * itemsize + 1024
+    copy = bn * bk * itemsize
+    slots = (smem_bytes - fixed) // copy
+    if slots < 3:
+        return None
+    return {"BLOCK_N": bn, "BLOCK_K": bk, "G": 1, "GG": 1, "GD": 1, "GGB": 1, "GDB": 1, "GUC": 1, "DNC": dnc,
+            "T_PAD": t_pad, "SLOTS": slots, "programs": sms, "WN": MOE_TMA_WARPS, "num_warps": MOE_TMA_WARPS}
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_down_config(T, H, I, top_k, itemsize, sms, smem_bytes):
+    return moe_tma_down_config(T, H, I, top_k, itemsize, sms, smem_bytes)
+
+
 def moe_tma_ok(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor) -> bool:
     """Whether ``moe_tma_triton`` runs these: Hopper with PDL, 1-2 tokens, bf16/fp16 contiguous
     expert weights, H and I multiples of 256, every buffer fitting one SM's shared memory."""
-    if MOE_TMA == "0" or not HAS_GLUON or not (x.is_cuda and w13.is_cuda) or not pdl_enabled(x):
+    if MOE_TMA != "1":
+        return False
+    return _shapes_ok(x, w13, w2) and _cached_config(x.shape[0], x.shape[1], w2.shape[2], topk_ids.shape[-1],
+                                                      x.element_size(), device_sms(x), MOE_TMA_SMEM) is not None
+
+
+def moe_tma_down_ok(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor) -> bool:
+    """Whether the direct path's down GEMM runs as ``moe_tma_down_triton`` (BLITZ_MOE_TMA_DOWN, the
+    same conditions as ``moe_tma_ok``, its own tiles)."""
+    if not MOE_TMA_DOWN:
+        return False
+    return _shapes_ok(x, w13, w2) and _cached_down_config(x.shape[0], x.shape[1], w2.shape[2], topk_ids.shape[-1],
+                                                           x.element_size(), device_sms(x), MOE_TMA_SMEM) is not None
+
+
+def _shapes_ok(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Hopper with PDL and Gluon; x [T, H] and contiguous, 16-byte aligned expert weights of one
+    16-bit dtype."""
+    if not HAS_GLUON or not (x.is_cuda and w13.is_cuda) or not pdl_enabled(x):
         return False
     if capability(x)[0] != 9 or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16):
         return False
     if not (w13.dtype == w2.dtype == x.dtype and w13.is_contiguous() and w2.is_contiguous()):
         return False
-    if w13.data_ptr() % 16 or w2.data_ptr() % 16:
-        return False
-    T, H = x.shape
-    I = w2.shape[2]
-    return _cached_config(T, H, I, topk_ids.shape[-1], x.element_size(), device_sms(x), MOE_TMA_SMEM) is not None
+    return not (w13.data_ptr() % 16 or w2.data_ptr() % 16)
 
 
 TIMELINE = ("start", "wait over", "copies issued", "x staged", "gate/up done", "handoff", "down done", "end")
@@ -403,28 +468,58 @@ def moe_tma_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
         x = x.contiguous()
     if out is None:
         out = torch.empty(T, H, dtype=x.dtype, device=x.device)
+    act = torch.empty(T * K, I, dtype=x.dtype, device=x.device)
+    _launch(x, w13, w2, act, topk_weights, topk_ids, out, cfg, times, down_only=False)
+    return out
+
+
+def moe_tma_down_triton(act: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor, out: torch.Tensor, *, config: Optional[dict] = None,
+                        times: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The down GEMM and the weighted combine of the direct path: act [T * K, I] (the activated
+    intermediate of each (token, k) entry, in order), w2 [E, H, I] -> out [T, H] (written).
+    The launch reads the ids before its PDL wait: they must come from a kernel that ended
+    before the one this launch waits on (the gate/up launch waits on the routing, then lets
+    this launch start). ``config``: moe_tma_down_config's keys. w13 is not read (its shapes
+    and dtype are checked)."""
+    assert HAS_GLUON and act.is_cuda, "the TMA MoE needs a Hopper GPU and Gluon"
+    T, H = out.shape
+    I = w2.shape[2]
+    K = topk_ids.shape[-1]
+    assert act.shape == (T * K, I) and act.is_contiguous() and w2.shape[1] == H
+    cfg = config or _cached_down_config(T, H, I, K, act.element_size(), device_sms(act), MOE_TMA_SMEM)
+    assert cfg is not None, "shapes outside the TMA MoE (see moe_tma_down_ok)"
+    _launch(out, w13, w2, act, topk_weights, topk_ids, out, cfg, times, down_only=True)
+    return out
+
+
+def _launch(x, w13, w2, act, topk_weights, topk_ids, out, cfg, times, down_only: bool) -> None:
+    T, H = out.shape
+    E, two_i, _ = w13.shape
+    I = two_i // 2
+    K = topk_ids.shape[-1]
     ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    act = torch.empty(T * K, I, dtype=x.dtype, device=x.device)
-    y = torch.empty(T * K, H, dtype=x.dtype, device=x.device)  # each entry's expert output
+    y = torch.empty(T * K, H, dtype=out.dtype, device=out.device)  # each entry's expert output
     bn, bk, g = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["G"]
     dn_max = next_pow2(triton.cdiv(T * K * (H // bn), cfg["programs"]))  # down tiles per program, at most
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8 * x.element_size(), rank=3)
-    d13 = TensorDescriptor(w13, [H // bk, E * two_i, bk], [bk, H, 1], [cfg["GGB"], bn, bk], layout)
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8 * out.element_size(), rank=3)
     d2 = TensorDescriptor(w2, [I // bk, E * H, bk], [bk, I, 1], [cfg["GDB"], bn, bk], layout)
+    # (down only: no gate/up copies, the down descriptor stands in for the gate/up one)
+    d13 = d2 if down_only else TensorDescriptor(w13, [H // bk, E * two_i, bk], [bk, H, 1], [cfg["GGB"], bn, bk],
+                                                layout)
     if times is None and _TIMES_PATH:
-        times = _diag_times(cfg["programs"], x.device)
-    pdl = pdl_enabled(x)
+        times = _diag_times(cfg["programs"], out.device)
+    pdl = pdl_enabled(out)
     kw = {"launch_pdl": True} if pdl else {}
     _moe_tma_kernel[(cfg["programs"],)](
         # counters: the handoff's arrivals and departures, then the combine's per (token, row block)
-        d13, d2, x, ids, tw, act, y, out, _counters(x.device, 2 + MOE_TMA_MAX_TOKENS * (H // bn)), T, H, I,
+        d13, d2, x, ids, tw, act, y, out, _counters(out.device, 2 + MOE_TMA_MAX_TOKENS * (H // bn)), T, H, I,
         x.stride(0), out.stride(0),
         BLOCK_N=bn, BLOCK_K=bk, G=g, GG=cfg["GG"], GD=cfg["GD"], GGB=cfg["GGB"],
         GDB=cfg["GDB"], GUC=cfg["GUC"], DNC=cfg["DNC"], TOP_K=K, T_PAD=cfg["T_PAD"], DN_MAX=dn_max,
-        SLOTS=cfg["SLOTS"], WN=cfg["WN"], USE_PDL=pdl, LATE_DEPS=MOE_TMA_LATE_DEPS, t_ptr=times, TIMED=times is not None,
-        num_warps=cfg["num_warps"], **kw)
-    return out
+        SLOTS=cfg["SLOTS"], WN=cfg["WN"], USE_PDL=pdl, LATE_DEPS=MOE_TMA_LATE_DEPS, t_ptr=times,
+        TIMED=times is not None, DOWN_ONLY=down_only, num_warps=cfg["num_warps"], **kw)
 
 
 def reference_moe_tma(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

@@ -2,7 +2,10 @@
 Everywhere: its tile heuristic, and that it compiles for sm_90 without spills (a subprocess
 with a stand-in driver, as scripts/ptxas_check.py). On a GPU: against the torch reference at
 the MoE presets' expert shapes, launch after launch (the handoff counters reset), under a
-CUDA graph, and that ``fused_moe_triton`` dispatches to it."""
+CUDA graph, and that ``fused_moe_triton`` dispatches to it. The same for its down-only form
+(``moe_tma_down_triton``, BLITZ_MOE_TMA_DOWN=1: the direct path's down GEMM, weight copies
+issued before its PDL wait), in a CUDA graph behind the routing and gate/up launches that
+produce its inputs."""
 import os
 import subprocess
 import sys
@@ -43,6 +46,28 @@ def test_config_covers_the_work_within_shared_memory(H, I, K, T, sms):
 
 def _pow2(n):
     return 1 << (n - 1).bit_length()
+
+
+@pytest.mark.parametrize("H,I,K", PRESET_SHAPES + [(1024, 512, 4), (4096, 256, 2), (1536, 512, 8)])
+@pytest.mark.parametrize("T", [1, 2])
+def test_down_config_covers_the_work_within_shared_memory(H, I, K, T):
+    cfg = moe_tma.moe_tma_down_config(T, H, I, K, 2, 132)
+    assert cfg is not None
+    bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    # one whole 256-value chunk per copy, every chunk of a down row in one of the tile's DNC copies
+    assert cfg["G"] == cfg["GD"] == cfg["GDB"] == 1 and bk == 256 and cfg["DNC"] * bk == I
+    assert H % bn == 0 and bn <= 32 and bn * bk * 2 == moe_tma.MOE_TMA_DOWN_COPY_BYTES
+    buffers = cfg["SLOTS"] * bn * bk * 2 + (cfg["T_PAD"] + cfg["T_PAD"] * K * _pow2(cfg["DNC"])) * bk * 2
+    assert cfg["SLOTS"] >= 3 and buffers <= moe_tma.MOE_TMA_SMEM <= 227 * 1024
+    if (T, H, I, K) == (1, 2048, 768, 8):  # qwen3-30b-a3b at one token: every program's share preloaded
+        tiles = K * H // bn
+        assert cfg["SLOTS"] >= -(-tiles // cfg["programs"]) * cfg["DNC"]
+
+
+def test_down_config_declines_what_it_cannot_tile():
+    assert moe_tma.moe_tma_down_config(3, 2048, 768, 8, 2, 132) is None
+    assert moe_tma.moe_tma_down_config(1, 2048, 100, 8, 2, 132) is None
+    assert moe_tma.moe_tma_down_config(2, 7168, 2048, 8, 2, 132, smem_bytes=60 << 10) is None
 
 
 @pytest.mark.parametrize("T,H,I,K", [(3, 2048, 768, 8), (1, 2048, 100, 8), (1, 1000, 768, 8)])
@@ -93,15 +118,33 @@ for H, I, K in ((2048, 768, 8), (3072, 1536, 8), (7168, 2048, 8)):
     ptx = k.asm["ptx"]
     print(H, I, ptx.count("cp.async.bulk.tensor"), ptx.count("atom.global.gpu.release.add"),
           ptx.count("ld.global.gpu.acquire"), k.metadata.shared, pc.ptxas_report(k))
+    # the down-only form: its copies issued before the PDL wait, no handoff
+    cfg = m.moe_tma_down_config(1, H, I, K, 2, 132)
+    bn = cfg["BLOCK_N"]
+    d2 = TensorDescriptor(w2, [I // bk, E * H, bk], [bk, I, 1], [1, bn, bk], layout)
+    k = m._moe_tma_kernel.warmup(d2, d2, x, torch.zeros(K, dtype=torch.int32), torch.zeros(K),
+        torch.zeros(K, I, dtype=bf), torch.zeros(K, H, dtype=bf), x, torch.zeros(2 + 2 * H // bn, dtype=torch.int32),
+        1, H, I, H, H,
+        BLOCK_N=bn, BLOCK_K=bk, G=1, GG=1, GD=1, GGB=1, GDB=1, GUC=1, DNC=cfg["DNC"], TOP_K=K, T_PAD=1,
+        DN_MAX=1 << (-(-K * (H // bn) // 132) - 1).bit_length(), SLOTS=cfg["SLOTS"], WN=cfg["WN"], USE_PDL=True,
+        LATE_DEPS=True, DOWN_ONLY=True, num_warps=cfg["num_warps"], grid=(cfg["programs"],))
+    ptx = k.asm["ptx"]
+    early = 0 <= ptx.find("cp.async.bulk.tensor") < ptx.find("griddepcontrol.wait")
+    print(H, I, ptx.count("cp.async.bulk.tensor"), ptx.count("atom.global.gpu.release.add"), int(early),
+          k.metadata.shared, pc.ptxas_report(k))
 """
     env = dict(os.environ, TRITON_INTERPRET="0")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [ln.split(" ", 6) for ln in r.stdout.strip().splitlines()]
-    assert len(lines) == 3
-    for h, i, copies, release, acquire, shared, report in lines:
-        assert int(copies) >= 2  # the gate/up and the down descriptor
-        assert int(release) == 1 and int(acquire) >= 1
+    assert len(lines) == 6
+    for j, (h, i, copies, release, third, shared, report) in enumerate(lines):
+        if j % 2 == 0:
+            assert int(copies) >= 2  # the gate/up and the down descriptor
+            assert int(release) == 1 and int(third) >= 1  # the handoff: a release add, acquire loads
+        else:  # down only
+            assert int(copies) >= 2  # the preload and the ring's refills
+            assert int(release) == 0 and third == "1"  # no handoff; the first copy before the wait
         assert int(shared) <= 227 * 1024
         assert "0 bytes spill stores" in report, report
 
@@ -202,3 +245,92 @@ def test_fused_moe_dispatches_to_it_gpu(monkeypatch):
     fused_moe.fused_moe_triton(x, w13, w2, tw, ids, dropped_ids=True)
     assert calls == [1]
     torch.testing.assert_close(got.float(), direct.float(), rtol=2e-2, atol=2e-2)
+
+
+def _down_inputs(x, w13, w2, tw, ids):
+    """The direct path's gate/up output for the down launch: act [T * K, I], rounded as the reference."""
+    T, K = ids.shape
+    I = w2.shape[2]
+    rows = []
+    for t in range(T):
+        for k in range(K):  # the steps of moe.reference_fused_moe
+            h = x[t:t + 1] @ w13[int(ids[t, k])].t()
+            rows.append(torch.nn.functional.silu(h[:, :I].float()).to(x.dtype) * h[:, I:])
+    return torch.cat(rows).contiguous()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("H,I,K", PRESET_SHAPES)
+@pytest.mark.parametrize("T", [1, 2])
+def test_down_matches_reference_gpu(H, I, K, T):
+    _hopper()
+    x, w13, w2, tw, ids = _case(12, H, I, K, T, seed=H + I + T + 1)
+    if T == 2:
+        ids[1, :2] = ids[0, :2]
+    act = _down_inputs(x, w13, w2, tw, ids)
+    ref = moe_tma.reference_moe_tma(x, w13, w2, tw, ids).float()
+    out = torch.empty_like(x)
+    for _ in range(3):  # launch after launch: the combine counters are left at 0
+        out.zero_()
+        moe_tma.moe_tma_down_triton(act, w13, w2, tw, ids, out)
+        torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    bn = moe_tma.moe_tma_down_config(T, H, I, K, 2, 132)["BLOCK_N"]
+    assert not moe_tma._counters(x.device, 2 + moe_tma.MOE_TMA_MAX_TOKENS * H // bn).any()
+    # a small ring that turns many times, fewer programs than tiles
+    cfg = dict(moe_tma.moe_tma_down_config(T, H, I, K, 2, 132), SLOTS=3, programs=7)
+    moe_tma.moe_tma_down_triton(act, w13, w2, tw, ids, out, config=cfg)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_down_in_cuda_graph_behind_routing_gpu(monkeypatch):
+    """BLITZ_MOE_TMA_DOWN=1 in a CUDA graph of four MoE layers as decode runs them: the expert
+    selection, then fused_moe_triton's gate/up launch and the down launch, which reads the ids
+    before its PDL wait (written by the selection two launches before); each replay with new
+    router logits and inputs matches the reference, and the TMA down launch ran."""
+    _hopper()
+    from blitzllm.kernels import fused_moe
+    from blitzllm.kernels.moe import select_experts_triton
+    monkeypatch.setattr(moe_tma, "MOE_TMA_DOWN", True)
+    calls = []
+    orig = moe_tma.moe_tma_down_triton
+    monkeypatch.setattr(moe_tma, "moe_tma_down_triton", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    E, H, I, K = 32, 2048, 768, 8
+    layers = [_case(E, H, I, K, 1, seed=20 + i) for i in range(4)]
+    x = layers[0][0].clone()
+    logits = torch.zeros(4, 1, E, device="cuda")
+
+    def run():
+        h = x
+        outs = []
+        for i, (_, w13, w2, _, _) in enumerate(layers):
+            tw, ids = select_experts_triton(logits[i], K)
+            h = fused_moe.fused_moe_triton(h, w13, w2, tw, ids)
+            outs.append((h, tw, ids))
+        return outs
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()
+    torch.cuda.current_stream().wait_stream(s)
+    assert calls, "the TMA down launch did not run"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = run()
+    g = torch.Generator(device="cuda").manual_seed(13)
+    for _ in range(3):
+        x.copy_(torch.randn(x.shape, device="cuda", generator=g))
+        logits.copy_(torch.randn(logits.shape, device="cuda", generator=g))
+        graph.replay()
+        torch.cuda.synchronize()
+        h = x
+        for i, (_, w13, w2, _, _) in enumerate(layers):
+            ref_tw, ref_ids = select_experts_triton(logits[i], K)
+            got, tw, ids = outs[i]
+            assert torch.equal(ids, ref_ids)
+            ref = moe_tma.reference_moe_tma(h, w13, w2, tw, ids)
+            torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
+            h = got
