@@ -122,6 +122,16 @@ for part in "$@"; do case $part in
        run 150 q30b_moetma0 $M; python3 scripts/kernel_table.py $OUT/q30b_moetma.json | head -8 ;;
   moetmae2e) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q --tb=line -m gpu tests/test_gpu_e2e.py -k "tma_moe" \
          -p no:cacheprovider 2>&1 | tail -12 | tee "$OUT/moe_tma_e2e.log" ;;
+  rup) # the expert selection inside the direct MoE gate/up launch (BLITZ_MOE_ROUTE_IN_UP=1): its kernel
+       # tests on the GPU, qwen3-30b-a3b batch 1 default / with it / TMA down launched late, kernel_table, e2e
+       timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q --tb=short tests/kernels/test_kernel_moe.py \
+         -k "routed or norm_route_moe or direct or select" -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/rup_tests.log"
+       M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
+       run 150 q30b_b1 $M; BLITZ_MOE_ROUTE_IN_UP=1 run 150 q30b_b1_rup $M
+       BLITZ_MOE_TMA_DOWN=late run 150 q30b_b1_tdlate $M
+       python3 scripts/kernel_table.py "$OUT/q30b_b1.json" "$OUT/q30b_b1_rup.json" "$OUT/q30b_b1_tdlate.json"
+       timeout ${E2E_TIMEOUT:-200} python3 -m pytest -q --tb=short -m gpu tests/test_gpu_e2e.py \
+         -k "tma_moe and ROUTE_IN_UP" -p no:cacheprovider 2>&1 | tail -4 | tee -a "$OUT/rup_tests.log" ;;
   tdown) # the direct MoE path's down GEMM as the TMA down launch (BLITZ_MOE_TMA_DOWN=1): its GPU tests,
        # then qwen3-30b-a3b batch 1 with and without (kernel_table: each kernel's critical-path share),
        # then its e2e tests

@@ -26,6 +26,7 @@ from typing import Optional
 
 import torch
 
+from .routing import _route_entry, check_routing
 from ._common import (L2_PREFETCH_LANES, device_sms, l2_prefetch, l2_prefetch_chunk, l2_prefetchable,
                       next_pow2, pdl_enabled, pdl_launch_dependents, pdl_launch_kwargs, pdl_wait, tl, triton)
 
@@ -41,6 +42,10 @@ MOE_GEMV_MAX_TOKENS = 2
 # (scripts/gpu_session.sh moeab, tile). BLITZ_MOE_DIRECT=0 sorts every batch (A/B).
 MOE_DIRECT = os.environ.get("BLITZ_MOE_DIRECT", "1") != "0"
 MOE_DIRECT_MAX_ENTRIES = 16
+# BLITZ_MOE_ROUTE_IN_UP=1: MoE decode layers on the direct path (norm + router in one launch,
+# ``moe.norm_route_moe``) choose the experts inside the gate/up launch, each program for its
+# own entry, instead of in a selection launch of their own between the router and gate/up
+MOE_ROUTE_IN_UP = os.environ.get("BLITZ_MOE_ROUTE_IN_UP", "0") == "1"
 # BLITZ_MOE_PF_DOWN=1 (A/B; Hopper): on the direct path the gate/up launch, which knows the
 # chosen experts once it has waited on the routing, asks the L2 (bulk prefetch) for their down
 # weights, its n-tile programs splitting each expert's block: the down launch's stream then
@@ -215,7 +220,12 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
                      GATED: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr,
                      DIRECT: tl.constexpr, COMBINE: tl.constexpr, TOP_K: tl.constexpr,
                      pf_ptr=None, pf_stride=0, pf_bytes=0, pf_chunk=0, PF: tl.constexpr = False,
-                     PF_LANES: tl.constexpr = 1, EARLY_DEPS: tl.constexpr = False):
+                     PF_LANES: tl.constexpr = 1, EARLY_DEPS: tl.constexpr = False,
+                     r_logit_ptr=None, r_bias_ptr=None, r_w_ptr=None, r_scaling=1.0, r_stride=0,
+                     ROUTE: tl.constexpr = False, R_GROUP: tl.constexpr = 1, R_N_GROUP: tl.constexpr = 1,
+                     R_NG_PAD: tl.constexpr = 1, R_G_PAD: tl.constexpr = 1, R_TOPK_GROUP: tl.constexpr = 1,
+                     R_TOP_K: tl.constexpr = 1, R_K_PAD: tl.constexpr = 1, R_SIGMOID: tl.constexpr = False,
+                     R_HAS_BIAS: tl.constexpr = False, R_RENORM: tl.constexpr = True):
     """out[entry, n] = A[entry // row_div] . W[e, n] for the BLOCK_M sorted entries of one
     expert e. GATED: W holds gate rows [0, N) and up rows [N, 2N); the output is
     silu(gate) * up with the reference's rounding steps.
@@ -226,13 +236,26 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
     PF (with DIRECT): the n-tile programs of entry m ask the L2 for its expert's block of
     pf_bytes at pf_ptr + expert * pf_stride (the down weights), split over those programs.
     EARLY_DEPS: the launch after this one may start as soon as this one's wait is over (the
-    TMA down launch, which reads the routing before its own wait), not after the main loop."""
+    TMA down launch, which reads the routing before its own wait), not after the main loop.
+    ROUTE (with DIRECT, the gate/up GEMM): entry m's expert is not read but chosen here, from
+    its token's fp32 router logits (r_logit_ptr, rows r_stride apart), as ``moe._select_row``
+    would (the R_ settings); the programs of n-tile 0 store each entry's expert id and weight
+    (expert_ptr, r_w_ptr) for the down launch: no selection launch before this one."""
     pdl_wait(USE_PDL)  # (PDL launches write nothing before this)
     if EARLY_DEPS:
         pdl_launch_dependents(USE_PDL)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if DIRECT:
-        expert = tl.load(expert_ptr + pid_m).to(tl.int64)
+        if ROUTE:
+            r_w, expert = _route_entry(r_logit_ptr + (pid_m // R_TOP_K) * r_stride, r_bias_ptr, pid_m % R_TOP_K,
+                                       r_scaling, R_GROUP, R_N_GROUP, R_NG_PAD, R_G_PAD, R_TOPK_GROUP, R_TOP_K,
+                                       R_K_PAD, R_SIGMOID, R_HAS_BIAS, R_RENORM)
+            if pid_n == 0:
+                tl.store(expert_ptr + pid_m, expert)
+                tl.store(r_w_ptr + pid_m, r_w)
+            expert = expert.to(tl.int64)
+        else:
+            expert = tl.load(expert_ptr + pid_m).to(tl.int64)
         entry = pid_m + tl.arange(0, BLOCK_M)
         row_ok = (tl.arange(0, BLOCK_M) == 0) & (expert >= 0)
         if PF:
@@ -449,7 +472,7 @@ def _moe_config_cached(tokens, top_k, num_experts, hidden, inter, dtype, sms, it
 
 
 def _grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_entries, row_div, n, gated, cfg,
-                  direct=False, combine=None, prefetch=None, early_dependents=False):
+                  direct=False, combine=None, prefetch=None, early_dependents=False, route=None):
     """direct: block_expert is the entries' expert ids (one program per entry, no sort);
     combine (direct only): (topk weights fp32 [T*K], output [T, n], top_k): the weighted
     sum over each token's entries is written there by the launch itself. prefetch (direct
@@ -468,15 +491,67 @@ def _grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_entries, row_div
         nbytes = prefetch[0].numel() * prefetch.element_size()
         pf = dict(pf_ptr=prefetch, pf_stride=prefetch.stride(0), pf_bytes=nbytes,
                   pf_chunk=l2_prefetch_chunk(nbytes, grid[1]), PF=True, PF_LANES=L2_PREFETCH_LANES)
+    rt = {}
+    if route is not None and direct:  # (logits [T, E] fp32, weights out [T * K], routing settings)
+        logits, r_w, (top_k_r, scoring, bias, n_group, topk_group, renormalize, scaling) = route
+        group = logits.shape[1] // n_group
+        rt = dict(r_logit_ptr=logits, r_bias_ptr=bias if bias is not None else logits, r_w_ptr=r_w,
+                  r_scaling=float(scaling), r_stride=logits.stride(0), ROUTE=True, R_GROUP=group, R_N_GROUP=n_group,
+                  R_NG_PAD=next_pow2(n_group), R_G_PAD=next_pow2(group),
+                  R_TOPK_GROUP=topk_group if n_group > 1 else 1, R_TOP_K=top_k_r, R_K_PAD=next_pow2(top_k_r),
+                  R_SIGMOID=scoring == "sigmoid", R_HAS_BIAS=bias is not None, R_RENORM=bool(renormalize))
     _moe_gemm_kernel[grid](a, w, out, sorted_ids, block_expert, total, n, kd, n_entries, row_div,
                            a.stride(0), w.stride(0), w.stride(1), out.stride(0), tw, comb, cnt, comb.stride(0),
-                           **pf,
+                           **pf, **rt,
                            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                            GATED=gated, EVEN_K=kd % cfg["BLOCK_K"] == 0, IEEE=a.dtype == torch.float32,
                            USE_PDL=pdl, DIRECT=direct, COMBINE=combine is not None, TOP_K=top_k,
                            EARLY_DEPS=bool(early_dependents) and pdl,
                            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                            **pdl_launch_kwargs(pdl))
+
+
+def moe_route_in_up_ok(x: torch.Tensor, top_k: int) -> bool:
+    """Whether ``fused_moe_routed_triton`` takes x [T, H] (BLITZ_MOE_ROUTE_IN_UP, the direct path's
+    sizes; not with the one-launch or the TMA down MoE, which read the ids before their wait)."""
+    from . import moe_tma
+    return (MOE_ROUTE_IN_UP and MOE_DIRECT and x.dim() == 2
+            and 0 < x.shape[0] * top_k <= MOE_DIRECT_MAX_ENTRIES and moe_tma.MOE_TMA != "1" and not moe_tma.MOE_TMA_DOWN)
+
+
+def fused_moe_routed_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, logits: torch.Tensor, top_k: int,
+                            scoring: str = "softmax", bias: Optional[torch.Tensor] = None, n_group: int = 1,
+                            topk_group: int = 1, renormalize: bool = True, scaling: float = 1.0,
+                            config: Optional[dict] = None):
+    """``fused_moe_triton(x, w13, w2, *moe.select_experts(logits, top_k, ...))`` on the direct
+    path (at most MOE_DIRECT_MAX_ENTRIES (token, k) entries) with the selection made inside the
+    gate/up launch: (out [T, H], topk weights [T, K] fp32, topk ids [T, K] int32), the last two
+    written by that launch (the same choice and weights as ``select_experts_triton``)."""
+    T, H = x.shape
+    E, two_i, _ = w13.shape
+    inter = two_i // 2
+    check_routing(E, top_k, scoring, bias, n_group, topk_group)
+    assert logits.shape == (T, E) and logits.dtype == torch.float32 and logits.stride(1) == 1
+    assert 0 < T * top_k <= MOE_DIRECT_MAX_ENTRIES and w2.shape == (E, H, inter) and x.dtype == w13.dtype == w2.dtype
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    n = T * top_k
+    ids = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
+    tw = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
+    out = torch.empty(T, H, dtype=x.dtype, device=x.device)
+    keys = (config or {},) * 2 if config is not None else _DECODE_ENV_CONFIG
+    up_cfg, down_cfg = (_moe_config_cached(T, top_k, E, H, inter, x.dtype, device_sms(x), tuple(sorted(k.items())))[i]
+                        for i, k in enumerate(keys))
+    flat_ids, flat_w = ids.view(-1), tw.view(-1)
+    act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
+    route = (logits, flat_w, (top_k, scoring, bias.contiguous() if bias is not None else None, n_group, topk_group,
+                              renormalize, scaling))
+    _grouped_gemm(x, w13, act, flat_ids, flat_ids, flat_ids, n, top_k, inter, True, dict(up_cfg, BLOCK_M=16),
+                  direct=True, route=route)
+    y = torch.empty(n, H, dtype=x.dtype, device=x.device)
+    _grouped_gemm(act, w2, y, flat_ids, flat_ids, flat_ids, n, 1, H, False, dict(down_cfg, BLOCK_M=16), direct=True,
+                  combine=(flat_w, out, top_k))
+    return out, tw, ids
 
 
 @functools.lru_cache(maxsize=None)
@@ -539,7 +614,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
         from . import moe_tma  # the down GEMM with its weight copies issued before its wait (opt-in)
         tma_down = config is None and not dropped_ids and moe_tma.moe_tma_down_ok(x, w13, w2, topk_ids)
         _grouped_gemm(x, w13, act, ids, ids, ids, n, K, inter, True, cfg_up, direct=True, prefetch=pf,
-                      early_dependents=tma_down)
+                      early_dependents=tma_down and moe_tma.MOE_TMA_DOWN_EARLY)
         if tma_down:
             return moe_tma.moe_tma_down_triton(act, w13, w2, tw, ids.view(T, K), out)
         y = torch.empty(n, H, dtype=x.dtype, device=x.device)

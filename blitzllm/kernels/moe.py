@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from ._common import (device_sms, next_pow2, pdl_enabled, pdl_launch_dependents, pdl_launch_kwargs, pdl_wait,
                       tl, triton, use_triton)
 from .fused_moe import fused_moe_triton
+from .routing import _select_row, check_routing
 from .rmsnorm import rms_normalize
 
 
@@ -321,84 +322,6 @@ def _select_experts_kernel(logits_ptr, bias_ptr, w_out_ptr, id_out_ptr, stride_l
                 NG_PAD, G_PAD, TOPK_GROUP, TOP_K, K_PAD, SIGMOID, HAS_BIAS, RENORM)
 
 
-@triton.jit
-def _select_row(row_ptr, bias_ptr, w_out_ptr, id_out_ptr, row, scaling,
-                GROUP: tl.constexpr, N_GROUP: tl.constexpr, NG_PAD: tl.constexpr,
-                G_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
-                K_PAD: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
-                RENORM: tl.constexpr):
-    """Routing of one token from its fp32 logits at row_ptr (read from L2: in the fused
-    router they were written by other programs of the same launch): writes its TOP_K
-    weights and expert ids to row ``row`` of the outputs."""
-    grp = tl.arange(0, NG_PAD)
-    col = tl.arange(0, G_PAD)
-    expert = grp[:, None] * GROUP + col[None, :]  # the row as [group, expert in group]
-    valid = (grp[:, None] < N_GROUP) & (col[None, :] < GROUP)
-    logit = tl.load(row_ptr + expert, mask=valid, other=float("-inf"), cache_modifier=".cg")
-    mx = 0.0
-    denom = 1.0
-    if SIGMOID:
-        score = 1.0 / (1.0 + tl.exp(-logit))
-    else:
-        mx = tl.max(tl.max(logit, axis=1), axis=0)
-        p = tl.exp(logit - mx)
-        denom = tl.sum(tl.sum(p, axis=1), axis=0)
-        score = p / denom
-    choice = score
-    if HAS_BIAS:  # the correction bias steers the choice, not the weights
-        choice = score + tl.load(bias_ptr + expert, mask=valid, other=0.0).to(tl.float32)
-    choice = tl.where(valid, choice, float("-inf"))
-    if N_GROUP > 1:
-        gscore = tl.max(choice, axis=1)
-        if HAS_BIAS:  # a group scores the sum of its two best
-            first = tl.argmax(choice, axis=1)
-            gscore += tl.max(tl.where(col[None, :] == first[:, None], float("-inf"), choice), axis=1)
-        gscore = tl.where(grp < N_GROUP, gscore, float("-inf"))
-        keep = grp < 0
-        for _ in tl.static_range(TOPK_GROUP):
-            g = tl.argmax(gscore, axis=0)
-            keep = keep | (grp == g)
-            gscore = tl.where(grp == g, float("-inf"), gscore)
-        # experts of the other groups rank below every eligible one (and above the padding)
-        choice = tl.where(keep[:, None] | ~valid, choice, -3.4028234663852886e38)
-    flat = tl.reshape(choice, [NG_PAD * G_PAD])
-    pos = tl.arange(0, NG_PAD * G_PAD)
-    k = tl.arange(0, K_PAD)
-    ids = tl.zeros([K_PAD], dtype=tl.int32)
-    picks = tl.full([K_PAD], -1, dtype=tl.int32)  # positions in flat of the chosen experts
-    for i in tl.static_range(TOP_K):  # best first; the lowest expert id among equals
-        f = tl.argmax(flat, axis=0)
-        ids = tl.where(k == i, (f // G_PAD) * GROUP + f % G_PAD, ids)
-        picks = tl.where(k == i, f, picks)
-        flat = tl.where(pos == f, float("-inf"), flat)
-    kmask = k < TOP_K
-    # the chosen experts' scores gathered from registers (no second read of the logits)
-    sflat = tl.reshape(tl.where(valid, score, 0.0), [NG_PAD * G_PAD])
-    w = tl.sum(tl.where(pos[None, :] == picks[:, None], sflat[None, :], 0.0), axis=1)
-    if RENORM:
-        w = w / (tl.sum(w, axis=0) + 1e-20)
-    w = w * scaling
-    tl.store(w_out_ptr + row * TOP_K + k, w, mask=kmask)
-    tl.store(id_out_ptr + row * TOP_K + k, ids, mask=kmask)
-
-
-def check_routing(num_experts: int, top_k: int, scoring: str, bias: Optional[torch.Tensor],
-                  n_group: int, topk_group: int) -> None:
-    """ValueError naming the argument when the routing settings do not fit E experts."""
-    if scoring not in ("softmax", "sigmoid"):
-        raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
-    if n_group < 1 or num_experts % n_group:
-        raise ValueError(f"n_group must be >= 1 and divide the {num_experts} experts, got {n_group}")
-    if n_group > 1 and not 1 <= topk_group <= n_group:
-        raise ValueError(f"topk_group must be in [1, n_group={n_group}], got {topk_group}")
-    if n_group > 1 and bias is not None and num_experts // n_group < 2:
-        raise ValueError("grouped top-k with a bias needs at least 2 experts per group")
-    if bias is not None and bias.shape != (num_experts,):
-        raise ValueError(f"bias must have shape ({num_experts},), got {tuple(bias.shape)}")
-
-
 def select_experts_triton(logits: torch.Tensor, top_k: int, scoring: str = "softmax",
                           bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: int = 1,
                           renormalize: bool = True, scaling: float = 1.0):
@@ -498,7 +421,8 @@ def norm_route_experts_triton(x: torch.Tensor, residual: Optional[torch.Tensor],
                               pdl_late: Optional[bool] = None):
     """``reference_norm_route_experts`` in one launch for up to NORM_ROUTE_MAX_T tokens;
     ``select`` False: the launch does the norm and the router GEMM, the selection runs as
-    ``select_experts_triton`` after it (two launches). ``pdl_late``: see
+    ``select_experts_triton`` after it (two launches); None: the norm and the router GEMM only,
+    returning (h, x + residual, fp32 logits [T, E]) (the MoE gate/up launch routes). ``pdl_late``: see
     BLITZ_MOE_NORM_ROUTE_PDL (None: that switch)."""
     T, H = x.shape
     E = weight.shape[0]
@@ -527,11 +451,40 @@ def norm_route_experts_triton(x: torch.Tensor, residual: Optional[torch.Tensor],
         GROUP=group, N_GROUP=n_group, NG_PAD=next_pow2(n_group), G_PAD=next_pow2(group),
         TOPK_GROUP=topk_group if n_group > 1 else 1, TOP_K=top_k, K_PAD=next_pow2(top_k),
         SIGMOID=scoring == "sigmoid", HAS_BIAS=bias is not None, RENORM=bool(renormalize),
-        SELECT=bool(select), PDL_LATE=_NORM_ROUTE_PDL_LATE if pdl_late is None else bool(pdl_late),
+        SELECT=select is True, PDL_LATE=_NORM_ROUTE_PDL_LATE if pdl_late is None else bool(pdl_late),
         num_warps=_NORM_ROUTE_WARPS or (4 if block_h <= 2048 else 8), **pdl_launch_kwargs(pdl))
+    if select is None:
+        return h, (res_out if residual is not None else x), logits
     if not select:
         weights, ids = select_experts_triton(logits, top_k, scoring, bias, n_group, topk_group, renormalize, scaling)
     return h, (res_out if residual is not None else x), weights, ids
+
+
+def norm_route_moe_ok(x: torch.Tensor, top_k: int) -> bool:
+    """Whether ``norm_route_moe`` routes inside the MoE gate/up launch for x [T, H] (see
+    fused_moe.MOE_ROUTE_IN_UP)."""
+    from .fused_moe import moe_route_in_up_ok
+    return norm_route_ok(x) and moe_route_in_up_ok(x, top_k)
+
+
+def norm_route_moe(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
+                   weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, scoring: str = "softmax",
+                   bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: int = 1,
+                   renormalize: bool = True, scaling: float = 1.0):
+    """(routed experts' output of h, h = rms_norm(x + residual), x + residual): where
+    ``norm_route_moe_ok`` the norm and the router GEMM in one launch and the expert selection
+    inside the experts' gate/up launch (one launch fewer than a selection launch between
+    them), else ``norm_route_experts`` and ``fused_moe``."""
+    if use_triton(x) and norm_route_moe_ok(x, top_k):
+        from .fused_moe import fused_moe_routed_triton
+        h, res, logits = norm_route_experts_triton(x, residual, norm_weight, eps, weight, top_k, scoring, bias,
+                                                   n_group, topk_group, renormalize, scaling, select=None)
+        out, _, _ = fused_moe_routed_triton(h, w13, w2, logits, top_k, scoring, bias, n_group, topk_group,
+                                            renormalize, scaling)
+        return out, h, res
+    h, res, weights, ids = norm_route_experts(x, residual, norm_weight, eps, weight, top_k, scoring, bias, n_group,
+                                              topk_group, renormalize, scaling)
+    return fused_moe(h, w13, w2, weights, ids), h, res
 
 
 def reference_norm_route_experts(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,

@@ -77,7 +77,12 @@ MOE_TMA_WARPS = 8
 # down phase alone (``moe_tma_down_triton``): the gate/up launch lets it launch as soon as the
 # routing is known, so its programs issue their weight copies before their PDL wait, on the SMs
 # the gate/up launch leaves free at once and on the others as its programs end
-MOE_TMA_DOWN = os.environ.get("BLITZ_MOE_TMA_DOWN", "0") == "1"
+# (=late, A/B: the gate/up launch lets it launch only after its main loop, as for the direct down)
+_TMA_DOWN_MODE = os.environ.get("BLITZ_MOE_TMA_DOWN", "0")
+if _TMA_DOWN_MODE not in ("0", "1", "late"):
+    raise ValueError(f"BLITZ_MOE_TMA_DOWN must be 0, 1 or late, got {_TMA_DOWN_MODE!r}")
+MOE_TMA_DOWN = _TMA_DOWN_MODE != "0"
+MOE_TMA_DOWN_EARLY = _TMA_DOWN_MODE == "1"
 # BLITZ_MOE_TMA_DEPS=early (A/B): the kernels after it launch at the handoff, not as its programs
 # end (qwen3-30b-a3b batch 1: 368.8 vs 376.2 tok/s)
 MOE_TMA_LATE_DEPS = os.environ.get("BLITZ_MOE_TMA_DEPS", "late") != "early"

@@ -562,3 +562,72 @@ def test_decode_env_config_reaches_direct_launches_only(device, monkeypatch):
         monkeypatch.setenv("BLITZ_MOE_DECODE_CONFIG", bad)
         with pytest.raises(ValueError, match="BLITZ_MOE_DECODE_CONFIG"):
             fm._env_decode_config()
+
+
+@pytest.mark.parametrize("name,t", [("qwen3", 1), ("qwen3", 2), ("deepseek-v3", 2), ("minimax-m2", 1),
+                                    ("softmax-60-raw", 4), ("sigmoid-groupmax", 2), ("softmax-bias-3groups", 1),
+                                    ("tiny", 3)])
+def test_fused_moe_routed_chooses_as_the_selection_launch(name, t, device):
+    """The selection inside the direct path's gate/up launch (BLITZ_MOE_ROUTE_IN_UP): the ids it
+    writes equal select_experts_triton's (in the same order: the pairwise ranks against the argmax
+    rounds), its weights match, and the output matches select + fused_moe_triton on the direct
+    path, twice in a row (the combine counters reset)."""
+    from blitzllm.kernels.fused_moe import fused_moe_routed_triton
+    e, k, scoring, with_bias, ng, tg, renorm, scaling = ROUTINGS[name]
+    logits, bias = routing_inputs(t, e, scoring, with_bias, ng, seed=t + e)
+    logits = logits.to(device)
+    bias = bias.to(device) if with_bias else None
+    x, w13, w2, _, _ = moe_inputs(t, e, k, 64, 40, torch.float32, device, seed=e + k)
+    args = (k, scoring, bias, ng, tg, renorm, scaling)
+    want_w, want_ids = select_experts_triton(logits, *args)
+    want = fused_moe_triton(x, w13, w2, want_w, want_ids, direct=True)
+    for _ in range(2):
+        out, w, ids = fused_moe_routed_triton(x, w13, w2, logits, *args)
+        assert ids.shape == w.shape == (t, k) and ids.dtype == torch.int32 and w.dtype == torch.float32
+        assert torch.equal(ids.cpu(), want_ids.cpu())
+        torch.testing.assert_close(w.cpu(), want_w.cpu(), rtol=1e-5, atol=1e-6)
+        close(out, want, TOL[torch.float32])
+
+
+def test_fused_moe_routed_lowest_id_on_ties(device):
+    from blitzllm.kernels.fused_moe import fused_moe_routed_triton
+    logits = torch.zeros(2, 12)
+    logits[1, 5] = 1.0
+    x, w13, w2, _, _ = moe_inputs(2, 12, 3, 64, 40, torch.float32, device, seed=1)
+    _, w, ids = fused_moe_routed_triton(x, w13, w2, logits.to(device), 3)
+    assert ids.cpu().tolist() == [[0, 1, 2], [5, 0, 1]]
+    torch.testing.assert_close(w.cpu(), reference_select_experts(logits, 3)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["qwen3", "deepseek-v3"])
+def test_norm_route_moe(name, dtype, device, monkeypatch):
+    """norm_route_moe (the post-attention norm + router launch, then the experts with the
+    selection inside their gate/up launch) against the norm, the routing and the experts of the
+    reference; with BLITZ_MOE_ROUTE_IN_UP off it is those three dispatchers."""
+    from blitzllm.kernels import fused_moe as fm
+    e, k, scoring, with_bias, ng, tg, renorm, scaling = ROUTINGS[name]
+    g = torch.Generator().manual_seed(7)
+    h = 64
+    x = torch.randn(1, h, generator=g).to(device, dtype)
+    res = torch.randn(1, h, generator=g).to(device, dtype)
+    nw = (1 + 0.1 * torch.randn(h, generator=g)).to(device, dtype)
+    rw = torch.randn(e, h, generator=g).to(device, dtype)
+    bias = ((torch.rand(e, generator=g) - 0.5) * 0.5).to(device) if with_bias else None
+    _, w13, w2, _, _ = moe_inputs(1, e, k, h, 40, dtype, device, seed=3)
+    args = (k, scoring, bias, ng, tg, renorm, scaling)
+    hn, r2, ref_w, ref_ids = moe.reference_norm_route_experts(x, res, nw, 1e-6, rw, *args)
+    want = reference_fused_moe(hn, w13, w2, ref_w, ref_ids)
+    seen = []
+    orig = fm.fused_moe_routed_triton
+    monkeypatch.setattr(fm, "fused_moe_routed_triton", lambda *a, **kw: seen.append(1) or orig(*a, **kw))
+    monkeypatch.setattr(fm, "MOE_ROUTE_IN_UP", True)
+    monkeypatch.setattr(moe, "use_triton", lambda t: True)  # the interpreter stands in for the GPU
+    monkeypatch.setattr(moe, "MOE_NORM_ROUTE", True)
+    out, hh, rr = moe.norm_route_moe(x, res, nw, 1e-6, rw, w13, w2, *args)
+    assert seen == [1]
+    close(hh, hn, TOL[dtype])
+    close(rr, r2, TOL[dtype])
+    close(out, want, 2 * TOL[dtype])
+    monkeypatch.setattr(fm, "MOE_ROUTE_IN_UP", False)
+    assert not moe.norm_route_moe_ok(x, k)
