@@ -122,6 +122,23 @@ for part in "$@"; do case $part in
        run 150 q30b_moetma0 $M; python3 scripts/kernel_table.py $OUT/q30b_moetma.json | head -8 ;;
   moetmae2e) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q --tb=line -m gpu tests/test_gpu_e2e.py -k "tma_moe" \
          -p no:cacheprovider 2>&1 | tail -12 | tee "$OUT/moe_tma_e2e.log" ;;
+  cfgsweep) # qwen3-30b-a3b batch 1 end to end with the direct MoE's tiles overridden (BLITZ_MOE_DECODE_CONFIG):
+       # down and gate/up variants against the heuristic; then batch 32 (default)
+       M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
+       run 150 sw_default $M
+       i=0
+       for c in '{"down": {"BLOCK_N": 32}}' '{"down": {"BLOCK_N": 128, "num_warps": 8}}' \
+                '{"down": {"num_stages": 3}}' '{"down": {"BLOCK_K": 64, "num_stages": 6}}' \
+                '{"down": {"num_warps": 8}}' '{"down": {"BLOCK_N": 32, "BLOCK_K": 256, "num_stages": 3}}' \
+                '{"up": {"BLOCK_N": 32}}' '{"up": {"BLOCK_K": 256, "num_stages": 3}}' '{"up": {"num_warps": 8}}' \
+                '{"up": {"num_stages": 3}}'; do
+         i=$((i+1)); echo "sw$i $c" | tee -a "$OUT/sweep_keys.txt"
+         BLITZ_MOE_DECODE_CONFIG="$c" run 100 sw$i $M
+       done
+       for f in "$OUT"/sw*.json; do python3 -c "
+import json,sys; r=json.load(open('$f')); n=r['num_layers']; e=r.get('kernel_exposed_us',{})
+print('%-14s %7.1f tok/s  roofline %.4f  moe exposed %6.2f us/layer' % ('$f'.split('/')[-1][:-5], r['tokens_per_s'], r['roofline_fraction'], e.get('_moe_gemm_kernel',0)/n))"; done
+       run 200 q30b_b32 --model preset:qwen3-30b-a3b --batch-size 32 --input-len 128 --output-len 128 --max-num-seqs 32 ;;
   rup) # the expert selection inside the direct MoE gate/up launch (BLITZ_MOE_ROUTE_IN_UP=1): its kernel
        # tests on the GPU, qwen3-30b-a3b batch 1 default / with it / TMA down launched late, kernel_table, e2e
        timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q --tb=short tests/kernels/test_kernel_moe.py \
