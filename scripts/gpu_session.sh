@@ -122,6 +122,18 @@ for part in "$@"; do case $part in
        run 150 q30b_moetma0 $M; python3 scripts/kernel_table.py $OUT/q30b_moetma.json | head -8 ;;
   moetmae2e) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q --tb=line -m gpu tests/test_gpu_e2e.py -k "tma_moe" \
          -p no:cacheprovider 2>&1 | tail -12 | tee "$OUT/moe_tma_e2e.log" ;;
+  overlap) # qwen3-30b-a3b batch 1: the down launch letting the next RMSNorm (and so the qkv GEMV) launch
+       # early, alone and with 3-stage down tiles (60 KB: a qkv program fits beside one), and the decode
+       # attention's combine in one round (8192 values)
+       M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
+       run 150 ov_default $M
+       BLITZ_MOE_DOWN_EARLY_DEPS=1 run 100 ov_early $M
+       BLITZ_MOE_DOWN_EARLY_DEPS=1 BLITZ_MOE_DECODE_CONFIG='{"down": {"num_stages": 3}}' run 100 ov_early_st3 $M
+       BLITZ_MOE_DOWN_EARLY_DEPS=1 BLITZ_MOE_DECODE_CONFIG='{"down": {"BLOCK_N": 32}}' run 100 ov_early_bn32 $M
+       BLITZ_ATTN_COMBINE_ELEMS=8192 run 100 ov_comb $M
+       BLITZ_ATTN_COMBINE_ELEMS=8192 BLITZ_MOE_DOWN_EARLY_DEPS=1 BLITZ_MOE_DECODE_CONFIG='{"down": {"num_stages": 3}}' \
+         run 100 ov_all $M
+       python3 scripts/kernel_table.py "$OUT"/ov_*.json | grep -v "^    " ;;
   cfgsweep) # qwen3-30b-a3b batch 1 end to end with the direct MoE's tiles overridden (BLITZ_MOE_DECODE_CONFIG):
        # down and gate/up variants against the heuristic; then batch 32 (default)
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"

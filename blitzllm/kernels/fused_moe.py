@@ -46,6 +46,11 @@ MOE_DIRECT_MAX_ENTRIES = 16
 # ``moe.norm_route_moe``) choose the experts inside the gate/up launch, each program for its
 # own entry, instead of in a selection launch of their own between the router and gate/up
 MOE_ROUTE_IN_UP = os.environ.get("BLITZ_MOE_ROUTE_IN_UP", "0") == "1"
+# BLITZ_MOE_DOWN_EARLY_DEPS=1 (A/B): the direct path's down launch lets the kernel after it (the
+# next layer's RMSNorm, which lets the qkv GEMV launch as it starts) launch right after its own
+# wait instead of after its main loop, so the qkv GEMV's programs can take an SM and start their
+# weight copies as soon as that SM's down programs end
+MOE_DOWN_EARLY_DEPS = os.environ.get("BLITZ_MOE_DOWN_EARLY_DEPS", "0") == "1"
 # BLITZ_MOE_PF_DOWN=1 (A/B; Hopper): on the direct path the gate/up launch, which knows the
 # chosen experts once it has waited on the routing, asks the L2 (bulk prefetch) for their down
 # weights, its n-tile programs splitting each expert's block: the down launch's stream then
@@ -618,7 +623,8 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
         if tma_down:
             return moe_tma.moe_tma_down_triton(act, w13, w2, tw, ids.view(T, K), out)
         y = torch.empty(n, H, dtype=x.dtype, device=x.device)
-        _grouped_gemm(act, w2, y, ids, ids, ids, n, 1, H, False, cfg_down, direct=True, combine=(tw, out, K))
+        _grouped_gemm(act, w2, y, ids, ids, ids, n, 1, H, False, cfg_down, direct=True, combine=(tw, out, K),
+                      early_dependents=MOE_DOWN_EARLY_DEPS)
         return out
     sorted_ids, block_expert, total = moe_align_block_size(topk_ids, E, up_cfg["BLOCK_M"])
     act = torch.empty(n, inter, dtype=x.dtype, device=x.device)

@@ -362,6 +362,9 @@ _IDLE_EXIT = os.environ.get("BLITZ_ATTN_IDLE_EXIT", "1") != "0"
 # tok/s at batch 1, and 5.06 vs 5.51 us per layer for the kernel alone at a 192-token context
 # (scripts/bench_attn.py --models qwen3-30b-a3b): the default there.
 _DECODE_BLOCK_N = int(os.environ.get("BLITZ_ATTN_BLOCK_N", "0"))
+# BLITZ_ATTN_COMBINE_ELEMS (A/B): fp32 values of partials the decode combine loads per round (its
+# round trips are dependent: with 8 query heads per KV head and D 128, 4096 takes 4 splits a round)
+_COMBINE_ELEMS = int(os.environ.get("BLITZ_ATTN_COMBINE_ELEMS", "4096"))
 _DECODE_WARPS = int(os.environ.get("BLITZ_ATTN_WARPS", "0"))
 
 
@@ -448,7 +451,7 @@ def paged_decode_attention_triton(
     cnt = _split_counters(q.device) if fused else seq_lens
     pdl = pdl_enabled(q) and (s == 1 or fused)
     g_comb = next_pow2(g)  # the combine's tiles hold the real heads only
-    combine = max(1, min(next_pow2(s), 4096 // (g_comb * d_pad)))
+    combine = max(1, min(next_pow2(s), _COMBINE_ELEMS // (g_comb * d_pad)))
     pf = _prefetch_args(q, l2_prefetch_ranges, B * hkv * s)
     _decode_kernel[(B, hkv, s)](
         q_arg, k_cache, v_cache, block_tables, seq_lens, out, m, l_, acc, cnt,
