@@ -362,9 +362,13 @@ _IDLE_EXIT = os.environ.get("BLITZ_ATTN_IDLE_EXIT", "1") != "0"
 # tok/s at batch 1, and 5.06 vs 5.51 us per layer for the kernel alone at a 192-token context
 # (scripts/bench_attn.py --models qwen3-30b-a3b): the default there.
 _DECODE_BLOCK_N = int(os.environ.get("BLITZ_ATTN_BLOCK_N", "0"))
-# BLITZ_ATTN_COMBINE_ELEMS (A/B): fp32 values of partials the decode combine loads per round (its
-# round trips are dependent: with 8 query heads per KV head and D 128, 4096 takes 4 splits a round)
-_COMBINE_ELEMS = int(os.environ.get("BLITZ_ATTN_COMBINE_ELEMS", "4096"))
+# The decode combine loads the partials of several splits per round (the rounds' L2 round trips
+# are dependent): up to 1024 fp32 values per warp, i.e. 32 per thread. With 8 query heads per KV
+# head (8 warps, D 128) that is 8 splits a round, so a context of up to 256 keys takes one
+# round: H200 qwen3-30b-a3b batch 1 (128 + 128 tokens), the attention's share of the step 7.18
+# vs 7.52 us per layer with 4096 values (4 splits) a round, 408.4 vs 406.4 tok/s
+# (scripts/gpu_session.sh overlap). BLITZ_ATTN_COMBINE_ELEMS (A/B) sets the values per round.
+_COMBINE_ELEMS = int(os.environ.get("BLITZ_ATTN_COMBINE_ELEMS", "0"))
 _DECODE_WARPS = int(os.environ.get("BLITZ_ATTN_WARPS", "0"))
 
 
@@ -451,7 +455,8 @@ def paged_decode_attention_triton(
     cnt = _split_counters(q.device) if fused else seq_lens
     pdl = pdl_enabled(q) and (s == 1 or fused)
     g_comb = next_pow2(g)  # the combine's tiles hold the real heads only
-    combine = max(1, min(next_pow2(s), _COMBINE_ELEMS // (g_comb * d_pad)))
+    warps = num_warps or decode_warps(g)
+    combine = max(1, min(next_pow2(s), (_COMBINE_ELEMS or 1024 * warps) // (g_comb * d_pad)))
     pf = _prefetch_args(q, l2_prefetch_ranges, B * hkv * s)
     _decode_kernel[(B, hkv, s)](
         q_arg, k_cache, v_cache, block_tables, seq_lens, out, m, l_, acc, cnt,
@@ -462,7 +467,7 @@ def paged_decode_attention_triton(
         NUM_SPLITS=s, G_PAD=g_pad, D=d, D_PAD=d_pad, BLOCK_N=bn,
         BLOCK_SIZE=k_cache.shape[1], IEEE=ieee, EARLY_V=early_v, FUSED_REDUCE=fused,
         USE_PDL=pdl, G_COMB=g_comb, COMBINE=combine, IDLE_EXIT=_IDLE_EXIT, **fuse_kw, **pf,
-        EARLY_DEPS=bool(early_dependents) and bool(pdl), num_warps=num_warps or decode_warps(g),
+        EARLY_DEPS=bool(early_dependents) and bool(pdl), num_warps=warps,
         num_stages=num_stages, **pdl_launch_kwargs(pdl),
     )
     if s > 1 and not fused:
