@@ -122,6 +122,14 @@ for part in "$@"; do case $part in
        run 150 q30b_moetma0 $M; python3 scripts/kernel_table.py $OUT/q30b_moetma.json | head -8 ;;
   moetmae2e) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q --tb=line -m gpu tests/test_gpu_e2e.py -k "tma_moe" \
          -p no:cacheprovider 2>&1 | tail -12 | tee "$OUT/moe_tma_e2e.log" ;;
+  nrsel) # qwen3-30b-a3b batch 1: the expert selection in the norm + router launch's last program
+       # (BLITZ_MOE_NORM_ROUTE=1) with fewer programs (router rows per program), against the default
+       M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
+       run 150 nr_default $M
+       for be in 4 16; do BLITZ_MOE_NORM_ROUTE=1 BLITZ_MOE_NORM_ROUTE_BLOCK_E=$be run 100 nr1_be$be $M; done
+       BLITZ_MOE_NORM_ROUTE=1 BLITZ_MOE_NORM_ROUTE_BLOCK_E=16 BLITZ_MOE_NORM_ROUTE_PDL=late run 100 nr1_be16_late $M
+       BLITZ_MOE_NORM_ROUTE_BLOCK_E=4 run 100 nr2_be4 $M
+       python3 scripts/kernel_table.py "$OUT"/nr*.json | grep -v "^    " ;;
   overlap) # qwen3-30b-a3b batch 1: the down launch letting the next RMSNorm (and so the qkv GEMV) launch
        # early, alone and with 3-stage down tiles (60 KB: a qkv program fits beside one), and the decode
        # attention's combine in one round (8192 values)
