@@ -126,8 +126,9 @@ for part in "$@"; do case $part in
        # (BLITZ_MOE_NORM_ROUTE=1) with fewer programs (router rows per program), against the default
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
        run 150 nr_default $M
-       for be in 4 16; do BLITZ_MOE_NORM_ROUTE=1 BLITZ_MOE_NORM_ROUTE_BLOCK_E=$be run 100 nr1_be$be $M; done
-       BLITZ_MOE_NORM_ROUTE=1 BLITZ_MOE_NORM_ROUTE_BLOCK_E=16 BLITZ_MOE_NORM_ROUTE_PDL=late run 100 nr1_be16_late $M
+       BLITZ_MOE_NORM_ROUTE=1 run 100 nr1 $M
+       BLITZ_MOE_NORM_ROUTE=1 BLITZ_MOE_NORM_ROUTE_BLOCK_E=4 run 100 nr1_be4 $M
+       BLITZ_MOE_NORM_ROUTE=1 BLITZ_MOE_NORM_ROUTE_BLOCK_E=16 BLITZ_MOE_NORM_ROUTE_WARPS=8 run 100 nr1_be16 $M
        BLITZ_MOE_NORM_ROUTE_BLOCK_E=4 run 100 nr2_be4 $M
        python3 scripts/kernel_table.py "$OUT"/nr*.json | grep -v "^    " ;;
   overlap) # qwen3-30b-a3b batch 1: the down launch letting the next RMSNorm (and so the qkv GEMV) launch
