@@ -122,6 +122,18 @@ for part in "$@"; do case $part in
        run 150 q30b_moetma0 $M; python3 scripts/kernel_table.py $OUT/q30b_moetma.json | head -8 ;;
   moetmae2e) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q --tb=line -m gpu tests/test_gpu_e2e.py -k "tma_moe" \
          -p no:cacheprovider 2>&1 | tail -12 | tee "$OUT/moe_tma_e2e.log" ;;
+  fin26) # stop 26 close: the GPU tests of this stop's kernels (decode attention's combine, the routing
+       # helpers, the direct MoE with the selection inside), the MoE e2e tests, issue 5 acceptance 2
+       M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
+       run 150 q30b_b1 $M
+       run 200 q30b_b32 --model preset:qwen3-30b-a3b --batch-size 32 --input-len 128 --output-len 128 --max-num-seqs 32
+       python3 scripts/kernel_table.py "$OUT/q30b_b1.json" | grep -v "^    "
+       timeout ${TEST_TIMEOUT:-120} python3 -m pytest -q --tb=short tests/kernels/test_kernel_paged_attention.py \
+         tests/kernels/test_kernel_moe.py -k "combine or decode or gpu or routed or norm_route or select or direct" \
+         -p no:cacheprovider 2>&1 | tail -3 | tee "$OUT/fin26_tests.log"
+       timeout ${E2E_TIMEOUT:-150} python3 -m pytest -q --tb=short -m gpu tests/test_gpu_e2e.py \
+         -k "norm_route_decode_matches_default or (tma_moe and ROUTE)" -p no:cacheprovider 2>&1 | tail -3 \
+         | tee -a "$OUT/fin26_tests.log" ;;
   nrsel) # qwen3-30b-a3b batch 1: the expert selection in the norm + router launch's last program
        # (BLITZ_MOE_NORM_ROUTE=1) with fewer programs (router rows per program), against the default
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"

@@ -54,6 +54,23 @@ def test_decode(case, num_splits, fused_reduce, device):
         torch.testing.assert_close(out, ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("elems", [0, 512, 4096])
+def test_decode_combine_rounds(elems, device, monkeypatch):
+    """The fused combine with 8 query heads per KV head (8 warps) over 10 active splits, taking
+    their partials in one round (the default: 1024 values per warp, 16 splits of D 64) or in
+    several (BLITZ_ATTN_COMBINE_ELEMS 512: one split a round; 4096: 8): the same output."""
+    import blitzllm.kernels.paged_attention as pa
+    monkeypatch.setattr(pa, "_COMBINE_ELEMS", elems)
+    seq_lens, hq, hkv, d = [300, 40], 16, 2, 64
+    kc, vc, tables, seq = make_cache(seq_lens, hkv, d, 16, torch.float32, device)
+    q = torch.randn(len(seq_lens), hq, d).to(device)
+    ref = reference_paged_decode_attention(q, kc, vc, tables, seq, d ** -0.5)
+    assert pa.decode_warps(hq // hkv) == 8
+    for _ in range(2):
+        out = paged_decode_attention_triton(q, kc, vc, tables, seq, d ** -0.5, num_splits=16)
+        torch.testing.assert_close(out, ref, atol=TOL[torch.float32], rtol=TOL[torch.float32])
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_decode_half(dtype, device):
     seq_lens, hq, hkv, d, bs = [45, 3, 16], 6, 2, 64, 16
