@@ -152,7 +152,8 @@ class FusedMoE(nn.Module):
     def forward_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor], norm: nn.Module) -> tuple:
         """(self(norm(x + residual)), x + residual) for an RMSNorm ``norm``: where
         ``norm_route_ok`` the residual add, the norm and the router GEMM in one launch, the
-        selection in the next (BLITZ_MOE_NORM_ROUTE=1: the selection in the same launch)."""
+        selection in the next (BLITZ_MOE_NORM_ROUTE=1: the selection in the same launch;
+        BLITZ_MOE_ROUTE_IN_UP=1: inside the experts' gate/up launch, ``norm_route_moe``)."""
         args = (self.top_k, self.scoring, self.correction_bias, self.n_group, self.topk_group, self.renormalize,
                 self.scaling)
         if self.expert_start is None and _op("norm_route_moe_ok")(x, self.top_k):
