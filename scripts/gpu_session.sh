@@ -122,6 +122,17 @@ for part in "$@"; do case $part in
        run 150 q30b_moetma0 $M; python3 scripts/kernel_table.py $OUT/q30b_moetma.json | head -8 ;;
   moetmae2e) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q --tb=line -m gpu tests/test_gpu_e2e.py -k "tma_moe" \
          -p no:cacheprovider 2>&1 | tail -12 | tee "$OUT/moe_tma_e2e.log" ;;
+  sel2) # the expert selection with a copy of the router row per warp (warp-local argmax rounds): in the
+       # norm + router launch's last program (BLITZ_MOE_NORM_ROUTE=1) and inside the gate/up launch
+       # (BLITZ_MOE_ROUTE_IN_UP=1) against the default selection launch; their kernel and e2e tests first
+       timeout ${TEST_TIMEOUT:-120} python3 -m pytest -q --tb=short tests/kernels/test_kernel_moe.py \
+         -k "select or routed or norm_route" -p no:cacheprovider 2>&1 | tail -2 | tee "$OUT/sel2_tests.log"
+       M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
+       run 150 s2_default $M; BLITZ_MOE_NORM_ROUTE=1 run 100 s2_nr1 $M; BLITZ_MOE_ROUTE_IN_UP=1 run 100 s2_rup $M
+       python3 scripts/kernel_table.py "$OUT"/s2_*.json | grep -v "^    "
+       timeout ${E2E_TIMEOUT:-200} python3 -m pytest -q --tb=short -m gpu tests/test_gpu_e2e.py \
+         -k "norm_route_decode_matches_default or (tma_moe and ROUTE)" -p no:cacheprovider 2>&1 | tail -2 \
+         | tee -a "$OUT/sel2_tests.log" ;;
   fin26) # stop 26 close: the GPU tests of this stop's kernels (decode attention's combine, the routing
        # helpers, the direct MoE with the selection inside), the MoE e2e tests, issue 5 acceptance 2
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"

@@ -44,7 +44,9 @@ MOE_DIRECT = os.environ.get("BLITZ_MOE_DIRECT", "1") != "0"
 MOE_DIRECT_MAX_ENTRIES = 16
 # BLITZ_MOE_ROUTE_IN_UP=1: MoE decode layers on the direct path (norm + router in one launch,
 # ``moe.norm_route_moe``) choose the experts inside the gate/up launch, each program for its
-# own entry, instead of in a selection launch of their own between the router and gate/up
+# own entry (each warp on its own copy of the row), instead of in a selection launch of their own
+# between the router and gate/up. Opt-in: its first form (pairwise ranks, reductions across warps)
+# measured slower on the H200 (qwen3-30b-a3b batch 1 397.6 vs 406.4 tok/s); this one not yet
 MOE_ROUTE_IN_UP = os.environ.get("BLITZ_MOE_ROUTE_IN_UP", "0") == "1"
 # BLITZ_MOE_DOWN_EARLY_DEPS=1 (A/B): the direct path's down launch lets the kernel after it (the
 # next layer's RMSNorm, which lets the qkv GEMV launch as it starts) launch right after its own
@@ -230,7 +232,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
                      ROUTE: tl.constexpr = False, R_GROUP: tl.constexpr = 1, R_N_GROUP: tl.constexpr = 1,
                      R_NG_PAD: tl.constexpr = 1, R_G_PAD: tl.constexpr = 1, R_TOPK_GROUP: tl.constexpr = 1,
                      R_TOP_K: tl.constexpr = 1, R_K_PAD: tl.constexpr = 1, R_SIGMOID: tl.constexpr = False,
-                     R_HAS_BIAS: tl.constexpr = False, R_RENORM: tl.constexpr = True):
+                     R_HAS_BIAS: tl.constexpr = False, R_RENORM: tl.constexpr = True, R_ROWS: tl.constexpr = 1):
     """out[entry, n] = A[entry // row_div] . W[e, n] for the BLOCK_M sorted entries of one
     expert e. GATED: W holds gate rows [0, N) and up rows [N, 2N); the output is
     silu(gate) * up with the reference's rounding steps.
@@ -253,8 +255,8 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
     if DIRECT:
         if ROUTE:
             r_w, expert = _route_entry(r_logit_ptr + (pid_m // R_TOP_K) * r_stride, r_bias_ptr, pid_m % R_TOP_K,
-                                       r_scaling, R_GROUP, R_N_GROUP, R_NG_PAD, R_G_PAD, R_TOPK_GROUP, R_TOP_K,
-                                       R_K_PAD, R_SIGMOID, R_HAS_BIAS, R_RENORM)
+                                       r_scaling, R_ROWS, R_GROUP, R_N_GROUP, R_NG_PAD, R_G_PAD, R_TOPK_GROUP,
+                                       R_TOP_K, R_K_PAD, R_SIGMOID, R_HAS_BIAS, R_RENORM)
             if pid_n == 0:
                 tl.store(expert_ptr + pid_m, expert)
                 tl.store(r_w_ptr + pid_m, r_w)
@@ -504,7 +506,8 @@ def _grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_entries, row_div
                   r_scaling=float(scaling), r_stride=logits.stride(0), ROUTE=True, R_GROUP=group, R_N_GROUP=n_group,
                   R_NG_PAD=next_pow2(n_group), R_G_PAD=next_pow2(group),
                   R_TOPK_GROUP=topk_group if n_group > 1 else 1, R_TOP_K=top_k_r, R_K_PAD=next_pow2(top_k_r),
-                  R_SIGMOID=scoring == "sigmoid", R_HAS_BIAS=bias is not None, R_RENORM=bool(renormalize))
+                  R_SIGMOID=scoring == "sigmoid", R_HAS_BIAS=bias is not None, R_RENORM=bool(renormalize),
+                  R_ROWS=cfg["num_warps"])  # a copy of the row per warp: warp-local reductions
     _moe_gemm_kernel[grid](a, w, out, sorted_ids, block_expert, total, n, kd, n_entries, row_div,
                            a.stride(0), w.stride(0), w.stride(1), out.stride(0), tw, comb, cnt, comb.stride(0),
                            **pf, **rt,

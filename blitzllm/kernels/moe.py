@@ -358,7 +358,7 @@ def _norm_route_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, h_ptr, ro_ptr, logit_ptr, cn
                        GROUP: tl.constexpr, N_GROUP: tl.constexpr, NG_PAD: tl.constexpr, G_PAD: tl.constexpr,
                        TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
                        SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
-                       SELECT: tl.constexpr, PDL_LATE: tl.constexpr):
+                       SELECT: tl.constexpr, PDL_LATE: tl.constexpr, SEL_ROWS: tl.constexpr = 1):
     """Program p: the router rows [p*BLOCK_E, +BLOCK_E). Every program forms each token's
     x + residual and its RMSNorm itself (rows of a few KB, read from L2; program 0 stores
     them), multiplies its router rows (loaded before the PDL wait: they do not depend on the
@@ -393,7 +393,7 @@ def _norm_route_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, h_ptr, ro_ptr, logit_ptr, cn
         if tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
             for t in range(T):
                 _select_row(logit_ptr + t * E, bias_ptr, w_out_ptr, id_out_ptr, t, scaling, GROUP, N_GROUP, NG_PAD,
-                            G_PAD, TOPK_GROUP, TOP_K, K_PAD, SIGMOID, HAS_BIAS, RENORM)
+                            G_PAD, TOPK_GROUP, TOP_K, K_PAD, SIGMOID, HAS_BIAS, RENORM, SEL_ROWS)
             tl.atomic_xchg(cnt_ptr, 0)  # ready for the next launch (CUDA-graph replays too)
     if PDL_LATE:
         pdl_launch_dependents(USE_PDL)
@@ -446,6 +446,7 @@ def norm_route_experts_triton(x: torch.Tensor, residual: Optional[torch.Tensor],
     group = E // n_group
     pdl = pdl_enabled(x)
     r = residual if residual is not None else x
+    warps = _NORM_ROUTE_WARPS or (4 if block_h <= 2048 else 8)  # (the selection: a copy of the row per warp)
     _norm_route_kernel[(triton.cdiv(E, block_e),)](
         x, r, norm_weight, weight, h, res_out, logits, _norm_route_counter(x.device),
         bias.contiguous() if bias is not None else logits, weights, ids, float(scaling),
@@ -455,7 +456,7 @@ def norm_route_experts_triton(x: torch.Tensor, residual: Optional[torch.Tensor],
         TOPK_GROUP=topk_group if n_group > 1 else 1, TOP_K=top_k, K_PAD=next_pow2(top_k),
         SIGMOID=scoring == "sigmoid", HAS_BIAS=bias is not None, RENORM=bool(renormalize),
         SELECT=select is True, PDL_LATE=_NORM_ROUTE_PDL_LATE if pdl_late is None else bool(pdl_late),
-        num_warps=_NORM_ROUTE_WARPS or (4 if block_h <= 2048 else 8), **pdl_launch_kwargs(pdl))
+        SEL_ROWS=warps, num_warps=warps, **pdl_launch_kwargs(pdl))
     if select is None:
         return h, (res_out if residual is not None else x), logits
     if not select:
@@ -567,7 +568,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 # (``norm_route_experts_triton(select=False)``): H200 qwen3-30b-a3b batch 1 396.7 vs 380.6
 # tok/s with the three launches (scripts/gpu_session.sh nr2). BLITZ_MOE_NORM_ROUTE=0: three
 # launches (norm, router GEMM, selection); =1: all in one launch (slower: 387.1 with its
-# dependents launched late, 349.5 early).
+# dependents launched late, 349.5 early; stop 26: 400.1 vs 411.3, when its last program's
+# selection reduced across warps; now a copy of the row per warp, not yet measured).
 _NORM_ROUTE_MODE = os.environ.get("BLITZ_MOE_NORM_ROUTE", "2")
 MOE_NORM_ROUTE = _NORM_ROUTE_MODE in ("1", "2")
 _NORM_ROUTE_SELECT = _NORM_ROUTE_MODE == "1"
