@@ -68,16 +68,23 @@ def _route_topk(row_ptr, bias_ptr, scaling, R: tl.constexpr, GROUP: tl.constexpr
     flat, sflat = _route_scores(row_ptr, bias_ptr, R, GROUP, N_GROUP, NG_PAD, G_PAD, TOPK_GROUP, SIGMOID, HAS_BIAS)
     pos = tl.arange(0, NG_PAD * G_PAD)
     k = tl.arange(0, K_PAD)
+    # the chosen experts' scores are gathered from registers (no second read of the logits):
+    # with one row after the rounds, all at once; with a row per warp in each round (a gather
+    # [R, K_PAD, positions] would reduce across warps)
     ids = tl.zeros([R, K_PAD], dtype=tl.int32)
+    picks = tl.full([R, K_PAD], -1, dtype=tl.int32)  # positions in flat of the chosen experts
     w = tl.zeros([R, K_PAD], dtype=tl.float32)
     for i in tl.static_range(TOP_K):
         f = tl.argmax(flat, axis=1)  # [R]: the position of choice i
         hit = pos[None, :] == f[:, None]
-        # the chosen expert's score gathered from registers (no second read of the logits)
-        wi = tl.sum(tl.where(hit, sflat, 0.0), axis=1)
         ids = tl.where(k[None, :] == i, ((f // G_PAD) * GROUP + f % G_PAD)[:, None], ids)
-        w = tl.where(k[None, :] == i, wi[:, None], w)
+        if R == 1:
+            picks = tl.where(k[None, :] == i, f[:, None], picks)
+        else:
+            w = tl.where(k[None, :] == i, tl.sum(tl.where(hit, sflat, 0.0), axis=1)[:, None], w)
         flat = tl.where(hit, float("-inf"), flat)
+    if R == 1:
+        w = tl.sum(tl.where(pos[None, None, :] == picks[:, :, None], sflat[:, None, :], 0.0), axis=2)
     if RENORM:
         w = w / (tl.sum(w, axis=1)[:, None] + 1e-20)
     return w * scaling, ids
@@ -94,11 +101,16 @@ def _select_row(row_ptr, bias_ptr, w_out_ptr, id_out_ptr, row, scaling,
     warp chooses on its own; 1 for a one-warp launch); the first copy is stored."""
     w, ids = _route_topk(row_ptr, bias_ptr, scaling, R, GROUP, N_GROUP, NG_PAD, G_PAD, TOPK_GROUP, TOP_K, K_PAD,
                          SIGMOID, HAS_BIAS, RENORM)
-    rep = tl.arange(0, R)[:, None]
-    k = tl.arange(0, K_PAD)[None, :]
-    kmask = (k < TOP_K) & (rep == 0)
-    tl.store(w_out_ptr + row * TOP_K + rep * 0 + k, w, mask=kmask)
-    tl.store(id_out_ptr + row * TOP_K + rep * 0 + k, ids, mask=kmask)
+    if R == 1:
+        k = tl.arange(0, K_PAD)
+        tl.store(w_out_ptr + row * TOP_K + k, tl.reshape(w, [K_PAD]), mask=k < TOP_K)
+        tl.store(id_out_ptr + row * TOP_K + k, tl.reshape(ids, [K_PAD]), mask=k < TOP_K)
+    else:
+        rep = tl.arange(0, R)[:, None]
+        k2 = tl.arange(0, K_PAD)[None, :]
+        kmask = (k2 < TOP_K) & (rep == 0)
+        tl.store(w_out_ptr + row * TOP_K + rep * 0 + k2, w, mask=kmask)
+        tl.store(id_out_ptr + row * TOP_K + rep * 0 + k2, ids, mask=kmask)
 
 
 @triton.jit
