@@ -569,8 +569,8 @@ def test_decode_env_config_reaches_direct_launches_only(device, monkeypatch):
                                     ("tiny", 3)])
 def test_fused_moe_routed_chooses_as_the_selection_launch(name, t, device):
     """The selection inside the direct path's gate/up launch (BLITZ_MOE_ROUTE_IN_UP): the ids it
-    writes equal select_experts_triton's (in the same order: the pairwise ranks against the argmax
-    rounds), its weights match, and the output matches select + fused_moe_triton on the direct
+    writes equal select_experts_triton's (in the same order: a copy of the row per warp against the
+    one-warp launch's single row), its weights match, and the output matches select + fused_moe_triton on the direct
     path, twice in a row (the combine counters reset)."""
     from blitzllm.kernels.fused_moe import fused_moe_routed_triton
     e, k, scoring, with_bias, ng, tg, renorm, scaling = ROUTINGS[name]
