@@ -543,23 +543,42 @@ def fused_moe_routed_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
     assert 0 < T * top_k <= MOE_DIRECT_MAX_ENTRIES and w2.shape == (E, H, inter) and x.dtype == w13.dtype == w2.dtype
     if x.stride(1) != 1:
         x = x.contiguous()
-    n = T * top_k
     ids = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
     tw = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
-    keys = (config or {},) * 2 if config is not None else _DECODE_ENV_CONFIG
-    up_cfg, down_cfg = (_moe_config_cached(T, top_k, E, H, inter, x.dtype, device_sms(x), tuple(sorted(k.items())))[i]
-                        for i, k in enumerate(keys))
-    flat_ids, flat_w = ids.view(-1), tw.view(-1)
-    act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
-    route = (logits, flat_w, (top_k, scoring, bias.contiguous() if bias is not None else None, n_group, topk_group,
-                              renormalize, scaling))
-    _grouped_gemm(x, w13, act, flat_ids, flat_ids, flat_ids, n, top_k, inter, True, dict(up_cfg, BLOCK_M=16),
-                  direct=True, route=route)
-    y = torch.empty(n, H, dtype=x.dtype, device=x.device)
-    _grouped_gemm(act, w2, y, flat_ids, flat_ids, flat_ids, n, 1, H, False, dict(down_cfg, BLOCK_M=16), direct=True,
-                  combine=(flat_w, out, top_k))
+    up_cfg, down_cfg = _configs(x, T, top_k, E, H, inter, config, True)
+    route = (logits, tw.view(-1), (top_k, scoring, bias.contiguous() if bias is not None else None, n_group,
+                                   topk_group, renormalize, scaling))
+    _direct(x, w13, w2, tw.view(-1), ids.view(-1), out, top_k, up_cfg, down_cfg, route=route)
     return out, tw, ids
+
+
+def _configs(x, T, K, E, H, inter, config, direct) -> tuple:
+    """(gate/up, down) tile configs: ``config`` for both, else the heuristic with
+    BLITZ_MOE_DECODE_CONFIG's keys on the direct path."""
+    keys = _DECODE_ENV_CONFIG if config is None and direct else (config or {},) * 2
+    return tuple(_moe_config_cached(T, K, E, H, inter, x.dtype, device_sms(x), tuple(sorted(k.items())))[i]
+                 for i, k in enumerate(keys))
+
+
+def _direct(x, w13, w2, tw, ids, out, K, up_cfg, down_cfg, tma_down=False, route=None) -> torch.Tensor:
+    """The direct (decode) path's launches for flat entry ids / weights [T * K] into out [T, H]:
+    gate/up (with ``route``: choosing the entries' experts itself and writing ids / tw), then
+    the down GEMM with the weighted combine inside, or the TMA down launch (``tma_down``)."""
+    n, inter, H = ids.numel(), w2.shape[2], w2.shape[1]
+    act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
+    # each expert's block one contiguous, aligned range
+    pf = w2 if (MOE_PF_DOWN and w2[0].is_contiguous()
+                and l2_prefetchable(w2, w2.stride(0) * w2.element_size())) else None
+    from . import moe_tma
+    _grouped_gemm(x, w13, act, ids, ids, ids, n, K, inter, True, dict(up_cfg, BLOCK_M=16), direct=True, prefetch=pf,
+                  early_dependents=tma_down and moe_tma.MOE_TMA_DOWN_EARLY, route=route)
+    if tma_down:
+        return moe_tma.moe_tma_down_triton(act, w13, w2, tw, ids.view(-1, K), out)
+    y = torch.empty(n, H, dtype=x.dtype, device=x.device)
+    _grouped_gemm(act, w2, y, ids, ids, ids, n, 1, H, False, dict(down_cfg, BLOCK_M=16), direct=True,
+                  combine=(tw, out, K), early_dependents=MOE_DOWN_EARLY_DEPS)
+    return out
 
 
 @functools.lru_cache(maxsize=None)
@@ -608,27 +627,13 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
             return moe_tma.moe_tma_triton(x, w13, w2, topk_weights, topk_ids, out=out)
     if direct is None:
         direct = MOE_DIRECT and n <= MOE_DIRECT_MAX_ENTRIES
-    keys = _DECODE_ENV_CONFIG if config is None and direct else (config or {},) * 2  # (gate/up, down)
-    up_cfg, down_cfg = (_moe_config_cached(T, K, E, H, inter, x.dtype, device_sms(x), tuple(sorted(k.items())))[i]
-                        for i, k in enumerate(keys))
+    up_cfg, down_cfg = _configs(x, T, K, E, H, inter, config, direct)
     if direct:  # two launches: no sort, the combine inside the down GEMM
         ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
         tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
-        cfg_up, cfg_down = dict(up_cfg, BLOCK_M=16), dict(down_cfg, BLOCK_M=16)
-        act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
-        # each expert's block one contiguous, aligned range
-        pf = w2 if (MOE_PF_DOWN and w2[0].is_contiguous()
-                    and l2_prefetchable(w2, w2.stride(0) * w2.element_size())) else None
         from . import moe_tma  # the down GEMM with its weight copies issued before its wait (opt-in)
         tma_down = config is None and not dropped_ids and moe_tma.moe_tma_down_ok(x, w13, w2, topk_ids)
-        _grouped_gemm(x, w13, act, ids, ids, ids, n, K, inter, True, cfg_up, direct=True, prefetch=pf,
-                      early_dependents=tma_down and moe_tma.MOE_TMA_DOWN_EARLY)
-        if tma_down:
-            return moe_tma.moe_tma_down_triton(act, w13, w2, tw, ids.view(T, K), out)
-        y = torch.empty(n, H, dtype=x.dtype, device=x.device)
-        _grouped_gemm(act, w2, y, ids, ids, ids, n, 1, H, False, cfg_down, direct=True, combine=(tw, out, K),
-                      early_dependents=MOE_DOWN_EARLY_DEPS)
-        return out
+        return _direct(x, w13, w2, tw, ids, out, K, up_cfg, down_cfg, tma_down=tma_down)
     sorted_ids, block_expert, total = moe_align_block_size(topk_ids, E, up_cfg["BLOCK_M"])
     act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w13, act, sorted_ids, block_expert, total, n, K, inter, True, up_cfg)

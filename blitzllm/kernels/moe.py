@@ -403,8 +403,7 @@ NORM_ROUTE_MAX_T = 4  # tokens per launch: each program loops over them
 # BLITZ_MOE_NORM_ROUTE_WARPS (A/B): warps per program of the one-launch routing (default: 4 up
 # to 2048-wide rows, else 8)
 _NORM_ROUTE_WARPS = int(os.environ.get("BLITZ_MOE_NORM_ROUTE_WARPS", "0"))
-_NORM_ROUTE_BLOCK_E = next_pow2(int(os.environ.get("BLITZ_MOE_NORM_ROUTE_BLOCK_E", "0") or 0)) \
-    if os.environ.get("BLITZ_MOE_NORM_ROUTE_BLOCK_E") else 0
+_NORM_ROUTE_BLOCK_E = int(os.environ.get("BLITZ_MOE_NORM_ROUTE_BLOCK_E", "0") or "0")
 # BLITZ_MOE_NORM_ROUTE_PDL=late (A/B): the one-launch routing lets its dependents launch only as
 # its programs end, not as soon as each has stored its logits
 _NORM_ROUTE_PDL_LATE = os.environ.get("BLITZ_MOE_NORM_ROUTE_PDL", "") == "late"
@@ -442,7 +441,7 @@ def norm_route_experts_triton(x: torch.Tensor, residual: Optional[torch.Tensor],
     ids = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
     block_h = next_pow2(H)
     # about a program per SM or more (BLITZ_MOE_NORM_ROUTE_BLOCK_E: router rows per program, A/B)
-    block_e = min(next_pow2(E), _NORM_ROUTE_BLOCK_E or next_pow2(triton.cdiv(E, device_sms(x))))
+    block_e = min(next_pow2(E), next_pow2(_NORM_ROUTE_BLOCK_E or triton.cdiv(E, device_sms(x))))
     group = E // n_group
     pdl = pdl_enabled(x)
     r = residual if residual is not None else x
