@@ -122,6 +122,23 @@ for part in "$@"; do case $part in
        run 150 q30b_moetma0 $M; python3 scripts/kernel_table.py $OUT/q30b_moetma.json | head -8 ;;
   moetmae2e) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q --tb=line -m gpu tests/test_gpu_e2e.py -k "tma_moe" \
          -p no:cacheprovider 2>&1 | tail -12 | tee "$OUT/moe_tma_e2e.log" ;;
+  pre) # stop 27: the direct down launch loading its first K tiles of W before its PDL wait
+       # (BLITZ_MOE_DOWN_PRELOAD=1 / 2) against the default; the qkv GEMV beside the down programs
+       # (smaller TMA GEMV ring, 3-stage down tiles, down early deps); the failing deepseek e2e test
+       timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q --tb=short tests/kernels/test_kernel_moe.py \
+         -k "direct" -p no:cacheprovider 2>&1 | tail -3 | tee "$OUT/pre_tests.log"
+       timeout 150 python3 -m pytest -q --tb=long -m gpu tests/test_gpu_e2e.py -p no:cacheprovider \
+         -k "tma_moe_decode_matches_direct_moe and ROUTE_IN_UP and deepseek" 2>&1 | tail -40 > "$OUT/rup_ds.log"
+       tail -3 "$OUT/rup_ds.log"
+       M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
+       run 150 p_default $M; BLITZ_MOE_DOWN_PRELOAD=1 run 100 p_pre1 $M; BLITZ_MOE_DOWN_PRELOAD=2 run 100 p_pre2 $M
+       BLITZ_MOE_DOWN_PRELOAD=2 BLITZ_MOE_ROUTE_IN_UP=1 run 100 p_pre2_rup $M
+       BLITZ_GEMV_TMA_SMEM=98304 BLITZ_MOE_DOWN_EARLY_DEPS=1 BLITZ_MOE_DECODE_CONFIG='{"down": {"num_stages": 3}}' \
+         run 100 p_cores $M
+       BLITZ_GEMV_TMA_SMEM=98304 BLITZ_MOE_DOWN_EARLY_DEPS=1 BLITZ_MOE_DECODE_CONFIG='{"down": {"num_stages": 3}}' \
+         BLITZ_MOE_DOWN_PRELOAD=2 run 100 p_cores_pre2 $M
+       run 100 p_default2 $M
+       python3 scripts/kernel_table.py "$OUT"/p_*.json | grep -v "^    " ;;
   sel2) # the expert selection with a copy of the router row per warp (warp-local argmax rounds): in the
        # norm + router launch's last program (BLITZ_MOE_NORM_ROUTE=1) and inside the gate/up launch
        # (BLITZ_MOE_ROUTE_IN_UP=1) against the default selection launch; their kernel and e2e tests first

@@ -149,6 +149,19 @@ def moe_direct():
             num_warps=up["num_warps"], num_stages=up["num_stages"], grid=(k, triton.cdiv(inter, up["BLOCK_N"])))
         bars = kern.asm["ptx"].count("bar.sync")
         print(f"moe direct gate/up routing inside ({name}): {ptxas_report(kern)} | bar.sync sites {bars}")
+    # the down launch with the combine, its first K tiles of W loaded before the PDL wait or not
+    _, down = fm.moe_config(1, k, e, h, inter, bf, 132)
+    out, y, tw = torch.zeros(1, h, dtype=bf), torch.zeros(k, h, dtype=bf), torch.zeros(k, dtype=torch.float32)
+    for pre in (0, 1, 2):
+        kern = fm._moe_gemm_kernel.warmup(
+            act, w2, y, ids, ids, ids, h, inter, k, 1, act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+            tw, out, ids, out.stride(0), BLOCK_M=16, BLOCK_N=down["BLOCK_N"], BLOCK_K=down["BLOCK_K"],
+            GATED=False, EVEN_K=True, IEEE=False, USE_PDL=1, DIRECT=True, COMBINE=True, TOP_K=k, PRELOAD=pre,
+            num_warps=down["num_warps"], num_stages=down["num_stages"], grid=(k, triton.cdiv(h, down["BLOCK_N"])))
+        ptx = kern.asm["ptx"]
+        wait = ptx.find("griddepcontrol.wait")
+        early = ptx[:wait].count("ld.global")
+        print(f"moe direct down preload={pre} {down}: {ptxas_report(kern)} | global loads before the wait {early}")
 
 
 if __name__ == "__main__":

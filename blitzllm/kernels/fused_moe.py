@@ -53,6 +53,12 @@ MOE_ROUTE_IN_UP = os.environ.get("BLITZ_MOE_ROUTE_IN_UP", "0") == "1"
 # wait instead of after its main loop, so the qkv GEMV's programs can take an SM and start their
 # weight copies as soon as that SM's down programs end
 MOE_DOWN_EARLY_DEPS = os.environ.get("BLITZ_MOE_DOWN_EARLY_DEPS", "0") == "1"
+# BLITZ_MOE_DOWN_PRELOAD=N (0, 1 or 2; A/B): the direct path's down launch (ids from the selection
+# launch, two launches back) reads its expert and loads its first N K tiles of the down weights
+# before its PDL wait, so their stream starts while the gate/up launch drains
+MOE_DOWN_PRELOAD = int(os.environ.get("BLITZ_MOE_DOWN_PRELOAD", "0"))
+if MOE_DOWN_PRELOAD not in (0, 1, 2):
+    raise ValueError(f"BLITZ_MOE_DOWN_PRELOAD must be 0, 1 or 2, got {MOE_DOWN_PRELOAD}")
 # BLITZ_MOE_PF_DOWN=1 (A/B; Hopper): on the direct path the gate/up launch, which knows the
 # chosen experts once it has waited on the routing, asks the L2 (bulk prefetch) for their down
 # weights, its n-tile programs splitting each expert's block: the down launch's stream then
@@ -232,7 +238,8 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
                      ROUTE: tl.constexpr = False, R_GROUP: tl.constexpr = 1, R_N_GROUP: tl.constexpr = 1,
                      R_NG_PAD: tl.constexpr = 1, R_G_PAD: tl.constexpr = 1, R_TOPK_GROUP: tl.constexpr = 1,
                      R_TOP_K: tl.constexpr = 1, R_K_PAD: tl.constexpr = 1, R_SIGMOID: tl.constexpr = False,
-                     R_HAS_BIAS: tl.constexpr = False, R_RENORM: tl.constexpr = True, R_ROWS: tl.constexpr = 1):
+                     R_HAS_BIAS: tl.constexpr = False, R_RENORM: tl.constexpr = True, R_ROWS: tl.constexpr = 1,
+                     PRELOAD: tl.constexpr = 0):
     """out[entry, n] = A[entry // row_div] . W[e, n] for the BLOCK_M sorted entries of one
     expert e. GATED: W holds gate rows [0, N) and up rows [N, 2N); the output is
     silu(gate) * up with the reference's rounding steps.
@@ -247,10 +254,15 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
     ROUTE (with DIRECT, the gate/up GEMM): entry m's expert is not read but chosen here, from
     its token's fp32 router logits (r_logit_ptr, rows r_stride apart), as ``moe._select_row``
     would (the R_ settings); the programs of n-tile 0 store each entry's expert id and weight
-    (expert_ptr, r_w_ptr) for the down launch: no selection launch before this one."""
-    pdl_wait(USE_PDL)  # (PDL launches write nothing before this)
-    if EARLY_DEPS:
-        pdl_launch_dependents(USE_PDL)
+    (expert_ptr, r_w_ptr) for the down launch: no selection launch before this one.
+    PRELOAD (with DIRECT, not ROUTE): the ids come from a kernel two or more launches back, so
+    the program reads its expert and issues the loads of its first PRELOAD K tiles of W before
+    its PDL wait (only A is the kernel before's output): the weight stream starts while the
+    kernel before drains."""
+    if PRELOAD == 0:
+        pdl_wait(USE_PDL)  # (PDL launches write nothing before this)
+        if EARLY_DEPS:
+            pdl_launch_dependents(USE_PDL)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if DIRECT:
         if ROUTE:
@@ -284,7 +296,22 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
         n_ok = n_ok & (tl.max(row_ok.to(tl.int32), axis=0) > 0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, KD, BLOCK_K):
+    k_first = 0
+    if PRELOAD > 0:  # (DIRECT, not ROUTE, not GATED, EVEN_K: checked by the launcher)
+        w0 = tl.load(b_ptrs, mask=n_ok, other=0.0)
+        if PRELOAD > 1:
+            w1 = tl.load(b_ptrs + BLOCK_K, mask=n_ok, other=0.0)
+        pdl_wait(USE_PDL)
+        if EARLY_DEPS:
+            pdl_launch_dependents(USE_PDL)
+        a_mask = row_ok[:, None]
+        acc = _mma(tl.load(a_ptrs, mask=a_mask, other=0.0), w0, acc, IEEE)
+        if PRELOAD > 1:
+            acc = _mma(tl.load(a_ptrs + BLOCK_K, mask=a_mask, other=0.0), w1, acc, IEEE)
+        a_ptrs += PRELOAD * BLOCK_K
+        b_ptrs += PRELOAD * BLOCK_K
+        k_first = PRELOAD * BLOCK_K
+    for k in range(k_first, KD, BLOCK_K):
         if EVEN_K:
             a_mask = row_ok[:, None]
             b_mask = n_ok
@@ -479,13 +506,16 @@ def _moe_config_cached(tokens, top_k, num_experts, hidden, inter, dtype, sms, it
 
 
 def _grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_entries, row_div, n, gated, cfg,
-                  direct=False, combine=None, prefetch=None, early_dependents=False, route=None):
+                  direct=False, combine=None, prefetch=None, early_dependents=False, route=None, preload=0):
     """direct: block_expert is the entries' expert ids (one program per entry, no sort);
     combine (direct only): (topk weights fp32 [T*K], output [T, n], top_k): the weighted
     sum over each token's entries is written there by the launch itself. prefetch (direct
     only): expert weights [E, ...] (contiguous per expert) whose chosen experts' blocks the
-    launch asks the L2 for."""
+    launch asks the L2 for. preload (direct, not gated, without route; block_expert written
+    two or more launches back): K tiles of W loaded before the PDL wait (where K holds them)."""
     kd = a.shape[1]
+    if not (direct and not gated and route is None and kd % cfg["BLOCK_K"] == 0 and preload * cfg["BLOCK_K"] <= kd):
+        preload = 0
     grid = (block_expert.numel(), triton.cdiv(n, cfg["BLOCK_N"]))
     pdl = pdl_enabled(a)
     if combine is not None:
@@ -514,7 +544,7 @@ def _grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_entries, row_div
                            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                            GATED=gated, EVEN_K=kd % cfg["BLOCK_K"] == 0, IEEE=a.dtype == torch.float32,
                            USE_PDL=pdl, DIRECT=direct, COMBINE=combine is not None, TOP_K=top_k,
-                           EARLY_DEPS=bool(early_dependents) and pdl,
+                           EARLY_DEPS=bool(early_dependents) and pdl, PRELOAD=preload,
                            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                            **pdl_launch_kwargs(pdl))
 
@@ -577,7 +607,8 @@ def _direct(x, w13, w2, tw, ids, out, K, up_cfg, down_cfg, tma_down=False, route
         return moe_tma.moe_tma_down_triton(act, w13, w2, tw, ids.view(-1, K), out)
     y = torch.empty(n, H, dtype=x.dtype, device=x.device)
     _grouped_gemm(act, w2, y, ids, ids, ids, n, 1, H, False, dict(down_cfg, BLOCK_M=16), direct=True,
-                  combine=(tw, out, K), early_dependents=MOE_DOWN_EARLY_DEPS)
+                  combine=(tw, out, K), early_dependents=MOE_DOWN_EARLY_DEPS,
+                  preload=MOE_DOWN_PRELOAD if route is None else 0)
     return out
 
 

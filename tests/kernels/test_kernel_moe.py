@@ -518,6 +518,38 @@ def test_fused_moe_direct(t, e, k, h, inter, cfg, dtype, device):
     assert not cnt.any()  # the launches' own counters, left at 0
 
 
+@pytest.mark.parametrize("preload", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_direct_down_preload(preload, dtype, device, monkeypatch):
+    """BLITZ_MOE_DOWN_PRELOAD: the direct down launch loads its first K tiles of W before its
+    PDL wait and takes them first: the outputs are bitwise those without it (same products in
+    the same order), with a dropped entry; the launch got the preload only where K holds it
+    (I = 48 with 16-deep K tiles: 3 tiles; I = 24 with 32-deep tiles: ragged, none)."""
+    from blitzllm.kernels import fused_moe as fm
+    seen = []
+    orig = fm._moe_gemm_kernel
+    class Spy:  # records each launch's PRELOAD
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                seen.append(kw["PRELOAD"])
+                return orig[grid](*a, **kw)
+            return launch
+    monkeypatch.setattr(fm, "_moe_gemm_kernel", Spy())
+    for inter, cfg, want_pre in ((48, "m16-even", preload), (24, "m16-ragged", 0)):
+        x, w13, w2, weights, ids = moe_inputs(2, 8, 3, 64, inter, dtype, device, seed=preload + inter)
+        ids = ids.clone()
+        ids[1, 2] = -1
+        w = weights * (ids >= 0)
+        monkeypatch.setattr(fm, "MOE_DOWN_PRELOAD", 0)
+        want = fm.fused_moe_triton(x, w13, w2, w, ids, config=MOE_CONFIGS[cfg], direct=True, dropped_ids=True)
+        monkeypatch.setattr(fm, "MOE_DOWN_PRELOAD", preload)
+        seen.clear()
+        got = fm.fused_moe_triton(x, w13, w2, w, ids, config=MOE_CONFIGS[cfg], direct=True, dropped_ids=True)
+        assert seen == [0, want_pre]  # gate/up never, the down where its K tiles hold the preload
+        assert torch.equal(got, want)
+        close(got, reference_fused_moe(x, w13, w2, w, ids, dropped_ids=True), TOL[dtype])
+
+
 def test_fused_moe_dispatches_small_batches_to_direct(device, monkeypatch):
     from blitzllm.kernels import fused_moe as fm
     seen = []
