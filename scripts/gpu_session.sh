@@ -122,6 +122,17 @@ for part in "$@"; do case $part in
        run 150 q30b_moetma0 $M; python3 scripts/kernel_table.py $OUT/q30b_moetma.json | head -8 ;;
   moetmae2e) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q --tb=line -m gpu tests/test_gpu_e2e.py -k "tma_moe" \
          -p no:cacheprovider 2>&1 | tail -12 | tee "$OUT/moe_tma_e2e.log" ;;
+  pre2) # the down preload as the last K tiles (multiplied after the main loop), its GPU tests, and
+       # the deepseek e2e failure of the selection inside gate/up (at most 8 files come back)
+       timeout 150 python3 -m pytest -q --tb=long -m gpu tests/test_gpu_e2e.py -p no:cacheprovider \
+         -k "tma_moe_decode_matches_direct_moe and ROUTE_IN_UP and deepseek" 2>&1 | tail -60 > "$OUT/rup_ds.log"
+       tail -2 "$OUT/rup_ds.log"
+       timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q --tb=short tests/kernels/test_kernel_moe.py \
+         -k "direct or routed" -p no:cacheprovider 2>&1 | tail -5 | tee "$OUT/pre_tests.log"
+       M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
+       run 150 q_default $M; BLITZ_MOE_DOWN_PRELOAD=1 run 100 q_pre1 $M; BLITZ_MOE_DOWN_PRELOAD=2 run 100 q_pre2 $M
+       rm -f "$OUT"/q_*.log
+       python3 scripts/kernel_table.py "$OUT"/q_*.json | grep -v "^    " ;;
   pre) # stop 27: the direct down launch loading its first K tiles of W before its PDL wait
        # (BLITZ_MOE_DOWN_PRELOAD=1 / 2) against the default; the qkv GEMV beside the down programs
        # (smaller TMA GEMV ring, 3-stage down tiles, down early deps); the failing deepseek e2e test

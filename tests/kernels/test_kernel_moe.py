@@ -521,9 +521,9 @@ def test_fused_moe_direct(t, e, k, h, inter, cfg, dtype, device):
 @pytest.mark.parametrize("preload", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_moe_direct_down_preload(preload, dtype, device, monkeypatch):
-    """BLITZ_MOE_DOWN_PRELOAD: the direct down launch loads its first K tiles of W before its
-    PDL wait and takes them first: the outputs are bitwise those without it (same products in
-    the same order), with a dropped entry; the launch got the preload only where K holds it
+    """BLITZ_MOE_DOWN_PRELOAD: the direct down launch loads its last K tiles of W before its
+    PDL wait and takes them after its main loop: the outputs are bitwise those without it (same
+    products in the same order), with a dropped entry; the launch got the preload only where K holds it
     (I = 48 with 16-deep K tiles: 3 tiles; I = 24 with 32-deep tiles: ragged, none)."""
     from blitzllm.kernels import fused_moe as fm
     seen = []
