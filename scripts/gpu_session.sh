@@ -122,45 +122,14 @@ for part in "$@"; do case $part in
        run 150 q30b_moetma0 $M; python3 scripts/kernel_table.py $OUT/q30b_moetma.json | head -8 ;;
   moetmae2e) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q --tb=line -m gpu tests/test_gpu_e2e.py -k "tma_moe" \
          -p no:cacheprovider 2>&1 | tail -12 | tee "$OUT/moe_tma_e2e.log" ;;
-  pre2) # the down preload as the last K tiles (multiplied after the main loop), its GPU tests, and
-       # the deepseek e2e failure of the selection inside gate/up (at most 8 files come back)
-       timeout 150 python3 -m pytest -q --tb=long -m gpu tests/test_gpu_e2e.py -p no:cacheprovider \
-         -k "tma_moe_decode_matches_direct_moe and ROUTE_IN_UP and deepseek" 2>&1 | tail -60 > "$OUT/rup_ds.log"
-       tail -2 "$OUT/rup_ds.log"
-       timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q --tb=short tests/kernels/test_kernel_moe.py \
-         -k "direct or routed" -p no:cacheprovider 2>&1 | tail -5 | tee "$OUT/pre_tests.log"
+  fin27) # stop 27 close: issue 5 acceptance 2 (batch 1 and 32), the MoE e2e checks, then the whole GPU suite
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
-       run 150 q_default $M; BLITZ_MOE_DOWN_PRELOAD=1 run 100 q_pre1 $M; BLITZ_MOE_DOWN_PRELOAD=2 run 100 q_pre2 $M
-       rm -f "$OUT"/q_*.log
-       python3 scripts/kernel_table.py "$OUT"/q_*.json | grep -v "^    " ;;
-  pre) # stop 27: the direct down launch loading its first K tiles of W before its PDL wait
-       # (BLITZ_MOE_DOWN_PRELOAD=1 / 2) against the default; the qkv GEMV beside the down programs
-       # (smaller TMA GEMV ring, 3-stage down tiles, down early deps); the failing deepseek e2e test
-       timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q --tb=short tests/kernels/test_kernel_moe.py \
-         -k "direct" -p no:cacheprovider 2>&1 | tail -3 | tee "$OUT/pre_tests.log"
-       timeout 150 python3 -m pytest -q --tb=long -m gpu tests/test_gpu_e2e.py -p no:cacheprovider \
-         -k "tma_moe_decode_matches_direct_moe and ROUTE_IN_UP and deepseek" 2>&1 | tail -40 > "$OUT/rup_ds.log"
-       tail -3 "$OUT/rup_ds.log"
-       M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
-       run 150 p_default $M; BLITZ_MOE_DOWN_PRELOAD=1 run 100 p_pre1 $M; BLITZ_MOE_DOWN_PRELOAD=2 run 100 p_pre2 $M
-       BLITZ_MOE_DOWN_PRELOAD=2 BLITZ_MOE_ROUTE_IN_UP=1 run 100 p_pre2_rup $M
-       BLITZ_GEMV_TMA_SMEM=98304 BLITZ_MOE_DOWN_EARLY_DEPS=1 BLITZ_MOE_DECODE_CONFIG='{"down": {"num_stages": 3}}' \
-         run 100 p_cores $M
-       BLITZ_GEMV_TMA_SMEM=98304 BLITZ_MOE_DOWN_EARLY_DEPS=1 BLITZ_MOE_DECODE_CONFIG='{"down": {"num_stages": 3}}' \
-         BLITZ_MOE_DOWN_PRELOAD=2 run 100 p_cores_pre2 $M
-       run 100 p_default2 $M
-       python3 scripts/kernel_table.py "$OUT"/p_*.json | grep -v "^    " ;;
-  sel2) # the expert selection with a copy of the router row per warp (warp-local argmax rounds): in the
-       # norm + router launch's last program (BLITZ_MOE_NORM_ROUTE=1) and inside the gate/up launch
-       # (BLITZ_MOE_ROUTE_IN_UP=1) against the default selection launch; their kernel and e2e tests first
-       timeout ${TEST_TIMEOUT:-120} python3 -m pytest -q --tb=short tests/kernels/test_kernel_moe.py \
-         -k "select or routed or norm_route" -p no:cacheprovider 2>&1 | tail -2 | tee "$OUT/sel2_tests.log"
-       M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
-       run 150 s2_default $M; BLITZ_MOE_NORM_ROUTE=1 run 100 s2_nr1 $M; BLITZ_MOE_ROUTE_IN_UP=1 run 100 s2_rup $M
-       python3 scripts/kernel_table.py "$OUT"/s2_*.json | grep -v "^    "
-       timeout ${E2E_TIMEOUT:-200} python3 -m pytest -q --tb=short -m gpu tests/test_gpu_e2e.py \
-         -k "norm_route_decode_matches_default or (tma_moe and ROUTE)" -p no:cacheprovider 2>&1 | tail -2 \
-         | tee -a "$OUT/sel2_tests.log" ;;
+       run 150 q30b_b1 $M
+       run 200 q30b_b32 --model preset:qwen3-30b-a3b --batch-size 32 --input-len 128 --output-len 128 --max-num-seqs 32
+       rm -f "$OUT"/q30b_*.log
+       python3 scripts/kernel_table.py "$OUT/q30b_b1.json" | grep -v "^    "
+       timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q --tb=short -m gpu tests/kernels tests/test_gpu_e2e.py \
+         -p no:cacheprovider 2>&1 | tail -12 | tee "$OUT/fin27_tests.log" ;;
   fin26) # stop 26 close: the GPU tests of this stop's kernels (decode attention's combine, the routing
        # helpers, the direct MoE with the selection inside), the MoE e2e tests, issue 5 acceptance 2
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
@@ -168,7 +137,7 @@ for part in "$@"; do case $part in
        run 200 q30b_b32 --model preset:qwen3-30b-a3b --batch-size 32 --input-len 128 --output-len 128 --max-num-seqs 32
        python3 scripts/kernel_table.py "$OUT/q30b_b1.json" | grep -v "^    "
        timeout ${TEST_TIMEOUT:-120} python3 -m pytest -q --tb=short tests/kernels/test_kernel_paged_attention.py \
-         tests/kernels/test_kernel_moe.py -k "combine or decode or gpu or routed or norm_route or select or direct" \
+         tests/kernels/test_kernel_moe.py -k "combine or decode or gpu or norm_route or select or direct" \
          -p no:cacheprovider 2>&1 | tail -3 | tee "$OUT/fin26_tests.log"
        timeout ${E2E_TIMEOUT:-150} python3 -m pytest -q --tb=short -m gpu tests/test_gpu_e2e.py \
          -k "norm_route_decode_matches_default or (tma_moe and ROUTE)" -p no:cacheprovider 2>&1 | tail -3 \
@@ -211,16 +180,6 @@ for part in "$@"; do case $part in
 import json,sys; r=json.load(open('$f')); n=r['num_layers']; e=r.get('kernel_exposed_us',{})
 print('%-14s %7.1f tok/s  roofline %.4f  moe exposed %6.2f us/layer' % ('$f'.split('/')[-1][:-5], r['tokens_per_s'], r['roofline_fraction'], e.get('_moe_gemm_kernel',0)/n))"; done
        run 200 q30b_b32 --model preset:qwen3-30b-a3b --batch-size 32 --input-len 128 --output-len 128 --max-num-seqs 32 ;;
-  rup) # the expert selection inside the direct MoE gate/up launch (BLITZ_MOE_ROUTE_IN_UP=1): its kernel
-       # tests on the GPU, qwen3-30b-a3b batch 1 default / with it / TMA down launched late, kernel_table, e2e
-       timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q --tb=short tests/kernels/test_kernel_moe.py \
-         -k "routed or norm_route_moe or direct or select" -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/rup_tests.log"
-       M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
-       run 150 q30b_b1 $M; BLITZ_MOE_ROUTE_IN_UP=1 run 150 q30b_b1_rup $M
-       BLITZ_MOE_TMA_DOWN=late run 150 q30b_b1_tdlate $M
-       python3 scripts/kernel_table.py "$OUT/q30b_b1.json" "$OUT/q30b_b1_rup.json" "$OUT/q30b_b1_tdlate.json"
-       timeout ${E2E_TIMEOUT:-200} python3 -m pytest -q --tb=short -m gpu tests/test_gpu_e2e.py \
-         -k "tma_moe and ROUTE_IN_UP" -p no:cacheprovider 2>&1 | tail -4 | tee -a "$OUT/rup_tests.log" ;;
   tdown) # the direct MoE path's down GEMM as the TMA down launch (BLITZ_MOE_TMA_DOWN=1): its GPU tests,
        # then qwen3-30b-a3b batch 1 with and without (kernel_table: each kernel's critical-path share),
        # then its e2e tests

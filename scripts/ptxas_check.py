@@ -135,34 +135,6 @@ def moe_direct():
         bulk = kern.asm["ptx"].count("cp.async.bulk.prefetch.L2")
         print(f"moe direct gate/up pf_down={int(pf)} {up}: {ptxas_report(kern)} | bulk prefetch sites {bulk} | "
               f"bar.sync sites {kern.asm['ptx'].count('bar.sync')}")
-    # the selection inside the launch (BLITZ_MOE_ROUTE_IN_UP): qwen3-30b-a3b and deepseek-v3 routing
-    logits, tw = torch.zeros(1, e, dtype=torch.float32), torch.zeros(k, dtype=torch.float32)
-    for name, (ne, ng, tg, sig, bias) in {"qwen3": (128, 1, 1, False, False), "deepseek": (256, 8, 4, True, True)}.items():
-        lg = torch.zeros(1, ne, dtype=torch.float32)
-        kern = fm._moe_gemm_kernel.warmup(
-            x, w13, act, ids, ids, ids, inter, h, k, k, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-            act, act, act, act.stride(0), r_logit_ptr=lg, r_bias_ptr=lg, r_w_ptr=tw, r_scaling=1.0, r_stride=ne,
-            ROUTE=True, R_GROUP=ne // ng, R_N_GROUP=ng, R_NG_PAD=ng, R_G_PAD=ne // ng, R_TOPK_GROUP=tg, R_TOP_K=k,
-            R_K_PAD=k, R_SIGMOID=sig, R_HAS_BIAS=bias, R_RENORM=True, R_ROWS=up["num_warps"],
-            BLOCK_M=16, BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"],
-            GATED=True, EVEN_K=True, IEEE=False, USE_PDL=1, DIRECT=True, COMBINE=False, TOP_K=1,
-            num_warps=up["num_warps"], num_stages=up["num_stages"], grid=(k, triton.cdiv(inter, up["BLOCK_N"])))
-        bars = kern.asm["ptx"].count("bar.sync")
-        print(f"moe direct gate/up routing inside ({name}): {ptxas_report(kern)} | bar.sync sites {bars}")
-    # the down launch with the combine, its first K tiles of W loaded before the PDL wait or not
-    _, down = fm.moe_config(1, k, e, h, inter, bf, 132)
-    out, y, tw = torch.zeros(1, h, dtype=bf), torch.zeros(k, h, dtype=bf), torch.zeros(k, dtype=torch.float32)
-    for pre in (0, 1, 2):
-        kern = fm._moe_gemm_kernel.warmup(
-            act, w2, y, ids, ids, ids, h, inter, k, 1, act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-            tw, out, ids, out.stride(0), BLOCK_M=16, BLOCK_N=down["BLOCK_N"], BLOCK_K=down["BLOCK_K"],
-            GATED=False, EVEN_K=True, IEEE=False, USE_PDL=1, DIRECT=True, COMBINE=True, TOP_K=k, PRELOAD=pre,
-            num_warps=down["num_warps"], num_stages=down["num_stages"], grid=(k, triton.cdiv(h, down["BLOCK_N"])))
-        ptx = kern.asm["ptx"]
-        wait = ptx.find("griddepcontrol.wait")
-        early = ptx[:wait].count("ld.global")
-        print(f"moe direct down preload={pre} {down}: {ptxas_report(kern)} | global loads before the wait {early}")
-
 
 if __name__ == "__main__":
     drv.set_active(_Sm90())

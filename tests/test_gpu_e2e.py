@@ -194,26 +194,22 @@ def test_tma_gemv_decode_matches_fma_gemv(monkeypatch, preset, layers):
 
 
 @pytest.mark.parametrize("preset,layers", [("qwen3-30b-a3b", 2), ("minimax-m2", 2), ("deepseek-v3", 4)])
-@pytest.mark.parametrize("module,switch,off,on,launcher", [
-    ("moe_tma", "MOE_TMA", "0", "1", "moe_tma_triton"),
-    ("moe_tma", "MOE_TMA_DOWN", False, True, "moe_tma_down_triton"),
-    ("fused_moe", "MOE_ROUTE_IN_UP", False, True, "fused_moe_routed_triton")])
-def test_tma_moe_decode_matches_direct_moe(monkeypatch, preset, layers, module, switch, off, on, launcher):
+@pytest.mark.parametrize("switch,off,on,launcher", [("MOE_TMA", "0", "1", "moe_tma_triton"),
+                                                    ("MOE_TMA_DOWN", False, True, "moe_tma_down_triton")])
+def test_tma_moe_decode_matches_direct_moe(monkeypatch, preset, layers, switch, off, on, launcher):
     """MoE decode with the experts as the one-launch TMA MoE (BLITZ_MOE_TMA=1, Hopper, 1-2
     tokens), or the direct path with its down GEMM as the TMA down launch (BLITZ_MOE_TMA_DOWN=1),
-    or with the expert selection inside its gate/up launch (BLITZ_MOE_ROUTE_IN_UP=1), against
-    the direct path's two grouped GEMMs after a selection launch (bf16, batches of 2 and 1, CUDA graphs):
+    against the direct path's two grouped GEMMs (bf16, batches of 2 and 1, CUDA graphs):
     the launch ran; every step's chosen-token logprob agrees within 0.05; greedy tokens are equal
     until a step where the two paths' top tokens are a near tie (logprobs within 0.05 of each other
     in both runs: the expert sums are taken in another order, FMAs against tensor-core MMAs, so a
     last-bit difference may pick the other of two equal tokens), and no sequence diverges before
     its fourth token."""
-    if torch.cuda.get_device_capability()[0] != 9 and module == "moe_tma":
+    if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("Hopper only")
-    import importlib
-    mod = importlib.import_module(f"blitzllm.kernels.{module}")
+    import blitzllm.kernels.moe_tma as moe_tma
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
-    want, got, calls, llm = _switch_runs(monkeypatch, mod, switch, off, on, launcher, preset, layers, params,
+    want, got, calls, llm = _switch_runs(monkeypatch, moe_tma, switch, off, on, launcher, preset, layers, params,
                                          seed=12)
     # rows of the counted calls' first argument: tokens (x), or (token, k) entries (act)
     per = llm.engine.model_config.hf_config["num_experts_per_tok"] if switch == "MOE_TMA_DOWN" else 1

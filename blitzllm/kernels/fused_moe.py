@@ -26,7 +26,6 @@ from typing import Optional
 
 import torch
 
-from .routing import _route_entry, check_routing
 from ._common import (L2_PREFETCH_LANES, device_sms, l2_prefetch, l2_prefetch_chunk, l2_prefetchable,
                       next_pow2, pdl_enabled, pdl_launch_dependents, pdl_launch_kwargs, pdl_wait, tl, triton)
 
@@ -42,26 +41,11 @@ MOE_GEMV_MAX_TOKENS = 2
 # (scripts/gpu_session.sh moeab, tile). BLITZ_MOE_DIRECT=0 sorts every batch (A/B).
 MOE_DIRECT = os.environ.get("BLITZ_MOE_DIRECT", "1") != "0"
 MOE_DIRECT_MAX_ENTRIES = 16
-# BLITZ_MOE_ROUTE_IN_UP=1: MoE decode layers on the direct path (norm + router in one launch,
-# ``moe.norm_route_moe``) choose the experts inside the gate/up launch, each program for its
-# own entry (each warp on its own copy of the row), instead of in a selection launch of their own
-# between the router and gate/up. Opt-in: its first form (pairwise ranks, reductions across warps)
-# measured slower on the H200 (qwen3-30b-a3b batch 1 397.6 vs 406.4 tok/s); this one not yet
-MOE_ROUTE_IN_UP = os.environ.get("BLITZ_MOE_ROUTE_IN_UP", "0") == "1"
 # BLITZ_MOE_DOWN_EARLY_DEPS=1 (A/B): the direct path's down launch lets the kernel after it (the
 # next layer's RMSNorm, which lets the qkv GEMV launch as it starts) launch right after its own
 # wait instead of after its main loop, so the qkv GEMV's programs can take an SM and start their
 # weight copies as soon as that SM's down programs end
 MOE_DOWN_EARLY_DEPS = os.environ.get("BLITZ_MOE_DOWN_EARLY_DEPS", "0") == "1"
-# BLITZ_MOE_DOWN_PRELOAD=N (0, 1 or 2; A/B): the direct path's down launch (ids from the selection
-# launch, two launches back) reads its expert and loads N K tiles of the down weights before its
-# PDL wait, so their stream starts while the gate/up launch drains. Its first form (the first N
-# tiles, multiplied first: the main loop's loads then waited on the first A tile's round trip)
-# measured slower on the H200: qwen3-30b-a3b batch 1 399.6 / 396.8 vs 408.5 tok/s (N = 1 / 2);
-# now the last N tiles, multiplied after the main loop
-MOE_DOWN_PRELOAD = int(os.environ.get("BLITZ_MOE_DOWN_PRELOAD", "0"))
-if MOE_DOWN_PRELOAD not in (0, 1, 2):
-    raise ValueError(f"BLITZ_MOE_DOWN_PRELOAD must be 0, 1 or 2, got {MOE_DOWN_PRELOAD}")
 # BLITZ_MOE_PF_DOWN=1 (A/B; Hopper): on the direct path the gate/up launch, which knows the
 # chosen experts once it has waited on the routing, asks the L2 (bulk prefetch) for their down
 # weights, its n-tile programs splitting each expert's block: the down launch's stream then
@@ -236,13 +220,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
                      GATED: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr,
                      DIRECT: tl.constexpr, COMBINE: tl.constexpr, TOP_K: tl.constexpr,
                      pf_ptr=None, pf_stride=0, pf_bytes=0, pf_chunk=0, PF: tl.constexpr = False,
-                     PF_LANES: tl.constexpr = 1, EARLY_DEPS: tl.constexpr = False,
-                     r_logit_ptr=None, r_bias_ptr=None, r_w_ptr=None, r_scaling=1.0, r_stride=0,
-                     ROUTE: tl.constexpr = False, R_GROUP: tl.constexpr = 1, R_N_GROUP: tl.constexpr = 1,
-                     R_NG_PAD: tl.constexpr = 1, R_G_PAD: tl.constexpr = 1, R_TOPK_GROUP: tl.constexpr = 1,
-                     R_TOP_K: tl.constexpr = 1, R_K_PAD: tl.constexpr = 1, R_SIGMOID: tl.constexpr = False,
-                     R_HAS_BIAS: tl.constexpr = False, R_RENORM: tl.constexpr = True, R_ROWS: tl.constexpr = 1,
-                     PRELOAD: tl.constexpr = 0):
+                     PF_LANES: tl.constexpr = 1, EARLY_DEPS: tl.constexpr = False):
     """out[entry, n] = A[entry // row_div] . W[e, n] for the BLOCK_M sorted entries of one
     expert e. GATED: W holds gate rows [0, N) and up rows [N, 2N); the output is
     silu(gate) * up with the reference's rounding steps.
@@ -253,31 +231,13 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
     PF (with DIRECT): the n-tile programs of entry m ask the L2 for its expert's block of
     pf_bytes at pf_ptr + expert * pf_stride (the down weights), split over those programs.
     EARLY_DEPS: the launch after this one may start as soon as this one's wait is over (the
-    TMA down launch, which reads the routing before its own wait), not after the main loop.
-    ROUTE (with DIRECT, the gate/up GEMM): entry m's expert is not read but chosen here, from
-    its token's fp32 router logits (r_logit_ptr, rows r_stride apart), as ``moe._select_row``
-    would (the R_ settings); the programs of n-tile 0 store each entry's expert id and weight
-    (expert_ptr, r_w_ptr) for the down launch: no selection launch before this one.
-    PRELOAD (with DIRECT, not ROUTE): the ids come from a kernel two or more launches back, so
-    the program reads its expert and issues the loads of its last PRELOAD K tiles of W before
-    its PDL wait (only A is the kernel before's output): the weight stream starts while the
-    kernel before drains."""
-    if PRELOAD == 0:
-        pdl_wait(USE_PDL)  # (PDL launches write nothing before this)
-        if EARLY_DEPS:
-            pdl_launch_dependents(USE_PDL)
+    TMA down launch, which reads the routing before its own wait), not after the main loop."""
+    pdl_wait(USE_PDL)  # (PDL launches write nothing before this)
+    if EARLY_DEPS:
+        pdl_launch_dependents(USE_PDL)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if DIRECT:
-        if ROUTE:
-            r_w, expert = _route_entry(r_logit_ptr + (pid_m // R_TOP_K) * r_stride, r_bias_ptr, pid_m % R_TOP_K,
-                                       r_scaling, R_ROWS, R_GROUP, R_N_GROUP, R_NG_PAD, R_G_PAD, R_TOPK_GROUP,
-                                       R_TOP_K, R_K_PAD, R_SIGMOID, R_HAS_BIAS, R_RENORM)
-            if pid_n == 0:
-                tl.store(expert_ptr + pid_m, expert)
-                tl.store(r_w_ptr + pid_m, r_w)
-            expert = expert.to(tl.int64)
-        else:
-            expert = tl.load(expert_ptr + pid_m).to(tl.int64)
+        expert = tl.load(expert_ptr + pid_m).to(tl.int64)
         entry = pid_m + tl.arange(0, BLOCK_M)
         row_ok = (tl.arange(0, BLOCK_M) == 0) & (expert >= 0)
         if PF:
@@ -299,18 +259,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
         n_ok = n_ok & (tl.max(row_ok.to(tl.int32), axis=0) > 0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k_end = KD
-    if PRELOAD > 0:  # (DIRECT, not ROUTE, not GATED, EVEN_K: checked by the launcher)
-        # the LAST K tiles: the main loop's own loads issue right after the wait, as without
-        # the preload, and these tiles are taken after it, in the same order as without
-        k_end = KD - PRELOAD * BLOCK_K
-        w_last0 = tl.load(b_ptrs + k_end, mask=n_ok, other=0.0)
-        if PRELOAD > 1:
-            w_last1 = tl.load(b_ptrs + k_end + BLOCK_K, mask=n_ok, other=0.0)
-        pdl_wait(USE_PDL)
-        if EARLY_DEPS:
-            pdl_launch_dependents(USE_PDL)
-    for k in range(0, k_end, BLOCK_K):
+    for k in range(0, KD, BLOCK_K):
         if EVEN_K:
             a_mask = row_ok[:, None]
             b_mask = n_ok
@@ -323,10 +272,6 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
             acc_up = _mma(a, tl.load(b_ptrs + N * stride_wn, mask=b_mask, other=0.0), acc_up, IEEE)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    if PRELOAD > 0:  # a_ptrs is at k_end now
-        acc = _mma(tl.load(a_ptrs, mask=row_ok[:, None], other=0.0), w_last0, acc, IEEE)
-        if PRELOAD > 1:
-            acc = _mma(tl.load(a_ptrs + BLOCK_K, mask=row_ok[:, None], other=0.0), w_last1, acc, IEEE)
     if not EARLY_DEPS:
         pdl_launch_dependents(USE_PDL)
     dt = out_ptr.dtype.element_ty
@@ -509,16 +454,13 @@ def _moe_config_cached(tokens, top_k, num_experts, hidden, inter, dtype, sms, it
 
 
 def _grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_entries, row_div, n, gated, cfg,
-                  direct=False, combine=None, prefetch=None, early_dependents=False, route=None, preload=0):
+                  direct=False, combine=None, prefetch=None, early_dependents=False):
     """direct: block_expert is the entries' expert ids (one program per entry, no sort);
     combine (direct only): (topk weights fp32 [T*K], output [T, n], top_k): the weighted
     sum over each token's entries is written there by the launch itself. prefetch (direct
     only): expert weights [E, ...] (contiguous per expert) whose chosen experts' blocks the
-    launch asks the L2 for. preload (direct, not gated, without route; block_expert written
-    two or more launches back): K tiles of W loaded before the PDL wait (where K holds them)."""
+    launch asks the L2 for."""
     kd = a.shape[1]
-    if not (direct and not gated and route is None and kd % cfg["BLOCK_K"] == 0 and preload * cfg["BLOCK_K"] <= kd):
-        preload = 0
     grid = (block_expert.numel(), triton.cdiv(n, cfg["BLOCK_N"]))
     pdl = pdl_enabled(a)
     if combine is not None:
@@ -531,59 +473,15 @@ def _grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_entries, row_div
         nbytes = prefetch[0].numel() * prefetch.element_size()
         pf = dict(pf_ptr=prefetch, pf_stride=prefetch.stride(0), pf_bytes=nbytes,
                   pf_chunk=l2_prefetch_chunk(nbytes, grid[1]), PF=True, PF_LANES=L2_PREFETCH_LANES)
-    rt = {}
-    if route is not None and direct:  # (logits [T, E] fp32, weights out [T * K], routing settings)
-        logits, r_w, (top_k_r, scoring, bias, n_group, topk_group, renormalize, scaling) = route
-        group = logits.shape[1] // n_group
-        rt = dict(r_logit_ptr=logits, r_bias_ptr=bias if bias is not None else logits, r_w_ptr=r_w,
-                  r_scaling=float(scaling), r_stride=logits.stride(0), ROUTE=True, R_GROUP=group, R_N_GROUP=n_group,
-                  R_NG_PAD=next_pow2(n_group), R_G_PAD=next_pow2(group),
-                  R_TOPK_GROUP=topk_group if n_group > 1 else 1, R_TOP_K=top_k_r, R_K_PAD=next_pow2(top_k_r),
-                  R_SIGMOID=scoring == "sigmoid", R_HAS_BIAS=bias is not None, R_RENORM=bool(renormalize),
-                  R_ROWS=cfg["num_warps"])  # a copy of the row per warp: warp-local reductions
     _moe_gemm_kernel[grid](a, w, out, sorted_ids, block_expert, total, n, kd, n_entries, row_div,
                            a.stride(0), w.stride(0), w.stride(1), out.stride(0), tw, comb, cnt, comb.stride(0),
-                           **pf, **rt,
+                           **pf,
                            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                            GATED=gated, EVEN_K=kd % cfg["BLOCK_K"] == 0, IEEE=a.dtype == torch.float32,
                            USE_PDL=pdl, DIRECT=direct, COMBINE=combine is not None, TOP_K=top_k,
-                           EARLY_DEPS=bool(early_dependents) and pdl, PRELOAD=preload,
+                           EARLY_DEPS=bool(early_dependents) and pdl,
                            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                            **pdl_launch_kwargs(pdl))
-
-
-def moe_route_in_up_ok(x: torch.Tensor, top_k: int) -> bool:
-    """Whether ``fused_moe_routed_triton`` takes x [T, H] (BLITZ_MOE_ROUTE_IN_UP, the direct path's
-    sizes; not with the one-launch or the TMA down MoE, which read the ids before their wait)."""
-    from . import moe_tma
-    return (MOE_ROUTE_IN_UP and MOE_DIRECT and x.dim() == 2
-            and 0 < x.shape[0] * top_k <= MOE_DIRECT_MAX_ENTRIES and moe_tma.MOE_TMA != "1" and not moe_tma.MOE_TMA_DOWN)
-
-
-def fused_moe_routed_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, logits: torch.Tensor, top_k: int,
-                            scoring: str = "softmax", bias: Optional[torch.Tensor] = None, n_group: int = 1,
-                            topk_group: int = 1, renormalize: bool = True, scaling: float = 1.0,
-                            config: Optional[dict] = None):
-    """``fused_moe_triton(x, w13, w2, *moe.select_experts(logits, top_k, ...))`` on the direct
-    path (at most MOE_DIRECT_MAX_ENTRIES (token, k) entries) with the selection made inside the
-    gate/up launch: (out [T, H], topk weights [T, K] fp32, topk ids [T, K] int32), the last two
-    written by that launch (the same choice and weights as ``select_experts_triton``)."""
-    T, H = x.shape
-    E, two_i, _ = w13.shape
-    inter = two_i // 2
-    check_routing(E, top_k, scoring, bias, n_group, topk_group)
-    assert logits.shape == (T, E) and logits.dtype == torch.float32 and logits.stride(1) == 1
-    assert 0 < T * top_k <= MOE_DIRECT_MAX_ENTRIES and w2.shape == (E, H, inter) and x.dtype == w13.dtype == w2.dtype
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    ids = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
-    tw = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
-    out = torch.empty(T, H, dtype=x.dtype, device=x.device)
-    up_cfg, down_cfg = _configs(x, T, top_k, E, H, inter, config, True)
-    route = (logits, tw.view(-1), (top_k, scoring, bias.contiguous() if bias is not None else None, n_group,
-                                   topk_group, renormalize, scaling))
-    _direct(x, w13, w2, tw.view(-1), ids.view(-1), out, top_k, up_cfg, down_cfg, route=route)
-    return out, tw, ids
 
 
 def _configs(x, T, K, E, H, inter, config, direct) -> tuple:
@@ -594,10 +492,9 @@ def _configs(x, T, K, E, H, inter, config, direct) -> tuple:
                  for i, k in enumerate(keys))
 
 
-def _direct(x, w13, w2, tw, ids, out, K, up_cfg, down_cfg, tma_down=False, route=None) -> torch.Tensor:
+def _direct(x, w13, w2, tw, ids, out, K, up_cfg, down_cfg, tma_down=False) -> torch.Tensor:
     """The direct (decode) path's launches for flat entry ids / weights [T * K] into out [T, H]:
-    gate/up (with ``route``: choosing the entries' experts itself and writing ids / tw), then
-    the down GEMM with the weighted combine inside, or the TMA down launch (``tma_down``)."""
+    gate/up, then the down GEMM with the weighted combine inside, or the TMA down launch (``tma_down``)."""
     n, inter, H = ids.numel(), w2.shape[2], w2.shape[1]
     act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
     # each expert's block one contiguous, aligned range
@@ -605,13 +502,12 @@ def _direct(x, w13, w2, tw, ids, out, K, up_cfg, down_cfg, tma_down=False, route
                 and l2_prefetchable(w2, w2.stride(0) * w2.element_size())) else None
     from . import moe_tma
     _grouped_gemm(x, w13, act, ids, ids, ids, n, K, inter, True, dict(up_cfg, BLOCK_M=16), direct=True, prefetch=pf,
-                  early_dependents=tma_down and moe_tma.MOE_TMA_DOWN_EARLY, route=route)
+                  early_dependents=tma_down and moe_tma.MOE_TMA_DOWN_EARLY)
     if tma_down:
         return moe_tma.moe_tma_down_triton(act, w13, w2, tw, ids.view(-1, K), out)
     y = torch.empty(n, H, dtype=x.dtype, device=x.device)
     _grouped_gemm(act, w2, y, ids, ids, ids, n, 1, H, False, dict(down_cfg, BLOCK_M=16), direct=True,
-                  combine=(tw, out, K), early_dependents=MOE_DOWN_EARLY_DEPS,
-                  preload=MOE_DOWN_PRELOAD if route is None else 0)
+                  combine=(tw, out, K), early_dependents=MOE_DOWN_EARLY_DEPS)
     return out
 
 

@@ -358,7 +358,7 @@ def _norm_route_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, h_ptr, ro_ptr, logit_ptr, cn
                        GROUP: tl.constexpr, N_GROUP: tl.constexpr, NG_PAD: tl.constexpr, G_PAD: tl.constexpr,
                        TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
                        SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
-                       SELECT: tl.constexpr, PDL_LATE: tl.constexpr, SEL_ROWS: tl.constexpr = 1):
+                       SELECT: tl.constexpr, PDL_LATE: tl.constexpr):
     """Program p: the router rows [p*BLOCK_E, +BLOCK_E). Every program forms each token's
     x + residual and its RMSNorm itself (rows of a few KB, read from L2; program 0 stores
     them), multiplies its router rows (loaded before the PDL wait: they do not depend on the
@@ -393,7 +393,7 @@ def _norm_route_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, h_ptr, ro_ptr, logit_ptr, cn
         if tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
             for t in range(T):
                 _select_row(logit_ptr + t * E, bias_ptr, w_out_ptr, id_out_ptr, t, scaling, GROUP, N_GROUP, NG_PAD,
-                            G_PAD, TOPK_GROUP, TOP_K, K_PAD, SIGMOID, HAS_BIAS, RENORM, SEL_ROWS)
+                            G_PAD, TOPK_GROUP, TOP_K, K_PAD, SIGMOID, HAS_BIAS, RENORM)
             tl.atomic_xchg(cnt_ptr, 0)  # ready for the next launch (CUDA-graph replays too)
     if PDL_LATE:
         pdl_launch_dependents(USE_PDL)
@@ -422,8 +422,7 @@ def norm_route_experts_triton(x: torch.Tensor, residual: Optional[torch.Tensor],
                               pdl_late: Optional[bool] = None):
     """``reference_norm_route_experts`` in one launch for up to NORM_ROUTE_MAX_T tokens;
     ``select`` False: the launch does the norm and the router GEMM, the selection runs as
-    ``select_experts_triton`` after it (two launches); None: the norm and the router GEMM only,
-    returning (h, x + residual, fp32 logits [T, E]) (the MoE gate/up launch routes). ``pdl_late``: see
+    ``select_experts_triton`` after it (two launches). ``pdl_late``: see
     BLITZ_MOE_NORM_ROUTE_PDL (None: that switch)."""
     T, H = x.shape
     E = weight.shape[0]
@@ -445,7 +444,6 @@ def norm_route_experts_triton(x: torch.Tensor, residual: Optional[torch.Tensor],
     group = E // n_group
     pdl = pdl_enabled(x)
     r = residual if residual is not None else x
-    warps = _NORM_ROUTE_WARPS or (4 if block_h <= 2048 else 8)  # (the selection: a copy of the row per warp)
     _norm_route_kernel[(triton.cdiv(E, block_e),)](
         x, r, norm_weight, weight, h, res_out, logits, _norm_route_counter(x.device),
         bias.contiguous() if bias is not None else logits, weights, ids, float(scaling),
@@ -455,39 +453,10 @@ def norm_route_experts_triton(x: torch.Tensor, residual: Optional[torch.Tensor],
         TOPK_GROUP=topk_group if n_group > 1 else 1, TOP_K=top_k, K_PAD=next_pow2(top_k),
         SIGMOID=scoring == "sigmoid", HAS_BIAS=bias is not None, RENORM=bool(renormalize),
         SELECT=select is True, PDL_LATE=_NORM_ROUTE_PDL_LATE if pdl_late is None else bool(pdl_late),
-        SEL_ROWS=warps, num_warps=warps, **pdl_launch_kwargs(pdl))
-    if select is None:
-        return h, (res_out if residual is not None else x), logits
+        num_warps=_NORM_ROUTE_WARPS or (4 if block_h <= 2048 else 8), **pdl_launch_kwargs(pdl))
     if not select:
         weights, ids = select_experts_triton(logits, top_k, scoring, bias, n_group, topk_group, renormalize, scaling)
     return h, (res_out if residual is not None else x), weights, ids
-
-
-def norm_route_moe_ok(x: torch.Tensor, top_k: int) -> bool:
-    """Whether ``norm_route_moe`` routes inside the MoE gate/up launch for x [T, H] (see
-    fused_moe.MOE_ROUTE_IN_UP)."""
-    from .fused_moe import moe_route_in_up_ok
-    return norm_route_ok(x) and moe_route_in_up_ok(x, top_k)
-
-
-def norm_route_moe(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
-                   weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, scoring: str = "softmax",
-                   bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: int = 1,
-                   renormalize: bool = True, scaling: float = 1.0):
-    """(routed experts' output of h, h = rms_norm(x + residual), x + residual): where
-    ``norm_route_moe_ok`` the norm and the router GEMM in one launch and the expert selection
-    inside the experts' gate/up launch (one launch fewer than a selection launch between
-    them), else ``norm_route_experts`` and ``fused_moe``."""
-    if use_triton(x) and norm_route_moe_ok(x, top_k):
-        from .fused_moe import fused_moe_routed_triton
-        h, res, logits = norm_route_experts_triton(x, residual, norm_weight, eps, weight, top_k, scoring, bias,
-                                                   n_group, topk_group, renormalize, scaling, select=None)
-        out, _, _ = fused_moe_routed_triton(h, w13, w2, logits, top_k, scoring, bias, n_group, topk_group,
-                                            renormalize, scaling)
-        return out, h, res
-    h, res, weights, ids = norm_route_experts(x, residual, norm_weight, eps, weight, top_k, scoring, bias, n_group,
-                                              topk_group, renormalize, scaling)
-    return fused_moe(h, w13, w2, weights, ids), h, res
 
 
 def reference_norm_route_experts(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
@@ -567,8 +536,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 # (``norm_route_experts_triton(select=False)``): H200 qwen3-30b-a3b batch 1 396.7 vs 380.6
 # tok/s with the three launches (scripts/gpu_session.sh nr2). BLITZ_MOE_NORM_ROUTE=0: three
 # launches (norm, router GEMM, selection); =1: all in one launch (slower: 387.1 with its
-# dependents launched late, 349.5 early; stop 26: 400.1 vs 411.3, when its last program's
-# selection reduced across warps; now a copy of the row per warp, not yet measured).
+# dependents launched late, 349.5 early; 400.1 vs 411.3 later; with a copy of the router row
+# per warp in its last program 402.1 vs 408.2, a form taken out again: gpu_session.sh nrsel).
 _NORM_ROUTE_MODE = os.environ.get("BLITZ_MOE_NORM_ROUTE", "2")
 MOE_NORM_ROUTE = _NORM_ROUTE_MODE in ("1", "2")
 _NORM_ROUTE_SELECT = _NORM_ROUTE_MODE == "1"

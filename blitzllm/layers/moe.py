@@ -152,22 +152,14 @@ class FusedMoE(nn.Module):
     def forward_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor], norm: nn.Module) -> tuple:
         """(self(norm(x + residual)), x + residual) for an RMSNorm ``norm``: where
         ``norm_route_ok`` the residual add, the norm and the router GEMM in one launch, the
-        selection in the next (BLITZ_MOE_NORM_ROUTE=1: the selection in the same launch;
-        BLITZ_MOE_ROUTE_IN_UP=1: inside the experts' gate/up launch, ``norm_route_moe``)."""
-        args = (self.top_k, self.scoring, self.correction_bias, self.n_group, self.topk_group, self.renormalize,
-                self.scaling)
-        if self.expert_start is None and _op("norm_route_moe_ok")(x, self.top_k):
-            # the selection inside the experts' gate/up launch (BLITZ_MOE_ROUTE_IN_UP)
-            out, h, residual = _op("norm_route_moe")(x, residual, norm.weight, norm.eps, self.gate.weight, self.w13,
-                                                     self.w2, *args)
-            return self._experts(h, None, routed=out), residual
-        h, residual, weights, ids = _op("norm_route_experts")(x, residual, norm.weight, norm.eps, self.gate.weight,
-                                                              *args)
+        selection in the next (BLITZ_MOE_NORM_ROUTE=1: the selection in the same launch)."""
+        h, residual, weights, ids = _op("norm_route_experts")(
+            x, residual, norm.weight, norm.eps, self.gate.weight, self.top_k, self.scoring, self.correction_bias,
+            self.n_group, self.topk_group, self.renormalize, self.scaling)
         return self._experts(h, lambda _: (weights, ids)), residual
 
-    def _experts(self, x: torch.Tensor, route, routed: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Routed (``route(x)`` -> topk weights, ids; or ``routed``, their output already made)
-        plus shared experts of x [T, H]."""
+    def _experts(self, x: torch.Tensor, route) -> torch.Tensor:
+        """Routed (``route(x)`` -> topk weights, ids) plus shared experts of x [T, H]."""
         shared, side = None, None
         if self.shared_experts is not None and x.is_cuda and SHARED_EXPERT_STREAM:
             # the shared experts run on a second stream, beside routing + routed experts
@@ -177,13 +169,10 @@ class FusedMoE(nn.Module):
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 shared = self.shared_experts(x)
-        if routed is not None:
-            out = routed
-        elif self.expert_start is None:
-            weights, ids = route(x)
+        weights, ids = route(x)
+        if self.expert_start is None:
             out = _op("fused_moe")(x, self.w13, self.w2, weights, ids)
         else:  # split by expert: the other ranks' experts become id -1 with weight 0
-            weights, ids = route(x)
             local = ids - self.expert_start
             mine = (local >= 0) & (local < self.num_local_experts)
             out = _op("fused_moe")(x, self.w13, self.w2, weights * mine, torch.where(mine, local, -1),
