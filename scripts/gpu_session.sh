@@ -122,6 +122,12 @@ for part in "$@"; do case $part in
        run 150 q30b_moetma0 $M; python3 scripts/kernel_table.py $OUT/q30b_moetma.json | head -8 ;;
   moetmae2e) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q --tb=line -m gpu tests/test_gpu_e2e.py -k "tma_moe" \
          -p no:cacheprovider 2>&1 | tail -12 | tee "$OUT/moe_tma_e2e.log" ;;
+  attn27) # qwen3-30b-a3b batch 1: the decode attention's tiles re-checked end to end (64 keys per tile:
+       # 4 splits at 256 keys, the first tile preloaded; 4 warps for its 8 query heads per KV head)
+       M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
+       run 150 a_default $M; BLITZ_ATTN_BLOCK_N=64 run 100 a_bn64 $M; BLITZ_ATTN_WARPS=4 run 100 a_w4 $M
+       rm -f "$OUT"/a_*.log
+       python3 scripts/kernel_table.py "$OUT"/a_*.json | grep -v "^    " ;;
   fin27) # stop 27 close: issue 5 acceptance 2 (batch 1 and 32), the MoE e2e checks, then the whole GPU suite
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
        run 150 q30b_b1 $M
