@@ -360,7 +360,8 @@ _IDLE_EXIT = os.environ.get("BLITZ_ATTN_IDLE_EXIT", "1") != "0"
 # 8 warps: qwen 1211.2, llama 233.3 (kept at 4 for up to 4 query heads per KV head). With 8
 # query heads per KV head (qwen3-30b-a3b: 4 KV heads, so few programs) 8 warps: 352.9 vs 346.7
 # tok/s at batch 1, and 5.06 vs 5.51 us per layer for the kernel alone at a 192-token context
-# (scripts/bench_attn.py --models qwen3-30b-a3b): the default there.
+# (scripts/bench_attn.py --models qwen3-30b-a3b): the default there. Re-checked on qwen3-30b-a3b
+# batch 1 (gpu_session.sh attn27): 64 keys per tile 403.9, 4 warps 400.3, vs 408.9 tok/s.
 _DECODE_BLOCK_N = int(os.environ.get("BLITZ_ATTN_BLOCK_N", "0"))
 # The decode combine loads the partials of several splits per round (the rounds' L2 round trips
 # are dependent): up to 1024 fp32 values per warp, i.e. 32 per thread. With 8 query heads per KV
