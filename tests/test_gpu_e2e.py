@@ -214,6 +214,13 @@ def test_tma_moe_decode_matches_direct_moe(monkeypatch, preset, layers, switch, 
     # rows of the counted calls' first argument: tokens (x), or (token, k) entries (act)
     per = llm.engine.model_config.hf_config["num_experts_per_tok"] if switch == "MOE_TMA_DOWN" else 1
     assert calls and set(calls) <= {per, 2 * per}
+    _assert_same_until_near_tie(got, want)
+
+
+def _assert_same_until_near_tie(got, want):
+    """Every step's chosen-token logprob agrees within 0.05; greedy tokens are equal until a
+    step where the two runs' top tokens are a near tie (logprobs within 0.05 of each other in
+    both), and no sequence diverges before its fourth token."""
     for g, w in zip(got, want):
         d = next((i for i, (a, b) in enumerate(zip(g.token_ids, w.token_ids)) if a != b), None)
         for i in range(len(g.token_ids) if d is None else d):
@@ -224,3 +231,23 @@ def test_tma_moe_decode_matches_direct_moe(monkeypatch, preset, layers, switch, 
             assert d >= 3, f"diverged at token {d}"
             for lp in (g.logprobs[d], w.logprobs[d]):
                 assert a in lp and b in lp and abs(lp[a] - lp[b]) < 0.05, (d, a, b, lp)
+
+
+@pytest.mark.parametrize("preset,layers", [("qwen3-30b-a3b", 2), ("minimax-m2", 2)])
+def test_atomic_moe_combine_matches_counted_combine(monkeypatch, preset, layers):
+    """MoE decode whose down programs add the weighted expert outputs into an fp32 sum with
+    atomics (the default: the next residual add + RMSNorm rounds it) against the direct path's
+    counted combine (BLITZ_MOE_ATOMIC_COMBINE=0), bf16, batches of 2 and 1, CUDA graphs: the
+    fp32 sums ran, and the outputs agree as in ``_assert_same_until_near_tie`` (the fp32
+    additions come in another order)."""
+    import blitzllm.kernels.fused_moe as fm
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+    atomic = []
+    orig = fm._grouped_gemm
+    monkeypatch.setattr(fm, "_grouped_gemm", lambda *a, **k: atomic.append(k.get("atomic", False)) or orig(*a, **k))
+    want, got, calls, llm = _switch_runs(monkeypatch, fm, "MOE_ATOMIC_COMBINE", False, True, "_direct", preset,
+                                         layers, params, seed=14)
+    assert calls and any(atomic)
+    assert all(m.fp32_sum for m in llm.engine.runner.model.modules() if hasattr(m, "fp32_sum"))
+    _assert_same_until_near_tie(got, want)
+

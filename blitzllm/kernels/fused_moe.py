@@ -52,6 +52,13 @@ MOE_DOWN_EARLY_DEPS = os.environ.get("BLITZ_MOE_DOWN_EARLY_DEPS", "0") == "1"
 # starts before its own ramp. Measured slower on the H200, so off: qwen3-30b-a3b batch 1 326.5 /
 # 326.7 vs 348.6 / 348.6 tok/s (scripts/gpu_session.sh moepf).
 MOE_PF_DOWN = os.environ.get("BLITZ_MOE_PF_DOWN", "0") == "1"
+# The direct path's combine for callers that take an fp32 sum (``fused_moe_triton(fp32_sum=True)``,
+# decode MoE layers whose next residual add rounds it): every down program adds its weighted
+# output into the token's fp32 row with atomics, instead of writing it for the token's last
+# program to sum after an arrival count (a release/acquire round trip and a second read on the
+# step's critical path). The order of the fp32 additions then varies from run to run (the
+# rounded result may differ in its last bit). BLITZ_MOE_ATOMIC_COMBINE=0: the counted combine.
+MOE_ATOMIC_COMBINE = os.environ.get("BLITZ_MOE_ATOMIC_COMBINE", "1") != "0"
 
 
 def _env_decode_config() -> tuple:
@@ -220,7 +227,8 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
                      GATED: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr,
                      DIRECT: tl.constexpr, COMBINE: tl.constexpr, TOP_K: tl.constexpr,
                      pf_ptr=None, pf_stride=0, pf_bytes=0, pf_chunk=0, PF: tl.constexpr = False,
-                     PF_LANES: tl.constexpr = 1, EARLY_DEPS: tl.constexpr = False):
+                     PF_LANES: tl.constexpr = 1, EARLY_DEPS: tl.constexpr = False,
+                     zero_ptr=None, zero_n=0, ZERO_BLOCK: tl.constexpr = 0, ATOMIC: tl.constexpr = False):
     """out[entry, n] = A[entry // row_div] . W[e, n] for the BLOCK_M sorted entries of one
     expert e. GATED: W holds gate rows [0, N) and up rows [N, 2N); the output is
     silu(gate) * up with the reference's rounding steps.
@@ -231,11 +239,19 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
     PF (with DIRECT): the n-tile programs of entry m ask the L2 for its expert's block of
     pf_bytes at pf_ptr + expert * pf_stride (the down weights), split over those programs.
     EARLY_DEPS: the launch after this one may start as soon as this one's wait is over (the
-    TMA down launch, which reads the routing before its own wait), not after the main loop."""
+    TMA down launch, which reads the routing before its own wait), not after the main loop.
+    ZERO_BLOCK > 0: the programs also zero the zero_n fp32 values at zero_ptr, ZERO_BLOCK
+    each (the gate/up launch, for an ATOMIC down launch after it). ATOMIC (with DIRECT, the
+    down GEMM): each program adds its entry's rounded output times its weight (tw_ptr) into
+    the token's fp32 row of comb_ptr with atomic adds: the combine with no arrival count and
+    no second read, its summation order not fixed."""
     pdl_wait(USE_PDL)  # (PDL launches write nothing before this)
     if EARLY_DEPS:
         pdl_launch_dependents(USE_PDL)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    if ZERO_BLOCK > 0:  # (after the wait: the buffer's last reader ran before the kernel before)
+        offs_z = (pid_m * tl.num_programs(1) + pid_n) * ZERO_BLOCK + tl.arange(0, ZERO_BLOCK)
+        tl.store(zero_ptr + offs_z, tl.zeros([ZERO_BLOCK], dtype=tl.float32), mask=offs_z < zero_n)
     if DIRECT:
         expert = tl.load(expert_ptr + pid_m).to(tl.int64)
         entry = pid_m + tl.arange(0, BLOCK_M)
@@ -280,6 +296,11 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
         g = res.to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(dt)
         res = (act.to(tl.float32) * acc_up.to(dt).to(tl.float32)).to(dt)
+    if ATOMIC:  # (DIRECT: row 0 is the program's entry; a dropped entry adds nothing)
+        part = tl.sum(tl.where(row_ok[:, None], res.to(tl.float32), 0.0), axis=0) * tl.load(tw_ptr + pid_m)
+        keep = (offs_n < N) & (tl.max(row_ok.to(tl.int32), axis=0) > 0)
+        tl.atomic_add(comb_ptr + (pid_m // TOP_K) * stride_c + offs_n, part, mask=keep, sem="relaxed")
+        return
     o_ptrs = out_ptr + entry.to(tl.int64)[:, None] * stride_o + offs_n[None, :]
     tl.store(o_ptrs, res, mask=row_ok[:, None] & n_ok)
     if COMBINE:
@@ -454,20 +475,26 @@ def _moe_config_cached(tokens, top_k, num_experts, hidden, inter, dtype, sms, it
 
 
 def _grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_entries, row_div, n, gated, cfg,
-                  direct=False, combine=None, prefetch=None, early_dependents=False):
+                  direct=False, combine=None, prefetch=None, early_dependents=False, zero=None,
+                  atomic=False):
     """direct: block_expert is the entries' expert ids (one program per entry, no sort);
     combine (direct only): (topk weights fp32 [T*K], output [T, n], top_k): the weighted
-    sum over each token's entries is written there by the launch itself. prefetch (direct
+    sum over each token's entries is written there by the launch itself (``atomic``: added
+    into a zeroed fp32 output with atomics; ``out`` is then not written). prefetch (direct
     only): expert weights [E, ...] (contiguous per expert) whose chosen experts' blocks the
-    launch asks the L2 for."""
+    launch asks the L2 for. zero: an fp32 tensor the launch zeroes (after its PDL wait)."""
     kd = a.shape[1]
     grid = (block_expert.numel(), triton.cdiv(n, cfg["BLOCK_N"]))
     pdl = pdl_enabled(a)
     if combine is not None:
         tw, comb, top_k = combine
-        cnt = _counters(a.device, next_pow2(comb.shape[0] * grid[1]))
+        cnt = comb if atomic else _counters(a.device, next_pow2(comb.shape[0] * grid[1]))
     else:
         tw, comb, cnt, top_k = out, out, out, 1
+    zkw = {}
+    if zero is not None and zero.numel():
+        zkw = dict(zero_ptr=zero, zero_n=zero.numel(),
+                   ZERO_BLOCK=max(16, next_pow2(triton.cdiv(zero.numel(), grid[0] * grid[1]))))
     pf = {}
     if prefetch is not None and direct:
         nbytes = prefetch[0].numel() * prefetch.element_size()
@@ -475,7 +502,7 @@ def _grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_entries, row_div
                   pf_chunk=l2_prefetch_chunk(nbytes, grid[1]), PF=True, PF_LANES=L2_PREFETCH_LANES)
     _moe_gemm_kernel[grid](a, w, out, sorted_ids, block_expert, total, n, kd, n_entries, row_div,
                            a.stride(0), w.stride(0), w.stride(1), out.stride(0), tw, comb, cnt, comb.stride(0),
-                           **pf,
+                           **pf, **zkw, ATOMIC=bool(atomic and combine is not None and direct),
                            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                            GATED=gated, EVEN_K=kd % cfg["BLOCK_K"] == 0, IEEE=a.dtype == torch.float32,
                            USE_PDL=pdl, DIRECT=direct, COMBINE=combine is not None, TOP_K=top_k,
@@ -494,15 +521,21 @@ def _configs(x, T, K, E, H, inter, config, direct) -> tuple:
 
 def _direct(x, w13, w2, tw, ids, out, K, up_cfg, down_cfg, tma_down=False) -> torch.Tensor:
     """The direct (decode) path's launches for flat entry ids / weights [T * K] into out [T, H]:
-    gate/up, then the down GEMM with the weighted combine inside, or the TMA down launch (``tma_down``)."""
+    gate/up, then the down GEMM with the weighted combine inside, or the TMA down launch (``tma_down``).
+    An fp32 ``out``: the gate/up launch zeroes it and the down programs add into it (atomics)."""
     n, inter, H = ids.numel(), w2.shape[2], w2.shape[1]
     act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
     # each expert's block one contiguous, aligned range
     pf = w2 if (MOE_PF_DOWN and w2[0].is_contiguous()
                 and l2_prefetchable(w2, w2.stride(0) * w2.element_size())) else None
+    atomic = out.dtype == torch.float32 and x.dtype != torch.float32
     from . import moe_tma
     _grouped_gemm(x, w13, act, ids, ids, ids, n, K, inter, True, dict(up_cfg, BLOCK_M=16), direct=True, prefetch=pf,
-                  early_dependents=tma_down and moe_tma.MOE_TMA_DOWN_EARLY)
+                  early_dependents=tma_down and moe_tma.MOE_TMA_DOWN_EARLY, zero=out if atomic else None)
+    if atomic:
+        _grouped_gemm(act, w2, act, ids, ids, ids, n, 1, H, False, dict(down_cfg, BLOCK_M=16), direct=True,
+                      combine=(tw, out, K), atomic=True, early_dependents=MOE_DOWN_EARLY_DEPS)
+        return out
     if tma_down:
         return moe_tma.moe_tma_down_triton(act, w13, w2, tw, ids.view(-1, K), out)
     y = torch.empty(n, H, dtype=x.dtype, device=x.device)
@@ -519,8 +552,13 @@ def _counters(device: torch.device, numel: int) -> torch.Tensor:
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, *, config: Optional[dict] = None,
-                     dropped_ids: bool = False, gemv=None, direct: Optional[bool] = None) -> torch.Tensor:
+                     dropped_ids: bool = False, gemv=None, direct: Optional[bool] = None,
+                     fp32_sum: bool = False) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk weights / ids [T, K] -> [T, H] in x's dtype.
+    ``fp32_sum`` (a caller that rounds the result itself: the residual add of
+    ``rmsnorm.fused_add_rms_norm``): where the direct path runs its two launches (and
+    BLITZ_MOE_ATOMIC_COMBINE is not 0) the result is the fp32 weighted sum, not yet rounded,
+    which the down programs add up with atomics (see ``_direct``); elsewhere x's dtype.
     ``config`` overrides MOE_CONFIG_KEYS of both GEMMs (tests, benchmarks). ``dropped_ids``:
     entries with id -1 (experts of other tensor-parallel ranks) are skipped. ``gemv``:
     (block_n, block_k) forces the two-launch GEMV path; None takes it for up to
@@ -563,6 +601,8 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
         tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
         from . import moe_tma  # the down GEMM with its weight copies issued before its wait (opt-in)
         tma_down = config is None and not dropped_ids and moe_tma.moe_tma_down_ok(x, w13, w2, topk_ids)
+        if fp32_sum and MOE_ATOMIC_COMBINE and not tma_down and x.dtype != torch.float32:
+            out = torch.empty(T, H, dtype=torch.float32, device=x.device)  # (zeroed by the gate/up launch)
         return _direct(x, w13, w2, tw, ids, out, K, up_cfg, down_cfg, tma_down=tma_down)
     sorted_ids, block_expert, total = moe_align_block_size(topk_ids, E, up_cfg["BLOCK_M"])
     act = torch.empty(n, inter, dtype=x.dtype, device=x.device)

@@ -29,10 +29,10 @@ def _rms_norm_kernel(
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     pdl_wait(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    dtype = x.dtype
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
+        dtype = r.dtype  # (an fp32 x, e.g. an MoE block's unrounded sum, is rounded to it first)
+        x = (x.to(dtype).to(tl.float32) + r.to(tl.float32)).to(dtype)
         tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
     normed = rms_normalize(x, N, eps)
     pdl_launch_dependents(USE_PDL)
@@ -60,11 +60,12 @@ def _launch(x, residual, weight, eps, early_dependents: bool = False):
     n = x.shape[-1]
     x2 = _as_rows(x)
     rows = x2.shape[0]
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dt = x.dtype if residual is None else residual.dtype
+    out = torch.empty(x.shape, dtype=dt, device=x.device)
     out2 = out.view(-1, n)
     if residual is not None:
         r2 = _as_rows(residual)
-        res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        res_out = torch.empty(x.shape, dtype=dt, device=x.device)
         ro2 = res_out.view(-1, n)
     else:
         r2, res_out, ro2 = x2, None, out2
@@ -93,7 +94,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def fused_add_rms_norm_triton(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, early_dependents: bool = False
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    assert x.shape == residual.shape and x.dtype == residual.dtype
+    assert x.shape == residual.shape and x.dtype in (residual.dtype, torch.float32)
     return _launch(x, residual, weight, eps, early_dependents)
 
 
@@ -131,9 +132,14 @@ def fused_add_rms_norm(
     early_dependents: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Returns ``(rms_norm(x + residual), x + residual)``; ``residual=None`` means
-    the first layer: ``(rms_norm(x), x)``. ``early_dependents``: see ``rms_norm_triton``."""
+    the first layer: ``(rms_norm(x), x)``. ``early_dependents``: see ``rms_norm_triton``.
+    An fp32 ``x`` beside a lower-precision residual (an MoE block's sum,
+    ``fused_moe_triton(fp32_sum=True)``) is rounded to the residual's dtype first: the
+    results are those of the rounded x."""
     if residual is None:
         return rms_norm(x, weight, eps, early_dependents), x
+    if x.dtype != residual.dtype and not (use_triton(x) and x.dtype == torch.float32):
+        x = x.to(residual.dtype)
     if use_triton(x):
         return fused_add_rms_norm_triton(x, residual, weight, eps, early_dependents)
     if x.dtype == torch.float32:

@@ -67,14 +67,16 @@ class Linear(nn.Module):
     def forward_norm(self, x: torch.Tensor, residual, norm) -> tuple:
         """Pre-norm block entry: ``(self(norm(x + residual)), x + residual)``; ``norm`` is the
         RMSNorm module. On CUDA decode the norm is the GEMV's prologue (one kernel)."""
+        # (x may be an MoE block's fp32 sum beside a lower-precision residual: the norm rounds it)
+        xd = x if residual is None else residual
         if norm.tp is None:  # (a norm that all-reduces over tensor-parallel ranks runs on its own)
-            if self.tma_ok(x) and x.dtype == norm.weight.dtype:  # the norm lets the GEMV launch at once
+            if self.tma_ok(xd) and xd.dtype == norm.weight.dtype:  # the norm lets the GEMV launch at once
                 from ..kernels.gemv_tma import tma_early_dependents
                 from ..kernels.rmsnorm import fused_add_rms_norm
                 h, residual = fused_add_rms_norm(x, residual, norm.weight, norm.eps,
                                                  early_dependents=tma_early_dependents())
                 return self._tma_forward(h), residual
-            if self.qweight is None and x.is_cuda and GEMV_ENABLED and x.dtype == self.weight.dtype:
+            if self.qweight is None and x.is_cuda and GEMV_ENABLED and xd.dtype == self.weight.dtype:
                 return norm_linear(x, residual, self.weight, self.bias, norm.weight, norm.eps)
             if residual is None:
                 return self(norm(x)), x

@@ -128,6 +128,10 @@ class FusedMoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(self.num_local_experts, 2 * self.local_intermediate, hidden))
         self.w2 = nn.Parameter(torch.empty(self.num_local_experts, hidden, self.local_intermediate))
         self.shared_experts = shared_experts
+        # set by a model whose next op after this block is a residual add + RMSNorm that rounds
+        # an fp32 input itself (``rmsnorm.fused_add_rms_norm``): then decode may return the
+        # routed experts' fp32 sum before its rounding (``fused_moe_triton(fp32_sum=True)``)
+        self.fp32_sum = False
 
     @property
     def correction_bias(self) -> Optional[torch.Tensor]:
@@ -171,7 +175,10 @@ class FusedMoE(nn.Module):
                 shared = self.shared_experts(x)
         weights, ids = route(x)
         if self.expert_start is None:
-            out = _op("fused_moe")(x, self.w13, self.w2, weights, ids)
+            # (an fp32 sum only where nothing is added to it here and no rank sums it after)
+            fp32 = self.fp32_sum and shared is None and self.shared_experts is None and \
+                self.local_intermediate == self.intermediate
+            out = _op("fused_moe")(x, self.w13, self.w2, weights, ids, fp32_sum=fp32)
         else:  # split by expert: the other ranks' experts become id -1 with weight 0
             local = ids - self.expert_start
             mine = (local >= 0) & (local < self.num_local_experts)

@@ -137,7 +137,10 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, getattr(self, self.mlp_name)
         qkv, residual = attn.qkv_proj.forward_norm(x, residual, self.input_layernorm)
         x = attn.o_proj(attn.attn(positions, qkv))
-        return mlp_forward_norm(mlp, x, residual, self.post_attention_layernorm)
+        x, residual = mlp_forward_norm(mlp, x, residual, self.post_attention_layernorm)
+        if x.dtype != residual.dtype and self._forward_hooks:
+            x = x.to(residual.dtype)  # hooks see the block's output as the next norm takes it (rounded)
+        return x, residual
 
 
     def chainable(self) -> bool:
@@ -207,6 +210,21 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(make_layer(cfg, i, rotary) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, get_tp_group())
         self._wire_l2_prefetch()
+        self._wire_fp32_sums()
+
+    def _wire_fp32_sums(self):
+        """Let an MoE block return its fp32 sum (``FusedMoE.fp32_sum``) where the next op is a
+        residual add + RMSNorm that rounds it: the next decoder layer's input norm (through
+        ``Linear.forward_norm``) or the final norm, none of them summing over ranks."""
+        for i, layer in enumerate(self.layers):
+            mlp = getattr(layer, getattr(layer, "mlp_name", "mlp"), None)
+            if type(layer) is not DecoderLayer or not hasattr(mlp, "fp32_sum"):
+                continue
+            nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
+            norm = self.norm if nxt is None else getattr(nxt, "input_layernorm", None)
+            takes = nxt is None or (type(nxt) is DecoderLayer
+                                    and isinstance(nxt.self_attn.qkv_proj, Linear))
+            mlp.fp32_sum = takes and isinstance(norm, RMSNorm) and norm.tp is None
 
     def _wire_l2_prefetch(self):
         """Tell each layer's attention which weights decode reads after it, in order:

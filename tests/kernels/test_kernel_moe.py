@@ -133,15 +133,17 @@ ROUTINGS = {  # (E, top_k, scoring, bias, n_group, topk_group, renormalize, scal
 }
 
 
+@pytest.mark.parametrize("ranked", [False, True])
 @pytest.mark.parametrize("name", list(ROUTINGS))
 @pytest.mark.parametrize("t", [1, 3, 17])
-def test_select_experts(t, name, device):
+def test_select_experts(t, name, ranked, device):
+    """Both selection forms (TOP_K argmax rounds; every expert ranked in one round)."""
     e, k, scoring, with_bias, ng, tg, renorm, scaling = ROUTINGS[name]
     logits, bias = routing_inputs(t, e, scoring, with_bias, ng, seed=t)
     args = (k, scoring, bias, ng, tg, renorm, scaling)
     ref_w, ref_ids = reference_select_experts(logits, *args)
     w, ids = select_experts_triton(logits.to(device), k, scoring, bias.to(device) if with_bias else None,
-                                   ng, tg, renorm, scaling)
+                                   ng, tg, renorm, scaling, ranked=ranked)
     assert w.shape == ids.shape == (t, k) and w.dtype == torch.float32 and ids.dtype == torch.int32
     w, ids = by_id(w.cpu(), ids.cpu())
     ref_w, ref_ids = by_id(ref_w, ref_ids)
@@ -149,10 +151,11 @@ def test_select_experts(t, name, device):
     torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
 
 
-def test_select_experts_lowest_id_on_ties(device):
+@pytest.mark.parametrize("ranked", [False, True])
+def test_select_experts_lowest_id_on_ties(ranked, device):
     logits = torch.zeros(2, 12)
     logits[1, 5] = 1.0
-    _, ids = select_experts_triton(logits.to(device), 3)
+    _, ids = select_experts_triton(logits.to(device), 3, ranked=ranked)
     assert ids.cpu().tolist() == [[0, 1, 2], [5, 0, 1]]
 
 
@@ -516,6 +519,34 @@ def test_fused_moe_direct(t, e, k, h, inter, cfg, dtype, device):
     down = fm.moe_config(t, k, e, h, inter, dtype, device_sms(x), MOE_CONFIGS[cfg])[1]
     cnt = fm._counters(x.device, next_pow2(t * math.ceil(h / down["BLOCK_N"])))
     assert not cnt.any()  # the launches' own counters, left at 0
+
+
+@pytest.mark.parametrize("t,e,k,h,inter,cfg", [(1, 8, 2, 64, 40, "m16-ragged"), (2, 10, 3, 48, 24, "m16-even"),
+                                               (2, 8, 8, 64, 40, "auto")])
+def test_fused_moe_direct_fp32_sum(t, e, k, h, inter, cfg, device):
+    """fp32_sum on the direct path: the down programs add their weighted outputs into an fp32
+    row with atomics (the gate/up launch zeroes it): the result is the reference's fp32 sum
+    before its rounding, every call (a second call into reused memory starts from zero), with
+    dropped entries adding nothing; other paths keep x's dtype."""
+    x, w13, w2, weights, ids = moe_inputs(t, e, k, h, inter, torch.bfloat16, device, seed=t + 5 * k)
+    want = reference_fused_moe(x, w13, w2, weights, ids)
+    counted = fused_moe_triton(x, w13, w2, weights, ids, config=MOE_CONFIGS[cfg], direct=True)
+    for _ in range(2):
+        out = fused_moe_triton(x, w13, w2, weights, ids, config=MOE_CONFIGS[cfg], direct=True, fp32_sum=True)
+        assert out.shape == (t, h) and out.dtype == torch.float32
+        close(out, want, TOL[torch.bfloat16])
+        # the same terms as the counted combine's fp32 sum: the two round alike up to the order of the additions
+        close(out.to(torch.bfloat16), counted, 1e-2)
+    dropped = torch.where(ids % 2 == 0, ids, -1)
+    dropped[0] = -1  # a token whose entries are all on other ranks
+    w = weights * (dropped >= 0)
+    out = fused_moe_triton(x, w13, w2, w, dropped, config=MOE_CONFIGS[cfg], direct=True, dropped_ids=True,
+                           fp32_sum=True)
+    assert out.dtype == torch.float32 and not out[0].any()
+    close(out, reference_fused_moe(x, w13, w2, w, dropped, dropped_ids=True), TOL[torch.bfloat16])
+    sorted_out = fused_moe_triton(x, w13, w2, weights, ids, config=MOE_CONFIGS[cfg], direct=False, fp32_sum=True)
+    assert sorted_out.dtype == torch.bfloat16
+    close(sorted_out, want, TOL[torch.bfloat16])
 
 
 def test_fused_moe_dispatches_small_batches_to_direct(device, monkeypatch):

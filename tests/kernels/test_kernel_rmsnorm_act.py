@@ -48,6 +48,25 @@ def test_fused_add_rms_norm(shape, dtype, device):
     close(out, hf, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fused_add_rms_norm_fp32_input(dtype, device):
+    """An fp32 x beside a lower-precision residual (an MoE block's unrounded sum) is rounded
+    to the residual's dtype first: the Triton kernel and the dispatcher on any device give
+    the results of the rounded x, in the residual's dtype."""
+    x = (torch.randn(3, 96) * 2).to(device)
+    r = (torch.randn(3, 96) * 4).to(device, dtype)
+    w = (1 + 0.5 * torch.randn(96)).to(device, dtype)
+    ref_out, ref_res = reference_fused_add_rms_norm(x.to(dtype), r, w, 1e-5)
+    for fn in (fused_add_rms_norm_triton, fused_add_rms_norm):
+        out, res = fn(x, r, w, 1e-5)
+        assert out.dtype == res.dtype == dtype
+        if dtype == torch.bfloat16 and device == "cpu" and fn is fused_add_rms_norm_triton:
+            close(res, ref_res, dtype)  # (the interpreter rounds toward zero)
+        else:
+            assert torch.equal(res, ref_res)
+        close(out, ref_out, dtype)
+
+
 def test_rms_norm_strided_rows(device):
     big = torch.randn(5, 256, device=device)
     x = big[:, :128]  # rows with stride 256
