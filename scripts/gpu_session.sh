@@ -129,11 +129,11 @@ for part in "$@"; do case $part in
        rm -f "$OUT"/a_*.log
        python3 scripts/kernel_table.py "$OUT"/a_*.json | grep -v "^    " ;;
   atom28) # stop 28: the MoE down programs' atomic fp32 combine (default) against the counted combine
-       # (BLITZ_MOE_ATOMIC_COMBINE=0) and the one-round ranked selection (BLITZ_MOE_SELECT=ranked),
-       # twice each on qwen3-30b-a3b batch 1; then the GPU tests of the changed kernels and paths
+       # (BLITZ_MOE_ATOMIC_COMBINE=0), twice each on qwen3-30b-a3b batch 1 (a third arm, a one-round
+       # ranked expert selection, measured 411.1 / 410.8 against 417.8 / 417.8 and was removed); then the
+       # GPU tests of the changed kernels and paths
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
-       for i in 1 2; do run 150 at_default$i $M; BLITZ_MOE_ATOMIC_COMBINE=0 run 100 at_counted$i $M
-         BLITZ_MOE_SELECT=ranked run 100 at_ranked$i $M; done
+       for i in 1 2; do run 150 at_default$i $M; BLITZ_MOE_ATOMIC_COMBINE=0 run 100 at_counted$i $M; done
        rm -f "$OUT"/at_*.log
        python3 scripts/kernel_table.py "$OUT"/at_*.json | grep -v "^    " | grep -v "_greedy\|indexSelect\|^  kernel"
        timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q --tb=short tests/kernels/test_kernel_moe.py \
@@ -141,6 +141,15 @@ for part in "$@"; do case $part in
          -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/atom28_tests.log"
        timeout ${E2E_TIMEOUT:-200} python3 -m pytest -q --tb=short -m gpu tests/test_gpu_e2e.py \
          -k "atomic or norm_route" -p no:cacheprovider 2>&1 | tail -4 | tee -a "$OUT/atom28_tests.log" ;;
+  fin28) # stop 28 close: issue 5 acceptance 2 (batch 1 and 32), minimax-m2 (8 layers) batch 1, the whole GPU suite
+       M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
+       run 150 q30b_b1 $M
+       run 200 q30b_b32 --model preset:qwen3-30b-a3b --batch-size 32 --input-len 128 --output-len 128 --max-num-seqs 32
+       run 150 mm2_l8_b1 --model preset:minimax-m2 --num-layers 8 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8
+       rm -f "$OUT"/*.log
+       python3 scripts/kernel_table.py "$OUT/q30b_b1.json" | grep -v "^    " | grep -v "_greedy\|indexSelect\|^  kernel"
+       timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q --tb=short -m gpu tests/kernels tests/test_gpu_e2e.py \
+         -p no:cacheprovider 2>&1 | tail -12 | tee "$OUT/fin28_tests.log" ;;
   fin27) # stop 27 close: issue 5 acceptance 2 (batch 1 and 32), the MoE e2e checks, then the whole GPU suite
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
        run 150 q30b_b1 $M

@@ -14,6 +14,9 @@ Four launches, no host sync, fixed grid sizes (CUDA-graph capturable):
 3. grouped GEMM down on that intermediate -> each entry's expert output [T*K, H] in x's dtype.
 4. combine: out[t] = sum_k w[t, k] * y[t*K + k] in fp32 (fixed order: deterministic).
 
+Decode batches of a few tokens take the direct path instead (``_direct``): two launches, no
+sort, the combine inside the down launch (counted, or with ``fp32_sum`` fp32 atomic adds).
+
 Block sizes: BLOCK_M follows the expected rows per chosen expert (16 at decode, where the
 kernels stream the chosen experts' weights: narrow N tiles, deep K tiles, 4 stages, so the
 grid covers the SMs; 64-128 for prefill with 64-128 wide N tiles). Padding rows are masked.

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from ._common import (device_sms, next_pow2, pdl_enabled, pdl_launch_dependents, pdl_launch_kwargs, pdl_wait,
                       tl, triton, use_triton)
 from .fused_moe import fused_moe_triton
-from .routing import _select_row, _select_row_ranked, check_routing
+from .routing import _select_row, check_routing
 from .rmsnorm import rms_normalize
 
 
@@ -314,28 +314,18 @@ def _select_experts_kernel(logits_ptr, bias_ptr, w_out_ptr, id_out_ptr, stride_l
                            GROUP: tl.constexpr, N_GROUP: tl.constexpr, NG_PAD: tl.constexpr,
                            G_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
                            K_PAD: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           RENORM: tl.constexpr, USE_PDL: tl.constexpr, RANKED: tl.constexpr = False):
+                           RENORM: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     pdl_launch_dependents(USE_PDL)
-    if RANKED:
-        _select_row_ranked(logits_ptr + row * stride_l, bias_ptr, w_out_ptr, id_out_ptr, row, scaling, GROUP,
-                           N_GROUP, NG_PAD, G_PAD, TOPK_GROUP, TOP_K, SIGMOID, HAS_BIAS, RENORM)
-    else:
-        _select_row(logits_ptr + row * stride_l, bias_ptr, w_out_ptr, id_out_ptr, row, scaling, GROUP, N_GROUP,
-                    NG_PAD, G_PAD, TOPK_GROUP, TOP_K, K_PAD, SIGMOID, HAS_BIAS, RENORM)
-
-
-# BLITZ_MOE_SELECT=ranked (A/B): the selection launch ranks every expert against all others in
-# one round (``routing._select_row_ranked``, 4-8 warps) instead of TOP_K argmax rounds in one warp
-_SELECT_RANKED = os.environ.get("BLITZ_MOE_SELECT", "rounds") == "ranked"
+    _select_row(logits_ptr + row * stride_l, bias_ptr, w_out_ptr, id_out_ptr, row, scaling, GROUP, N_GROUP,
+                NG_PAD, G_PAD, TOPK_GROUP, TOP_K, K_PAD, SIGMOID, HAS_BIAS, RENORM)
 
 
 def select_experts_triton(logits: torch.Tensor, top_k: int, scoring: str = "softmax",
                           bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: int = 1,
-                          renormalize: bool = True, scaling: float = 1.0, ranked: Optional[bool] = None):
-    """``reference_select_experts`` in one kernel: (weights [T, K] fp32, ids [T, K] int32).
-    ``ranked``: the one-round ranking (None: BLITZ_MOE_SELECT)."""
+                          renormalize: bool = True, scaling: float = 1.0):
+    """``reference_select_experts`` in one kernel: (weights [T, K] fp32, ids [T, K] int32)."""
     T, E = logits.shape
     check_routing(E, top_k, scoring, bias, n_group, topk_group)
     logits = logits.float()
@@ -348,14 +338,11 @@ def select_experts_triton(logits: torch.Tensor, top_k: int, scoring: str = "soft
     group = E // n_group
     ng_pad, g_pad = next_pow2(n_group), next_pow2(group)
     pdl = pdl_enabled(logits)
-    ranked = _SELECT_RANKED if ranked is None else bool(ranked)
     _select_experts_kernel[(T,)](
         logits, bias.contiguous() if bias is not None else logits, weights, ids, logits.stride(0), float(scaling),
         GROUP=group, N_GROUP=n_group, NG_PAD=ng_pad, G_PAD=g_pad, TOPK_GROUP=topk_group if n_group > 1 else 1,
         TOP_K=top_k, K_PAD=next_pow2(top_k), SIGMOID=scoring == "sigmoid", HAS_BIAS=bias is not None,
-        RENORM=bool(renormalize), USE_PDL=pdl, RANKED=ranked,
-        num_warps=(4 if ng_pad * g_pad <= 128 else 8) if ranked else (1 if ng_pad * g_pad <= 512 else 4),
-        **pdl_launch_kwargs(pdl))
+        RENORM=bool(renormalize), USE_PDL=pdl, num_warps=1 if ng_pad * g_pad <= 512 else 4, **pdl_launch_kwargs(pdl))
     return weights, ids
 
 

@@ -86,25 +86,6 @@ def _select_row(row_ptr, bias_ptr, w_out_ptr, id_out_ptr, row, scaling,
     tl.store(id_out_ptr + row * TOP_K + k, ids, mask=kmask)
 
 
-@triton.jit
-def _select_row_ranked(row_ptr, bias_ptr, w_out_ptr, id_out_ptr, row, scaling,
-                       GROUP: tl.constexpr, N_GROUP: tl.constexpr, NG_PAD: tl.constexpr,
-                       G_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
-                       SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr):
-    """``_select_row`` in one round: every expert's rank is the count of experts ranked
-    before it (a higher choice, or an equal one with a lower id: the same order as the argmax
-    rounds), taken over the [N, N] pairs at once; the experts ranked below TOP_K store their
-    id and weight at their rank. No chain of TOP_K dependent reductions."""
-    flat, sflat, eid = _route_scores(row_ptr, bias_ptr, GROUP, N_GROUP, NG_PAD, G_PAD, TOPK_GROUP, SIGMOID, HAS_BIAS)
-    pos = tl.arange(0, NG_PAD * G_PAD)
-    ahead = (flat[None, :] > flat[:, None]) | ((flat[None, :] == flat[:, None]) & (pos[None, :] < pos[:, None]))
-    rank = tl.sum(ahead.to(tl.int32), axis=1)
-    chosen = rank < TOP_K
-    w = _route_weights(tl.where(chosen, sflat, 0.0), scaling, RENORM)
-    tl.store(w_out_ptr + row * TOP_K + rank, w, mask=chosen)
-    tl.store(id_out_ptr + row * TOP_K + rank, eid, mask=chosen)
-
-
 def check_routing(num_experts: int, top_k: int, scoring: str, bias: Optional[torch.Tensor],
                   n_group: int, topk_group: int) -> None:
     """ValueError naming the argument when the routing settings do not fit E experts."""

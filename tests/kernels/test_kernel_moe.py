@@ -133,17 +133,15 @@ ROUTINGS = {  # (E, top_k, scoring, bias, n_group, topk_group, renormalize, scal
 }
 
 
-@pytest.mark.parametrize("ranked", [False, True])
 @pytest.mark.parametrize("name", list(ROUTINGS))
 @pytest.mark.parametrize("t", [1, 3, 17])
-def test_select_experts(t, name, ranked, device):
-    """Both selection forms (TOP_K argmax rounds; every expert ranked in one round)."""
+def test_select_experts(t, name, device):
     e, k, scoring, with_bias, ng, tg, renorm, scaling = ROUTINGS[name]
     logits, bias = routing_inputs(t, e, scoring, with_bias, ng, seed=t)
     args = (k, scoring, bias, ng, tg, renorm, scaling)
     ref_w, ref_ids = reference_select_experts(logits, *args)
     w, ids = select_experts_triton(logits.to(device), k, scoring, bias.to(device) if with_bias else None,
-                                   ng, tg, renorm, scaling, ranked=ranked)
+                                   ng, tg, renorm, scaling)
     assert w.shape == ids.shape == (t, k) and w.dtype == torch.float32 and ids.dtype == torch.int32
     w, ids = by_id(w.cpu(), ids.cpu())
     ref_w, ref_ids = by_id(ref_w, ref_ids)
@@ -151,11 +149,10 @@ def test_select_experts(t, name, ranked, device):
     torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("ranked", [False, True])
-def test_select_experts_lowest_id_on_ties(ranked, device):
+def test_select_experts_lowest_id_on_ties(device):
     logits = torch.zeros(2, 12)
     logits[1, 5] = 1.0
-    _, ids = select_experts_triton(logits.to(device), 3, ranked=ranked)
+    _, ids = select_experts_triton(logits.to(device), 3)
     assert ids.cpu().tolist() == [[0, 1, 2], [5, 0, 1]]
 
 
