@@ -146,6 +146,7 @@ for part in "$@"; do case $part in
        run 150 q30b_b1 $M
        run 200 q30b_b32 --model preset:qwen3-30b-a3b --batch-size 32 --input-len 128 --output-len 128 --max-num-seqs 32
        run 150 mm2_l8_b1 --model preset:minimax-m2 --num-layers 8 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8
+       BLITZ_MOE_DOWN_EARLY_DEPS=1 run 100 q30b_b1_earlydeps $M
        rm -f "$OUT"/*.log
        python3 scripts/kernel_table.py "$OUT/q30b_b1.json" | grep -v "^    " | grep -v "_greedy\|indexSelect\|^  kernel"
        timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q --tb=short -m gpu tests/kernels tests/test_gpu_e2e.py \
