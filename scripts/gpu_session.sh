@@ -141,15 +141,18 @@ for part in "$@"; do case $part in
          -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/atom28_tests.log"
        timeout ${E2E_TIMEOUT:-200} python3 -m pytest -q --tb=short -m gpu tests/test_gpu_e2e.py \
          -k "atomic or norm_route" -p no:cacheprovider 2>&1 | tail -4 | tee -a "$OUT/atom28_tests.log" ;;
-  fin28) # stop 28 close: issue 5 acceptance 2 (batch 1 and 32), minimax-m2 (8 layers) batch 1, the whole GPU suite
+  fin28) # stop 28 close: issue 5 acceptance 2 (batch 1 and 32), the x widening of the TMA GEMV and the down
+       # launch's early dependents against the defaults, minimax-m2 (8 layers) batch 1, the whole GPU suite
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
        run 150 q30b_b1 $M
+       BLITZ_GEMV_TMA_HOIST=0 run 100 q30b_b1_nohoist $M
+       BLITZ_MOE_DOWN_EARLY_DEPS=1 run 100 q30b_b1_earlydeps $M
+       run 100 q30b_b1_again $M
        run 200 q30b_b32 --model preset:qwen3-30b-a3b --batch-size 32 --input-len 128 --output-len 128 --max-num-seqs 32
        run 150 mm2_l8_b1 --model preset:minimax-m2 --num-layers 8 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8
-       BLITZ_MOE_DOWN_EARLY_DEPS=1 run 100 q30b_b1_earlydeps $M
        rm -f "$OUT"/*.log
-       python3 scripts/kernel_table.py "$OUT/q30b_b1.json" | grep -v "^    " | grep -v "_greedy\|indexSelect\|^  kernel"
-       timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q --tb=short -m gpu tests/kernels tests/test_gpu_e2e.py \
+       python3 scripts/kernel_table.py "$OUT"/q30b_b1*.json | grep -v "^    " | grep -v "_greedy\|indexSelect\|^  kernel"
+       timeout ${TEST_TIMEOUT:-380} python3 -m pytest -q --tb=short -m gpu tests/kernels tests/test_gpu_e2e.py \
          -p no:cacheprovider 2>&1 | tail -12 | tee "$OUT/fin28_tests.log" ;;
   fin27) # stop 27 close: issue 5 acceptance 2 (batch 1 and 32), the MoE e2e checks, then the whole GPU suite
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
