@@ -80,11 +80,13 @@ def reference_select_experts(logits: torch.Tensor, top_k: int, scoring: str = "s
 
 
 def reference_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                        topk_weights: torch.Tensor, topk_ids: torch.Tensor, dropped_ids: bool = False) -> torch.Tensor:
+                        topk_weights: torch.Tensor, topk_ids: torch.Tensor, dropped_ids: bool = False,
+                        fp32_sum: bool = False) -> torch.Tensor:
     """sum_k weight[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, k]; [T, H] in
     x's dtype. Each expert's output is rounded to x's dtype before the weighted sum (as
     transformers does), the sum is accumulated in fp32. With ``dropped_ids``, entries with
-    id -1 (another rank's expert) contribute nothing."""
+    id -1 (another rank's expert) contribute nothing. ``fp32_sum``: the fp32 sum itself,
+    before that last rounding (for a caller that rounds it: ``fused_moe_triton``'s too)."""
     T, H = x.shape
     inter = w2.shape[2]
     out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
@@ -98,7 +100,7 @@ def reference_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         a = (F.silu(h[:, :inter].float()).to(x.dtype) * h[:, inter:])
         y = (a @ w2[e].t()).to(x.dtype)
         out.index_add_(0, tok, y.float() * topk_weights.reshape(-1)[rows, None].float())
-    return out.to(x.dtype)
+    return out if fp32_sum else out.to(x.dtype)
 
 
 # ---- router GEMM ----------------------------------------------------------------------
@@ -526,10 +528,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     """sum_k weight[t, k] * expert_{ids[t, k]}(x_t) -> [T, H] in x's dtype (see
     ``reference_fused_moe``): sorted grouped GEMMs in Triton for CUDA tensors, torch otherwise.
     ``dropped_ids``: ids may be -1 (entries of experts held by other tensor-parallel ranks).
-    ``fp32_sum``: the caller also takes the fp32 sum before its rounding (``fused_moe_triton``)."""
+    ``fp32_sum``: the caller also takes the fp32 sum before its rounding (``fused_moe_triton``;
+    the torch path then returns it always)."""
     if use_triton(x):
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, dropped_ids=dropped_ids, fp32_sum=fp32_sum)
-    return reference_fused_moe(x, w13, w2, topk_weights, topk_ids, dropped_ids)
+    return reference_fused_moe(x, w13, w2, topk_weights, topk_ids, dropped_ids, fp32_sum=fp32_sum)
 
 
 # MoE decode layers of up to NORM_ROUTE_MAX_T tokens run the post-attention residual add +

@@ -97,6 +97,41 @@ def test_norm_route_decode_matches_transformers(tmp_path, arch, monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "minimax_m2"])
+def test_fp32_moe_sums_round_like_the_rounded_sum(tmp_path, arch, monkeypatch):
+    """The contract behind the atomic MoE combine of CUDA decode: an MoE block that hands the
+    next residual add + RMSNorm (or the final norm) its fp32 sum unrounded (``FusedMoE.fp32_sum``,
+    wired on every block here) gives exactly the results of the rounded sum, since the norm
+    rounds it first. bf16 on the torch path: the same greedy tokens, logprobs and EAGLE-3
+    layer features (hooks see the rounded output) with the fp32 sums as with them switched off,
+    and fp32 sums did reach the norms."""
+    from blitzllm.kernels import moe as moe_ops
+    from blitzllm.spec.eagle3 import HiddenCapture
+    make_moe_checkpoint(arch, tmp_path, seed=11)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 320, (k,), generator=g).tolist() for k in (1, 6, 19)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    dtypes = []
+    orig = moe_ops.fused_moe
+    monkeypatch.setattr(moe_ops, "fused_moe", lambda *a, **k: dtypes.append((out := orig(*a, **k)).dtype) or out)
+    runs = []
+    for fp32 in (True, False):
+        llm = LLM(str(tmp_path), device="cpu", dtype="bfloat16", kv_cache_blocks=64)
+        model = llm.engine.runner.model
+        blocks = [m for m in model.modules() if isinstance(m, FusedMoE)]
+        assert blocks and all(b.fp32_sum for b in blocks)
+        for b in blocks:
+            b.fp32_sum = fp32
+        dtypes.clear()
+        with HiddenCapture(model, [0, len(model.model.layers) - 1]) as cap:
+            outs = llm.generate(prompts, params)
+            feats, _ = cap.take()
+        assert set(dtypes) == ({torch.float32} if fp32 else {torch.bfloat16})
+        runs.append(([o.token_ids for o in outs], [o.logprobs for o in outs], feats))
+    assert runs[0][0] == runs[1][0] and runs[0][1] == runs[1][1]
+    assert torch.equal(runs[0][2], runs[1][2])
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "minimax_m2"])
 def test_fused_expert_layout_and_num_layers(tmp_path, arch):
     """transformers' in-memory layout (fused experts.gate_up_proj / down_proj; MiniMax's
     ``mlp.`` module name) loads to the same weights as the per-expert checkpoint; a
