@@ -141,6 +141,22 @@ for part in "$@"; do case $part in
          -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/atom28_tests.log"
        timeout ${E2E_TIMEOUT:-200} python3 -m pytest -q --tb=short -m gpu tests/test_gpu_e2e.py \
          -k "atomic or norm_route" -p no:cacheprovider 2>&1 | tail -4 | tee -a "$OUT/atom28_tests.log" ;;
+  mma29) # the TMA GEMV's products on the tensor cores (BLITZ_GEMV_TMA_MMA=1): its GPU tests, then
+       # qwen3-30b-a3b batch 1 against the FMA form (twice each, alternating) and qwen3-0.6b
+       timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q --tb=short -m gpu tests/kernels/test_kernel_gemv_tma.py \
+         tests/test_gpu_e2e.py -k "gemv_tma or tma_gemv or matches_reference or graph" -p no:cacheprovider 2>&1 \
+         | tail -8 | tee "$OUT/mma29_tests.log"
+       M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
+       run 150 q30b_fma $M
+       BLITZ_GEMV_TMA_MMA=1 run 100 q30b_mma $M
+       run 100 q30b_fma2 $M
+       BLITZ_GEMV_TMA_MMA=1 run 100 q30b_mma2 $M
+       Q="--model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
+       run 80 q06_fma $Q
+       BLITZ_GEMV_TMA_MMA=1 run 80 q06_mma $Q
+       rm -f "$OUT"/*.log.x
+       python3 scripts/kernel_table.py "$OUT"/q30b_fma.json "$OUT"/q30b_mma.json | grep -v "_greedy\|indexSelect"
+       for f in "$OUT"/q*.json; do python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[1].split('/')[-1], r['tokens_per_s'], r['roofline_fraction'])" "$f"; done ;;
   fin28) # stop 28 close: issue 5 acceptance 2 (batch 1 and 32), the x widening of the TMA GEMV and the down
        # launch's early dependents against the defaults, minimax-m2 (8 layers) batch 1, the whole GPU suite
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"

@@ -193,6 +193,22 @@ def test_tma_gemv_decode_matches_fma_gemv(monkeypatch, preset, layers):
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
 
 
+@pytest.mark.parametrize("preset,layers", [("qwen3-30b-a3b", 2), ("qwen3-0.6b", 4), ("llama-3.1-8b", 2)])
+def test_tma_gemv_tensor_cores_match_fma_form(monkeypatch, preset, layers):
+    """Decode with the TMA GEMV's products on the tensor cores (BLITZ_GEMV_TMA_MMA=1) gives the
+    FMA form's greedy tokens (bf16, batches of 2 and 1; fp32 sums in another order), and the
+    tensor-core launch ran, in the CUDA graphs too."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("Hopper only")
+    import blitzllm.kernels.gemv_tma as gemv_tma
+    monkeypatch.setattr(gemv_tma, "TMA_MODE", "1")
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want, got, calls, llm = _switch_runs(monkeypatch, gemv_tma, "TMA_MMA", False, True, "_launch_mma", preset,
+                                         layers, params, seed=8)
+    assert calls and set(calls) <= {1, 2}
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
 @pytest.mark.parametrize("preset,layers", [("qwen3-30b-a3b", 2), ("minimax-m2", 2), ("deepseek-v3", 4)])
 @pytest.mark.parametrize("switch,off,on,launcher", [("MOE_TMA", "0", "1", "moe_tma_triton"),
                                                     ("MOE_TMA_DOWN", False, True, "moe_tma_down_triton")])

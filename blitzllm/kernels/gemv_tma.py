@@ -30,7 +30,8 @@ from ._common import HAS_TRITON, capability, device_sms, next_pow2, pdl_enabled,
 try:  # Gluon ships with Triton >= 3.5
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     HAS_GLUON = HAS_TRITON
 except Exception:  # pragma: no cover - depends on the Triton build
@@ -54,6 +55,11 @@ TMA_GROUP_BYTES = 32 << 10  # bytes per copy at most
 # 253 instead of 357 instructions per tile in qkv's loop (sm_90 SASS), 97 registers instead of
 # 32 at one row. BLITZ_GEMV_TMA_HOIST=0 (A/B): per tile.
 TMA_HOIST_X = os.environ.get("BLITZ_GEMV_TMA_HOIST", "1") != "0"
+# BLITZ_GEMV_TMA_MMA=1: the products on the tensor cores (``_gemv_tma_mma_kernel``: one wgmma per
+# 64 x 64 chunk, W's rows of a tile over Q parts of K filling the instruction's 64 rows) instead of
+# fp32 FMAs from shared memory, where K divides into such parts (opt-in until measured)
+TMA_MMA = os.environ.get("BLITZ_GEMV_TMA_MMA", "0") == "1"
+_MMA_ROWS = (8, 16, 32, 64)
 
 if HAS_GLUON:
     @gluon.jit
@@ -187,6 +193,102 @@ if HAS_GLUON:
         _stamp(t_ptr, pid, 6, TIMED)
 
 
+    @gluon.jit
+    def _issue_mma(w_desc, smem, bars, q, total, pid, nprog, R: gl.constexpr, CPT: gl.constexpr,
+                   SLOTS: gl.constexpr):
+        """Copy q of this program's sequence (tile q // CPT, its K chunk q % CPT of 64 values in
+        each of the Q parts) into slot q % SLOTS (nothing where q >= total)."""
+        ok = q < total
+        s = q % SLOTS
+        bar = bars.index(s)
+        mbarrier.expect(bar, w_desc.block_type.nbytes, pred=ok)
+        tma.async_copy_global_to_shared(w_desc, [(pid + (q // CPT) * nprog) * R, 0, (q % CPT) * 64], bar,
+                                        smem.index(s), pred=ok)
+
+    @gluon.jit
+    def _gemv_tma_mma_kernel(w_desc, x_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_om, n_tiles,
+                             R: gl.constexpr, Q: gl.constexpr, CPT: gl.constexpr, NB: gl.constexpr,
+                             MP: gl.constexpr, SLOTS: gl.constexpr, CPT_PAD: gl.constexpr,
+                             HAS_BIAS: gl.constexpr, USE_PDL: gl.constexpr, t_ptr=None, TIMED: gl.constexpr = False):
+        """The TMA GEMV on the tensor cores (one warpgroup): a tile is R rows of W over all of K,
+        seen as Q parts of KP = K / Q values, and each copy brings one 64-value chunk of every part:
+        a [R, Q, 64] box that is, row (r, q) = r * Q + q, the [64, 64] A operand of a wgmma. B holds
+        x's parts as columns (column m * Q + q: row m of x, part q), so D[r * Q + q, m * Q + q] is
+        row r's product over part q and out[m, r] sums those Q diagonal entries."""
+        pid = gl.program_id(0)
+        _stamp(t_ptr, pid, 0, TIMED)
+        nprog = gl.num_programs(0)
+        my_tiles = (n_tiles - pid + nprog - 1) // nprog
+        total = my_tiles * CPT
+        KP = CPT * 64
+        a3: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
+        a2: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        smem = gl.allocate_shared_memory(w_desc.dtype, [SLOTS, R, Q, 64], a3)
+        bars = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(SLOTS):
+            mbarrier.init(bars.index(s), count=1)
+        for i in gl.static_range(SLOTS):  # the preload: in flight before the wait
+            _issue_mma(w_desc, smem, bars, i, total, pid, nprog, R, CPT, SLOTS)
+        _stamp(t_ptr, pid, 1, TIMED)
+        xs = gl.allocate_shared_memory(w_desc.dtype, [CPT_PAD, NB, 64], a3)  # (as chunks [NB, 64]: a2 views)
+        acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NB, 16])
+        # x as [CPT_PAD, NB, 64]: (chunk j, column n = m * Q + q, k) <- x[m, q * KP + j * 64 + k]
+        XL: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [1, 4, 1], [2, 1, 0])
+        xj = gl.expand_dims(gl.expand_dims(gl.arange(0, CPT_PAD, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL))), 1), 2)
+        xn = gl.expand_dims(gl.expand_dims(gl.arange(0, NB, layout=gl.SliceLayout(0, gl.SliceLayout(2, XL))), 0), 2)
+        xk = gl.expand_dims(gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, XL))), 0), 1)
+        xm = xn // Q
+        xoff = xm * stride_xm + (xn % Q) * KP + xj * 64 + xk
+        xmask = (xn < MP * Q) & (xm < M) & (xj < CPT)
+        rows_a = gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
+        cols_a = gl.arange(0, NB, layout=gl.SliceLayout(0, acc_l))
+        # the [64] diagonal entries against the tile's R rows: (r, q) belongs to row r
+        GL: gl.constexpr = gl.BlockedLayout([1, R], [32, 1], [4, 1], [1, 0])
+        offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, GL))
+        grp = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(1, GL)) // Q, 1) == gl.expand_dims(offs_r, 0)
+        if USE_PDL:
+            _gdc_wait()
+            _gdc_launch_dependents()
+        _stamp(t_ptr, pid, 2, TIMED)
+        xv = gl.load(x_ptr + xoff, mask=xmask, other=0.0)
+        xs.store(xv)
+        fence_async_shared()
+        gl.thread_barrier()
+        xb = xs._reinterpret(w_desc.dtype, [CPT_PAD, NB, 64], a2)
+        _stamp(t_ptr, pid, 3, TIMED)
+        for t in range(0, my_tiles):
+            acc = gl.zeros([64, NB], gl.float32, acc_l)
+            for j in range(0, CPT):
+                q = t * CPT + j
+                mbarrier.wait(bars.index(q % SLOTS), (q // SLOTS) & 1)
+                a = smem.index(q % SLOTS)._reinterpret(w_desc.dtype, [64, 64], a2)
+                acc = warpgroup_mma(a, xb.index(j).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # copy q - 1's wgmma is done
+                if SLOTS < total:  # the ring turns: copy q - 1's slot refills
+                    if q >= 1:
+                        gl.thread_barrier()
+                        _issue_mma(w_desc, smem, bars, q - 1 + SLOTS, total, pid, nprog, R, CPT, SLOTS)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            if t == 0:
+                _stamp(t_ptr, pid, 4, TIMED)
+            rows = (pid + t * nprog) * R + offs_r
+            ok = rows < N
+            if HAS_BIAS:
+                bias = gl.load(b_ptr + rows, mask=ok, other=0.0).to(gl.float32)
+            for m in gl.static_range(MP):
+                # row (r, q)'s entry in column m * Q + q, then out[m, r]: the sum over its Q rows
+                sel = gl.expand_dims(cols_a, 0) == gl.expand_dims(m * Q + rows_a % Q, 1)
+                d = gl.convert_layout(gl.sum(gl.where(sel, acc, 0.0), axis=1), gl.SliceLayout(1, GL))
+                y = gl.sum(gl.where(grp, gl.expand_dims(d, 1), 0.0), axis=0)
+                if HAS_BIAS:
+                    y += bias
+                gl.store(out_ptr + m * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=ok & (m < M))
+        _stamp(t_ptr, pid, 5, TIMED)
+        for s in gl.static_range(SLOTS):
+            mbarrier.invalidate(bars.index(s))
+        _stamp(t_ptr, pid, 6, TIMED)
+
+
 def tma_gemv_config(N: int, K: int, itemsize: int, sms: int, smem_bytes: int = TMA_SMEM_BYTES,
                     warps: int = None, group_bytes: int = None) -> dict:
     """BLOCK_N (the row-tile size that spreads W most evenly over at most one program per
@@ -225,6 +327,44 @@ def _cached_config(N, K, itemsize, sms, smem_bytes):
     return tma_gemv_config(N, K, itemsize, sms, smem_bytes)
 
 
+def tma_mma_config(N: int, K: int, itemsize: int, sms: int, smem_bytes: int = TMA_SMEM_BYTES) -> Optional[dict]:
+    """The tensor-core form's tiles (None where K does not split): R rows of W per tile (8..64),
+    seen as Q = 64 / R parts of K (K a multiple of Q * 64), spread over at most one program per SM
+    so the busiest program streams the fewest bytes (ties: the larger R); CPT copies of [R, Q, 64]
+    (8 KB in bf16) per tile, SLOTS of them in shared memory (all where ``smem_bytes`` holds them).
+    E.g. H200, bf16: Qwen3-30B-A3B o_proj
+    (2048 x 4096) 128 programs of one 16-row tile in 4 parts, 16 copies each; qkv (5120 x 2048)
+    132 programs of 4-5 8-row tiles in 8 parts, 4 copies each."""
+    if itemsize != 2:
+        return None
+    best = None
+    for r in _MMA_ROWS:
+        q = 64 // r
+        if K % (q * 64):
+            continue
+        tiles = triton.cdiv(N, r)
+        progs = min(tiles, sms)
+        per_prog = triton.cdiv(tiles, progs) * r * K * itemsize
+        key = (per_prog, -r)
+        if best is None or key < best[0]:
+            best = (key, r, tiles, progs)
+    if best is None:
+        return None
+    _, r, tiles, progs = best
+    q = 64 // r
+    cpt = K // (q * 64)
+    copies = triton.cdiv(tiles, progs) * cpt
+    copy_bytes = 64 * 64 * itemsize
+    return {"R": r, "Q": q, "CPT": cpt,
+            "SLOTS": max(2, min(copies, smem_bytes // copy_bytes)), "programs": progs, "tiles": tiles,
+            "num_warps": 4}
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_mma_config(N, K, itemsize, sms, smem_bytes):
+    return tma_mma_config(N, K, itemsize, sms, smem_bytes)
+
+
 def tma_gemv_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether ``gemv_tma_triton(x, w)`` runs here: Hopper with PDL, 1-2 rows, a contiguous
     bf16/fp16 W whose rows are 16-byte aligned (the TMA's rule), x of W's dtype."""
@@ -254,9 +394,10 @@ def tma_for_lm_head() -> bool:
 
 def gemv_tma_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                     out: Optional[torch.Tensor] = None, config: Optional[dict] = None,
-                    times: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [M <= 2, K], w [N, K] -> [M, N] in x's dtype (``config``: tma_gemv_config's keys,
-    for tests and benchmarks). ``times`` (diagnostics): int64 [programs, 8] that receives each
+                    times: Optional[torch.Tensor] = None, mma: Optional[bool] = None) -> torch.Tensor:
+    """x [M <= 2, K], w [N, K] -> [M, N] in x's dtype (``config``: tma_gemv_config's keys, or
+    tma_mma_config's with ``mma``, for tests and benchmarks; ``mma``: the tensor-core form where
+    K splits (None: BLITZ_GEMV_TMA_MMA)). ``times`` (diagnostics): int64 [programs, 8] that receives each
     program's %globaltimer at its start, preload issued, PDL wait over, x staged, first and
     last chunk of its first tile arrived, end."""
     assert HAS_GLUON and x.is_cuda, "the TMA GEMV needs a Hopper GPU and Gluon"
@@ -267,6 +408,12 @@ def gemv_tma_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tenso
         x = x.contiguous()
     if out is None:
         out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    mma = mma if mma is not None else TMA_MMA
+    if mma:
+        mcfg = config or _cached_mma_config(N, K, w.element_size(), device_sms(x), TMA_SMEM_BYTES)
+        if mcfg is not None:
+            _launch_mma(x, w, bias, out, mcfg, times)
+            return out
     cfg = config or _cached_config(N, K, w.element_size(), device_sms(x), TMA_SMEM_BYTES)
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
     grouped = K % bk == 0
@@ -279,6 +426,24 @@ def gemv_tma_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tenso
         TWO_ROWS=M > 1, HAS_BIAS=bias is not None, USE_PDL=pdl, TPW_K=min(32, bk // 8), WN=cfg["WN"],
         t_ptr=times, TIMED=times is not None, HOIST_X=TMA_HOIST_X, num_warps=cfg["num_warps"], **kw)
     return out
+
+
+def _launch_mma(x, w, bias, out, cfg, times) -> None:
+    """The tensor-core form's launch: W viewed as [N, Q, K / Q] for [R, Q, 64] boxes, 128-byte
+    swizzled (the wgmma A operand's shared layout)."""
+    M, K = x.shape
+    N = w.shape[0]
+    r, q = cfg["R"], cfg["Q"]
+    mp = 2 if M > 1 else 1
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
+    desc = TensorDescriptor(w, [N, q, K // q], [K, K // q, 1], [r, q, 64], layout)
+    pdl = pdl_enabled(x)
+    kw = {"launch_pdl": True} if pdl else {}
+    _gemv_tma_mma_kernel[(cfg["programs"],)](
+        desc, x, bias if bias is not None else x, out, M, N, K, x.stride(0), out.stride(0), cfg["tiles"],
+        R=r, Q=q, CPT=cfg["CPT"], NB=max(8, q * mp), MP=mp, SLOTS=cfg["SLOTS"], CPT_PAD=next_pow2(cfg["CPT"]),
+        HAS_BIAS=bias is not None, USE_PDL=pdl, t_ptr=times, TIMED=times is not None,
+        num_warps=cfg["num_warps"], **kw)
 
 
 def _descriptor(w: torch.Tensor, bn: int, bk: int, g: int, grouped: bool):
