@@ -208,7 +208,7 @@ if HAS_GLUON:
     @gluon.jit
     def _gemv_tma_mma_kernel(w_desc, x_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_om, n_tiles,
                              R: gl.constexpr, Q: gl.constexpr, CPT: gl.constexpr, NB: gl.constexpr,
-                             MP: gl.constexpr, SLOTS: gl.constexpr, CPT_PAD: gl.constexpr,
+                             MP: gl.constexpr, SLOTS: gl.constexpr, CPT_PAD: gl.constexpr, RING: gl.constexpr,
                              HAS_BIAS: gl.constexpr, USE_PDL: gl.constexpr, t_ptr=None, TIMED: gl.constexpr = False):
         """The TMA GEMV on the tensor cores (one warpgroup): a tile is R rows of W over all of K,
         seen as Q parts of KP = K / Q values, and each copy brings one 64-value chunk of every part:
@@ -258,13 +258,13 @@ if HAS_GLUON:
         _stamp(t_ptr, pid, 3, TIMED)
         for t in range(0, my_tiles):
             acc = gl.zeros([64, NB], gl.float32, acc_l)
-            for j in range(0, CPT):
+            for j in gl.static_range(CPT):  # (unrolled: the wgmmas queue up unawaited)
                 q = t * CPT + j
                 mbarrier.wait(bars.index(q % SLOTS), (q // SLOTS) & 1)
                 a = smem.index(q % SLOTS)._reinterpret(w_desc.dtype, [64, 64], a2)
                 acc = warpgroup_mma(a, xb.index(j).permute((1, 0)), acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # copy q - 1's wgmma is done
-                if SLOTS < total:  # the ring turns: copy q - 1's slot refills
+                if RING:  # the ring turns: once copy q - 1's wgmma is done its slot refills
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                     if q >= 1:
                         gl.thread_barrier()
                         _issue_mma(w_desc, smem, bars, q - 1 + SLOTS, total, pid, nprog, R, CPT, SLOTS)
@@ -442,6 +442,7 @@ def _launch_mma(x, w, bias, out, cfg, times) -> None:
     _gemv_tma_mma_kernel[(cfg["programs"],)](
         desc, x, bias if bias is not None else x, out, M, N, K, x.stride(0), out.stride(0), cfg["tiles"],
         R=r, Q=q, CPT=cfg["CPT"], NB=max(8, q * mp), MP=mp, SLOTS=cfg["SLOTS"], CPT_PAD=next_pow2(cfg["CPT"]),
+        RING=cfg["SLOTS"] < triton.cdiv(cfg["tiles"], cfg["programs"]) * cfg["CPT"],
         HAS_BIAS=bias is not None, USE_PDL=pdl, t_ptr=times, TIMED=times is not None,
         num_warps=cfg["num_warps"], **kw)
 

@@ -100,7 +100,7 @@ for N, K in ((2048, 4096), (5120, 2048)):  # the tensor-core form at two rows
     lay = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
     desc = TensorDescriptor(w, [N, q, K // q], [K, K // q, 1], [r, q, 64], lay)
     k = g._gemv_tma_mma_kernel.warmup(desc, x, x, x, 2, N, K, K, N, c["tiles"], R=r, Q=q, CPT=c["CPT"],
-        NB=max(8, 2 * q), MP=2, SLOTS=c["SLOTS"], CPT_PAD=c["CPT"], HAS_BIAS=True, USE_PDL=True, num_warps=4,
+        NB=max(8, 2 * q), MP=2, SLOTS=c["SLOTS"], CPT_PAD=c["CPT"], RING=False, HAS_BIAS=True, USE_PDL=True, num_warps=4,
         grid=(c["programs"],))
     ptx = k.asm["ptx"]
     wait = ptx.index("griddepcontrol.wait")
