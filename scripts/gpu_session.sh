@@ -141,6 +141,20 @@ for part in "$@"; do case $part in
          -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/atom28_tests.log"
        timeout ${E2E_TIMEOUT:-200} python3 -m pytest -q --tb=short -m gpu tests/test_gpu_e2e.py \
          -k "atomic or norm_route" -p no:cacheprovider 2>&1 | tail -4 | tee -a "$OUT/atom28_tests.log" ;;
+  ab29) # qwen3-30b-a3b batch 1: the tensor-core TMA GEMV with its wgmmas queued per tile, the selection by
+       # rank, against the defaults; the tensor-core form's precision; the GPU tests of both
+       timeout 120 python3 scripts/mma_precision.py 2>&1 | tail -6 | tee "$OUT/ab29_precision.log"
+       M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
+       run 150 q30b_def $M
+       BLITZ_GEMV_TMA_MMA=1 run 100 q30b_mma $M
+       BLITZ_MOE_SELECT=rank run 100 q30b_rank $M
+       run 100 q30b_def2 $M
+       BLITZ_MOE_SELECT=rank run 100 q30b_rank2 $M
+       rm -f "$OUT"/*.log
+       python3 scripts/kernel_table.py "$OUT"/q30b_mma.json "$OUT"/q30b_rank.json | grep -v "^    " | grep -v "_greedy\|indexSelect"
+       timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q --tb=line -m gpu tests/kernels/test_kernel_moe.py \
+         tests/kernels/test_kernel_gemv_tma.py tests/test_gpu_e2e.py -k "select_experts or tensor_cores or matches_reference_gpu" \
+         -p no:cacheprovider 2>&1 | tail -6 | tee "$OUT/ab29_tests.log" ;;
   mma29b) # the tensor-core TMA GEMV with its wgmmas queued per tile (no wait per chunk): its precision
        # against an fp64 product beside the FMA form, its tests, qwen3-30b-a3b batch 1 against the FMA form
        timeout 120 python3 scripts/mma_precision.py 2>&1 | tail -6 | tee "$OUT/mma29b_precision.log"

@@ -324,10 +324,57 @@ def _select_experts_kernel(logits_ptr, bias_ptr, w_out_ptr, id_out_ptr, stride_l
                 NG_PAD, G_PAD, TOPK_GROUP, TOP_K, K_PAD, SIGMOID, HAS_BIAS, RENORM)
 
 
+@triton.jit
+def _select_rank_kernel(logits_ptr, bias_ptr, w_out_ptr, id_out_ptr, scratch_ptr, stride_l, scaling,
+                        E: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr, SIGMOID: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, USE_PDL: tl.constexpr):
+    """One token's top-k (no groups) by rank instead of argmax rounds: each thread holds one
+    expert's choice score, the scores go to a scratch row, and each thread counts the experts
+    ahead of its own (a higher score, or the same score and a lower id: the rounds' order) from
+    E broadcast loads, with no reduction between the loads; the experts ranked below TOP_K
+    write their weight and id at their rank."""
+    pdl_wait(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    pdl_launch_dependents(USE_PDL)
+    offs = tl.arange(0, E_PAD)
+    valid = offs < E
+    logit = tl.load(logits_ptr + row * stride_l + offs, mask=valid, other=float("-inf"), cache_modifier=".cg")
+    if SIGMOID:
+        score = 1.0 / (1.0 + tl.exp(-logit))
+    else:
+        p = tl.exp(logit - tl.max(logit, axis=0))
+        score = p / tl.sum(p, axis=0)
+    choice = score
+    if HAS_BIAS:  # the correction bias steers the choice, not the weights
+        choice = score + tl.load(bias_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+    choice = tl.where(valid, choice, float("-inf"))
+    srow = scratch_ptr + row * E_PAD
+    tl.store(srow + offs, choice)
+    tl.debug_barrier()  # every thread's score is stored before any thread reads the row
+    rank = tl.zeros([E_PAD], dtype=tl.int32)
+    for j in tl.static_range(E):
+        c = tl.load(srow + j, cache_modifier=".cg")
+        rank += ((c > choice) | ((c == choice) & (offs > j))).to(tl.int32)
+    chosen = valid & (rank < TOP_K)
+    w = tl.where(chosen, score, 0.0)
+    if RENORM:
+        w = w / (tl.sum(w, axis=0) + 1e-20)
+    w = w * scaling
+    tl.store(w_out_ptr + row * TOP_K + rank, w, mask=chosen)
+    tl.store(id_out_ptr + row * TOP_K + rank, offs, mask=chosen)
+
+
+# BLITZ_MOE_SELECT=rank (A/B): ungrouped expert selection by each expert's rank
+# (``_select_rank_kernel``) instead of TOP_K argmax rounds in one warp
+MOE_SELECT_RANK = os.environ.get("BLITZ_MOE_SELECT", "rounds") == "rank"
+
+
 def select_experts_triton(logits: torch.Tensor, top_k: int, scoring: str = "softmax",
                           bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: int = 1,
-                          renormalize: bool = True, scaling: float = 1.0):
-    """``reference_select_experts`` in one kernel: (weights [T, K] fp32, ids [T, K] int32)."""
+                          renormalize: bool = True, scaling: float = 1.0, rank: Optional[bool] = None):
+    """``reference_select_experts`` in one kernel: (weights [T, K] fp32, ids [T, K] int32).
+    ``rank``: the ungrouped selection by rank (None: BLITZ_MOE_SELECT); grouped routing always
+    takes the argmax rounds."""
     T, E = logits.shape
     check_routing(E, top_k, scoring, bias, n_group, topk_group)
     logits = logits.float()
@@ -336,6 +383,15 @@ def select_experts_triton(logits: torch.Tensor, top_k: int, scoring: str = "soft
     weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
     if T == 0:
+        return weights, ids
+    if (MOE_SELECT_RANK if rank is None else rank) and n_group == 1 and E <= 512:
+        e_pad = next_pow2(E)
+        scratch = torch.empty(T * e_pad, dtype=torch.float32, device=logits.device)
+        pdl = pdl_enabled(logits)
+        _select_rank_kernel[(T,)](
+            logits, bias.contiguous() if bias is not None else logits, weights, ids, scratch, logits.stride(0),
+            float(scaling), E=E, E_PAD=e_pad, TOP_K=top_k, SIGMOID=scoring == "sigmoid", HAS_BIAS=bias is not None,
+            RENORM=bool(renormalize), USE_PDL=pdl, num_warps=max(1, min(16, e_pad // 32)), **pdl_launch_kwargs(pdl))
         return weights, ids
     group = E // n_group
     ng_pad, g_pad = next_pow2(n_group), next_pow2(group)

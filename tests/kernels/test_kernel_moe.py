@@ -135,24 +135,32 @@ ROUTINGS = {  # (E, top_k, scoring, bias, n_group, topk_group, renormalize, scal
 
 @pytest.mark.parametrize("name", list(ROUTINGS))
 @pytest.mark.parametrize("t", [1, 3, 17])
-def test_select_experts(t, name, device):
+@pytest.mark.parametrize("rank", [False, True])
+def test_select_experts(t, name, rank, device):
+    """Both selection forms (argmax rounds; by rank, ungrouped routings) against the reference;
+    the rank form also gives the rounds' ids in the rounds' order (best first)."""
     e, k, scoring, with_bias, ng, tg, renorm, scaling = ROUTINGS[name]
     logits, bias = routing_inputs(t, e, scoring, with_bias, ng, seed=t)
     args = (k, scoring, bias, ng, tg, renorm, scaling)
     ref_w, ref_ids = reference_select_experts(logits, *args)
-    w, ids = select_experts_triton(logits.to(device), k, scoring, bias.to(device) if with_bias else None,
-                                   ng, tg, renorm, scaling)
+    dev_args = (logits.to(device), k, scoring, bias.to(device) if with_bias else None, ng, tg, renorm, scaling)
+    w, ids = select_experts_triton(*dev_args, rank=rank)
     assert w.shape == ids.shape == (t, k) and w.dtype == torch.float32 and ids.dtype == torch.int32
+    if rank:
+        rw, rids = select_experts_triton(*dev_args, rank=False)
+        assert torch.equal(ids.cpu(), rids.cpu())
+        torch.testing.assert_close(w.cpu(), rw.cpu(), rtol=1e-6, atol=1e-7)
     w, ids = by_id(w.cpu(), ids.cpu())
     ref_w, ref_ids = by_id(ref_w, ref_ids)
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
 
 
-def test_select_experts_lowest_id_on_ties(device):
+@pytest.mark.parametrize("rank", [False, True])
+def test_select_experts_lowest_id_on_ties(device, rank):
     logits = torch.zeros(2, 12)
     logits[1, 5] = 1.0
-    _, ids = select_experts_triton(logits.to(device), 3)
+    _, ids = select_experts_triton(logits.to(device), 3, rank=rank)
     assert ids.cpu().tolist() == [[0, 1, 2], [5, 0, 1]]
 
 
