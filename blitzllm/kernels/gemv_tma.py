@@ -60,6 +60,7 @@ TMA_HOIST_X = os.environ.get("BLITZ_GEMV_TMA_HOIST", "1") != "0"
 # fp32 FMAs from shared memory, where K divides into such parts (opt-in until measured)
 TMA_MMA = os.environ.get("BLITZ_GEMV_TMA_MMA", "0") == "1"
 _MMA_ROWS = (8, 16, 32, 64)
+TMA_MMA_MAX_TILES = 8  # tiles per program at most (the tile loop is unrolled)
 
 if HAS_GLUON:
     @gluon.jit
@@ -193,6 +194,11 @@ if HAS_GLUON:
         _stamp(t_ptr, pid, 6, TIMED)
 
 
+    @gluon.constexpr_function
+    def _row_lanes(r):
+        """A warp's lanes over (entries, rows) of the final sums: rows across lanes first."""
+        return [max(1, 32 // r), min(r, 32)]
+
     @gluon.jit
     def _issue_mma(w_desc, smem, bars, q, total, pid, nprog, R: gl.constexpr, CPT: gl.constexpr,
                    SLOTS: gl.constexpr):
@@ -209,6 +215,7 @@ if HAS_GLUON:
     def _gemv_tma_mma_kernel(w_desc, x_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_om, n_tiles,
                              R: gl.constexpr, Q: gl.constexpr, CPT: gl.constexpr, NB: gl.constexpr,
                              MP: gl.constexpr, SLOTS: gl.constexpr, CPT_PAD: gl.constexpr, RING: gl.constexpr,
+                             T_MAX: gl.constexpr,
                              HAS_BIAS: gl.constexpr, USE_PDL: gl.constexpr, t_ptr=None, TIMED: gl.constexpr = False):
         """The TMA GEMV on the tensor cores (one warpgroup): a tile is R rows of W over all of K,
         seen as Q parts of KP = K / Q values, and each copy brings one 64-value chunk of every part:
@@ -242,10 +249,9 @@ if HAS_GLUON:
         xmask = (xn < MP * Q) & (xm < M) & (xj < CPT)
         rows_a = gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
         cols_a = gl.arange(0, NB, layout=gl.SliceLayout(0, acc_l))
-        # the [64] diagonal entries against the tile's R rows: (r, q) belongs to row r
-        GL: gl.constexpr = gl.BlockedLayout([1, R], [32, 1], [4, 1], [1, 0])
-        offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, GL))
-        grp = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(1, GL)) // Q, 1) == gl.expand_dims(offs_r, 0)
+        # per (tile, x row): the [64] diagonal entries, summed over each row's Q parts at the end
+        TP: gl.constexpr = _pow2(T_MAX * MP)
+        dbuf = gl.allocate_shared_memory(gl.float32, [TP * 64], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         if USE_PDL:
             _gdc_wait()
             _gdc_launch_dependents()
@@ -256,34 +262,37 @@ if HAS_GLUON:
         gl.thread_barrier()
         xb = xs._reinterpret(w_desc.dtype, [CPT_PAD, NB, 64], a2)
         _stamp(t_ptr, pid, 3, TIMED)
-        for t in range(0, my_tiles):
-            acc = gl.zeros([64, NB], gl.float32, acc_l)
-            for j in gl.static_range(CPT):  # (unrolled: the wgmmas queue up unawaited)
-                q = t * CPT + j
-                mbarrier.wait(bars.index(q % SLOTS), (q // SLOTS) & 1)
-                a = smem.index(q % SLOTS)._reinterpret(w_desc.dtype, [64, 64], a2)
-                acc = warpgroup_mma(a, xb.index(j).permute((1, 0)), acc, is_async=True)
-                if RING:  # the ring turns: once copy q - 1's wgmma is done its slot refills
-                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                    if q >= 1:
-                        gl.thread_barrier()
-                        _issue_mma(w_desc, smem, bars, q - 1 + SLOTS, total, pid, nprog, R, CPT, SLOTS)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            if t == 0:
-                _stamp(t_ptr, pid, 4, TIMED)
-            rows = (pid + t * nprog) * R + offs_r
-            ok = rows < N
-            if HAS_BIAS:
-                bias = gl.load(b_ptr + rows, mask=ok, other=0.0).to(gl.float32)
-            for m in gl.static_range(MP):
-                # row (r, q)'s entry in column m * Q + q, then out[m, r]: the sum over its Q rows
-                sel = gl.expand_dims(cols_a, 0) == gl.expand_dims(m * Q + rows_a % Q, 1)
-                d = gl.convert_layout(gl.sum(gl.where(sel, acc, 0.0), axis=1), gl.SliceLayout(1, GL))
-                y = gl.sum(gl.where(grp, gl.expand_dims(d, 1), 0.0), axis=0)
-                if HAS_BIAS:
-                    y += bias
-                gl.store(out_ptr + m * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=ok & (m < M))
+        for t in gl.static_range(T_MAX):  # (unrolled: the wgmmas of a tile queue up unawaited)
+            if t < my_tiles:
+                acc = gl.zeros([64, NB], gl.float32, acc_l)
+                for j in gl.static_range(CPT):
+                    q = t * CPT + j
+                    mbarrier.wait(bars.index(q % SLOTS), (q // SLOTS) & 1)
+                    a = smem.index(q % SLOTS)._reinterpret(w_desc.dtype, [64, 64], a2)
+                    acc = warpgroup_mma(a, xb.index(j).permute((1, 0)), acc, is_async=True)
+                    if RING:  # the ring turns: once copy q - 1's wgmma is done its slot refills
+                        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                        if q >= 1:
+                            gl.thread_barrier()
+                            _issue_mma(w_desc, smem, bars, q - 1 + SLOTS, total, pid, nprog, R, CPT, SLOTS)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                for m in gl.static_range(MP):  # row (r, q)'s entry in column m * Q + q
+                    sel = gl.expand_dims(cols_a, 0) == gl.expand_dims(m * Q + rows_a % Q, 1)
+                    dbuf.slice((t * MP + m) * 64, 64).store(gl.sum(gl.where(sel, acc, 0.0), axis=1))
         _stamp(t_ptr, pid, 5, TIMED)
+        gl.thread_barrier()
+        # out[m, r] of tile t: the sum over q of entry (t * MP + m, r * Q + q)
+        OL: gl.constexpr = gl.BlockedLayout([1, 1, Q], [_row_lanes(R)[0], _row_lanes(R)[1], 1], [4, 1, 1], [2, 1, 0])
+        d3 = dbuf._reinterpret(gl.float32, [TP, R, Q], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
+        y = gl.sum(d3.load(OL), axis=2)
+        oi = gl.expand_dims(gl.arange(0, TP, layout=gl.SliceLayout(1, gl.SliceLayout(2, OL))), 1)
+        orr = gl.expand_dims(gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(2, OL))), 0)
+        om = oi % MP
+        rows = (pid + (oi // MP) * nprog) * R + orr
+        ok = (oi // MP < my_tiles) & (om < M) & (rows < N)
+        if HAS_BIAS:
+            y += gl.load(b_ptr + rows, mask=ok, other=0.0).to(gl.float32)
+        gl.store(out_ptr + om * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=ok)
         for s in gl.static_range(SLOTS):
             mbarrier.invalidate(bars.index(s))
         _stamp(t_ptr, pid, 6, TIMED)
@@ -331,8 +340,8 @@ def tma_mma_config(N: int, K: int, itemsize: int, sms: int, smem_bytes: int = TM
     """The tensor-core form's tiles (None where K does not split): R rows of W per tile (8..64),
     seen as Q = 64 / R parts of K (K a multiple of Q * 64), spread over at most one program per SM
     so the busiest program streams the fewest bytes (ties: the larger R); CPT copies of [R, Q, 64]
-    (8 KB in bf16) per tile, SLOTS of them in shared memory (all where ``smem_bytes`` holds them).
-    E.g. H200, bf16: Qwen3-30B-A3B o_proj
+    (8 KB in bf16) per tile, SLOTS of them in shared memory (all where ``smem_bytes`` holds them),
+    T_MAX tiles per program at most (``TMA_MMA_MAX_TILES``: None beyond). E.g. H200, bf16: Qwen3-30B-A3B o_proj
     (2048 x 4096) 128 programs of one 16-row tile in 4 parts, 16 copies each; qkv (5120 x 2048)
     132 programs of 4-5 8-row tiles in 8 parts, 4 copies each."""
     if itemsize != 2:
@@ -355,7 +364,9 @@ def tma_mma_config(N: int, K: int, itemsize: int, sms: int, smem_bytes: int = TM
     cpt = K // (q * 64)
     copies = triton.cdiv(tiles, progs) * cpt
     copy_bytes = 64 * 64 * itemsize
-    return {"R": r, "Q": q, "CPT": cpt,
+    if triton.cdiv(tiles, progs) > TMA_MMA_MAX_TILES:
+        return None
+    return {"R": r, "Q": q, "CPT": cpt, "T_MAX": triton.cdiv(tiles, progs),
             "SLOTS": max(2, min(copies, smem_bytes // copy_bytes)), "programs": progs, "tiles": tiles,
             "num_warps": 4}
 
@@ -442,7 +453,7 @@ def _launch_mma(x, w, bias, out, cfg, times) -> None:
     _gemv_tma_mma_kernel[(cfg["programs"],)](
         desc, x, bias if bias is not None else x, out, M, N, K, x.stride(0), out.stride(0), cfg["tiles"],
         R=r, Q=q, CPT=cfg["CPT"], NB=max(8, q * mp), MP=mp, SLOTS=cfg["SLOTS"], CPT_PAD=next_pow2(cfg["CPT"]),
-        RING=cfg["SLOTS"] < triton.cdiv(cfg["tiles"], cfg["programs"]) * cfg["CPT"],
+        RING=cfg["SLOTS"] < cfg["T_MAX"] * cfg["CPT"], T_MAX=cfg["T_MAX"],
         HAS_BIAS=bias is not None, USE_PDL=pdl, t_ptr=times, TIMED=times is not None,
         num_warps=cfg["num_warps"], **kw)
 

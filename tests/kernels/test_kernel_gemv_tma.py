@@ -47,10 +47,14 @@ def test_mma_config_splits_k_into_64_row_operands(N, K, sms):
     of whole 64-value chunks, every row in one tile, at most one program per SM, and no other
     row count gives the busiest program fewer bytes."""
     cfg = gemv_tma.tma_mma_config(N, K, 2, sms)
+    if N // 8 > sms * gemv_tma.TMA_MMA_MAX_TILES * 8:  # (lm_head-sized: too many tiles per program)
+        assert cfg is None
+        return
     r, q, cpt, tiles, progs = cfg["R"], cfg["Q"], cfg["CPT"], cfg["tiles"], cfg["programs"]
     assert r * q == 64 and cpt * q * 64 == K
     assert tiles * r >= N > (tiles - 1) * r
     assert 1 <= progs <= min(sms, tiles) and cfg["num_warps"] == 4
+    assert cfg["T_MAX"] == -(-tiles // progs) <= gemv_tma.TMA_MMA_MAX_TILES
     copies = -(-tiles // progs) * cpt
     assert cfg["SLOTS"] == max(2, min(copies, gemv_tma.TMA_SMEM_BYTES // (64 * 64 * 2)))
     busiest = -(-tiles // progs) * r * K
@@ -100,7 +104,7 @@ for N, K in ((2048, 4096), (5120, 2048)):  # the tensor-core form at two rows
     lay = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
     desc = TensorDescriptor(w, [N, q, K // q], [K, K // q, 1], [r, q, 64], lay)
     k = g._gemv_tma_mma_kernel.warmup(desc, x, x, x, 2, N, K, K, N, c["tiles"], R=r, Q=q, CPT=c["CPT"],
-        NB=max(8, 2 * q), MP=2, SLOTS=c["SLOTS"], CPT_PAD=c["CPT"], RING=False, HAS_BIAS=True, USE_PDL=True, num_warps=4,
+        NB=max(8, 2 * q), MP=2, SLOTS=c["SLOTS"], CPT_PAD=c["CPT"], RING=False, T_MAX=c["T_MAX"], HAS_BIAS=True, USE_PDL=True, num_warps=4,
         grid=(c["programs"],))
     ptx = k.asm["ptx"]
     wait = ptx.index("griddepcontrol.wait")
