@@ -150,6 +150,7 @@ for part in "$@"; do case $part in
        BLITZ_MOE_SELECT=rank run 100 q30b_rank $M
        run 100 q30b_def2 $M
        BLITZ_MOE_SELECT=rank run 100 q30b_rank2 $M
+       BLITZ_GEMV_TMA_MMA=1 BLITZ_MOE_SELECT=rank run 100 q30b_both $M
        rm -f "$OUT"/*.log
        python3 scripts/kernel_table.py "$OUT"/q30b_mma.json "$OUT"/q30b_rank.json | grep -v "^    " | grep -v "_greedy\|indexSelect"
        timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q --tb=line -m gpu tests/kernels/test_kernel_moe.py \
