@@ -151,6 +151,9 @@ for part in "$@"; do case $part in
        run 100 q30b_def2 $M
        BLITZ_MOE_SELECT=rank run 100 q30b_rank2 $M
        BLITZ_GEMV_TMA_MMA=1 BLITZ_MOE_SELECT=rank run 100 q30b_both $M
+       BLITZ_GEMV_TMA_TIMES="$OUT/times_fma.txt" run 100 q30b_tfma $M
+       BLITZ_GEMV_TMA_MMA=1 BLITZ_GEMV_TMA_TIMES="$OUT/times_mma.txt" run 100 q30b_tmma $M
+       cat "$OUT"/times_*.txt
        rm -f "$OUT"/*.log
        python3 scripts/kernel_table.py "$OUT"/q30b_mma.json "$OUT"/q30b_rank.json | grep -v "^    " | grep -v "_greedy\|indexSelect"
        timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q --tb=line -m gpu tests/kernels/test_kernel_moe.py \

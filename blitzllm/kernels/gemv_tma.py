@@ -423,9 +423,13 @@ def gemv_tma_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tenso
     if mma:
         mcfg = config or _cached_mma_config(N, K, w.element_size(), device_sms(x), TMA_SMEM_BYTES)
         if mcfg is not None:
+            if times is None and _TIMES_PATH:
+                times = _diag_times(mcfg["programs"], x.device, (N, K, M, "mma"))
             _launch_mma(x, w, bias, out, mcfg, times)
             return out
     cfg = config or _cached_config(N, K, w.element_size(), device_sms(x), TMA_SMEM_BYTES)
+    if times is None and _TIMES_PATH:
+        times = _diag_times(cfg["programs"], x.device, (N, K, M, "fma"))
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
     grouped = K % bk == 0
     desc = _descriptor(w, bn, bk, cfg["G"], grouped)
@@ -437,6 +441,46 @@ def gemv_tma_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tenso
         TWO_ROWS=M > 1, HAS_BIAS=bias is not None, USE_PDL=pdl, TPW_K=min(32, bk // 8), WN=cfg["WN"],
         t_ptr=times, TIMED=times is not None, HOIST_X=TMA_HOIST_X, num_warps=cfg["num_warps"], **kw)
     return out
+
+
+TIMELINE = ("start", "preload issued", "wait over", "x staged", "first copy in", "first tile's copies in / all "
+            "tiles (mma)", "end")
+# BLITZ_GEMV_TMA_TIMES=path (diagnostics): every launch records each program's %globaltimer at
+# TIMELINE's points (a buffer per call, so per captured layer too); at exit the latest launches of
+# each shape (the last decode step's) are summarised into path
+_TIMES_PATH = os.environ.get("BLITZ_GEMV_TMA_TIMES", "")
+_TIMES = []
+
+
+def _diag_times(programs: int, device: torch.device, key: tuple) -> torch.Tensor:
+    if not _TIMES:
+        import atexit
+        atexit.register(_dump_times)
+    _TIMES.append((key, torch.zeros(programs, 8, dtype=torch.int64, device=device)))
+    return _TIMES[-1][1]
+
+
+def _dump_times(last: int = 48) -> None:
+    """Per shape (N, K, rows, form): the mean over its latest ``last`` launches of each point, us
+    after the launch's first program's wait: min / median / max over programs (0: not stamped)."""
+    lines = []
+    for key in sorted({k for k, _ in _TIMES}, key=str):
+        runs = [t.double().cpu() / 1000.0 for k, t in _TIMES if k == key]
+        runs = sorted((t for t in runs if bool((t[:, 0] > 0).all())), key=lambda t: t[:, 0].min().item())[-last:]
+        if not runs:
+            continue
+        lines.append(f"N {key[0]} K {key[1]} rows {key[2]} {key[3]}: mean of {len(runs)} launches (us after the "
+                     "first wait; min / median / max over programs)")
+        for j, name in enumerate(TIMELINE):
+            if not bool((runs[-1][:, j] > 0).any()):  # (a point this form does not stamp)
+                continue
+            v = torch.zeros(3, dtype=torch.float64)
+            for t in runs:
+                rel = t[:, j] - t[:, 2].min()
+                v += torch.stack([rel.min(), rel.median(), rel.max()]) / len(runs)
+            lines.append(f"  {name:<44} {v[0]:8.2f} {v[1]:8.2f} {v[2]:8.2f}")
+    with open(_TIMES_PATH, "w") as f:
+        f.write("\n".join(lines) + "\n")
 
 
 def _launch_mma(x, w, bias, out, cfg, times) -> None:

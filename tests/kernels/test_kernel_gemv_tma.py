@@ -186,3 +186,30 @@ def test_in_cuda_graph_gpu():
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out.float(), gemv_tma.reference_gemv_tma(x, w).float(), rtol=1e-2, atol=1e-2)
+
+
+def test_timeline_dump_summarises_the_latest_launches_per_shape(monkeypatch, tmp_path):
+    """BLITZ_GEMV_TMA_TIMES: per shape, each point relative to the launch's first wait (min /
+    median / max over programs, averaged over the latest launches), points a form does not stamp
+    left out, launches never run (zeros) skipped."""
+    path = tmp_path / "times.txt"
+    monkeypatch.setattr(gemv_tma, "_TIMES_PATH", str(path))
+    monkeypatch.setattr(gemv_tma, "_TIMES", [])
+    monkeypatch.setattr("atexit.register", lambda fn: fn)
+    for i in range(3):
+        t = gemv_tma._diag_times(3, torch.device("cpu"), (2048, 4096, 1, "fma"))
+        t[:] = torch.arange(1, 9).repeat(3, 1) * 1000 + i * 100000
+        t[1] += 2000  # the second program two us behind the first, the third four
+        t[2] += 4000
+    gemv_tma._diag_times(3, torch.device("cpu"), (2048, 4096, 1, "fma"))  # captured, never run
+    u = gemv_tma._diag_times(2, torch.device("cpu"), (5120, 2048, 2, "mma"))
+    u[:] = torch.arange(1, 9).repeat(2, 1) * 1000
+    u[:, 4] = 0  # (the tensor-core form does not stamp point 4)
+    gemv_tma._dump_times(last=2)
+    lines = path.read_text().splitlines()
+    assert lines[0].startswith("N 2048 K 4096 rows 1 fma: mean of 2 launches")
+    rows = {ln[:46].strip(): [float(v) for v in ln[46:].split()] for ln in lines[1:8]}
+    assert rows["wait over"] == [0.0, 2.0, 4.0] and rows["end"] == [4.0, 6.0, 8.0]
+    assert rows["start"] == [-2.0, 0.0, 2.0]
+    assert lines[8].startswith("N 5120 K 2048 rows 2 mma: mean of 1 launches")
+    assert len(lines) == 1 + 7 + 1 + 6 and not any(ln.strip().startswith("first copy in") for ln in lines[9:])
