@@ -195,6 +195,8 @@ def test_timeline_dump_summarises_the_latest_launches_per_shape(monkeypatch, tmp
     path = tmp_path / "times.txt"
     monkeypatch.setattr(gemv_tma, "_TIMES_PATH", str(path))
     monkeypatch.setattr(gemv_tma, "_TIMES", [])
+    monkeypatch.setattr(gemv_tma, "_TIMES_POOL", {})
+    monkeypatch.setattr(gemv_tma, "_TIMES_SLOTS", 16)
     monkeypatch.setattr("atexit.register", lambda fn: fn)
     for i in range(3):
         t = gemv_tma._diag_times(3, torch.device("cpu"), (2048, 4096, 1, "fma"))
@@ -213,3 +215,4 @@ def test_timeline_dump_summarises_the_latest_launches_per_shape(monkeypatch, tmp
     assert rows["start"] == [-2.0, 0.0, 2.0]
     assert lines[8].startswith("N 5120 K 2048 rows 2 mma: mean of 1 launches")
     assert len(lines) == 1 + 7 + 1 + 6 and not any(ln.strip().startswith("first copy in") for ln in lines[9:])
+    assert len(gemv_tma._TIMES_POOL) == 1  # one pool: each call a view of its next slot
