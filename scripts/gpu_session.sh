@@ -159,17 +159,6 @@ for part in "$@"; do case $part in
        timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q --tb=line -m gpu tests/kernels/test_kernel_moe.py \
          tests/kernels/test_kernel_gemv_tma.py tests/test_gpu_e2e.py -k "select_experts or tensor_cores or matches_reference_gpu" \
          -p no:cacheprovider 2>&1 | tail -6 | tee "$OUT/ab29_tests.log" ;;
-  mma29b) # the tensor-core TMA GEMV with its wgmmas queued per tile (no wait per chunk): its precision
-       # against an fp64 product beside the FMA form, its tests, qwen3-30b-a3b batch 1 against the FMA form
-       timeout 120 python3 scripts/mma_precision.py 2>&1 | tail -6 | tee "$OUT/mma29b_precision.log"
-       M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
-       BLITZ_GEMV_TMA_MMA=1 run 150 q30b_mma $M
-       run 100 q30b_fma $M
-       BLITZ_GEMV_TMA_MMA=1 run 100 q30b_mma2 $M
-       python3 scripts/kernel_table.py "$OUT"/q30b_mma.json | grep -v "_greedy\|indexSelect" | head -12
-       timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q --tb=line -m gpu tests/kernels/test_kernel_gemv_tma.py \
-         tests/test_gpu_e2e.py -k "tensor_cores or (matches_reference and True)" -p no:cacheprovider 2>&1 \
-         | tail -6 | tee "$OUT/mma29b_tests.log" ;;
   mma29) # the TMA GEMV's products on the tensor cores (BLITZ_GEMV_TMA_MMA=1): its GPU tests, then
        # qwen3-30b-a3b batch 1 against the FMA form (twice each, alternating) and qwen3-0.6b
        timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q --tb=short -m gpu tests/kernels/test_kernel_gemv_tma.py \
