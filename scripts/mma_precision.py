@@ -1,6 +1,7 @@
-"""The TMA GEMV's two forms (FMA, tensor cores) against an fp64 product: the largest error before
-the bf16 rounding is hidden, so compare the rounded outputs' mismatches and the fp32 forms' errors
-through a bf16 output of 1 ulp scale. Usage: python3 scripts/mma_precision.py (Hopper)."""
+"""The TMA GEMV's two forms (FMA, tensor cores) against an fp64 product of the same bf16 inputs:
+per shape and row count, how many bf16 outputs differ from the rounded exact product and from each
+other, and each form's largest error relative to the largest output. Usage (Hopper):
+python3 scripts/mma_precision.py"""
 import torch
 
 from blitzllm.kernels import gemv_tma
