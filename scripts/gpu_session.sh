@@ -141,6 +141,32 @@ for part in "$@"; do case $part in
          -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/atom28_tests.log"
        timeout ${E2E_TIMEOUT:-200} python3 -m pytest -q --tb=short -m gpu tests/test_gpu_e2e.py \
          -k "atomic or norm_route" -p no:cacheprovider 2>&1 | tail -4 | tee -a "$OUT/atom28_tests.log" ;;
+  s30) # stop 30, issue 5 acceptance 2: o_proj merging the decode attention's split partials itself
+       # (BLITZ_ATTN_OPROJ=1, kernels/oproj_partials.py) and the next layer's qkv weights prefetched into
+       # the L2 by the MoE norm + router launch (BLITZ_MOE_PF_QKV=1 evict-last, =normal): their tests (no
+       # timing if one fails), then qwen3-30b-a3b batch 1, each arm twice (alternating), and the
+       # per-layer kernel tables
+       timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q --tb=short tests/kernels/test_kernel_oproj_partials.py \
+         tests/kernels/test_kernel_paged_attention.py tests/kernels/test_kernel_moe.py tests/test_gpu_e2e.py \
+         -k "oproj or partials or norm_route or pf_qkv" -p no:cacheprovider 2>&1 | tail -8 | tee "$OUT/s30_tests.log"
+       if grep -q "failed\|error" "$OUT/s30_tests.log"; then echo "s30: a test failed, no timing"; else
+         M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
+         for i in 1 2; do
+           run 150 q30b_def$i $M
+           BLITZ_ATTN_OPROJ=1 run 100 q30b_op$i $M
+           BLITZ_MOE_PF_QKV=1 run 100 q30b_pf$i $M
+           BLITZ_ATTN_OPROJ=1 BLITZ_MOE_PF_QKV=1 run 100 q30b_both$i $M
+         done
+         BLITZ_MOE_PF_QKV=normal run 100 q30b_pfn $M
+         rm -f "$OUT"/*.log
+         python3 scripts/kernel_table.py "$OUT"/q30b_def1.json "$OUT"/q30b_op1.json "$OUT"/q30b_pf1.json \
+           | grep -v "^    " | grep -v "_greedy\|indexSelect"
+       fi ;;
+  op30d) # BLITZ_ATTN_OPROJ=1 on the dense presets at batch 1 (qwen3-0.6b, llama-3.1-8b), default first
+       Q="--model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
+       L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
+       run 80 qwen_def $Q; BLITZ_ATTN_OPROJ=1 run 80 qwen_op $Q
+       run 90 llama_def $L; BLITZ_ATTN_OPROJ=1 run 90 llama_op $L ;;
   ab29) # qwen3-30b-a3b batch 1: the tensor-core TMA GEMV with its wgmmas queued per tile, the selection by
        # rank, against the defaults; the tensor-core form's precision; the GPU tests of both
        timeout 120 python3 scripts/mma_precision.py 2>&1 | tail -6 | tee "$OUT/ab29_precision.log"

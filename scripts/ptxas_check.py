@@ -6,8 +6,9 @@ register / spill report and whether the PTX holds given instructions.
     python3 scripts/ptxas_check.py   # the fused decode MLP (Qwen3-0.6B / Llama-3.1-8B shapes) and
                                      # the fused decode attention with / without L2 prefetch, and
                                      # the decode GEMV's heuristic configs without / with its own L2 prefetch,
-                                     # the direct MoE gate/up GEMM without / with the down-weight prefetch
-                                     # and with the expert selection inside
+                                     # the direct MoE gate/up GEMM without / with the down-weight prefetch,
+                                     # and the norm + router launch without / with the next qkv's L2
+                                     # prefetch (moe_pf_qkv)
 """
 import os
 import subprocess
@@ -136,9 +137,32 @@ def moe_direct():
         print(f"moe direct gate/up pf_down={int(pf)} {up}: {ptxas_report(kern)} | bulk prefetch sites {bulk} | "
               f"bar.sync sites {kern.asm['ptx'].count('bar.sync')}")
 
+def moe_pf_qkv():
+    """BLITZ_MOE_PF_QKV at Qwen3-30B-A3B sizes, one token: the norm + router launch without / with
+    the L2 prefetch of the next layer's qkv weights, plain and evict-last. One line each: name,
+    bulk prefetch sites before its PDL wait, evict-last policies, ptxas report."""
+    from blitzllm.kernels import moe
+    bf = torch.bfloat16
+    e, h, k = 128, 2048, 8
+    x, w = torch.zeros(1, h, dtype=bf), torch.zeros(e, h, dtype=bf)
+    logits, qkv = torch.zeros(1, e), torch.zeros(5120, h, dtype=bf)
+    for name, pf in (("none", None), ("normal", False), ("last", True)):
+        extra = dict(pf_ptr=qkv, pf_bytes=qkv.numel() * 2, pf_chunk=20480, PF=True, PF_LANES=8,
+                     PF_LAST=pf) if pf is not None else {}
+        kern = moe._norm_route_kernel.warmup(
+            x, x, x[0], w, x, x, logits, logits, logits, logits, logits, 1.0, 1, e, h, h, h, h, h, h, 1e-6,
+            BLOCK_E=1, BLOCK_H=h, HAS_RESIDUAL=True, USE_PDL=True, GROUP=e, N_GROUP=1, NG_PAD=1, G_PAD=e,
+            TOPK_GROUP=1, TOP_K=k, K_PAD=k, SIGMOID=False, HAS_BIAS=False, RENORM=True, SELECT=False,
+            PDL_LATE=False, **extra, num_warps=4, grid=(e,))
+        ptx = kern.asm["ptx"]
+        before = ptx[:ptx.index("griddepcontrol.wait")].count("cp.async.bulk.prefetch.L2")
+        print(f"norm_route_pf_{name} {before} {ptx.count('L2::evict_last')} {ptxas_report(kern)}")
+
+
 if __name__ == "__main__":
     drv.set_active(_Sm90())
     fused_mlp()
     decode_attention()
     gemv()
     moe_direct()
+    moe_pf_qkv()

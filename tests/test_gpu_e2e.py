@@ -193,6 +193,48 @@ def test_tma_gemv_decode_matches_fma_gemv(monkeypatch, preset, layers):
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
 
 
+@pytest.mark.parametrize("preset,layers", [("qwen3-30b-a3b", 2), ("qwen3-0.6b", 4), ("llama-3.1-8b", 2)])
+def test_oproj_merging_attention_partials_matches_default(monkeypatch, preset, layers):
+    """Decode with o_proj merging the decode attention's split partials itself (BLITZ_ATTN_OPROJ=1,
+    kernels/oproj_partials.py: the attention leaves them unmerged, o_proj adds its heads' products
+    into an fp32 sum) against the default (the attention merges, then the TMA GEMV): bf16,
+    batches of 2 and 1, CUDA graphs; the path ran at every layer; every step's chosen-token
+    logprob agrees within 0.05 and greedy tokens are equal until a step whose two top tokens are
+    a near tie in both runs (the sum over heads is taken in another order), none before a
+    sequence's fourth token."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("Hopper only")
+    import blitzllm.kernels.oproj_partials as op
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+    calls = []
+    orig = op.oproj_partials_triton
+    monkeypatch.setattr(op, "oproj_partials_triton", lambda p, *a, **k: calls.append(p.m.shape[0]) or orig(p, *a, **k))
+    want, got, asked, llm = _switch_runs(monkeypatch, op, "OPROJ_PARTIALS", False, True, "oproj_partials_ok", preset,
+                                         layers, params, seed=8)
+    assert all(layer.self_attn.oproj_partials for layer in llm.engine.runner.model.model.layers)
+    assert calls and set(calls) <= {1, 2} and len(calls) == len(asked)  # (every decode layer it was asked for)
+    _assert_same_until_near_tie(got, want)
+
+
+@pytest.mark.parametrize("preset,layers", [("qwen3-30b-a3b", 3), ("minimax-m2", 2)])
+def test_moe_pf_qkv_keeps_greedy_tokens(monkeypatch, preset, layers):
+    """BLITZ_MOE_PF_QKV=1 (the norm + router launch asks the L2 for the next layer's qkv weights,
+    marked evict-last) computes the same values: outputs as
+    the default's (bf16, batches of 2 and 1, CUDA graphs) up to the run-to-run order of the
+    atomic MoE sums (``_assert_same_until_near_tie``), and the prefetch reached the launches of
+    every layer but the last."""
+    import blitzllm.kernels.moe as moe_ops
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+    seen = []
+    orig = moe_ops.norm_route_experts_triton
+    monkeypatch.setattr(moe_ops, "norm_route_experts_triton",
+                        lambda *a, prefetch=None, **k: seen.append(prefetch is not None) or orig(*a, prefetch=prefetch, **k))
+    want, got, _, llm = _switch_runs(monkeypatch, moe_ops, "MOE_PF_QKV", False, True, "norm_route_ok", preset, layers,
+                                     params, seed=16)
+    assert seen and any(seen) and not all(seen)  # (the last layer prefetches nothing)
+    _assert_same_until_near_tie(got, want)
+
+
 # Known failure (stop 29, H200, the first form of the kernel): qwen3-30b-a3b and qwen3-0.6b gave other
 # greedy tokens than the FMA form, llama-3.1-8b the same ones, while the kernel matched the torch
 # reference within rtol 1e-2 at every shape tested; whether the tensor cores' fp32 accumulation or a

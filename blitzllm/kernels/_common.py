@@ -117,10 +117,10 @@ def l2_prefetchable(t: torch.Tensor, stride_bytes: int) -> bool:
     return l2_prefetch_supported(t) and t.data_ptr() % 16 == 0 and stride_bytes % 16 == 0
 
 
-def l2_prefetch_chunk(nbytes: int, programs: int) -> int:
+def l2_prefetch_chunk(nbytes: int, programs: int, lanes: int = L2_PREFETCH_LANES) -> int:
     """Bytes per prefetch instruction: the ranges of all programs' lanes cover ``nbytes``
     in about one round (a multiple of 16, at least 256)."""
-    per = -(-max(1, nbytes) // max(1, programs * L2_PREFETCH_LANES))
+    per = -(-max(1, nbytes) // max(1, programs * lanes))
     return max(256, -(-per // 16) * 16)
 
 
@@ -134,10 +134,21 @@ def _bulk_prefetch(addr, size):
 
 
 @triton.jit
-def l2_prefetch(ptr, nbytes, chunk, pid, nprog, LANES: tl.constexpr):
+def _bulk_prefetch_last(addr, size):
+    """``_bulk_prefetch`` with the lines marked evict-last in the L2 (the last candidates for
+    replacement: a stream of normal lines passing through after them leaves them in)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b64 pol; setp.gt.s32 p, $2, 0; "
+        "createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
+        "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol; mov.u32 $0, 0; }",
+        "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def l2_prefetch(ptr, nbytes, chunk, pid, nprog, LANES: tl.constexpr, LAST: tl.constexpr = False):
     """Ask the L2 to fetch bytes [0, nbytes) of ``ptr`` (16-byte aligned, nbytes a multiple
     of 16): program ``pid`` of ``nprog`` (both computed in the kernel) takes ranges
-    pid * LANES ... of ``chunk`` bytes."""
+    pid * LANES ... of ``chunk`` bytes. LAST: the lines come in marked evict-last."""
     base = ptr.to(tl.pointer_type(tl.int8))
     lanes = tl.arange(0, LANES).to(tl.int64)
     first = pid.to(tl.int64) * LANES * chunk
@@ -147,7 +158,10 @@ def l2_prefetch(ptr, nbytes, chunk, pid, nprog, LANES: tl.constexpr):
     for c0 in range(first, end, step):
         off = c0 + lanes * chunk
         size = tl.minimum(end - off, chunk).to(tl.int32)
-        issued += _bulk_prefetch(base + off, size)
+        if LAST:
+            issued += _bulk_prefetch_last(base + off, size)
+        else:
+            issued += _bulk_prefetch(base + off, size)
     # the asm's result (always 0) feeds a store that never happens: without a use the
     # compiler dropped the asm (seen with Triton 3.6)
     tl.store(base + lanes, issued.to(tl.int8), mask=issued != 0)

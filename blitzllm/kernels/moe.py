@@ -29,8 +29,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ._common import (device_sms, next_pow2, pdl_enabled, pdl_launch_dependents, pdl_launch_kwargs, pdl_wait,
-                      tl, triton, use_triton)
+from ._common import (device_sms, l2_prefetch, l2_prefetch_chunk, l2_prefetchable, next_pow2, pdl_enabled,
+                      pdl_launch_dependents, pdl_launch_kwargs, pdl_wait, tl, triton, use_triton)
 from .fused_moe import fused_moe_triton
 from .routing import _select_row, check_routing
 from .rmsnorm import rms_normalize
@@ -416,13 +416,17 @@ def _norm_route_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, h_ptr, ro_ptr, logit_ptr, cn
                        GROUP: tl.constexpr, N_GROUP: tl.constexpr, NG_PAD: tl.constexpr, G_PAD: tl.constexpr,
                        TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
                        SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
-                       SELECT: tl.constexpr, PDL_LATE: tl.constexpr):
+                       SELECT: tl.constexpr, PDL_LATE: tl.constexpr,
+                       pf_ptr=None, pf_bytes=0, pf_chunk=0, PF: tl.constexpr = False, PF_LANES: tl.constexpr = 1,
+                       PF_LAST: tl.constexpr = False):
     """Program p: the router rows [p*BLOCK_E, +BLOCK_E). Every program forms each token's
     x + residual and its RMSNorm itself (rows of a few KB, read from L2; program 0 stores
     them), multiplies its router rows (loaded before the PDL wait: they do not depend on the
     kernel before) and stores those logits; with SELECT the program arriving last routes the
     tokens (else the logits are the output). PDL_LATE: the dependents launch only as each
-    program ends (after the routing), not once its logits are stored."""
+    program ends (after the routing), not once its logits are stored. PF: before the wait the
+    programs ask the L2 for pf_bytes at pf_ptr (the next layer's qkv weights: ``MOE_PF_QKV``;
+    PF_LAST: marked evict-last)."""
     pid = tl.program_id(0)
     offs_e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
     cols = tl.arange(0, BLOCK_H)
@@ -431,11 +435,14 @@ def _norm_route_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, h_ptr, ro_ptr, logit_ptr, cn
     w = tl.load(w_ptr + offs_e.to(tl.int64)[:, None] * stride_we + cols[None, :],
                 mask=e_ok[:, None] & hmask[None, :], other=0.0)
     nw = tl.load(nw_ptr + cols, mask=hmask, other=0.0)
+    if PF:
+        l2_prefetch(pf_ptr, pf_bytes, pf_chunk, pid, tl.num_programs(0), PF_LANES, PF_LAST)
     pdl_wait(USE_PDL)
     for t in range(T):
         x = tl.load(x_ptr + t * stride_x + cols, mask=hmask, other=0.0)
         if HAS_RESIDUAL:  # the rounding steps of kernels/rmsnorm.py's fused add + norm
             r = tl.load(r_ptr + t * stride_r + cols, mask=hmask, other=0.0)
+            x = x.to(r.dtype)  # (an fp32 sum beside the residual: rounded first, as the reference's output)
             x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
             if pid == 0:
                 tl.store(ro_ptr + t * stride_ro + cols, x, mask=hmask)
@@ -467,6 +474,26 @@ _NORM_ROUTE_BLOCK_E = int(os.environ.get("BLITZ_MOE_NORM_ROUTE_BLOCK_E", "0") or
 _NORM_ROUTE_PDL_LATE = os.environ.get("BLITZ_MOE_NORM_ROUTE_PDL", "") == "late"
 
 
+# BLITZ_MOE_PF_QKV (opt-in until measured): MoE decode layers ask the L2 for the next layer's
+# qkv weights from the norm + router launch, before its wait: the HBM idles from o_proj's wait
+# (its weights are in shared memory by then) through the routing and the selection, and the
+# qkv GEMV then reads the L2. "1": the lines marked evict-last, so the experts' stream after
+# them (75 MB at Qwen3-30B-A3B, more than the L2) does not push them out; "normal": no mark
+# (A/B). (Marking the experts' loads evict-first instead does not reach the hardware: Triton
+# pipelines those loads into cp.async copies without the L2 hint.)
+_MOE_PF_QKV = os.environ.get("BLITZ_MOE_PF_QKV", "0")
+if _MOE_PF_QKV not in ("0", "1", "normal"):
+    raise ValueError(f"BLITZ_MOE_PF_QKV must be 0, 1 or normal, got {_MOE_PF_QKV!r}")
+MOE_PF_QKV = _MOE_PF_QKV != "0"
+MOE_PF_QKV_LANES = int(os.environ.get("BLITZ_MOE_PF_QKV_LANES", "8"))  # prefetch ranges per program
+
+
+def moe_pf_qkv_wanted() -> bool:
+    """Whether models wire the next layer's qkv weights into their MoE blocks' norm + router
+    launch (BLITZ_MOE_PF_QKV)."""
+    return MOE_PF_QKV
+
+
 @functools.lru_cache(maxsize=None)
 def _norm_route_counter(device: torch.device) -> torch.Tensor:
     """The one-launch routing's arrival counter (each launch leaves it at 0)."""
@@ -477,11 +504,13 @@ def norm_route_experts_triton(x: torch.Tensor, residual: Optional[torch.Tensor],
                               eps: float, weight: torch.Tensor, top_k: int, scoring: str = "softmax",
                               bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: int = 1,
                               renormalize: bool = True, scaling: float = 1.0, select: bool = True,
-                              pdl_late: Optional[bool] = None):
+                              pdl_late: Optional[bool] = None, prefetch: Optional[torch.Tensor] = None):
     """``reference_norm_route_experts`` in one launch for up to NORM_ROUTE_MAX_T tokens;
     ``select`` False: the launch does the norm and the router GEMM, the selection runs as
     ``select_experts_triton`` after it (two launches). ``pdl_late``: see
-    BLITZ_MOE_NORM_ROUTE_PDL (None: that switch)."""
+    BLITZ_MOE_NORM_ROUTE_PDL (None: that switch). ``prefetch``: a weight the launch asks the
+    L2 for before its wait (the next layer's qkv: ``MOE_PF_QKV``; ignored where the GPU has
+    no bulk prefetch)."""
     T, H = x.shape
     E = weight.shape[0]
     check_routing(E, top_k, scoring, bias, n_group, topk_group)
@@ -491,8 +520,8 @@ def norm_route_experts_triton(x: torch.Tensor, residual: Optional[torch.Tensor],
     if residual is not None and residual.stride(1) != 1:
         residual = residual.contiguous()
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
-    h = torch.empty_like(x)
-    res_out = torch.empty_like(x) if residual is not None else x
+    h = torch.empty_like(x if residual is None else residual)  # (x may be an fp32 sum: see rmsnorm.fused_add_rms_norm)
+    res_out = torch.empty_like(residual) if residual is not None else x
     logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
     weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
@@ -502,7 +531,13 @@ def norm_route_experts_triton(x: torch.Tensor, residual: Optional[torch.Tensor],
     group = E // n_group
     pdl = pdl_enabled(x)
     r = residual if residual is not None else x
-    _norm_route_kernel[(triton.cdiv(E, block_e),)](
+    grid = triton.cdiv(E, block_e)
+    pf = {}
+    if prefetch is not None and prefetch.is_contiguous() and l2_prefetchable(prefetch, 16):
+        nbytes = prefetch.numel() * prefetch.element_size() // 16 * 16
+        pf = dict(pf_ptr=prefetch, pf_bytes=nbytes, pf_chunk=l2_prefetch_chunk(nbytes, grid, MOE_PF_QKV_LANES), PF=nbytes > 0,
+                  PF_LANES=MOE_PF_QKV_LANES, PF_LAST=_MOE_PF_QKV == "1")
+    _norm_route_kernel[(grid,)](
         x, r, norm_weight, weight, h, res_out, logits, _norm_route_counter(x.device),
         bias.contiguous() if bias is not None else logits, weights, ids, float(scaling),
         T, E, H, x.stride(0), r.stride(0), h.stride(0), res_out.stride(0), weight.stride(0), float(eps),
@@ -510,7 +545,7 @@ def norm_route_experts_triton(x: torch.Tensor, residual: Optional[torch.Tensor],
         GROUP=group, N_GROUP=n_group, NG_PAD=next_pow2(n_group), G_PAD=next_pow2(group),
         TOPK_GROUP=topk_group if n_group > 1 else 1, TOP_K=top_k, K_PAD=next_pow2(top_k),
         SIGMOID=scoring == "sigmoid", HAS_BIAS=bias is not None, RENORM=bool(renormalize),
-        SELECT=select is True, PDL_LATE=_NORM_ROUTE_PDL_LATE if pdl_late is None else bool(pdl_late),
+        SELECT=select is True, PDL_LATE=_NORM_ROUTE_PDL_LATE if pdl_late is None else bool(pdl_late), **pf,
         num_warps=_NORM_ROUTE_WARPS or (4 if block_h <= 2048 else 8), **pdl_launch_kwargs(pdl))
     if not select:
         weights, ids = select_experts_triton(logits, top_k, scoring, bias, n_group, topk_group, renormalize, scaling)
@@ -611,13 +646,14 @@ def norm_route_ok(x: torch.Tensor) -> bool:
 def norm_route_experts(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
                        weight: torch.Tensor, top_k: int, scoring: str = "softmax",
                        bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: int = 1,
-                       renormalize: bool = True, scaling: float = 1.0):
+                       renormalize: bool = True, scaling: float = 1.0, prefetch: Optional[torch.Tensor] = None):
     """(rms_norm(x + residual), x + residual, topk weights [T, K] fp32, topk ids [T, K] int32):
     where ``norm_route_ok(x)`` the norm and the router GEMM in one Triton launch and the
     selection in another (BLITZ_MOE_NORM_ROUTE=1: one launch for all), else the norm and
-    ``route_experts``."""
+    ``route_experts``. ``prefetch``: see ``norm_route_experts_triton``."""
     if norm_route_ok(x):
         return norm_route_experts_triton(x, residual, norm_weight, eps, weight, top_k, scoring, bias, n_group,
-                                         topk_group, renormalize, scaling, select=_NORM_ROUTE_SELECT)
+                                         topk_group, renormalize, scaling, select=_NORM_ROUTE_SELECT,
+                                         prefetch=prefetch)
     return reference_norm_route_experts(x, residual, norm_weight, eps, weight, top_k, scoring, bias, n_group,
                                         topk_group, renormalize, scaling)

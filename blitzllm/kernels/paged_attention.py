@@ -9,6 +9,7 @@ in a CUDA graph (the decode grid depends only on B, Hkv and the SM count).
 """
 import functools
 import os
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -126,8 +127,14 @@ def _decode_kernel(
     FUSE_QK: tl.constexpr, HAS_NORM: tl.constexpr, ROT: tl.constexpr, EARLY_QK: tl.constexpr,
     IDLE_EXIT: tl.constexpr,
     pf0, pn0, pf1, pn1, pf2, pn2, pf3, pn3, pf_chunk, NPF: tl.constexpr, PF_LANES: tl.constexpr,
-    EARLY_DEPS: tl.constexpr = False,
+    EARLY_DEPS: tl.constexpr = False, PARTIALS: tl.constexpr = False, zero_ptr=None, zero_n=0,
+    ZERO_BLOCK: tl.constexpr = 0,
 ):
+    """PARTIALS (FUSED_REDUCE off): the splits store their partials and nothing merges them;
+    the consumer does (``DecodePartials``); idle splits exit at once as with the fused merge.
+    ZERO_BLOCK > 0: each sequence's split-0 programs also zero ZERO_BLOCK fp32 values of
+    zero_ptr's zero_n (after the wait: the buffer's last reader ran before the kernel before),
+    the output an atomic consumer adds into."""
     if EARLY_DEPS:  # the next kernel (the TMA GEMV, streaming its weights meanwhile) launches now
         pdl_launch_dependents(USE_PDL)
     b = tl.program_id(0)
@@ -158,7 +165,7 @@ def _decode_kernel(
     end = tl.minimum(start + chunk, seq_len)
 
     # with the fused combine, idle splits do nothing (IDLE_EXIT; else they join the count)
-    if (split < n_active) | (not FUSED_REDUCE) | (not IDLE_EXIT):
+    if (split < n_active) | (not (FUSED_REDUCE or PARTIALS)) | (not IDLE_EXIT):
         offs_g = tl.arange(0, G_PAD)
         offs_d = tl.arange(0, D_PAD)
         dmask = offs_d < D
@@ -230,6 +237,10 @@ def _decode_kernel(
                 start_n, end, q_pos, qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
                 offs_d, dmask,
                 BLOCK_N, BLOCK_SIZE, False, IEEE, EARLY_V)
+        if ZERO_BLOCK > 0:
+            if split == 0:
+                offs_z = (b * tl.num_programs(1) + kvh) * ZERO_BLOCK + tl.arange(0, ZERO_BLOCK)
+                tl.store(zero_ptr + offs_z, tl.zeros([ZERO_BLOCK], dtype=tl.float32), mask=offs_z < zero_n)
         pdl_launch_dependents(USE_PDL)
         if NUM_SPLITS == 1:
             out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -417,12 +428,16 @@ def paged_decode_attention_triton(
     num_splits: Optional[int] = None, block_n: Optional[int] = None,
     num_stages: int = 2, early_v: bool = True, fused_reduce: bool = True, _fuse=None,
     l2_prefetch_ranges=(), num_warps: Optional[int] = None, early_dependents: bool = False,
+    partials: bool = False, zero: Optional[torch.Tensor] = None,
 ):
     """``l2_prefetch_ranges``: up to 4 (tensor, nbytes) whose first nbytes the kernel asks
     the L2 to fetch while it runs (the GEMVs after it; see ``_common.l2_prefetch``);
     ignored where the GPU has no bulk prefetch. ``early_dependents`` (PDL): the next kernel
     may launch as this one starts (a GEMV that streams its weights before its wait:
-    ``kernels/gemv_tma.py``)."""
+    ``kernels/gemv_tma.py``). ``partials``: returns the splits' ``DecodePartials`` unmerged
+    (at least 2 splits), for a consumer that merges them (``kernels/oproj_partials.py``);
+    ``zero``: a contiguous fp32 tensor the launch zeroes, after its wait (that consumer's
+    atomic output)."""
     hq, hkv, d = _check_cache(q, k_cache, v_cache)
     B = q.shape[0]
     if q.stride(2) != 1:
@@ -443,10 +458,12 @@ def paged_decode_attention_triton(
                        Hq=hq, eps=float(eps), FUSE_QK=True, HAS_NORM=has_norm, ROT=rot, EARLY_QK=_EARLY_QK)
     g = hq // hkv
     s = num_splits or _default_splits(q, B, hkv)
+    if partials:
+        s = max(2, s)
     g_pad, d_pad = max(16, next_pow2(g)), next_pow2(d)
     bn = block_n or _DECODE_BLOCK_N or 32
     ieee = q.dtype == torch.float32
-    fused = fused_reduce and s > 1 and B * hkv <= _MAX_COUNTERS
+    fused = fused_reduce and not partials and s > 1 and B * hkv <= _MAX_COUNTERS
     if s > 1:
         m = torch.empty((B, hq, s), dtype=torch.float32, device=q.device)
         l_ = torch.empty_like(m)
@@ -454,7 +471,11 @@ def paged_decode_attention_triton(
     else:
         m = l_ = acc = out
     cnt = _split_counters(q.device) if fused else seq_lens
-    pdl = pdl_enabled(q) and (s == 1 or fused)
+    pdl = pdl_enabled(q) and (s == 1 or fused or partials)
+    zkw = {}
+    if zero is not None:
+        assert zero.dtype == torch.float32 and zero.is_contiguous()
+        zkw = dict(zero_ptr=zero, zero_n=zero.numel(), ZERO_BLOCK=max(16, next_pow2(triton.cdiv(zero.numel(), B * hkv))))
     g_comb = next_pow2(g)  # the combine's tiles hold the real heads only
     warps = num_warps or decode_warps(g)
     combine = max(1, min(next_pow2(s), (_COMBINE_ELEMS or 1024 * warps) // (g_comb * d_pad)))
@@ -468,9 +489,11 @@ def paged_decode_attention_triton(
         NUM_SPLITS=s, G_PAD=g_pad, D=d, D_PAD=d_pad, BLOCK_N=bn,
         BLOCK_SIZE=k_cache.shape[1], IEEE=ieee, EARLY_V=early_v, FUSED_REDUCE=fused,
         USE_PDL=pdl, G_COMB=g_comb, COMBINE=combine, IDLE_EXIT=_IDLE_EXIT, **fuse_kw, **pf,
-        EARLY_DEPS=bool(early_dependents) and bool(pdl), num_warps=warps,
+        EARLY_DEPS=bool(early_dependents) and bool(pdl), PARTIALS=bool(partials), **zkw, num_warps=warps,
         num_stages=num_stages, **pdl_launch_kwargs(pdl),
     )
+    if partials:
+        return DecodePartials(m, l_, acc, seq_lens, s, bn, q.dtype)
     if s > 1 and not fused:
         _decode_reduce_kernel[(B, hq)](
             m, l_, acc, out, out.stride(0), out.stride(1), hq,
@@ -483,13 +506,15 @@ def fused_decode_attention_triton(
     qkv, positions, cos_sin_cache, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot_mapping,
     block_tables, seq_lens, scale, q_norm_weight=None, k_norm_weight=None, eps=1e-6, rotary_dim=None,
     num_splits: Optional[int] = None, l2_prefetch_ranges=(), block_n: Optional[int] = None,
-    num_warps: Optional[int] = None, early_dependents: bool = False,
+    num_warps: Optional[int] = None, early_dependents: bool = False, partials: bool = False,
+    zero: Optional[torch.Tensor] = None,
 ):
     """One decode step of one layer in one launch: per-head q/k RMSNorm (optional) + rotary
     + writing the new k/v into the paged cache (``fused_qk_norm_rope_cache_triton``) and
     paged decode attention (``paged_decode_attention_triton``), same numerics. Each query
     token must be its sequence's only new token (a plain decode step: rows never read each
-    other's new k/v). qkv [B, (Hq + 2 Hkv) * D] -> [B, Hq, D]."""
+    other's new k/v). qkv [B, (Hq + 2 Hkv) * D] -> [B, Hq, D], or with ``partials`` the
+    unmerged ``DecodePartials`` (``zero``: see ``paged_decode_attention_triton``)."""
     rot = _check_qk(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, rotary_dim,
                     q_norm_weight, k_norm_weight, False)
     assert (q_norm_weight is None) == (k_norm_weight is None)
@@ -501,7 +526,7 @@ def fused_decode_attention_triton(
     return paged_decode_attention_triton(
         out, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=num_splits,
         l2_prefetch_ranges=l2_prefetch_ranges, block_n=block_n, num_warps=num_warps,
-        early_dependents=early_dependents,
+        early_dependents=early_dependents, partials=partials, zero=zero,
         _fuse=(qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, slot_mapping, eps, rot))
 
 
@@ -533,6 +558,42 @@ def paged_prefill_attention_triton(
         BLOCK_SIZE=k_cache.shape[1], IEEE=q.dtype == torch.float32,
         num_warps=num_warps or (8 if rows >= 128 else 4), num_stages=num_stages,
     )
+    return out
+
+
+@dataclass(frozen=True)
+class DecodePartials:
+    """A decode launch's split partials, unmerged (``partials=True``): ``m`` / ``l`` [B, Hq, S]
+    fp32 (running max in log2 units, sum of exp2), ``acc`` [B, Hq, S, D_PAD] fp32 (unnormalised
+    P @ V); sequence b's splits from ``active_splits(seq_lens[b])`` on hold nothing (their
+    programs exited). ``dtype``: what the merged output rounds to (the attention's)."""
+    m: torch.Tensor
+    l: torch.Tensor
+    acc: torch.Tensor
+    seq_lens: torch.Tensor
+    num_splits: int
+    block_n: int  # keys per tile: the split schedule's unit
+    dtype: torch.dtype
+
+
+def active_splits(seq_len: int, num_splits: int, block_n: int) -> int:
+    """Splits holding a sequence's context (the decode kernel's schedule: as few tiles per split
+    as spread the context over the splits; split 0 also for an empty context)."""
+    n_tiles = -(-seq_len // block_n)
+    per = max(-(-n_tiles // num_splits), 1)
+    return max(-(-n_tiles // per), 1)
+
+
+def merge_decode_partials(p: DecodePartials, head_dim: int) -> torch.Tensor:
+    """The torch merge of ``DecodePartials``: [B, Hq, D] in p.dtype, the fused merge's formula."""
+    B, hq, _ = p.m.shape
+    out = torch.zeros(B, hq, head_dim, dtype=p.dtype, device=p.m.device)
+    for b, n in enumerate(p.seq_lens.tolist()):
+        a = active_splits(n, p.num_splits, p.block_n)
+        m, l_, acc = p.m[b, :, :a], p.l[b, :, :a], p.acc[b, :, :a, :head_dim]
+        w = torch.exp2(m - m.max(dim=1, keepdim=True).values)
+        total = (w * l_).sum(1, keepdim=True)
+        out[b] = ((acc * w[:, :, None]).sum(1) / torch.where(total > 0, total, 1.0)).to(p.dtype)
     return out
 
 

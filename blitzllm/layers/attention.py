@@ -235,6 +235,30 @@ class TritonAttentionBackend(AttentionBackend):
                                               md.block_tables, layer.scale, md.max_q_len)
 
 
+    def forward_project(self, layer, positions, qkv, k_cache, v_cache, md, o_proj):
+        """o_proj(self.forward(...)) as o_proj's fp32 sum where it can run as the decode attention
+        leaving its split partials unmerged and o_proj merging them per head
+        (``kernels/oproj_partials.py``: Hopper, BLITZ_ATTN_OPROJ=1, pure decode of 1-2 rows);
+        else None (the caller runs the two apart)."""
+        from ..kernels.oproj_partials import oproj_partials_ok, oproj_partials_triton
+        if not (md.is_pure_decode and self.fused_decode and not getattr(layer, "full_width_qk_norm", False)
+                and getattr(o_proj, "qweight", None) is None
+                and oproj_partials_ok(qkv, o_proj.weight, layer.num_heads, layer.head_dim)):
+            return None
+        from ..kernels.gemv_tma import tma_early_dependents
+        from ..kernels.paged_attention import fused_decode_attention_triton
+        qn, kn = layer.q_norm, layer.k_norm
+        out = torch.empty(qkv.shape[0], o_proj.out_features, dtype=torch.float32, device=qkv.device)
+        partials = fused_decode_attention_triton(
+            qkv, positions, layer.rotary.cos_sin_cache, layer.num_heads, layer.num_kv_heads, layer.head_dim,
+            k_cache, v_cache, md.slot_mapping, md.block_tables, md.seq_lens, layer.scale,
+            q_norm_weight=qn.weight if qn is not None else None,
+            k_norm_weight=kn.weight if kn is not None else None,
+            eps=qn.eps if qn is not None else 1e-6, rotary_dim=layer.rotary.rotary_dim,
+            early_dependents=tma_early_dependents(), partials=True, zero=out)
+        return oproj_partials_triton(partials, o_proj.weight, out, o_proj.bias)
+
+
 def _next_streams_early(layer, qkv) -> bool:
     """Whether the projection after this decode attention (``layer.preload_next``, o_proj)
     runs the TMA GEMV, which streams its weights before its wait: then the attention lets
@@ -323,6 +347,16 @@ class Attention(nn.Module):
     @property
     def k_norm(self):
         return self._norms[1]
+
+    def forward_project(self, positions, qkv, o_proj):
+        """``o_proj(self(positions, qkv))`` as o_proj's fp32 sum where the backend runs the two
+        as one (``TritonAttentionBackend.forward_project``), else None."""
+        ctx = get_forward_context()
+        fn = getattr(ctx.backend, "forward_project", None)
+        if fn is None or self.pre_norm is not None:
+            return None
+        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        return fn(self, positions, qkv, k_cache, v_cache, ctx.attn_metadata, o_proj)
 
     def forward(self, positions, qkv):
         """qkv [T, (Hq + 2 Hkv) * D] -> [T, Hq * D]."""

@@ -23,6 +23,7 @@ from ..distributed.parallel_state import get_tp_group, split_heads
 from ..kernels._common import use_triton
 from ..kernels.fused_mlp import FUSED_MLP, fused_mlp_ok, fused_mlp_triton
 from ..kernels.gemv_tma import tma_for_lm_head, tma_for_qkv
+from ..kernels.oproj_partials import oproj_partials_wanted
 from ..kernels.gemv import (GEMV_MAX_ROWS, glu_linear, glu_ok, linear_add_ss, prefer_gemv, ss_norm_glu,
                             ss_norm_linear, sum_squares_slots)
 from ..layers.attention import Attention
@@ -68,8 +69,22 @@ class DecoderAttention(nn.Module):
                               None if pre_norm else self.q_norm, None if pre_norm else self.k_norm,
                               full_width_qk_norm=full and pre_norm is None, pre_norm=pre_norm)
 
+        # set by DecoderModel where o_proj may merge the decode attention's partials itself
+        # (BLITZ_ATTN_OPROJ=1, kernels/oproj_partials.py): a plain single-rank o_proj
+        self.oproj_partials = False
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return self.o_proj(self.attn(positions, self.qkv_proj(x)))
+        return self.attend_project(positions, self.qkv_proj(x))
+
+    def attend_project(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """o_proj(attention(qkv)); where ``oproj_partials`` and the backend takes it (CUDA decode,
+        ``Attention.forward_project``), o_proj's fp32 sum, which the residual add + RMSNorm after
+        it rounds."""
+        if self.oproj_partials:
+            out = self.attn.forward_project(positions, qkv, self.o_proj)
+            if out is not None:
+                return out
+        return self.o_proj(self.attn(positions, qkv))
 
 
 class FullWidthQKNorm:
@@ -136,7 +151,7 @@ class DecoderLayer(nn.Module):
         # decode runs it as that GEMV's prologue
         attn, mlp = self.self_attn, getattr(self, self.mlp_name)
         qkv, residual = attn.qkv_proj.forward_norm(x, residual, self.input_layernorm)
-        x = attn.o_proj(attn.attn(positions, qkv))
+        x = attn.attend_project(positions, qkv)
         x, residual = mlp_forward_norm(mlp, x, residual, self.post_attention_layernorm)
         if x.dtype != residual.dtype and self._forward_hooks:
             x = x.to(residual.dtype)  # hooks see the block's output as the next norm takes it (rounded)
@@ -188,8 +203,11 @@ def mlp_forward_norm(mlp: nn.Module, x: torch.Tensor, residual, norm) -> tuple:
     """The post-attention half of a pre-norm block: (mlp(norm(x + residual)), x + residual).
     A ``DenseMLP`` off the one-launch and GLU paths hands the norm to its gate_up
     (``norm_linear``: the GEMV's prologue on CUDA decode with BLITZ_GEMV_NORM=1); an MoE
-    block may take the norm into its routing launch (``FusedMoE.forward_norm``)."""
-    if isinstance(mlp, DenseMLP) and not mlp.fused_ok(x) and not mlp.glu_ok(x):
+    block may take the norm into its routing launch (``FusedMoE.forward_norm``). x may be an
+    fp32 sum beside a lower-precision residual (the norm rounds it); the paths are chosen by
+    the residual's dtype then."""
+    probe = x if residual is None else residual  # (what the MLP's input will be: the norm's output)
+    if isinstance(mlp, DenseMLP) and not mlp.fused_ok(probe) and not mlp.glu_ok(probe):
         gate_up, residual = mlp.gate_up_proj.forward_norm(x, residual, norm)
         return mlp.down_proj(gate_up, silu_mul_input=True), residual
     if hasattr(mlp, "norm_route_ok") and mlp.norm_route_ok(x, residual, norm):  # MoE: norm + routing fused
@@ -246,7 +264,14 @@ class DecoderModel(nn.Module):
                 shared = getattr(mlp, "shared_experts", None)
                 if type(shared) is DenseMLP:
                     mods += [shared.gate_up_proj, shared.down_proj]
+                from ..kernels.moe import moe_pf_qkv_wanted  # (an MoE model: the MoE kernels are loaded)
+                nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
+                if moe_pf_qkv_wanted() and hasattr(mlp, "prefetch_next") and isinstance(nxt, DecoderLayer):
+                    # the next layer's qkv into the L2 from the norm + router launch (BLITZ_MOE_PF_QKV)
+                    mlp.prefetch_next = (nxt.self_attn.qkv_proj,)
             attn.attn.prefetch_modules = tuple(mods)
+            attn.oproj_partials = (oproj_partials_wanted() and type(attn.o_proj) is Linear and attn.attn.pre_norm is None
+                                   and get_tp_group().world_size == 1)
             # decode's o_proj and qkv as the TMA GEMV (layers/linear.py ``tma_preload``): o_proj
             # streams its weights while the attention runs, qkv while the input RMSNorm does
             if type(attn.o_proj).forward is Linear.forward:

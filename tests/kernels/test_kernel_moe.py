@@ -444,12 +444,36 @@ def test_norm_route_experts(t, h, resid, name, dtype, select, pdl_late, device):
         torch.testing.assert_close(got_w, want_w, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("select", [True, False])
+def test_norm_route_rounds_an_fp32_x_first(select, device):
+    """An fp32 x beside a bf16 residual (o_proj's fp32 sum, kernels/oproj_partials.py) gives
+    exactly the results of x rounded to bf16 first, in the residual's dtype. (x sits 0.4 of a
+    bf16 ulp past a bf16 value, away from zero: rounding to nearest and the interpreter's
+    toward zero both give that value, and a sum taken before rounding differs from it.)"""
+    e, k, scoring, with_bias, ng, tg, renorm, scaling = ROUTINGS["qwen3"]
+    g = torch.Generator().manual_seed(3)
+    xb = torch.randn(2, 96, generator=g).to(torch.bfloat16).float()
+    ulp = torch.exp2(torch.floor(torch.log2(xb.abs())) - 7)
+    x = (xb + 0.4 * ulp * xb.sign()).to(device)
+    assert torch.equal(x.cpu().to(torch.bfloat16).float(), xb)
+    r = torch.randn(2, 96, generator=g).to(torch.bfloat16).to(device)
+    nw = (1 + 0.2 * torch.randn(96, generator=g)).to(torch.bfloat16).to(device)
+    w = (torch.randn(e, 96, generator=g) / 96 ** 0.5).to(torch.bfloat16).to(device)
+    args = (k, scoring, None, ng, tg, renorm, scaling)
+    got = moe.norm_route_experts_triton(x, r, nw, 1e-6, w, *args, select=select)
+    want = moe.norm_route_experts_triton(x.to(torch.bfloat16), r, nw, 1e-6, w, *args, select=select)
+    assert got[0].dtype == got[1].dtype == torch.bfloat16
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_norm_route():
     """The one-launch norm + routing at the MoE presets' shapes (bf16, 1-4 tokens): the normed
     rows and the residual bitwise those of the RMSNorm kernel, the ids those of the router GEMM
-    + selection kernels on them, the weights to fp32 rounding."""
+    + selection kernels on them, the weights to fp32 rounding; also with an L2 prefetch of a
+    next layer's qkv weight issued by the launch (BLITZ_MOE_PF_QKV)."""
     from blitzllm.kernels.rmsnorm import fused_add_rms_norm_triton
     dev, dt = "cuda", torch.bfloat16
     for name, h in (("qwen3", 2048), ("deepseek-v3", 7168), ("minimax-m2", 3072)):
@@ -463,13 +487,35 @@ def test_gpu_norm_route():
             x, r = (torch.randn(t, h, device=dev, generator=g).to(dt) for _ in range(2))
             want_h, want_r = fused_add_rms_norm_triton(x, r, nw, 1e-6)
             want_w, want_ids = by_id(*select_experts_triton(router_gemm_triton(want_h, w), *args))
-            for select, late in ((True, False), (False, False), (True, True)):
+            nxt = torch.randn(5 * h, h, device=dev, generator=g).to(dt)  # a next layer's qkv weight
+            for select, late, pf in ((True, False, None), (False, False, None), (True, True, None), (False, False, nxt)):
                 h_out, r_out, wts, ids = moe.norm_route_experts_triton(x, r, nw, 1e-6, w, *args, select=select,
-                                                                       pdl_late=late)
+                                                                       pdl_late=late, prefetch=pf)
                 assert torch.equal(h_out, want_h) and torch.equal(r_out, want_r)
                 got_w, got_ids = by_id(wts, ids)
                 assert torch.equal(got_ids, want_ids)
                 torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
+
+
+def test_norm_route_prefetch_compiles_for_sm90():
+    """BLITZ_MOE_PF_QKV: the norm + router launch compiles for sm_90 (a stand-in driver, as
+    scripts/ptxas_check.py) with its bulk L2 prefetch before the PDL wait, evict-last where
+    asked, no spills and no more registers than without it."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = ("import sys; sys.path.insert(0, 'scripts'); sys.path.insert(0, '.')\n"
+            "import ptxas_check as pc, triton.runtime.driver as drv\n"
+            "drv.set_active(pc._Sm90()); pc.moe_pf_qkv()\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, env=dict(os.environ, TRITON_INTERPRET="0"),
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {ln.split(" ", 3)[0]: ln.split(" ", 3)[1:] for ln in r.stdout.strip().splitlines()}
+    assert [rows[f"norm_route_pf_{n}"][:2] for n in ("none", "normal", "last")] == [["0", "0"], ["1", "0"], ["1", "1"]]
+    regs = [int(rows[f"norm_route_pf_{n}"][2].split("Used ")[1].split()[0]) for n in ("none", "normal", "last")]
+    assert regs[1] <= regs[0] and regs[2] <= regs[0], regs
+    assert all("0 bytes spill stores" in row[2] for row in rows.values())
 
 
 def test_norm_route_dispatch(monkeypatch):
