@@ -158,6 +158,7 @@ for part in "$@"; do case $part in
            BLITZ_ATTN_OPROJ=1 BLITZ_MOE_PF_QKV=1 run 100 q30b_both$i $M
          done
          BLITZ_MOE_PF_QKV=normal run 100 q30b_pfn $M
+         BLITZ_ATTN_OPROJ=1 BLITZ_ATTN_BLOCK_N=16 run 100 q30b_op16 $M  # (no merge: smaller key tiles, more splits)
          rm -f "$OUT"/*.log
          python3 scripts/kernel_table.py "$OUT"/q30b_def1.json "$OUT"/q30b_op1.json "$OUT"/q30b_pf1.json \
            | grep -v "^    " | grep -v "_greedy\|indexSelect"
