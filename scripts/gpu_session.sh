@@ -142,27 +142,37 @@ for part in "$@"; do case $part in
        timeout ${E2E_TIMEOUT:-200} python3 -m pytest -q --tb=short -m gpu tests/test_gpu_e2e.py \
          -k "atomic or norm_route" -p no:cacheprovider 2>&1 | tail -4 | tee -a "$OUT/atom28_tests.log" ;;
   s30) # stop 30, issue 5 acceptance 2: o_proj merging the decode attention's split partials itself
-       # (BLITZ_ATTN_OPROJ=1, kernels/oproj_partials.py) and the next layer's qkv weights prefetched into
-       # the L2 by the MoE norm + router launch (BLITZ_MOE_PF_QKV=1 evict-last, =normal): their tests (no
-       # timing if one fails), then qwen3-30b-a3b batch 1, each arm twice (alternating), and the
-       # per-layer kernel tables
+       # (BLITZ_ATTN_OPROJ=1, kernels/oproj_partials.py) and the next layer's weights prefetched into the
+       # L2 by the MoE norm + router launch (BLITZ_MOE_PF_QKV=1: qkv, =qkvo: qkv and o_proj, evict-last):
+       # their tests (no timing if one fails), then qwen3-30b-a3b batch 1 (the default and the best
+       # combination twice) and the per-layer kernel tables
        timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q --tb=short tests/kernels/test_kernel_oproj_partials.py \
          tests/kernels/test_kernel_paged_attention.py tests/kernels/test_kernel_moe.py tests/test_gpu_e2e.py \
          -k "oproj or partials or norm_route or pf_qkv" -p no:cacheprovider 2>&1 | tail -8 | tee "$OUT/s30_tests.log"
        if grep -q "failed\|error" "$OUT/s30_tests.log"; then echo "s30: a test failed, no timing"; else
          M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
-         for i in 1 2; do
-           run 150 q30b_def$i $M
-           BLITZ_ATTN_OPROJ=1 run 100 q30b_op$i $M
-           BLITZ_MOE_PF_QKV=1 run 100 q30b_pf$i $M
-           BLITZ_ATTN_OPROJ=1 BLITZ_MOE_PF_QKV=1 run 100 q30b_both$i $M
-         done
-         BLITZ_MOE_PF_QKV=normal run 100 q30b_pfn $M
-         BLITZ_ATTN_OPROJ=1 BLITZ_ATTN_BLOCK_N=16 run 100 q30b_op16 $M  # (no merge: smaller key tiles, more splits)
+         run 150 q30b_def1 $M
+         BLITZ_ATTN_OPROJ=1 run 100 q30b_op1 $M
+         BLITZ_MOE_PF_QKV=1 run 100 q30b_pf1 $M
+         BLITZ_MOE_PF_QKV=qkvo run 100 q30b_pfo1 $M
+         BLITZ_ATTN_OPROJ=1 BLITZ_MOE_PF_QKV=1 run 100 q30b_both1 $M
+         BLITZ_ATTN_OPROJ=1 BLITZ_MOE_PF_QKV=qkvo run 100 q30b_botho1 $M
+         run 100 q30b_def2 $M
+         BLITZ_ATTN_OPROJ=1 BLITZ_MOE_PF_QKV=1 run 100 q30b_both2 $M
          rm -f "$OUT"/*.log
          python3 scripts/kernel_table.py "$OUT"/q30b_def1.json "$OUT"/q30b_op1.json "$OUT"/q30b_pf1.json \
            | grep -v "^    " | grep -v "_greedy\|indexSelect"
        fi ;;
+  s30b) # the second call for stop 30's paths: the prefetch unmarked (=normal), the head-split o_proj with
+       # 16-key attention tiles, and batch 32 with the switches OP / PF (BLITZ_ATTN_OPROJ / BLITZ_MOE_PF_QKV) as set
+       M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
+       run 150 q30b_def3 $M
+       BLITZ_MOE_PF_QKV=normal run 100 q30b_pfn $M
+       BLITZ_ATTN_OPROJ=1 BLITZ_ATTN_BLOCK_N=16 run 100 q30b_op16 $M  # (no merge: smaller key tiles, more splits)
+       W="--model preset:qwen3-30b-a3b --batch-size 32 --input-len 128 --output-len 128 --max-num-seqs 32"
+       run 150 q30b_b32 $W
+       BLITZ_ATTN_OPROJ=${OP:-1} BLITZ_MOE_PF_QKV=${PF:-1} run 150 q30b_b32_arms $W  # (both only reach 1-2 / 1-4 rows)
+       rm -f "$OUT"/*.log ;;
   op30d) # BLITZ_ATTN_OPROJ=1 on the dense presets at batch 1 (qwen3-0.6b, llama-3.1-8b), default first
        Q="--model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"

@@ -139,16 +139,20 @@ def moe_direct():
 
 def moe_pf_qkv():
     """BLITZ_MOE_PF_QKV at Qwen3-30B-A3B sizes, one token: the norm + router launch without / with
-    the L2 prefetch of the next layer's qkv weights, plain and evict-last. One line each: name,
-    bulk prefetch sites before its PDL wait, evict-last policies, ptxas report."""
+    the L2 prefetch of the next layer's qkv weights, plain and evict-last, and of its qkv and
+    o_proj weights (two ranges). One line each: name, bulk prefetch sites before its PDL wait,
+    evict-last policies, ptxas report."""
     from blitzllm.kernels import moe
     bf = torch.bfloat16
     e, h, k = 128, 2048, 8
     x, w = torch.zeros(1, h, dtype=bf), torch.zeros(e, h, dtype=bf)
     logits, qkv = torch.zeros(1, e), torch.zeros(5120, h, dtype=bf)
-    for name, pf in (("none", None), ("normal", False), ("last", True)):
-        extra = dict(pf_ptr=qkv, pf_bytes=qkv.numel() * 2, pf_chunk=20480, PF=True, PF_LANES=8,
+    o_proj = torch.zeros(h, 4096, dtype=bf)
+    for name, pf, ranges in (("none", None, 0), ("normal", False, 1), ("last", True, 1), ("two", True, 2)):
+        extra = dict(pf_ptr=qkv, pf_bytes=qkv.numel() * 2, pf_chunk=20480, PF=ranges, PF_LANES=8,
                      PF_LAST=pf) if pf is not None else {}
+        if ranges > 1:
+            extra.update(pf2_ptr=o_proj, pf2_bytes=o_proj.numel() * 2)
         kern = moe._norm_route_kernel.warmup(
             x, x, x[0], w, x, x, logits, logits, logits, logits, logits, 1.0, 1, e, h, h, h, h, h, h, 1e-6,
             BLOCK_E=1, BLOCK_H=h, HAS_RESIDUAL=True, USE_PDL=True, GROUP=e, N_GROUP=1, NG_PAD=1, G_PAD=e,

@@ -216,10 +216,11 @@ def test_oproj_merging_attention_partials_matches_default(monkeypatch, preset, l
     _assert_same_until_near_tie(got, want)
 
 
+@pytest.mark.parametrize("mode", ["1", "qkvo"])
 @pytest.mark.parametrize("preset,layers", [("qwen3-30b-a3b", 3), ("minimax-m2", 2)])
-def test_moe_pf_qkv_keeps_greedy_tokens(monkeypatch, preset, layers):
+def test_moe_pf_qkv_keeps_greedy_tokens(monkeypatch, preset, layers, mode):
     """BLITZ_MOE_PF_QKV=1 (the norm + router launch asks the L2 for the next layer's qkv weights,
-    marked evict-last) computes the same values: outputs as
+    marked evict-last; =qkvo its o_proj weights too) computes the same values: outputs as
     the default's (bf16, batches of 2 and 1, CUDA graphs) up to the run-to-run order of the
     atomic MoE sums (``_assert_same_until_near_tie``), and the prefetch reached the launches of
     every layer but the last."""
@@ -228,10 +229,11 @@ def test_moe_pf_qkv_keeps_greedy_tokens(monkeypatch, preset, layers):
     seen = []
     orig = moe_ops.norm_route_experts_triton
     monkeypatch.setattr(moe_ops, "norm_route_experts_triton",
-                        lambda *a, prefetch=None, **k: seen.append(prefetch is not None) or orig(*a, prefetch=prefetch, **k))
+                        lambda *a, prefetch=(), **k: seen.append(len(prefetch)) or orig(*a, prefetch=prefetch, **k))
+    monkeypatch.setattr(moe_ops, "_MOE_PF_QKV", mode)
     want, got, _, llm = _switch_runs(monkeypatch, moe_ops, "MOE_PF_QKV", False, True, "norm_route_ok", preset, layers,
                                      params, seed=16)
-    assert seen and any(seen) and not all(seen)  # (the last layer prefetches nothing)
+    assert seen and max(seen) == (2 if mode == "qkvo" else 1) and min(seen) == 0  # (the last layer: nothing)
     _assert_same_until_near_tie(got, want)
 
 

@@ -417,16 +417,16 @@ def _norm_route_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, h_ptr, ro_ptr, logit_ptr, cn
                        TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
                        SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
                        SELECT: tl.constexpr, PDL_LATE: tl.constexpr,
-                       pf_ptr=None, pf_bytes=0, pf_chunk=0, PF: tl.constexpr = False, PF_LANES: tl.constexpr = 1,
-                       PF_LAST: tl.constexpr = False):
+                       pf_ptr=None, pf_bytes=0, pf_chunk=0, PF: tl.constexpr = 0, PF_LANES: tl.constexpr = 1,
+                       PF_LAST: tl.constexpr = False, pf2_ptr=None, pf2_bytes=0):
     """Program p: the router rows [p*BLOCK_E, +BLOCK_E). Every program forms each token's
     x + residual and its RMSNorm itself (rows of a few KB, read from L2; program 0 stores
     them), multiplies its router rows (loaded before the PDL wait: they do not depend on the
     kernel before) and stores those logits; with SELECT the program arriving last routes the
     tokens (else the logits are the output). PDL_LATE: the dependents launch only as each
-    program ends (after the routing), not once its logits are stored. PF: before the wait the
-    programs ask the L2 for pf_bytes at pf_ptr (the next layer's qkv weights: ``MOE_PF_QKV``;
-    PF_LAST: marked evict-last)."""
+    program ends (after the routing), not once its logits are stored. PF (1 or 2): before the
+    wait the programs ask the L2 for pf_bytes at pf_ptr (and pf2_bytes at pf2_ptr): the next
+    layer's weights (``MOE_PF_QKV``; PF_LAST: marked evict-last)."""
     pid = tl.program_id(0)
     offs_e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
     cols = tl.arange(0, BLOCK_H)
@@ -435,8 +435,10 @@ def _norm_route_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, h_ptr, ro_ptr, logit_ptr, cn
     w = tl.load(w_ptr + offs_e.to(tl.int64)[:, None] * stride_we + cols[None, :],
                 mask=e_ok[:, None] & hmask[None, :], other=0.0)
     nw = tl.load(nw_ptr + cols, mask=hmask, other=0.0)
-    if PF:
+    if PF > 0:
         l2_prefetch(pf_ptr, pf_bytes, pf_chunk, pid, tl.num_programs(0), PF_LANES, PF_LAST)
+    if PF > 1:
+        l2_prefetch(pf2_ptr, pf2_bytes, pf_chunk, pid, tl.num_programs(0), PF_LANES, PF_LAST)
     pdl_wait(USE_PDL)
     for t in range(T):
         x = tl.load(x_ptr + t * stride_x + cols, mask=hmask, other=0.0)
@@ -479,11 +481,13 @@ _NORM_ROUTE_PDL_LATE = os.environ.get("BLITZ_MOE_NORM_ROUTE_PDL", "") == "late"
 # (its weights are in shared memory by then) through the routing and the selection, and the
 # qkv GEMV then reads the L2. "1": the lines marked evict-last, so the experts' stream after
 # them (75 MB at Qwen3-30B-A3B, more than the L2) does not push them out; "normal": no mark
-# (A/B). (Marking the experts' loads evict-first instead does not reach the hardware: Triton
-# pipelines those loads into cp.async copies without the L2 hint.)
+# (A/B); "qkvo": the next layer's o_proj weights too (38 MB in all at Qwen3-30B-A3B, evict-last:
+# then the o_proj preload during that layer's attention reads the L2, and the HBM is free there).
+# (Marking the experts' loads evict-first instead does not reach the hardware: Triton pipelines
+# those loads into cp.async copies without the L2 hint.)
 _MOE_PF_QKV = os.environ.get("BLITZ_MOE_PF_QKV", "0")
-if _MOE_PF_QKV not in ("0", "1", "normal"):
-    raise ValueError(f"BLITZ_MOE_PF_QKV must be 0, 1 or normal, got {_MOE_PF_QKV!r}")
+if _MOE_PF_QKV not in ("0", "1", "normal", "qkvo"):
+    raise ValueError(f"BLITZ_MOE_PF_QKV must be 0, 1, normal or qkvo, got {_MOE_PF_QKV!r}")
 MOE_PF_QKV = _MOE_PF_QKV != "0"
 MOE_PF_QKV_LANES = int(os.environ.get("BLITZ_MOE_PF_QKV_LANES", "8"))  # prefetch ranges per program
 
@@ -492,6 +496,11 @@ def moe_pf_qkv_wanted() -> bool:
     """Whether models wire the next layer's qkv weights into their MoE blocks' norm + router
     launch (BLITZ_MOE_PF_QKV)."""
     return MOE_PF_QKV
+
+
+def moe_pf_o_proj_wanted() -> bool:
+    """Whether the next layer's o_proj weights go with them (BLITZ_MOE_PF_QKV=qkvo)."""
+    return MOE_PF_QKV and _MOE_PF_QKV == "qkvo"
 
 
 @functools.lru_cache(maxsize=None)
@@ -504,13 +513,13 @@ def norm_route_experts_triton(x: torch.Tensor, residual: Optional[torch.Tensor],
                               eps: float, weight: torch.Tensor, top_k: int, scoring: str = "softmax",
                               bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: int = 1,
                               renormalize: bool = True, scaling: float = 1.0, select: bool = True,
-                              pdl_late: Optional[bool] = None, prefetch: Optional[torch.Tensor] = None):
+                              pdl_late: Optional[bool] = None, prefetch=()):
     """``reference_norm_route_experts`` in one launch for up to NORM_ROUTE_MAX_T tokens;
     ``select`` False: the launch does the norm and the router GEMM, the selection runs as
     ``select_experts_triton`` after it (two launches). ``pdl_late``: see
-    BLITZ_MOE_NORM_ROUTE_PDL (None: that switch). ``prefetch``: a weight the launch asks the
-    L2 for before its wait (the next layer's qkv: ``MOE_PF_QKV``; ignored where the GPU has
-    no bulk prefetch)."""
+    BLITZ_MOE_NORM_ROUTE_PDL (None: that switch). ``prefetch``: up to two weights the launch
+    asks the L2 for before its wait (the next layer's: ``MOE_PF_QKV``; ignored where the GPU
+    has no bulk prefetch)."""
     T, H = x.shape
     E = weight.shape[0]
     check_routing(E, top_k, scoring, bias, n_group, topk_group)
@@ -533,10 +542,16 @@ def norm_route_experts_triton(x: torch.Tensor, residual: Optional[torch.Tensor],
     r = residual if residual is not None else x
     grid = triton.cdiv(E, block_e)
     pf = {}
-    if prefetch is not None and prefetch.is_contiguous() and l2_prefetchable(prefetch, 16):
-        nbytes = prefetch.numel() * prefetch.element_size() // 16 * 16
-        pf = dict(pf_ptr=prefetch, pf_bytes=nbytes, pf_chunk=l2_prefetch_chunk(nbytes, grid, MOE_PF_QKV_LANES), PF=nbytes > 0,
-                  PF_LANES=MOE_PF_QKV_LANES, PF_LAST=_MOE_PF_QKV == "1")
+    ranges = [(t, t.numel() * t.element_size() // 16 * 16) for t in prefetch
+              if t is not None and t.is_contiguous() and l2_prefetchable(t, 16)]
+    ranges = [(t, n) for t, n in ranges if n > 0]
+    assert len(ranges) <= 2, "at most two prefetch ranges"
+    if ranges:
+        most = max(n for _, n in ranges)
+        pf = dict(pf_ptr=ranges[0][0], pf_bytes=ranges[0][1], pf_chunk=l2_prefetch_chunk(most, grid, MOE_PF_QKV_LANES),
+                  PF=len(ranges), PF_LANES=MOE_PF_QKV_LANES, PF_LAST=_MOE_PF_QKV != "normal")
+        if len(ranges) > 1:
+            pf.update(pf2_ptr=ranges[1][0], pf2_bytes=ranges[1][1])
     _norm_route_kernel[(grid,)](
         x, r, norm_weight, weight, h, res_out, logits, _norm_route_counter(x.device),
         bias.contiguous() if bias is not None else logits, weights, ids, float(scaling),
@@ -646,7 +661,7 @@ def norm_route_ok(x: torch.Tensor) -> bool:
 def norm_route_experts(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
                        weight: torch.Tensor, top_k: int, scoring: str = "softmax",
                        bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: int = 1,
-                       renormalize: bool = True, scaling: float = 1.0, prefetch: Optional[torch.Tensor] = None):
+                       renormalize: bool = True, scaling: float = 1.0, prefetch=()):
     """(rms_norm(x + residual), x + residual, topk weights [T, K] fp32, topk ids [T, K] int32):
     where ``norm_route_ok(x)`` the norm and the router GEMM in one Triton launch and the
     selection in another (BLITZ_MOE_NORM_ROUTE=1: one launch for all), else the norm and

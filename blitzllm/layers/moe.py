@@ -132,8 +132,8 @@ class FusedMoE(nn.Module):
         # an fp32 input itself (``rmsnorm.fused_add_rms_norm``): then decode may return the
         # routed experts' fp32 sum before its rounding (``fused_moe_triton(fp32_sum=True)``)
         self.fp32_sum = False
-        # set by a model (BLITZ_MOE_PF_QKV): the module whose weight decode's norm + router launch asks
-        # the L2 for (the next layer's qkv projection); a tuple, so not a submodule
+        # set by a model (BLITZ_MOE_PF_QKV): the modules whose weights decode's norm + router launch
+        # asks the L2 for (the next layer's qkv projection, and its o_proj); a tuple, so not submodules
         self.prefetch_next: tuple = ()
 
     @property
@@ -160,8 +160,8 @@ class FusedMoE(nn.Module):
         """(self(norm(x + residual)), x + residual) for an RMSNorm ``norm``: where
         ``norm_route_ok`` the residual add, the norm and the router GEMM in one launch, the
         selection in the next (BLITZ_MOE_NORM_ROUTE=1: the selection in the same launch); that
-        launch also asks the L2 for ``prefetch_next``'s weight (BLITZ_MOE_PF_QKV)."""
-        pf = self.prefetch_next[0].weight if self.prefetch_next else None
+        launch also asks the L2 for ``prefetch_next``'s weights (BLITZ_MOE_PF_QKV)."""
+        pf = tuple(m.weight for m in self.prefetch_next)
         h, residual, weights, ids = _op("norm_route_experts")(
             x, residual, norm.weight, norm.eps, self.gate.weight, self.top_k, self.scoring, self.correction_bias,
             self.n_group, self.topk_group, self.renormalize, self.scaling, prefetch=pf)

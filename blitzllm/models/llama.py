@@ -264,11 +264,14 @@ class DecoderModel(nn.Module):
                 shared = getattr(mlp, "shared_experts", None)
                 if type(shared) is DenseMLP:
                     mods += [shared.gate_up_proj, shared.down_proj]
-                from ..kernels.moe import moe_pf_qkv_wanted  # (an MoE model: the MoE kernels are loaded)
+                # (an MoE model: the MoE kernels are loaded)
+                from ..kernels.moe import moe_pf_o_proj_wanted, moe_pf_qkv_wanted
                 nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
                 if moe_pf_qkv_wanted() and hasattr(mlp, "prefetch_next") and isinstance(nxt, DecoderLayer):
-                    # the next layer's qkv into the L2 from the norm + router launch (BLITZ_MOE_PF_QKV)
-                    mlp.prefetch_next = (nxt.self_attn.qkv_proj,)
+                    # the next layer's qkv (and o_proj) into the L2 from the norm + router launch
+                    # (BLITZ_MOE_PF_QKV)
+                    mlp.prefetch_next = (nxt.self_attn.qkv_proj,) + ((nxt.self_attn.o_proj,)
+                                                                     if moe_pf_o_proj_wanted() else ())
             attn.attn.prefetch_modules = tuple(mods)
             attn.oproj_partials = (oproj_partials_wanted() and type(attn.o_proj) is Linear and attn.attn.pre_norm is None
                                    and get_tp_group().world_size == 1)

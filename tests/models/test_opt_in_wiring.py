@@ -1,6 +1,7 @@
 """Opt-in CUDA decode paths wired by the models, checked on the CPU reference path: the
 switches mark the right modules, the layers hand the kernels what they need, and the
 outputs stay those of the default path (the CPU path ignores what only CUDA uses)."""
+import pytest
 import torch
 
 from blitzllm import LLM, SamplingParams
@@ -14,27 +15,31 @@ def _greedy(llm):
     return [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))]
 
 
-def test_moe_pf_qkv_hands_the_next_layers_qkv_to_the_routing_launch(tmp_path, monkeypatch):
-    """BLITZ_MOE_PF_QKV: each MoE block's norm + router call receives the next layer's qkv
-    weight as its prefetch (the last layer none), in layer order, every decode step; greedy
-    tokens as without the switch."""
+@pytest.mark.parametrize("mode", ["1", "qkvo"])
+def test_moe_pf_qkv_hands_the_next_layers_weights_to_the_routing_launch(tmp_path, monkeypatch, mode):
+    """BLITZ_MOE_PF_QKV: each MoE block's norm + router call receives the next layer's qkv weight
+    (=qkvo: and its o_proj weight) as its prefetch, the last layer none, in layer order, every
+    decode step; greedy tokens as without the switch."""
     from blitzllm.kernels import moe as moe_ops
     make_moe_checkpoint("qwen3_moe", tmp_path, seed=2)
     want = _greedy(LLM(str(tmp_path), device="cpu", kv_cache_blocks=64))
     monkeypatch.setattr(moe_ops, "MOE_PF_QKV", True)
+    monkeypatch.setattr(moe_ops, "_MOE_PF_QKV", mode)
     monkeypatch.setattr(FusedMoE, "norm_route_ok", lambda self, x, residual, norm: residual is not None)
     seen = []
     orig = moe_ops.norm_route_experts
-    monkeypatch.setattr(moe_ops, "norm_route_experts", lambda *a, prefetch=None, **k: seen.append(prefetch) or
+    monkeypatch.setattr(moe_ops, "norm_route_experts", lambda *a, prefetch=(), **k: seen.append(prefetch) or
                         orig(*a, prefetch=prefetch, **k))
     llm = LLM(str(tmp_path), device="cpu", kv_cache_blocks=64)
     layers = llm.engine.runner.model.model.layers
-    expect = [layers[i + 1].self_attn.qkv_proj.weight for i in range(len(layers) - 1)] + [None]
+    expect = [(nxt.self_attn.qkv_proj.weight,) + ((nxt.self_attn.o_proj.weight,) if mode == "qkvo" else ())
+              for nxt in layers[1:]] + [()]
     seen.clear()
     assert _greedy(llm) == want
     assert seen and len(seen) % len(layers) == 0
     for i, p in enumerate(seen):
-        assert p is expect[i % len(layers)]
+        want_p = expect[i % len(layers)]
+        assert len(p) == len(want_p) and all(a is b for a, b in zip(p, want_p))
 
 
 def test_oproj_partials_marks_single_rank_o_projs_and_keeps_outputs(tmp_path, monkeypatch):
