@@ -148,7 +148,8 @@ for part in "$@"; do case $part in
        # combination twice) and the per-layer kernel tables
        timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q --tb=short tests/kernels/test_kernel_oproj_partials.py \
          tests/kernels/test_kernel_paged_attention.py tests/kernels/test_kernel_moe.py tests/test_gpu_e2e.py \
-         -k "oproj or partials or norm_route or pf_qkv" -p no:cacheprovider 2>&1 | tail -8 | tee "$OUT/s30_tests.log"
+         tests/kernels/test_kernel_gemv_tma.py -k "oproj or partials or norm_route or pf_qkv or norm_form or with_the_norm" \
+         -p no:cacheprovider 2>&1 | tail -8 | tee "$OUT/s30_tests.log"
        if grep -q "failed\|error" "$OUT/s30_tests.log"; then echo "s30: a test failed, no timing"; else
          M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
          run 150 q30b_def1 $M
@@ -164,11 +165,14 @@ for part in "$@"; do case $part in
            | grep -v "^    " | grep -v "_greedy\|indexSelect"
        fi ;;
   s30b) # the second call for stop 30's paths: the prefetch unmarked (=normal), the head-split o_proj with
-       # 16-key attention tiles, and batch 32 with the switches OP / PF (BLITZ_ATTN_OPROJ / BLITZ_MOE_PF_QKV) as set
+       # 16-key attention tiles, the input RMSNorm inside the qkv TMA GEMV (BLITZ_GEMV_TMA_NORM=1) alone and
+       # with the other two, and batch 32 with the switches OP / PF (BLITZ_ATTN_OPROJ / BLITZ_MOE_PF_QKV) as set
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
        run 150 q30b_def3 $M
        BLITZ_MOE_PF_QKV=normal run 100 q30b_pfn $M
        BLITZ_ATTN_OPROJ=1 BLITZ_ATTN_BLOCK_N=16 run 100 q30b_op16 $M  # (no merge: smaller key tiles, more splits)
+       BLITZ_GEMV_TMA_NORM=1 run 100 q30b_tn $M
+       BLITZ_GEMV_TMA_NORM=1 BLITZ_ATTN_OPROJ=1 BLITZ_MOE_PF_QKV=1 run 100 q30b_all $M
        W="--model preset:qwen3-30b-a3b --batch-size 32 --input-len 128 --output-len 128 --max-num-seqs 32"
        run 150 q30b_b32 $W
        BLITZ_ATTN_OPROJ=${OP:-1} BLITZ_MOE_PF_QKV=${PF:-1} run 150 q30b_b32_arms $W  # (both only reach 1-2 / 1-4 rows)

@@ -237,6 +237,21 @@ def test_moe_pf_qkv_keeps_greedy_tokens(monkeypatch, preset, layers, mode):
     _assert_same_until_near_tie(got, want)
 
 
+@pytest.mark.parametrize("preset,layers", [("qwen3-30b-a3b", 2), ("qwen3-0.6b", 4), ("llama-3.1-8b", 2)])
+def test_tma_gemv_with_the_norm_inside_matches_default(monkeypatch, preset, layers):
+    """Decode with the input residual add + RMSNorm inside the qkv TMA GEMV (BLITZ_GEMV_TMA_NORM=1: no
+    RMSNorm launch) against the default (bf16, batches of 2 and 1, CUDA graphs): it ran, and the
+    outputs agree as in ``_assert_same_until_near_tie`` (the sums of squares in another order)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("Hopper only")
+    import blitzllm.kernels.gemv_tma as gemv_tma
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+    want, got, calls, _ = _switch_runs(monkeypatch, gemv_tma, "TMA_NORM", False, True, "gemv_tma_norm_triton",
+                                       preset, layers, params, seed=18)
+    assert calls and set(calls) <= {1, 2}
+    _assert_same_until_near_tie(got, want)
+
+
 # Known failure (stop 29, H200, the first form of the kernel): qwen3-30b-a3b and qwen3-0.6b gave other
 # greedy tokens than the FMA form, llama-3.1-8b the same ones, while the kernel matched the torch
 # reference within rtol 1e-2 at every shape tested; whether the tensor cores' fp32 accumulation or a

@@ -55,6 +55,10 @@ TMA_GROUP_BYTES = 32 << 10  # bytes per copy at most
 # 253 instead of 357 instructions per tile in qkv's loop (sm_90 SASS), 97 registers instead of
 # 32 at one row. BLITZ_GEMV_TMA_HOIST=0 (A/B): per tile.
 TMA_HOIST_X = os.environ.get("BLITZ_GEMV_TMA_HOIST", "1") != "0"
+# BLITZ_GEMV_TMA_NORM=1 (opt-in until measured): a pre-norm GEMV on the TMA path (qkv after the
+# input RMSNorm) takes the residual add + RMSNorm into its programs (``gemv_tma_norm_triton``): no
+# RMSNorm launch, the GEMV launching right after the kernel before (its weights stream from there)
+TMA_NORM = os.environ.get("BLITZ_GEMV_TMA_NORM", "0") == "1"
 # BLITZ_GEMV_TMA_MMA=1: the products on the tensor cores (``_gemv_tma_mma_kernel``: one wgmma per
 # 64 x 64 chunk, W's rows of a tile over Q parts of K filling the instruction's 64 rows) instead of
 # fp32 FMAs from shared memory, where K divides into such parts (opt-in until measured)
@@ -101,11 +105,37 @@ if HAS_GLUON:
             tma.async_copy_global_to_shared(w_desc, [0, row, (q % GPT) * BLOCK_K], bar, smem.index(s), pred=ok)
 
     @gluon.jit
+    def _norm_rows(xv, r_ptr, nw_ptr, ro_ptr, xr, xk, xmask, stride_rm, stride_rom, pid, K, eps,
+                   CHUNKS: gl.constexpr, TWO_ROWS: gl.constexpr, dt: gl.constexpr):
+        """x chunks [XR, BLOCK_K] (chunk row r * CHUNKS + c of token r) -> rmsnorm(x + r) * nw in dt,
+        each token's sum of squares over its chunk rows; program 0 stores the new residual."""
+        rd = r_ptr.dtype.element_ty
+        rv = gl.load(r_ptr + xr * stride_rm + xk, mask=xmask, other=0.0).to(gl.float32)
+        sv = (xv.to(rd).to(gl.float32) + rv).to(rd)  # (an fp32 x is rounded first, as the reference's output)
+        if pid == 0:
+            gl.store(ro_ptr + xr * stride_rom + xk, sv, mask=xmask)
+        sf = sv.to(gl.float32)
+        sq = gl.sum(sf * sf, axis=1)  # per chunk row
+        tok = gl.max(xr, axis=1)  # the token of each chunk row ([XR]; xr is constant along a row)
+        ss = gl.zeros_like(sq) + gl.sum(gl.where(tok == 0, sq, 0.0), axis=0)
+        if TWO_ROWS:
+            ss = gl.where(tok == 1, gl.sum(gl.where(tok == 1, sq, 0.0), axis=0), ss)
+        normed = (sf * gl.expand_dims(gl.rsqrt(ss / K + eps), 1)).to(rd)
+        nw = gl.load(nw_ptr + xk, mask=xk < K, other=0.0).to(gl.float32)
+        return (nw * normed.to(gl.float32)).to(dt)
+
+    @gluon.jit
     def _gemv_tma_kernel(w_desc, x_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_om, n_tiles,
                          BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, CHUNKS: gl.constexpr, G: gl.constexpr,
                          SLOTS: gl.constexpr, GROUPED: gl.constexpr, TWO_ROWS: gl.constexpr,
                          HAS_BIAS: gl.constexpr, USE_PDL: gl.constexpr, TPW_K: gl.constexpr,
-                         WN: gl.constexpr, t_ptr=None, TIMED: gl.constexpr = False, HOIST_X: gl.constexpr = True):
+                         WN: gl.constexpr, t_ptr=None, TIMED: gl.constexpr = False, HOIST_X: gl.constexpr = True,
+                         r_ptr=None, nw_ptr=None, ro_ptr=None, stride_rm=0, stride_rom=0, eps=1e-6,
+                         NORM: gl.constexpr = False):
+        """NORM: x is the pre-norm block's input (fp32 or W's dtype) beside the residual r: every
+        program forms s = round(round(x) + r) and W's input rmsnorm(s) * nw itself (the rounding
+        steps of ``rmsnorm.fused_add_rms_norm``), and program 0 stores s (the new residual) at
+        ro_ptr: the RMSNorm launch before the GEMV is gone."""
         pid = gl.program_id(0)
         _stamp(t_ptr, pid, 0, TIMED)
         nprog = gl.num_programs(0)
@@ -120,8 +150,7 @@ if HAS_GLUON:
         _stamp(t_ptr, pid, 1, TIMED)
         ROWS: gl.constexpr = 2 if TWO_ROWS else 1
         XR: gl.constexpr = _pow2(ROWS * CHUNKS)  # x as [XR, BLOCK_K] (shapes are powers of two)
-        xs = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [XR, BLOCK_K],
-                                       gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        xs = gl.allocate_shared_memory(w_desc.dtype, [XR, BLOCK_K], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
         # a group [G, BLOCK_N, BLOCK_K]: each thread holds 16-byte runs along K of all G chunks
         # (their sum stays in the thread), lanes along K, warps over the rows
         L3: gl.constexpr = gl.BlockedLayout([G, 1, 8], [1, 32 // TPW_K, TPW_K], [1, WN, 1], [2, 1, 0])
@@ -140,7 +169,11 @@ if HAS_GLUON:
         _stamp(t_ptr, pid, 2, TIMED)
         # x, the only input from the kernel before: one load of all of it (every round trip in
         # flight at once), kept in shared memory for all tiles
-        xv = gl.load(x_ptr + xr * stride_xm + xk, mask=(xi < ROWS * CHUNKS) & (xk < K) & (xr < M), other=0.0)
+        xmask = (xi < ROWS * CHUNKS) & (xk < K) & (xr < M)
+        xv = gl.load(x_ptr + xr * stride_xm + xk, mask=xmask, other=0.0)
+        if NORM:
+            xv = _norm_rows(xv, r_ptr, nw_ptr, ro_ptr, xr, xk, xmask, stride_rm, stride_rom, pid, K, eps, CHUNKS,
+                            TWO_ROWS, w_desc.dtype)
         xs.store(xv)
         gl.thread_barrier()
         _stamp(t_ptr, pid, 3, TIMED)
@@ -427,6 +460,14 @@ def gemv_tma_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tenso
                 times = _diag_times(mcfg["programs"], x.device, (N, K, M, "mma"))
             _launch_mma(x, w, bias, out, mcfg, times)
             return out
+    _launch_fma(x, w, bias, out, config, times, {})
+    return out
+
+
+def _launch_fma(x, w, bias, out, config, times, norm_kw) -> None:
+    """The FMA form's launch (``norm_kw``: the kernel's NORM arguments, or none)."""
+    M, K = x.shape
+    N = w.shape[0]
     cfg = config or _cached_config(N, K, w.element_size(), device_sms(x), TMA_SMEM_BYTES)
     if times is None and _TIMES_PATH:
         times = _diag_times(cfg["programs"], x.device, (N, K, M, "fma"))
@@ -436,11 +477,36 @@ def gemv_tma_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tenso
     pdl = pdl_enabled(x)
     kw = {"launch_pdl": True} if pdl else {}
     _gemv_tma_kernel[(cfg["programs"],)](
-        desc, x, bias if bias is not None else x, out, M, N, K, x.stride(0), out.stride(0), cfg["tiles"],
+        desc, x, bias if bias is not None else out, out, M, N, K, x.stride(0), out.stride(0), cfg["tiles"],
         BLOCK_N=bn, BLOCK_K=bk, CHUNKS=cfg["CHUNKS"], G=cfg["G"], SLOTS=cfg["SLOTS"], GROUPED=grouped,
         TWO_ROWS=M > 1, HAS_BIAS=bias is not None, USE_PDL=pdl, TPW_K=min(32, bk // 8), WN=cfg["WN"],
-        t_ptr=times, TIMED=times is not None, HOIST_X=TMA_HOIST_X, num_warps=cfg["num_warps"], **kw)
-    return out
+        t_ptr=times, TIMED=times is not None, HOIST_X=TMA_HOIST_X, **norm_kw, num_warps=cfg["num_warps"], **kw)
+
+
+def tma_norm_ok(x: torch.Tensor, residual: Optional[torch.Tensor], w: torch.Tensor) -> bool:
+    """Whether ``gemv_tma_norm_triton`` takes this pre-norm GEMV (BLITZ_GEMV_TMA_NORM=1): the TMA
+    GEMV's conditions on the residual, which x matches in shape (x of its dtype or fp32)."""
+    return (TMA_NORM and residual is not None and residual.shape == x.shape and residual.dim() == 2
+            and x.dtype in (residual.dtype, torch.float32) and x.stride(-1) == 1 and residual.stride(-1) == 1
+            and tma_gemv_ok(residual, w))
+
+
+def gemv_tma_norm_triton(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                         w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+                         config: Optional[dict] = None) -> tuple:
+    """(W @ rmsnorm(x + residual) * norm_weight, x + residual) in one launch (the FMA form): each
+    program forms the normed rows itself after its wait, program 0 stores the new residual;
+    the numerics of ``rmsnorm.fused_add_rms_norm`` then ``gemv_tma_triton`` (an fp32 x is
+    rounded to the residual's dtype first)."""
+    assert HAS_GLUON and x.is_cuda, "the TMA GEMV needs a Hopper GPU and Gluon"
+    M, K = residual.shape
+    assert x.shape == (M, K) and 1 <= M <= TMA_MAX_ROWS and w.shape[1] == K and norm_weight.shape == (K,)
+    out = torch.empty(M, w.shape[0], dtype=residual.dtype, device=x.device)
+    res_out = torch.empty_like(residual)
+    _launch_fma(x, w, bias, out, config, None,
+                dict(r_ptr=residual, nw_ptr=norm_weight, ro_ptr=res_out, stride_rm=residual.stride(0),
+                     stride_rom=res_out.stride(0), eps=float(eps), NORM=True))
+    return out, res_out
 
 
 TIMELINE = ("start", "preload issued", "wait over", "x staged", "first copy in", "first tile's copies in / all "

@@ -71,7 +71,10 @@ class Linear(nn.Module):
         xd = x if residual is None else residual
         if norm.tp is None:  # (a norm that all-reduces over tensor-parallel ranks runs on its own)
             if self.tma_ok(xd) and xd.dtype == norm.weight.dtype:  # the norm lets the GEMV launch at once
-                from ..kernels.gemv_tma import tma_early_dependents
+                from ..kernels.gemv_tma import gemv_tma_norm_triton, tma_early_dependents, tma_norm_ok
+                if tma_norm_ok(x, residual, self.weight):  # (BLITZ_GEMV_TMA_NORM: the norm inside the GEMV)
+                    y, residual = gemv_tma_norm_triton(x, residual, norm.weight, norm.eps, self.weight, self.bias)
+                    return y, residual
                 from ..kernels.rmsnorm import fused_add_rms_norm
                 h, residual = fused_add_rms_norm(x, residual, norm.weight, norm.eps,
                                                  early_dependents=tma_early_dependents())
