@@ -234,7 +234,6 @@ class TritonAttentionBackend(AttentionBackend):
         return paged_prefill_attention_triton(q, k_cache, v_cache, md.query_start_loc, md.seq_lens,
                                               md.block_tables, layer.scale, md.max_q_len)
 
-
     def forward_project(self, layer, positions, qkv, k_cache, v_cache, md, o_proj):
         """o_proj(self.forward(...)) as o_proj's fp32 sum where it can run as the decode attention
         leaving its split partials unmerged and o_proj merging them per head
