@@ -178,6 +178,13 @@ for part in "$@"; do case $part in
        run 150 q30b_b32 $W
        BLITZ_ATTN_OPROJ=${OP:-1} BLITZ_MOE_PF_QKV=${PF:-1} run 150 q30b_b32_arms $W  # (both only reach 1-2 / 1-4 rows)
        rm -f "$OUT"/*.log ;;
+  pf30t) # evidence for BLITZ_MOE_PF_QKV: the TMA GEMVs' per-program timelines (when each program's first
+       # copy lands, after its wait) with and without the prefetch: do qkv's weights come from the L2?
+       M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
+       BLITZ_GEMV_TMA_TIMES="$OUT/times_def.txt" run 100 q30b_tdef $M
+       BLITZ_MOE_PF_QKV=1 BLITZ_GEMV_TMA_TIMES="$OUT/times_pf.txt" run 100 q30b_tpf $M
+       cat "$OUT"/times_*.txt
+       rm -f "$OUT"/*.log ;;
   op30d) # BLITZ_ATTN_OPROJ=1 on the dense presets at batch 1 (qwen3-0.6b, llama-3.1-8b), default first
        Q="--model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
