@@ -98,13 +98,15 @@ if HAS_GLUON:
             mbarrier.init(bars.index(i), count=1)
         for i in gl.static_range(SLOTS):  # the preload: in flight before the wait
             _issue_head(w_desc, smem, bars, i, n_tiles, h, row0, BLOCK_N, SLOTS)
-        # partials [S_PAD, D]: 16-byte runs along D per thread, warps over the splits; W tiles
-        # [BLOCK_N, D]: 16-byte runs along D per thread, lanes along D, warps over the rows
+        # partials [S_PAD, D]: 16-byte runs along D per thread, warps over the splits; a W copy
+        # [1, BLOCK_N, D] as gemv_tma.py's: 16-byte runs along D per thread, lanes along D, warps
+        # over the rows
         LS: gl.constexpr = gl.BlockedLayout([1, 4], [32 // TPW_S, TPW_S], [WN, 1], [1, 0])
-        L2: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_K, TPW_K], [WN, 1], [1, 0])
+        L3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 32 // TPW_K, TPW_K], [1, WN, 1], [2, 1, 0])
+        XL: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, L3))  # a head's D values, broadcast over rows
         offs_s = gl.arange(0, S_PAD, layout=gl.SliceLayout(1, LS))
         offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, LS))
-        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L2))
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(0, L3)))
         # the split schedule needs only the context lengths (host inputs, ready before the step)
         act0 = _active(gl.load(seq_ptr), NUM_SPLITS, KV_BN)
         if TWO_ROWS:
@@ -114,17 +116,17 @@ if HAS_GLUON:
             _gdc_launch_dependents()
         dt = w_desc.dtype
         x0 = _merge_head(m_ptr, l_ptr, acc_ptr, h * NUM_SPLITS, act0, offs_s, offs_d, D)
-        x0 = gl.expand_dims(gl.convert_layout(x0.to(dt).to(gl.float32), gl.SliceLayout(0, L2)), 0)
+        x0 = gl.expand_dims(gl.expand_dims(gl.convert_layout(x0.to(dt).to(gl.float32), XL), 0), 1)  # [1, 1, D]
         if TWO_ROWS:
             x1 = _merge_head(m_ptr, l_ptr, acc_ptr, (Hq + h) * NUM_SPLITS, act1, offs_s, offs_d, D)
-            x1 = gl.expand_dims(gl.convert_layout(x1.to(dt).to(gl.float32), gl.SliceLayout(0, L2)), 0)
+            x1 = gl.expand_dims(gl.expand_dims(gl.convert_layout(x1.to(dt).to(gl.float32), XL), 0), 1)
         for t in range(0, n_tiles):
             slot = t % SLOTS
             mbarrier.wait(bars.index(slot), (t // SLOTS) & 1)
-            w = smem.index(slot).reshape([BLOCK_N, D]).load(L2).to(gl.float32)
-            y0 = gl.sum(w * x0, axis=1)
+            w = smem.index(slot).load(L3).to(gl.float32)  # [1, BLOCK_N, D]
+            y0 = gl.sum(gl.sum(w * x0, axis=0), axis=1)
             if TWO_ROWS:
-                y1 = gl.sum(w * x1, axis=1)
+                y1 = gl.sum(gl.sum(w * x1, axis=0), axis=1)
             if SLOTS < TILES:  # the ring turns: refill this slot once every warp has read it
                 gl.thread_barrier()
                 fence_async_shared()
