@@ -163,7 +163,7 @@ for part in "$@"; do case $part in
          python3 scripts/kernel_table.py "$OUT"/q30b_def1.json "$OUT"/q30b_op1.json "$OUT"/q30b_pf1.json \
            | grep -v "^    " | grep -v "_greedy\|indexSelect"
        fi ;;
-  s30b) # the second call for stop 30's paths: the prefetch unmarked (=normal), the head-split o_proj with
+  s30b) # the second call for stop 30's paths: the prefetch unmarked (=normal) and in one range per program, the head-split o_proj with
        # 16-key attention tiles, the input RMSNorm inside the qkv TMA GEMV (BLITZ_GEMV_TMA_NORM=1) alone and
        # with the other two, and batch 32 with the switches OP / PF (BLITZ_ATTN_OPROJ / BLITZ_MOE_PF_QKV) as set
        timeout ${TEST_TIMEOUT:-180} python3 -m pytest -q --tb=short tests/kernels/test_kernel_gemv_tma.py tests/test_gpu_e2e.py \
@@ -171,6 +171,7 @@ for part in "$@"; do case $part in
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
        run 150 q30b_def3 $M
        BLITZ_MOE_PF_QKV=normal run 100 q30b_pfn $M
+       BLITZ_MOE_PF_QKV=1 BLITZ_MOE_PF_QKV_LANES=1 run 100 q30b_pfl1 $M  # (one 164 KB prefetch per program, not 8)
        BLITZ_ATTN_OPROJ=1 BLITZ_ATTN_BLOCK_N=16 run 100 q30b_op16 $M  # (no merge: smaller key tiles, more splits)
        BLITZ_GEMV_TMA_NORM=1 run 100 q30b_tn $M
        BLITZ_GEMV_TMA_NORM=1 BLITZ_ATTN_OPROJ=1 BLITZ_MOE_PF_QKV=1 run 100 q30b_all $M
