@@ -179,6 +179,19 @@ for part in "$@"; do case $part in
        run 150 q30b_b32 $W
        BLITZ_ATTN_OPROJ=${OP:-1} BLITZ_MOE_PF_QKV=${PF:-1} run 150 q30b_b32_arms $W  # (both only reach 1-2 / 1-4 rows)
        rm -f "$OUT"/*.log ;;
+  bal30) # BLITZ_MOE_BALANCE=1: the direct MoE gate/up programs take balanced_rows output rows each (qwen3-30b-a3b
+       # at one token: 128 programs of 48 rows instead of 96 of 64): its tests, then batch 1 against the
+       # default (twice each, alternating) and with every stop-30 switch on
+       timeout ${TEST_TIMEOUT:-120} python3 -m pytest -q --tb=short tests/kernels/test_kernel_moe.py -k "balanced or direct" \
+         -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/bal30_tests.log"
+       M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
+       run 150 q30b_def4 $M
+       BLITZ_MOE_BALANCE=1 run 100 q30b_bal1 $M
+       run 100 q30b_def5 $M
+       BLITZ_MOE_BALANCE=1 run 100 q30b_bal2 $M
+       BLITZ_MOE_BALANCE=1 BLITZ_ATTN_OPROJ=1 BLITZ_MOE_PF_QKV=1 BLITZ_GEMV_TMA_NORM=1 run 100 q30b_all4 $M
+       rm -f "$OUT"/*.log
+       python3 scripts/kernel_table.py "$OUT"/q30b_def4.json "$OUT"/q30b_bal1.json | grep -v "^    " | grep -v "_greedy\|indexSelect" ;;
   pf30t) # evidence for BLITZ_MOE_PF_QKV: the TMA GEMVs' per-program timelines (when each program's first
        # copy lands, after its wait) with and without the prefetch: do qkv's weights come from the L2?
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"

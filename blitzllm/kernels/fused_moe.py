@@ -62,6 +62,11 @@ MOE_PF_DOWN = os.environ.get("BLITZ_MOE_PF_DOWN", "0") == "1"
 # step's critical path). The order of the fp32 additions then varies from run to run (the
 # rounded result may differ in its last bit). BLITZ_MOE_ATOMIC_COMBINE=0: the counted combine.
 MOE_ATOMIC_COMBINE = os.environ.get("BLITZ_MOE_ATOMIC_COMBINE", "1") != "0"
+# BLITZ_MOE_BALANCE=1 (opt-in until measured): the direct path's gate/up programs take
+# ``balanced_rows`` output rows each instead of BLOCK_N, so the chosen experts' tiles cover the
+# SMs evenly: at Qwen3-30B-A3B's one token 128 programs of 48 rows (384 KB each) instead of 96
+# programs of 64 (512 KB), 36 SMs idle; the launch streams at the rate of its busiest programs
+MOE_BALANCE = os.environ.get("BLITZ_MOE_BALANCE", "0") == "1"
 
 
 def _env_decode_config() -> tuple:
@@ -231,7 +236,8 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
                      DIRECT: tl.constexpr, COMBINE: tl.constexpr, TOP_K: tl.constexpr,
                      pf_ptr=None, pf_stride=0, pf_bytes=0, pf_chunk=0, PF: tl.constexpr = False,
                      PF_LANES: tl.constexpr = 1, EARLY_DEPS: tl.constexpr = False,
-                     zero_ptr=None, zero_n=0, ZERO_BLOCK: tl.constexpr = 0, ATOMIC: tl.constexpr = False):
+                     zero_ptr=None, zero_n=0, ZERO_BLOCK: tl.constexpr = 0, ATOMIC: tl.constexpr = False,
+                     ROWS: tl.constexpr = 0):
     """out[entry, n] = A[entry // row_div] . W[e, n] for the BLOCK_M sorted entries of one
     expert e. GATED: W holds gate rows [0, N) and up rows [N, 2N); the output is
     silu(gate) * up with the reference's rounding steps.
@@ -247,7 +253,9 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
     each (the gate/up launch, for an ATOMIC down launch after it). ATOMIC (with DIRECT, the
     down GEMM): each program adds its entry's rounded output times its weight (tw_ptr) into
     the token's fp32 row of comb_ptr with atomic adds: the combine with no arrival count and
-    no second read, its summation order not fixed."""
+    no second read, its summation order not fixed. ROWS (0 < ROWS <= BLOCK_N): each n-tile
+    program takes ROWS output rows (its BLOCK_N-wide tile masked past them), so the tiles can
+    split N more evenly over the SMs than BLOCK_N-row tiles would (``balanced_rows``)."""
     pdl_wait(USE_PDL)  # (PDL launches write nothing before this)
     if EARLY_DEPS:
         pdl_launch_dependents(USE_PDL)
@@ -269,11 +277,17 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
         expert = tl.load(expert_ptr + pid_m).to(tl.int64)
         entry = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
         row_ok = entry < n_entries
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_t = tl.arange(0, BLOCK_N)
+    if ROWS > 0:
+        offs_n = pid_n * ROWS + offs_t
+        n_in = (offs_t < ROWS) & (offs_n < N)
+    else:
+        offs_n = pid_n * BLOCK_N + offs_t
+        n_in = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + (entry // row_div).to(tl.int64)[:, None] * stride_a + offs_k[None, :]
     b_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
-    n_ok = offs_n[None, :] < N
+    n_ok = n_in[None, :]
     if DIRECT:  # a dropped entry loads no weights
         n_ok = n_ok & (tl.max(row_ok.to(tl.int32), axis=0) > 0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -301,7 +315,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
         res = (act.to(tl.float32) * acc_up.to(dt).to(tl.float32)).to(dt)
     if ATOMIC:  # (DIRECT: row 0 is the program's entry; a dropped entry adds nothing)
         part = tl.sum(tl.where(row_ok[:, None], res.to(tl.float32), 0.0), axis=0) * tl.load(tw_ptr + pid_m)
-        keep = (offs_n < N) & (tl.max(row_ok.to(tl.int32), axis=0) > 0)
+        keep = n_in & (tl.max(row_ok.to(tl.int32), axis=0) > 0)
         tl.atomic_add(comb_ptr + (pid_m // TOP_K) * stride_c + offs_n, part, mask=keep, sem="relaxed")
         return
     o_ptrs = out_ptr + entry.to(tl.int64)[:, None] * stride_o + offs_n[None, :]
@@ -311,7 +325,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
         t = pid_m // TOP_K
         slot = cnt_ptr + t * tl.num_programs(1) + pid_n
         if tl.atomic_add(slot, 1, sem="acq_rel") == TOP_K - 1:  # the token's last entry here
-            n1 = offs_n < N
+            n1 = n_in
             total = tl.zeros([BLOCK_N], dtype=tl.float32)
             for j in tl.static_range(TOP_K):
                 e_j = tl.load(expert_ptr + t * TOP_K + j)
@@ -479,15 +493,16 @@ def _moe_config_cached(tokens, top_k, num_experts, hidden, inter, dtype, sms, it
 
 def _grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_entries, row_div, n, gated, cfg,
                   direct=False, combine=None, prefetch=None, early_dependents=False, zero=None,
-                  atomic=False):
+                  atomic=False, rows=None):
     """direct: block_expert is the entries' expert ids (one program per entry, no sort);
     combine (direct only): (topk weights fp32 [T*K], output [T, n], top_k): the weighted
     sum over each token's entries is written there by the launch itself (``atomic``: added
     into a zeroed fp32 output with atomics; ``out`` is then not written). prefetch (direct
     only): expert weights [E, ...] (contiguous per expert) whose chosen experts' blocks the
-    launch asks the L2 for. zero: an fp32 tensor the launch zeroes (after its PDL wait)."""
+    launch asks the L2 for. zero: an fp32 tensor the launch zeroes (after its PDL wait).
+    rows: output rows per n-tile program (the kernel's ROWS; None: BLOCK_N)."""
     kd = a.shape[1]
-    grid = (block_expert.numel(), triton.cdiv(n, cfg["BLOCK_N"]))
+    grid = (block_expert.numel(), triton.cdiv(n, rows or cfg["BLOCK_N"]))
     pdl = pdl_enabled(a)
     if combine is not None:
         tw, comb, top_k = combine
@@ -505,7 +520,7 @@ def _grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_entries, row_div
                   pf_chunk=l2_prefetch_chunk(nbytes, grid[1]), PF=True, PF_LANES=L2_PREFETCH_LANES)
     _moe_gemm_kernel[grid](a, w, out, sorted_ids, block_expert, total, n, kd, n_entries, row_div,
                            a.stride(0), w.stride(0), w.stride(1), out.stride(0), tw, comb, cnt, comb.stride(0),
-                           **pf, **zkw, ATOMIC=bool(atomic and combine is not None and direct),
+                           **pf, **zkw, ATOMIC=bool(atomic and combine is not None and direct), ROWS=rows or 0,
                            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                            GATED=gated, EVEN_K=kd % cfg["BLOCK_K"] == 0, IEEE=a.dtype == torch.float32,
                            USE_PDL=pdl, DIRECT=direct, COMBINE=combine is not None, TOP_K=top_k,
@@ -522,6 +537,16 @@ def _configs(x, T, K, E, H, inter, config, direct) -> tuple:
                  for i, k in enumerate(keys))
 
 
+def balanced_rows(entries: int, n: int, block_n: int, sms: int) -> Optional[int]:
+    """Output rows per n-tile program (a multiple of 16 below ``block_n``) that spread ``entries``
+    x ``n`` rows over at most ``sms`` programs most evenly; None where ``block_n``-row tiles do
+    as well (the busiest program would not get fewer rows)."""
+    rows = -(-(-(-entries * n // max(1, sms))) // 16) * 16
+    while rows < block_n and entries * -(-n // rows) > sms:
+        rows += 16
+    return rows if rows < block_n and rows < n else None
+
+
 def _direct(x, w13, w2, tw, ids, out, K, up_cfg, down_cfg, tma_down=False) -> torch.Tensor:
     """The direct (decode) path's launches for flat entry ids / weights [T * K] into out [T, H]:
     gate/up, then the down GEMM with the weighted combine inside, or the TMA down launch (``tma_down``).
@@ -534,7 +559,8 @@ def _direct(x, w13, w2, tw, ids, out, K, up_cfg, down_cfg, tma_down=False) -> to
     atomic = out.dtype == torch.float32 and x.dtype != torch.float32
     from . import moe_tma
     _grouped_gemm(x, w13, act, ids, ids, ids, n, K, inter, True, dict(up_cfg, BLOCK_M=16), direct=True, prefetch=pf,
-                  early_dependents=tma_down and moe_tma.MOE_TMA_DOWN_EARLY, zero=out if atomic else None)
+                  early_dependents=tma_down and moe_tma.MOE_TMA_DOWN_EARLY, zero=out if atomic else None,
+                  rows=balanced_rows(n, inter, up_cfg["BLOCK_N"], device_sms(x)) if MOE_BALANCE else None)
     if atomic:
         _grouped_gemm(act, w2, act, ids, ids, ids, n, 1, H, False, dict(down_cfg, BLOCK_M=16), direct=True,
                       combine=(tw, out, K), atomic=True, early_dependents=MOE_DOWN_EARLY_DEPS)

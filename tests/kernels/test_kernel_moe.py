@@ -603,6 +603,40 @@ def test_fused_moe_direct_fp32_sum(t, e, k, h, inter, cfg, device):
     close(sorted_out, want, TOL[torch.bfloat16])
 
 
+@pytest.mark.parametrize("t,k,inter,sms", [(1, 2, 40, 8), (1, 8, 40, 24), (2, 3, 24, 12)])
+def test_fused_moe_direct_balanced_rows(t, k, inter, sms, device, monkeypatch):
+    """BLITZ_MOE_BALANCE: the direct path's gate/up programs take ``balanced_rows`` rows each (a
+    wider tile masked past them; the last program fewer), with the plain and the fp32 (atomic,
+    zeroed by the gate/up launch over its new grid) combine: results as the reference's."""
+    from blitzllm.kernels import fused_moe as fm
+    monkeypatch.setattr(fm, "MOE_BALANCE", True)
+    monkeypatch.setattr(fm, "device_sms", lambda t_: sms)
+    seen = []
+    orig = fm._grouped_gemm
+    monkeypatch.setattr(fm, "_grouped_gemm", lambda *a, **kw: seen.append(kw.get("rows")) or orig(*a, **kw))
+    x, w13, w2, weights, ids = moe_inputs(t, 8, k, 64, inter, torch.bfloat16, device, seed=t + k)
+    cfg = MOE_CONFIGS["m16-ragged"]
+    rows = fm.balanced_rows(t * k, inter, cfg["BLOCK_N"], sms)
+    assert rows is not None and rows < cfg["BLOCK_N"] and t * k * -(-inter // rows) <= sms
+    want = reference_fused_moe(x, w13, w2, weights, ids, fp32_sum=True)
+    for fp32 in (False, True):
+        seen.clear()
+        out = fm.fused_moe_triton(x, w13, w2, weights, ids, config=cfg, direct=True, fp32_sum=fp32)
+        assert seen == [rows, None]  # (gate/up balanced, down as before)
+        close(out, want if fp32 else want.to(torch.bfloat16), TOL[torch.bfloat16])
+
+
+def test_balanced_rows():
+    from blitzllm.kernels.fused_moe import balanced_rows
+    assert balanced_rows(8, 768, 64, 132) == 48  # qwen3-30b-a3b, one token: 128 programs of 48 rows
+    assert balanced_rows(16, 768, 64, 132) is None  # even rows would not fit under 64
+    assert balanced_rows(8, 1536, 64, 132) is None  # minimax-m2: the same
+    for e, n, bn, sms in ((8, 40, 32, 132), (3, 100, 64, 16), (5, 300, 128, 64)):
+        r = balanced_rows(e, n, bn, sms)
+        if r is not None:
+            assert r % 16 == 0 and r < bn and e * -(-n // r) <= sms
+
+
 def test_fused_moe_dispatches_small_batches_to_direct(device, monkeypatch):
     from blitzllm.kernels import fused_moe as fm
     seen = []
