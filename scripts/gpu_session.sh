@@ -190,6 +190,9 @@ for part in "$@"; do case $part in
        run 100 q30b_def5 $M
        BLITZ_MOE_BALANCE=1 run 100 q30b_bal2 $M
        BLITZ_MOE_BALANCE=1 BLITZ_ATTN_OPROJ=1 BLITZ_MOE_PF_QKV=1 BLITZ_GEMV_TMA_NORM=1 run 100 q30b_all4 $M
+       X="--model preset:minimax-m2 --num-layers 8 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
+       run 100 mm2_def $X
+       BLITZ_MOE_BALANCE=1 run 100 mm2_bal $X  # (96-row programs in 128-wide tiles)
        rm -f "$OUT"/*.log
        python3 scripts/kernel_table.py "$OUT"/q30b_def4.json "$OUT"/q30b_bal1.json | grep -v "^    " | grep -v "_greedy\|indexSelect" ;;
   pf30t) # evidence for BLITZ_MOE_PF_QKV: the TMA GEMVs' per-program timelines (when each program's first

@@ -547,6 +547,20 @@ def balanced_rows(entries: int, n: int, block_n: int, sms: int) -> Optional[int]
     return rows if rows < block_n and rows < n else None
 
 
+def _balanced_up(entries: int, inter: int, cfg: dict, sms: int) -> tuple:
+    """(rows, gate/up config) of BLITZ_MOE_BALANCE: ``balanced_rows`` in the config's tiles, or in
+    tiles twice as wide (at most 3 stages, for their shared memory) where even rows need more than
+    BLOCK_N (Qwen3-30B-A3B at two tokens, MiniMax-M2 at one: 128 programs of 96 rows instead of 192
+    of 64); (None, cfg) where neither helps."""
+    rows = balanced_rows(entries, inter, cfg["BLOCK_N"], sms)
+    if rows is not None:
+        return rows, cfg
+    rows = balanced_rows(entries, inter, 2 * cfg["BLOCK_N"], sms)
+    if rows is None or rows <= cfg["BLOCK_N"]:
+        return None, cfg
+    return rows, dict(cfg, BLOCK_N=2 * cfg["BLOCK_N"], num_stages=min(cfg["num_stages"], 3))
+
+
 def _direct(x, w13, w2, tw, ids, out, K, up_cfg, down_cfg, tma_down=False) -> torch.Tensor:
     """The direct (decode) path's launches for flat entry ids / weights [T * K] into out [T, H]:
     gate/up, then the down GEMM with the weighted combine inside, or the TMA down launch (``tma_down``).
@@ -557,10 +571,10 @@ def _direct(x, w13, w2, tw, ids, out, K, up_cfg, down_cfg, tma_down=False) -> to
     pf = w2 if (MOE_PF_DOWN and w2[0].is_contiguous()
                 and l2_prefetchable(w2, w2.stride(0) * w2.element_size())) else None
     atomic = out.dtype == torch.float32 and x.dtype != torch.float32
+    rows, up_cfg = _balanced_up(n, inter, up_cfg, device_sms(x)) if MOE_BALANCE else (None, up_cfg)
     from . import moe_tma
     _grouped_gemm(x, w13, act, ids, ids, ids, n, K, inter, True, dict(up_cfg, BLOCK_M=16), direct=True, prefetch=pf,
-                  early_dependents=tma_down and moe_tma.MOE_TMA_DOWN_EARLY, zero=out if atomic else None,
-                  rows=balanced_rows(n, inter, up_cfg["BLOCK_N"], device_sms(x)) if MOE_BALANCE else None)
+                  early_dependents=tma_down and moe_tma.MOE_TMA_DOWN_EARLY, zero=out if atomic else None, rows=rows)
     if atomic:
         _grouped_gemm(act, w2, act, ids, ids, ids, n, 1, H, False, dict(down_cfg, BLOCK_M=16), direct=True,
                       combine=(tw, out, K), atomic=True, early_dependents=MOE_DOWN_EARLY_DEPS)

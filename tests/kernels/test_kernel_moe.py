@@ -603,26 +603,30 @@ def test_fused_moe_direct_fp32_sum(t, e, k, h, inter, cfg, device):
     close(sorted_out, want, TOL[torch.bfloat16])
 
 
-@pytest.mark.parametrize("t,k,inter,sms", [(1, 2, 40, 8), (1, 8, 40, 24), (2, 3, 24, 12)])
-def test_fused_moe_direct_balanced_rows(t, k, inter, sms, device, monkeypatch):
+@pytest.mark.parametrize("t,k,inter,sms,wide", [(1, 2, 40, 8, False), (1, 8, 40, 24, False), (2, 3, 24, 12, False),
+                                                 (1, 8, 80, 16, True)])
+def test_fused_moe_direct_balanced_rows(t, k, inter, sms, wide, device, monkeypatch):
     """BLITZ_MOE_BALANCE: the direct path's gate/up programs take ``balanced_rows`` rows each (a
-    wider tile masked past them; the last program fewer), with the plain and the fp32 (atomic,
-    zeroed by the gate/up launch over its new grid) combine: results as the reference's."""
+    wider tile masked past them, twice the config's width where even rows need it; the last
+    program fewer), with the plain and the fp32 (atomic, zeroed by the gate/up launch over its
+    new grid) combine: results as the reference's."""
     from blitzllm.kernels import fused_moe as fm
     monkeypatch.setattr(fm, "MOE_BALANCE", True)
     monkeypatch.setattr(fm, "device_sms", lambda t_: sms)
     seen = []
     orig = fm._grouped_gemm
-    monkeypatch.setattr(fm, "_grouped_gemm", lambda *a, **kw: seen.append(kw.get("rows")) or orig(*a, **kw))
+    monkeypatch.setattr(fm, "_grouped_gemm", lambda *a, **kw: seen.append((kw.get("rows"), a[10]["BLOCK_N"])) or
+                        orig(*a, **kw))
     x, w13, w2, weights, ids = moe_inputs(t, 8, k, 64, inter, torch.bfloat16, device, seed=t + k)
     cfg = MOE_CONFIGS["m16-ragged"]
-    rows = fm.balanced_rows(t * k, inter, cfg["BLOCK_N"], sms)
-    assert rows is not None and rows < cfg["BLOCK_N"] and t * k * -(-inter // rows) <= sms
+    rows, up = fm._balanced_up(t * k, inter, dict(cfg, num_stages=4), sms)
+    assert rows is not None and rows < up["BLOCK_N"] and t * k * -(-inter // rows) <= sms
+    assert up["BLOCK_N"] == (2 if wide else 1) * cfg["BLOCK_N"]
     want = reference_fused_moe(x, w13, w2, weights, ids, fp32_sum=True)
     for fp32 in (False, True):
         seen.clear()
         out = fm.fused_moe_triton(x, w13, w2, weights, ids, config=cfg, direct=True, fp32_sum=fp32)
-        assert seen == [rows, None]  # (gate/up balanced, down as before)
+        assert seen == [(rows, up["BLOCK_N"]), (None, cfg["BLOCK_N"])]  # (gate/up balanced, down as before)
         close(out, want if fp32 else want.to(torch.bfloat16), TOL[torch.bfloat16])
 
 
