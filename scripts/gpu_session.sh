@@ -183,7 +183,7 @@ for part in "$@"; do case $part in
        # at one token: 128 programs of 48 rows instead of 96 of 64): its tests, then batch 1 against the
        # default (twice each, alternating) and with every stop-30 switch on
        timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q --tb=short tests/kernels/test_kernel_moe.py tests/test_gpu_e2e.py \
-         -k "balanced or direct" -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/bal30_tests.log"
+         -k "balanced or fused_moe_direct" -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/bal30_tests.log"
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
        run 150 q30b_def4 $M
        BLITZ_MOE_BALANCE=1 run 100 q30b_bal1 $M
