@@ -195,6 +195,14 @@ for part in "$@"; do case $part in
        BLITZ_MOE_BALANCE=1 run 100 mm2_bal $X  # (96-row programs in 128-wide tiles)
        rm -f "$OUT"/*.log
        python3 scripts/kernel_table.py "$OUT"/q30b_def4.json "$OUT"/q30b_bal1.json | grep -v "^    " | grep -v "_greedy\|indexSelect" ;;
+  pfw30) # with qkv's weights in the L2 (BLITZ_MOE_PF_QKV) its post-wait compute is what remains (3.3 us per
+       # layer at stop 25's count): 16-row tiles on 16 warps, and the products on the tensor cores (ab29's form)
+       M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
+       run 150 q30b_def6 $M
+       BLITZ_MOE_PF_QKV=qkvo run 100 q30b_pfo2 $M
+       BLITZ_MOE_PF_QKV=qkvo BLITZ_GEMV_TMA_BLOCK_N=16 BLITZ_GEMV_TMA_WARPS=16 run 100 q30b_pfw16 $M
+       BLITZ_MOE_PF_QKV=qkvo BLITZ_GEMV_TMA_MMA=1 run 100 q30b_pfmma $M
+       rm -f "$OUT"/*.log ;;
   pf30t) # evidence for BLITZ_MOE_PF_QKV: the TMA GEMVs' per-program timelines (when each program's first
        # copy lands, after its wait) with and without the prefetch: do qkv's weights come from the L2?
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
