@@ -149,7 +149,7 @@ def moe_pf_qkv():
     logits, qkv = torch.zeros(1, e), torch.zeros(5120, h, dtype=bf)
     o_proj = torch.zeros(h, 4096, dtype=bf)
     for name, pf, ranges in (("none", None, 0), ("normal", False, 1), ("last", True, 1), ("two", True, 2)):
-        extra = dict(pf_ptr=qkv, pf_bytes=qkv.numel() * 2, pf_chunk=20480, PF=ranges, PF_LANES=8,
+        extra = dict(pf_ptr=qkv, pf_bytes=qkv.numel() * 2, pf_chunk=20480, PF=ranges, PF_LANES=128, PF_EVERY=16,
                      PF_LAST=pf) if pf is not None else {}
         if ranges > 1:
             extra.update(pf2_ptr=o_proj, pf2_bytes=o_proj.numel() * 2)

@@ -145,19 +145,27 @@ def _bulk_prefetch_last(addr, size):
 
 
 @triton.jit
-def l2_prefetch(ptr, nbytes, chunk, pid, nprog, LANES: tl.constexpr, LAST: tl.constexpr = False):
+def l2_prefetch(ptr, nbytes, chunk, pid, nprog, LANES: tl.constexpr, LAST: tl.constexpr = False,
+                EVERY: tl.constexpr = 1):
     """Ask the L2 to fetch bytes [0, nbytes) of ``ptr`` (16-byte aligned, nbytes a multiple
     of 16): program ``pid`` of ``nprog`` (both computed in the kernel) takes ranges
-    pid * LANES ... of ``chunk`` bytes. LAST: the lines come in marked evict-last."""
+    pid * LANES / EVERY ... of ``chunk`` bytes, one per EVERY-th of its LANES lanes. LANES should
+    be the program's threads (a shorter tensor is held by several threads, each of which would
+    issue the same prefetch); EVERY > 1 gives a program fewer, larger ranges. LAST: the lines
+    come in marked evict-last."""
     base = ptr.to(tl.pointer_type(tl.int8))
     lanes = tl.arange(0, LANES).to(tl.int64)
-    first = pid.to(tl.int64) * LANES * chunk
-    step = nprog.to(tl.int64) * LANES * chunk
+    RANGES: tl.constexpr = LANES // EVERY
+    first = pid.to(tl.int64) * RANGES * chunk
+    step = nprog.to(tl.int64) * RANGES * chunk
     end = first * 0 + nbytes  # int64 (nbytes may arrive as a plain int)
     issued = tl.zeros([LANES], dtype=tl.int32)
     for c0 in range(first, end, step):
-        off = c0 + lanes * chunk
-        size = tl.minimum(end - off, chunk).to(tl.int32)
+        off = c0 + (lanes // EVERY) * chunk
+        size = tl.minimum(end - off, chunk)
+        if EVERY > 1:
+            size = tl.where(lanes % EVERY == 0, size, 0)
+        size = size.to(tl.int32)
         if LAST:
             issued += _bulk_prefetch_last(base + off, size)
         else:

@@ -418,7 +418,7 @@ def _norm_route_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, h_ptr, ro_ptr, logit_ptr, cn
                        SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
                        SELECT: tl.constexpr, PDL_LATE: tl.constexpr,
                        pf_ptr=None, pf_bytes=0, pf_chunk=0, PF: tl.constexpr = 0, PF_LANES: tl.constexpr = 1,
-                       PF_LAST: tl.constexpr = False, pf2_ptr=None, pf2_bytes=0):
+                       PF_LAST: tl.constexpr = False, pf2_ptr=None, pf2_bytes=0, PF_EVERY: tl.constexpr = 1):
     """Program p: the router rows [p*BLOCK_E, +BLOCK_E). Every program forms each token's
     x + residual and its RMSNorm itself (rows of a few KB, read from L2; program 0 stores
     them), multiplies its router rows (loaded before the PDL wait: they do not depend on the
@@ -436,9 +436,9 @@ def _norm_route_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, h_ptr, ro_ptr, logit_ptr, cn
                 mask=e_ok[:, None] & hmask[None, :], other=0.0)
     nw = tl.load(nw_ptr + cols, mask=hmask, other=0.0)
     if PF > 0:
-        l2_prefetch(pf_ptr, pf_bytes, pf_chunk, pid, tl.num_programs(0), PF_LANES, PF_LAST)
+        l2_prefetch(pf_ptr, pf_bytes, pf_chunk, pid, tl.num_programs(0), PF_LANES, PF_LAST, PF_EVERY)
     if PF > 1:
-        l2_prefetch(pf2_ptr, pf2_bytes, pf_chunk, pid, tl.num_programs(0), PF_LANES, PF_LAST)
+        l2_prefetch(pf2_ptr, pf2_bytes, pf_chunk, pid, tl.num_programs(0), PF_LANES, PF_LAST, PF_EVERY)
     pdl_wait(USE_PDL)
     for t in range(T):
         x = tl.load(x_ptr + t * stride_x + cols, mask=hmask, other=0.0)
@@ -489,7 +489,7 @@ _MOE_PF_QKV = os.environ.get("BLITZ_MOE_PF_QKV", "0")
 if _MOE_PF_QKV not in ("0", "1", "normal", "qkvo"):
     raise ValueError(f"BLITZ_MOE_PF_QKV must be 0, 1, normal or qkvo, got {_MOE_PF_QKV!r}")
 MOE_PF_QKV = _MOE_PF_QKV != "0"
-MOE_PF_QKV_LANES = int(os.environ.get("BLITZ_MOE_PF_QKV_LANES", "8"))  # prefetch ranges per program
+MOE_PF_QKV_LANES = int(os.environ.get("BLITZ_MOE_PF_QKV_LANES", "8"))  # prefetch ranges per program (a power of 2)
 
 
 def moe_pf_qkv_wanted() -> bool:
@@ -546,10 +546,13 @@ def norm_route_experts_triton(x: torch.Tensor, residual: Optional[torch.Tensor],
               if t is not None and t.is_contiguous() and l2_prefetchable(t, 16)]
     ranges = [(t, n) for t, n in ranges if n > 0]
     assert len(ranges) <= 2, "at most two prefetch ranges"
+    warps = _NORM_ROUTE_WARPS or (4 if block_h <= 2048 else 8)
     if ranges:
         most = max(n for _, n in ranges)
-        pf = dict(pf_ptr=ranges[0][0], pf_bytes=ranges[0][1], pf_chunk=l2_prefetch_chunk(most, grid, MOE_PF_QKV_LANES),
-                  PF=len(ranges), PF_LANES=MOE_PF_QKV_LANES, PF_LAST=_MOE_PF_QKV != "normal")
+        threads = 32 * warps  # one lane per thread (a shorter tensor would be issued by several threads each)
+        per = max(1, min(next_pow2(MOE_PF_QKV_LANES), threads))  # ranges per program
+        pf = dict(pf_ptr=ranges[0][0], pf_bytes=ranges[0][1], pf_chunk=l2_prefetch_chunk(most, grid, per),
+                  PF=len(ranges), PF_LANES=threads, PF_EVERY=threads // per, PF_LAST=_MOE_PF_QKV != "normal")
         if len(ranges) > 1:
             pf.update(pf2_ptr=ranges[1][0], pf2_bytes=ranges[1][1])
     _norm_route_kernel[(grid,)](
@@ -561,7 +564,7 @@ def norm_route_experts_triton(x: torch.Tensor, residual: Optional[torch.Tensor],
         TOPK_GROUP=topk_group if n_group > 1 else 1, TOP_K=top_k, K_PAD=next_pow2(top_k),
         SIGMOID=scoring == "sigmoid", HAS_BIAS=bias is not None, RENORM=bool(renormalize),
         SELECT=select is True, PDL_LATE=_NORM_ROUTE_PDL_LATE if pdl_late is None else bool(pdl_late), **pf,
-        num_warps=_NORM_ROUTE_WARPS or (4 if block_h <= 2048 else 8), **pdl_launch_kwargs(pdl))
+        num_warps=warps, **pdl_launch_kwargs(pdl))
     if not select:
         weights, ids = select_experts_triton(logits, top_k, scoring, bias, n_group, topk_group, renormalize, scaling)
     return h, (res_out if residual is not None else x), weights, ids
