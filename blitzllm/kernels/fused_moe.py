@@ -541,7 +541,8 @@ def balanced_rows(entries: int, n: int, block_n: int, sms: int) -> Optional[int]
     """Output rows per n-tile program (a multiple of 16 below ``block_n``) that spread ``entries``
     x ``n`` rows over at most ``sms`` programs most evenly; None where ``block_n``-row tiles do
     as well (the busiest program would not get fewer rows)."""
-    rows = -(-(-(-entries * n // max(1, sms))) // 16) * 16
+    even = -(-entries * n // max(1, sms))  # rows per program were they spread perfectly
+    rows = -(-even // 16) * 16
     while rows < block_n and entries * -(-n // rows) > sms:
         rows += 16
     return rows if rows < block_n and rows < n else None

@@ -206,17 +206,12 @@ class TritonAttentionBackend(AttentionBackend):
                                   if os.environ.get("BLITZ_L2_PREFETCH", "0") == "1" else 0)
 
     def forward(self, layer, positions, qkv, k_cache, v_cache, md):
-        from ..kernels.paged_attention import (fused_decode_attention_triton, paged_decode_attention_triton,
-                                               paged_prefill_attention_triton)
+        from ..kernels.paged_attention import paged_decode_attention_triton, paged_prefill_attention_triton
         from ..kernels.qk_norm_rope_cache import fused_qk_norm_rope_cache_triton
         qn, kn = layer.q_norm, layer.k_norm
-        if md.is_pure_decode and self.fused_decode and not getattr(layer, "full_width_qk_norm", False):
-            return fused_decode_attention_triton(
-                qkv, positions, layer.rotary.cos_sin_cache, layer.num_heads, layer.num_kv_heads, layer.head_dim,
-                k_cache, v_cache, md.slot_mapping, md.block_tables, md.seq_lens, layer.scale,
-                q_norm_weight=qn.weight if qn is not None else None,
-                k_norm_weight=kn.weight if kn is not None else None,
-                eps=qn.eps if qn is not None else 1e-6, rotary_dim=layer.rotary.rotary_dim,
+        if self._fused_decode_ok(layer, md):
+            return self._fused_decode(
+                layer, positions, qkv, k_cache, v_cache, md,
                 l2_prefetch_ranges=(l2_prefetch_ranges(layer.prefetch_modules, self.l2_prefetch_bytes)
                                     if self.l2_prefetch_bytes else ()),
                 early_dependents=_next_streams_early(layer, qkv))
@@ -240,22 +235,30 @@ class TritonAttentionBackend(AttentionBackend):
         (``kernels/oproj_partials.py``: Hopper, BLITZ_ATTN_OPROJ=1, pure decode of 1-2 rows);
         else None (the caller runs the two apart)."""
         from ..kernels.oproj_partials import oproj_partials_ok, oproj_partials_triton
-        if not (md.is_pure_decode and self.fused_decode and not getattr(layer, "full_width_qk_norm", False)
-                and getattr(o_proj, "qweight", None) is None
+        if not (self._fused_decode_ok(layer, md) and getattr(o_proj, "qweight", None) is None
                 and oproj_partials_ok(qkv, o_proj.weight, layer.num_heads, layer.head_dim)):
             return None
         from ..kernels.gemv_tma import tma_early_dependents
+        out = torch.empty(qkv.shape[0], o_proj.out_features, dtype=torch.float32, device=qkv.device)
+        partials = self._fused_decode(layer, positions, qkv, k_cache, v_cache, md,
+                                      early_dependents=tma_early_dependents(), partials=True, zero=out)
+        return oproj_partials_triton(partials, o_proj.weight, out, o_proj.bias)
+
+    def _fused_decode_ok(self, layer, md) -> bool:
+        """Whether this step's attention runs as the one-launch fused decode kernel."""
+        return md.is_pure_decode and self.fused_decode and not getattr(layer, "full_width_qk_norm", False)
+
+    @staticmethod
+    def _fused_decode(layer, positions, qkv, k_cache, v_cache, md, **kw):
+        """``fused_decode_attention_triton`` for ``layer`` (its heads, norms, rotary) with ``kw``."""
         from ..kernels.paged_attention import fused_decode_attention_triton
         qn, kn = layer.q_norm, layer.k_norm
-        out = torch.empty(qkv.shape[0], o_proj.out_features, dtype=torch.float32, device=qkv.device)
-        partials = fused_decode_attention_triton(
+        return fused_decode_attention_triton(
             qkv, positions, layer.rotary.cos_sin_cache, layer.num_heads, layer.num_kv_heads, layer.head_dim,
             k_cache, v_cache, md.slot_mapping, md.block_tables, md.seq_lens, layer.scale,
             q_norm_weight=qn.weight if qn is not None else None,
             k_norm_weight=kn.weight if kn is not None else None,
-            eps=qn.eps if qn is not None else 1e-6, rotary_dim=layer.rotary.rotary_dim,
-            early_dependents=tma_early_dependents(), partials=True, zero=out)
-        return oproj_partials_triton(partials, o_proj.weight, out, o_proj.bias)
+            eps=qn.eps if qn is not None else 1e-6, rotary_dim=layer.rotary.rotary_dim, **kw)
 
 
 def _next_streams_early(layer, qkv) -> bool:
