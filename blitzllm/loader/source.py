@@ -54,6 +54,7 @@ def _gguf_source(path: Path) -> ModelSource:
 
 
 def _hf_source(folder: Path) -> ModelSource:
+    from .fp8 import dequantize_stream, fp8_block_size
     from .tokenizer import load_hf_tokenizer
     from .weights import iter_safetensors
     cfg_path = folder / "config.json"
@@ -65,9 +66,14 @@ def _hf_source(folder: Path) -> ModelSource:
         raise ValueError(f"{cfg_path} is not valid JSON: {e}") from None
     if not any(folder.glob("*.safetensors")):
         raise ValueError(f"model folder {folder} has no *.safetensors weights")
-    return ModelSource("hf", folder, cfg, lambda: iter_safetensors(folder), None,
-                       lambda: load_hf_tokenizer(folder), cfg.get("torch_dtype") or cfg.get("dtype"),
-                       slices=lambda: iter_safetensors(folder, lazy=True))
+    block = fp8_block_size(cfg)
+
+    def stream(lazy: bool):  # FP8 block-quantized weights are dequantized as they stream in
+        tensors = iter_safetensors(folder, lazy=lazy)
+        return tensors if block is None else dequantize_stream(tensors, block)
+
+    return ModelSource("hf", folder, cfg, lambda: stream(False), None, lambda: load_hf_tokenizer(folder),
+                       cfg.get("torch_dtype") or cfg.get("dtype"), slices=lambda: stream(True))
 
 
 def _preset_source(name: str) -> ModelSource:

@@ -22,6 +22,7 @@ import torch
 from ..distributed.layers import copy_part, module_part
 from ..layers.linear import PackedLinear
 from ..layers.moe import HF_FUSED_NAMES, FusedMoE, Router, hf_expert_tensors
+from .fp8 import is_fp8
 
 
 def iter_safetensors(folder: Path, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
@@ -70,6 +71,9 @@ def load_weights(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tens
             continue
         if renames:
             name = _rename_parts(name, renames)
+        if is_fp8(tensor):  # (an FP8 quantization_config dequantizes them before here)
+            raise ValueError(f"checkpoint tensor {name!r} is float8 but config.json has no FP8 "
+                             "quantization_config (quant_method 'fp8', weight_block_size) to scale it")
         if custom is not None:
             keys = custom(name, tensor)
             if keys is not None:

@@ -1,0 +1,116 @@
+"""FP8 block-quantized checkpoints, as DeepSeek-V3 / R1, MiniMax-M2 and the Qwen3 "-FP8"
+releases ship them: ``config.json`` carries ``quantization_config`` with ``quant_method:
+"fp8"`` and ``weight_block_size: [bn, bk]``; every quantized linear stores ``<x>.weight`` in
+float8 (e4m3) beside ``<x>.weight_scale_inv``, one float per [bn, bk] block of the weight
+(the grid rounded up where a dimension is not a multiple of the block, e.g. V3's 576-row
+``kv_a_proj_with_mqa``), and the weight is ``weight * weight_scale_inv`` blockwise. Norms,
+embeddings, the lm_head and the routers stay in bf16.
+
+The loader dequantizes on the fly: the stream pairs each float8 weight with its scale (in
+whichever order, and whichever file, the checkpoint holds them), forms the product in fp32
+and hands it on as an ordinary tensor, which the parameter copy rounds to the model's dtype
+(as transformers' dequantizing load does). Everything downstream (packing, stacked experts,
+MLA's absorbed projections, MTP layers, tensor-parallel parts) sees plain weights.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Iterator, Optional
+
+import torch
+
+SCALE_SUFFIX = "_scale_inv"
+_FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                                "float8_e5m2fnuz") if hasattr(torch, n))
+
+
+def fp8_block_size(hf_config: dict) -> Optional[tuple[int, int]]:
+    """The checkpoint's FP8 weight block ([rows, cols]), or None when it is not quantized;
+    ValueError for a quantization this loader does not read."""
+    t = hf_config.get("text_config") or {}
+    q = hf_config.get("quantization_config") or t.get("quantization_config")
+    if not q:
+        return None
+    method = q.get("quant_method")
+    if method != "fp8":
+        raise ValueError(f"quantization_config quant_method {method!r} is not supported "
+                         "(FP8 block-quantized checkpoints, quant_method 'fp8', are)")
+    if q.get("activation_scheme", "dynamic") != "dynamic":
+        raise ValueError(f"FP8 checkpoints with activation_scheme {q.get('activation_scheme')!r} are not "
+                         "supported (only 'dynamic': no stored activation scales)")
+    block = q.get("weight_block_size")
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or not all(isinstance(b, int) and b > 0 for b in block)):
+        raise ValueError(f"FP8 checkpoints need weight_block_size as two positive integers, got {block!r} "
+                         "(per-tensor FP8 scales are not supported)")
+    return int(block[0]), int(block[1])
+
+
+def is_fp8(t) -> bool:
+    dtype = t.dtype if isinstance(t, torch.Tensor) else _slice_dtype(t)
+    return dtype in _FP8_DTYPES
+
+
+def _slice_dtype(s) -> Optional[torch.dtype]:
+    """A lazy safetensors slice's dtype ("F8_E4M3" and the like), as torch's."""
+    name = getattr(s, "get_dtype", lambda: None)()
+    return {"F8_E4M3": getattr(torch, "float8_e4m3fn", None),
+            "F8_E5M2": getattr(torch, "float8_e5m2", None)}.get(name)
+
+
+def _full(t) -> torch.Tensor:
+    return t if isinstance(t, torch.Tensor) else t[:]
+
+
+def scale_values(scale: torch.Tensor) -> torch.Tensor:
+    """The scale grid as fp32 multipliers: floats as they are; E8M0 exponents (stored as
+    uint8 or float8_e8m0fnu, 2 ** (byte - 127)) unpacked."""
+    if scale.dtype == torch.uint8 or str(scale.dtype) == "torch.float8_e8m0fnu":
+        return torch.exp2(scale.view(torch.uint8).to(torch.float32) - 127.0)
+    if not scale.dtype.is_floating_point:
+        raise ValueError(f"FP8 weight scales must be floating point or E8M0 bytes, got {scale.dtype}")
+    return scale.to(torch.float32)
+
+
+def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                         name: str = "weight") -> torch.Tensor:
+    """fp32 ``weight * scale_inv`` with one scale per [block] tile of the weight's last two
+    dims (leading dims, as stacked experts', are batch); the grid may round up."""
+    if weight.dim() < 2:
+        raise ValueError(f"FP8 tensor {name} has shape {tuple(weight.shape)}; block scales need a matrix")
+    bn, bk = block
+    n, k = weight.shape[-2:]
+    grid = (-(-n // bn), -(-k // bk))
+    if tuple(scale_inv.shape[-2:]) != grid or scale_inv.shape[:-2] != weight.shape[:-2]:
+        raise ValueError(f"FP8 tensor {name}: scale grid {tuple(scale_inv.shape)} does not fit weight "
+                         f"{tuple(weight.shape)} in blocks of {bn}x{bk} (expected {weight.shape[:-2] + grid})")
+    s = scale_values(scale_inv)
+    s = s.repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
+    return weight.to(torch.float32) * s
+
+
+def dequantize_stream(tensors: Iterable, block: tuple[int, int]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint stream with every float8 ``<x>.weight`` and its ``<x>.weight_scale_inv``
+    replaced by the dequantized fp32 ``<x>.weight``; other tensors pass unchanged. A weight
+    waits for its scale (or a scale for its weight) only until the partner arrives."""
+    weights: dict = {}
+    scales: dict = {}
+    for name, t in tensors:
+        if name.endswith(SCALE_SUFFIX):
+            base = name[:-len(SCALE_SUFFIX)]
+            if base in weights:
+                yield base, dequantize_fp8_block(weights.pop(base), _full(t), block, base)
+            else:
+                scales[base] = _full(t)
+        elif is_fp8(t):
+            if name in scales:
+                yield name, dequantize_fp8_block(_full(t), scales.pop(name), block, name)
+            else:
+                weights[name] = _full(t)
+        else:
+            yield name, t
+    if weights:
+        first = next(iter(weights))
+        raise ValueError(f"FP8 checkpoint tensor {first!r} has no {first + SCALE_SUFFIX!r} beside it"
+                         + (f" (and {len(weights) - 1} more)" if len(weights) > 1 else ""))
+    if scales:
+        raise ValueError(f"checkpoint tensor {next(iter(scales)) + SCALE_SUFFIX!r} scales no FP8 weight")
