@@ -49,6 +49,11 @@ class DeepseekV3Args:
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> "DeepseekV3Args":
         t = cfg.hf_config.get("text_config") or cfg.hf_config
+        # V3's routing (sigmoid scores, selection by score + correction bias); V2's softmax or
+        # greedy selection would run wrongly here rather than fail
+        for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+            if t.get(key, want) != want:
+                raise ValueError(f"DeepseekV3ForCausalLM needs {key} {want!r} in config.json, got {t.get(key)!r}")
         mla = MLADims(
             hidden=cfg.hidden_size, num_heads=cfg.num_heads, q_lora_rank=t.get("q_lora_rank") or None,
             kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=t["qk_nope_head_dim"],

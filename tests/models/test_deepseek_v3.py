@@ -172,6 +172,16 @@ def test_preset_config_and_meta_build():
                                                                    rel=1e-5)
 
 
+@pytest.mark.parametrize("key,value", [("scoring_func", "softmax"), ("topk_method", "greedy")])
+def test_v2_routing_config_is_refused(key, value):
+    """A config asking for DeepSeek-V2's routing (softmax scores, greedy selection) under the V3
+    architecture gets a ValueError, not V3's sigmoid routing in silence."""
+    from blitzllm.models.deepseek_v3 import DeepseekV3ForCausalLM
+    hf_cfg = dict(json.loads((PRESET_DIR / "deepseek-v3.json").read_text()), **{key: value})
+    with torch.device("meta"), pytest.raises(ValueError, match=f"needs {key}"):
+        DeepseekV3ForCausalLM(ModelConfig.from_hf(hf_cfg, num_layers=2))
+
+
 def test_legacy_config_format_from_preset(tmp_path):
     """The preset's own keys (legacy ``rope_scaling`` with ``type: yarn``, no head_dim)
     shrunk to a tiny size: our reading of the config matches transformers'."""
