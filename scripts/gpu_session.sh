@@ -141,6 +141,28 @@ for part in "$@"; do case $part in
          -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/atom28_tests.log"
        timeout ${E2E_TIMEOUT:-200} python3 -m pytest -q --tb=short -m gpu tests/test_gpu_e2e.py \
          -k "atomic or norm_route" -p no:cacheprovider 2>&1 | tail -4 | tee -a "$OUT/atom28_tests.log" ;;
+  s31) # the first call when a GPU is lent again (stop 31): all four of stop 30's opt-in paths in one call, so one
+       # call answers which of them to pursue: their tests (no timing if one fails), then qwen3-30b-a3b batch 1:
+       # the default, BALANCE (the expected largest: 36 SMs idle in the gate/up launch now), PF, OPROJ, BALANCE + PF,
+       # all four, the default and BALANCE again; the per-layer kernel tables of default / BALANCE / all four
+       timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q --tb=short tests/kernels/test_kernel_oproj_partials.py \
+         tests/kernels/test_kernel_paged_attention.py tests/kernels/test_kernel_moe.py tests/kernels/test_kernel_gemv_tma.py \
+         tests/test_gpu_e2e.py -k "oproj or partials or norm_route or pf_qkv or balanced or norm_form or with_the_norm" \
+         -p no:cacheprovider 2>&1 | tail -8 | tee "$OUT/s31_tests.log"
+       if grep -q "failed\|error" "$OUT/s31_tests.log"; then echo "s31: a test failed, no timing"; else
+         M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
+         run 150 q30b_def1 $M
+         BLITZ_MOE_BALANCE=1 run 100 q30b_bal1 $M
+         BLITZ_MOE_PF_QKV=1 run 100 q30b_pf1 $M
+         BLITZ_ATTN_OPROJ=1 run 100 q30b_op1 $M
+         BLITZ_MOE_BALANCE=1 BLITZ_MOE_PF_QKV=1 run 100 q30b_balpf1 $M
+         BLITZ_MOE_BALANCE=1 BLITZ_MOE_PF_QKV=1 BLITZ_ATTN_OPROJ=1 BLITZ_GEMV_TMA_NORM=1 run 100 q30b_all1 $M
+         run 100 q30b_def2 $M
+         BLITZ_MOE_BALANCE=1 run 100 q30b_bal2 $M
+         rm -f "$OUT"/*.log
+         python3 scripts/kernel_table.py "$OUT"/q30b_def1.json "$OUT"/q30b_bal1.json "$OUT"/q30b_all1.json \
+           | grep -v "^    " | grep -v "_greedy\|indexSelect"
+       fi ;;
   s30) # stop 30, issue 5 acceptance 2: o_proj merging the decode attention's split partials itself
        # (BLITZ_ATTN_OPROJ=1, kernels/oproj_partials.py) and the next layer's weights prefetched into the
        # L2 by the MoE norm + router launch (BLITZ_MOE_PF_QKV=1: qkv, =qkvo: qkv and o_proj, evict-last):
