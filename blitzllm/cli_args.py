@@ -11,7 +11,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=None, help="auto | float32 | bfloat16 | float16")
     g.add_argument("--weight-dtype", default=None,
                    help="store linear weights in this dtype: bfloat16 | float16 | int4 (CPU; int4 = GGUF Q4_1-style "
-                        "groups of 32, lm_head in bf16), activations keep --dtype")
+                        "groups of 32, lm_head in bf16) | fp8 (float8 e4m3 with a scale per 128x128 block: the "
+                        "decoder's linears and MoE experts), activations keep --dtype")
     g.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     g.add_argument("--load-format", default="auto", help="auto | dummy | safetensors | gguf")
     g.add_argument("--num-layers", type=int, default=None, help="keep only the first N layers (speed work)")

@@ -163,6 +163,20 @@ for part in "$@"; do case $part in
          python3 scripts/kernel_table.py "$OUT"/q30b_def1.json "$OUT"/q30b_bal1.json "$OUT"/q30b_all1.json \
            | grep -v "^    " | grep -v "_greedy\|indexSelect"
        fi ;;
+  fp831) # weight_dtype='fp8' (stop 31: block-FP8 linears and experts, W8A16, kernels/fp8_weights.py): its kernel and e2e
+       # tests, then batch 1 bf16 against fp8 on qwen3-30b-a3b, deepseek-v3 (8 layers), minimax-m2 (8 layers), qwen3-0.6b
+       timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q --tb=short tests/kernels/test_kernel_fp8_weights.py tests/test_gpu_e2e.py \
+         -k "fp8" -p no:cacheprovider 2>&1 | tail -6 | tee "$OUT/fp831_tests.log"
+       M="--batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
+       run 150 q30b_bf16 --model preset:qwen3-30b-a3b $M
+       run 150 q30b_fp8 --model preset:qwen3-30b-a3b $M --weight-dtype fp8
+       run 100 dsv3_bf16 --model preset:deepseek-v3 --num-layers 8 $M
+       run 100 dsv3_fp8 --model preset:deepseek-v3 --num-layers 8 $M --weight-dtype fp8
+       run 100 mm2_bf16 --model preset:minimax-m2 --num-layers 8 $M
+       run 100 mm2_fp8 --model preset:minimax-m2 --num-layers 8 $M --weight-dtype fp8
+       run 60 q06_fp8 --model preset:qwen3-0.6b $M --weight-dtype fp8
+       rm -f "$OUT"/*.log
+       python3 scripts/kernel_table.py "$OUT"/q30b_bf16.json "$OUT"/q30b_fp8.json | grep -v "^    " | grep -v "_greedy\|indexSelect" ;;
   s30) # stop 30, issue 5 acceptance 2: o_proj merging the decode attention's split partials itself
        # (BLITZ_ATTN_OPROJ=1, kernels/oproj_partials.py) and the next layer's weights prefetched into the
        # L2 by the MoE norm + router launch (BLITZ_MOE_PF_QKV=1: qkv, =qkvo: qkv and o_proj, evict-last):

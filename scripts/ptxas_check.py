@@ -163,6 +163,36 @@ def moe_pf_qkv():
         print(f"norm_route_pf_{name} {before} {ptx.count('L2::evict_last')} {ptxas_report(kern)}")
 
 
+def fp8_weights():
+    """weight_dtype='fp8' at Qwen3-30B-A3B sizes, one token, 128 x 128 blocks: the FP8 linear
+    (o_proj) and the direct MoE gate/up and down GEMMs with float8 experts. One line each:
+    name, the PTX's float8 -> wider conversions, ptxas report."""
+    from blitzllm.kernels import fp8_weights as fw
+    from blitzllm.kernels import fused_moe as fm
+    bf, f8 = torch.bfloat16, torch.float8_e4m3fn
+    e, h, inter, k, nh = 128, 2048, 768, 8, 4096
+    x, y = torch.zeros(1, nh, dtype=bf), torch.zeros(1, h, dtype=bf)
+    q, s = torch.zeros(h, nh, dtype=f8), torch.zeros(h // 128, nh // 128)
+    kern = fw._fp8_linear_kernel.warmup(
+        x, q, s, q, y, 1, h, nh, nh, nh, s.stride(0), h, BN_Q=128, BK_Q=128, BLOCK_M=16, BLOCK_N=16, BLOCK_K=128,
+        EVEN_K=True, HAS_BIAS=False, IEEE=False, num_warps=4, num_stages=4, grid=(1, h // 16))
+    print(f"fp8_linear {kern.asm['ptx'].count('cvt.rn.f16x2.e4m3x2')} {ptxas_report(kern)}")
+    up, down = fm.moe_config(1, k, e, h, inter, bf, 132)
+    xa, act = torch.zeros(1, h, dtype=bf), torch.zeros(k, inter, dtype=bf)
+    w13, w2 = torch.zeros(e, 2 * inter, h, dtype=f8), torch.zeros(e, h, inter, dtype=f8)
+    s13, s2 = torch.zeros(e, 2 * inter // 128, h // 128), torch.zeros(e, h // 128, inter // 128)
+    ids = torch.zeros(k, dtype=torch.int32)
+    for name, a, w, sc, out, n, kd, cfg, gated in (("fp8_moe_up", xa, w13, s13, act, inter, h, up, True),
+                                                    ("fp8_moe_down", act, w2, s2, act, h, inter, down, False)):
+        block_k = cfg["BLOCK_K"] if 128 % cfg["BLOCK_K"] == 0 else fw.fp8_block_k((128, 128))
+        kern = fm._moe_gemm_kernel.warmup(
+            a, w, out, ids, ids, ids, n, kd, k, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+            out, out, out, out.stride(0), ws_ptr=sc, stride_se=sc.stride(0), stride_sn=sc.stride(1), FP8=True,
+            BN_Q=128, BK_Q=128, BLOCK_M=16, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, GATED=gated, EVEN_K=True,
+            IEEE=False, USE_PDL=1, DIRECT=True, COMBINE=False, TOP_K=1, num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"], grid=(k, triton.cdiv(n, cfg["BLOCK_N"])))
+        print(f"{name} {kern.asm['ptx'].count('cvt.rn.f16x2.e4m3x2')} {ptxas_report(kern)}")
+
 if __name__ == "__main__":
     drv.set_active(_Sm90())
     fused_mlp()
@@ -170,3 +200,4 @@ if __name__ == "__main__":
     gemv()
     moe_direct()
     moe_pf_qkv()
+    fp8_weights()

@@ -37,7 +37,7 @@ def weight_bytes_per_step(model: torch.nn.Module, batch: int) -> int:
     table, of which only the looked-up rows are read (unless it is tied to the lm_head,
     which reads all of it); MoE expert stacks (modules with ``w13``/``w2`` and
     ``num_experts``/``top_k``) count only the experts expected active for ``batch`` tokens
-    (``expected_active_experts``); MTP heads (``mtp.``), which decoding does not run, count
+    (``expected_active_experts``; their FP8 scales likewise); MTP heads (``mtp.``), which decoding does not run, count
     nothing."""
     seen, total = set(), 0
     embed = getattr(getattr(model, "model", model), "embed_tokens", None)
@@ -47,7 +47,9 @@ def weight_bytes_per_step(model: torch.nn.Module, batch: int) -> int:
     for mod in model.modules():
         if all(hasattr(mod, a) for a in ("w13", "w2", "num_experts", "top_k")):
             frac = expected_active_experts(mod.num_experts, mod.top_k, batch) / mod.num_experts
-            expert_share[id(mod.w13)] = expert_share[id(mod.w2)] = frac
+            for t in (mod.w13, mod.w2, getattr(mod, "w13_scale_inv", None), getattr(mod, "w2_scale_inv", None)):
+                if t is not None:
+                    expert_share[id(t)] = frac
     for name, p in model.named_parameters():
         if id(p) in seen:
             continue
@@ -58,9 +60,9 @@ def weight_bytes_per_step(model: torch.nn.Module, batch: int) -> int:
             total += batch * p.shape[1] * p.element_size()
         else:
             total += p.numel() * p.element_size() * expert_share.get(id(p), 1.0)
-    for name, b in model.named_buffers():  # weight-only int4 layers keep packed buffers
-        if name.endswith(("qweight", "qscales_zeros")):
-            total += b.numel() * b.element_size()
+    for name, b in model.named_buffers():  # weight-only int4 layers keep packed buffers, FP8 ones scales
+        if name.endswith(("qweight", "qscales_zeros", "scale_inv")) and not (name.startswith("mtp.") or ".mtp." in name):
+            total += b.numel() * b.element_size() * expert_share.get(id(b), 1.0)
     return int(total)
 
 

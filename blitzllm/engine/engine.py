@@ -49,7 +49,8 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     attention_backend: str = "auto"   # auto | torch | triton
-    weight_dtype: Optional[str] = None  # bfloat16 / float16 / int4 weights, float32 activations (CPU)
+    # bfloat16 / float16 / int4 weights with float32 activations (CPU); fp8: block-FP8 (W8A16) linears and experts
+    weight_dtype: Optional[str] = None
     warmup: bool = True               # CUDA: compile the kernels a first request needs at start-up
     speculative_config: Optional[Union[str, dict]] = None  # see blitzllm/spec/config.py
     tensor_parallel_size: int = 1     # ranks the model is sharded over (blitzllm/distributed/)
@@ -98,6 +99,10 @@ def resolve_weight_dtype(weight_dtype: Optional[str], device: torch.device, dtyp
         if device.type != "cpu":
             raise ValueError("weight_dtype='int4' runs on the CPU only (torch's int4 CPU kernel)")
         return "int4"
+    if weight_dtype == "fp8":
+        return "fp8"
+    if weight_dtype and weight_dtype not in _DTYPES:
+        raise ValueError(f"weight_dtype must be one of float32, bfloat16, float16, int4, fp8; got {weight_dtype!r}")
     return resolve_dtype(weight_dtype, device, None) if weight_dtype else dtype
 
 

@@ -29,6 +29,7 @@ from typing import Optional
 
 import torch
 
+from .fp8_weights import FP8_DTYPE, fp8_block_k
 from ._common import (L2_PREFETCH_LANES, device_sms, l2_prefetch, l2_prefetch_chunk, l2_prefetchable,
                       next_pow2, pdl_enabled, pdl_launch_dependents, pdl_launch_kwargs, pdl_wait, tl, triton)
 
@@ -228,6 +229,14 @@ def _mma(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _fp8_tile(b, s_col, rows, row_ok, stride_sn, BN_Q: tl.constexpr, dtype: tl.constexpr):
+    """A [BLOCK_K, BLOCK_N] float8 W tile (its columns are W rows ``rows``) dequantized to
+    ``dtype``: times the scale of each row's block in the scale column at ``s_col``."""
+    sc = tl.load(s_col + (rows // BN_Q) * stride_sn, mask=row_ok, other=0.0)
+    return (b.to(tl.float32) * sc[None, :]).to(dtype)
+
+
+@triton.jit
 def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
                      N, KD, n_entries, row_div, stride_a, stride_we, stride_wn, stride_o,
                      tw_ptr, comb_ptr, cnt_ptr, stride_c,
@@ -237,7 +246,8 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
                      pf_ptr=None, pf_stride=0, pf_bytes=0, pf_chunk=0, PF: tl.constexpr = False,
                      PF_LANES: tl.constexpr = 1, EARLY_DEPS: tl.constexpr = False,
                      zero_ptr=None, zero_n=0, ZERO_BLOCK: tl.constexpr = 0, ATOMIC: tl.constexpr = False,
-                     ROWS: tl.constexpr = 0):
+                     ROWS: tl.constexpr = 0, ws_ptr=None, stride_se=0, stride_sn=0, FP8: tl.constexpr = False,
+                     BN_Q: tl.constexpr = 1, BK_Q: tl.constexpr = 1):
     """out[entry, n] = A[entry // row_div] . W[e, n] for the BLOCK_M sorted entries of one
     expert e. GATED: W holds gate rows [0, N) and up rows [N, 2N); the output is
     silu(gate) * up with the reference's rounding steps.
@@ -255,7 +265,10 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
     the token's fp32 row of comb_ptr with atomic adds: the combine with no arrival count and
     no second read, its summation order not fixed. ROWS (0 < ROWS <= BLOCK_N): each n-tile
     program takes ROWS output rows (its BLOCK_N-wide tile masked past them), so the tiles can
-    split N more evenly over the SMs than BLOCK_N-row tiles would (``balanced_rows``)."""
+    split N more evenly over the SMs than BLOCK_N-row tiles would (``balanced_rows``).
+    FP8: W is float8 with one fp32 scale per [BN_Q, BK_Q] block at ws_ptr (expert, block row,
+    block column strides; ``kernels/fp8_weights.py``): each W tile is widened, scaled and
+    rounded to A's dtype before its MMA (BLOCK_K divides BK_Q: one scale column per tile)."""
     pdl_wait(USE_PDL)  # (PDL launches write nothing before this)
     if EARLY_DEPS:
         pdl_launch_dependents(USE_PDL)
@@ -300,9 +313,16 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
             a_mask = row_ok[:, None] & (offs_k[None, :] < KD - k)
             b_mask = n_ok & (offs_k[:, None] < KD - k)
         a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-        acc = _mma(a, tl.load(b_ptrs, mask=b_mask, other=0.0), acc, IEEE)
+        b = tl.load(b_ptrs, mask=b_mask, other=0.0)
+        if FP8:
+            s_col = ws_ptr + expert * stride_se + k // BK_Q
+            b = _fp8_tile(b, s_col, offs_n, n_in, stride_sn, BN_Q, a.dtype)
+        acc = _mma(a, b, acc, IEEE)
         if GATED:
-            acc_up = _mma(a, tl.load(b_ptrs + N * stride_wn, mask=b_mask, other=0.0), acc_up, IEEE)
+            b_up = tl.load(b_ptrs + N * stride_wn, mask=b_mask, other=0.0)
+            if FP8:  # (the up rows are rows N.. of the expert's [2N, K] matrix and its scale grid)
+                b_up = _fp8_tile(b_up, s_col, N + offs_n, n_in, stride_sn, BN_Q, a.dtype)
+            acc_up = _mma(a, b_up, acc_up, IEEE)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     if not EARLY_DEPS:
@@ -493,15 +513,22 @@ def _moe_config_cached(tokens, top_k, num_experts, hidden, inter, dtype, sms, it
 
 def _grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_entries, row_div, n, gated, cfg,
                   direct=False, combine=None, prefetch=None, early_dependents=False, zero=None,
-                  atomic=False, rows=None):
+                  atomic=False, rows=None, scale=None):
     """direct: block_expert is the entries' expert ids (one program per entry, no sort);
     combine (direct only): (topk weights fp32 [T*K], output [T, n], top_k): the weighted
     sum over each token's entries is written there by the launch itself (``atomic``: added
     into a zeroed fp32 output with atomics; ``out`` is then not written). prefetch (direct
     only): expert weights [E, ...] (contiguous per expert) whose chosen experts' blocks the
     launch asks the L2 for. zero: an fp32 tensor the launch zeroes (after its PDL wait).
-    rows: output rows per n-tile program (the kernel's ROWS; None: BLOCK_N)."""
+    rows: output rows per n-tile program (the kernel's ROWS; None: BLOCK_N). scale: (fp32 block
+    scales [E, ceil(n_w / bn), ceil(kd / bk)], (bn, bk)) of a float8 ``w``."""
     kd = a.shape[1]
+    fp8 = {}
+    if scale is not None:
+        s, block = scale
+        if block[1] % cfg["BLOCK_K"]:
+            cfg = dict(cfg, BLOCK_K=fp8_block_k(block))
+        fp8 = dict(ws_ptr=s, stride_se=s.stride(0), stride_sn=s.stride(1), FP8=True, BN_Q=block[0], BK_Q=block[1])
     grid = (block_expert.numel(), triton.cdiv(n, rows or cfg["BLOCK_N"]))
     pdl = pdl_enabled(a)
     if combine is not None:
@@ -520,7 +547,7 @@ def _grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_entries, row_div
                   pf_chunk=l2_prefetch_chunk(nbytes, grid[1]), PF=True, PF_LANES=L2_PREFETCH_LANES)
     _moe_gemm_kernel[grid](a, w, out, sorted_ids, block_expert, total, n, kd, n_entries, row_div,
                            a.stride(0), w.stride(0), w.stride(1), out.stride(0), tw, comb, cnt, comb.stride(0),
-                           **pf, **zkw, ATOMIC=bool(atomic and combine is not None and direct), ROWS=rows or 0,
+                           **pf, **zkw, **fp8, ATOMIC=bool(atomic and combine is not None and direct), ROWS=rows or 0,
                            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                            GATED=gated, EVEN_K=kd % cfg["BLOCK_K"] == 0, IEEE=a.dtype == torch.float32,
                            USE_PDL=pdl, DIRECT=direct, COMBINE=combine is not None, TOP_K=top_k,
@@ -562,10 +589,11 @@ def _balanced_up(entries: int, inter: int, cfg: dict, sms: int) -> tuple:
     return rows, dict(cfg, BLOCK_N=2 * cfg["BLOCK_N"], num_stages=min(cfg["num_stages"], 3))
 
 
-def _direct(x, w13, w2, tw, ids, out, K, up_cfg, down_cfg, tma_down=False) -> torch.Tensor:
+def _direct(x, w13, w2, tw, ids, out, K, up_cfg, down_cfg, tma_down=False, s13=None, s2=None) -> torch.Tensor:
     """The direct (decode) path's launches for flat entry ids / weights [T * K] into out [T, H]:
     gate/up, then the down GEMM with the weighted combine inside, or the TMA down launch (``tma_down``).
-    An fp32 ``out``: the gate/up launch zeroes it and the down programs add into it (atomics)."""
+    An fp32 ``out``: the gate/up launch zeroes it and the down programs add into it (atomics).
+    ``s13`` / ``s2``: (scales, block) of float8 w13 / w2."""
     n, inter, H = ids.numel(), w2.shape[2], w2.shape[1]
     act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
     # each expert's block one contiguous, aligned range
@@ -575,16 +603,17 @@ def _direct(x, w13, w2, tw, ids, out, K, up_cfg, down_cfg, tma_down=False) -> to
     rows, up_cfg = _balanced_up(n, inter, up_cfg, device_sms(x)) if MOE_BALANCE else (None, up_cfg)
     from . import moe_tma
     _grouped_gemm(x, w13, act, ids, ids, ids, n, K, inter, True, dict(up_cfg, BLOCK_M=16), direct=True, prefetch=pf,
-                  early_dependents=tma_down and moe_tma.MOE_TMA_DOWN_EARLY, zero=out if atomic else None, rows=rows)
+                  early_dependents=tma_down and moe_tma.MOE_TMA_DOWN_EARLY, zero=out if atomic else None, rows=rows,
+                  scale=s13)
     if atomic:
         _grouped_gemm(act, w2, act, ids, ids, ids, n, 1, H, False, dict(down_cfg, BLOCK_M=16), direct=True,
-                      combine=(tw, out, K), atomic=True, early_dependents=MOE_DOWN_EARLY_DEPS)
+                      combine=(tw, out, K), atomic=True, early_dependents=MOE_DOWN_EARLY_DEPS, scale=s2)
         return out
     if tma_down:
         return moe_tma.moe_tma_down_triton(act, w13, w2, tw, ids.view(-1, K), out)
     y = torch.empty(n, H, dtype=x.dtype, device=x.device)
     _grouped_gemm(act, w2, y, ids, ids, ids, n, 1, H, False, dict(down_cfg, BLOCK_M=16), direct=True,
-                  combine=(tw, out, K), early_dependents=MOE_DOWN_EARLY_DEPS)
+                  combine=(tw, out, K), early_dependents=MOE_DOWN_EARLY_DEPS, scale=s2)
     return out
 
 
@@ -597,7 +626,7 @@ def _counters(device: torch.device, numel: int) -> torch.Tensor:
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, *, config: Optional[dict] = None,
                      dropped_ids: bool = False, gemv=None, direct: Optional[bool] = None,
-                     fp32_sum: bool = False) -> torch.Tensor:
+                     fp32_sum: bool = False, scales: Optional[tuple] = None) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk weights / ids [T, K] -> [T, H] in x's dtype.
     ``fp32_sum`` (a caller that rounds the result itself: the residual add of
     ``rmsnorm.fused_add_rms_norm``): where the direct path runs its two launches (and
@@ -611,7 +640,10 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     into the down GEMM (two launches); None takes it for up to MOE_DIRECT_MAX_ENTRIES
     entries unless BLITZ_MOE_DIRECT=0. Ids < 0 are skipped on that path. With neither
     ``config`` nor ``direct`` given and BLITZ_MOE_TMA=1, 1-2 tokens on Hopper run
-    ``moe_tma.moe_tma_triton`` (one launch) where ``moe_tma.moe_tma_ok``."""
+    ``moe_tma.moe_tma_triton`` (one launch) where ``moe_tma.moe_tma_ok``.
+    ``scales``: (w13's, w2's fp32 block scales, (bn, bk)) of float8 w13 / w2
+    (``kernels/fp8_weights.py``): the grouped GEMMs dequantize their tiles (direct or sorted;
+    not the GEMV or TMA forms)."""
     assert x.dim() == 2 and w13.dim() == 3 and w2.dim() == 3, "x [T, H], w13 [E, 2I, H], w2 [E, H, I]"
     T, H = x.shape
     E, two_i, _ = w13.shape
@@ -619,7 +651,12 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     K = topk_ids.shape[-1]
     assert w13.shape == (E, 2 * inter, H) and w2.shape == (E, H, inter), "w13 [E, 2I, H] and w2 [E, H, I]"
     assert topk_ids.shape == (T, K) and topk_weights.shape == (T, K), "topk weights / ids [T, K]"
-    assert x.dtype == w13.dtype == w2.dtype, "x, w13 and w2 of one dtype"
+    if scales is None:
+        assert x.dtype == w13.dtype == w2.dtype, "x, w13 and w2 of one dtype"
+    else:
+        assert w13.dtype == w2.dtype == FP8_DTYPE and gemv is None, "float8 w13 and w2 (no GEMV form) with scales"
+    # (scale, block) of each GEMM's float8 weights
+    s13, s2 = ((scales[0], scales[2]), (scales[1], scales[2])) if scales is not None else (None, None)
     assert w13.stride(2) == 1 and w2.stride(2) == 1, "expert weights must be contiguous along their last dim"
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -628,12 +665,12 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
         return out
     if inter == 0 or K == 0:
         return out.zero_()
-    if gemv is None and MOE_GEMV and config is None and T <= MOE_GEMV_MAX_TOKENS:
+    if gemv is None and MOE_GEMV and config is None and T <= MOE_GEMV_MAX_TOKENS and scales is None:
         gemv = (16, None)
     if gemv is not None:
         return _moe_gemv(x, w13, w2, topk_weights, topk_ids, out, *gemv)
     n = T * K
-    if direct is None and config is None and not dropped_ids:
+    if direct is None and config is None and not dropped_ids and scales is None:
         from . import moe_tma  # one launch streaming both weight sets (Hopper, 1-2 tokens; opt-in)
         if moe_tma.moe_tma_ok(x, w13, w2, topk_ids):
             return moe_tma.moe_tma_triton(x, w13, w2, topk_weights, topk_ids, out=out)
@@ -644,15 +681,16 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
         ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
         tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
         from . import moe_tma  # the down GEMM with its weight copies issued before its wait (opt-in)
-        tma_down = config is None and not dropped_ids and moe_tma.moe_tma_down_ok(x, w13, w2, topk_ids)
+        tma_down = (config is None and not dropped_ids and scales is None
+                    and moe_tma.moe_tma_down_ok(x, w13, w2, topk_ids))
         if fp32_sum and MOE_ATOMIC_COMBINE and not tma_down and x.dtype != torch.float32:
             out = torch.empty(T, H, dtype=torch.float32, device=x.device)  # (zeroed by the gate/up launch)
-        return _direct(x, w13, w2, tw, ids, out, K, up_cfg, down_cfg, tma_down=tma_down)
+        return _direct(x, w13, w2, tw, ids, out, K, up_cfg, down_cfg, tma_down=tma_down, s13=s13, s2=s2)
     sorted_ids, block_expert, total = moe_align_block_size(topk_ids, E, up_cfg["BLOCK_M"])
     act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, act, sorted_ids, block_expert, total, n, K, inter, True, up_cfg)
+    _grouped_gemm(x, w13, act, sorted_ids, block_expert, total, n, K, inter, True, up_cfg, scale=s13)
     y = torch.empty(n, H, dtype=x.dtype, device=x.device)
-    _grouped_gemm(act, w2, y, sorted_ids, block_expert, total, n, 1, H, False, down_cfg)
+    _grouped_gemm(act, w2, y, sorted_ids, block_expert, total, n, 1, H, False, down_cfg, scale=s2)
     tw = topk_weights.to(torch.float32).contiguous()
     block_h = min(1024, next_pow2(H))
     pdl = pdl_enabled(x)

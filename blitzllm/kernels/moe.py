@@ -81,12 +81,14 @@ def reference_select_experts(logits: torch.Tensor, top_k: int, scoring: str = "s
 
 def reference_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                         topk_weights: torch.Tensor, topk_ids: torch.Tensor, dropped_ids: bool = False,
-                        fp32_sum: bool = False) -> torch.Tensor:
+                        fp32_sum: bool = False, scales: Optional[tuple] = None) -> torch.Tensor:
     """sum_k weight[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, k]; [T, H] in
     x's dtype. Each expert's output is rounded to x's dtype before the weighted sum (as
     transformers does), the sum is accumulated in fp32. With ``dropped_ids``, entries with
     id -1 (another rank's expert) contribute nothing. ``fp32_sum``: the fp32 sum itself,
-    before that last rounding (for a caller that rounds it: ``fused_moe_triton``'s too)."""
+    before that last rounding (for a caller that rounds it: ``fused_moe_triton``'s too).
+    ``scales``: (w13's, w2's fp32 block scales, block) of float8 w13 / w2: each expert used is
+    dequantized to x's dtype first (``kernels/fp8_weights.py``)."""
     T, H = x.shape
     inter = w2.shape[2]
     out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
@@ -96,9 +98,14 @@ def reference_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             continue
         rows = (flat_ids == e).nonzero().squeeze(1)
         tok = rows // topk_ids.shape[1]
-        h = x[tok] @ w13[e].t()
+        w_up, w_down = w13[e], w2[e]
+        if scales is not None:
+            from .fp8_weights import dequantize
+            w_up = dequantize(w_up, scales[0][e], scales[2], x.dtype)
+            w_down = dequantize(w_down, scales[1][e], scales[2], x.dtype)
+        h = x[tok] @ w_up.t()
         a = (F.silu(h[:, :inter].float()).to(x.dtype) * h[:, inter:])
-        y = (a @ w2[e].t()).to(x.dtype)
+        y = (a @ w_down.t()).to(x.dtype)
         out.index_add_(0, tok, y.float() * topk_weights.reshape(-1)[rows, None].float())
     return out if fp32_sum else out.to(x.dtype)
 
@@ -633,15 +640,18 @@ def route_experts(x: torch.Tensor, weight: torch.Tensor, top_k: int, scoring: st
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, dropped_ids: bool = False, fp32_sum: bool = False) -> torch.Tensor:
+              topk_ids: torch.Tensor, dropped_ids: bool = False, fp32_sum: bool = False,
+              scales: Optional[tuple] = None) -> torch.Tensor:
     """sum_k weight[t, k] * expert_{ids[t, k]}(x_t) -> [T, H] in x's dtype (see
     ``reference_fused_moe``): sorted grouped GEMMs in Triton for CUDA tensors, torch otherwise.
     ``dropped_ids``: ids may be -1 (entries of experts held by other tensor-parallel ranks).
     ``fp32_sum``: the caller also takes the fp32 sum before its rounding (``fused_moe_triton``;
-    the torch path then returns it always)."""
+    the torch path then returns it always). ``scales``: of float8 expert weights (see
+    ``reference_fused_moe``)."""
     if use_triton(x):
-        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, dropped_ids=dropped_ids, fp32_sum=fp32_sum)
-    return reference_fused_moe(x, w13, w2, topk_weights, topk_ids, dropped_ids, fp32_sum=fp32_sum)
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, dropped_ids=dropped_ids, fp32_sum=fp32_sum,
+                                scales=scales)
+    return reference_fused_moe(x, w13, w2, topk_weights, topk_ids, dropped_ids, fp32_sum=fp32_sum, scales=scales)
 
 
 # MoE decode layers of up to NORM_ROUTE_MAX_T tokens run the post-attention residual add +

@@ -13,6 +13,8 @@ from torch import nn
 from ..kernels.activation import silu_and_mul
 from ..kernels.gemv import linear as gemv_linear
 from ..kernels.gemv import norm_linear
+from ..kernels.fp8_weights import DEFAULT_BLOCK as DEFAULT_FP8_BLOCK
+from ..kernels.fp8_weights import fp8_linear, quantize_fp8_block
 
 # BLITZ_GEMV=0 sends CUDA decode GEMMs back to cuBLAS (for A/B benchmarks)
 GEMV_ENABLED = os.environ.get("BLITZ_GEMV", "1") != "0"
@@ -30,6 +32,9 @@ class Linear(nn.Module):
         self.register_buffer("qweight", None)  # packed int4 (quantize_int4) or int8 (quantize_int8)
         self.register_buffer("qscales_zeros", None)
         self.group_size = 0  # > 0: int4 groups of this size; -1: int8 per output channel
+        # weight_dtype='fp8' (``quantize_fp8``): a float8 weight with fp32 scales per fp8_block
+        self.register_buffer("weight_scale_inv", None)
+        self.fp8_block: tuple | None = None
         # decode at 1-2 rows through the TMA GEMV (kernels/gemv_tma.py), which streams its
         # weights before waiting on the kernel before: set on o_proj and qkv, which follow the
         # latency-bound decode attention and RMSNorm (those let it launch as they start)
@@ -47,6 +52,9 @@ class Linear(nn.Module):
         the layer applies ``silu(gate) * up`` first, fused into the GEMV on CUDA decode."""
         if self.qweight is not None:
             return self._int4_forward(silu_and_mul(x) if silu_mul_input else x)
+        if self.fp8_block is not None:
+            return fp8_linear(silu_and_mul(x) if silu_mul_input else x, self.weight, self.weight_scale_inv,
+                              self.fp8_block, self.bias)
         w = self.weight
         if not silu_mul_input and self.tma_ok(x):
             return self._tma_forward(x)
@@ -91,6 +99,15 @@ class Linear(nn.Module):
         rows = x.numel() // x.shape[-1]
         y = gemv_tma_triton(x.reshape(rows, x.shape[-1]), self.weight, self.bias)
         return y.view(*x.shape[:-1], self.out_features)
+
+    # ---- block FP8 (weight_dtype='fp8') -------------------------------------------------
+    def quantize_fp8(self, block: tuple = DEFAULT_FP8_BLOCK) -> None:
+        """The weight as float8 e4m3 with one fp32 scale per ``block`` ([rows, cols]); forward then
+        dequantizes its tiles inside the GEMM (``kernels/fp8_weights.py``)."""
+        q, scale = quantize_fp8_block(self.weight.detach(), block)
+        self.weight = nn.Parameter(q, requires_grad=False)
+        self.weight_scale_inv = scale
+        self.fp8_block = tuple(block)
 
     # ---- weight-only int4 (CPU) -------------------------------------------------------
     def quantize_int4(self, group_size: int = 32) -> None:
@@ -156,6 +173,24 @@ def quantize_linear_weights_int4(model: nn.Module, group_size: int = INT4_GROUP)
     if isinstance(lm_head, Linear) and hasattr(torch.ops.aten, "_weight_int8pack_mm"):
         lm_head.quantize_int8()
         done += 1
+    return done
+
+
+def quantize_fp8_weights(model: nn.Module, block: tuple = DEFAULT_FP8_BLOCK) -> int:
+    """weight_dtype='fp8': every Linear of the decoder (not the output heads) and every MoE
+    block's experts hold block-FP8 weights (``Linear.quantize_fp8``, ``FusedMoE.quantize_fp8``);
+    norms, embeddings, routers and MLA's absorbed kv_b keep the model dtype. Returns the
+    modules quantized."""
+    done = 0
+    for name, mod in model.named_modules():
+        if isinstance(mod, Linear) and mod.weight is not None and mod.fp8_block is None:
+            if name.rsplit(".", 1)[-1] in ("lm_head", "head"):
+                continue
+            mod.quantize_fp8(block)
+            done += 1
+        elif callable(getattr(mod, "quantize_fp8", None)) and not isinstance(mod, Linear):
+            mod.quantize_fp8(block)
+            done += 1
     return done
 
 

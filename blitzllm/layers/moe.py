@@ -127,6 +127,7 @@ class FusedMoE(nn.Module):
                 self.inter_start, self.local_intermediate = tp.split(intermediate, "moe_intermediate_size")
         self.w13 = nn.Parameter(torch.empty(self.num_local_experts, 2 * self.local_intermediate, hidden))
         self.w2 = nn.Parameter(torch.empty(self.num_local_experts, hidden, self.local_intermediate))
+        self.fp8_block: Optional[tuple] = None  # weight_dtype='fp8': float8 w13 / w2 (``quantize_fp8``)
         self.shared_experts = shared_experts
         # set by a model whose next op after this block is a residual add + RMSNorm that rounds
         # an fp32 input itself (``rmsnorm.fused_add_rms_norm``): then decode may return the
@@ -135,6 +136,22 @@ class FusedMoE(nn.Module):
         # set by a model (BLITZ_MOE_PF_QKV): the modules whose weights decode's norm + router launch
         # asks the L2 for (the next layer's qkv projection, and its o_proj); a tuple, so not submodules
         self.prefetch_next: tuple = ()
+
+    def quantize_fp8(self, block: tuple) -> None:
+        """w13 and w2 as float8 e4m3 with fp32 scales per ``block`` of each expert's matrix
+        (``w13_scale_inv`` [E, ceil(2I / bn), ceil(H / bk)], ``w2_scale_inv``); the grouped GEMMs
+        dequantize their tiles (``kernels/fp8_weights.py``)."""
+        from ..kernels.fp8_weights import quantize_fp8_block
+        for name in ("w13", "w2"):
+            q, scale = quantize_fp8_block(getattr(self, name).detach(), block)
+            setattr(self, name, nn.Parameter(q, requires_grad=False))
+            self.register_buffer(f"{name}_scale_inv", scale)
+        self.fp8_block = tuple(block)
+
+    @property
+    def fp8_scales(self) -> Optional[tuple]:
+        """(w13's scales, w2's, block) of float8 experts, else None."""
+        return None if self.fp8_block is None else (self.w13_scale_inv, self.w2_scale_inv, self.fp8_block)
 
     @property
     def correction_bias(self) -> Optional[torch.Tensor]:
@@ -183,12 +200,12 @@ class FusedMoE(nn.Module):
             # (an fp32 sum only where nothing is added to it here and no rank sums it after)
             fp32 = self.fp32_sum and shared is None and self.shared_experts is None and \
                 self.local_intermediate == self.intermediate
-            out = _op("fused_moe")(x, self.w13, self.w2, weights, ids, fp32_sum=fp32)
+            out = _op("fused_moe")(x, self.w13, self.w2, weights, ids, fp32_sum=fp32, scales=self.fp8_scales)
         else:  # split by expert: the other ranks' experts become id -1 with weight 0
             local = ids - self.expert_start
             mine = (local >= 0) & (local < self.num_local_experts)
             out = _op("fused_moe")(x, self.w13, self.w2, weights * mine, torch.where(mine, local, -1),
-                                   dropped_ids=True)
+                                   dropped_ids=True, scales=self.fp8_scales)
         if side is not None:
             main.wait_stream(side)
         elif self.shared_experts is not None:

@@ -66,6 +66,13 @@ def _build_model(src, cfg, device, dtype, seed, weight_dtype, tp):
             raise ValueError("weight_dtype='int4' runs on the CPU only (torch's int4 CPU kernel)")
         from ..layers.linear import quantize_linear_weights_int4
         quantize_linear_weights_int4(model)
+    elif weight_dtype == "fp8":
+        from ..kernels import fp8_weights
+        from ..layers.linear import quantize_fp8_weights
+        from ..loader.fp8 import fp8_block_size
+        quantize_fp8_weights(model, fp8_block_size(src.hf_config) or fp8_weights.WEIGHT_BLOCK)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # (the 16-bit weights' memory back for the KV cache plan)
     elif weight_dtype is not None and weight_dtype != dtype:
         from ..layers.linear import cast_linear_weights
         cast_linear_weights(model, weight_dtype)

@@ -29,14 +29,17 @@ def _prompts(seed: int = 7) -> list:
     return [torch.randint(3, 320, (n,), generator=g).tolist() for n in LENGTHS]
 
 
-def check_tp_matches_single(path, n: int = 12, **kw) -> None:
-    """Greedy tokens of TP=2 equal TP=1's; logprobs agree to float32 summation order."""
+def check_tp_matches_single(path, n: int = 12, check=None, **kw) -> None:
+    """Greedy tokens of TP=2 equal TP=1's; logprobs agree to float32 summation order.
+    ``check``: called with the TP=2 engine's rank-0 model."""
     p = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0)
     prompts = _prompts()
     ref = LLM(str(path), **KW, **kw).generate(prompts, p)
     with LLM(str(path), **KW, **kw, tensor_parallel_size=2) as llm:
         outs = llm.generate(prompts, p)
         assert llm.stats()["kv_blocks_free"] == 64
+        if check is not None:
+            check(llm.engine.runner.model)
         procs = [proc for _, proc in llm.engine.tp.procs]
     for a, b in zip(ref, outs):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
@@ -79,6 +82,22 @@ def test_minimax_m2_tp2_matches_tp1(tmp_path, monkeypatch):
 def test_deepseek_v3_tp2_matches_tp1(tmp_path, variant):
     make_tiny_deepseek(tmp_path, seed=1, **variant)
     check_tp_matches_single(tmp_path)
+
+
+def test_fp8_weights_tp2_matches_tp1(tmp_path):
+    """weight_dtype='fp8' on an FP8 checkpoint whose 16 x 16 blocks align with every rank's part:
+    each rank quantizes its part again on the checkpoint's grid, so both ranks together hold
+    exactly the single rank's values, and TP=2 gives TP=1's tokens and logprobs."""
+    from tests.models.test_fp8_checkpoints import quantize_checkpoint
+    make_moe_checkpoint("qwen3_moe", tmp_path, seed=1, mlp_only_layers=[2])
+    quantize_checkpoint(tmp_path, block=(16, 16))
+
+    def rank0_holds_fp8_halves(model):
+        qkv = model.model.layers[0].self_attn.qkv_proj
+        assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.weight.shape == (64, 64)  # (128 rows split)
+        assert qkv.fp8_block == (16, 16) and qkv.weight_scale_inv.shape == (4, 4)
+
+    check_tp_matches_single(tmp_path, check=rank0_holds_fp8_halves, weight_dtype="fp8")
 
 
 # ---- sharded loading ------------------------------------------------------------------------

@@ -503,17 +503,9 @@ def test_norm_route_prefetch_compiles_for_sm90():
     """BLITZ_MOE_PF_QKV: the norm + router launch compiles for sm_90 (a stand-in driver, as
     scripts/ptxas_check.py) with its bulk L2 prefetch before the PDL wait, evict-last where
     asked (one range or two), no spills and no more registers than without it."""
-    import os
-    import subprocess
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    code = ("import sys; sys.path.insert(0, 'scripts'); sys.path.insert(0, '.')\n"
-            "import ptxas_check as pc, triton.runtime.driver as drv\n"
-            "drv.set_active(pc._Sm90()); pc.moe_pf_qkv()\n")
-    r = subprocess.run([sys.executable, "-c", code], cwd=root, env=dict(os.environ, TRITON_INTERPRET="0"),
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = {ln.split(" ", 3)[0]: ln.split(" ", 3)[1:] for ln in r.stdout.strip().splitlines()}
+    from tests.kernels.conftest import sm90_compile
+    out = sm90_compile("moe_pf_qkv()")
+    rows = {ln.split(" ", 3)[0]: ln.split(" ", 3)[1:] for ln in out.strip().splitlines()}
     names = ("none", "normal", "last", "two")
     sites = int(rows["norm_route_pf_normal"][0])  # (bulk prefetch sites in the PTX before the wait)
     assert sites > 0

@@ -1,0 +1,156 @@
+"""Block-FP8 weights with 16-bit activations (W8A16), ``weight_dtype='fp8'``.
+
+A weight [..., N, K] is held as float8 e4m3 values q and one fp32 scale per [bn, bk] block
+(the grid rounded up at ragged edges: DeepSeek's checkpoint layout, ``loader/fp8.py``), the
+weight being q * scale blockwise. Quantizing takes DeepSeek's recipe: scale = amax / 448
+per block, q = fp8(w / scale). Half the bytes of bf16 per weight, so a decode step that
+streams its weights reads about half as much.
+
+Kernels dequantize inside their K loops: each [BLOCK_K, BLOCK_N] tile of q is widened,
+multiplied by its columns' scales (one scale column per tile: BLOCK_K divides bk) and
+rounded to the activations' dtype, which is exactly the weight ``dequantize`` gives, then
+multiplied on the tensor cores. ``fp8_linear_triton`` is the plain linear (decode and short
+prefills); the MoE experts' grouped GEMM takes the same tiles (``fused_moe``'s ``scales``).
+``reference_fp8_linear`` is the torch form: the weight dequantized, then ``F.linear``.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ._common import device_sms
+from ..loader.fp8 import dequantize_fp8_block
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3's largest finite value
+DEFAULT_BLOCK = (128, 128)
+# the block weight_dtype='fp8' quantizes with where the checkpoint names none (an FP8 checkpoint's
+# own ``weight_block_size`` is kept: its values then come back exactly); tests set smaller ones
+WEIGHT_BLOCK = DEFAULT_BLOCK
+FP8_LINEAR_MAX_ROWS = 64  # more rows (prefill): the weight dequantized once, then cuBLAS
+
+
+def quantize_fp8_block(w: torch.Tensor, block: tuple = DEFAULT_BLOCK) -> tuple:
+    """(q float8 [..., N, K], scale fp32 [..., ceil(N / bn), ceil(K / bk)]) with w ~ q * scale
+    blockwise; an all-zero block gets scale 1. Works one leading index at a time (fp32
+    temporaries of one matrix)."""
+    bn, bk = block
+    *lead, n, k = w.shape
+    gn, gk = -(-n // bn), -(-k // bk)
+    q = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
+    s = torch.empty(*lead, gn, gk, dtype=torch.float32, device=w.device)
+    for idx in itertools.product(*(range(d) for d in lead)):
+        m = F.pad(w[idx].float(), (0, gk * bk - k, 0, gn * bn - n)).view(gn, bn, gk, bk)
+        amax = m.abs().amax(dim=(1, 3))
+        sc = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        qm = (m / sc[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        q[idx] = qm.view(gn * bn, gk * bk)[:n, :k]
+        s[idx] = sc
+    return q, s
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """The weight in ``dtype``: q * scale blockwise, formed in fp32, then rounded once."""
+    return dequantize_fp8_block(q, scale, block).to(dtype)
+
+
+def reference_fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tuple,
+                         bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return F.linear(x, dequantize(q, scale, block, x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+@triton.jit
+def _fp8_linear_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride_sn, stride_ym,
+                       BN_Q: tl.constexpr, BK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr):
+    """y [M, N] = x [M, K] . dequantize(q, s)^T (+ bias): one [BLOCK_M, BLOCK_N] tile per program."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+    q_ptrs = q_ptr + offs_n.to(tl.int64)[None, :] * stride_qn + offs_k[:, None]
+    s_ptrs = s_ptr + (offs_n // BN_Q) * stride_sn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+            w = tl.load(q_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < K - k
+            a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(q_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        sc = tl.load(s_ptrs + k // BK_Q, mask=n_ok, other=0.0)  # (BLOCK_K divides BK_Q: one scale column)
+        w = (w.to(tl.float32) * sc[None, :]).to(a.dtype)
+        if IEEE:
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
+        x_ptrs += BLOCK_K
+        q_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def fp8_block_k(block: tuple) -> Optional[int]:
+    """The K tile the kernels take for scale blocks ``block`` (a divisor of bk, at most 128,
+    at least 16), or None where bk has none (those layers dequantize and use torch)."""
+    bk = block[1]
+    for t in (128, 64, 32, 16):
+        if bk % t == 0:
+            return t
+    return None
+
+
+def fp8_linear_ok(x: torch.Tensor, q: torch.Tensor, block: tuple) -> bool:
+    """Whether ``fp8_linear`` runs the Triton kernel: CUDA (or the interpreter's tensors in
+    tests), up to FP8_LINEAR_MAX_ROWS rows, 16-bit or fp32 x, a usable K tile."""
+    rows = x.numel() // max(1, x.shape[-1])
+    return (x.is_cuda and rows <= FP8_LINEAR_MAX_ROWS and fp8_block_k(block) is not None
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32))
+
+
+def fp8_linear_triton(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tuple,
+                      bias: Optional[torch.Tensor] = None, sms: Optional[int] = None) -> torch.Tensor:
+    """x [..., K] -> [..., N] in x's dtype through ``_fp8_linear_kernel``."""
+    K = x.shape[-1]
+    N = q.shape[0]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return y.view(*x.shape[:-1], N)
+    block_k = fp8_block_k(block)
+    block_m = 16 if M <= 16 else (32 if M <= 32 else 64)
+    sms = sms or device_sms(x)
+    block_n = 64  # narrower tiles where 64-row ones would leave SMs idle (decode: N / 64 programs)
+    while block_n > 16 and triton.cdiv(N, block_n) * triton.cdiv(M, block_m) < sms:
+        block_n //= 2
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    _fp8_linear_kernel[grid](x2, q, scale, bias if bias is not None else q, y, M, N, K,
+                             x2.stride(0), q.stride(0), scale.stride(0), y.stride(0),
+                             BN_Q=block[0], BK_Q=block[1], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                             EVEN_K=K % block_k == 0, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+                             num_warps=4, num_stages=4)
+    return y.view(*x.shape[:-1], N)
+
+
+def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tuple,
+               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x . dequantize(q, scale)^T (+ bias) in x's dtype: the Triton kernel where
+    ``fp8_linear_ok``, else the weight dequantized once and ``F.linear``."""
+    if fp8_linear_ok(x, q, block):
+        return fp8_linear_triton(x, q, scale, block, bias)
+    return reference_fp8_linear(x, q, scale, block, bias)
+
