@@ -20,11 +20,9 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
-from ._common import device_sms
 from ..loader.fp8 import dequantize_fp8_block
+from ._common import device_sms, tl, triton, use_triton
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value
@@ -112,10 +110,10 @@ def fp8_block_k(block: tuple) -> Optional[int]:
 
 
 def fp8_linear_ok(x: torch.Tensor, q: torch.Tensor, block: tuple) -> bool:
-    """Whether ``fp8_linear`` runs the Triton kernel: CUDA (or the interpreter's tensors in
-    tests), up to FP8_LINEAR_MAX_ROWS rows, 16-bit or fp32 x, a usable K tile."""
+    """Whether ``fp8_linear`` runs the Triton kernel: CUDA tensors (Triton installed), up to
+    FP8_LINEAR_MAX_ROWS rows, 16-bit or fp32 x, a usable K tile."""
     rows = x.numel() // max(1, x.shape[-1])
-    return (x.is_cuda and rows <= FP8_LINEAR_MAX_ROWS and fp8_block_k(block) is not None
+    return (use_triton(x) and rows <= FP8_LINEAR_MAX_ROWS and fp8_block_k(block) is not None
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32))
 
 

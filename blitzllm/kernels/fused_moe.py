@@ -29,9 +29,9 @@ from typing import Optional
 
 import torch
 
-from .fp8_weights import FP8_DTYPE, fp8_block_k
 from ._common import (L2_PREFETCH_LANES, device_sms, l2_prefetch, l2_prefetch_chunk, l2_prefetchable,
                       next_pow2, pdl_enabled, pdl_launch_dependents, pdl_launch_kwargs, pdl_wait, tl, triton)
+from .fp8_weights import FP8_DTYPE, fp8_block_k
 
 MOE_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 # BLITZ_MOE_GEMV=1: decode batches of up to MOE_GEMV_MAX_TOKENS tokens take the two-launch
