@@ -33,9 +33,10 @@ WEIGHT_BLOCK = DEFAULT_BLOCK
 FP8_LINEAR_MAX_ROWS = 64  # more rows (prefill): the weight dequantized once, then cuBLAS
 
 
-def quantize_fp8_block(w: torch.Tensor, block: tuple = DEFAULT_BLOCK) -> tuple:
+def quantize_fp8_block(w: torch.Tensor, block: tuple = DEFAULT_BLOCK, pow2: bool = False) -> tuple:
     """(q float8 [..., N, K], scale fp32 [..., ceil(N / bn), ceil(K / bk)]) with w ~ q * scale
-    blockwise; an all-zero block gets scale 1. Works one leading index at a time (fp32
+    blockwise; an all-zero block gets scale 1. ``pow2``: each scale rounded up to a power of
+    two (``scale_fmt: ue8m0`` checkpoints' recipe). Works one leading index at a time (fp32
     temporaries of one matrix)."""
     bn, bk = block
     *lead, n, k = w.shape
@@ -46,6 +47,8 @@ def quantize_fp8_block(w: torch.Tensor, block: tuple = DEFAULT_BLOCK) -> tuple:
         m = F.pad(w[idx].float(), (0, gk * bk - k, 0, gn * bn - n)).view(gn, bn, gk, bk)
         amax = m.abs().amax(dim=(1, 3))
         sc = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        if pow2:
+            sc = torch.exp2(torch.ceil(torch.log2(sc)))
         qm = (m / sc[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
         q[idx] = qm.view(gn * bn, gk * bk)[:n, :k]
         s[idx] = sc

@@ -101,10 +101,11 @@ class Linear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     # ---- block FP8 (weight_dtype='fp8') -------------------------------------------------
-    def quantize_fp8(self, block: tuple = DEFAULT_FP8_BLOCK) -> None:
-        """The weight as float8 e4m3 with one fp32 scale per ``block`` ([rows, cols]); forward then
-        dequantizes its tiles inside the GEMM (``kernels/fp8_weights.py``)."""
-        q, scale = quantize_fp8_block(self.weight.detach(), block)
+    def quantize_fp8(self, block: tuple = DEFAULT_FP8_BLOCK, pow2: bool = False) -> None:
+        """The weight as float8 e4m3 with one fp32 scale per ``block`` ([rows, cols]; ``pow2``:
+        power-of-two scales); forward then dequantizes its tiles inside the GEMM
+        (``kernels/fp8_weights.py``)."""
+        q, scale = quantize_fp8_block(self.weight.detach(), block, pow2)
         self.weight = nn.Parameter(q, requires_grad=False)
         self.weight_scale_inv = scale
         self.fp8_block = tuple(block)
@@ -176,20 +177,20 @@ def quantize_linear_weights_int4(model: nn.Module, group_size: int = INT4_GROUP)
     return done
 
 
-def quantize_fp8_weights(model: nn.Module, block: tuple = DEFAULT_FP8_BLOCK) -> int:
+def quantize_fp8_weights(model: nn.Module, block: tuple = DEFAULT_FP8_BLOCK, pow2: bool = False) -> int:
     """weight_dtype='fp8': every Linear of the decoder (not the output heads) and every MoE
     block's experts hold block-FP8 weights (``Linear.quantize_fp8``, ``FusedMoE.quantize_fp8``);
-    norms, embeddings, routers and MLA's absorbed kv_b keep the model dtype. Returns the
-    modules quantized."""
+    norms, embeddings, routers and MLA's absorbed kv_b keep the model dtype. ``pow2``: scales
+    rounded up to powers of two. Returns the modules quantized."""
     done = 0
     for name, mod in model.named_modules():
         if isinstance(mod, Linear) and mod.weight is not None and mod.fp8_block is None:
             if name.rsplit(".", 1)[-1] in ("lm_head", "head"):
                 continue
-            mod.quantize_fp8(block)
+            mod.quantize_fp8(block, pow2)
             done += 1
         elif callable(getattr(mod, "quantize_fp8", None)) and not isinstance(mod, Linear):
-            mod.quantize_fp8(block)
+            mod.quantize_fp8(block, pow2)
             done += 1
     return done
 

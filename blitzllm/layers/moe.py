@@ -137,13 +137,13 @@ class FusedMoE(nn.Module):
         # asks the L2 for (the next layer's qkv projection, and its o_proj); a tuple, so not submodules
         self.prefetch_next: tuple = ()
 
-    def quantize_fp8(self, block: tuple) -> None:
+    def quantize_fp8(self, block: tuple, pow2: bool = False) -> None:
         """w13 and w2 as float8 e4m3 with fp32 scales per ``block`` of each expert's matrix
         (``w13_scale_inv`` [E, ceil(2I / bn), ceil(H / bk)], ``w2_scale_inv``); the grouped GEMMs
-        dequantize their tiles (``kernels/fp8_weights.py``)."""
+        dequantize their tiles (``kernels/fp8_weights.py``; ``pow2``: power-of-two scales)."""
         from ..kernels.fp8_weights import quantize_fp8_block
         for name in ("w13", "w2"):
-            q, scale = quantize_fp8_block(getattr(self, name).detach(), block)
+            q, scale = quantize_fp8_block(getattr(self, name).detach(), block, pow2)
             setattr(self, name, nn.Parameter(q, requires_grad=False))
             self.register_buffer(f"{name}_scale_inv", scale)
         self.fp8_block = tuple(block)

@@ -42,7 +42,17 @@ def fp8_block_size(hf_config: dict) -> Optional[tuple[int, int]]:
             or not all(isinstance(b, int) and b > 0 for b in block)):
         raise ValueError(f"FP8 checkpoints need weight_block_size as two positive integers, got {block!r} "
                          "(per-tensor FP8 scales are not supported)")
+    if q.get("scale_fmt") not in (None, "ue8m0"):
+        raise ValueError(f"FP8 checkpoints with scale_fmt {q.get('scale_fmt')!r} are not supported (none or 'ue8m0')")
     return int(block[0]), int(block[1])
+
+
+def fp8_pow2_scales(hf_config: dict) -> bool:
+    """Whether the checkpoint's block scales are powers of two (``scale_fmt: ue8m0``, as
+    DeepSeek-V3.1 and later: scale = 2 ** ceil(log2(amax / 448)))."""
+    t = hf_config.get("text_config") or {}
+    q = hf_config.get("quantization_config") or t.get("quantization_config") or {}
+    return q.get("scale_fmt") == "ue8m0"
 
 
 def is_fp8(t) -> bool:

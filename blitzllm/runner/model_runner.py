@@ -69,8 +69,9 @@ def _build_model(src, cfg, device, dtype, seed, weight_dtype, tp):
     elif weight_dtype == "fp8":
         from ..kernels import fp8_weights
         from ..layers.linear import quantize_fp8_weights
-        from ..loader.fp8 import fp8_block_size
-        quantize_fp8_weights(model, fp8_block_size(src.hf_config) or fp8_weights.WEIGHT_BLOCK)
+        from ..loader.fp8 import fp8_block_size, fp8_pow2_scales
+        quantize_fp8_weights(model, fp8_block_size(src.hf_config) or fp8_weights.WEIGHT_BLOCK,
+                             fp8_pow2_scales(src.hf_config))
         if device.type == "cuda":
             torch.cuda.empty_cache()  # (the 16-bit weights' memory back for the KV cache plan)
     elif weight_dtype is not None and weight_dtype != dtype:

@@ -40,6 +40,19 @@ def test_quantize_matches_the_per_block_recipe(shape, block):
     assert torch.equal(q2.float(), q.float()) and torch.equal(s2, s)
 
 
+def test_pow2_scales():
+    """``pow2``: every scale a power of two, each block's largest value in (224, 448], and the
+    per-block recipe's values."""
+    torch.manual_seed(2)
+    w = torch.randn(48, 64) * torch.rand(48, 1) * 3
+    q, s = quantize_fp8_block(w, (16, 32), pow2=True)
+    assert torch.equal(torch.exp2(torch.log2(s).round()), s)
+    amax = q.float().abs().view(3, 16, 2, 32).amax(dim=(1, 3))
+    assert bool(((amax > 224) & (amax <= 448)).all())
+    rq, rs = quantize_block(w, (16, 32), pow2=True)
+    assert torch.equal(s, rs) and torch.equal(q.float(), rq.float())
+
+
 def _linear_inputs(m, n, k, block, dtype, device, bias, seed=0):
     g = torch.Generator().manual_seed(seed)
     q, s = quantize_fp8_block(torch.randn(n, k, generator=g) / k ** 0.5, block)

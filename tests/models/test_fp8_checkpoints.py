@@ -7,6 +7,7 @@ and logprobs as transformers loading the same FP8 folder (it dequantizes on a CP
 block dequantization (ragged grids, E8M0 scales) against a per-block loop; bad checkpoints
 get a ValueError."""
 import json
+import math
 
 import pytest
 import torch
@@ -20,8 +21,9 @@ from tests.models.test_moe_models import check_matches_transformers, make_moe_ch
 FP8_MAX = 448.0  # float8 e4m3's largest finite value
 
 
-def quantize_block(w: torch.Tensor, block) -> tuple:
-    """DeepSeek's recipe, one block at a time: scale = amax / 448, q = fp8(w / scale)."""
+def quantize_block(w: torch.Tensor, block, pow2: bool = False) -> tuple:
+    """DeepSeek's recipe, one block at a time: scale = amax / 448 (``pow2``: rounded up to a
+    power of two, as ``scale_fmt: ue8m0``), q = fp8(w / scale)."""
     bn, bk = block
     n, k = w.shape
     q = torch.empty(n, k, dtype=torch.float8_e4m3fn)
@@ -30,6 +32,8 @@ def quantize_block(w: torch.Tensor, block) -> tuple:
         for j in range(s.shape[1]):
             tile = w[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk].float()
             s[i, j] = tile.abs().max().clamp(min=1e-12) / FP8_MAX
+            if pow2:
+                s[i, j] = 2.0 ** math.ceil(math.log2(s[i, j].item()))
             q[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] = (tile / s[i, j]).to(torch.float8_e4m3fn)
     return q, s
 
@@ -52,15 +56,16 @@ def _quantized(name: str, t: torch.Tensor) -> bool:
     return leaf not in ("embed_tokens", "lm_head", "gate")
 
 
-def quantize_checkpoint(path, block) -> dict:
+def quantize_checkpoint(path, block, scale_fmt=None) -> dict:
     """Rewrite ``path``'s save_pretrained weights in the FP8 block format, in two shards (every
-    other scale in the shard after its weight's) with an index; returns the original tensors."""
+    other scale in the shard after its weight's) with an index; returns the original tensors.
+    ``scale_fmt="ue8m0"``: power-of-two scales, named so in the config."""
     orig = load_file(str(path / "model.safetensors"))
     (path / "model.safetensors").unlink()
     shards: list = [{}, {}]
     for i, (name, t) in enumerate(sorted(orig.items())):
         if _quantized(name, t):
-            q, s = quantize_block(t, block)
+            q, s = quantize_block(t, block, pow2=scale_fmt == "ue8m0")
             shards[0][name] = q
             shards[i % 2][name[:-len("weight")] + "weight_scale_inv"] = s
         else:
@@ -73,6 +78,8 @@ def quantize_checkpoint(path, block) -> dict:
     cfg = json.loads((path / "config.json").read_text())
     cfg["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                   "weight_block_size": list(block)}
+    if scale_fmt is not None:
+        cfg["quantization_config"]["scale_fmt"] = scale_fmt
     (path / "config.json").write_text(json.dumps(cfg))
     return orig
 
@@ -158,6 +165,7 @@ def test_fp8_stream_errors():
     ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]}, "static"),
     ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "weight_block_size"),
     ({"quant_method": "fp8", "weight_block_size": [128, 0]}, "weight_block_size"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "e4m3"}, "scale_fmt"),
 ])
 def test_unsupported_quantization_configs(qc, match):
     with pytest.raises(ValueError, match=match):

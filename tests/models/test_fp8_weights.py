@@ -91,6 +91,31 @@ def test_fp8_checkpoint_values_come_back_exactly(tmp_path):
                                rtol=1e-6, atol=0)
 
 
+def test_ue8m0_checkpoint_comes_back_exactly_through_bf16(tmp_path):
+    """An FP8 checkpoint with power-of-two scales (``scale_fmt: ue8m0``) run in bf16 with
+    weight_dtype='fp8': each value times a power of two is exact in bf16, so quantizing again
+    with power-of-two scales gives back every stored weight exactly, the experts' too (a block
+    whose largest value rounded down to 224 comes back as twice the values at half the scale:
+    the same products)."""
+    from safetensors import safe_open
+    make_moe_checkpoint("qwen3_moe", tmp_path, seed=10)
+    quantize_checkpoint(tmp_path, block=BLOCK, scale_fmt="ue8m0")
+    model = LLM(str(tmp_path), device="cpu", dtype="bfloat16", kv_cache_blocks=8,
+                weight_dtype="fp8").engine.runner.model
+    stored = {}
+    for f in tmp_path.glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as sf:
+            stored.update({k: sf.get_tensor(k) for k in sf.keys() if k.startswith("model.layers.1.")})
+    o_proj, moe = model.model.layers[1].self_attn.o_proj, model.model.layers[1].mlp
+    key = "model.layers.1.self_attn.o_proj.weight"
+    down = "model.layers.1.mlp.experts.5.down_proj.weight"
+    for q, s, name in ((o_proj.weight, o_proj.weight_scale_inv, key), (moe.w2[5], moe.w2_scale_inv[5], down)):
+        assert torch.equal(dequantize(q, s, BLOCK, torch.float32),
+                           dequantize(stored[name], stored[name + "_scale_inv"], BLOCK, torch.float32))
+        assert torch.equal(torch.exp2(torch.log2(s).round()), s)
+    assert torch.equal(torch.exp2(torch.log2(moe.w13_scale_inv).round()), moe.w13_scale_inv)
+
+
 def test_fp8_roofline_bytes(tmp_path, monkeypatch):
     """weight_bytes_per_step counts one byte per FP8 weight plus its scales (experts at their
     expected active share), the unquantized parameters at their own size."""
