@@ -29,6 +29,7 @@ class ServeConfig:
     served_model_name: Optional[str] = None
     max_waiting_requests: int = 1024
     max_request_bytes: int = DEFAULT_MAX_BODY
+    reasoning_parser: Optional[str] = None
 
     @property
     def model_name(self) -> str:
@@ -48,6 +49,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_BODY, help="request body limit (413)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     g.add_argument("--access-log", action="store_true", help="log every request (off: it costs throughput)")
+    from .reasoning import PARSERS
+    g.add_argument("--reasoning-parser", default=None, choices=PARSERS,
+                   help="return a thinking model's <think> block as reasoning_content beside content in chat "
+                        "completions (deepseek_r1, deepseek_v3, qwen3, minimax_m2: one rule, see "
+                        "blitzllm/server/reasoning.py; minimax_m2_append_think: all in content)")
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -60,7 +66,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         raise ValueError(f"--max-request-bytes must be >= 1024, got {args.max_request_bytes}")
     return ServeConfig(engine_kwargs=engine_kwargs(args), host=args.host, port=args.port, api_key=args.api_key,
                        served_model_name=args.served_model_name, max_waiting_requests=args.max_waiting_requests,
-                       max_request_bytes=args.max_request_bytes)
+                       max_request_bytes=args.max_request_bytes, reasoning_parser=args.reasoning_parser)
 
 
 def run_server(args: argparse.Namespace) -> int:

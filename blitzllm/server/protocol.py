@@ -6,7 +6,7 @@ clients send extras. Responses are plain dicts built in ``serving.py`` (cheaper 
 """
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -67,6 +67,7 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: Optional[int] = None
     response_format: Optional[ResponseFormat] = None
     tools: Optional[list] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # extra variables for the chat template
     tool_choice: Union[str, dict, None] = None
     add_generation_prompt: Optional[bool] = True
 
@@ -85,6 +86,7 @@ class TokenizeRequest(_Strict):
     messages: Optional[list[ChatMessage]] = None
     add_special_tokens: Optional[bool] = True
     add_generation_prompt: Optional[bool] = True
+    chat_template_kwargs: Optional[dict[str, Any]] = None
 
 
 class DetokenizeRequest(_Strict):

@@ -21,6 +21,10 @@ from .errors import APIError, bad_request
 from .protocol import DetokenizeRequest, TokenizeRequest
 
 MAX_N = 128
+# apply_chat_template's own arguments, which chat_template_kwargs may not override
+_TEMPLATE_ARGS = {"conversation", "messages", "tokenize", "add_generation_prompt", "return_dict", "return_tensors",
+                  "padding", "truncation", "max_length", "tools", "documents", "chat_template",
+                  "continue_final_message", "return_assistant_tokens_mask", "tokenizer_kwargs"}
 MAX_STOP = 32
 _FIELDS = {"n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
            "repetition_penalty", "max_tokens", "min_tokens", "stop", "stop_token_ids", "logprobs"}
@@ -64,8 +68,10 @@ class SSEResponse(StreamingResponse):
 
 
 class Serving:
-    def __init__(self, aengine: AsyncEngine, model_name: str, aliases: tuple = ()):
+    def __init__(self, aengine: AsyncEngine, model_name: str, aliases: tuple = (),
+                 reasoning_parser: Optional[str] = None):
         self.aengine = aengine
+        self.reasoning_parser = reasoning_parser  # (server/reasoning.py)
         self.model_name = model_name
         self.model_names = {model_name, *aliases}
         self.tokenizer = None          # set by setup() once the engine is loaded
@@ -186,7 +192,9 @@ class Serving:
             return sse(APIError(503, str(e), code="shutting_down").body())
         return sse(APIError(500, str(e), type="server_error").body())
 
-    def chat_prompt(self, messages, add_generation_prompt: bool = True) -> list:
+    def chat_prompt(self, messages, add_generation_prompt: bool = True, template_kwargs=None) -> list:
+        """The prompt's token ids: ``messages`` through the model's chat template, with
+        ``template_kwargs`` (the request's ``chat_template_kwargs``) as extra template variables."""
         tok = self.need_tokenizer("chat needs a chat template; use /v1/completions with token ids")
         if not getattr(tok, "chat_template", None):
             raise bad_request("this model has no chat template; use /v1/completions", param="messages")
@@ -202,8 +210,12 @@ class Serving:
                     texts.append(part.text)
                 content = "\n".join(texts)
             conv.append({"role": m.role, "content": content or ""})
+        kwargs = dict(template_kwargs or {})
+        clash = sorted(set(kwargs) & _TEMPLATE_ARGS)
+        if clash:
+            raise bad_request(f"chat_template_kwargs may not set {', '.join(clash)}", param="chat_template_kwargs")
         try:
-            ids = tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=add_generation_prompt)
+            ids = tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=add_generation_prompt, **kwargs)
         except Exception as e:  # jinja errors from the template (e.g. role order): the input's fault
             raise bad_request(f"the chat template rejected the messages: {e}", param="messages") from None
         if hasattr(ids, "keys"):
@@ -230,7 +242,7 @@ class Serving:
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of 'prompt' or 'messages'", param="prompt")
         if req.messages is not None:
-            ids = self.chat_prompt(req.messages, pick(req.add_generation_prompt, True))
+            ids = self.chat_prompt(req.messages, pick(req.add_generation_prompt, True), req.chat_template_kwargs)
         else:
             tok = self.need_tokenizer("nothing to tokenize with")
             ids = tok.encode(req.prompt, add_special_tokens=pick(req.add_special_tokens, True))

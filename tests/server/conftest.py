@@ -84,16 +84,21 @@ class ServerProcess:
         return out
 
 
-@pytest.fixture(scope="session")
-def smol_server(tmp_path_factory):
-    """The default model, as users run it."""
-    srv = ServerProcess(["--model", "smollm2", "--max-model-len", "1024", "--seed", "0"],
-                        tmp_path_factory.mktemp("smol") / "server.log")
+def running(srv: ServerProcess):
+    """A fixture's body: ``srv`` once it is ready, stopped however the tests end."""
     try:
         srv.wait_ready()
         yield srv
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="session")
+def smol_server(tmp_path_factory):
+    """The default model, as users run it."""
+    srv = ServerProcess(["--model", "smollm2", "--max-model-len", "1024", "--seed", "0"],
+                        tmp_path_factory.mktemp("smol") / "server.log")
+    yield from running(srv)
     assert srv.proc.returncode == 0, f"SIGTERM should stop the server cleanly:\n{srv.log()}"
 
 
@@ -123,8 +128,4 @@ def tiny_server(tmp_path_factory):
                          "--max-num-seqs", "1", "--max-waiting-requests", "1", "--max-request-bytes", "65536",
                          "--max-model-len", "1024", "--kv-cache-blocks", "128"],
                         tmp_path_factory.mktemp("tiny") / "server.log", api_key="sesame")
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        srv.stop()
+    yield from running(srv)

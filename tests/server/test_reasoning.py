@@ -1,0 +1,148 @@
+"""Reasoning outputs (``--reasoning-parser``): the splitter on hand-derived cases, streamed in
+every chunking equal to the whole; and a real ``blitz serve`` of a tiny random model whose chat
+template opens ``<think>`` unless ``chat_template_kwargs`` says ``enable_thinking: false``:
+its chat answers come back as reasoning_content or as content, streamed and not, equal to the
+raw text /v1/completions gives for the same prompt."""
+from __future__ import annotations
+
+import json
+import random
+
+import httpx
+import pytest
+
+from blitzllm.server.reasoning import (AppendThink, ThinkSplitter, make_splitter, prompt_opens_thinking,
+                                       split_reasoning)
+from tests.server.conftest import ServerProcess, _tiny_llama, running
+
+CASES = [
+    # (prompt left a <think> open, output, reasoning_content, content)
+    (True, "step one</think>\n\nParis", "step one", "\n\nParis"),             # R1: the prompt opened it
+    (True, "never closed", "never closed", None),                           # all reasoning
+    (True, "a</think>", "a", None),                                          # nothing after the block
+    (False, "<think>\nhmm\n</think>\n\nyes", "\nhmm\n", "\n\nyes"),           # Qwen3 opens its own
+    (False, "  \n<think>x</think>y", "x", "y"),                              # after leading whitespace
+    (False, "plain answer", None, "plain answer"),                           # thinking off
+    (False, "<thinking> is not the tag", None, "<thinking> is not the tag"),
+    (False, "a <think> later is text", None, "a <think> later is text"),
+    (True, "ends on a partial </thi", "ends on a partial </thi", None),       # a held tail is text
+    (False, "<thi", None, "<thi"),
+    (False, "", None, ""),
+    (True, "x</think>y</think>z", "x", "y</think>z"),                        # only the first closes
+]
+
+
+@pytest.mark.parametrize("opened,text,reasoning,content", CASES)
+def test_split_whole(opened, text, reasoning, content):
+    assert split_reasoning(ThinkSplitter(opened), text) == (reasoning, content)
+
+
+@pytest.mark.parametrize("opened,text,reasoning,content", CASES)
+def test_split_streamed_in_every_chunking(opened, text, reasoning, content):
+    """Every split into two pieces, and random splits into many, join to the whole's parts."""
+    rng = random.Random(len(text))
+    cuts = [[i] for i in range(len(text) + 1)] + [sorted(rng.sample(range(len(text) + 1), min(len(text), 5)))
+                                                   for _ in range(20)]
+    for cut in cuts:
+        sp = ThinkSplitter(opened)
+        pieces = [text[a:b] for a, b in zip([0] + cut, cut + [len(text)])]
+        got_r, got_c = zip(*[sp.feed(p) for p in pieces], sp.finish())
+        assert "".join(got_r) == (reasoning or "") and "".join(got_c) == (content or ""), cut
+
+
+def test_prompt_opens_thinking_and_append_think():
+    assert prompt_opens_thinking("<|im_start|>assistant\n<think>\n")
+    assert not prompt_opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not prompt_opens_thinking("no tags")
+    assert prompt_opens_thinking("<think>a</think> then <think>")
+    assert split_reasoning(AppendThink(True), "r</think>c") == (None, "<think>r</think>c")
+    assert split_reasoning(AppendThink(False), "c") == (None, "c")
+    assert make_splitter(None, "<think>") is None
+    with pytest.raises(ValueError, match="reasoning parser must be one of"):
+        make_splitter("r1", "")
+
+
+THINKING_TEMPLATE = (
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{%- else %}<think>\n{%- endif %}{%- endif %}")
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tmp_path_factory):
+    folder = _tiny_llama(tmp_path_factory.mktemp("tiny-thinking"))
+    cfg_path = folder / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = THINKING_TEMPLATE
+    cfg_path.write_text(json.dumps(cfg))
+    for extra in ("chat_template.jinja", "chat_template.json"):  # (newer transformers keep it apart)
+        (folder / extra).unlink(missing_ok=True)
+    srv = ServerProcess(["--model", str(folder), "--served-model-name", "think", "--reasoning-parser", "qwen3",
+                         "--max-model-len", "512", "--kv-cache-blocks", "64"],
+                        tmp_path_factory.mktemp("think") / "server.log")
+    yield from running(srv)
+
+
+def _prompt(srv, messages, **template_kwargs) -> list:
+    body = {"messages": messages, **({"chat_template_kwargs": template_kwargs} if template_kwargs else {})}
+    r = httpx.post(srv.url + "/tokenize", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
+
+
+def _raw(srv, messages, **template_kwargs) -> str:
+    """The same prompt's greedy text through /v1/completions (no parser there)."""
+    r = httpx.post(srv.url + "/v1/completions", json={"prompt": _prompt(srv, messages, **template_kwargs),
+                                                      "max_tokens": 12, "temperature": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def _chat(srv, messages, stream=False, **extra):
+    body = {"messages": messages, "max_tokens": 12, "temperature": 0, "stream": stream, **extra}
+    if not stream:
+        r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]
+    parts = {"reasoning_content": "", "content": ""}
+    with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for ch in json.loads(line[6:])["choices"]:
+                    for key in parts:
+                        parts[key] += ch["delta"].get(key) or ""
+    return parts
+
+
+def test_thinking_on_comes_back_as_reasoning(thinking_server):
+    msgs = [{"role": "user", "content": "Why is the sky blue?"}]
+    raw = _raw(thinking_server, msgs)
+    assert raw and "</think>" not in raw and not raw.lstrip().startswith("<think>")
+    msg = _chat(thinking_server, msgs)
+    assert msg["reasoning_content"] == raw and msg["content"] is None
+    assert _chat(thinking_server, msgs, stream=True) == {"reasoning_content": raw, "content": ""}
+
+
+def test_thinking_off_by_template_kwargs_comes_back_as_content(thinking_server):
+    msgs = [{"role": "user", "content": "Why is the sky blue?"}]
+    raw = _raw(thinking_server, msgs, enable_thinking=False)
+    assert raw and "<think>" not in raw
+    on, off_ids = _prompt(thinking_server, msgs), _prompt(thinking_server, msgs, enable_thinking=False)
+    assert off_ids != on and len(off_ids) > len(on)  # the kwargs reached the template: the block closed
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    msg = _chat(thinking_server, msgs, **off)
+    assert msg["reasoning_content"] is None and msg["content"] == raw
+    assert _chat(thinking_server, msgs, stream=True, **off) == {"reasoning_content": "", "content": raw}
+
+
+def test_template_kwargs_errors(thinking_server):
+    msgs = [{"role": "user", "content": "hi"}]
+    r = httpx.post(thinking_server.url + "/v1/chat/completions",
+                   json={"messages": msgs, "chat_template_kwargs": {"tokenize": False}}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+    r = httpx.post(thinking_server.url + "/v1/chat/completions",
+                   json={"messages": msgs, "chat_template_kwargs": ["enable_thinking"]}, timeout=30)
+    assert r.status_code == 400 or r.status_code == 422
+    assert httpx.get(thinking_server.url + "/health", timeout=10).status_code == 200
