@@ -91,6 +91,7 @@ def moe_fp8_inputs(t, e, k, h, inter, block, dtype, device, seed=0):
     (1, 8, 2, 64, 40, (16, 32), {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32}),  # gate/up split inside a block
     (3, 6, 3, 48, 24, (8, 16), {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16}),
     (2, 8, 8, 64, 40, (16, 16), None),  # the heuristic's K tile narrowed to the block
+    (17, 4, 2, 48, 24, (16, 16), {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16}),  # several blocks per expert
 ])
 @pytest.mark.parametrize("direct", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
