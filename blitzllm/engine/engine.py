@@ -132,13 +132,13 @@ def _tp_size(n) -> int:
 
 def speculation_runner_kwargs(args) -> dict:
     """ModelRunner options that depend on speculation (the same on every tensor-parallel
-    rank): EAGLE-3 reads the target's hidden states through forward hooks, which CUDA-graph
-    replays bypass, so its target runs eager; verify steps run as decode rows, one per
+    rank): EAGLE-3 and MTP read the target's hidden states through forward hooks, which
+    CUDA-graph replays bypass, so their target runs eager; verify steps run as decode rows, one per
     scored position, so the decode graphs cover max_num_seqs * (k + 1) rows (at most 512)."""
     spec = parse_speculative_config(args.speculative_config)
     if spec is None:
         return {"enforce_eager": args.enforce_eager, "max_decode_rows": 0}
-    return {"enforce_eager": args.enforce_eager or spec.method == "eagle3",
+    return {"enforce_eager": args.enforce_eager or spec.method in ("eagle3", "mtp"),
             "max_decode_rows": min(args.max_num_seqs * (spec.k + 1), 512)}
 
 
@@ -157,9 +157,9 @@ class Engine:
         tp_size = _tp_size(args.tensor_parallel_size)
         self.device = resolve_device(args.device)
         spec_cfg = parse_speculative_config(args.speculative_config)
-        if spec_cfg is not None and spec_cfg.method == "eagle3" and tp_size > 1:
-            # its hooks read layer outputs, which are per-rank partial sums under tensor parallelism
-            raise ValueError("speculative_config method 'eagle3' runs with tensor_parallel_size 1 only")
+        if spec_cfg is not None and spec_cfg.method in ("eagle3", "mtp") and tp_size > 1:
+            # their hooks and draft layers run on rank 0's part of the model alone
+            raise ValueError(f"speculative_config method {spec_cfg.method!r} runs with tensor_parallel_size 1 only")
         src = resolve_model(args.model, args.load_format)
         self.model_config = cfg = ModelConfig.from_hf(src.hf_config, args.num_layers)
         self.dtype = resolve_dtype(args.dtype, self.device, src.torch_dtype)
@@ -190,6 +190,8 @@ class Engine:
         self.tokenizer = src.tokenizer_loader()
         group = tp.group if tp is not None else SINGLE
         model = build_model(src, cfg, self.device, self.dtype, args.seed, self.weight_dtype, group)
+        if spec_cfg is not None and spec_cfg.method == "mtp" and src.tensors is None and hasattr(model, "dummy_mtp"):
+            model.dummy_mtp(args.seed)  # (dummy weights: the MTP layers too, for speed runs)
         num_blocks = plan_kv_blocks(args, cfg, self.dtype, self.device, group.world_size)
         if tp is not None:
             num_blocks = tp.agree_min(num_blocks)

@@ -63,6 +63,15 @@ class MLADims:
         return scale
 
 
+def rotate_rope(x: torch.Tensor, tables, interleave: bool) -> torch.Tensor:
+    """Rotate x [T, heads, P] (q's heads then the shared k) with rotary ``tables``; interleaved
+    pairs are laid out as rotate-half halves first, the order transformers' interleaved rope
+    returns."""
+    if interleave:
+        x = torch.cat([x[..., 0::2], x[..., 1::2]], -1)
+    return apply_rotary_tables(x, *tables)
+
+
 class LatentUpProjection(nn.Module):
     """``kv_b_proj``: latent [.., R] -> per head (k_nope, v). A plain weight, not a ``Linear``:
     the absorbed decode reads its key and value halves as matrices, so low-precision
@@ -151,13 +160,46 @@ class MLAttention(nn.Module):
         qkv_a, residual = self.fused_qkv_a_proj.forward_norm(x, residual, norm)
         return self.attend(positions, qkv_a), residual
 
-    def attend(self, positions: torch.Tensor, qkv_a: torch.Tensor) -> torch.Tensor:
-        """Output of ``fused_qkv_a_proj`` [T, first + R + P] -> [T, hidden]."""
-        d, T = self.d, qkv_a.shape[0]
+    def _split(self, qkv_a: torch.Tensor) -> tuple:
+        """Output of ``fused_qkv_a_proj`` -> (q [T, H, N + P] before rotary, kv_a [T, R + P])."""
+        d = self.d
         q, kv_a = qkv_a.split([qkv_a.shape[1] - d.cache_dim, d.cache_dim], dim=1)
         if d.q_lora_rank:
             q = self.q_b_proj(self.q_a_layernorm(q.contiguous()))
-        q = q.view(T, d.num_heads, d.qk_head_dim)
+        return q.view(qkv_a.shape[0], d.num_heads, d.qk_head_dim), kv_a
+
+    def _rope_latent(self, q: torch.Tensor, kv_a: torch.Tensor, tables) -> tuple:
+        """(q's rotated rope part [T, H, P], the latent-cache entries [T, R + P]: the
+        normalised latent and the rotated rope key) with rotary ``tables``."""
+        d = self.d
+        latent = self.kv_a_layernorm(kv_a[:, :d.kv_lora_rank].contiguous())
+        pe = rotate_rope(torch.cat([q[..., d.qk_nope_head_dim:], kv_a[:, None, d.kv_lora_rank:]], 1), tables,
+                         d.rope_interleave)
+        return pe[:, :-1], torch.cat([latent, pe[:, -1]], -1)
+
+    def latent_qkv(self, positions: torch.Tensor, x: torch.Tensor) -> tuple:
+        """x [T, hidden] -> (q [T, H, N + P], rope part rotated; latent-cache entries [T, R + P]),
+        in torch and without the forward context: for an MTP draft layer that keeps its own
+        dense latents (``spec/mtp.py``)."""
+        q, kv_a = self._split(self.fused_qkv_a_proj(x))
+        q_pe, entry = self._rope_latent(q, kv_a, rotary_tables(self.rotary.cos_sin_cache, positions))
+        return torch.cat([q[..., :self.d.qk_nope_head_dim], q_pe], -1), entry
+
+    def attend_latents(self, q: torch.Tensor, kv: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
+        """q [Q, H, N + P] at positions ``qpos`` over the entries kv [L, R + P] of positions
+        0..L-1, causal, latents expanded per head -> [Q, H, V] (before o_proj)."""
+        d = self.d
+        k_nope, v = self.kv_b_proj.expand(kv[:, :d.kv_lora_rank])
+        k = torch.cat([k_nope, kv[:, None, d.kv_lora_rank:].expand(-1, d.num_heads, -1)], -1)
+        s = torch.matmul(q.transpose(0, 1), k.permute(1, 2, 0)).float() * self.scale
+        s = s.masked_fill(torch.arange(kv.shape[0], device=q.device)[None, :] > qpos[:, None], float("-inf"))
+        p = torch.softmax(s, dim=-1).to(v.dtype)  # [H, Q, L]
+        return torch.matmul(p, v.transpose(0, 1)).transpose(0, 1)
+
+    def attend(self, positions: torch.Tensor, qkv_a: torch.Tensor) -> torch.Tensor:
+        """Output of ``fused_qkv_a_proj`` [T, first + R + P] -> [T, hidden]."""
+        d, T = self.d, qkv_a.shape[0]
+        q, kv_a = self._split(qkv_a)
         q_nope = q[..., :d.qk_nope_head_dim]
         ctx = get_forward_context()
         cache, md = ctx.kv_caches[self.layer_idx][0], ctx.attn_metadata
@@ -167,10 +209,8 @@ class MLAttention(nn.Module):
             q_pe = mla_prep_triton(q, kv_a, positions, self.rotary.cos_sin_cache, norm.weight, norm.eps, cache,
                                    md.slot_mapping, d.qk_nope_head_dim, d.rope_interleave)
         else:
-            latent = self.kv_a_layernorm(kv_a[:, :d.kv_lora_rank].contiguous())
-            pe = self._rope(positions, torch.cat([q[..., d.qk_nope_head_dim:], kv_a[:, None, d.kv_lora_rank:]], 1))
-            q_pe, k_pe = pe[:, :-1], pe[:, -1]
-            write_latent_cache(torch.cat([latent, k_pe], -1), cache, md.slot_mapping, md.padded)
+            q_pe, entry = self._rope_latent(q, kv_a, self._tables(positions))
+            write_latent_cache(entry, cache, md.slot_mapping, md.padded)
         if md.is_pure_decode:
             q_latent = self.kv_b_proj.absorb_query(q_nope)
             o_latent = _mla_decode(q_latent.contiguous(), q_pe.contiguous(), cache, md.block_tables,
@@ -180,16 +220,13 @@ class MLAttention(nn.Module):
             out = self._prefill(torch.cat([q_nope, q_pe], -1), cache, md)
         return self.o_proj(out.reshape(T, d.num_heads * d.v_head_dim))
 
-    def _rope(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Rotate x [T, heads, P] (q's heads then the shared k); interleaved pairs are laid
-        out as rotate-half halves first, the order transformers' interleaved rope returns."""
-        if self.d.rope_interleave:
-            x = torch.cat([x[..., 0::2], x[..., 1::2]], -1)
+    def _tables(self, positions: torch.Tensor):
+        """This step's rotary tables (made once per step: the same for every layer)."""
         scratch = get_forward_context().scratch
         key = ("rope", id(self.rotary))
-        if key not in scratch:  # the same tables for every layer of this step
+        if key not in scratch:
             scratch[key] = rotary_tables(self.rotary.cos_sin_cache, positions)
-        return apply_rotary_tables(x, *scratch[key])
+        return scratch[key]
 
     def _prefill(self, q: torch.Tensor, cache: torch.Tensor, md) -> torch.Tensor:
         """q [T, H, N + P] -> [T, H, V]: causal attention per sequence over its whole cached
@@ -199,12 +236,7 @@ class MLAttention(nn.Module):
         start = 0
         for b, (ql, sl) in enumerate(zip(md.q_lens_host, md.seq_lens_host)):
             kv = _gather(cache, md.block_tables[b], sl)[:, 0].to(q.dtype)  # [L, R + P]
-            k_nope, v = self.kv_b_proj.expand(kv[:, :d.kv_lora_rank])
-            k = torch.cat([k_nope, kv[:, None, d.kv_lora_rank:].expand(-1, d.num_heads, -1)], -1)
-            s = torch.matmul(q[start:start + ql].transpose(0, 1), k.permute(1, 2, 0)).float() * self.scale
-            qpos = torch.arange(sl - ql, sl, device=q.device)
-            s = s.masked_fill(torch.arange(sl, device=q.device)[None, :] > qpos[:, None], float("-inf"))
-            p = torch.softmax(s, dim=-1).to(v.dtype)  # [H, Q, L]
-            out[start:start + ql] = torch.matmul(p, v.transpose(0, 1)).transpose(0, 1)
+            out[start:start + ql] = self.attend_latents(q[start:start + ql], kv,
+                                                        torch.arange(sl - ql, sl, device=q.device))
             start += ql
         return out

@@ -173,6 +173,14 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
             keys = [_copy_packed(self.mtp, self.packed_modules, local, tensor)]
         return [f"mtp.{k}" for k in keys]
 
+    def dummy_mtp(self, seed: int) -> None:
+        """Random MTP layers (the checkpoint's count) beside dummy weights: MTP speculation
+        on a preset measures speed."""
+        if self.mtp is None and self.args.num_mtp_layers:
+            from ..loader.weights import init_dummy_weights
+            self.mtp = self._new_mtp()
+            init_dummy_weights(self.mtp, seed + 1)
+
     def _new_mtp(self) -> MTPModules:
         ref = self.model.norm.weight
         with torch.device(ref.device):

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 METHODS = ("ngram", "draft_model", "eagle3", "mtp")
-NOT_YET = ("mtp",)
 KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
         "synthetic_acceptance_rate")
 MAX_K = 16
@@ -59,9 +58,6 @@ def parse_speculative_config(spec: Union[None, str, dict, SpeculativeConfig]) ->
     method = spec.get("method")
     if method not in METHODS:
         raise ValueError(f"speculative_config.method must be one of {', '.join(METHODS)}; got {method!r}")
-    if method in NOT_YET:
-        raise ValueError(f"speculative_config.method {method!r} is not available yet; "
-                         "use 'ngram', 'draft_model' or 'eagle3'")
     if "num_speculative_tokens" not in spec:
         raise ValueError("speculative_config.num_speculative_tokens is required (an integer in "
                          f"[1, {MAX_K}])")

@@ -405,12 +405,14 @@ class HiddenCapture:
     model appends its features [T, 3 * hidden] (the outputs x + residual of the three
     layers, row order = the step's flat token order) and positions [T] to ``records``.
     Use as a context manager; hooks are removed on exit. CUDA-graph replays bypass hooks:
-    capture from eager forwards (prefill, or enforce_eager)."""
+    capture from eager forwards (prefill, or enforce_eager). ``final_features``: the records'
+    features are the model's output (the final-normed hidden states, [T, H]) instead."""
 
-    def __init__(self, model, layer_ids: list, keep_final: bool = False):
+    def __init__(self, model, layer_ids: list, keep_final: bool = False, final_features: bool = False):
         self.model = model
         self.layer_ids = list(layer_ids)
         self.keep_final = keep_final   # also keep the model's output (final-normed hidden states)
+        self.final_features = final_features
         self.records: list = []
         self.finals: list = []
         self._cur: dict = {}
@@ -441,7 +443,7 @@ class HiddenCapture:
         self._positions = args[1].detach() if len(args) > 1 else None
 
     def _post_hook(self, mod, args, out):
-        feats = torch.cat([self._cur[i] for i in self.layer_ids], -1)
+        feats = out.detach().float() if self.final_features else torch.cat([self._cur[i] for i in self.layer_ids], -1)
         self.records.append((feats, self._positions))
         if self.keep_final:
             self.finals.append(out.detach())
@@ -459,22 +461,21 @@ class HiddenCapture:
         return (feats, pos, torch.cat(finals)) if self.keep_final else (feats, pos)
 
 
-class Eagle3Proposer:
-    """Drafts k tokens per request with an EAGLE-3 head from the target's hidden states of
-    the engine's own forwards (``HiddenCapture`` hooks; the runner's ``prepare`` is wrapped
-    to learn each forward's row segments, and the KV manager's block tables tell whose
-    segment it was). Per request it keeps the features and token of every verified
-    position and the head's step-0 K/V of those positions; each call trims both to what
-    still agrees with the request (rejected drafts fall away), extends the K/V with the
-    new positions, then runs k draft steps greedily (point drafts, exact under rejection
-    sampling). A request whose features are incomplete (a prefix-cache hit skipped its
-    prefill, or CUDA-graph decodes bypassed the hooks) drafts nothing."""
+class HiddenStateProposer:
+    """The part of a draft head's proposer that follows the target: its hidden states of the
+    engine's own forwards (``HiddenCapture`` hooks; the runner's ``prepare`` is wrapped to
+    learn each forward's row segments, and the KV manager's block tables tell whose segment
+    it was) filed per request as the features and token of every verified position
+    (``toks`` / ``feats``), trimmed to what still agrees with the request (rejected drafts
+    fall away). A request whose features are incomplete (a prefix-cache hit skipped its
+    prefill, or CUDA-graph decodes bypassed the hooks) drafts nothing. Subclasses keep
+    their own per-request state in ``cache`` and implement ``propose``."""
 
-    def __init__(self, head: Eagle3Head, runner, kv):
+    def __init__(self, capture: HiddenCapture, runner, kv):
         from .proposers import Proposal
         self._proposal = Proposal
-        self.head, self.runner, self.kv = head, runner, kv
-        self.cap = HiddenCapture(runner.model, head.config.layer_ids).__enter__()
+        self.runner, self.kv = runner, kv
+        self.cap = capture.__enter__()
         self._segments = []   # per eager forward: [(toks, start, end, block at start)]
         prepare = runner.prepare
 
@@ -487,9 +488,29 @@ class Eagle3Proposer:
             return prepare(seqs, block_tables)
         runner.prepare = recording_prepare
         self.toks: dict = {}    # rid -> input token of each position whose features we hold
-        self.feats: dict = {}   # rid -> [m, 3H] features of those positions
-        self.cache: dict = {}   # rid -> (tokens used, k [c, Hkv, D], v [c, Hkv, D]) of step-0 entries
+        self.feats: dict = {}   # rid -> [m, F] features of those positions
+        self.cache: dict = {}   # rid -> the head's own state of those positions
         self.copy_index: dict = {}   # rid -> CopyIndex of its tokens (heads with the copy input)
+
+    def features(self, rid: str, all_ids: list):
+        """The features of positions 0..n-1 of a request with tokens ``all_ids`` (n + 1 of
+        them: the last has not been through the target yet), or None where they are not all
+        held (then it drafts nothing)."""
+        n = len(all_ids) - 1
+        have = self.toks.get(rid, [])
+        c = 0
+        while c < min(len(have), n) and have[c] == all_ids[c]:
+            c += 1
+        return self.feats[rid][:n] if n >= 1 and c >= n else None
+
+    def reusable(self, rid: str, all_ids: list, n: int) -> int:
+        """How many leading positions of the request's ``cache`` entry (its first item: the
+        tokens it used, token t + 1 for position t) still agree with ``all_ids``."""
+        used = self.cache[rid][0] if rid in self.cache else []
+        m = 0
+        while m < min(len(used), n) and used[m] == all_ids[m + 1]:
+            m += 1
+        return m
 
     def finish(self, rid: str) -> None:
         for d in (self.toks, self.feats, self.cache, self.copy_index):
@@ -526,6 +547,18 @@ class Eagle3Proposer:
         old = self.feats.get(rid)
         self.feats[rid] = feats if old is None or start == 0 else torch.cat([old[:start], feats])
 
+
+class Eagle3Proposer(HiddenStateProposer):
+    """Drafts k tokens per request with an EAGLE-3 head from the target's hidden states
+    (``HiddenStateProposer``). Per request ``cache`` holds the head's step-0 K/V of the
+    verified positions (tokens used, k [c, Hkv, D], v [c, Hkv, D]); each call extends it with
+    the new positions, then runs k draft steps greedily (point drafts, exact under
+    rejection sampling)."""
+
+    def __init__(self, head: Eagle3Head, runner, kv):
+        super().__init__(HiddenCapture(runner.model, head.config.layer_ids), runner, kv)
+        self.head = head
+
     def _copy(self, index: Optional[CopyIndex], drafts: list, dev) -> Optional[torch.Tensor]:
         """The copy input of the last position of the request's tokens + ``drafts`` (heads
         with the copy input; ``index`` holds the request's tokens)."""
@@ -542,18 +575,13 @@ class Eagle3Proposer:
         for r, lim in zip(reqs, limits):
             rid, all_ids = r.request_id, r.all_token_ids
             n = len(all_ids) - 1          # features needed for positions 0..n-1
-            have = self.toks.get(rid, [])
-            c = 0
-            while c < min(len(have), n) and have[c] == all_ids[c]:
-                c += 1
-            if lim <= 0 or c < n:
+            feats = self.features(rid, all_ids) if lim > 0 else None
+            if feats is None:
                 drafts.append([])
                 continue
-            feats = self.feats[rid][:n].to(dev)
-            ctoks, k0, v0 = self.cache.get(rid, ([], None, None))
-            m = 0
-            while m < min(len(ctoks), n) and ctoks[m] == all_ids[m + 1]:
-                m += 1
+            feats = feats.to(dev)
+            m = self.reusable(rid, all_ids, n)
+            _, k0, v0 = self.cache.get(rid, ([], None, None))
             # step-0 entries of positions m..n-1 (position t: features t, token t + 1)
             pos = torch.arange(m, n, device=dev)
             tok = torch.tensor(all_ids[m + 1:n + 1], device=dev)

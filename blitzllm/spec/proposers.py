@@ -246,8 +246,8 @@ class DraftModelProposer(Proposer):
 
 
 def build_proposer(spec: SpeculativeConfig, runner=None, kv=None, **target) -> Proposer:
-    """``runner`` / ``kv``: the target's ModelRunner and KV manager (EAGLE-3 reads the
-    target's hidden states from the runner's forwards)."""
+    """``runner`` / ``kv``: the target's ModelRunner and KV manager (EAGLE-3 and MTP read
+    the target's hidden states from the runner's forwards)."""
     if spec.method == "ngram":
         return NgramProposer(spec)
     if spec.method == "draft_model":
@@ -257,4 +257,7 @@ def build_proposer(spec: SpeculativeConfig, runner=None, kv=None, **target) -> P
         head = Eagle3Head.load(spec.model, target["device"], target=runner.model,
                                target_cfg=target["target_cfg"])
         return Eagle3Proposer(head, runner, kv)
-    raise ValueError(f"speculative_config.method {spec.method!r} is not available yet")
+    if spec.method == "mtp":
+        from .mtp import MTPProposer
+        return MTPProposer(runner.model, runner, kv)
+    raise ValueError(f"speculative_config.method {spec.method!r} is not available")

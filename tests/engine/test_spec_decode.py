@@ -162,7 +162,6 @@ def test_ngram_lookup():
 @pytest.mark.parametrize("cfg,msg", [
     ({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of"),
     ({"method": "eagle3", "num_speculative_tokens": 2}, "EAGLE-3 head folder"),
-    ({"method": "mtp", "num_speculative_tokens": 2}, "not available yet"),
     ({"method": "ngram"}, "num_speculative_tokens is required"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer"),
     ({"method": "ngram", "num_speculative_tokens": "3"}, "num_speculative_tokens must be an integer"),
@@ -185,11 +184,12 @@ def test_config_json_and_errors_in_engine(tiny_llama, small_draft):
     c = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 2}')
     assert (c.method, c.k, c.prompt_lookup_max, c.prompt_lookup_min) == ("ngram", 2, 4, 1)
     assert parse_speculative_config(None) is None
-    with pytest.raises(ValueError, match="not available yet"):
+    with pytest.raises(ValueError, match="needs a model with MTP layers"):
         LLM(str(tiny_llama[0]), device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match="tensor_parallel_size 1 only"):
-        LLM(str(tiny_llama[0]), device="cpu", tensor_parallel_size=2,
-            speculative_config={"method": "eagle3", "num_speculative_tokens": 2, "model": "x"})
+    for method, extra in (("eagle3", {"model": "x"}), ("mtp", {})):
+        with pytest.raises(ValueError, match="tensor_parallel_size 1 only"):
+            LLM(str(tiny_llama[0]), device="cpu", tensor_parallel_size=2,
+                speculative_config={"method": method, "num_speculative_tokens": 2, **extra})
     with pytest.raises(ValueError, match="not an EAGLE-3 head folder"):
         LLM(str(tiny_llama[0]), device="cpu", speculative_config={"method": "eagle3", "num_speculative_tokens": 2,
                                                                    "model": str(tiny_llama[0])})
@@ -207,7 +207,7 @@ def test_cli_bad_config_is_one_line(capsys):
     code = main(["generate", "--prompt", "hi", "--speculative-config", '{"method": "mtp", '
                  '"num_speculative_tokens": 2}'])
     err = capsys.readouterr().err.strip()
-    assert code == 2 and "\n" not in err and "not available yet" in err
+    assert code == 2 and "\n" not in err and "needs a model with MTP layers" in err
 
 
 def test_matching_verifier_reproduces_sampling(tiny_llama, reference, monkeypatch):
