@@ -177,6 +177,14 @@ for part in "$@"; do case $part in
        run 60 q06_fp8 --model preset:qwen3-0.6b $M --weight-dtype fp8
        rm -f "$OUT"/*.log
        python3 scripts/kernel_table.py "$OUT"/q30b_bf16.json "$OUT"/q30b_fp8.json | grep -v "^    " | grep -v "_greedy\|indexSelect" ;;
+  mtp31) # MTP speculation (stop 31, spec/mtp.py; its target runs eager): the GPU test, then preset:deepseek-v3 with
+       # 8 layers at batch 1, k 1 and 3 at a synthetic acceptance of 0.9, each against no speculation in the same run
+       timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q --tb=short tests/test_gpu_e2e.py -k "mtp" -p no:cacheprovider \
+         2>&1 | tail -4 | tee "$OUT/mtp31_tests.log"
+       D="--model preset:deepseek-v3 --num-layers 8 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8 --compare nospec"
+       run 200 dsv3_mtp1 $D --speculative-config '{"method": "mtp", "num_speculative_tokens": 1, "synthetic_acceptance_rate": 0.9}'
+       run 200 dsv3_mtp3 $D --speculative-config '{"method": "mtp", "num_speculative_tokens": 3, "synthetic_acceptance_rate": 0.9}'
+       rm -f "$OUT"/*.log ;;
   s30) # stop 30, issue 5 acceptance 2: o_proj merging the decode attention's split partials itself
        # (BLITZ_ATTN_OPROJ=1, kernels/oproj_partials.py) and the next layer's weights prefetched into the
        # L2 by the MoE norm + router launch (BLITZ_MOE_PF_QKV=1: qkv, =qkvo: qkv and o_proj, evict-last):

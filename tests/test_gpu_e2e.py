@@ -393,3 +393,21 @@ def test_fp8_weights_match_their_dequantized_bf16_values(monkeypatch, preset, la
     got = [o for p in (prompts, prompts[:1]) for o in fp8.generate(p, params)]
     assert linear_rows and (preset == "qwen3-0.6b" or (moe_scaled and all(moe_scaled)))
     _assert_same_until_near_tie(got, want)
+
+
+def test_mtp_speculation_matches_plain_greedy():
+    """method 'mtp' on CUDA (preset:deepseek-v3, 2 dense layers, its dummy MTP layer an MoE
+    one; bf16): the drafts ran and the outputs agree with the plain engine's as in
+    ``_assert_same_until_near_tie`` (verify rows run other shapes than plain decode)."""
+    kw = dict(num_layers=2, device="cuda", dtype="bfloat16", kv_cache_blocks=256, max_num_seqs=8,
+              max_model_len=1024)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+    plain = LLM("preset:deepseek-v3", **kw)
+    prompts = _prompts(2, plain.engine.model_config.vocab_size, seed=22)
+    want = plain.generate(prompts, params)
+    del plain
+    torch.cuda.empty_cache()
+    llm = LLM("preset:deepseek-v3", **kw, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    got = llm.generate(prompts, params)
+    assert llm.stats()["spec_draft_tokens"] > 0
+    _assert_same_until_near_tie(got, want)
