@@ -47,7 +47,8 @@ def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
     aengine = AsyncEngine(load, max_waiting=cfg.max_waiting_requests, observer=metrics,
                           on_load_error=on_load_error)
     aliases = (str(cfg.engine_kwargs["model"]),) if "model" in cfg.engine_kwargs else ()
-    serving = Serving(aengine, cfg.model_name, aliases, reasoning_parser=cfg.reasoning_parser)
+    serving = Serving(aengine, cfg.model_name, aliases, reasoning_parser=cfg.reasoning_parser,
+                      tool_parser=cfg.tool_call_parser)
     expected_auth = f"Bearer {cfg.api_key}".encode() if cfg.api_key else None
 
     @asynccontextmanager

@@ -30,6 +30,7 @@ class ServeConfig:
     max_waiting_requests: int = 1024
     max_request_bytes: int = DEFAULT_MAX_BODY
     reasoning_parser: Optional[str] = None
+    tool_call_parser: Optional[str] = None
 
     @property
     def model_name(self) -> str:
@@ -54,6 +55,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="return a thinking model's <think> block as reasoning_content beside content in chat "
                         "completions (deepseek_r1, deepseek_v3, qwen3, minimax_m2: one rule, see "
                         "blitzllm/server/reasoning.py; minimax_m2_append_think: all in content)")
+    from .tools import TOOL_PARSERS
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let chat requests with tools (tool_choice 'auto') get tool_calls back; needs --tool-call-parser")
+    g.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSERS,
+                   help="the model's tool-call format (hermes: <tool_call>{json}</tool_call>, Qwen2.5 / Qwen3 / Hermes)")
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -64,9 +70,12 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         raise ValueError(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
     if args.max_request_bytes < 1024:
         raise ValueError(f"--max-request-bytes must be >= 1024, got {args.max_request_bytes}")
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together")
     return ServeConfig(engine_kwargs=engine_kwargs(args), host=args.host, port=args.port, api_key=args.api_key,
                        served_model_name=args.served_model_name, max_waiting_requests=args.max_waiting_requests,
-                       max_request_bytes=args.max_request_bytes, reasoning_parser=args.reasoning_parser)
+                       max_request_bytes=args.max_request_bytes, reasoning_parser=args.reasoning_parser,
+                       tool_call_parser=args.tool_call_parser)
 
 
 def run_server(args: argparse.Namespace) -> int:

@@ -12,6 +12,7 @@ from ..engine.async_engine import EngineStepError
 from .errors import bad_request
 from .protocol import ChatCompletionRequest
 from .reasoning import make_splitter, split_reasoning
+from .tools import ToolCallSplitter, check_tools, split_tool_calls
 from .serving import SSE_DONE, Serving, SSEResponse, lp_value, pick, sse, usage
 
 
@@ -29,8 +30,8 @@ def _chat_logprobs(s: Serving, token_ids, lps, k) -> list:
 
 async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Request) -> Response:
     s.check_model(req.model)
-    if req.tools:
-        raise bad_request("tools are not supported", param="tools")
+    parse_tools = check_tools(req.tools, req.tool_choice, s.tool_parser)
+    one_call = req.parallel_tool_calls is False
     if req.response_format is not None and req.response_format.type != "text":
         raise bad_request("only response_format type 'text' is supported", param="response_format")
     if req.top_logprobs is not None and not req.logprobs:
@@ -39,7 +40,8 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
     mt_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = pick(req.max_completion_tokens, req.max_tokens)
     params = s.sampling_params(req, max_tokens, k, mt_field, "top_logprobs")
-    ids = s.chat_prompt(req.messages, pick(req.add_generation_prompt, True), req.chat_template_kwargs)
+    ids = s.chat_prompt(req.messages, pick(req.add_generation_prompt, True), req.chat_template_kwargs,
+                        req.tools if parse_tools else None)
     # a reasoning parser reads where the rendered prompt left off (an open <think> block?)
     prompt_text = s.tokenizer.decode(ids) if s.reasoning_parser else ""
     rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -47,10 +49,11 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
     created = int(time.time())
     if req.stream:
         opts = req.stream_options
-        splitters = [make_splitter(s.reasoning_parser, prompt_text) for _ in range(params.n)]
+        parsers = [_ChoiceParser(make_splitter(s.reasoning_parser, prompt_text),
+                                 ToolCallSplitter() if parse_tools else None, one_call) for _ in range(params.n)]
         return SSEResponse(_chat_sse(s, rid, created, stream, params.n, len(ids), k,
                                       bool(opts and opts.include_usage),
-                                      bool(opts and opts.continuous_usage_stats), splitters),
+                                      bool(opts and opts.continuous_usage_stats), parsers),
                            on_close=lambda: s.aengine.abort(rid))
     result = await s.until_done_or_gone(raw, s.collect([stream], params.n), [rid])
     if result is None:
@@ -61,27 +64,50 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
         if s.reasoning_parser:
             message["reasoning_content"], message["content"] = split_reasoning(
                 make_splitter(s.reasoning_parser, prompt_text), message["content"])
+        reason = c["reason"]
+        if parse_tools:
+            message["content"], calls = split_tool_calls(message["content"])
+            if calls:
+                message["tool_calls"] = calls[:1] if one_call else calls
+                reason = "tool_calls" if reason == "stop" else reason
         choices.append({"index": i, "message": message,
                         "logprobs": {"content": _chat_logprobs(s, c["ids"], c["lps"], k)} if k is not None
-                        else None, "finish_reason": c["reason"], "stop_reason": c["stop"]})
+                        else None, "finish_reason": reason, "stop_reason": c["stop"]})
     ntok = sum(len(c["ids"]) for c in result)
     return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": s.model_name,
                          "choices": choices, "usage": usage(len(ids), ntok)})
 
 
-def _delta(ev, splitter) -> dict:
-    """A chunk's delta: the new text as content, or through the reasoning ``splitter`` as
-    reasoning_content and / or content (what it held back comes out with the last chunk)."""
-    if splitter is None:
-        return {"content": ev.text} if ev.text or ev.finish_reason is None else {}
-    reasoning, content = splitter.feed(ev.text)
-    if ev.finish_reason is not None:
-        r2, c2 = splitter.finish()
-        reasoning, content = reasoning + r2, content + c2
-    return {**({"reasoning_content": reasoning} if reasoning else {}), **({"content": content} if content else {})}
+class _ChoiceParser:
+    """One streamed choice's text through the reasoning splitter (reasoning_content / content),
+    then its content through the tool-call splitter (content / tool_calls); either may be None.
+    What they hold back comes out with the last chunk."""
+
+    def __init__(self, reasoning, tools, one_call: bool = False):
+        self.reasoning, self.tools, self.one_call = reasoning, tools, one_call
+        self.called = False
+
+    def delta(self, text: str, final: bool) -> dict:
+        if self.reasoning is None and self.tools is None:
+            return {"content": text} if text or not final else {}
+        reasoning, content = "", text
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.feed(text)
+            if final:
+                r2, c2 = self.reasoning.finish()
+                reasoning, content = reasoning + r2, content + c2
+        calls = []
+        if self.tools is not None:
+            content, calls = self.tools.feed(content)
+            if final:
+                content += self.tools.finish()[0]
+            calls = [c for c in calls if not (self.one_call and c["index"] > 0)]
+            self.called = self.called or bool(calls)
+        return {**({"reasoning_content": reasoning} if reasoning else {}), **({"content": content} if content else {}),
+                **({"tool_calls": calls} if calls else {})}
 
 
-async def _chat_sse(s: Serving, rid, created, stream, n, prompt_len, k, include_usage, continuous, splitters):
+async def _chat_sse(s: Serving, rid, created, stream, n, prompt_len, k, include_usage, continuous, parsers):
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": s.model_name}
     ntok = 0
     try:
@@ -93,12 +119,14 @@ async def _chat_sse(s: Serving, rid, created, stream, n, prompt_len, k, include_
             # skip empty deltas (text held back for stop strings, partial UTF-8 or a possible
             # reasoning tag); a model without a tokenizer streams one empty chunk per token so
             # clients see progress
-            delta = _delta(ev, splitters[ev.index])
+            parser = parsers[ev.index]
+            delta = parser.delta(ev.text, ev.finish_reason is not None)
             if not any(delta.values()) and ev.finish_reason is None and k is None and s.tokenizer is not None:
                 continue
+            reason = "tool_calls" if parser.called and ev.finish_reason == "stop" else ev.finish_reason
             choice = {"index": ev.index, "delta": delta,
                       "logprobs": {"content": _chat_logprobs(s, ev.new_token_ids, ev.logprobs, k)}
-                      if k is not None else None, "finish_reason": ev.finish_reason}
+                      if k is not None else None, "finish_reason": reason}
             if ev.finish_reason is not None:
                 choice["stop_reason"] = ev.stop_reason
             chunk = {**head, "choices": [choice]}

@@ -29,6 +29,8 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[ContentPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant's earlier calls
+    tool_call_id: Optional[str] = None                 # a tool message: the call it answers
 
 
 class ResponseFormat(_Strict):
@@ -69,6 +71,7 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: Optional[list] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None  # extra variables for the chat template
     tool_choice: Union[str, dict, None] = None
+    parallel_tool_calls: Optional[bool] = None
     add_generation_prompt: Optional[bool] = True
 
 
@@ -87,6 +90,7 @@ class TokenizeRequest(_Strict):
     add_special_tokens: Optional[bool] = True
     add_generation_prompt: Optional[bool] = True
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list] = None
 
 
 class DetokenizeRequest(_Strict):

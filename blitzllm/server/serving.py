@@ -19,6 +19,7 @@ from ..engine.async_engine import (AsyncEngine, EngineNotReadyError, EngineStepE
 from ..sampling_params import SamplingParams
 from .errors import APIError, bad_request
 from .protocol import DetokenizeRequest, TokenizeRequest
+from .tools import template_messages
 
 MAX_N = 128
 # apply_chat_template's own arguments, which chat_template_kwargs may not override
@@ -69,9 +70,10 @@ class SSEResponse(StreamingResponse):
 
 class Serving:
     def __init__(self, aengine: AsyncEngine, model_name: str, aliases: tuple = (),
-                 reasoning_parser: Optional[str] = None):
+                 reasoning_parser: Optional[str] = None, tool_parser: Optional[str] = None):
         self.aengine = aengine
         self.reasoning_parser = reasoning_parser  # (server/reasoning.py)
+        self.tool_parser = tool_parser            # (server/tools.py)
         self.model_name = model_name
         self.model_names = {model_name, *aliases}
         self.tokenizer = None          # set by setup() once the engine is loaded
@@ -192,9 +194,10 @@ class Serving:
             return sse(APIError(503, str(e), code="shutting_down").body())
         return sse(APIError(500, str(e), type="server_error").body())
 
-    def chat_prompt(self, messages, add_generation_prompt: bool = True, template_kwargs=None) -> list:
+    def chat_prompt(self, messages, add_generation_prompt: bool = True, template_kwargs=None, tools=None) -> list:
         """The prompt's token ids: ``messages`` through the model's chat template, with
-        ``template_kwargs`` (the request's ``chat_template_kwargs``) as extra template variables."""
+        ``template_kwargs`` (the request's ``chat_template_kwargs``) as extra template variables
+        and ``tools`` (function definitions) where given."""
         tok = self.need_tokenizer("chat needs a chat template; use /v1/completions with token ids")
         if not getattr(tok, "chat_template", None):
             raise bad_request("this model has no chat template; use /v1/completions", param="messages")
@@ -209,13 +212,20 @@ class Serving:
                                           f"type {part.type!r}", param=f"messages.{i}.content")
                     texts.append(part.text)
                 content = "\n".join(texts)
-            conv.append({"role": m.role, "content": content or ""})
+            entry = {"role": m.role, "content": content or ""}
+            for key in ("name", "tool_calls", "tool_call_id"):
+                if getattr(m, key) is not None:
+                    entry[key] = getattr(m, key)
+            conv.append(entry)
         kwargs = dict(template_kwargs or {})
         clash = sorted(set(kwargs) & _TEMPLATE_ARGS)
         if clash:
             raise bad_request(f"chat_template_kwargs may not set {', '.join(clash)}", param="chat_template_kwargs")
         try:
-            ids = tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=add_generation_prompt, **kwargs)
+            if tools:
+                kwargs["tools"] = tools
+            ids = tok.apply_chat_template(template_messages(conv), tokenize=True,
+                                          add_generation_prompt=add_generation_prompt, **kwargs)
         except Exception as e:  # jinja errors from the template (e.g. role order): the input's fault
             raise bad_request(f"the chat template rejected the messages: {e}", param="messages") from None
         if hasattr(ids, "keys"):
@@ -242,7 +252,8 @@ class Serving:
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of 'prompt' or 'messages'", param="prompt")
         if req.messages is not None:
-            ids = self.chat_prompt(req.messages, pick(req.add_generation_prompt, True), req.chat_template_kwargs)
+            ids = self.chat_prompt(req.messages, pick(req.add_generation_prompt, True), req.chat_template_kwargs,
+                                   req.tools)
         else:
             tok = self.need_tokenizer("nothing to tokenize with")
             ids = tok.encode(req.prompt, add_special_tokens=pick(req.add_special_tokens, True))

@@ -2,7 +2,10 @@
 every chunking equal to the whole; and a real ``blitz serve`` of a tiny random model whose chat
 template opens ``<think>`` unless ``chat_template_kwargs`` says ``enable_thinking: false``:
 its chat answers come back as reasoning_content or as content, streamed and not, equal to the
-raw text /v1/completions gives for the same prompt."""
+raw text /v1/completions gives for the same prompt. The same server takes tools
+(``--enable-auto-tool-choice --tool-call-parser hermes``, its template renders them and earlier
+tool calls): they reach the prompt, ``tool_choice: none`` leaves them out, earlier calls' JSON
+arguments reach the template as mappings, unsupported choices are 400s."""
 from __future__ import annotations
 
 import json
@@ -63,7 +66,10 @@ def test_prompt_opens_thinking_and_append_think():
 
 
 THINKING_TEMPLATE = (
-    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
+    "{%- if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{%- for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{%- endfor %}"
+    "<|im_end|>\n{%- endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n"
     "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
     "{%- else %}<think>\n{%- endif %}{%- endif %}")
@@ -79,13 +85,15 @@ def thinking_server(tmp_path_factory):
     for extra in ("chat_template.jinja", "chat_template.json"):  # (newer transformers keep it apart)
         (folder / extra).unlink(missing_ok=True)
     srv = ServerProcess(["--model", str(folder), "--served-model-name", "think", "--reasoning-parser", "qwen3",
+                         "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                          "--max-model-len", "512", "--kv-cache-blocks", "64"],
                         tmp_path_factory.mktemp("think") / "server.log")
     yield from running(srv)
 
 
-def _prompt(srv, messages, **template_kwargs) -> list:
-    body = {"messages": messages, **({"chat_template_kwargs": template_kwargs} if template_kwargs else {})}
+def _prompt(srv, messages, tools=None, **template_kwargs) -> list:
+    body = {"messages": messages, **({"chat_template_kwargs": template_kwargs} if template_kwargs else {}),
+            **({"tools": tools} if tools else {})}
     r = httpx.post(srv.url + "/tokenize", json=body, timeout=30)
     assert r.status_code == 200, r.text
     return r.json()["tokens"]
@@ -146,3 +154,62 @@ def test_template_kwargs_errors(thinking_server):
                    json={"messages": msgs, "chat_template_kwargs": ["enable_thinking"]}, timeout=30)
     assert r.status_code == 400 or r.status_code == 422
     assert httpx.get(thinking_server.url + "/health", timeout=10).status_code == 200
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}}}}}]
+
+
+def test_tools_reach_the_template(thinking_server):
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    with_tools, plain = _prompt(thinking_server, msgs, tools=TOOLS), _prompt(thinking_server, msgs)
+    text = httpx.post(thinking_server.url + "/detokenize", json={"tokens": with_tools}, timeout=30).json()["prompt"]
+    assert len(with_tools) > len(plain) and '"name": "get_weather"' in text
+    r = httpx.post(thinking_server.url + "/v1/chat/completions",
+                   json={"messages": msgs, "tools": TOOLS, "max_tokens": 12, "temperature": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    # (the random model writes no call: its text comes back as before, nothing parsed away)
+    assert "tool_calls" not in choice["message"] and choice["finish_reason"] in ("stop", "length")
+    assert choice["message"]["reasoning_content"] == _raw_ids(thinking_server, with_tools)
+
+
+def _raw_ids(srv, ids) -> str:
+    r = httpx.post(srv.url + "/v1/completions", json={"prompt": ids, "max_tokens": 12, "temperature": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def test_tool_choice_none_leaves_the_tools_out(thinking_server):
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    without = _chat(thinking_server, msgs)
+    assert _chat(thinking_server, msgs, tools=TOOLS, tool_choice="none") == without
+
+
+def test_earlier_tool_calls_and_results_reach_the_template(thinking_server):
+    msgs = [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]
+    ids = _prompt(thinking_server, msgs, tools=TOOLS)
+    text = httpx.post(thinking_server.url + "/detokenize", json={"tokens": ids}, timeout=30).json()["prompt"]
+    # the arguments string went to the template as a mapping (a string would render quoted)
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in text
+    assert "<|im_start|>tool\n18 C, sunny" in text
+    r = httpx.post(thinking_server.url + "/v1/chat/completions",
+                   json={"messages": msgs, "tools": TOOLS, "max_tokens": 4}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {}}]}, "tools.0"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+])
+def test_tool_request_errors(thinking_server, extra, param):
+    r = httpx.post(thinking_server.url + "/v1/chat/completions",
+                   json={"messages": [{"role": "user", "content": "hi"}], **extra}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -1,0 +1,137 @@
+"""Tool calls in chat completions (``blitz serve --enable-auto-tool-choice --tool-call-parser
+hermes``), as vLLM: the request's ``tools`` go to the chat template, and the model's tool-call
+blocks come back as OpenAI ``tool_calls`` instead of text.
+
+``hermes``: the format of Hermes, Qwen2.5 and Qwen3 templates: each call is
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` in the output. Text outside the
+blocks stays content (None when only whitespace is left beside calls); a block whose JSON does
+not hold a name is content as it was, as is a block the output never closes. ``tool_choice``:
+"auto" (the default with tools) parses calls, "none" leaves the tools out of the prompt and
+parses nothing; "required" and a named function would need constrained decoding, which this
+server does not do: a 400.
+
+Streaming holds back only what could still become a block: a tail that is a prefix of
+``<tool_call>``, and an open block until it closes; a closed block comes out as one
+``tool_calls`` delta with the whole arguments string.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Optional
+
+from .errors import bad_request
+from .reasoning import _held_tail
+
+TOOL_PARSERS = ("hermes",)
+START, END = "<tool_call>", "</tool_call>"
+
+
+def check_tools(tools, tool_choice, parser: Optional[str]) -> bool:
+    """Validates a request's ``tools`` / ``tool_choice``; returns whether its output is parsed for
+    tool calls (and the tools go to the template)."""
+    if tools is None:
+        if tool_choice not in (None, "none"):
+            raise bad_request("tool_choice needs tools", param="tool_choice")
+        return False
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict) \
+                or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad_request(f"tools.{i} must be {{'type': 'function', 'function': {{'name': ..., "
+                              "'parameters': ...}}}}", param=f"tools.{i}")
+    choice = "auto" if tool_choice is None else tool_choice
+    if choice == "none":
+        return False
+    if choice != "auto":
+        raise bad_request("tool_choice 'required' or a named function needs constrained decoding, which this "
+                          "server does not do; use 'auto' or 'none'", param="tool_choice")
+    if parser is None:
+        raise bad_request("tools with tool_choice 'auto' need the server started with --enable-auto-tool-choice "
+                          "--tool-call-parser hermes", param="tools")
+    return True
+
+
+def template_messages(conv: list) -> list:
+    """Chat messages for the template: an assistant's tool-call ``arguments`` JSON string as a
+    mapping (templates write it with ``tojson``, as vLLM hands it to them)."""
+    for m in conv:
+        for call in m.get("tool_calls") or ():
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                try:
+                    args = json.loads(fn["arguments"])
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(args, dict):
+                    fn["arguments"] = args
+    return conv
+
+
+def _call(block: str) -> Optional[dict]:
+    """An OpenAI tool call from a block's inner text, or None where it is not one."""
+    try:
+        obj = json.loads(block)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": obj["name"],
+                         "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}}
+
+
+class ToolCallSplitter:
+    """One sequence's content, fed as it streams, split into text and tool calls."""
+
+    def __init__(self):
+        self.buf = ""
+        self.in_block = False
+        self.calls = 0
+
+    def feed(self, text: str) -> tuple[str, list]:
+        """(content text, [tool call dicts with their index]) that ``text`` completes."""
+        self.buf += text
+        out, calls = [], []
+        while self.buf:
+            if not self.in_block:
+                i = self.buf.find(START)
+                if i < 0:
+                    keep = _held_tail(self.buf, START)
+                    out.append(self.buf[:len(self.buf) - keep])
+                    self.buf = self.buf[len(self.buf) - keep:]
+                    break
+                out.append(self.buf[:i])
+                self.buf, self.in_block = self.buf[i:], True
+            else:
+                j = self.buf.find(END)
+                if j < 0:
+                    break
+                block, self.buf, self.in_block = self.buf[:j + len(END)], self.buf[j + len(END):], False
+                call = _call(block[len(START):-len(END)].strip())
+                if call is None:
+                    out.append(block)
+                else:
+                    calls.append({"index": self.calls, **call})
+                    self.calls += 1
+        return "".join(out), calls
+
+    def finish(self) -> tuple[str, list]:
+        """What was held back, once the sequence has ended: an unclosed block is text."""
+        rest, self.buf, self.in_block = self.buf, "", False
+        return rest, []
+
+
+def split_tool_calls(text: Optional[str]) -> tuple[Optional[str], list]:
+    """(content, tool_calls) of a whole output's content: content None when only whitespace
+    is left beside calls."""
+    if text is None:
+        return None, []
+    sp = ToolCallSplitter()
+    c1, calls = sp.feed(text)
+    c2, _ = sp.finish()
+    content = c1 + c2
+    if calls and not content.strip():
+        content = None
+    return content, [{k: v for k, v in c.items() if k != "index"} for c in calls]

@@ -1,0 +1,100 @@
+"""Tool calls (``--enable-auto-tool-choice --tool-call-parser hermes``): the hermes splitter on
+hand-derived outputs, streamed in every chunking equal to the whole; request validation. (The
+server's side runs in tests/server/test_reasoning.py's tiny thinking-and-tools server.)"""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from blitzllm.server.errors import APIError
+from blitzllm.server.tools import ToolCallSplitter, check_tools, split_tool_calls, template_messages
+
+WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>'
+TIME = '<tool_call>{"name": "get_time", "arguments": "{\\"tz\\": \\"UTC\\"}"}</tool_call>'
+
+CASES = [
+    # (content from the model, expected content, expected [(name, arguments)])
+    (WEATHER, None, [("get_weather", '{"city": "Paris", "unit": "C"}')]),
+    ("Let me check.\n" + WEATHER, "Let me check.\n", [("get_weather", '{"city": "Paris", "unit": "C"}')]),
+    (WEATHER + "\n" + TIME + "\n", None, [("get_weather", '{"city": "Paris", "unit": "C"}'),
+                                         ("get_time", '{"tz": "UTC"}')]),
+    ('<tool_call>{"name": "f", "parameters": {"x": 1}}</tool_call>', None, [("f", '{"x": 1}')]),
+    ('<tool_call>{"name": "ping"}</tool_call>', None, [("ping", "{}")]),
+    ("plain answer", "plain answer", []),
+    ("<tool_call>not json</tool_call> tail", "<tool_call>not json</tool_call> tail", []),
+    ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),  # no name
+    ('unclosed <tool_call>{"name": "f"', 'unclosed <tool_call>{"name": "f"', []),
+    ("a <tool_ca", "a <tool_ca", []),
+    ("", "", []),
+]
+
+
+@pytest.mark.parametrize("text,content,calls", CASES)
+def test_split_whole(text, content, calls):
+    got_content, got = split_tool_calls(text)
+    assert got_content == content
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in got] == calls
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in got)
+    assert len({c["id"] for c in got}) == len(got)
+
+
+@pytest.mark.parametrize("text,content,calls", CASES)
+def test_split_streamed_in_every_chunking(text, content, calls):
+    rng = random.Random(len(text))
+    cuts = [[i] for i in range(len(text) + 1)] + [sorted(rng.sample(range(len(text) + 1), min(len(text), 6)))
+                                                   for _ in range(20)]
+    for cut in cuts:
+        sp = ToolCallSplitter()
+        texts, got = [], []
+        for piece in [text[a:b] for a, b in zip([0] + cut, cut + [len(text)])]:
+            t, c = sp.feed(piece)
+            texts.append(t)
+            got.extend(c)
+        texts.append(sp.finish()[0])
+        joined = "".join(texts)
+        if content is None:  # (only whitespace beside the calls: the whole answer says None)
+            assert not joined.strip()
+        else:
+            assert joined == content
+        assert [(c["index"], c["function"]["name"], c["function"]["arguments"]) for c in got] == \
+            [(i, n, a) for i, (n, a) in enumerate(calls)], cut
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.parametrize("tools,choice,parser,match", [
+    ([{"type": "function"}], "auto", "hermes", "tools.0"),
+    ([{"type": "function", "function": {"name": ""}}], None, "hermes", "tools.0"),
+    (TOOLS, "required", "hermes", "constrained decoding"),
+    (TOOLS, {"type": "function", "function": {"name": "get_weather"}}, "hermes", "constrained decoding"),
+    (TOOLS, "auto", None, "--enable-auto-tool-choice"),
+    (None, "auto", "hermes", "tool_choice needs tools"),
+])
+def test_check_tools_errors(tools, choice, parser, match):
+    with pytest.raises(APIError, match=match):
+        check_tools(tools, choice, parser)
+
+
+def test_check_tools_and_template_messages():
+    assert check_tools(TOOLS, None, "hermes") and check_tools(TOOLS, "auto", "hermes")
+    assert not check_tools(TOOLS, "none", None) and not check_tools(None, None, None)
+    conv = [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"id": "call_2", "type": "function", "function": {"name": "f", "arguments": "not json"}}]}]
+    out = template_messages(json.loads(json.dumps(conv)))
+    assert out[0]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert out[0]["tool_calls"][1]["function"]["arguments"] == "not json"
+
+
+@pytest.mark.parametrize("flags", [["--enable-auto-tool-choice"], ["--tool-call-parser", "hermes"]])
+def test_tool_flags_go_together(flags):
+    from blitzllm.cli import build_parser
+    from blitzllm.server.app import config_from_args
+    with pytest.raises(ValueError, match="go together"):
+        config_from_args(build_parser().parse_args(["serve", *flags]))
+    cfg = config_from_args(build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser",
+                                                      "hermes"]))
+    assert cfg.tool_call_parser == "hermes"
