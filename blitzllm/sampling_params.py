@@ -34,6 +34,9 @@ class SamplingParams:
     logprobs: Optional[int] = None  # top-N logprobs per generated token
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # {"type": "json_object"} or {"type": "json_schema", "schema": {...}}: tokens constrained to
+    # such JSON (engine/structured.py; needs xgrammar)
+    structured_output: Optional[dict] = None
 
     def __post_init__(self) -> None:
         def is_num(v):
@@ -91,10 +94,18 @@ class SamplingParams:
         if not all(is_int(t) and t >= 0 for t in ids):
             raise _err("stop_token_ids", "a list of non-negative integers", self.stop_token_ids)
         self.stop_token_ids = ids
+        from .engine.structured import check_structured_output
+        self.structured_output = check_structured_output(self.structured_output)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def needs_previous_token(self) -> bool:
+        """Whether sampling a token needs the one before it on the host (penalties count the
+        tokens; a structured output's mask follows them): no decode look-ahead then."""
+        return self.uses_penalties or self.structured_output is not None
 
     @property
     def uses_penalties(self) -> bool:

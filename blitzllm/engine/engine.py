@@ -234,6 +234,7 @@ class Engine:
                                       runner=self.runner, kv=self.kv)
             self.spec = SpecDecoder(spec_cfg, proposer, self.kv, budget)
         self.requests: dict[str, list[Request]] = {}   # parent id -> its n sequences
+        self.grammars = None  # structured outputs' compiler, made on first use
         self._arrival = itertools.count()
         self._rng = random.Random(args.seed)
         self.eos_token_ids = self._eos_ids()
@@ -314,6 +315,9 @@ class Engine:
                              f"max_model_len={self.max_model_len}")
         if any(t >= V for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {V})")
+        if params.structured_output is not None and self.grammars is None:
+            from .structured import GrammarCompiler
+            self.grammars = GrammarCompiler(self.tokenizer, V)
         seqs = []
         for i in range(params.n):
             if params.seed is not None:
@@ -324,6 +328,8 @@ class Engine:
                           seed=seed, arrival=next(self._arrival), eos_token_ids=self.eos_token_ids,
                           max_total_tokens=self.max_model_len,
                           prompt=prompt if isinstance(prompt, str) else None)
+            if params.structured_output is not None:
+                req.matcher = self.grammars.matcher(params.structured_output)
             if self.tokenizer is not None:
                 req.detok = IncrementalDetokenizer(
                     self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
@@ -409,11 +415,13 @@ class Engine:
     def _row(req: Request) -> SamplingRow:
         return SamplingRow(params=req.params, seed=req.seed, prompt_ids=req.prompt_token_ids,
                            output_ids=req.output_token_ids,
-                           eos_token_id=req.eos_token_ids[0] if req.eos_token_ids else None)
+                           eos_token_id=req.eos_token_ids[0] if req.eos_token_ids else None, matcher=req.matcher)
 
     def _append_token(self, req: Request, tok: int, lp: float, top, now: float) -> StepEvent:
         p = req.params
         req.output_token_ids.append(tok)
+        if req.matcher is not None:
+            req.matcher.accept_token(tok)
         if req.first_token_time is None:
             req.first_token_time = now
         self.counters["generation_tokens"] += 1

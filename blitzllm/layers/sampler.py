@@ -65,6 +65,7 @@ class SamplingRow:
     prompt_ids: list[int]
     output_ids: list[int]  # tokens generated so far by this sequence
     eos_token_id: Optional[int]
+    matcher: object = None  # a structured output's grammar matcher (engine/structured.py)
 
 
 def _pad(lists: list[list[int]], pad: int, device) -> Tensor:
@@ -97,6 +98,7 @@ class SamplingMetadata:
     # Host flags for fast paths; True is always safe (only skips work when False).
     any_top_k_top_p: bool = True
     any_min_p: bool = True
+    allowed: Optional[Tensor] = None  # [B, V] bool: structured outputs' next tokens; None: all
 
     @classmethod
     def build(cls, rows: list[SamplingRow], vocab_size: int, device, extra_steps: int = 0) -> "SamplingMetadata":
@@ -133,6 +135,10 @@ class SamplingMetadata:
                 ids = sorted({t for t in eos + list(p.stop_token_ids) if 0 <= t < V})
             bans.append(ids)
         banned_tokens = _pad(bans, -1, device) if any(bans) else None
+        allowed = None
+        if any(r.matcher is not None for r in rows):
+            from ..engine.structured import allowed_mask
+            allowed = allowed_mask([r.matcher for r in rows], V, device)
 
         return cls(
             temperature=floats[0], top_p=floats[1], min_p=floats[2],
@@ -140,7 +146,7 @@ class SamplingMetadata:
             repetition_penalty=floats[5],
             top_k=ints[0], seeds=ints[1], steps=ints[2],
             prompt_tokens=prompt_tokens, output_tokens=output_tokens,
-            banned_tokens=banned_tokens,
+            banned_tokens=banned_tokens, allowed=allowed,
             max_num_logprobs=max((p.logprobs or 0 for p in ps), default=0),
             all_greedy=all(greedy), any_greedy=any(greedy),
             any_top_k_top_p=any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p),
@@ -186,7 +192,7 @@ class Sampler(torch.nn.Module):
 
     def forward(self, logits: Tensor, md: SamplingMetadata) -> SamplerOutput:
         if (md.all_greedy and md.max_num_logprobs == 0 and md.output_tokens is None
-                and md.prompt_tokens is None and md.banned_tokens is None):
+                and md.prompt_tokens is None and md.banned_tokens is None and md.allowed is None):
             # argmax + its log-probability of the raw logits: one fused launch on CUDA
             tokens, chosen = greedy_sample(logits)
             return SamplerOutput(token_ids=tokens, logprobs=chosen, top_ids=None, top_logprobs=None)
@@ -242,6 +248,8 @@ class Sampler(torch.nn.Module):
             b = md.banned_tokens
             x = x.masked_fill(_mask_of(torch.where((b < 0) | (b >= V), V, b), V),
                               float("-inf"))
+        if md.allowed is not None:
+            x = x.masked_fill(~md.allowed, float("-inf"))
         return x
 
     @staticmethod

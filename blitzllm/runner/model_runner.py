@@ -185,7 +185,7 @@ class ModelRunner:
             out = self.sampler(logits, SamplingMetadata.build(rows, self.cfg.vocab_size, self.device))
         host = _to_host_async(out)
         nxt = self._decode_inputs(seqs, block_tables, ahead=1)
-        if nxt is not None and not any(r.params.uses_penalties for r in rows):
+        if nxt is not None and not any(r.params.needs_previous_token for r in rows):
             logits = self.launch_decode_graph(out.token_ids, *nxt, block_tables)
             nout = self.sampler(logits, SamplingMetadata.build(rows, self.cfg.vocab_size, self.device, extra_steps=1))
             nkey = (tuple(nxt[0]), tuple(nxt[1]), tuple((r.seed, len(r.output_ids) + 1, id(r.params)) for r in rows))

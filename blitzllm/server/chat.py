@@ -32,14 +32,18 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
     s.check_model(req.model)
     parse_tools = check_tools(req.tools, req.tool_choice, s.tool_parser)
     one_call = req.parallel_tool_calls is False
-    if req.response_format is not None and req.response_format.type != "text":
-        raise bad_request("only response_format type 'text' is supported", param="response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
     k = pick(req.top_logprobs, 0) if req.logprobs else None
     mt_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = pick(req.max_completion_tokens, req.max_tokens)
     params = s.sampling_params(req, max_tokens, k, mt_field, "top_logprobs")
+    structured = _structured_output(req.response_format)
+    if structured is not None:
+        try:
+            params = params.clone(structured_output=structured)
+        except ValueError as e:
+            raise bad_request(str(e), param="response_format") from None
     ids = s.chat_prompt(req.messages, pick(req.add_generation_prompt, True), req.chat_template_kwargs,
                         req.tools if parse_tools else None)
     # a reasoning parser reads where the rendered prompt left off (an open <think> block?)
@@ -76,6 +80,22 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
     ntok = sum(len(c["ids"]) for c in result)
     return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": s.model_name,
                          "choices": choices, "usage": usage(len(ids), ntok)})
+
+
+def _structured_output(fmt):
+    """``response_format`` as ``SamplingParams.structured_output`` (None for text)."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "json_object"}
+    if fmt.type == "json_schema":
+        schema = (fmt.json_schema or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise bad_request("response_format json_schema needs json_schema.schema (an object)",
+                              param="response_format")
+        return {"type": "json_schema", "schema": schema}
+    raise bad_request(f"response_format type must be text, json_object or json_schema, got {fmt.type!r}",
+                      param="response_format")
 
 
 class _ChoiceParser:

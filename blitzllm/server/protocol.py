@@ -35,6 +35,7 @@ class ChatMessage(_Strict):
 
 class ResponseFormat(_Strict):
     type: str
+    json_schema: Optional[dict[str, Any]] = None  # {"name": ..., "schema": {...}, "strict": ...}
 
 
 class _SamplingRequest(_Strict):

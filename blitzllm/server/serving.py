@@ -16,6 +16,7 @@ from fastapi.responses import StreamingResponse
 
 from ..engine.async_engine import (AsyncEngine, EngineNotReadyError, EngineStepError, EngineStoppedError,
                                    QueueFullError)
+from ..engine.structured import INSTALL as STRUCTURED_INSTALL
 from ..sampling_params import SamplingParams
 from .errors import APIError, bad_request
 from .protocol import DetokenizeRequest, TokenizeRequest
@@ -147,6 +148,8 @@ class Serving:
             if first in rename and rename[first] != first:
                 msg = rename[first] + msg[len(first):]
             return bad_request(msg, param=rename.get(first, first))
+        if first == "structured_output" or msg == STRUCTURED_INSTALL:
+            return bad_request(msg, param="response_format")
         if "max_tokens" in msg:  # prompt + max_tokens over the context length
             return bad_request(msg.replace("max_tokens", max_tokens_field), param=max_tokens_field,
                                code="context_length_exceeded")

@@ -39,8 +39,8 @@ class SpecDecoder:
         cand, limits = [], []
         for i, s in enumerate(seqs):
             r = s.req
-            if not (s.samples and s.num_tokens == 1) or budget <= 0:
-                continue
+            if not (s.samples and s.num_tokens == 1) or budget <= 0 or r.params.structured_output is not None:
+                continue  # (a structured output's mask follows each token: it drafts nothing)
             lim = min(k, r.max_total_tokens - r.num_tokens - 1, budget)
             if r.params.max_tokens is not None:
                 lim = min(lim, r.params.max_tokens - len(r.output_token_ids) - 1)

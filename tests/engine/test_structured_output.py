@@ -1,0 +1,103 @@
+"""Structured outputs (``SamplingParams.structured_output``, engine/structured.py) on the real
+SmolLM2: greedy and sampled answers, alone and batched with unconstrained requests, with
+n > 1 and beside speculative decoding, parse as JSON of the asked shape; every generated
+token was one the grammar allowed (the mask each step, checked against a fresh matcher fed
+the same tokens); unconstrained requests in the same batch are unchanged; errors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from blitzllm import LLM, SamplingParams
+
+pytest.importorskip("xgrammar")
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                           "city": {"type": "string"}},
+          "required": ["name", "age", "city"], "additionalProperties": False}
+QUESTION = [{"role": "user", "content": "Describe a person as JSON with name, age and city."}]
+
+
+def _check_person(text: str) -> dict:
+    obj = json.loads(text)
+    assert list(obj) == ["name", "age", "city"]  # the schema's properties, in its order
+    assert isinstance(obj["name"], str) and isinstance(obj["age"], int) and not isinstance(obj["age"], bool)
+    assert isinstance(obj["city"], str)
+    return obj
+
+
+def _all_allowed(llm, spec, token_ids) -> bool:
+    """Whether each token was in the grammar's allowed set at its step (a fresh matcher)."""
+    import xgrammar as xgr
+    m = llm.engine.grammars.matcher(spec)
+    V = llm.engine.model_config.vocab_size
+    for t in token_ids:
+        bm = xgr.allocate_token_bitmask(1, V)
+        m.fill_next_token_bitmask(bm, 0)
+        if not (int(bm[0, t // 32]) >> (t % 32)) & 1:
+            return False
+        m.accept_token(t)
+    return True
+
+
+def test_json_schema_and_object(smollm2_llm):
+    llm = smollm2_llm
+    prompt = llm.apply_chat_template(QUESTION)
+    plain = SamplingParams(temperature=0, max_tokens=80)
+    schema = SamplingParams(temperature=0, max_tokens=80, structured_output={"type": "json_schema", "schema": PERSON})
+    obj = SamplingParams(temperature=0, max_tokens=80, structured_output={"type": "json_object"})
+    alone = llm.generate([prompt], plain)[0]
+    outs = llm.generate([prompt, prompt, prompt], [schema, obj, plain])   # one batch, mixed
+    assert outs[2].token_ids == alone.token_ids   # the unconstrained row is untouched
+    for out, p in zip(outs[:2], (schema, obj)):
+        assert out.finish_reason == "stop"
+        assert _all_allowed(llm, p.structured_output, out.token_ids[:-1])  # (the last: EOS once complete)
+    _check_person(outs[0].text)
+    assert isinstance(json.loads(outs[1].text), dict)
+    assert not alone.text.lstrip().startswith("{")  # (the model alone wraps JSON in prose here)
+
+
+def test_sampled_and_n(smollm2_llm):
+    llm = smollm2_llm
+    prompt = llm.apply_chat_template(QUESTION)
+    p = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=100, n=3, seed=3,
+                       structured_output={"type": "json_schema", "schema": PERSON})
+    outs = llm.generate([prompt], p)[0].outputs
+    assert len(outs) == 3
+    for o in outs:
+        if o.finish_reason == "stop":
+            _check_person(o.text)
+        assert _all_allowed(llm, p.structured_output, o.token_ids[:len(o.token_ids) - (o.finish_reason == "stop")])
+    assert any(o.finish_reason == "stop" for o in outs)
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+
+
+def test_beside_speculative_decoding():
+    llm = LLM("smollm2", dtype="float32", device="cpu", kv_cache_blocks=128,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    prompt = llm.apply_chat_template(QUESTION)
+    p = SamplingParams(temperature=0, max_tokens=80, structured_output={"type": "json_schema", "schema": PERSON})
+    plain = SamplingParams(temperature=0, max_tokens=40)
+    outs = llm.generate([prompt, prompt], [p, plain])
+    _check_person(outs[0].text)
+    ref = LLM("smollm2", dtype="float32", device="cpu", kv_cache_blocks=128).generate([prompt], plain)[0]
+    assert outs[1].token_ids == ref.token_ids
+
+
+@pytest.mark.parametrize("spec,match", [
+    ({"type": "regex"}, "structured_output must be"),
+    ({"type": "json_schema"}, "needs a 'schema' object"),
+    ({"type": "json_schema", "schema": "{not json"}, "not valid JSON"),
+    ("json", "structured_output must be"),
+])
+def test_spec_errors(spec, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(structured_output=spec)
+
+
+def test_unsupported_schema_is_a_value_error(smollm2_llm):
+    with pytest.raises(ValueError, match="structured_output schema not supported"):
+        smollm2_llm.generate(["hi"], SamplingParams(structured_output={"type": "json_schema",
+                                                                        "schema": {"type": "nonsense"}}))
+    assert smollm2_llm.stats()["kv_blocks_free"] == smollm2_llm.stats()["kv_blocks_total"]
