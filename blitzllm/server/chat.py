@@ -12,7 +12,7 @@ from ..engine.async_engine import EngineStepError
 from .errors import bad_request
 from .protocol import ChatCompletionRequest
 from .reasoning import make_splitter, split_reasoning
-from .tools import ToolCallSplitter, check_tools, split_tool_calls
+from .tools import Forced, ToolCallSplitter, check_tools, split_tool_calls
 from .serving import SSE_DONE, Serving, SSEResponse, lp_value, pick, sse, usage
 
 
@@ -30,7 +30,8 @@ def _chat_logprobs(s: Serving, token_ids, lps, k) -> list:
 
 async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Request) -> Response:
     s.check_model(req.model)
-    parse_tools = check_tools(req.tools, req.tool_choice, s.tool_parser)
+    tool_mode = check_tools(req.tools, req.tool_choice, s.tool_parser)  # None, "auto" or a Forced choice
+    forced = tool_mode if isinstance(tool_mode, Forced) else None
     one_call = req.parallel_tool_calls is False
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
@@ -39,13 +40,17 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
     max_tokens = pick(req.max_completion_tokens, req.max_tokens)
     params = s.sampling_params(req, max_tokens, k, mt_field, "top_logprobs")
     structured = _structured_output(req.response_format)
+    if forced is not None:
+        if structured is not None:
+            raise bad_request("response_format and a forced tool_choice do not go together", param="response_format")
+        structured = forced.structured_output()
     if structured is not None:
         try:
             params = params.clone(structured_output=structured)
         except ValueError as e:
             raise bad_request(str(e), param="response_format") from None
     ids = s.chat_prompt(req.messages, pick(req.add_generation_prompt, True), req.chat_template_kwargs,
-                        req.tools if parse_tools else None)
+                        req.tools if tool_mode is not None else None)
     # a reasoning parser reads where the rendered prompt left off (an open <think> block?)
     prompt_text = s.tokenizer.decode(ids) if s.reasoning_parser else ""
     rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -54,7 +59,8 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
     if req.stream:
         opts = req.stream_options
         parsers = [_ChoiceParser(make_splitter(s.reasoning_parser, prompt_text),
-                                 ToolCallSplitter() if parse_tools else None, one_call) for _ in range(params.n)]
+                                 forced.splitter() if forced else ToolCallSplitter() if tool_mode else None,
+                                 one_call, forced is not None) for _ in range(params.n)]
         return SSEResponse(_chat_sse(s, rid, created, stream, params.n, len(ids), k,
                                       bool(opts and opts.include_usage),
                                       bool(opts and opts.continuous_usage_stats), parsers),
@@ -69,7 +75,11 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
             message["reasoning_content"], message["content"] = split_reasoning(
                 make_splitter(s.reasoning_parser, prompt_text), message["content"])
         reason = c["reason"]
-        if parse_tools:
+        if forced is not None:  # (the answer is the calls' JSON; cut short, it stays text)
+            calls = forced.calls(message["content"] or "")
+            if calls:
+                message["content"], message["tool_calls"] = None, calls[:1] if one_call else calls
+        elif tool_mode is not None:
             message["content"], calls = split_tool_calls(message["content"])
             if calls:
                 message["tool_calls"] = calls[:1] if one_call else calls
@@ -101,10 +111,11 @@ def _structured_output(fmt):
 class _ChoiceParser:
     """One streamed choice's text through the reasoning splitter (reasoning_content / content),
     then its content through the tool-call splitter (content / tool_calls); either may be None.
-    What they hold back comes out with the last chunk."""
+    What they hold back comes out with the last chunk. ``called``: parsed calls came out (a
+    forced choice's do not make the finish reason "tool_calls")."""
 
-    def __init__(self, reasoning, tools, one_call: bool = False):
-        self.reasoning, self.tools, self.one_call = reasoning, tools, one_call
+    def __init__(self, reasoning, tools, one_call: bool = False, forced: bool = False):
+        self.reasoning, self.tools, self.one_call, self.forced = reasoning, tools, one_call, forced
         self.called = False
 
     def delta(self, text: str, final: bool) -> dict:
@@ -120,9 +131,10 @@ class _ChoiceParser:
         if self.tools is not None:
             content, calls = self.tools.feed(content)
             if final:
-                content += self.tools.finish()[0]
+                c2, calls2 = self.tools.finish()
+                content, calls = content + c2, calls + calls2
             calls = [c for c in calls if not (self.one_call and c["index"] > 0)]
-            self.called = self.called or bool(calls)
+            self.called = self.called or (bool(calls) and not self.forced)
         return {**({"reasoning_content": reasoning} if reasoning else {}), **({"content": content} if content else {}),
                 **({"tool_calls": calls} if calls else {})}
 

@@ -7,8 +7,11 @@ blocks come back as OpenAI ``tool_calls`` instead of text.
 blocks stays content (None when only whitespace is left beside calls); a block whose JSON does
 not hold a name is content as it was, as is a block the output never closes. ``tool_choice``:
 "auto" (the default with tools) parses calls, "none" leaves the tools out of the prompt and
-parses nothing; "required" and a named function would need constrained decoding, which this
-server does not do: a 400.
+parses nothing. "required" and a named function are forced with a structured output
+(``engine/structured.py``), as vLLM does: a named function's answer is its arguments, decoded
+to its ``parameters`` schema; "required" decodes a non-empty JSON array of {"name", "parameters"}
+objects, one of the tools each; both come back as tool_calls with ``finish_reason`` "stop", as
+OpenAI's forced calls do (cut short, the text stays content). These need no tool-call parser.
 
 Streaming holds back only what could still become a block: a tail that is a prefix of
 ``<tool_call>``, and an open block until it closes; a closed block comes out as one
@@ -27,13 +30,13 @@ TOOL_PARSERS = ("hermes",)
 START, END = "<tool_call>", "</tool_call>"
 
 
-def check_tools(tools, tool_choice, parser: Optional[str]) -> bool:
-    """Validates a request's ``tools`` / ``tool_choice``; returns whether its output is parsed for
-    tool calls (and the tools go to the template)."""
+def check_tools(tools, tool_choice, parser: Optional[str]):
+    """Validates a request's ``tools`` / ``tool_choice``. Returns None (no tools: nothing parsed,
+    none in the prompt), "auto" (parse the output's blocks) or a ``Forced`` choice."""
     if tools is None:
         if tool_choice not in (None, "none"):
             raise bad_request("tool_choice needs tools", param="tool_choice")
-        return False
+        return None
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict) \
@@ -42,14 +45,78 @@ def check_tools(tools, tool_choice, parser: Optional[str]) -> bool:
                               "'parameters': ...}}}}", param=f"tools.{i}")
     choice = "auto" if tool_choice is None else tool_choice
     if choice == "none":
-        return False
+        return None
+    if choice == "required":
+        return Forced(None, tools)
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        match = [t for t in tools if t["function"]["name"] == name]
+        if not match:
+            raise bad_request("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': "
+                              "{'name': <one of the tools>}}", param="tool_choice")
+        return Forced(name, match)
     if choice != "auto":
-        raise bad_request("tool_choice 'required' or a named function needs constrained decoding, which this "
-                          "server does not do; use 'auto' or 'none'", param="tool_choice")
+        raise bad_request(f"tool_choice must be 'none', 'auto', 'required' or a named function, got {choice!r}",
+                          param="tool_choice")
     if parser is None:
         raise bad_request("tools with tool_choice 'auto' need the server started with --enable-auto-tool-choice "
                           "--tool-call-parser hermes", param="tools")
-    return True
+    return "auto"
+
+
+def _parameters(tool: dict) -> dict:
+    params = tool["function"].get("parameters")
+    return params if isinstance(params, dict) and params else {"type": "object"}
+
+
+class Forced:
+    """A forced tool choice: ``name`` (one named function) or None ("required": any of ``tools``)."""
+
+    def __init__(self, name: Optional[str], tools: list):
+        self.name, self.tools = name, tools
+
+    def structured_output(self) -> dict:
+        if self.name is not None:
+            return {"type": "json_schema", "schema": _parameters(self.tools[0])}
+        items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
+                                                   "parameters": _parameters(t)},
+                  "required": ["name", "parameters"]} for t in self.tools]
+        return {"type": "json_schema", "schema": {"type": "array", "minItems": 1, "items": {"anyOf": items}}}
+
+    def calls(self, text: str) -> list:
+        """The tool calls of a whole answer (empty when it is not complete JSON)."""
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError:
+            return []
+        if self.name is not None:
+            pairs = [(self.name, obj)]
+        elif isinstance(obj, list):
+            pairs = [(o.get("name"), o.get("parameters", {})) for o in obj if isinstance(o, dict)]
+        else:
+            return []
+        return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                 "function": {"name": n, "arguments": json.dumps(a, ensure_ascii=False)}} for n, a in pairs]
+
+    def splitter(self) -> "ForcedSplitter":
+        return ForcedSplitter(self)
+
+
+class ForcedSplitter:
+    """A forced choice's stream: the answer held until it ends, then its calls (or, cut short,
+    its text as content)."""
+
+    def __init__(self, forced: Forced):
+        self.forced, self.buf = forced, ""
+
+    def feed(self, text: str) -> tuple[str, list]:
+        self.buf += text
+        return "", []
+
+    def finish(self) -> tuple[str, list]:
+        calls = self.forced.calls(self.buf)
+        rest, self.buf = self.buf, ""
+        return ("", [{"index": i, **c} for i, c in enumerate(calls)]) if calls else (rest, [])
 
 
 def template_messages(conv: list) -> list:

@@ -204,8 +204,8 @@ def test_earlier_tool_calls_and_results_reach_the_template(thinking_server):
 
 
 @pytest.mark.parametrize("extra,param", [
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": [{"type": "function", "function": {}}]}, "tools.0"),
     ({"tool_choice": "auto"}, "tool_choice"),
 ])

@@ -54,3 +54,42 @@ def test_bad_formats(smol_server, fmt):
                    timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
     assert httpx.get(smol_server.url + "/health", timeout=10).status_code == 200
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"timezone": {"type": "string"}}, "required": ["timezone"],
+    "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_tool_choices(smol_server, stream):
+    """A named function and "required" decode the calls' JSON (no tool-call parser on this
+    server: forced choices need none): tool_calls of the asked shape, finish_reason "stop"."""
+    for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+        body = {"messages": ASK, "tools": [WEATHER, TIME], "tool_choice": choice, "max_tokens": 80,
+                "temperature": 0, "stream": stream}
+        calls, reason, content = [], None, ""
+        if stream:
+            with httpx.stream("POST", smol_server.url + "/v1/chat/completions", json=body, timeout=120) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        for ch in json.loads(line[6:])["choices"]:
+                            calls += ch["delta"].get("tool_calls") or []
+                            content += ch["delta"].get("content") or ""
+                            reason = ch["finish_reason"] or reason
+        else:
+            r = httpx.post(smol_server.url + "/v1/chat/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            msg = r.json()["choices"][0]["message"]
+            calls, reason, content = msg.get("tool_calls") or [], r.json()["choices"][0]["finish_reason"], msg["content"]
+        assert reason == "stop" and calls and not content, (calls, content)
+        names = [c["function"]["name"] for c in calls]
+        assert set(names) <= {"get_weather", "get_time"} and (choice == "required" or names == ["get_weather"])
+        for c in calls:
+            args = json.loads(c["function"]["arguments"])
+            assert list(args) == (["city"] if c["function"]["name"] == "get_weather" else ["timezone"])
+            assert c["type"] == "function" and c["id"].startswith("call_")

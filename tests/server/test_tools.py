@@ -9,7 +9,7 @@ import random
 import pytest
 
 from blitzllm.server.errors import APIError
-from blitzllm.server.tools import ToolCallSplitter, check_tools, split_tool_calls, template_messages
+from blitzllm.server.tools import Forced, ToolCallSplitter, check_tools, split_tool_calls, template_messages
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>'
 TIME = '<tool_call>{"name": "get_time", "arguments": "{\\"tz\\": \\"UTC\\"}"}</tool_call>'
@@ -68,8 +68,8 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 @pytest.mark.parametrize("tools,choice,parser,match", [
     ([{"type": "function"}], "auto", "hermes", "tools.0"),
     ([{"type": "function", "function": {"name": ""}}], None, "hermes", "tools.0"),
-    (TOOLS, "required", "hermes", "constrained decoding"),
-    (TOOLS, {"type": "function", "function": {"name": "get_weather"}}, "hermes", "constrained decoding"),
+    (TOOLS, {"type": "function", "function": {"name": "nope"}}, "hermes", "tool_choice must be"),
+    (TOOLS, "sometimes", "hermes", "tool_choice must be"),
     (TOOLS, "auto", None, "--enable-auto-tool-choice"),
     (None, "auto", "hermes", "tool_choice needs tools"),
 ])
@@ -79,8 +79,9 @@ def test_check_tools_errors(tools, choice, parser, match):
 
 
 def test_check_tools_and_template_messages():
-    assert check_tools(TOOLS, None, "hermes") and check_tools(TOOLS, "auto", "hermes")
-    assert not check_tools(TOOLS, "none", None) and not check_tools(None, None, None)
+    assert check_tools(TOOLS, None, "hermes") == "auto" == check_tools(TOOLS, "auto", "hermes")
+    assert check_tools(TOOLS, "none", None) is None and check_tools(None, None, None) is None
+    assert isinstance(check_tools(TOOLS, "required", None), Forced)  # (forced choices need no parser)
     conv = [{"role": "assistant", "content": "", "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
         {"id": "call_2", "type": "function", "function": {"name": "f", "arguments": "not json"}}]}]
@@ -98,3 +99,29 @@ def test_tool_flags_go_together(flags):
     cfg = config_from_args(build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser",
                                                       "hermes"]))
     assert cfg.tool_call_parser == "hermes"
+
+
+TWO = TOOLS + [{"type": "function", "function": {"name": "get_time"}}]
+
+
+def test_forced_choices():
+    named = check_tools(TWO, {"type": "function", "function": {"name": "get_weather"}}, None)
+    assert named.structured_output() == {"type": "json_schema", "schema": {"type": "object"}}
+    calls = named.calls('{"city": "Paris"}')
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        [("get_weather", {"city": "Paris"})]
+    assert named.calls('{"city": "Par') == []  # cut short: no calls
+    req = check_tools(TWO, "required", None)
+    schema = req.structured_output()["schema"]
+    assert schema["type"] == "array" and schema["minItems"] == 1
+    assert [i["properties"]["name"]["enum"] for i in schema["items"]["anyOf"]] == [["get_weather"], ["get_time"]]
+    text = '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Oslo"}}]'
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in req.calls(text)] == \
+        [("get_time", "{}"), ("get_weather", '{"city": "Oslo"}')]
+    sp = req.splitter()
+    assert sp.feed(text[:10]) == ("", []) and sp.feed(text[10:]) == ("", [])
+    content, calls = sp.finish()
+    assert content == "" and [c["index"] for c in calls] == [0, 1]
+    sp = req.splitter()
+    sp.feed("[{")
+    assert sp.finish() == ("[{", [])
