@@ -1,7 +1,9 @@
-"""Structured outputs: ``SamplingParams(structured_output={"type": "json_object"})`` or
-``{"type": "json_schema", "schema": {...}}`` (the server's ``response_format``) constrain a
-request's tokens to valid JSON (an object; one matching the schema), as vLLM and SGLang do
-with xgrammar (``pip install xgrammar``).
+"""Structured outputs: ``SamplingParams(structured_output=...)`` constrains a request's tokens,
+as vLLM and SGLang do with xgrammar (``pip install xgrammar``): ``{"type": "json_object"}`` (a
+JSON object), ``{"type": "json_schema", "schema": {...}}`` (JSON matching it; the server's
+``response_format``), ``{"type": "regex", "pattern": ...}``, ``{"type": "choice", "choices":
+[...]}`` (exactly one of the strings) or ``{"type": "grammar", "grammar": EBNF}`` (xgrammar's
+EBNF, root rule ``root``): vLLM's ``structured_outputs`` json / regex / choice / grammar.
 
 Per engine, a grammar compiler over the tokenizer's vocabulary (compiled grammars are cached by
 spec); per sequence, a matcher that follows its tokens. Each step the sampler masks the logits
@@ -22,16 +24,32 @@ import torch
 INSTALL = "structured outputs need xgrammar: pip install xgrammar"
 
 
+KINDS = {"json_object": None, "json_schema": "schema", "regex": "pattern", "choice": "choices", "grammar": "grammar"}
+
+
 def check_structured_output(spec) -> Optional[dict]:
-    """The normalised spec ({"type": "json_object"} / {"type": "json_schema", "schema": str})
-    of a ``structured_output`` value; ValueError for anything else."""
+    """The normalised spec ({"type": ..., and its one key as a string}) of a
+    ``structured_output`` value; ValueError for anything else."""
     if spec is None:
         return None
-    if not isinstance(spec, dict) or spec.get("type") not in ("json_object", "json_schema"):
-        raise ValueError("structured_output must be {'type': 'json_object'} or {'type': 'json_schema', "
-                         f"'schema': {{...}}}}, got {spec!r}")
-    if spec["type"] == "json_object":
+    if not isinstance(spec, dict) or spec.get("type") not in KINDS:
+        raise ValueError("structured_output must be {'type': 'json_object'}, {'type': 'json_schema', 'schema': "
+                         "{...}}, {'type': 'regex', 'pattern': ...}, {'type': 'choice', 'choices': [...]} or "
+                         f"{{'type': 'grammar', 'grammar': ...}}, got {spec!r}")
+    kind = spec["type"]
+    if kind == "json_object":
         return {"type": "json_object"}
+    if kind in ("regex", "grammar"):
+        value = spec.get(KINDS[kind])
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"structured_output {kind} needs a non-empty '{KINDS[kind]}' string")
+        return {"type": kind, KINDS[kind]: value}
+    if kind == "choice":
+        choices = spec.get("choices")
+        if (isinstance(choices, str) or not isinstance(choices, (list, tuple)) or not choices
+                or not all(isinstance(c, str) and c for c in choices)):
+            raise ValueError("structured_output choice needs 'choices': a list of non-empty strings")
+        return {"type": "choice", "choices": json.dumps(list(choices))}
     schema = spec.get("schema")
     if isinstance(schema, str):
         try:
@@ -59,14 +77,30 @@ class GrammarCompiler:
         self.compiler = xgr.GrammarCompiler(self.info)
         self._compiled = functools.lru_cache(maxsize=64)(self._compile)
 
-    def _compile(self, kind: str, schema: Optional[str]):
+    def _compile(self, kind: str, value: Optional[str]):
+        c = self.compiler
         try:
-            return self.compiler.compile_json_schema(schema if kind == "json_schema" else '{"type": "object"}')
-        except Exception as e:  # (xgrammar's own error for a schema it cannot take)
-            raise ValueError(f"structured_output schema not supported: {e}") from None
+            if kind == "json_object":
+                return c.compile_json_schema('{"type": "object"}')
+            if kind == "json_schema":
+                return c.compile_json_schema(value)
+            if kind == "regex":
+                return c.compile_regex(value)
+            if kind == "choice":
+                return c.compile_regex("|".join(_regex_escape(s) for s in json.loads(value)))
+            return c.compile_grammar(value)
+        except Exception as e:  # (xgrammar's own error for a schema, pattern or grammar it cannot take)
+            what = {"json_schema": "schema", "regex": "pattern", "grammar": "grammar"}.get(kind, kind)
+            raise ValueError(f"structured_output {what} not supported: {e}") from None
 
     def matcher(self, spec: dict):
-        return self.xgr.GrammarMatcher(self._compiled(spec["type"], spec.get("schema")))
+        key = KINDS[spec["type"]]
+        return self.xgr.GrammarMatcher(self._compiled(spec["type"], spec.get(key) if key else None))
+
+
+def _regex_escape(s: str) -> str:
+    """``s`` as a literal in a regex (every metacharacter escaped)."""
+    return "".join("\\" + ch if ch in r"\.^$|?*+()[]{}/-" else ch for ch in s)
 
 
 def allowed_mask(matchers: list, vocab_size: int, device) -> Optional[torch.Tensor]:

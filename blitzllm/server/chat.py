@@ -39,22 +39,26 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
     mt_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = pick(req.max_completion_tokens, req.max_tokens)
     params = s.sampling_params(req, max_tokens, k, mt_field, "top_logprobs")
-    structured = _structured_output(req.response_format)
+    structured, field = _structured_output(req.response_format), "response_format"
     if forced is not None:
         if structured is not None:
             raise bad_request("response_format and a forced tool_choice do not go together", param="response_format")
-        structured = forced.structured_output()
+        structured, field = forced.structured_output(), "tool_choice"
     if structured is not None:
+        if params.structured_output is not None:
+            raise bad_request(f"{field} and structured_outputs / guided_* do not go together", param=field)
         try:
             params = params.clone(structured_output=structured)
         except ValueError as e:
-            raise bad_request(str(e), param="response_format") from None
+            raise bad_request(str(e), param=field) from None
+    else:
+        field = s.structured_request(req)[1]
     ids = s.chat_prompt(req.messages, pick(req.add_generation_prompt, True), req.chat_template_kwargs,
                         req.tools if tool_mode is not None else None)
     # a reasoning parser reads where the rendered prompt left off (an open <think> block?)
     prompt_text = s.tokenizer.decode(ids) if s.reasoning_parser else ""
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    stream = await s.submit(rid, ids, params, "messages", mt_field)
+    stream = await s.submit(rid, ids, params, "messages", mt_field, structured_field=field)
     created = int(time.time())
     if req.stream:
         opts = req.stream_options

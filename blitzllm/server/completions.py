@@ -68,13 +68,14 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
     if req.echo and req.logprobs is not None:
         raise bad_request("echo with logprobs (prompt logprobs) is not supported", param="echo")
     params = s.sampling_params(req, pick(req.max_tokens, 16), req.logprobs)
+    structured_field = s.structured_request(req)[1]
     prompts = _completion_prompts(s, req.prompt)
     base = f"cmpl-{uuid.uuid4().hex}"
     rids = [f"{base}-{j}" for j in range(len(prompts))]
     streams = []
     try:
         for rid, (ids, _) in zip(rids, prompts):
-            streams.append(await s.submit(rid, ids, params, "prompt"))
+            streams.append(await s.submit(rid, ids, params, "prompt", structured_field=structured_field))
     except BaseException:
         for rid in rids:
             s.aengine.abort(rid)

@@ -58,6 +58,13 @@ class _SamplingRequest(_Strict):
     skip_special_tokens: Optional[bool] = True
     include_stop_str_in_output: Optional[bool] = False
     logit_bias: Optional[dict[str, float]] = None
+    # vLLM's structured outputs: {"json": schema, "json_object": true, "regex": ..., "choice": [...],
+    # "grammar": ...} (one of them), and its older guided_* fields
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Union[dict[str, Any], str, None] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None

@@ -116,6 +116,29 @@ class Serving:
             self._tok_str[tid] = s
         return s
 
+    @staticmethod
+    def structured_request(req) -> tuple:
+        """(``SamplingParams.structured_output`` spec, the request field it came from) of vLLM's
+        ``structured_outputs`` / ``guided_*`` fields, (None, None) without them."""
+        so = req.structured_outputs or {}
+        if not isinstance(so, dict):
+            raise bad_request("structured_outputs must be an object", param="structured_outputs")
+        given = [(f"structured_outputs.{k}", k, v) for k, v in so.items() if v not in (None, False)]
+        given += [(f"guided_{k}", k, getattr(req, f"guided_{k}")) for k in ("json", "regex", "choice", "grammar")
+                  if getattr(req, f"guided_{k}") is not None]
+        if not given:
+            return None, None
+        if len(given) > 1:
+            raise bad_request(f"give one structured output constraint, got {', '.join(f for f, _, _ in given)}",
+                              param=given[1][0])
+        field, kind, value = given[0]
+        specs = {"json": lambda v: {"type": "json_schema", "schema": v}, "json_object": lambda v: {"type": "json_object"},
+                 "regex": lambda v: {"type": "regex", "pattern": v}, "choice": lambda v: {"type": "choice", "choices": v},
+                 "grammar": lambda v: {"type": "grammar", "grammar": v}}
+        if kind not in specs:
+            raise bad_request(f"structured_outputs takes one of {', '.join(specs)}, got {kind!r}", param=field)
+        return specs[kind](value), field
+
     def sampling_params(self, req, max_tokens, logprobs, max_tokens_field="max_tokens",
                         logprobs_field="logprobs") -> SamplingParams:
         if req.n is not None and req.n > MAX_N:
@@ -124,6 +147,7 @@ class Serving:
             raise bad_request(f"stop takes at most {MAX_STOP} strings, got {len(req.stop)}", param="stop")
         if req.logit_bias:
             raise bad_request("logit_bias is not supported", param="logit_bias")
+        structured, field = self.structured_request(req)
         try:
             return SamplingParams(
                 n=pick(req.n, 1), temperature=pick(req.temperature, 1.0), top_p=pick(req.top_p, 1.0),
@@ -134,13 +158,13 @@ class Serving:
                 min_tokens=pick(req.min_tokens, 0), stop=req.stop, stop_token_ids=req.stop_token_ids,
                 ignore_eos=bool(req.ignore_eos), logprobs=logprobs,
                 skip_special_tokens=pick(req.skip_special_tokens, True),
-                include_stop_str_in_output=bool(req.include_stop_str_in_output))
+                include_stop_str_in_output=bool(req.include_stop_str_in_output), structured_output=structured)
         except ValueError as e:
-            raise self._user_error(e, "prompt", max_tokens_field, logprobs_field) from None
+            raise self._user_error(e, "prompt", max_tokens_field, logprobs_field, field) from None
 
     @staticmethod
     def _user_error(e: ValueError, prompt_field: str, max_tokens_field: str = "max_tokens",
-                    logprobs_field: str = "logprobs") -> APIError:
+                    logprobs_field: str = "logprobs", structured_field: Optional[str] = None) -> APIError:
         msg = str(e)
         first = msg.split(" ", 1)[0]
         rename = {"max_tokens": max_tokens_field, "logprobs": logprobs_field}
@@ -149,7 +173,7 @@ class Serving:
                 msg = rename[first] + msg[len(first):]
             return bad_request(msg, param=rename.get(first, first))
         if first == "structured_output" or msg == STRUCTURED_INSTALL:
-            return bad_request(msg, param="response_format")
+            return bad_request(msg, param=structured_field or "structured_outputs")
         if "max_tokens" in msg:  # prompt + max_tokens over the context length
             return bad_request(msg.replace("max_tokens", max_tokens_field), param=max_tokens_field,
                                code="context_length_exceeded")
@@ -158,11 +182,11 @@ class Serving:
         return bad_request(msg, param=prompt_field)
 
     async def submit(self, rid: str, prompt_ids: list, params: SamplingParams, prompt_field: str,
-                     max_tokens_field: str = "max_tokens"):
+                     max_tokens_field: str = "max_tokens", structured_field: Optional[str] = None):
         try:
             return await self.aengine.add_request(rid, prompt_ids, params)
         except ValueError as e:
-            raise self._user_error(e, prompt_field, max_tokens_field) from None
+            raise self._user_error(e, prompt_field, max_tokens_field, structured_field=structured_field) from None
         except QueueFullError as e:
             raise APIError(503, f"the server is overloaded: {e}", code="queue_full",
                            headers={"Retry-After": "1"}) from None

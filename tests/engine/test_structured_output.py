@@ -86,7 +86,7 @@ def test_beside_speculative_decoding():
 
 
 @pytest.mark.parametrize("spec,match", [
-    ({"type": "regex"}, "structured_output must be"),
+    ({"type": "xml"}, "structured_output must be"),
     ({"type": "json_schema"}, "needs a 'schema' object"),
     ({"type": "json_schema", "schema": "{not json"}, "not valid JSON"),
     ("json", "structured_output must be"),
@@ -101,3 +101,31 @@ def test_unsupported_schema_is_a_value_error(smollm2_llm):
         smollm2_llm.generate(["hi"], SamplingParams(structured_output={"type": "json_schema",
                                                                         "schema": {"type": "nonsense"}}))
     assert smollm2_llm.stats()["kv_blocks_free"] == smollm2_llm.stats()["kv_blocks_total"]
+
+
+def test_regex_choice_grammar(smollm2_llm):
+    """The other kinds: a regex, a choice among strings, an EBNF grammar."""
+    import re
+    llm = smollm2_llm
+    prompt = llm.apply_chat_template([{"role": "user", "content": "Is the sky blue? Answer yes or no."}])
+    params = dict(temperature=0, max_tokens=24)
+    date = llm.generate([prompt], SamplingParams(**params, structured_output={
+        "type": "regex", "pattern": r"[0-9]{4}-[0-9]{2}-[0-9]{2}"}))[0]
+    assert re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", date.text) and date.finish_reason == "stop"
+    choices = ["yes", "no", "it depends (a.k.a. maybe)"]
+    pick = llm.generate([prompt], SamplingParams(**params, structured_output={"type": "choice", "choices": choices}))[0]
+    assert pick.text in choices and pick.finish_reason == "stop"
+    g = 'root ::= "The answer is " ("A" | "B") "."'
+    ans = llm.generate([prompt], SamplingParams(**params, structured_output={"type": "grammar", "grammar": g}))[0]
+    assert ans.text in ("The answer is A.", "The answer is B.")
+
+
+@pytest.mark.parametrize("spec,match", [
+    ({"type": "regex", "pattern": ""}, "needs a non-empty 'pattern'"),
+    ({"type": "choice", "choices": "yes"}, "list of non-empty strings"),
+    ({"type": "choice", "choices": []}, "list of non-empty strings"),
+    ({"type": "grammar"}, "needs a non-empty 'grammar'"),
+])
+def test_more_spec_errors(spec, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(structured_output=spec)

@@ -93,3 +93,33 @@ def test_forced_tool_choices(smol_server, stream):
             args = json.loads(c["function"]["arguments"])
             assert list(args) == (["city"] if c["function"]["name"] == "get_weather" else ["timezone"])
             assert c["type"] == "function" and c["id"].startswith("call_")
+
+
+@pytest.mark.parametrize("body", [
+    {"structured_outputs": {"choice": ["yes", "no"]}},
+    {"guided_choice": ["yes", "no"]},
+    {"structured_outputs": {"regex": "(yes|no)"}},
+])
+def test_vllm_structured_outputs_fields(smol_server, body):
+    """vLLM's structured_outputs / guided_* fields, on chat and on completions."""
+    r = httpx.post(smol_server.url + "/v1/chat/completions",
+                   json={"messages": [{"role": "user", "content": "Is the sky blue?"}], "max_tokens": 8, **body},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] in ("yes", "no")
+    r = httpx.post(smol_server.url + "/v1/completions",
+                   json={"prompt": "Is the sky blue? Answer:", "max_tokens": 8, **body}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] in ("yes", "no")
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"structured_outputs": {"choice": ["a"], "regex": "a"}}, "structured_outputs.regex"),
+    ({"guided_regex": "(", "max_tokens": 4}, "guided_regex"),
+    ({"structured_outputs": {"xml": "<a/>"}}, "structured_outputs.xml"),
+    ({"guided_choice": ["a"], "response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_vllm_structured_outputs_errors(smol_server, body, param):
+    r = httpx.post(smol_server.url + "/v1/chat/completions",
+                   json={"messages": [{"role": "user", "content": "hi"}], **body}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
