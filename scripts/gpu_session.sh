@@ -177,6 +177,11 @@ for part in "$@"; do case $part in
        run 60 q06_fp8 --model preset:qwen3-0.6b $M --weight-dtype fp8
        rm -f "$OUT"/*.log
        python3 scripts/kernel_table.py "$OUT"/q30b_bf16.json "$OUT"/q30b_fp8.json | grep -v "^    " | grep -v "_greedy\|indexSelect" ;;
+  so31) # structured outputs on CUDA (stop 31; carry the cp312 wheels of xgrammar and apache_tvm_ffi in .whl):
+       # the GPU test, installing them first
+       python3 -m pip install -q --no-deps --no-index .whl/xgrammar-*.whl .whl/apache_tvm_ffi-*.whl 2>&1 | tail -2
+       timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q --tb=short tests/test_gpu_e2e.py -k "structured" \
+         -p no:cacheprovider 2>&1 | tail -4 ;;
   mtp31) # MTP speculation (stop 31, spec/mtp.py; its target runs eager): the GPU test, then preset:deepseek-v3 with
        # 8 layers at batch 1, k 1 and 3 at a synthetic acceptance of 0.9, each against no speculation in the same run
        timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q --tb=short tests/test_gpu_e2e.py -k "mtp" -p no:cacheprovider \

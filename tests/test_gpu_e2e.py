@@ -411,3 +411,21 @@ def test_mtp_speculation_matches_plain_greedy():
     got = llm.generate(prompts, params)
     assert llm.stats()["spec_draft_tokens"] > 0
     _assert_same_until_near_tie(got, want)
+
+
+def test_structured_output_on_cuda():
+    """A json_schema structured output on CUDA (CUDA graphs on; the constrained row skips the
+    decode look-ahead) beside an unconstrained request, which keeps its tokens."""
+    import json
+    pytest.importorskip("xgrammar")
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    llm = LLM("smollm2", device="cuda", dtype="bfloat16", kv_cache_blocks=256, max_num_seqs=8)
+    prompt = llm.apply_chat_template([{"role": "user", "content": "Describe a person as JSON with name and age."}])
+    plain = SamplingParams(temperature=0, max_tokens=40)
+    alone = llm.generate([prompt], plain)[0]
+    outs = llm.generate([prompt, prompt], [SamplingParams(temperature=0, max_tokens=60, structured_output={
+        "type": "json_schema", "schema": schema}), plain])
+    obj = json.loads(outs[0].text)
+    assert list(obj) == ["name", "age"] and isinstance(obj["age"], int)
+    assert outs[1].token_ids == alone.token_ids
