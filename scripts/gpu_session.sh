@@ -177,9 +177,8 @@ for part in "$@"; do case $part in
        run 60 q06_fp8 --model preset:qwen3-0.6b $M --weight-dtype fp8
        rm -f "$OUT"/*.log
        python3 scripts/kernel_table.py "$OUT"/q30b_bf16.json "$OUT"/q30b_fp8.json | grep -v "^    " | grep -v "_greedy\|indexSelect" ;;
-  so31) # structured outputs on CUDA (stop 31; carry the cp312 wheels of xgrammar and apache_tvm_ffi in .whl):
-       # the GPU test, installing them first
-       python3 -m pip install -q --no-deps --no-index .whl/xgrammar-*.whl .whl/apache_tvm_ffi-*.whl 2>&1 | tail -2
+  so31) # structured outputs on CUDA (stop 31; add xgrammar and apache_tvm_ffi to the cp312 wheels carried in
+       # .whl, which gpu_env.sh installs): the GPU test
        timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q --tb=short tests/test_gpu_e2e.py -k "structured" \
          -p no:cacheprovider 2>&1 | tail -4 ;;
   mtp31) # MTP speculation (stop 31, spec/mtp.py; its target runs eager): the GPU test, then preset:deepseek-v3 with
