@@ -12,7 +12,7 @@ from ..engine.async_engine import EngineStepError
 from .errors import bad_request
 from .protocol import ChatCompletionRequest
 from .reasoning import make_splitter, split_reasoning
-from .tools import Forced, ToolCallSplitter, check_tools, split_tool_calls
+from .tools import FORMATS, Forced, ToolCallSplitter, check_tools, split_tool_calls
 from .serving import SSE_DONE, Serving, SSEResponse, lp_value, pick, sse, usage
 
 
@@ -63,7 +63,8 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
     if req.stream:
         opts = req.stream_options
         parsers = [_ChoiceParser(make_splitter(s.reasoning_parser, prompt_text),
-                                 forced.splitter() if forced else ToolCallSplitter() if tool_mode else None,
+                                 forced.splitter() if forced else
+                                 ToolCallSplitter(FORMATS[s.tool_parser]) if tool_mode else None,
                                  one_call, forced is not None) for _ in range(params.n)]
         return SSEResponse(_chat_sse(s, rid, created, stream, params.n, len(ids), k,
                                       bool(opts and opts.include_usage),
@@ -84,7 +85,7 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
             if calls:
                 message["content"], message["tool_calls"] = None, calls[:1] if one_call else calls
         elif tool_mode is not None:
-            message["content"], calls = split_tool_calls(message["content"])
+            message["content"], calls = split_tool_calls(message["content"], s.tool_parser)
             if calls:
                 message["tool_calls"] = calls[:1] if one_call else calls
                 reason = "tool_calls" if reason == "stop" else reason

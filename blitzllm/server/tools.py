@@ -1,9 +1,12 @@
 """Tool calls in chat completions (``blitz serve --enable-auto-tool-choice --tool-call-parser
-hermes``), as vLLM: the request's ``tools`` go to the chat template, and the model's tool-call
+NAME``), as vLLM: the request's ``tools`` go to the chat template, and the model's tool-call
 blocks come back as OpenAI ``tool_calls`` instead of text.
 
 ``hermes``: the format of Hermes, Qwen2.5 and Qwen3 templates: each call is
-``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` in the output. Text outside the
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` in the output. ``deepseek_v3``:
+``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`` newline ```json ARGS
+``` ``<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>``; ``deepseek_v31`` (V3.1 / V3.2): each call
+``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>`` in the same wrapper. Text outside the
 blocks stays content (None when only whitespace is left beside calls); a block whose JSON does
 not hold a name is content as it was, as is a block the output never closes. ``tool_choice``:
 "auto" (the default with tools) parses calls, "none" leaves the tools out of the prompt and
@@ -26,7 +29,7 @@ from typing import Optional
 from .errors import bad_request
 from .reasoning import _held_tail
 
-TOOL_PARSERS = ("hermes",)
+TOOL_PARSERS = ("hermes", "deepseek_v3", "deepseek_v31")
 START, END = "<tool_call>", "</tool_call>"
 
 
@@ -60,7 +63,7 @@ def check_tools(tools, tool_choice, parser: Optional[str]):
                           param="tool_choice")
     if parser is None:
         raise bad_request("tools with tool_choice 'auto' need the server started with --enable-auto-tool-choice "
-                          "--tool-call-parser hermes", param="tools")
+                          f"--tool-call-parser ({', '.join(TOOL_PARSERS)})", param="tools")
     return "auto"
 
 
@@ -95,8 +98,8 @@ class Forced:
             pairs = [(o.get("name"), o.get("parameters", {})) for o in obj if isinstance(o, dict)]
         else:
             return []
-        return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                 "function": {"name": n, "arguments": json.dumps(a, ensure_ascii=False)}} for n, a in pairs]
+        calls = [_tool_call(n, a if isinstance(a, dict) else {}) for n, a in pairs]
+        return [c for c in calls if c is not None]
 
     def splitter(self) -> "ForcedSplitter":
         return ForcedSplitter(self)
@@ -135,48 +138,101 @@ def template_messages(conv: list) -> list:
     return conv
 
 
-def _call(block: str) -> Optional[dict]:
-    """An OpenAI tool call from a block's inner text, or None where it is not one."""
+def _tool_call(name, args) -> Optional[dict]:
+    """An OpenAI tool call (a fresh id), or None without a name; ``args`` a mapping or a JSON string."""
+    if not isinstance(name, str) or not name:
+        return None
+    if isinstance(args, str):
+        try:
+            json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}}
+
+
+def _hermes_call(inner: str) -> Optional[dict]:
+    """``{"name": ..., "arguments": {...}}`` (or "parameters")."""
     try:
-        obj = json.loads(block)
+        obj = json.loads(inner.strip())
     except json.JSONDecodeError:
         return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+    if not isinstance(obj, dict):
         return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": obj["name"],
-                         "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}}
+    return _tool_call(obj.get("name"), obj.get("arguments", obj.get("parameters", {})))
+
+
+_SEP = "<\uff5ctool\u2581sep\uff5c>"  # DeepSeek's <｜tool▁sep｜> (fullwidth bar, lower one-eighth block)
+
+
+def _deepseek_v3_call(inner: str) -> Optional[dict]:
+    """DeepSeek-V3: ``function<｜tool▁sep｜>NAME`` newline, then the arguments in a ```json fence."""
+    kind, sep, rest = inner.partition(_SEP)
+    if not sep or kind.strip() != "function":
+        return None
+    name, _, body = rest.partition("\n")
+    body = body.strip()
+    if body.startswith("```json") and body.endswith("```"):
+        body = body[len("```json"):-3]
+    return _tool_call(name.strip(), body.strip())
+
+
+def _deepseek_v31_call(inner: str) -> Optional[dict]:
+    """DeepSeek-V3.1 / V3.2: ``NAME<｜tool▁sep｜>ARGUMENTS``."""
+    name, sep, args = inner.partition(_SEP)
+    return _tool_call(name.strip(), args.strip()) if sep else None
+
+
+class ToolFormat:
+    """A model's tool-call blocks: ``start`` ... ``end`` around each call, whose inner text
+    ``parse`` reads; ``drop``: markers around a run of calls, removed from the content."""
+
+    def __init__(self, start: str, end: str, parse, drop: tuple = ()):
+        self.start, self.end, self.parse, self.drop = start, end, parse, drop
+
+
+_DS_BEGIN, _DS_END = "<\uff5ctool\u2581call\u2581begin\uff5c>", "<\uff5ctool\u2581call\u2581end\uff5c>"
+_DS_DROP = ("<\uff5ctool\u2581calls\u2581begin\uff5c>", "<\uff5ctool\u2581calls\u2581end\uff5c>")
+FORMATS = {
+    "hermes": ToolFormat(START, END, _hermes_call),
+    "deepseek_v3": ToolFormat(_DS_BEGIN, _DS_END, _deepseek_v3_call, _DS_DROP),
+    "deepseek_v31": ToolFormat(_DS_BEGIN, _DS_END, _deepseek_v31_call, _DS_DROP),
+}
 
 
 class ToolCallSplitter:
-    """One sequence's content, fed as it streams, split into text and tool calls."""
+    """One sequence's content, fed as it streams, split into text and tool calls (``fmt``:
+    the model's blocks, hermes by default)."""
 
-    def __init__(self):
+    def __init__(self, fmt: Optional[ToolFormat] = None):
+        self.fmt = fmt or FORMATS["hermes"]
         self.buf = ""
         self.in_block = False
         self.calls = 0
 
     def feed(self, text: str) -> tuple[str, list]:
         """(content text, [tool call dicts with their index]) that ``text`` completes."""
+        f = self.fmt
         self.buf += text
+        for marker in f.drop:
+            self.buf = self.buf.replace(marker, "")
         out, calls = [], []
         while self.buf:
             if not self.in_block:
-                i = self.buf.find(START)
+                i = self.buf.find(f.start)
                 if i < 0:
-                    keep = _held_tail(self.buf, START)
+                    keep = max(_held_tail(self.buf, m) for m in (f.start,) + f.drop)
                     out.append(self.buf[:len(self.buf) - keep])
                     self.buf = self.buf[len(self.buf) - keep:]
                     break
                 out.append(self.buf[:i])
                 self.buf, self.in_block = self.buf[i:], True
             else:
-                j = self.buf.find(END)
+                j = self.buf.find(f.end)
                 if j < 0:
                     break
-                block, self.buf, self.in_block = self.buf[:j + len(END)], self.buf[j + len(END):], False
-                call = _call(block[len(START):-len(END)].strip())
+                block, self.buf, self.in_block = self.buf[:j + len(f.end)], self.buf[j + len(f.end):], False
+                call = f.parse(block[len(f.start):-len(f.end)])
                 if call is None:
                     out.append(block)
                 else:
@@ -190,12 +246,12 @@ class ToolCallSplitter:
         return rest, []
 
 
-def split_tool_calls(text: Optional[str]) -> tuple[Optional[str], list]:
+def split_tool_calls(text: Optional[str], parser: str = "hermes") -> tuple[Optional[str], list]:
     """(content, tool_calls) of a whole output's content: content None when only whitespace
     is left beside calls."""
     if text is None:
         return None, []
-    sp = ToolCallSplitter()
+    sp = ToolCallSplitter(FORMATS[parser])
     c1, calls = sp.feed(text)
     c2, _ = sp.finish()
     content = c1 + c2

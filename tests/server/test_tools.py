@@ -40,20 +40,24 @@ def test_split_whole(text, content, calls):
     assert len({c["id"] for c in got}) == len(got)
 
 
+def _streamed(sp, text: str, cut: list) -> tuple:
+    """(content, calls) of ``text`` fed to splitter ``sp`` in the pieces ``cut`` makes."""
+    texts, calls = [], []
+    for piece in [text[a:b] for a, b in zip([0] + cut, cut + [len(text)])]:
+        t, c = sp.feed(piece)
+        texts.append(t)
+        calls.extend(c)
+    texts.append(sp.finish()[0])
+    return "".join(texts), calls
+
+
 @pytest.mark.parametrize("text,content,calls", CASES)
 def test_split_streamed_in_every_chunking(text, content, calls):
     rng = random.Random(len(text))
     cuts = [[i] for i in range(len(text) + 1)] + [sorted(rng.sample(range(len(text) + 1), min(len(text), 6)))
                                                    for _ in range(20)]
     for cut in cuts:
-        sp = ToolCallSplitter()
-        texts, got = [], []
-        for piece in [text[a:b] for a, b in zip([0] + cut, cut + [len(text)])]:
-            t, c = sp.feed(piece)
-            texts.append(t)
-            got.extend(c)
-        texts.append(sp.finish()[0])
-        joined = "".join(texts)
+        joined, got = _streamed(ToolCallSplitter(), text, cut)
         if content is None:  # (only whitespace beside the calls: the whole answer says None)
             assert not joined.strip()
         else:
@@ -125,3 +129,31 @@ def test_forced_choices():
     sp = req.splitter()
     sp.feed("[{")
     assert sp.finish() == ("[{", [])
+
+
+# DeepSeek's markers: fullwidth vertical line U+FF5C and lower one-eighth block U+2581
+B, E = "<\uff5ctool\u2581calls\u2581begin\uff5c>", "<\uff5ctool\u2581calls\u2581end\uff5c>"
+CB, CE, SEP = "<\uff5ctool\u2581call\u2581begin\uff5c>", "<\uff5ctool\u2581call\u2581end\uff5c>", "<\uff5ctool\u2581sep\uff5c>"
+DS_CASES = [
+    ("deepseek_v3", "Let me check." + B + CB + "function" + SEP + 'get_weather\n```json\n{"city": "Paris"}\n```' + CE
+     + CB + "function" + SEP + "get_time\n```json\n{}\n```" + CE + E,
+     "Let me check.", [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]),
+    ("deepseek_v31", B + CB + "get_weather" + SEP + '{"city": "Paris"}' + CE + E, None,
+     [("get_weather", '{"city": "Paris"}')]),
+    ("deepseek_v31", "plain", "plain", []),
+    ("deepseek_v31", B + CB + "f" + SEP + "{broken" + CE + E, CB + "f" + SEP + "{broken" + CE, []),
+]
+
+
+@pytest.mark.parametrize("parser,text,content,calls", DS_CASES)
+def test_deepseek_formats(parser, text, content, calls):
+    from blitzllm.server.tools import FORMATS
+    got_content, got = split_tool_calls(text, parser)
+    assert got_content == content
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in got] == calls
+    rng = random.Random(len(text))
+    for _ in range(30):  # streamed in random pieces (the markers split anywhere)
+        cut = sorted(rng.sample(range(len(text) + 1), min(len(text), 8)))
+        joined, streamed = _streamed(ToolCallSplitter(FORMATS[parser]), text, cut)
+        assert joined == (content or "")
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in streamed] == calls
