@@ -60,7 +60,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="let chat requests with tools (tool_choice 'auto') get tool_calls back; needs --tool-call-parser")
     g.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSERS,
                    help="the model's tool-call format: hermes (<tool_call>{json}</tool_call>: Qwen2.5 / Qwen3 / Hermes), "
-                        "deepseek_v3, deepseek_v31 (V3.1 / V3.2); see blitzllm/server/tools.py")
+                        "deepseek_v3, deepseek_v31 (V3.1 / V3.2), minimax_m2; see blitzllm/server/tools.py")
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:

@@ -64,7 +64,7 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
         opts = req.stream_options
         parsers = [_ChoiceParser(make_splitter(s.reasoning_parser, prompt_text),
                                  forced.splitter() if forced else
-                                 ToolCallSplitter(FORMATS[s.tool_parser]) if tool_mode else None,
+                                 ToolCallSplitter(FORMATS[s.tool_parser], req.tools) if tool_mode else None,
                                  one_call, forced is not None) for _ in range(params.n)]
         return SSEResponse(_chat_sse(s, rid, created, stream, params.n, len(ids), k,
                                       bool(opts and opts.include_usage),
@@ -85,7 +85,7 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
             if calls:
                 message["content"], message["tool_calls"] = None, calls[:1] if one_call else calls
         elif tool_mode is not None:
-            message["content"], calls = split_tool_calls(message["content"], s.tool_parser)
+            message["content"], calls = split_tool_calls(message["content"], s.tool_parser, req.tools)
             if calls:
                 message["tool_calls"] = calls[:1] if one_call else calls
                 reason = "tool_calls" if reason == "stop" else reason

@@ -6,7 +6,9 @@ blocks come back as OpenAI ``tool_calls`` instead of text.
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` in the output. ``deepseek_v3``:
 ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`` newline ```json ARGS
 ``` ``<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>``; ``deepseek_v31`` (V3.1 / V3.2): each call
-``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>`` in the same wrapper. Text outside the
+``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>`` in the same wrapper.
+``minimax_m2``: ``<minimax:tool_call><invoke name="NAME"><parameter name="KEY">VALUE</parameter>
+...</invoke>...</minimax:tool_call>``, values typed by the request's tool schemas. Text outside the
 blocks stays content (None when only whitespace is left beside calls); a block whose JSON does
 not hold a name is content as it was, as is a block the output never closes. ``tool_choice``:
 "auto" (the default with tools) parses calls, "none" leaves the tools out of the prompt and
@@ -23,13 +25,14 @@ Streaming holds back only what could still become a block: a tail that is a pref
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Optional
 
 from .errors import bad_request
 from .reasoning import _held_tail
 
-TOOL_PARSERS = ("hermes", "deepseek_v3", "deepseek_v31")
+TOOL_PARSERS = ("hermes", "deepseek_v3", "deepseek_v31", "minimax_m2")
 START, END = "<tool_call>", "</tool_call>"
 
 
@@ -151,7 +154,7 @@ def _tool_call(name, args) -> Optional[dict]:
             "function": {"name": name, "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}}
 
 
-def _hermes_call(inner: str) -> Optional[dict]:
+def _hermes_call(inner: str, tools=None) -> Optional[dict]:
     """``{"name": ..., "arguments": {...}}`` (or "parameters")."""
     try:
         obj = json.loads(inner.strip())
@@ -165,7 +168,7 @@ def _hermes_call(inner: str) -> Optional[dict]:
 _SEP = "<\uff5ctool\u2581sep\uff5c>"  # DeepSeek's <｜tool▁sep｜> (fullwidth bar, lower one-eighth block)
 
 
-def _deepseek_v3_call(inner: str) -> Optional[dict]:
+def _deepseek_v3_call(inner: str, tools=None) -> Optional[dict]:
     """DeepSeek-V3: ``function<｜tool▁sep｜>NAME`` newline, then the arguments in a ```json fence."""
     kind, sep, rest = inner.partition(_SEP)
     if not sep or kind.strip() != "function":
@@ -177,15 +180,46 @@ def _deepseek_v3_call(inner: str) -> Optional[dict]:
     return _tool_call(name.strip(), body.strip())
 
 
-def _deepseek_v31_call(inner: str) -> Optional[dict]:
+def _deepseek_v31_call(inner: str, tools=None) -> Optional[dict]:
     """DeepSeek-V3.1 / V3.2: ``NAME<｜tool▁sep｜>ARGUMENTS``."""
     name, sep, args = inner.partition(_SEP)
     return _tool_call(name.strip(), args.strip()) if sep else None
 
 
+_INVOKE = re.compile(r'<invoke name="([^"]+)">(.*?)</invoke>', re.S)
+_PARAM = re.compile(r'<parameter name="([^"]+)">(.*?)</parameter>', re.S)
+
+
+def _typed(value: str, schema) -> object:
+    """A MiniMax parameter's text as its schema's type: JSON for non-string types where it parses,
+    else the text."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    text = value.strip()
+    if kind in (None, "string") or isinstance(kind, list) and "string" in kind:
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _minimax_m2_calls(inner: str, tools=None) -> Optional[list]:
+    """MiniMax-M2: one or more ``<invoke name="NAME"><parameter name="KEY">VALUE</parameter>...
+    </invoke>`` (values typed by the request's tool schemas)."""
+    props = {t["function"]["name"]: (t["function"].get("parameters") or {}).get("properties") or {}
+             for t in tools or () if isinstance(t, dict) and isinstance(t.get("function"), dict)}
+    calls = []
+    for name, body in _INVOKE.findall(inner):
+        p = props.get(name, {})
+        args = {k: _typed(v, p.get(k)) for k, v in _PARAM.findall(body)}
+        calls.append(_tool_call(name, args))
+    return calls if calls and all(calls) else None
+
+
 class ToolFormat:
-    """A model's tool-call blocks: ``start`` ... ``end`` around each call, whose inner text
-    ``parse`` reads; ``drop``: markers around a run of calls, removed from the content."""
+    """A model's tool-call blocks: ``start`` ... ``end`` around each call (or several: ``parse``
+    returns a list then), whose inner text ``parse`` reads with the request's tools; ``drop``:
+    markers around a run of calls, removed from the content."""
 
     def __init__(self, start: str, end: str, parse, drop: tuple = ()):
         self.start, self.end, self.parse, self.drop = start, end, parse, drop
@@ -197,6 +231,7 @@ FORMATS = {
     "hermes": ToolFormat(START, END, _hermes_call),
     "deepseek_v3": ToolFormat(_DS_BEGIN, _DS_END, _deepseek_v3_call, _DS_DROP),
     "deepseek_v31": ToolFormat(_DS_BEGIN, _DS_END, _deepseek_v31_call, _DS_DROP),
+    "minimax_m2": ToolFormat("<minimax:tool_call>", "</minimax:tool_call>", _minimax_m2_calls),
 }
 
 
@@ -204,8 +239,8 @@ class ToolCallSplitter:
     """One sequence's content, fed as it streams, split into text and tool calls (``fmt``:
     the model's blocks, hermes by default)."""
 
-    def __init__(self, fmt: Optional[ToolFormat] = None):
-        self.fmt = fmt or FORMATS["hermes"]
+    def __init__(self, fmt: Optional[ToolFormat] = None, tools=None):
+        self.fmt, self.tools = fmt or FORMATS["hermes"], tools
         self.buf = ""
         self.in_block = False
         self.calls = 0
@@ -232,10 +267,11 @@ class ToolCallSplitter:
                 if j < 0:
                     break
                 block, self.buf, self.in_block = self.buf[:j + len(f.end)], self.buf[j + len(f.end):], False
-                call = f.parse(block[len(f.start):-len(f.end)])
-                if call is None:
+                parsed = f.parse(block[len(f.start):-len(f.end)], self.tools)
+                if parsed is None:
                     out.append(block)
-                else:
+                    continue
+                for call in parsed if isinstance(parsed, list) else [parsed]:
                     calls.append({"index": self.calls, **call})
                     self.calls += 1
         return "".join(out), calls
@@ -246,12 +282,12 @@ class ToolCallSplitter:
         return rest, []
 
 
-def split_tool_calls(text: Optional[str], parser: str = "hermes") -> tuple[Optional[str], list]:
+def split_tool_calls(text: Optional[str], parser: str = "hermes", tools=None) -> tuple[Optional[str], list]:
     """(content, tool_calls) of a whole output's content: content None when only whitespace
     is left beside calls."""
     if text is None:
         return None, []
-    sp = ToolCallSplitter(FORMATS[parser])
+    sp = ToolCallSplitter(FORMATS[parser], tools)
     c1, calls = sp.feed(text)
     c2, _ = sp.finish()
     content = c1 + c2

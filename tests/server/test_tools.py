@@ -157,3 +157,34 @@ def test_deepseek_formats(parser, text, content, calls):
         joined, streamed = _streamed(ToolCallSplitter(FORMATS[parser]), text, cut)
         assert joined == (content or "")
         assert [(c["function"]["name"], c["function"]["arguments"]) for c in streamed] == calls
+
+
+MM_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "detailed": {"type": "boolean"},
+    "hours": {"type": "array", "items": {"type": "integer"}}}}}},
+            {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {
+                "tz": {"type": "string"}}}}}]
+MM = ('Let me search for that.\n<minimax:tool_call>\n<invoke name="get_weather">\n'
+      '<parameter name="city">New York</parameter>\n<parameter name="days">3</parameter>\n'
+      '<parameter name="detailed">true</parameter>\n<parameter name="hours">[9, 12]</parameter>\n</invoke>\n'
+      '<invoke name="get_time">\n<parameter name="tz">42</parameter>\n</invoke>\n</minimax:tool_call>')
+
+
+def test_minimax_m2_format():
+    """Several invokes in one block, each parameter typed by the tool's schema (a string-typed
+    "42" stays a string); the text before stays content; streamed in random pieces alike."""
+    from blitzllm.server.tools import FORMATS
+    content, calls = split_tool_calls(MM, "minimax_m2", MM_TOOLS)
+    assert content == "Let me search for that.\n"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "New York", "days": 3, "detailed": True, "hours": [9, 12]}),
+        ("get_time", {"tz": "42"})]
+    rng = random.Random(1)
+    for _ in range(30):
+        cut = sorted(rng.sample(range(len(MM) + 1), 8))
+        joined, streamed = _streamed(ToolCallSplitter(FORMATS["minimax_m2"], MM_TOOLS), MM, cut)
+        assert joined == content and [c["function"]["arguments"] for c in streamed] == \
+            [c["function"]["arguments"] for c in calls]
+    # no invoke inside: the block stays text
+    bad = "<minimax:tool_call>nothing</minimax:tool_call>"
+    assert split_tool_calls(bad, "minimax_m2", MM_TOOLS) == (bad, [])
