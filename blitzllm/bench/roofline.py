@@ -32,6 +32,10 @@ def expected_active_experts(num_experts: int, top_k: int, batch: int) -> float:
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
 
 
+def _is_mtp(name: str) -> bool:
+    return name.startswith("mtp.") or ".mtp." in name
+
+
 def weight_bytes_per_step(model: torch.nn.Module, batch: int) -> int:
     """Bytes of weights one decode step reads: every parameter once, except the embedding
     table, of which only the looked-up rows are read (unless it is tied to the lm_head,
@@ -54,14 +58,14 @@ def weight_bytes_per_step(model: torch.nn.Module, batch: int) -> int:
         if id(p) in seen:
             continue
         seen.add(id(p))
-        if name.startswith("mtp.") or ".mtp." in name:
+        if _is_mtp(name):
             continue
         if embed is not None and p is embed.weight and not tied:
             total += batch * p.shape[1] * p.element_size()
         else:
             total += p.numel() * p.element_size() * expert_share.get(id(p), 1.0)
     for name, b in model.named_buffers():  # weight-only int4 layers keep packed buffers, FP8 ones scales
-        if name.endswith(("qweight", "qscales_zeros", "scale_inv")) and not (name.startswith("mtp.") or ".mtp." in name):
+        if name.endswith(("qweight", "qscales_zeros", "scale_inv")) and not _is_mtp(name):
             total += b.numel() * b.element_size() * expert_share.get(id(b), 1.0)
     return int(total)
 

@@ -99,7 +99,8 @@ class GrammarCompiler:
 
 
 def _regex_escape(s: str) -> str:
-    """``s`` as a literal in a regex (every metacharacter escaped)."""
+    """``s`` as a literal in a regex (every metacharacter escaped). Not ``re.escape``: it also
+    escapes characters such as ``#`` and ``~``, which xgrammar's regex reader warns about."""
     return "".join("\\" + ch if ch in r"\.^$|?*+()[]{}/-" else ch for ch in s)
 
 

@@ -38,7 +38,8 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
     k = pick(req.top_logprobs, 0) if req.logprobs else None
     mt_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = pick(req.max_completion_tokens, req.max_tokens)
-    params = s.sampling_params(req, max_tokens, k, mt_field, "top_logprobs")
+    requested = s.structured_request(req)  # (vLLM's structured_outputs / guided_* fields)
+    params = s.sampling_params(req, max_tokens, k, mt_field, "top_logprobs", requested)
     structured, field = _structured_output(req.response_format), "response_format"
     if forced is not None:
         if structured is not None:
@@ -52,7 +53,7 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
         except ValueError as e:
             raise bad_request(str(e), param=field) from None
     else:
-        field = s.structured_request(req)[1]
+        field = requested[1]
     ids = s.chat_prompt(req.messages, pick(req.add_generation_prompt, True), req.chat_template_kwargs,
                         req.tools if tool_mode is not None else None)
     # a reasoning parser reads where the rendered prompt left off (an open <think> block?)

@@ -67,8 +67,9 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
         raise bad_request("best_of is not supported (it must be null or equal n)", param="best_of")
     if req.echo and req.logprobs is not None:
         raise bad_request("echo with logprobs (prompt logprobs) is not supported", param="echo")
-    params = s.sampling_params(req, pick(req.max_tokens, 16), req.logprobs)
-    structured_field = s.structured_request(req)[1]
+    requested = s.structured_request(req)
+    params = s.sampling_params(req, pick(req.max_tokens, 16), req.logprobs, structured=requested)
+    structured_field = requested[1]
     prompts = _completion_prompts(s, req.prompt)
     base = f"cmpl-{uuid.uuid4().hex}"
     rids = [f"{base}-{j}" for j in range(len(prompts))]

@@ -140,14 +140,15 @@ class Serving:
         return specs[kind](value), field
 
     def sampling_params(self, req, max_tokens, logprobs, max_tokens_field="max_tokens",
-                        logprobs_field="logprobs") -> SamplingParams:
+                        logprobs_field="logprobs", structured=(None, None)) -> SamplingParams:
+        """``structured``: ``structured_request(req)``, read once by the endpoint."""
         if req.n is not None and req.n > MAX_N:
             raise bad_request(f"n must be in [1, {MAX_N}], got {req.n}", param="n")
         if isinstance(req.stop, list) and len(req.stop) > MAX_STOP:
             raise bad_request(f"stop takes at most {MAX_STOP} strings, got {len(req.stop)}", param="stop")
         if req.logit_bias:
             raise bad_request("logit_bias is not supported", param="logit_bias")
-        structured, field = self.structured_request(req)
+        structured, field = structured
         try:
             return SamplingParams(
                 n=pick(req.n, 1), temperature=pick(req.temperature, 1.0), top_p=pick(req.top_p, 1.0),
