@@ -1,7 +1,17 @@
-"""blitzllm: a fast, readable LLM inference and serving engine."""
-from .sampling_params import SamplingParams
-from .engine.request import CompletionOutput, RequestOutput
-from .llm import LLM
+"""blitzllm: a fast, readable LLM inference and serving engine.
+
+The public API: ``LLM``, ``SamplingParams``, ``RequestOutput``, ``CompletionOutput`` (imported on
+first use, so ``python -m blitzllm.<module>`` and the CLI stay light)."""
+import importlib
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
+
+_WHERE = {"LLM": ".llm", "SamplingParams": ".sampling_params", "RequestOutput": ".engine.request",
+          "CompletionOutput": ".engine.request"}
+
+
+def __getattr__(name):
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name], __name__), name)
+    raise AttributeError(f"module 'blitzllm' has no attribute {name!r}")

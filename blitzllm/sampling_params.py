@@ -35,7 +35,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # {"type": "json_object"} or {"type": "json_schema", "schema": {...}}: tokens constrained to
-    # such JSON (engine/structured.py; needs xgrammar)
+    # such JSON (blitzllm/structured.py; needs xgrammar)
     structured_output: Optional[dict] = None
 
     def __post_init__(self) -> None:
@@ -94,7 +94,7 @@ class SamplingParams:
         if not all(is_int(t) and t >= 0 for t in ids):
             raise _err("stop_token_ids", "a list of non-negative integers", self.stop_token_ids)
         self.stop_token_ids = ids
-        from .engine.structured import check_structured_output
+        from .structured import check_structured_output
         self.structured_output = check_structured_output(self.structured_output)
 
     @property

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from .. import envs
+
 MT_BENCH_REL = Path("shared") / "data" / "mt_bench_questions.jsonl"
 # a copy shipped with the package (MT-bench is Apache-2.0), used when no shared/ is found
 MT_BENCH_BUNDLED = Path(__file__).resolve().parent / "data" / "mt_bench_questions.jsonl"
@@ -297,7 +299,7 @@ def _server_model(args) -> tuple:
 def add_args(p: argparse.ArgumentParser, add_engine_args=None) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="model id to send (default: the server's first model)")
-    p.add_argument("--api-key", default=os.environ.get("BLITZ_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+    p.add_argument("--api-key", default=envs.get("BLITZ_API_KEY") or os.environ.get("OPENAI_API_KEY"),
                    help="bearer key (default: $BLITZ_API_KEY, else $OPENAI_API_KEY)")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--concurrency", type=int, default=1, help="requests in flight at most")

@@ -3,11 +3,11 @@
 ``all_reduce_add_rms_norm``: after a row-parallel projection (attention's o_proj, the
 MLP's down_proj, the experts) each rank holds a partial sum of the hidden state; the next
 pre-norm sums it over the ranks, adds the residual and normalizes. On CUDA, messages up
-to ``ONESHOT_MAX_BYTES`` (decode batches) take the one-shot path: the partials go into a
+to ``BLITZ_TP_ONESHOT_BYTES`` (decode batches) take the one-shot path: the partials go into a
 torch symmetric-memory buffer and one Triton kernel (``kernels/allreduce_rmsnorm.py``)
 reads every rank's buffer, adds the residual and normalizes; larger ones all-reduce over
 NCCL, then run the fused residual + RMSNorm kernel. On CPU: gloo, then the torch norm.
-``BLITZ_TP_ONESHOT=0`` sends every size through NCCL.
+``BLITZ_TP_ONESHOT_BYTES=0`` sends every size through NCCL.
 
 ``full_width_qk_norm``: MiniMax-M2 normalizes q over all query heads (and k over all KV
 heads) at once; each rank sums the squares of its heads, the [T, 2] sums are all-reduced,
@@ -16,20 +16,18 @@ and every rank scales its own heads: q and k are never gathered.
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from typing import Optional
 
 import torch
 
+from .. import envs
 from ..kernels.rmsnorm import fused_add_rms_norm, rms_norm
 from .parallel_state import HeadSplit, TPGroup
 
 log = logging.getLogger("blitzllm.distributed")
 
-ONESHOT_MAX_BYTES = int(os.environ.get("BLITZ_TP_ONESHOT_BYTES", str(512 << 10)))
 # a one-shot barrier still waiting after this long traps (a dead peer cannot hang the GPU)
-BARRIER_TIMEOUT_MS = int(float(os.environ.get("BLITZ_TP_BARRIER_TIMEOUT", "60")) * 1000)
 
 
 def all_reduce_add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
@@ -46,16 +44,18 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], w
 
 
 class OneShotWorkspace:
-    """A symmetric-memory buffer of ``ONESHOT_MAX_BYTES`` per rank and the table of the
+    """A symmetric-memory buffer of ``BLITZ_TP_ONESHOT_BYTES`` per rank and the table of the
     ranks' buffer addresses. Made once at start-up (before CUDA-graph capture)."""
 
     def __init__(self, buf: torch.Tensor, handle, ptrs: torch.Tensor):
         self.buf, self.handle, self.ptrs = buf, handle, ptrs
+        self.barrier_ms = int(envs.get("BLITZ_TP_BARRIER_TIMEOUT") * 1000)
 
     @classmethod
     def create(cls, tp: TPGroup) -> Optional["OneShotWorkspace"]:
         from ..kernels._common import HAS_TRITON
-        if os.environ.get("BLITZ_TP_ONESHOT", "1") == "0" or not HAS_TRITON or ONESHOT_MAX_BYTES <= 0:
+        nbytes = envs.get("BLITZ_TP_ONESHOT_BYTES")
+        if not HAS_TRITON or nbytes <= 0:
             return None
         try:
             import torch.distributed._symmetric_memory as symm_mem
@@ -64,7 +64,7 @@ class OneShotWorkspace:
                 warnings.simplefilter("ignore")
                 if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed by older torch, a no-op later
                     symm_mem.enable_symm_mem_for_group(name)
-            buf = symm_mem.empty(ONESHOT_MAX_BYTES, dtype=torch.uint8, device=tp.device)
+            buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=tp.device)
             handle = symm_mem.rendezvous(buf, name)
             ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=tp.device)
         except Exception as e:  # no P2P between the GPUs, an old torch ...: NCCL for every size
@@ -104,10 +104,17 @@ class OneShotWorkspace:
         from ..kernels.allreduce_rmsnorm import oneshot_allreduce_rms_norm_triton
         rows, n = x.shape
         local = self.buf[: rows * n * x.element_size()].view(x.dtype).view(rows, n)
-        self.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)  # all have read the last call's buffers
+        self.handle.barrier(channel=0, timeout_ms=self.barrier_ms)  # all have read the last call's buffers
         local.copy_(x)
-        self.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)  # every rank's partial sums are in place
+        self.handle.barrier(channel=0, timeout_ms=self.barrier_ms)  # every rank's partial sums are in place
         return oneshot_allreduce_rms_norm_triton(self.ptrs, rows, n, residual, weight, eps, x.dtype)
+
+
+def attach_oneshot(group: TPGroup) -> TPGroup:
+    """Give a CUDA group its one-shot all-reduce workspace (every rank, same order)."""
+    if group.device is not None and group.device.type == "cuda":
+        group.oneshot = OneShotWorkspace.create(group)
+    return group
 
 
 def full_width_qk_norm(qkv: torch.Tensor, q_norm, k_norm, heads: HeadSplit, head_dim: int, tp: TPGroup) -> torch.Tensor:
@@ -125,3 +132,15 @@ def full_width_qk_norm(qkv: torch.Tensor, q_norm, k_norm, heads: HeadSplit, head
         return (norm.weight.float() * normed.float()).to(x.dtype)
 
     return torch.cat([scale(q, sums[:, 0], q_width, q_norm), scale(k, sums[:, 1], k_width, k_norm), v], 1)
+
+
+class FullWidthQKNorm:
+    """The full-width q/k RMSNorm of a tensor-parallel attention layer as a plain callable (the
+    norms stay registered on the attention module under their checkpoint names)."""
+
+    def __init__(self, q_norm, k_norm, heads: HeadSplit, head_dim: int, tp: TPGroup):
+        self.norms, self.heads, self.head_dim, self.tp = (q_norm, k_norm), heads, head_dim, tp
+
+    def __call__(self, qkv: torch.Tensor) -> torch.Tensor:
+        return full_width_qk_norm(qkv, *self.norms, self.heads, self.head_dim, self.tp)
+

@@ -20,8 +20,8 @@ from typing import Any, Optional
 
 import torch
 
-# step collectives that take longer than this fail (BLITZ_TP_TIMEOUT seconds)
-STEP_TIMEOUT_S = float(os.environ.get("BLITZ_TP_TIMEOUT", "600"))
+from .. import envs
+
 # the control group waits for the next step as long as the engine idles
 IDLE_TIMEOUT = datetime.timedelta(days=3650)
 # environment every rank gets before NCCL starts (multicast / NVLS off)
@@ -163,7 +163,8 @@ def connect_store(env: WorldEnv, timeout_s: float, is_master: Optional[bool] = N
 
 
 def init_tp_group(env: WorldEnv, store, device: torch.device) -> TPGroup:
-    """Join the world's process groups (every rank, same order)."""
+    """Join the world's process groups (every rank, same order). The caller attaches the
+    one-shot all-reduce workspace (``allreduce_norm.attach_oneshot``), itself a collective."""
     import torch.distributed as dist
     if dist.is_initialized():
         raise RuntimeError("this process already has a torch.distributed world: one tensor-parallel "
@@ -174,13 +175,9 @@ def init_tp_group(env: WorldEnv, store, device: torch.device) -> TPGroup:
         torch.cuda.set_device(device)
         kw["device_id"] = device
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=env.rank,
-                            world_size=env.world_size, timeout=datetime.timedelta(seconds=STEP_TIMEOUT_S), **kw)
+                            world_size=env.world_size, timeout=datetime.timedelta(seconds=envs.get("BLITZ_TP_TIMEOUT")), **kw)
     cpu = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-    group = TPGroup(env.rank, env.world_size, dist.group.WORLD, cpu, device)
-    if device.type == "cuda":
-        from .allreduce_norm import OneShotWorkspace
-        group.oneshot = OneShotWorkspace.create(group)
-    return group
+    return TPGroup(env.rank, env.world_size, dist.group.WORLD, cpu, device)
 
 
 def abort_tp_group(group: TPGroup) -> None:

@@ -239,7 +239,7 @@ class AsyncEngine:
             self.engine.close()
 
     def _step_loop(self, eng: "Engine") -> None:
-        from ..distributed.launcher import TPWorkerError
+        from .tp import TPWorkerError
         while not self._stop:
             self._drain(block=not eng.has_unfinished())
             if self._stop:

@@ -18,42 +18,17 @@ from ..config import CacheConfig, ModelConfig, SchedulerConfig
 from ..distributed.parallel_state import SINGLE
 from ..layers.sampler import SamplingRow
 from ..loader.source import resolve_model
-from ..runner.model_runner import ModelRunner, build_model
+from ..envs import Knobs
+from ..runner.build import build_runner
 from ..sampling_params import SamplingParams
 from ..spec.config import parse_speculative_config
+from .args import (EngineArgs, check_tp_size, plan_kv_blocks, resolve_device, resolve_dtype, resolve_weight_dtype,
+                   speculation_runner_kwargs)
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache import KVCacheManager
 from .request import Request, Status
 from .scheduler import Scheduler
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
-CPU_KV_BUDGET_BYTES = 2 << 30
-
-
-@dataclass
-class EngineArgs:
-    model: str = "smollm2"
-    dtype: Optional[Union[str, torch.dtype]] = None
-    device: Optional[str] = None
-    load_format: str = "auto"
-    max_model_len: Optional[int] = None
-    kv_cache_blocks: Optional[int] = None
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    max_num_seqs: int = 256
-    max_num_batched_tokens: Optional[int] = None
-    seed: int = 0
-    num_layers: Optional[int] = None
-    gpu_memory_utilization: float = 0.9
-    enforce_eager: bool = False
-    attention_backend: str = "auto"   # auto | torch | triton
-    # bfloat16 / float16 / int4 weights with float32 activations (CPU); fp8: block-FP8 (W8A16) linears and experts
-    weight_dtype: Optional[str] = None
-    warmup: bool = True               # CUDA: compile the kernels a first request needs at start-up
-    speculative_config: Optional[Union[str, dict]] = None  # see blitzllm/spec/config.py
-    tensor_parallel_size: int = 1     # ranks the model is sharded over (blitzllm/distributed/)
 
 
 @dataclass
@@ -68,83 +43,9 @@ class StepEvent:
     stop_reason: object = None
 
 
-def resolve_device(device: Optional[str]) -> torch.device:
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' requested but CUDA is not available")
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
-    return dev
-
-
-def resolve_dtype(dtype, device: torch.device, config_dtype: Optional[str]) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype in (None, "auto"):
-        if device.type == "cpu":
-            return torch.float32
-        return torch.float16 if config_dtype == "float16" else torch.bfloat16
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {dtype!r}")
-    return _DTYPES[dtype]
-
-
-def resolve_weight_dtype(weight_dtype: Optional[str], device: torch.device, dtype: torch.dtype):
-    if weight_dtype == "int4":
-        if device.type != "cpu":
-            raise ValueError("weight_dtype='int4' runs on the CPU only (torch's int4 CPU kernel)")
-        return "int4"
-    if weight_dtype == "fp8":
-        return "fp8"
-    if weight_dtype and weight_dtype not in _DTYPES:
-        raise ValueError(f"weight_dtype must be one of float32, bfloat16, float16, int4, fp8; got {weight_dtype!r}")
-    return resolve_dtype(weight_dtype, device, None) if weight_dtype else dtype
-
-
-def plan_kv_blocks(a: EngineArgs, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp_size: int = 1) -> int:
-    """KV cache blocks: ``kv_cache_blocks``, else what fits this device's budget (one rank's
-    share of the KV heads with tensor parallelism), at most what the model can use."""
-    if a.kv_cache_blocks is not None:
-        if not isinstance(a.kv_cache_blocks, int) or a.kv_cache_blocks < 1:
-            raise ValueError(f"kv_cache_blocks must be an integer >= 1, got {a.kv_cache_blocks!r}")
-        return a.kv_cache_blocks
-    per_block = cfg.kv_bytes_per_token(torch.finfo(dtype).bits // 8, tp_size) * a.block_size
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        reserve = 4 << 30  # activations, logits, graphs
-        budget = int(total * a.gpu_memory_utilization) - (total - free) - reserve
-    else:
-        budget = CPU_KV_BUDGET_BYTES
-    want = -(-cfg.max_position_embeddings // a.block_size) * max(1, min(a.max_num_seqs, 64))
-    return max(1, min(budget // per_block, want))
-
-
-def _tp_size(n) -> int:
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {n!r}")
-    return n
-
-
-def speculation_runner_kwargs(args) -> dict:
-    """ModelRunner options that depend on speculation (the same on every tensor-parallel
-    rank): EAGLE-3 and MTP read the target's hidden states through forward hooks, which
-    CUDA-graph replays bypass, so their target runs eager; verify steps run as decode rows, one per
-    scored position, so the decode graphs cover max_num_seqs * (k + 1) rows (at most 512)."""
-    spec = parse_speculative_config(args.speculative_config)
-    if spec is None:
-        return {"enforce_eager": args.enforce_eager, "max_decode_rows": 0}
-    return {"enforce_eager": args.enforce_eager or spec.method in ("eagle3", "mtp"),
-            "max_decode_rows": min(args.max_num_seqs * (spec.k + 1), 512)}
-
-
 class Engine:
     """``tensor_parallel_size`` > 1: this process is rank 0 (scheduler, KV manager, sampler)
-    and drives the other ranks through ``self.tp`` (``distributed/launcher.py``); call
+    and drives the other ranks through ``self.tp`` (``engine/tp.py``); call
     ``close()`` to stop them. Under torchrun, an Engine made on a rank > 0 serves rank 0
     as a worker and then exits the process (SystemExit)."""
 
@@ -154,7 +55,7 @@ class Engine:
         self.tp = None
         if not isinstance(args.block_size, int) or args.block_size < 1 or args.block_size & (args.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {args.block_size}")
-        tp_size = _tp_size(args.tensor_parallel_size)
+        tp_size = check_tp_size(args.tensor_parallel_size)
         self.device = resolve_device(args.device)
         spec_cfg = parse_speculative_config(args.speculative_config)
         if spec_cfg is not None and spec_cfg.method in ("eagle3", "mtp") and tp_size > 1:
@@ -174,11 +75,11 @@ class Engine:
         self.load_time_s = time.perf_counter() - t0
 
     def _join_tp_world(self, cfg: ModelConfig, tp_size: int) -> None:
-        from ..distributed.launcher import TPDriver, check_shardable
+        from .tp import TPDriver, check_shardable
         from ..distributed.parallel_state import rank_device, torchrun_env
         env = torchrun_env()
         if env is not None and env.rank > 0:  # torchrun made this process a worker rank
-            from ..distributed.worker import run_worker
+            from .tp import run_worker
             run_worker(self.args, env)
             raise SystemExit(0)
         check_shardable(cfg, tp_size)
@@ -189,10 +90,40 @@ class Engine:
         args, tp = self.args, self.tp
         self.tokenizer = src.tokenizer_loader()
         group = tp.group if tp is not None else SINGLE
-        model = build_model(src, cfg, self.device, self.dtype, args.seed, self.weight_dtype, group)
-        if spec_cfg is not None and spec_cfg.method == "mtp" and src.tensors is None and hasattr(model, "dummy_mtp"):
-            model.dummy_mtp(args.seed)  # (dummy weights: the MTP layers too, for speed runs)
-        num_blocks = plan_kv_blocks(args, cfg, self.dtype, self.device, group.world_size)
+        self.knobs = Knobs.from_env()
+        self.runner = build_runner(src, cfg, device=self.device, dtype=self.dtype, weight_dtype=self.weight_dtype,
+                                   seed=args.seed, tp=group, knobs=self.knobs, plan_cache=self._plan_cache,
+                                   dummy_mtp=spec_cfg is not None and spec_cfg.method == "mtp",
+                                   max_num_seqs=args.max_num_seqs, attention_backend=args.attention_backend,
+                                   **speculation_runner_kwargs(args))
+        num_blocks = self.cache_config.num_blocks
+        if tp is not None:
+            self.runner.driver = tp
+            tp.workers_waiting = True
+        self.scheduler.lookahead = self.runner.graphs is not None and tp is None
+        self.spec = None
+        if spec_cfg is not None:
+            from ..spec.decoder import SpecDecoder
+            from ..spec.proposers import build_proposer
+            proposer = build_proposer(spec_cfg, target_cfg=cfg, device=self.device, dtype=self.dtype,
+                                      num_blocks=num_blocks, block_size=args.block_size,
+                                      max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
+                                      seed=args.seed, attention_backend=args.attention_backend,
+                                      runner=self.runner, kv=self.kv, new_kv=KVCacheManager)
+            self.spec = SpecDecoder(spec_cfg, proposer, self.kv, self.sched_config.max_num_batched_tokens)
+        self.requests: dict[str, list[Request]] = {}   # parent id -> its n sequences
+        self.grammars = None  # structured outputs' compiler, made on first use
+        self._arrival = itertools.count()
+        self._rng = random.Random(args.seed)
+        self.eos_token_ids = self._eos_ids()
+        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0}
+        self.warmup_s = self._warmup() if args.warmup and self.device.type == "cuda" else 0.0
+
+    def _plan_cache(self) -> tuple:
+        """The KV cache, scheduler and context length, once the weights are on the device:
+        (CacheConfig, max_model_len) for ``build_runner``."""
+        args, tp, cfg = self.args, self.tp, self.model_config
+        num_blocks = plan_kv_blocks(args, cfg, self.dtype, self.device, 1 if tp is None else tp.group.world_size)
         if tp is not None:
             num_blocks = tp.agree_min(num_blocks)
             tp.workers_waiting = True  # for the runner message (or a stop)
@@ -215,31 +146,7 @@ class Engine:
         if tp is not None:
             tp.send(("runner", self.max_model_len))
             tp.workers_waiting = False
-        self.runner = ModelRunner(model, cfg, self.cache_config, self.device, self.dtype,
-                                  max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
-                                  attention_backend=args.attention_backend, tp=group,
-                                  **speculation_runner_kwargs(args))
-        if tp is not None:
-            self.runner.driver = tp
-            tp.workers_waiting = True
-        self.scheduler.lookahead = self.runner.graphs is not None and tp is None
-        self.spec = None
-        if spec_cfg is not None:
-            from ..spec.decoder import SpecDecoder
-            from ..spec.proposers import build_proposer
-            proposer = build_proposer(spec_cfg, target_cfg=cfg, device=self.device, dtype=self.dtype,
-                                      num_blocks=num_blocks, block_size=args.block_size,
-                                      max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
-                                      seed=args.seed, attention_backend=args.attention_backend,
-                                      runner=self.runner, kv=self.kv)
-            self.spec = SpecDecoder(spec_cfg, proposer, self.kv, budget)
-        self.requests: dict[str, list[Request]] = {}   # parent id -> its n sequences
-        self.grammars = None  # structured outputs' compiler, made on first use
-        self._arrival = itertools.count()
-        self._rng = random.Random(args.seed)
-        self.eos_token_ids = self._eos_ids()
-        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0}
-        self.warmup_s = self._warmup() if args.warmup and self.device.type == "cuda" else 0.0
+        return self.cache_config, self.max_model_len
 
     def close(self) -> None:
         """Stop the tensor-parallel workers and leave the process group (nothing to do
@@ -316,7 +223,7 @@ class Engine:
         if any(t >= V for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {V})")
         if params.structured_output is not None and self.grammars is None:
-            from .structured import GrammarCompiler
+            from ..structured import GrammarCompiler
             self.grammars = GrammarCompiler(self.tokenizer, V)
         seqs = []
         for i in range(params.n):

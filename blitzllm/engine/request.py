@@ -36,7 +36,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: Optional[float] = None
     num_cached_tokens: int = 0
-    matcher: object = None        # structured output: its grammar matcher (engine/structured.py)
+    matcher: object = None        # structured output: its grammar matcher (blitzllm/structured.py)
 
     @property
     def num_tokens(self) -> int:

@@ -21,7 +21,6 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..loader.fp8 import dequantize_fp8_block
 from ._common import device_sms, tl, triton, use_triton
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -53,6 +52,33 @@ def quantize_fp8_block(w: torch.Tensor, block: tuple = DEFAULT_BLOCK, pow2: bool
         q[idx] = qm.view(gn * bn, gk * bk)[:n, :k]
         s[idx] = sc
     return q, s
+
+
+def scale_values(scale: torch.Tensor) -> torch.Tensor:
+    """The scale grid as fp32 multipliers: floats as they are; E8M0 exponents (stored as
+    uint8 or float8_e8m0fnu, 2 ** (byte - 127)) unpacked."""
+    if scale.dtype == torch.uint8 or str(scale.dtype) == "torch.float8_e8m0fnu":
+        return torch.exp2(scale.view(torch.uint8).to(torch.float32) - 127.0)
+    if not scale.dtype.is_floating_point:
+        raise ValueError(f"FP8 weight scales must be floating point or E8M0 bytes, got {scale.dtype}")
+    return scale.to(torch.float32)
+
+
+def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                         name: str = "weight") -> torch.Tensor:
+    """fp32 ``weight * scale_inv`` with one scale per [block] tile of the weight's last two
+    dims (leading dims, as stacked experts', are batch); the grid may round up."""
+    if weight.dim() < 2:
+        raise ValueError(f"FP8 tensor {name} has shape {tuple(weight.shape)}; block scales need a matrix")
+    bn, bk = block
+    n, k = weight.shape[-2:]
+    grid = (-(-n // bn), -(-k // bk))
+    if tuple(scale_inv.shape[-2:]) != grid or scale_inv.shape[:-2] != weight.shape[:-2]:
+        raise ValueError(f"FP8 tensor {name}: scale grid {tuple(scale_inv.shape)} does not fit weight "
+                         f"{tuple(weight.shape)} in blocks of {bn}x{bk} (expected {weight.shape[:-2] + grid})")
+    s = scale_values(scale_inv)
+    s = s.repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
+    return weight.to(torch.float32) * s
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple, dtype: torch.dtype) -> torch.Tensor:

@@ -13,14 +13,12 @@ replay (or be captured in one).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from ._common import device_sms, next_pow2, tl, triton, use_triton
 
 _BLOCK = 1024
-_ENABLED = os.environ.get("BLITZ_GREEDY_KERNEL", "1") != "0"   # 0: the eager torch ops (A/B)
 
 
 # splits is a plain argument (not specialised) and the merge reads _MAX_SPLITS slots: one
@@ -105,9 +103,9 @@ def reference_greedy_sample(logits: torch.Tensor) -> tuple:
     return tok, x.gather(1, tok[:, None]).squeeze(1) - x.logsumexp(dim=-1)
 
 
-def greedy_sample(logits: torch.Tensor) -> tuple:
+def greedy_sample(logits: torch.Tensor, kernel: bool = True) -> tuple:
     """(argmax token, its log-softmax) per row: Triton on CUDA (rows up to 4096 slices'
-    workspace), torch elsewhere."""
-    if _ENABLED and use_triton(logits) and logits.dim() == 2 and logits.stride(1) == 1 and 0 < logits.shape[0] <= 1024:
+    workspace; ``kernel=False``: the torch ops, knob ``BLITZ_GREEDY_KERNEL``), torch elsewhere."""
+    if kernel and use_triton(logits) and logits.dim() == 2 and logits.stride(1) == 1 and 0 < logits.shape[0] <= 1024:
         return greedy_sample_triton(logits)
     return reference_greedy_sample(logits)

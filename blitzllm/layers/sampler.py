@@ -65,7 +65,7 @@ class SamplingRow:
     prompt_ids: list[int]
     output_ids: list[int]  # tokens generated so far by this sequence
     eos_token_id: Optional[int]
-    matcher: object = None  # a structured output's grammar matcher (engine/structured.py)
+    matcher: object = None  # a structured output's grammar matcher (blitzllm/structured.py)
 
 
 def _pad(lists: list[list[int]], pad: int, device) -> Tensor:
@@ -137,7 +137,7 @@ class SamplingMetadata:
         banned_tokens = _pad(bans, -1, device) if any(bans) else None
         allowed = None
         if any(r.matcher is not None for r in rows):
-            from ..engine.structured import allowed_mask
+            from ..structured import allowed_mask
             allowed = allowed_mask([r.matcher for r in rows], V, device)
 
         return cls(
@@ -188,13 +188,18 @@ def _top_k_top_p(x: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
 
 
 class Sampler(torch.nn.Module):
-    """Stateless: everything per-step comes in through ``SamplingMetadata``."""
+    """Stateless: everything per-step comes in through ``SamplingMetadata``. ``greedy_kernel``:
+    all-greedy steps pick their tokens in one Triton launch on CUDA (knob ``BLITZ_GREEDY_KERNEL``)."""
+
+    def __init__(self, greedy_kernel: bool = True):
+        super().__init__()
+        self.greedy_kernel = greedy_kernel
 
     def forward(self, logits: Tensor, md: SamplingMetadata) -> SamplerOutput:
         if (md.all_greedy and md.max_num_logprobs == 0 and md.output_tokens is None
                 and md.prompt_tokens is None and md.banned_tokens is None and md.allowed is None):
             # argmax + its log-probability of the raw logits: one fused launch on CUDA
-            tokens, chosen = greedy_sample(logits)
+            tokens, chosen = greedy_sample(logits, self.greedy_kernel)
             return SamplerOutput(token_ids=tokens, logprobs=chosen, top_ids=None, top_logprobs=None)
         raw = logits.float()
         x = self._penalize(raw, md)

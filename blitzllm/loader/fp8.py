@@ -18,6 +18,8 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
+from ..kernels.fp8_weights import dequantize_fp8_block
+
 SCALE_SUFFIX = "_scale_inv"
 _FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
                                                 "float8_e5m2fnuz") if hasattr(torch, n))
@@ -69,33 +71,6 @@ def _slice_dtype(s) -> Optional[torch.dtype]:
 
 def _full(t) -> torch.Tensor:
     return t if isinstance(t, torch.Tensor) else t[:]
-
-
-def scale_values(scale: torch.Tensor) -> torch.Tensor:
-    """The scale grid as fp32 multipliers: floats as they are; E8M0 exponents (stored as
-    uint8 or float8_e8m0fnu, 2 ** (byte - 127)) unpacked."""
-    if scale.dtype == torch.uint8 or str(scale.dtype) == "torch.float8_e8m0fnu":
-        return torch.exp2(scale.view(torch.uint8).to(torch.float32) - 127.0)
-    if not scale.dtype.is_floating_point:
-        raise ValueError(f"FP8 weight scales must be floating point or E8M0 bytes, got {scale.dtype}")
-    return scale.to(torch.float32)
-
-
-def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
-                         name: str = "weight") -> torch.Tensor:
-    """fp32 ``weight * scale_inv`` with one scale per [block] tile of the weight's last two
-    dims (leading dims, as stacked experts', are batch); the grid may round up."""
-    if weight.dim() < 2:
-        raise ValueError(f"FP8 tensor {name} has shape {tuple(weight.shape)}; block scales need a matrix")
-    bn, bk = block
-    n, k = weight.shape[-2:]
-    grid = (-(-n // bn), -(-k // bk))
-    if tuple(scale_inv.shape[-2:]) != grid or scale_inv.shape[:-2] != weight.shape[:-2]:
-        raise ValueError(f"FP8 tensor {name}: scale grid {tuple(scale_inv.shape)} does not fit weight "
-                         f"{tuple(weight.shape)} in blocks of {bn}x{bk} (expected {weight.shape[:-2] + grid})")
-    s = scale_values(scale_inv)
-    s = s.repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
-    return weight.to(torch.float32) * s
 
 
 def dequantize_stream(tensors: Iterable, block: tuple[int, int]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -6,6 +6,7 @@ import hashlib
 import os
 from pathlib import Path
 
+from .. import envs
 
 def _quiet_transformers():
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -21,7 +22,7 @@ def load_hf_tokenizer(folder: Path):
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("BLITZ_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "blitzllm")
+    root = envs.get("BLITZ_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "blitzllm")
     return Path(root) / "tokenizers"
 
 

@@ -12,13 +12,13 @@ carries lazy safetensors slices and only that part is read.
 from __future__ import annotations
 
 import json
-import os
 import zlib
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
 
+from .. import envs
 from ..distributed.layers import copy_part, module_part
 from ..layers.linear import PackedLinear
 from ..layers.moe import HF_FUSED_NAMES, FusedMoE, Router, hf_expert_tensors
@@ -43,7 +43,7 @@ def iter_safetensors(folder: Path, lazy: bool = False) -> Iterator[tuple[str, to
 
 
 def _progress(total: int, desc: str):
-    if os.environ.get("BLITZ_NO_PROGRESS") == "1":  # (tensor-parallel workers set it: rank 0 shows the bar)
+    if envs.get("BLITZ_NO_PROGRESS"):  # (tensor-parallel workers set it: rank 0 shows the bar)
         return None
     try:
         from tqdm import tqdm

@@ -1,4 +1,5 @@
-"""Dense pre-norm decoder (Llama, Qwen2, Qwen3) built from the shared layers.
+"""Dense pre-norm decoder (Llama, Qwen2, Qwen3) built from the shared layers: architecture
+only; which kernels and fusions decode runs is the runner's decode plan (runner/decode_plan.py).
 
 Differences between the three are flags on ``ModelConfig``: q/k/v bias (Qwen2) and per-head
 q/k RMSNorm (Qwen3). Checkpoint names follow HF; ``packed_modules`` declares how q/k/v and
@@ -11,23 +12,17 @@ shards (``distributed/layers.py``); the pre-norms sum the row-parallel partial o
 """
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
 import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..distributed.allreduce_norm import FullWidthQKNorm
 from ..distributed.layers import Part, lm_head, packed_column_linear, row_linear, shard_rows, vocab_embedding
 from ..distributed.parallel_state import get_tp_group, split_heads
-from ..kernels._common import use_triton
-from ..kernels.fused_mlp import FUSED_MLP, fused_mlp_ok, fused_mlp_triton
-from ..kernels.gemv_tma import tma_for_lm_head, tma_for_qkv
-from ..kernels.oproj_partials import oproj_partials_wanted
-from ..kernels.gemv import (GEMV_MAX_ROWS, glu_linear, glu_ok, linear_add_ss, prefer_gemv, ss_norm_glu,
-                            ss_norm_linear, sum_squares_slots)
+from ..kernels.gemv import glu_linear, glu_ok
 from ..layers.attention import Attention
-from ..layers.linear import GEMV_ENABLED, Linear
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
 
@@ -69,8 +64,8 @@ class DecoderAttention(nn.Module):
                               None if pre_norm else self.q_norm, None if pre_norm else self.k_norm,
                               full_width_qk_norm=full and pre_norm is None, pre_norm=pre_norm)
 
-        # set by DecoderModel where o_proj may merge the decode attention's partials itself
-        # (BLITZ_ATTN_OPROJ=1, kernels/oproj_partials.py): a plain single-rank o_proj
+        # set by the runner's decode plan where o_proj merges the decode attention's split
+        # partials itself (kernels/oproj_partials.py)
         self.oproj_partials = False
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -87,50 +82,26 @@ class DecoderAttention(nn.Module):
         return self.o_proj(self.attn(positions, qkv))
 
 
-class FullWidthQKNorm:
-    """The full-width q/k RMSNorm of a tensor-parallel layer (a plain callable: the norms
-    stay registered on ``DecoderAttention`` under their checkpoint names)."""
-
-    def __init__(self, q_norm, k_norm, heads, head_dim, tp):
-        self.norms, self.heads, self.head_dim, self.tp = (q_norm, k_norm), heads, head_dim, tp
-
-    def __call__(self, qkv: torch.Tensor) -> torch.Tensor:
-        from ..distributed.allreduce_norm import full_width_qk_norm
-        return full_width_qk_norm(qkv, *self.norms, self.heads, self.head_dim, self.tp)
-
-
 class DenseMLP(nn.Module):
-    """Tensor parallel: gate/up rows and down_proj's input columns split over the ranks."""
+    """down(silu(gate(x)) * up(x)). Tensor parallel: gate/up rows and down_proj's input columns
+    split over the ranks."""
 
     def __init__(self, hidden: int, inter: int):
         super().__init__()
         tp = get_tp_group()
         self.gate_up_proj = packed_column_linear(hidden, [inter, inter], tp, what="intermediate_size")
         self.down_proj = row_linear(inter, hidden, tp, what="intermediate_size")
-        self._single_rank = tp.world_size == 1
 
     def forward(self, x):
-        if self.fused_ok(x):
-            return fused_mlp_triton(x, self.gate_up_proj.weight, self.down_proj.weight)
-        if self.glu_ok(x):
-            gu = self.gate_up_proj
+        gu = self.gate_up_proj
+        if self.glu_ok(x):  # CUDA decode: the SiLU-and-mul in gate_up's GEMV epilogue
             return self.down_proj(glu_linear(x, gu.weight, gu.bias))
-        return self.down_proj(self.gate_up_proj(x), silu_mul_input=True)
+        return self.down_proj(gu(x), silu_mul_input=True)
 
     def glu_ok(self, x: torch.Tensor) -> bool:
-        """Whether CUDA decode runs gate_up with the SiLU-and-mul in its epilogue
-        (kernels/gemv.py gemv_glu_triton; 1-2 rows, BLITZ_GEMV_GLU=0 turns it off)."""
         gu = self.gate_up_proj
-        return (x.is_cuda and GEMV_ENABLED and gu.qweight is None and x.dtype == gu.weight.dtype
-                and glu_ok(x, gu.weight))
-
-    def fused_ok(self, x: torch.Tensor) -> bool:
-        """Whether CUDA decode runs this MLP as one launch (kernels/fused_mlp.py; opt-in with
-        BLITZ_FUSED_MLP=1): 1-2 rows, dense unbiased weights, one rank."""
-        gu, d = self.gate_up_proj, self.down_proj
-        return (FUSED_MLP and x.is_cuda and use_triton(x) and self._single_rank and gu.bias is None
-                and d.bias is None and gu.qweight is None and d.qweight is None
-                and fused_mlp_ok(x, gu.weight, d.weight))
+        return (x.is_cuda and gu.use_gemv and gu.qweight is None and gu.fp8_block is None
+                and x.dtype == gu.weight.dtype and glu_ok(x, gu.weight))
 
 
 class DecoderLayer(nn.Module):
@@ -147,8 +118,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, get_tp_group())
 
     def forward(self, positions, x, residual):
-        # each RMSNorm (with the residual add) enters the projection after it, so CUDA
-        # decode runs it as that GEMV's prologue
+        # each RMSNorm (with the residual add) goes to the projection after it, which may fuse
+        # it or launch beside it (the runner's decode plan decides)
         attn, mlp = self.self_attn, getattr(self, self.mlp_name)
         qkv, residual = attn.qkv_proj.forward_norm(x, residual, self.input_layernorm)
         x = attn.attend_project(positions, qkv)
@@ -158,59 +129,11 @@ class DecoderLayer(nn.Module):
         return x, residual
 
 
-    def chainable(self) -> bool:
-        """Whether decode may run this layer as the GEMV norm chain (``forward_chain``): a
-        dense MLP, unquantized projections without a tensor-parallel norm."""
-        attn, mlp = self.self_attn, getattr(self, self.mlp_name)
-        lins = (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None))
-        return (type(mlp) is DenseMLP and type(attn.attn) is Attention and attn.attn.pre_norm is None
-                and all(isinstance(m, Linear) and m.qweight is None for m in lins)
-                and self.input_layernorm.tp is None and self.post_attention_layernorm.tp is None)
-
-    def chain_shapes(self, glu: bool = False) -> list:
-        """(N, K, silu_mul_input) of the chained plain GEMVs: all four projections, or with
-        ``glu`` (gate_up as the GLU GEMV, which takes any size) qkv, o_proj and a plain down_proj."""
-        attn, mlp = self.self_attn, getattr(self, self.mlp_name)
-        shapes = [(attn.qkv_proj.weight.shape[0], attn.qkv_proj.weight.shape[1], False),
-                  (attn.o_proj.weight.shape[0], attn.o_proj.weight.shape[1], False)]
-        if not glu:
-            shapes.append((mlp.gate_up_proj.weight.shape[0], mlp.gate_up_proj.weight.shape[1], False))
-        return shapes + [(mlp.down_proj.weight.shape[0], mlp.down_proj.weight.shape[1], not glu)]
-
-    def forward_chain(self, positions, h, residual, slots):
-        """``forward`` with every RMSNorm inside the GEMVs (kernels/gemv.py's norm chain):
-        ``h`` is the normed input (the first layer) or None: then ``residual`` already holds
-        x + residual and slot 1 its rows' sums of squares. Returns the new residual stream;
-        slot 1 then holds its sums of squares (the next layer's input norm)."""
-        attn, mlp = self.self_attn, getattr(self, self.mlp_name)
-        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-        if h is None:
-            qkv = ss_norm_linear(residual, slots[1], attn.qkv_proj.weight, attn.qkv_proj.bias, norm1.weight,
-                                 norm1.eps)
-        else:
-            qkv = attn.qkv_proj(h)
-        o = attn.o_proj
-        residual = linear_add_ss(attn.attn(positions, qkv), o.weight, o.bias, residual, slots[0], slots[1])
-        gu, d = mlp.gate_up_proj, mlp.down_proj
-        if mlp.glu_ok(residual):  # the SiLU-and-mul in gate_up's epilogue, a plain down_proj
-            act = ss_norm_glu(residual, slots[0], gu.weight, gu.bias, norm2.weight, norm2.eps)
-            return linear_add_ss(act, d.weight, d.bias, residual, slots[1], slots[0])
-        gate_up = ss_norm_linear(residual, slots[0], gu.weight, gu.bias, norm2.weight, norm2.eps)
-        return linear_add_ss(gate_up, d.weight, d.bias, residual, slots[1], slots[0], silu_mul_input=True)
-
-
 def mlp_forward_norm(mlp: nn.Module, x: torch.Tensor, residual, norm) -> tuple:
     """The post-attention half of a pre-norm block: (mlp(norm(x + residual)), x + residual).
-    A ``DenseMLP`` off the one-launch and GLU paths hands the norm to its gate_up
-    (``norm_linear``: the GEMV's prologue on CUDA decode with BLITZ_GEMV_NORM=1); an MoE
-    block may take the norm into its routing launch (``FusedMoE.forward_norm``). x may be an
-    fp32 sum beside a lower-precision residual (the norm rounds it); the paths are chosen by
-    the residual's dtype then."""
-    probe = x if residual is None else residual  # (what the MLP's input will be: the norm's output)
-    if isinstance(mlp, DenseMLP) and not mlp.fused_ok(probe) and not mlp.glu_ok(probe):
-        gate_up, residual = mlp.gate_up_proj.forward_norm(x, residual, norm)
-        return mlp.down_proj(gate_up, silu_mul_input=True), residual
-    if hasattr(mlp, "norm_route_ok") and mlp.norm_route_ok(x, residual, norm):  # MoE: norm + routing fused
+    An MoE block may take the norm into its routing launch (``FusedMoE.forward_norm``). x may
+    be an fp32 MoE sum beside a lower-precision residual: the norm rounds it."""
+    if hasattr(mlp, "norm_route_ok") and mlp.norm_route_ok(x, residual, norm):
         return mlp.forward_norm(x, residual, norm)
     h, residual = norm(x, residual)
     return mlp(h), residual
@@ -227,101 +150,13 @@ class DecoderModel(nn.Module):
         self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size, get_tp_group())
         self.layers = nn.ModuleList(make_layer(cfg, i, rotary) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, get_tp_group())
-        self._wire_l2_prefetch()
-        self._wire_fp32_sums()
-
-    def _wire_fp32_sums(self):
-        """Let an MoE block return its fp32 sum (``FusedMoE.fp32_sum``) where the next op is a
-        residual add + RMSNorm that rounds it: the next decoder layer's input norm (through
-        ``Linear.forward_norm``) or the final norm, none of them summing over ranks."""
-        for i, layer in enumerate(self.layers):
-            mlp = getattr(layer, getattr(layer, "mlp_name", "mlp"), None)
-            if type(layer) is not DecoderLayer or not hasattr(mlp, "fp32_sum"):
-                continue
-            nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
-            norm = self.norm if nxt is None else getattr(nxt, "input_layernorm", None)
-            takes = nxt is None or (type(nxt) is DecoderLayer
-                                    and isinstance(nxt.self_attn.qkv_proj, Linear))
-            mlp.fp32_sum = takes and isinstance(norm, RMSNorm) and norm.tp is None
-
-    def _wire_l2_prefetch(self):
-        """Tell each layer's attention which weights decode reads after it, in order:
-        o_proj, then (a dense MLP) gate_up and down and the next layer's qkv, or (an MoE
-        block) its router and its shared experts' gate_up and down (the routed experts are
-        not known before the router has run)."""
-        for i, layer in enumerate(self.layers):
-            if not isinstance(layer, DecoderLayer) or not isinstance(layer.self_attn.attn, Attention):
-                continue
-            attn, mlp = layer.self_attn, getattr(layer, layer.mlp_name)
-            mods = [attn.o_proj]
-            if type(mlp) is DenseMLP:
-                mods += [mlp.gate_up_proj, mlp.down_proj]
-                nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
-                if isinstance(nxt, DecoderLayer):
-                    mods.append(nxt.self_attn.qkv_proj)
-            elif isinstance(getattr(mlp, "gate", None), nn.Module) and hasattr(mlp.gate, "weight"):
-                mods.append(mlp.gate)
-                shared = getattr(mlp, "shared_experts", None)
-                if type(shared) is DenseMLP:
-                    mods += [shared.gate_up_proj, shared.down_proj]
-                # (an MoE model: the MoE kernels are loaded)
-                from ..kernels.moe import moe_pf_o_proj_wanted, moe_pf_qkv_wanted
-                nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
-                if moe_pf_qkv_wanted() and hasattr(mlp, "prefetch_next") and isinstance(nxt, DecoderLayer):
-                    # the next layer's qkv (and o_proj) into the L2 from the norm + router launch
-                    # (BLITZ_MOE_PF_QKV)
-                    mlp.prefetch_next = (nxt.self_attn.qkv_proj,) + ((nxt.self_attn.o_proj,)
-                                                                     if moe_pf_o_proj_wanted() else ())
-            attn.attn.prefetch_modules = tuple(mods)
-            attn.oproj_partials = (oproj_partials_wanted() and type(attn.o_proj) is Linear and attn.attn.pre_norm is None
-                                   and get_tp_group().world_size == 1)
-            # decode's o_proj and qkv as the TMA GEMV (layers/linear.py ``tma_preload``): o_proj
-            # streams its weights while the attention runs, qkv while the input RMSNorm does
-            if type(attn.o_proj).forward is Linear.forward:
-                attn.o_proj.tma_preload = True
-                attn.attn.preload_next = (attn.o_proj,)  # (a tuple: not a submodule)
-            qkv = attn.qkv_proj
-            if (type(qkv).forward is Linear.forward and type(qkv).forward_norm is Linear.forward_norm
-                    and tma_for_qkv()):
-                qkv.tma_preload = True
 
     def forward(self, input_ids, positions):
         x, residual = self.embed_tokens(input_ids), None
-        if self._use_chain(x):
-            h = self.layers[0].input_layernorm(x)
-            slots = sum_squares_slots(x.device)
-            for layer in self.layers:
-                x, h = layer.forward_chain(positions, h, x, slots), None
-            return self.norm(x)
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
         x, _ = self.norm(x, residual)
         return x
-
-    # the GEMV norm chain (opt-in: BLITZ_NORM_CHAIN=1) for CUDA decode when every layer
-    # qualifies and no layer is hooked. H200, qwen3-0.6b batch 1: 1103 tok/s vs 1164 without
-    # (one atomic address per row), then 1140.7 vs 1164.0 (atomics over 32 lanes, residual
-    # loaded before the PDL wait), at 5.25 vs 7.2 kernels per layer: the RMSNorm launches it
-    # removes overlap their neighbours under PDL, the norm work it moves into the GEMVs does not.
-    # With the GLU GEMV as gate_up (which lets it cover Llama-3.1-8B): llama 221.0 vs 241.3,
-    # qwen3-0.6b 1254.5 vs 1274.8 tok/s (gpu_session.sh chainab)
-    norm_chain = os.environ.get("BLITZ_NORM_CHAIN", "0") == "1"
-
-    def _use_chain(self, x: torch.Tensor) -> bool:
-        rows = x.numel() // x.shape[-1] if x.dim() else 0
-        if not (self.norm_chain and x.is_cuda and GEMV_ENABLED and 0 < rows <= GEMV_MAX_ROWS
-                and use_triton(x) and len(self.layers) > 0):
-            return False
-        if any(layer._forward_hooks or layer._forward_pre_hooks for layer in self.layers):
-            return False  # hooks see each layer's (x, residual) (spec/eagle3.py's HiddenCapture)
-        if getattr(self, "_chain_layers_ok", None) is None:
-            self._chain_layers_ok = self.norm.tp is None and all(
-                isinstance(layer, DecoderLayer) and layer.chainable() for layer in self.layers)
-        if not self._chain_layers_ok or x.dtype != self.layers[0].self_attn.qkv_proj.weight.dtype:
-            return False
-        layer0 = self.layers[0]
-        glu = getattr(layer0, layer0.mlp_name).glu_ok(x)
-        return all(prefer_gemv(rows, n, k, silu) for n, k, silu in layer0.chain_shapes(glu))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -338,8 +173,6 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = lm_head(cfg.hidden_size, cfg.vocab_size, get_tp_group())
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        if type(self.lm_head).forward is Linear.forward and tma_for_lm_head():
-            self.lm_head.tma_preload = True  # decode logits through the TMA GEMV (kernels/gemv_tma.py)
 
     def make_layer(self, cfg: ModelConfig, idx: int, rotary: RotaryEmbedding) -> nn.Module:
         return DecoderLayer(cfg, idx, rotary)

@@ -6,9 +6,9 @@ metadata, runs the model inside a forward context and samples on the device. Kno
 about stop conditions or text.
 
 Tensor parallel: every rank has a runner over its shard of the model and of the KV cache.
-Rank 0's runner has a ``driver`` (``distributed/launcher.py``) and broadcasts each
+Rank 0's runner has a ``driver`` (``engine/tp.py``) and broadcasts each
 forward's host inputs before running it; the other ranks' runners get them in
-``distributed/worker.py`` and run the same forward, so the collectives inside meet.
+``engine/tp.py`` and run the same forward, so the collectives inside meet.
 Sampling happens on rank 0 only.
 """
 from __future__ import annotations
@@ -19,12 +19,10 @@ from typing import Optional
 import torch
 
 from ..config import CacheConfig, ModelConfig
-from ..distributed.parallel_state import SINGLE, TPGroup, building
+from ..envs import Knobs
+from ..distributed.parallel_state import SINGLE, TPGroup
 from ..layers.attention import AttentionMetadata, ForwardContext, forward_context, select_backend
 from ..layers.sampler import Sampler, SamplingMetadata, SamplingRow
-from ..loader.source import ModelSource
-from ..loader.weights import init_dummy_weights, load_weights
-from ..models.registry import get_model_class
 
 
 @dataclass
@@ -32,53 +30,6 @@ class StepResult:
     token_ids: list           # one per sampled sequence
     logprobs: list            # chosen-token logprob per sampled sequence
     top: Optional[list]       # per sampled sequence: list of (id, logprob), or None
-
-
-def build_model(src: ModelSource, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int,
-                weight_dtype=None, tp: TPGroup = SINGLE):
-    """The model (this rank's shard of it when ``tp`` has several ranks: safetensors are
-    read lazily, a part per rank) with its weights, in eval mode."""
-    with building(tp):
-        return _build_model(src, cfg, device, dtype, seed, weight_dtype, tp)
-
-
-def _build_model(src, cfg, device, dtype, seed, weight_dtype, tp):
-    cls = get_model_class(cfg.architecture)
-    with torch.device("meta"):
-        model = cls(cfg)
-    # cast on the meta device first: allocating in fp32 and then casting needs twice the memory
-    model = model.to(dtype).to_empty(device=device)
-    # buffers computed at init (rotary tables) are lost by to_empty: rebuild them
-    for mod in model.modules():
-        if hasattr(mod, "cos_sin_cache"):
-            from ..layers.rotary import build_cos_sin_cache
-            mod.cos_sin_cache = build_cos_sin_cache(mod.rotary_dim, cfg.max_position_embeddings,
-                                                    cfg.rope_theta, cfg.rope_scaling).to(device)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    if src.tensors is None:
-        init_dummy_weights(model, seed, per_parameter_seeds=tp.world_size > 1)
-    else:
-        lazy = tp.world_size > 1 and src.slices is not None
-        load_weights(model, src.slices() if lazy else src.tensors(), src.num_tensors)
-    if weight_dtype == "int4":
-        if device.type != "cpu":
-            raise ValueError("weight_dtype='int4' runs on the CPU only (torch's int4 CPU kernel)")
-        from ..layers.linear import quantize_linear_weights_int4
-        quantize_linear_weights_int4(model)
-    elif weight_dtype == "fp8":
-        from ..kernels import fp8_weights
-        from ..layers.linear import quantize_fp8_weights
-        from ..loader.fp8 import fp8_block_size, fp8_pow2_scales
-        quantize_fp8_weights(model, fp8_block_size(src.hf_config) or fp8_weights.WEIGHT_BLOCK,
-                             fp8_pow2_scales(src.hf_config))
-        if device.type == "cuda":
-            torch.cuda.empty_cache()  # (the 16-bit weights' memory back for the KV cache plan)
-    elif weight_dtype is not None and weight_dtype != dtype:
-        from ..layers.linear import cast_linear_weights
-        cast_linear_weights(model, weight_dtype)
-    model.eval()
-    return model
 
 
 def allocate_kv_caches(cfg: ModelConfig, cache: CacheConfig, dtype, device, tp_size: int = 1) -> list:
@@ -97,9 +48,15 @@ def allocate_kv_caches(cfg: ModelConfig, cache: CacheConfig, dtype, device, tp_s
 class ModelRunner:
     def __init__(self, model, cfg: ModelConfig, cache: CacheConfig, device, dtype,
                  max_num_seqs: int = 256, max_model_len: int = 4096, enforce_eager: bool = False,
-                 attention_backend: str = "auto", tp: TPGroup = SINGLE, max_decode_rows: int = 0):
+                 attention_backend: str = "auto", tp: TPGroup = SINGLE, max_decode_rows: int = 0,
+                 knobs: Optional[Knobs] = None):
         """``max_decode_rows``: decode graphs are captured for up to max(max_num_seqs, this)
-        rows (speculative verify steps run as one decode row per scored position)."""
+        rows (speculative verify steps run as one decode row per scored position). ``knobs``:
+        the engine's kernel knobs (``knobs.reference``: every op on its torch reference, no
+        graphs, the torch attention backend)."""
+        self.knobs = knobs = Knobs() if knobs is None else knobs
+        if knobs.reference:
+            enforce_eager, attention_backend = True, "torch"
         self.model = model
         self.cfg = cfg
         self.cache_cfg = cache
@@ -108,7 +65,7 @@ class ModelRunner:
         self.backend = select_backend(device, attention_backend)
         if max_decode_rows and hasattr(self.backend, "fused_decode"):
             self.backend.fused_decode = False   # verify rows of one sequence read each other's k/v
-        self.sampler = Sampler()
+        self.sampler = Sampler(greedy_kernel=knobs.greedy_kernel)
         self.kv_caches = allocate_kv_caches(cfg, cache, dtype, device, tp.world_size)
         self.driver = None  # rank 0 of several: sends each forward's inputs to the other ranks
         self.graphs = None

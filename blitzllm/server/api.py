@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from ..engine.async_engine import AsyncEngine
-from .app import ServeConfig
+from .config import ServeConfig
 from .chat import create_chat_completion
 from .completions import create_completion
 from .errors import APIError, install_error_handlers, parse_body, read_json

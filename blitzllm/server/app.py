@@ -9,39 +9,21 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Optional
 
-DEFAULT_MAX_BODY = 8 << 20
-
-
-@dataclass(frozen=True)
-class ServeConfig:
-    engine_kwargs: dict = field(default_factory=dict)
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: Optional[str] = None
-    served_model_name: Optional[str] = None
-    max_waiting_requests: int = 1024
-    max_request_bytes: int = DEFAULT_MAX_BODY
-    reasoning_parser: Optional[str] = None
-    tool_call_parser: Optional[str] = None
-
-    @property
-    def model_name(self) -> str:
-        return self.served_model_name or str(self.engine_kwargs.get("model", "smollm2"))
+from .. import envs
+from .config import DEFAULT_MAX_BODY, ServeConfig
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=os.environ.get("BLITZ_API_KEY"),
+    g.add_argument("--api-key", default=envs.get("BLITZ_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize "
                         "(default: $BLITZ_API_KEY, else no key)")
     g.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")

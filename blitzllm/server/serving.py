@@ -16,7 +16,7 @@ from fastapi.responses import StreamingResponse
 
 from ..engine.async_engine import (AsyncEngine, EngineNotReadyError, EngineStepError, EngineStoppedError,
                                    QueueFullError)
-from ..engine.structured import INSTALL as STRUCTURED_INSTALL
+from ..structured import INSTALL as STRUCTURED_INSTALL
 from ..sampling_params import SamplingParams
 from .errors import APIError, bad_request
 from .protocol import DetokenizeRequest, TokenizeRequest

@@ -13,7 +13,7 @@ blocks stays content (None when only whitespace is left beside calls); a block w
 not hold a name is content as it was, as is a block the output never closes. ``tool_choice``:
 "auto" (the default with tools) parses calls, "none" leaves the tools out of the prompt and
 parses nothing. "required" and a named function are forced with a structured output
-(``engine/structured.py``), as vLLM does: a named function's answer is its arguments, decoded
+(``blitzllm/structured.py``), as vLLM does: a named function's answer is its arguments, decoded
 to its ``parameters`` schema; "required" decodes a non-empty JSON array of {"name", "parameters"}
 objects, one of the tools each; both come back as tool_calls with ``finish_reason`` "stop", as
 OpenAI's forced calls do (cut short, the text stays content). These need no tool-call parser.

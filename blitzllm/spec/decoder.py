@@ -8,14 +8,14 @@ from typing import Optional
 
 import torch
 
-from ..engine.kv_cache import KVCacheManager
 from .config import SpeculativeConfig
-from .proposers import Proposer
+from .base import Proposer
 from .verify import verify
 
 
 class SpecDecoder:
-    def __init__(self, cfg: SpeculativeConfig, proposer: Proposer, kv: KVCacheManager, max_num_batched_tokens: int):
+    def __init__(self, cfg: SpeculativeConfig, proposer: Proposer, kv, max_num_batched_tokens: int):
+        """``kv``: the target's KV cache manager (engine/kv_cache.py)."""
         self.cfg = cfg
         self.proposer = proposer
         self.kv = kv

@@ -55,7 +55,7 @@ def copy_candidates(tokens: list, max_n: int = COPY_MAX_N) -> tuple:
 def copy_candidate_at(tokens: list, max_n: int = COPY_MAX_N) -> tuple:
     """``copy_candidates`` of the last position alone: prompt lookup's match (a scan back
     from the end; the reference the proposer's ``CopyIndex`` is tested against)."""
-    from .proposers import ngram_match
+    from .base import ngram_match
     i, n = ngram_match(tokens, 1, max_n)
     return (tokens[i + n], n) if n else (0, 0)
 
@@ -472,7 +472,7 @@ class HiddenStateProposer:
     their own per-request state in ``cache`` and implement ``propose``."""
 
     def __init__(self, capture: HiddenCapture, runner, kv):
-        from .proposers import Proposal
+        from .base import Proposal
         self._proposal = Proposal
         self.runner, self.kv = runner, kv
         self.cap = capture.__enter__()

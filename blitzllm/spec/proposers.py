@@ -9,57 +9,14 @@ implementing the same two methods.
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 
 from ..config import CacheConfig, ModelConfig
-from ..engine.kv_cache import KVCacheManager
 from ..layers.sampler import SamplingMetadata, SamplingRow, exponential_noise
+from .base import Proposal, Proposer
 from .config import SpeculativeConfig
-
-
-@dataclass
-class Proposal:
-    drafts: list            # per request: list of draft token ids
-    probs: Optional[list] = None   # per request: [len(drafts), V] tensor or None; None: all point drafts
-
-
-class Proposer:
-    def propose(self, reqs: Sequence, limits: Sequence[int]) -> Proposal:
-        raise NotImplementedError
-
-    def finish(self, rid: str) -> None:
-        pass
-
-    def stats(self) -> dict:
-        return {}
-
-
-def ngram_match(tokens: Sequence[int], n_min: int, n_max: int) -> tuple:
-    """Prompt lookup's match: the longest suffix n-gram (n_max down to n_min) that occurred
-    earlier in ``tokens``, as (start of its latest earlier occurrence, n), or (-1, 0)."""
-    L = len(tokens)
-    for n in range(min(n_max, L - 1), n_min - 1, -1):
-        suffix = list(tokens[L - n:])
-        first = suffix[0]
-        for i in range(L - n - 1, -1, -1):
-            if tokens[i] == first and list(tokens[i:i + n]) == suffix:
-                return i, n
-    return -1, 0
-
-
-def ngram_lookup(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list:
-    """Prompt lookup: up to k tokens that followed the latest earlier occurrence of the
-    longest suffix n-gram (``ngram_match``)."""
-    if k <= 0:
-        return []
-    i, n = ngram_match(tokens, n_min, n_max)
-    return list(tokens[i + n:i + n + k]) if n else []
-
-
-assert array("I").itemsize == 4, "TokenBytes packs token ids as 4-byte words"
 
 
 class TokenBytes:
@@ -139,7 +96,9 @@ class DraftModelProposer(Proposer):
 
     def __init__(self, spec: SpeculativeConfig, target_cfg: ModelConfig, device, dtype, num_blocks: int,
                  block_size: int, max_num_seqs: int, max_model_len: int, seed: int,
-                 attention_backend: str = "auto"):
+                 attention_backend: str = "auto", new_kv=None):
+        """``new_kv(num_blocks, block_size, enable_prefix_caching)``: a KV cache manager of the
+        engine's kind (engine/kv_cache.py's ``KVCacheManager``) for the draft's own pool."""
         from ..loader.source import resolve_model
         from ..runner.model_runner import ModelRunner, build_model
         self.spec = spec
@@ -153,7 +112,7 @@ class DraftModelProposer(Proposer):
                              f"fewer than max_model_len={max_model_len}")
         self.cfg = cfg
         model = build_model(src, cfg, device, dtype, seed)
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.kv = new_kv(num_blocks, block_size, enable_prefix_caching=False)
         self.runner = ModelRunner(model, cfg, CacheConfig(block_size, num_blocks, False), device, dtype,
                                   max_num_seqs=max_num_seqs, max_model_len=max_model_len, enforce_eager=True,
                                   attention_backend=attention_backend)

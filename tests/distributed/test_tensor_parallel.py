@@ -12,7 +12,7 @@ import torch
 
 from blitzllm import LLM, SamplingParams
 from blitzllm.config import ModelConfig
-from blitzllm.distributed.launcher import TPWorkerError
+from blitzllm.engine.tp import TPWorkerError
 from blitzllm.distributed.parallel_state import TPGroup
 from blitzllm.loader.source import resolve_model
 from blitzllm.runner.model_runner import build_model

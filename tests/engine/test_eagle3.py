@@ -8,6 +8,7 @@ import torch
 
 from blitzllm import LLM
 from blitzllm.cli import main
+from blitzllm.cli.train_draft import evaluate_head
 from blitzllm.spec.eagle3 import Eagle3Config, Eagle3Head, HiddenCapture, default_layer_ids
 from blitzllm.spec.train_draft import (Sample, capture_features, load_prompts, make_optimizer, parse_range,
                                        sample_loss, train_on)
@@ -330,7 +331,7 @@ def test_train_draft_samples_and_eval_through_config(tiny4, tmp_path, monkeypatc
     # the sampled answers differ from the greedy one (temperature 1 over a random model)
     answers = td.generate_answers(llm, [[5, 6, 7]], 12, samples=3, temperature=1.0)
     assert [i for i, _ in answers] == [0, 0, 0] and answers[0][1] != answers[1][1]
-    res = td.evaluate_head(model_dir, str(tmp_path / "h"), prompts[:2], k=2, max_tokens=10, device="cpu",
+    res = evaluate_head(model_dir, str(tmp_path / "h"), prompts[:2], k=2, max_tokens=10, device="cpu",
                            log=logs.append)
     assert res["spec_draft_tokens"] > 0 and len(res["spec_acceptance_per_position"]) == 2
     assert 1.0 <= res["spec_mean_acceptance_length"] <= 3.0 and res["eval_max_tokens"] == 10
@@ -341,7 +342,7 @@ def test_train_draft_samples_and_eval_through_config(tiny4, tmp_path, monkeypatc
                           samples=2, temperature=1.0, draft_vocab=40, log=logs.append)
     assert any("draft vocabulary: the 40 most frequent" in m for m in logs)
     assert json.loads((tmp_path / "hv" / "config.json").read_text())["draft_vocab_size"] == 40
-    res = td.evaluate_head(model_dir, str(tmp_path / "hv"), prompts[:2], k=2, max_tokens=10, device="cpu",
+    res = evaluate_head(model_dir, str(tmp_path / "hv"), prompts[:2], k=2, max_tokens=10, device="cpu",
                            log=logs.append)
     assert res["spec_draft_tokens"] > 0
     with pytest.raises(ValueError, match="--draft-vocab must be in"):

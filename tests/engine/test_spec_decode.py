@@ -7,7 +7,7 @@ import torch
 
 from blitzllm import LLM, SamplingParams
 from blitzllm.spec.config import parse_speculative_config
-from blitzllm.spec.proposers import ngram_lookup
+from blitzllm.spec.base import ngram_lookup
 
 from tests.conftest import make_tiny_checkpoint
 
@@ -329,7 +329,8 @@ def test_token_bytes_match_is_ngram_match():
     """The proposer's byte-search match equals the Python scan on growing sequences, also
     where a byte pattern occurs across token boundaries (ids whose bytes shift into each
     other: 1, 256, 65536, 2**24) and with prompt / output splits that move."""
-    from blitzllm.spec.proposers import TokenBytes, ngram_match
+    from blitzllm.spec.base import ngram_match
+    from blitzllm.spec.proposers import TokenBytes
     g = torch.Generator().manual_seed(5)
     for vocab in ([1, 256, 65536, 1 << 24, 0], [3, 4, 5], list(range(40))):
         for trial in range(20):

@@ -174,7 +174,7 @@ def test_engine_failure_fails_in_flight_requests_then_recovers():
 def test_dead_engine_fails_in_flight_requests_and_stops_serving():
     """A tensor-parallel worker died (TPWorkerError): no step can run again, so the stream
     fails, the engine reports not ready with the reason, the loop ends and closes it."""
-    from blitzllm.distributed.launcher import TPWorkerError
+    from blitzllm.engine.tp import TPWorkerError
     eng = FakeEngine(step_s=0.01)
     errors = []
 

@@ -1,11 +1,15 @@
-"""Rank 0's side of a tensor-parallel engine: start or join the world, broadcast each
-step's inputs, watch the workers, shut them down.
+"""The processes of a tensor-parallel engine. Rank 0's side (``TPDriver``): start or join the
+world, broadcast each step's inputs, watch the workers, shut them down. Ranks 1..N-1
+(``run_worker``): build the same model shard and KV cache shard as rank 0 (same arguments,
+same order of collectives), then loop: receive a step's inputs, run its forward (taking part
+in the collectives inside), until rank 0 says stop; they know nothing about requests,
+sampling or text.
 
 One host: rank 0 (the engine process) hosts a TCP store on a free loopback port and
 spawns ranks 1..N-1 (``multiprocessing`` spawn context, daemon processes). Several
 hosts: every rank is started by torchrun (or by hand) with ``RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``, ``MASTER_PORT`` (and ``LOCAL_RANK``); rank 0 runs the engine, the others
-run ``worker.run_worker``.
+run ``run_worker``.
 
 Failure: a spawned worker that dies is seen by a watchdog thread within
 ``WATCH_INTERVAL_S``; it kills the other workers (a collective waiting on the dead rank
@@ -19,6 +23,8 @@ import contextlib
 import logging
 import multiprocessing as mp
 import os
+import signal
+import sys
 import threading
 import time
 import weakref
@@ -26,14 +32,20 @@ from typing import Optional
 
 import torch
 
-from .parallel_state import (TPGroup, WorldEnv, abort_tp_group, building, connect_store, cpu_threads_per_rank,
-                             destroy_tp_group, init_tp_group, set_nccl_env, torchrun_env)
+from .. import envs
+from ..distributed.allreduce_norm import attach_oneshot
+from ..distributed.parallel_state import (TPGroup, WorldEnv, abort_tp_group, building, connect_store,
+                                          cpu_threads_per_rank, destroy_tp_group, init_tp_group, rank_device,
+                                          set_nccl_env, torchrun_env)
 
 log = logging.getLogger("blitzllm.distributed")
 
-STARTUP_TIMEOUT_S = float(os.environ.get("BLITZ_TP_STARTUP_TIMEOUT", "600"))
 WATCH_INTERVAL_S = 0.2
 DEATH_GRACE_S = 2.0  # after a failed collective, how long to look for a worker that died
+
+
+def _startup_timeout() -> float:
+    return envs.get("BLITZ_TP_STARTUP_TIMEOUT")
 
 
 class TPWorkerError(RuntimeError):
@@ -98,9 +110,8 @@ class TPDriver:
             if device.type == "cuda" and torch.cuda.device_count() < (device.index or 0) + world_size:
                 raise ValueError(f"tensor_parallel_size={world_size} needs {world_size} GPUs from "
                                  f"{device}; this host has {torch.cuda.device_count()}")
-            store = connect_store(WorldEnv(0, world_size, 0, "127.0.0.1", 0), STARTUP_TIMEOUT_S, is_master=True)
+            store = connect_store(WorldEnv(0, world_size, 0, "127.0.0.1", 0), _startup_timeout(), is_master=True)
             env = WorldEnv(0, world_size, 0, "127.0.0.1", store.underlying_store.port)
-            from .worker import run_worker
             ctx = mp.get_context("spawn")
             for r in range(1, world_size):
                 p = ctx.Process(target=run_worker, args=(args, WorldEnv(r, world_size, r, env.master_addr,
@@ -112,10 +123,10 @@ class TPDriver:
             if env.world_size != world_size or env.rank != 0:
                 raise ValueError(f"tensor_parallel_size={world_size} but the torch.distributed environment says "
                                  f"WORLD_SIZE={env.world_size}, RANK={env.rank}")
-            store = connect_store(env, STARTUP_TIMEOUT_S)
+            store = connect_store(env, _startup_timeout())
         try:
             _wait_for_ranks(store, world_size, procs)
-            group = init_tp_group(env, store, device)
+            group = attach_oneshot(init_tp_group(env, store, device))
         except BaseException:
             _kill(procs)
             raise
@@ -206,14 +217,14 @@ def _wait_for_ranks(store, world_size: int, procs: list) -> None:
     """Until every rank checked in to the store (a spawned worker that dies first, or a
     rank that never comes, is an error instead of a hang)."""
     keys = [f"up/{r}" for r in range(1, world_size)]
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    deadline = time.monotonic() + _startup_timeout()
     while not store.check(keys):
         for r, p in procs:
             if not p.is_alive():
                 raise TPWorkerError(f"tensor-parallel worker rank {r} exited with code {p.exitcode} while "
                                     "starting (its error is printed above)")
         if time.monotonic() > deadline:
-            raise TPWorkerError(f"not every tensor-parallel rank joined within {STARTUP_TIMEOUT_S:.0f}s "
+            raise TPWorkerError(f"not every tensor-parallel rank joined within {_startup_timeout():.0f}s "
                                 "(BLITZ_TP_STARTUP_TIMEOUT); check MASTER_ADDR / MASTER_PORT on every host")
         time.sleep(0.02)
 
@@ -245,3 +256,84 @@ def _kill(procs: list) -> None:
             p.kill()
             p.join(5)
 
+
+# ---- ranks 1..N-1 ----------------------------------------------------------------------
+
+def run_worker(args, env: WorldEnv, parent_pid: Optional[int] = None) -> None:
+    """``args``: rank 0's EngineArgs; returns once rank 0 stops the world."""
+    spawned = parent_pid is not None
+    os.environ["BLITZ_NO_PROGRESS"] = "1"  # one loading bar (rank 0's)
+    if spawned:  # the engine process decides when we stop (Ctrl-C is its)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        threading.Thread(target=_exit_with_parent, args=(parent_pid,), name="blitz-tp-parent", daemon=True).start()
+    from .args import resolve_device
+    device = rank_device(resolve_device(args.device), env.local_rank)
+    if device.type == "cpu":
+        torch.set_num_threads(cpu_threads_per_rank(env.world_size, spawned))
+    set_nccl_env()
+    store = connect_store(env, _startup_timeout())
+    store.set(f"up/{env.rank}", str(os.getpid()))
+    group = attach_oneshot(init_tp_group(env, store, device))
+    try:
+        runner = _build(args, group, device)
+        if runner is not None:
+            _serve(runner, group)
+    finally:
+        destroy_tp_group()
+    if spawned:  # stopped by rank 0: skip the interpreter's slow teardown (only stdio to flush)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+class _Stopped(Exception):
+    """Rank 0 stopped the world before the runner was built (its own start-up failed)."""
+
+
+def _build(args, group, device):
+    """The same model shard, KV cache size (agreed with rank 0) and runner as rank 0 builds;
+    None if rank 0 stops first."""
+    from ..config import CacheConfig, ModelConfig
+    from ..loader.source import resolve_model
+    from ..runner.build import build_runner
+    from .args import plan_kv_blocks, resolve_dtype, resolve_weight_dtype, speculation_runner_kwargs
+    src = resolve_model(args.model, args.load_format)
+    cfg = ModelConfig.from_hf(src.hf_config, args.num_layers)
+    dtype = resolve_dtype(args.dtype, device, src.torch_dtype)
+
+    def plan_cache():
+        num_blocks = agree_min(group, plan_kv_blocks(args, cfg, dtype, device, group.world_size))
+        msg = recv(group)
+        if msg[0] == "stop":
+            raise _Stopped
+        return CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching), msg[1]
+
+    try:
+        return build_runner(src, cfg, device=device, dtype=dtype, plan_cache=plan_cache, seed=args.seed, tp=group,
+                            weight_dtype=resolve_weight_dtype(args.weight_dtype, device, dtype),
+                            max_num_seqs=args.max_num_seqs, attention_backend=args.attention_backend,
+                            **speculation_runner_kwargs(args))
+    except _Stopped:
+        return None
+
+
+@torch.inference_mode()
+def _serve(runner, group) -> None:
+    while True:
+        msg = recv(group)
+        kind = msg[0]
+        if kind == "stop":
+            return
+        if kind == "forward":
+            runner.forward(*msg[1:])
+        elif kind == "graph":
+            runner.launch_decode_graph(*msg[1:])
+        else:
+            raise RuntimeError(f"unknown tensor-parallel message {kind!r}")
+
+
+def _exit_with_parent(pid: int) -> None:
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != pid:
+            os._exit(1)

@@ -9,7 +9,7 @@ import os
 import sys
 import time
 
-from .cli_args import add_engine_args, engine_kwargs
+from ..cli_args import add_engine_args, engine_kwargs
 
 
 class _Parser(argparse.ArgumentParser):
@@ -19,7 +19,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _sampling(a, **extra):
-    from .sampling_params import SamplingParams
+    from ..sampling_params import SamplingParams
     return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
                           top_k=a.top_k, seed=a.seed_sample, **extra)
 
@@ -34,7 +34,7 @@ def _add_sampling_args(p):
 
 
 def cmd_generate(a) -> int:
-    from .llm import LLM
+    from ..llm import LLM
     params = _sampling(a)
     llm = LLM(**engine_kwargs(a))
     if a.chat and llm.tokenizer is not None and getattr(llm.tokenizer, "chat_template", None):
@@ -64,7 +64,7 @@ def cmd_generate(a) -> int:
 
 
 def cmd_chat(a) -> int:
-    from .llm import LLM
+    from ..llm import LLM
     llm = LLM(**engine_kwargs(a))
     params = _sampling(a)
     history = []
@@ -92,12 +92,12 @@ def torchrun_worker(a) -> bool:
     command serve rank 0's engine as workers instead of running the command."""
     if getattr(a, "tensor_parallel_size", 1) <= 1:
         return False
-    from .distributed.parallel_state import torchrun_env
+    from ..distributed.parallel_state import torchrun_env
     env = torchrun_env()
     if env is None or env.rank == 0:
         return False
-    from .distributed.worker import run_worker
-    from .engine.engine import EngineArgs
+    from ..engine.tp import run_worker
+    from ..engine.engine import EngineArgs
     run_worker(EngineArgs(**engine_kwargs(a)), env)
     return True
 
@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(c)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     try:
-        from .server.app import add_serve_args
+        from ..server.app import add_serve_args
     except ImportError as e:  # the server stack is missing or broken: the rest of the CLI still works
         s.set_defaults(serve_import_error=f"blitz serve needs fastapi and uvicorn ({e}): pip install fastapi uvicorn")
     else:
@@ -124,9 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(s)
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_cmd", parser_class=_Parser)
-    from .bench import register_bench_commands
+    from ..bench import register_bench_commands
     register_bench_commands(bsub, add_engine_args)
-    from .spec.train_draft import add_train_draft_args
+    from .train_draft import add_train_draft_args
     add_train_draft_args(sub.add_parser("train-draft", help="train an EAGLE-3 draft head from the engine's hidden states"))
     return p
 
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
         if a.cmd == "serve":
             if getattr(a, "serve_import_error", None):
                 raise ValueError(a.serve_import_error)
-            from .server.app import run_server
+            from ..server.app import run_server
             return run_server(a)
         if a.cmd == "bench":
             if getattr(a, "bench_func", None) is None:

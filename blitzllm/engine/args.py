@@ -1,0 +1,114 @@
+"""What an engine is built from: ``EngineArgs`` and the device, dtype and KV cache size they
+resolve to (the same on rank 0 and on every tensor-parallel worker)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from ..config import ModelConfig
+from ..spec.config import parse_speculative_config
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+CPU_KV_BUDGET_BYTES = 2 << 30
+
+
+@dataclass
+class EngineArgs:
+    model: str = "smollm2"
+    dtype: Optional[Union[str, torch.dtype]] = None
+    device: Optional[str] = None
+    load_format: str = "auto"
+    max_model_len: Optional[int] = None
+    kv_cache_blocks: Optional[int] = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: Optional[int] = None
+    seed: int = 0
+    num_layers: Optional[int] = None
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+    attention_backend: str = "auto"   # auto | torch | triton
+    # bfloat16 / float16 / int4 weights with float32 activations (CPU); fp8: block-FP8 (W8A16) linears and experts
+    weight_dtype: Optional[str] = None
+    warmup: bool = True               # CUDA: compile the kernels a first request needs at start-up
+    speculative_config: Optional[Union[str, dict]] = None  # see blitzllm/spec/config.py
+    tensor_parallel_size: int = 1     # ranks the model is sharded over (blitzllm/distributed/)
+
+
+def resolve_device(device: Optional[str]) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but CUDA is not available")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
+    return dev
+
+
+def resolve_dtype(dtype, device: torch.device, config_dtype: Optional[str]) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        if device.type == "cpu":
+            return torch.float32
+        return torch.float16 if config_dtype == "float16" else torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def resolve_weight_dtype(weight_dtype: Optional[str], device: torch.device, dtype: torch.dtype):
+    if weight_dtype == "int4":
+        if device.type != "cpu":
+            raise ValueError("weight_dtype='int4' runs on the CPU only (torch's int4 CPU kernel)")
+        return "int4"
+    if weight_dtype == "fp8":
+        return "fp8"
+    if weight_dtype and weight_dtype not in _DTYPES:
+        raise ValueError(f"weight_dtype must be one of float32, bfloat16, float16, int4, fp8; got {weight_dtype!r}")
+    return resolve_dtype(weight_dtype, device, None) if weight_dtype else dtype
+
+
+def plan_kv_blocks(a: EngineArgs, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp_size: int = 1) -> int:
+    """KV cache blocks: ``kv_cache_blocks``, else what fits this device's budget (one rank's
+    share of the KV heads with tensor parallelism), at most what the model can use."""
+    if a.kv_cache_blocks is not None:
+        if not isinstance(a.kv_cache_blocks, int) or a.kv_cache_blocks < 1:
+            raise ValueError(f"kv_cache_blocks must be an integer >= 1, got {a.kv_cache_blocks!r}")
+        return a.kv_cache_blocks
+    per_block = cfg.kv_bytes_per_token(torch.finfo(dtype).bits // 8, tp_size) * a.block_size
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        reserve = 4 << 30  # activations, logits, graphs
+        budget = int(total * a.gpu_memory_utilization) - (total - free) - reserve
+    else:
+        budget = CPU_KV_BUDGET_BYTES
+    want = -(-cfg.max_position_embeddings // a.block_size) * max(1, min(a.max_num_seqs, 64))
+    return max(1, min(budget // per_block, want))
+
+
+def check_tp_size(n) -> int:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {n!r}")
+    return n
+
+
+def speculation_runner_kwargs(args) -> dict:
+    """ModelRunner options that depend on speculation (the same on every tensor-parallel
+    rank): EAGLE-3 and MTP read the target's hidden states through forward hooks, which
+    CUDA-graph replays bypass, so their target runs eager; verify steps run as decode rows, one per
+    scored position, so the decode graphs cover max_num_seqs * (k + 1) rows (at most 512)."""
+    spec = parse_speculative_config(args.speculative_config)
+    if spec is None:
+        return {"enforce_eager": args.enforce_eager, "max_decode_rows": 0}
+    return {"enforce_eager": args.enforce_eager or spec.method in ("eagle3", "mtp"),
+            "max_decode_rows": min(args.max_num_seqs * (spec.k + 1), 512)}

@@ -1,0 +1,157 @@
+"""Every environment variable blitzllm reads, declared once: name, type, default, a line of doc,
+and whether it is an operational setting or a kernel A/B knob.
+
+Nothing here is read at import. Operational settings are read where they are used
+(``get("BLITZ_API_KEY")``); the kernel knobs are read once when an engine builds its model
+(``Knobs.from_env()``), into a frozen object the runner's decode plan hands to the layers, so a
+test sets a knob with ``monkeypatch.setenv`` before it builds an ``LLM``, and two engines in one
+process may differ. ``docs/switches.md`` is generated from this table:
+``python -m blitzllm.envs > docs/switches.md`` (a test fails when it is stale).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Mapping, Optional
+
+SETTING, KNOB = "setting", "knob"
+
+
+@dataclass(frozen=True)
+class Switch:
+    name: str
+    kind: str          # SETTING (how to run) or KNOB (which kernel form; for A/B runs)
+    type: str          # bool | int | float | str | json | choice
+    default: Any
+    doc: str
+    choices: tuple = ()
+
+
+_SWITCHES = (
+    # operational settings
+    Switch("BLITZ_API_KEY", SETTING, "str", None,
+           "bearer key `blitz serve` and `blitz bench serve` use when `--api-key` is not given"),
+    Switch("BLITZ_CACHE", SETTING, "str", None,
+           "cache folder for converted tokenizers (default `~/.cache/blitzllm`)"),
+    Switch("BLITZ_NO_PROGRESS", SETTING, "bool", False,
+           "no weight-loading progress bar (tensor-parallel workers set it: rank 0 shows one)"),
+    Switch("BLITZ_TP_TIMEOUT", SETTING, "float", 600.0,
+           "seconds a tensor-parallel step collective may take before it fails"),
+    Switch("BLITZ_TP_STARTUP_TIMEOUT", SETTING, "float", 600.0,
+           "seconds tensor-parallel workers may take to start and load"),
+    Switch("BLITZ_TP_BARRIER_TIMEOUT", SETTING, "float", 60.0,
+           "seconds the one-shot all-reduce waits for its peers before it fails"),
+    Switch("BLITZ_TP_ONESHOT_BYTES", SETTING, "int", 512 << 10,
+           "largest all-reduce (bytes) that takes the one-shot peer-memory kernel; 0: NCCL always"),
+    Switch("BLITZ_MOE_SPLIT", SETTING, "choice", "auto",
+           "tensor-parallel MoE split: by expert or by intermediate dim (auto: by expert where it divides)",
+           ("auto", "expert", "tensor")),
+    # kernel A/B knobs (read once per engine)
+    Switch("BLITZ_REFERENCE", KNOB, "bool", False,
+           "every op on its torch reference, on any device (no Triton, no CUDA graphs): the independent "
+           "oracle of the GPU end-to-end tests"),
+    Switch("BLITZ_PDL", KNOB, "bool", True,
+           "programmatic dependent launch on Hopper (a kernel starts its independent loads while the one "
+           "before ends)"),
+    Switch("BLITZ_GEMV", KNOB, "bool", True,
+           "decode GEMMs of up to 16 rows on the Triton GEMV (0: cuBLAS)"),
+    Switch("BLITZ_GEMV_TMA", KNOB, "choice", "1",
+           "which decode projections take the Hopper TMA GEMV: o_proj + qkv + lm_head (1), o_proj only, "
+           "lm_head only, all without their early launch (nodeps), none (0)",
+           ("1", "o_proj", "lm_head", "nodeps", "0")),
+    Switch("BLITZ_GEMV_CONFIG", KNOB, "json", None,
+           "tile override of every GEMV call, e.g. `{\"BLOCK_N\": 8, \"num_warps\": 4}`"),
+    Switch("BLITZ_MOE_DECODE_CONFIG", KNOB, "json", None,
+           "tile override of the decode MoE launches, e.g. `{\"up\": {\"BLOCK_N\": 32}, \"down\": {...}}`"),
+    Switch("BLITZ_GREEDY_KERNEL", KNOB, "bool", True,
+           "all-greedy steps pick their tokens in one Triton launch (0: torch argmax + log-softmax)"),
+    # decode variants not yet measured on a GPU: the first GPU run keeps the faster, deletes the other
+    Switch("BLITZ_GEMV_TMA_NORM", KNOB, "bool", False,
+           "the input residual add + RMSNorm inside the qkv TMA GEMV (no RMSNorm launch)"),
+    Switch("BLITZ_ATTN_OPROJ", KNOB, "bool", False,
+           "decode attention leaves its split partials unmerged and o_proj merges them per head"),
+    Switch("BLITZ_MOE_SELECT", KNOB, "choice", "rounds",
+           "expert selection by top-k argmax rounds or by each expert's rank", ("rounds", "rank")),
+    Switch("BLITZ_MOE_BALANCE", KNOB, "bool", False,
+           "the direct MoE gate/up programs take balanced row counts so their tiles cover the SMs evenly"),
+    Switch("BLITZ_MOE_PF_QKV", KNOB, "choice", "0",
+           "the MoE norm + router launch prefetches the next layer's qkv (qkvo: and o_proj) weights into "
+           "the L2 (1: marked evict-last; normal: unmarked)", ("0", "1", "normal", "qkvo")),
+    Switch("BLITZ_MLA_FUSED", KNOB, "bool", False,
+           "MLA decode: latent norm + rotary + latent-cache write in one launch"),
+)
+SWITCHES: Mapping[str, Switch] = {s.name: s for s in _SWITCHES}
+
+
+def _parse(sw: Switch, raw: str) -> Any:
+    try:
+        if sw.type == "bool":
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off", ""):
+                return False
+            raise ValueError
+        if sw.type == "int":
+            return int(raw)
+        if sw.type == "float":
+            return float(raw)
+        if sw.type == "json":
+            return json.loads(raw) if raw.strip() else None
+        if sw.type == "choice" and raw not in sw.choices:
+            raise ValueError
+        return raw
+    except ValueError:
+        want = {"bool": "0 or 1", "int": "an integer", "float": "a number", "json": "JSON",
+                "choice": " | ".join(sw.choices)}.get(sw.type, "a string")
+        raise ValueError(f"{sw.name} must be {want}, got {raw!r}") from None
+
+
+def get(name: str, environ: Optional[Mapping[str, str]] = None) -> Any:
+    """The value of switch ``name`` (its default when unset); a ValueError names a bad value."""
+    sw = SWITCHES[name]  # (a KeyError for an undeclared name: declare it above first)
+    raw = (os.environ if environ is None else environ).get(name)
+    return sw.default if raw is None else _parse(sw, raw)
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """The kernel knobs of one engine, read once when it builds its model
+    (``runner/decode_plan.py`` hands them to the layers)."""
+    reference: bool = False
+    pdl: bool = True
+    gemv: bool = True
+    gemv_tma: str = "1"
+    greedy_kernel: bool = True
+    gemv_tma_norm: bool = False
+    attn_oproj: bool = False
+    moe_select: str = "rounds"
+    moe_balance: bool = False
+    moe_pf_qkv: str = "0"
+    mla_fused: bool = False
+
+    @classmethod
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "Knobs":
+        return cls(**{f.name: get("BLITZ_" + f.name.upper(), environ) for f in fields(cls)})
+
+
+def markdown() -> str:
+    """docs/switches.md."""
+    lines = ["# Environment switches", "",
+             "Generated from `blitzllm/envs.py` (`python -m blitzllm.envs > docs/switches.md`); do not edit.",
+             "Settings say how to run; knobs pick a kernel form for A/B runs (the defaults are what measured",
+             "fastest; `docs/perf-history.md` keeps the figures of the forms that lost).", ""]
+    for kind, title in ((SETTING, "Settings"), (KNOB, "Kernel knobs")):
+        lines += [f"## {title}", "", "| variable | type | default | what it does |", "| --- | --- | --- | --- |"]
+        for sw in _SWITCHES:
+            if sw.kind == kind:
+                typ = " \\| ".join(sw.choices) if sw.choices else sw.type
+                default = "unset" if sw.default is None else str(int(sw.default) if sw.type == "bool"
+                                                                   else sw.default)
+                lines.append(f"| `{sw.name}` | {typ} | {default} | {sw.doc} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")

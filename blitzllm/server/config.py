@@ -1,0 +1,24 @@
+"""The server's settings (``blitz serve``'s options past the engine's)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+DEFAULT_MAX_BODY = 8 << 20
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    engine_kwargs: dict = field(default_factory=dict)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: Optional[str] = None
+    served_model_name: Optional[str] = None
+    max_waiting_requests: int = 1024
+    max_request_bytes: int = DEFAULT_MAX_BODY
+    reasoning_parser: Optional[str] = None
+    tool_call_parser: Optional[str] = None
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or str(self.engine_kwargs.get("model", "smollm2"))
