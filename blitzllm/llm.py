@@ -4,7 +4,7 @@ worker processes; they also stop when this process exits."""
 from __future__ import annotations
 
 import itertools
-from typing import Optional, Sequence, Union
+from typing import Iterator, Optional, Sequence, Union
 
 from .engine.engine import Engine, EngineArgs
 from .engine.request import CompletionOutput, RequestOutput
@@ -82,6 +82,26 @@ class LLM:
             ptoks = self.engine.tokenize(prompt)
             outs.append(RequestOutput(rid, prompt if isinstance(prompt, str) else None, ptoks, comps, True))
         return outs
+
+    def stream(self, prompt, params: Optional[SamplingParams] = None) -> Iterator[str]:
+        """One prompt's text as it is generated: yields each step's new text (first sample of
+        ``params.n``); the request is aborted if the caller stops early."""
+        rid = f"gen-{next(self._ids)}"
+        self.engine.add_request(rid, prompt, params or SamplingParams())
+        done = False
+        try:
+            while not done and self.engine.has_unfinished():
+                for ev in self.engine.step():
+                    if ev.request_id == rid and ev.index == 0:
+                        done = ev.finish_reason is not None
+                        if ev.text:
+                            yield ev.text
+        finally:
+            if not done:
+                self.engine.abort_request(rid)
+
+    def tokenize(self, text: str) -> list:
+        return self.engine.tokenize(text)
 
     def apply_chat_template(self, messages: list) -> list:
         tok = self.engine.tokenizer

@@ -40,21 +40,17 @@ def cmd_generate(a) -> int:
     if a.chat and llm.tokenizer is not None and getattr(llm.tokenizer, "chat_template", None):
         prompt = llm.apply_chat_template([{"role": "user", "content": a.prompt}])
     else:
-        prompt = llm.engine.tokenize(a.prompt)
-    eng = llm.engine
-    eng.add_request("cli", prompt, params)
+        prompt = llm.tokenize(a.prompt)
     t0 = time.perf_counter()
     t_first = None
-    n = 0
-    while eng.has_unfinished():
-        for ev in eng.step():
-            if t_first is None:
-                t_first = time.perf_counter()
-            n += len(ev.new_token_ids)
-            sys.stdout.write(ev.text)
-            sys.stdout.flush()
+    for text in llm.stream(prompt, params):
+        if t_first is None:
+            t_first = time.perf_counter()
+        sys.stdout.write(text)
+        sys.stdout.flush()
     t1 = time.perf_counter()
     sys.stdout.write("\n")
+    n = llm.stats()["generation_tokens"]
     prefill = (t_first or t1) - t0
     decode_tps = (n - 1) / (t1 - t_first) if n > 1 and t_first else 0.0
     print(f"[blitz] prompt {len(prompt)} tok in {prefill:.3f}s ({len(prompt) / max(prefill, 1e-9):.1f} tok/s), "
