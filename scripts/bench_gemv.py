@@ -45,19 +45,6 @@ SHAPES = (layers("llama-3.1-8b", 4096, 14336, 4096, 1024, 128256)
              if s[1] in ("qkv", "o_proj", "lm_head")])
 
 
-def swap_sweep(n, k, sms):
-    """The swapped tensor-core form (W the wide MMA operand, pipelined through shared memory):
-    tiles x pipeline depths, each at the split that gives about 1, 2 and 4 programs per SM."""
-    out = []
-    for bn, bk, st, w in [(64, 128, 4, 4), (64, 128, 6, 4), (64, 256, 3, 4), (64, 256, 4, 4),
-                          (128, 128, 4, 4), (128, 128, 4, 8), (128, 64, 6, 4), (32, 256, 4, 4)]:
-        tiles, chunks = -(-n // bn), -(-k // bk)
-        for per_sm in (1, 2, 4):
-            out.append(dict(SWAP=True, BLOCK_N=bn, BLOCK_K=bk, num_stages=st, num_warps=w,
-                            SPLIT_K=max(1, min(chunks, -(-per_sm * sms // tiles)))))
-    return out
-
-
 def sweep(m):
     """Tiles to try at m rows (SPLIT_K left to the heuristic for the tile), besides the
     heuristic itself and its SPLIT_K=1 / SPLIT_K=4 variants (strategy a vs b)."""
@@ -77,7 +64,7 @@ def sweep(m):
 
 
 def cfg_str(c):
-    return (f"{'swap' if c.get('SWAP') else 'dot' if c['DOT'] else 'fma'} n{c['BLOCK_N']} k{c['BLOCK_K']} s{c['SPLIT_K']} "
+    return (f"{'dot' if c['DOT'] else 'fma'} n{c['BLOCK_N']} k{c['BLOCK_K']} s{c['SPLIT_K']} "
             f"w{c['num_warps']} st{c['num_stages']}")
 
 
@@ -150,13 +137,8 @@ def run(args):
             variants = [("cublas", None), ("heuristic", heur),
                         ("heur-split1", dict(heur, SPLIT_K=1)), ("heur-split4", dict(heur, SPLIT_K=4))]
             over = time.time() - t0 > args.budget_s
-            if args.swap_only:
-                variants = variants[:2]
             if not over:
-                if not args.swap_only:
-                    variants += [(f"sweep{i}", c) for i, c in enumerate(sweep(m))]
-                if not silu:
-                    variants += [(f"swap{i}", c) for i, c in enumerate(swap_sweep(n, k, sms))]
+                variants += [(f"sweep{i}", c) for i, c in enumerate(sweep(m))]
             seen, ref = set(), None
             for name, cfg in variants:
                 if cfg is None:  # the baseline (unfused with silu)
@@ -242,8 +224,6 @@ def main():
     ap.add_argument("--ms", default="1,4,16", help="rows of x (comma separated, <= 16)")
     ap.add_argument("--models", default="", help="only these models (comma separated)")
     ap.add_argument("--layers", default="", help="only these layers, e.g. qkv,o_proj,down")
-    ap.add_argument("--swap-only", action="store_true",
-                    help="cuBLAS, the heuristic and the swapped tensor-core sweep only")
     ap.add_argument("--budget-s", type=float, default=210.0,
                     help="after this many seconds only cuBLAS and the heuristic are timed")
     args = ap.parse_args()

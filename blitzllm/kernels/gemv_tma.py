@@ -30,8 +30,7 @@ from ._common import HAS_TRITON, capability, device_sms, next_pow2, pdl_enabled,
 try:  # Gluon ships with Triton >= 3.5
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     HAS_GLUON = HAS_TRITON
 except Exception:  # pragma: no cover - depends on the Triton build
@@ -44,27 +43,17 @@ except Exception:  # pragma: no cover - depends on the Triton build
 TMA_MODE = os.environ.get("BLITZ_GEMV_TMA", "1")
 if TMA_MODE not in ("0", "1", "o_proj", "nodeps", "lm_head"):
     raise ValueError(f"BLITZ_GEMV_TMA must be 0, 1, o_proj, nodeps or lm_head, got {TMA_MODE!r}")
-TMA_SMEM_BYTES = int(os.environ.get("BLITZ_GEMV_TMA_SMEM", str(160 << 10)))  # per program
+# shared memory per program for W's ring: where a program's whole weight slice fits (Qwen3-30B-A3B's
+# o_proj and qkv) all of it is in flight before the wait; the rest of sm_90's 227 KB holds x
+TMA_SMEM_BYTES = 160 << 10
 TMA_MAX_ROWS = 2
-_BLOCK_NS = (8, 16)
-TMA_WARPS = int(os.environ.get("BLITZ_GEMV_TMA_WARPS", "8"))
-_ENV_BLOCK_N = int(os.environ.get("BLITZ_GEMV_TMA_BLOCK_N", "0"))  # (A/B: force the row-tile size)
+_BLOCK_NS = (8, 16)  # the row-tile sizes the heuristic picks from
+TMA_WARPS = 8  # warps per program at most (over a tile's rows)
 TMA_GROUP_BYTES = 32 << 10  # bytes per copy at most
-# Where one copy holds a whole row tile (all of K: qkv's 8 x 2048 tiles), the program widens its x
-# chunks to fp32 once, before the tile loop, instead of reloading and widening them per tile:
-# 253 instead of 357 instructions per tile in qkv's loop (sm_90 SASS), 97 registers instead of
-# 32 at one row. BLITZ_GEMV_TMA_HOIST=0 (A/B): per tile.
-TMA_HOIST_X = os.environ.get("BLITZ_GEMV_TMA_HOIST", "1") != "0"
 # BLITZ_GEMV_TMA_NORM=1 (opt-in until measured): a pre-norm GEMV on the TMA path (qkv after the
 # input RMSNorm) takes the residual add + RMSNorm into its programs (``gemv_tma_norm_triton``): no
 # RMSNorm launch, the GEMV launching right after the kernel before (its weights stream from there)
 TMA_NORM = os.environ.get("BLITZ_GEMV_TMA_NORM", "0") == "1"
-# BLITZ_GEMV_TMA_MMA=1: the products on the tensor cores (``_gemv_tma_mma_kernel``: one wgmma per
-# 64 x 64 chunk, W's rows of a tile over Q parts of K filling the instruction's 64 rows) instead of
-# fp32 FMAs from shared memory, where K divides into such parts (opt-in until measured)
-TMA_MMA = os.environ.get("BLITZ_GEMV_TMA_MMA", "0") == "1"
-_MMA_ROWS = (8, 16, 32, 64)
-TMA_MMA_MAX_TILES = 8  # tiles per program at most (the tile loop is unrolled)
 
 if HAS_GLUON:
     @gluon.jit
@@ -79,14 +68,6 @@ if HAS_GLUON:
     @gluon.constexpr_function
     def _pow2(n):
         return 1 << (n - 1).bit_length()
-
-    @gluon.jit
-    def _stamp(t_ptr, pid, i: gl.constexpr, TIMED: gl.constexpr):
-        """Diagnostics (``times=``): %globaltimer at point i of program pid."""
-        if TIMED:
-            now = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False,
-                                            pack=1)
-            gl.store(t_ptr + pid * 8 + i, now)
 
     @gluon.jit
     def _issue(w_desc, smem, bars, q, total, pid, nprog, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
@@ -129,15 +110,13 @@ if HAS_GLUON:
                          BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, CHUNKS: gl.constexpr, G: gl.constexpr,
                          SLOTS: gl.constexpr, GROUPED: gl.constexpr, TWO_ROWS: gl.constexpr,
                          HAS_BIAS: gl.constexpr, USE_PDL: gl.constexpr, TPW_K: gl.constexpr,
-                         WN: gl.constexpr, t_ptr=None, TIMED: gl.constexpr = False, HOIST_X: gl.constexpr = True,
-                         r_ptr=None, nw_ptr=None, ro_ptr=None, stride_rm=0, stride_rom=0, eps=1e-6,
+                         WN: gl.constexpr, r_ptr=None, nw_ptr=None, ro_ptr=None, stride_rm=0, stride_rom=0, eps=1e-6,
                          NORM: gl.constexpr = False):
         """NORM: x is the pre-norm block's input (fp32 or W's dtype) beside the residual r: every
         program forms s = round(round(x) + r) and W's input rmsnorm(s) * nw itself (the rounding
         steps of ``rmsnorm.fused_add_rms_norm``), and program 0 stores s (the new residual) at
         ro_ptr: the RMSNorm launch before the GEMV is gone."""
         pid = gl.program_id(0)
-        _stamp(t_ptr, pid, 0, TIMED)
         nprog = gl.num_programs(0)
         GPT: gl.constexpr = CHUNKS // G  # copies (groups of G chunks) per tile
         total = (n_tiles - pid + nprog - 1) // nprog * GPT  # this program's groups
@@ -147,7 +126,6 @@ if HAS_GLUON:
             mbarrier.init(bars.index(s), count=1)
         for i in gl.static_range(SLOTS):  # the preload: in flight before the wait
             _issue(w_desc, smem, bars, i, total, pid, nprog, BLOCK_N, BLOCK_K, G, GPT, SLOTS, GROUPED)
-        _stamp(t_ptr, pid, 1, TIMED)
         ROWS: gl.constexpr = 2 if TWO_ROWS else 1
         XR: gl.constexpr = _pow2(ROWS * CHUNKS)  # x as [XR, BLOCK_K] (shapes are powers of two)
         xs = gl.allocate_shared_memory(w_desc.dtype, [XR, BLOCK_K], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
@@ -166,7 +144,6 @@ if HAS_GLUON:
         if USE_PDL:
             _gdc_wait()
             _gdc_launch_dependents()
-        _stamp(t_ptr, pid, 2, TIMED)
         # x, the only input from the kernel before: one load of all of it (every round trip in
         # flight at once), kept in shared memory for all tiles
         xmask = (xi < ROWS * CHUNKS) & (xk < K) & (xr < M)
@@ -176,9 +153,11 @@ if HAS_GLUON:
                             TWO_ROWS, w_desc.dtype)
         xs.store(xv)
         gl.thread_barrier()
-        _stamp(t_ptr, pid, 3, TIMED)
-        HOIST: gl.constexpr = HOIST_X and GPT == 1
-        if HOIST:  # one copy per tile: every tile takes the same x chunks, widened once here
+        # Where one copy holds a whole row tile (all of K: qkv's 8 x 2048 tiles) every tile takes
+        # the same x chunks: they are widened to fp32 once, here, instead of reloaded and widened
+        # per tile (fewer instructions per tile in the loop, at the cost of registers)
+        HOIST: gl.constexpr = GPT == 1
+        if HOIST:
             x0h = gl.expand_dims(xs.slice(0, G).load(gl.SliceLayout(1, L3)).to(gl.float32), 1)
             if TWO_ROWS:
                 x1h = gl.expand_dims(xs.slice(CHUNKS, G).load(gl.SliceLayout(1, L3)).to(gl.float32), 1)
@@ -188,12 +167,6 @@ if HAS_GLUON:
             for gi in gl.static_range(GPT):
                 q = t * GPT + gi
                 mbarrier.wait(bars.index(q % SLOTS), (q // SLOTS) & 1)
-                if gi == 0:
-                    if t == 0:
-                        _stamp(t_ptr, pid, 4, TIMED)
-                if gi == GPT - 1:
-                    if t == 0:
-                        _stamp(t_ptr, pid, 5, TIMED)
                 w = smem.index(q % SLOTS).load(L3).to(gl.float32)
                 if HOIST:
                     acc0 += gl.sum(w * x0h, axis=0)
@@ -224,111 +197,6 @@ if HAS_GLUON:
                 gl.store(out_ptr + stride_om + rows, y1.to(dt), mask=n_ok & (M > 1))
         for s in gl.static_range(SLOTS):
             mbarrier.invalidate(bars.index(s))
-        _stamp(t_ptr, pid, 6, TIMED)
-
-
-    @gluon.constexpr_function
-    def _row_lanes(r):
-        """A warp's lanes over (entries, rows) of the final sums: rows across lanes first."""
-        return [max(1, 32 // r), min(r, 32)]
-
-    @gluon.jit
-    def _issue_mma(w_desc, smem, bars, q, total, pid, nprog, R: gl.constexpr, CPT: gl.constexpr,
-                   SLOTS: gl.constexpr):
-        """Copy q of this program's sequence (tile q // CPT, its K chunk q % CPT of 64 values in
-        each of the Q parts) into slot q % SLOTS (nothing where q >= total)."""
-        ok = q < total
-        s = q % SLOTS
-        bar = bars.index(s)
-        mbarrier.expect(bar, w_desc.block_type.nbytes, pred=ok)
-        tma.async_copy_global_to_shared(w_desc, [(pid + (q // CPT) * nprog) * R, 0, (q % CPT) * 64], bar,
-                                        smem.index(s), pred=ok)
-
-    @gluon.jit
-    def _gemv_tma_mma_kernel(w_desc, x_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_om, n_tiles,
-                             R: gl.constexpr, Q: gl.constexpr, CPT: gl.constexpr, NB: gl.constexpr,
-                             MP: gl.constexpr, SLOTS: gl.constexpr, CPT_PAD: gl.constexpr, RING: gl.constexpr,
-                             T_MAX: gl.constexpr,
-                             HAS_BIAS: gl.constexpr, USE_PDL: gl.constexpr, t_ptr=None, TIMED: gl.constexpr = False):
-        """The TMA GEMV on the tensor cores (one warpgroup): a tile is R rows of W over all of K,
-        seen as Q parts of KP = K / Q values, and each copy brings one 64-value chunk of every part:
-        a [R, Q, 64] box that is, row (r, q) = r * Q + q, the [64, 64] A operand of a wgmma. B holds
-        x's parts as columns (column m * Q + q: row m of x, part q), so D[r * Q + q, m * Q + q] is
-        row r's product over part q and out[m, r] sums those Q diagonal entries."""
-        pid = gl.program_id(0)
-        _stamp(t_ptr, pid, 0, TIMED)
-        nprog = gl.num_programs(0)
-        my_tiles = (n_tiles - pid + nprog - 1) // nprog
-        total = my_tiles * CPT
-        KP = CPT * 64
-        a3: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
-        a2: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        smem = gl.allocate_shared_memory(w_desc.dtype, [SLOTS, R, Q, 64], a3)
-        bars = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(SLOTS):
-            mbarrier.init(bars.index(s), count=1)
-        for i in gl.static_range(SLOTS):  # the preload: in flight before the wait
-            _issue_mma(w_desc, smem, bars, i, total, pid, nprog, R, CPT, SLOTS)
-        _stamp(t_ptr, pid, 1, TIMED)
-        xs = gl.allocate_shared_memory(w_desc.dtype, [CPT_PAD, NB, 64], a3)  # (as chunks [NB, 64]: a2 views)
-        acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NB, 16])
-        # x as [CPT_PAD, NB, 64]: (chunk j, column n = m * Q + q, k) <- x[m, q * KP + j * 64 + k]
-        XL: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [1, 4, 1], [2, 1, 0])
-        xj = gl.expand_dims(gl.expand_dims(gl.arange(0, CPT_PAD, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL))), 1), 2)
-        xn = gl.expand_dims(gl.expand_dims(gl.arange(0, NB, layout=gl.SliceLayout(0, gl.SliceLayout(2, XL))), 0), 2)
-        xk = gl.expand_dims(gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, XL))), 0), 1)
-        xm = xn // Q
-        xoff = xm * stride_xm + (xn % Q) * KP + xj * 64 + xk
-        xmask = (xn < MP * Q) & (xm < M) & (xj < CPT)
-        rows_a = gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
-        cols_a = gl.arange(0, NB, layout=gl.SliceLayout(0, acc_l))
-        # per (tile, x row): the [64] diagonal entries, summed over each row's Q parts at the end
-        TP: gl.constexpr = _pow2(T_MAX * MP)
-        dbuf = gl.allocate_shared_memory(gl.float32, [TP * 64], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-        if USE_PDL:
-            _gdc_wait()
-            _gdc_launch_dependents()
-        _stamp(t_ptr, pid, 2, TIMED)
-        xv = gl.load(x_ptr + xoff, mask=xmask, other=0.0)
-        xs.store(xv)
-        fence_async_shared()
-        gl.thread_barrier()
-        xb = xs._reinterpret(w_desc.dtype, [CPT_PAD, NB, 64], a2)
-        _stamp(t_ptr, pid, 3, TIMED)
-        for t in gl.static_range(T_MAX):  # (unrolled: the wgmmas of a tile queue up unawaited)
-            if t < my_tiles:
-                acc = gl.zeros([64, NB], gl.float32, acc_l)
-                for j in gl.static_range(CPT):
-                    q = t * CPT + j
-                    mbarrier.wait(bars.index(q % SLOTS), (q // SLOTS) & 1)
-                    a = smem.index(q % SLOTS)._reinterpret(w_desc.dtype, [64, 64], a2)
-                    acc = warpgroup_mma(a, xb.index(j).permute((1, 0)), acc, is_async=True)
-                    if RING:  # the ring turns: once copy q - 1's wgmma is done its slot refills
-                        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                        if q >= 1:
-                            gl.thread_barrier()
-                            _issue_mma(w_desc, smem, bars, q - 1 + SLOTS, total, pid, nprog, R, CPT, SLOTS)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                for m in gl.static_range(MP):  # row (r, q)'s entry in column m * Q + q
-                    sel = gl.expand_dims(cols_a, 0) == gl.expand_dims(m * Q + rows_a % Q, 1)
-                    dbuf.slice((t * MP + m) * 64, 64).store(gl.sum(gl.where(sel, acc, 0.0), axis=1))
-        _stamp(t_ptr, pid, 5, TIMED)
-        gl.thread_barrier()
-        # out[m, r] of tile t: the sum over q of entry (t * MP + m, r * Q + q)
-        OL: gl.constexpr = gl.BlockedLayout([1, 1, Q], [_row_lanes(R)[0], _row_lanes(R)[1], 1], [4, 1, 1], [2, 1, 0])
-        d3 = dbuf._reinterpret(gl.float32, [TP, R, Q], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
-        y = gl.sum(d3.load(OL), axis=2)
-        oi = gl.expand_dims(gl.arange(0, TP, layout=gl.SliceLayout(1, gl.SliceLayout(2, OL))), 1)
-        orr = gl.expand_dims(gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(2, OL))), 0)
-        om = oi % MP
-        rows = (pid + (oi // MP) * nprog) * R + orr
-        ok = (oi // MP < my_tiles) & (om < M) & (rows < N)
-        if HAS_BIAS:
-            y += gl.load(b_ptr + rows, mask=ok, other=0.0).to(gl.float32)
-        gl.store(out_ptr + om * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=ok)
-        for s in gl.static_range(SLOTS):
-            mbarrier.invalidate(bars.index(s))
-        _stamp(t_ptr, pid, 6, TIMED)
 
 
 def tma_gemv_config(N: int, K: int, itemsize: int, sms: int, smem_bytes: int = TMA_SMEM_BYTES,
@@ -344,7 +212,7 @@ def tma_gemv_config(N: int, K: int, itemsize: int, sms: int, smem_bytes: int = T
     bk = min(256, max(16 // itemsize, next_pow2(K)))
     chunks = triton.cdiv(K, bk)
     best = None
-    for bn in ((_ENV_BLOCK_N,) if _ENV_BLOCK_N else _BLOCK_NS):
+    for bn in _BLOCK_NS:
         tiles = triton.cdiv(N, bn)
         progs = min(tiles, sms)
         per_prog = triton.cdiv(tiles, progs) * bn * chunks * bk * itemsize  # the busiest program's bytes
@@ -367,46 +235,6 @@ def tma_gemv_config(N: int, K: int, itemsize: int, sms: int, smem_bytes: int = T
 @functools.lru_cache(maxsize=256)
 def _cached_config(N, K, itemsize, sms, smem_bytes):
     return tma_gemv_config(N, K, itemsize, sms, smem_bytes)
-
-
-def tma_mma_config(N: int, K: int, itemsize: int, sms: int, smem_bytes: int = TMA_SMEM_BYTES) -> Optional[dict]:
-    """The tensor-core form's tiles (None where K does not split): R rows of W per tile (8..64),
-    seen as Q = 64 / R parts of K (K a multiple of Q * 64), spread over at most one program per SM
-    so the busiest program streams the fewest bytes (ties: the larger R); CPT copies of [R, Q, 64]
-    (8 KB in bf16) per tile, SLOTS of them in shared memory (all where ``smem_bytes`` holds them),
-    T_MAX tiles per program at most (``TMA_MMA_MAX_TILES``: None beyond). E.g. H200, bf16: Qwen3-30B-A3B o_proj
-    (2048 x 4096) 128 programs of one 16-row tile in 4 parts, 16 copies each; qkv (5120 x 2048)
-    132 programs of 4-5 8-row tiles in 8 parts, 4 copies each."""
-    if itemsize != 2:
-        return None
-    best = None
-    for r in _MMA_ROWS:
-        q = 64 // r
-        if K % (q * 64):
-            continue
-        tiles = triton.cdiv(N, r)
-        progs = min(tiles, sms)
-        per_prog = triton.cdiv(tiles, progs) * r * K * itemsize
-        key = (per_prog, -r)
-        if best is None or key < best[0]:
-            best = (key, r, tiles, progs)
-    if best is None:
-        return None
-    _, r, tiles, progs = best
-    q = 64 // r
-    cpt = K // (q * 64)
-    copies = triton.cdiv(tiles, progs) * cpt
-    copy_bytes = 64 * 64 * itemsize
-    if triton.cdiv(tiles, progs) > TMA_MMA_MAX_TILES:
-        return None
-    return {"R": r, "Q": q, "CPT": cpt, "T_MAX": triton.cdiv(tiles, progs),
-            "SLOTS": max(2, min(copies, smem_bytes // copy_bytes)), "programs": progs, "tiles": tiles,
-            "num_warps": 4}
-
-
-@functools.lru_cache(maxsize=256)
-def _cached_mma_config(N, K, itemsize, sms, smem_bytes):
-    return tma_mma_config(N, K, itemsize, sms, smem_bytes)
 
 
 def tma_gemv_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -437,13 +265,9 @@ def tma_for_lm_head() -> bool:
 
 
 def gemv_tma_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-                    out: Optional[torch.Tensor] = None, config: Optional[dict] = None,
-                    times: Optional[torch.Tensor] = None, mma: Optional[bool] = None) -> torch.Tensor:
-    """x [M <= 2, K], w [N, K] -> [M, N] in x's dtype (``config``: tma_gemv_config's keys, or
-    tma_mma_config's with ``mma``, for tests and benchmarks; ``mma``: the tensor-core form where
-    K splits (None: BLITZ_GEMV_TMA_MMA)). ``times`` (diagnostics): int64 [programs, 8] that receives each
-    program's %globaltimer at its start, preload issued, PDL wait over, x staged, first and
-    last chunk of its first tile arrived, end."""
+                    out: Optional[torch.Tensor] = None, config: Optional[dict] = None) -> torch.Tensor:
+    """x [M <= 2, K], w [N, K] -> [M, N] in x's dtype (``config``: tma_gemv_config's keys, for
+    tests and benchmarks)."""
     assert HAS_GLUON and x.is_cuda, "the TMA GEMV needs a Hopper GPU and Gluon"
     M, K = x.shape
     N = w.shape[0]
@@ -452,25 +276,15 @@ def gemv_tma_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tenso
         x = x.contiguous()
     if out is None:
         out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    mma = mma if mma is not None else TMA_MMA
-    if mma:
-        mcfg = config or _cached_mma_config(N, K, w.element_size(), device_sms(x), TMA_SMEM_BYTES)
-        if mcfg is not None:
-            if times is None and _TIMES_PATH:
-                times = _diag_times(mcfg["programs"], x.device, (N, K, M, "mma"))
-            _launch_mma(x, w, bias, out, mcfg, times)
-            return out
-    _launch_fma(x, w, bias, out, config, times, {})
+    _launch(x, w, bias, out, config, {})
     return out
 
 
-def _launch_fma(x, w, bias, out, config, times, norm_kw) -> None:
-    """The FMA form's launch (``norm_kw``: the kernel's NORM arguments, or none)."""
+def _launch(x, w, bias, out, config, norm_kw) -> None:
+    """The kernel's launch (``norm_kw``: its NORM arguments, or none)."""
     M, K = x.shape
     N = w.shape[0]
     cfg = config or _cached_config(N, K, w.element_size(), device_sms(x), TMA_SMEM_BYTES)
-    if times is None and _TIMES_PATH:
-        times = _diag_times(cfg["programs"], x.device, (N, K, M, "fma"))
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
     grouped = K % bk == 0
     desc = _descriptor(w, bn, bk, cfg["G"], grouped)
@@ -480,7 +294,7 @@ def _launch_fma(x, w, bias, out, config, times, norm_kw) -> None:
         desc, x, bias if bias is not None else out, out, M, N, K, x.stride(0), out.stride(0), cfg["tiles"],
         BLOCK_N=bn, BLOCK_K=bk, CHUNKS=cfg["CHUNKS"], G=cfg["G"], SLOTS=cfg["SLOTS"], GROUPED=grouped,
         TWO_ROWS=M > 1, HAS_BIAS=bias is not None, USE_PDL=pdl, TPW_K=min(32, bk // 8), WN=cfg["WN"],
-        t_ptr=times, TIMED=times is not None, HOIST_X=TMA_HOIST_X, **norm_kw, num_warps=cfg["num_warps"], **kw)
+        **norm_kw, num_warps=cfg["num_warps"], **kw)
 
 
 def tma_norm_ok(x: torch.Tensor, residual: Optional[torch.Tensor], w: torch.Tensor) -> bool:
@@ -494,88 +308,19 @@ def tma_norm_ok(x: torch.Tensor, residual: Optional[torch.Tensor], w: torch.Tens
 def gemv_tma_norm_triton(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                          w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                          config: Optional[dict] = None) -> tuple:
-    """(W @ rmsnorm(x + residual) * norm_weight, x + residual) in one launch (the FMA form): each
-    program forms the normed rows itself after its wait, program 0 stores the new residual;
-    the numerics of ``rmsnorm.fused_add_rms_norm`` then ``gemv_tma_triton`` (an fp32 x is
-    rounded to the residual's dtype first)."""
+    """(W @ rmsnorm(x + residual) * norm_weight, x + residual) in one launch: each program forms
+    the normed rows itself after its wait, program 0 stores the new residual; the numerics of
+    ``rmsnorm.fused_add_rms_norm`` then ``gemv_tma_triton`` (an fp32 x is rounded to the
+    residual's dtype first)."""
     assert HAS_GLUON and x.is_cuda, "the TMA GEMV needs a Hopper GPU and Gluon"
     M, K = residual.shape
     assert x.shape == (M, K) and 1 <= M <= TMA_MAX_ROWS and w.shape[1] == K and norm_weight.shape == (K,)
     out = torch.empty(M, w.shape[0], dtype=residual.dtype, device=x.device)
     res_out = torch.empty_like(residual)
-    _launch_fma(x, w, bias, out, config, None,
-                dict(r_ptr=residual, nw_ptr=norm_weight, ro_ptr=res_out, stride_rm=residual.stride(0),
-                     stride_rom=res_out.stride(0), eps=float(eps), NORM=True))
+    _launch(x, w, bias, out, config,
+            dict(r_ptr=residual, nw_ptr=norm_weight, ro_ptr=res_out, stride_rm=residual.stride(0),
+                 stride_rom=res_out.stride(0), eps=float(eps), NORM=True))
     return out, res_out
-
-
-TIMELINE = ("start", "preload issued", "wait over", "x staged", "first copy in", "first tile's copies in / all "
-            "tiles (mma)", "end")
-# BLITZ_GEMV_TMA_TIMES=path (diagnostics): every launch records each program's %globaltimer at
-# TIMELINE's points (a buffer per call, so per captured layer too); at exit the latest launches of
-# each shape (the last decode step's) are summarised into path
-_TIMES_PATH = os.environ.get("BLITZ_GEMV_TMA_TIMES", "")
-_TIMES = []
-_TIMES_POOL = {}  # device -> zeroed int64 [_TIMES_SLOTS, _TIMES_PROGRAMS, 8], made on first use
-_TIMES_SLOTS, _TIMES_PROGRAMS = 4096, 256
-
-
-def _diag_times(programs: int, device: torch.device, key: tuple) -> torch.Tensor:
-    """The next slot of a pool made zeroed at the first call (the engine's eager warm-up), so
-    calls under CUDA-graph capture take views and add no kernel between the GEMV and the one
-    before it (a memset there would cut the programmatic dependent launch being observed)."""
-    if not _TIMES:
-        import atexit
-        atexit.register(_dump_times)
-    assert programs <= _TIMES_PROGRAMS
-    pool = _TIMES_POOL.get(str(device))
-    if pool is None:
-        pool = _TIMES_POOL[str(device)] = torch.zeros(_TIMES_SLOTS, _TIMES_PROGRAMS, 8, dtype=torch.int64,
-                                                     device=device)
-    _TIMES.append((key, pool[len(_TIMES) % _TIMES_SLOTS, :programs]))
-    return _TIMES[-1][1]
-
-
-def _dump_times(last: int = 48) -> None:
-    """Per shape (N, K, rows, form): the mean over its latest ``last`` launches of each point, us
-    after the launch's first program's wait: min / median / max over programs (0: not stamped)."""
-    lines = []
-    for key in sorted({k for k, _ in _TIMES}, key=str):
-        runs = [t.double().cpu() / 1000.0 for k, t in _TIMES if k == key]
-        runs = sorted((t for t in runs if bool((t[:, 0] > 0).all())), key=lambda t: t[:, 0].min().item())[-last:]
-        if not runs:
-            continue
-        lines.append(f"N {key[0]} K {key[1]} rows {key[2]} {key[3]}: mean of {len(runs)} launches (us after the "
-                     "first wait; min / median / max over programs)")
-        for j, name in enumerate(TIMELINE):
-            if not bool((runs[-1][:, j] > 0).any()):  # (a point this form does not stamp)
-                continue
-            v = torch.zeros(3, dtype=torch.float64)
-            for t in runs:
-                rel = t[:, j] - t[:, 2].min()
-                v += torch.stack([rel.min(), rel.median(), rel.max()]) / len(runs)
-            lines.append(f"  {name:<44} {v[0]:8.2f} {v[1]:8.2f} {v[2]:8.2f}")
-    with open(_TIMES_PATH, "w") as f:
-        f.write("\n".join(lines) + "\n")
-
-
-def _launch_mma(x, w, bias, out, cfg, times) -> None:
-    """The tensor-core form's launch: W viewed as [N, Q, K / Q] for [R, Q, 64] boxes, 128-byte
-    swizzled (the wgmma A operand's shared layout)."""
-    M, K = x.shape
-    N = w.shape[0]
-    r, q = cfg["R"], cfg["Q"]
-    mp = 2 if M > 1 else 1
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
-    desc = TensorDescriptor(w, [N, q, K // q], [K, K // q, 1], [r, q, 64], layout)
-    pdl = pdl_enabled(x)
-    kw = {"launch_pdl": True} if pdl else {}
-    _gemv_tma_mma_kernel[(cfg["programs"],)](
-        desc, x, bias if bias is not None else x, out, M, N, K, x.stride(0), out.stride(0), cfg["tiles"],
-        R=r, Q=q, CPT=cfg["CPT"], NB=max(8, q * mp), MP=mp, SLOTS=cfg["SLOTS"], CPT_PAD=next_pow2(cfg["CPT"]),
-        RING=cfg["SLOTS"] < cfg["T_MAX"] * cfg["CPT"], T_MAX=cfg["T_MAX"],
-        HAS_BIAS=bias is not None, USE_PDL=pdl, t_ptr=times, TIMED=times is not None,
-        num_warps=cfg["num_warps"], **kw)
 
 
 def _descriptor(w: torch.Tensor, bn: int, bk: int, g: int, grouped: bool):

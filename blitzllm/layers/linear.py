@@ -12,7 +12,6 @@ from torch import nn
 
 from ..kernels.activation import silu_and_mul
 from ..kernels.gemv import linear as gemv_linear
-from ..kernels.gemv import norm_linear
 from ..kernels.fp8_weights import DEFAULT_BLOCK as DEFAULT_FP8_BLOCK
 from ..kernels.fp8_weights import fp8_linear, quantize_fp8_block
 
@@ -74,7 +73,9 @@ class Linear(nn.Module):
 
     def forward_norm(self, x: torch.Tensor, residual, norm) -> tuple:
         """Pre-norm block entry: ``(self(norm(x + residual)), x + residual)``; ``norm`` is the
-        RMSNorm module. On CUDA decode the norm is the GEMV's prologue (one kernel)."""
+        RMSNorm module: the fused residual add + RMSNorm, then this layer. On the TMA GEMV's
+        path the norm lets the GEMV launch as it starts (its weights stream meanwhile), or,
+        with BLITZ_GEMV_TMA_NORM=1, runs inside the GEMV."""
         # (x may be an MoE block's fp32 sum beside a lower-precision residual: the norm rounds it)
         xd = x if residual is None else residual
         if norm.tp is None:  # (a norm that all-reduces over tensor-parallel ranks runs on its own)
@@ -87,8 +88,6 @@ class Linear(nn.Module):
                 h, residual = fused_add_rms_norm(x, residual, norm.weight, norm.eps,
                                                  early_dependents=tma_early_dependents())
                 return self._tma_forward(h), residual
-            if self.qweight is None and x.is_cuda and GEMV_ENABLED and xd.dtype == self.weight.dtype:
-                return norm_linear(x, residual, self.weight, self.bias, norm.weight, norm.eps)
             if residual is None:
                 return self(norm(x)), x
         h, residual = norm(x, residual)

@@ -40,36 +40,6 @@ def test_config_covers_w_evenly_within_the_budget(N, K, sms, warps):
         assert -(-t // p) * other * cfg["CHUNKS"] * bk * 2 >= busiest
 
 
-@pytest.mark.parametrize("N,K", [(2048, 4096), (5120, 2048), (151936, 2048), (1000, 768), (37, 2048), (8, 256)])
-@pytest.mark.parametrize("sms", [132, 8])
-def test_mma_config_splits_k_into_64_row_operands(N, K, sms):
-    """The tensor-core form: R rows x Q parts of K fill the wgmma's 64 rows, K splits into Q parts
-    of whole 64-value chunks, every row in one tile, at most one program per SM, and no other
-    row count gives the busiest program fewer bytes."""
-    cfg = gemv_tma.tma_mma_config(N, K, 2, sms)
-    if N // 8 > sms * gemv_tma.TMA_MMA_MAX_TILES * 8:  # (lm_head-sized: too many tiles per program)
-        assert cfg is None
-        return
-    r, q, cpt, tiles, progs = cfg["R"], cfg["Q"], cfg["CPT"], cfg["tiles"], cfg["programs"]
-    assert r * q == 64 and cpt * q * 64 == K
-    assert tiles * r >= N > (tiles - 1) * r
-    assert 1 <= progs <= min(sms, tiles) and cfg["num_warps"] == 4
-    assert cfg["T_MAX"] == -(-tiles // progs) <= gemv_tma.TMA_MMA_MAX_TILES
-    copies = -(-tiles // progs) * cpt
-    assert cfg["SLOTS"] == max(2, min(copies, gemv_tma.TMA_SMEM_BYTES // (64 * 64 * 2)))
-    busiest = -(-tiles // progs) * r * K
-    for other in gemv_tma._MMA_ROWS:
-        if K % (64 // other * 64) == 0:
-            t = -(-N // other)
-            assert -(-t // min(t, sms)) * other * K >= busiest
-
-
-@pytest.mark.parametrize("K", [100, 200, 2056])
-def test_mma_config_none_where_k_does_not_split(K):
-    assert gemv_tma.tma_mma_config(4096, K, 2, 132) is None  # (not a multiple of 64: no part of whole chunks)
-    assert gemv_tma.tma_mma_config(4096, 4096, 4, 132) is None  # fp32: no bf16/fp16 wgmma operand
-
-
 @pytest.mark.skipif(not gemv_tma.HAS_GLUON, reason="needs Triton's Gluon")
 def test_compiles_for_sm90_with_copies_before_the_wait():
     """ptxas accepts it (no spills at the heuristic's tiles) and every preload copy comes
@@ -95,36 +65,17 @@ for N, K in ((2048, 4096), (5120, 2048), (151936, 2048), (1000, 2056)):
     wait = ptx.index("griddepcontrol.wait")
     before = ptx[:wait].count("cp.async.bulk.tensor")
     print(N, K, cfg["SLOTS"], before, k.metadata.shared, pc.ptxas_report(k))
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-for N, K in ((2048, 4096), (5120, 2048)):  # the tensor-core form at two rows
-    c = g.tma_mma_config(N, K, 2, 132)
-    w = torch.zeros(N, K, dtype=torch.bfloat16); x = torch.zeros(2, K, dtype=torch.bfloat16)
-    r, q = c["R"], c["Q"]
-    lay = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
-    desc = TensorDescriptor(w, [N, q, K // q], [K, K // q, 1], [r, q, 64], lay)
-    k = g._gemv_tma_mma_kernel.warmup(desc, x, x, x, 2, N, K, K, N, c["tiles"], R=r, Q=q, CPT=c["CPT"],
-        NB=max(8, 2 * q), MP=2, SLOTS=c["SLOTS"], CPT_PAD=c["CPT"], RING=False, T_MAX=c["T_MAX"], HAS_BIAS=True, USE_PDL=True, num_warps=4,
-        grid=(c["programs"],))
-    ptx = k.asm["ptx"]
-    wait = ptx.index("griddepcontrol.wait")
-    print(N, K, c["SLOTS"], ptx[:wait].count("cp.async.bulk.tensor"), k.metadata.shared,
-          "wgmma" if "wgmma.mma_async" in ptx[wait:] else "no-wgmma", pc.ptxas_report(k))
 """
     env = dict(os.environ, TRITON_INTERPRET="0")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [ln.split(" ", 5) for ln in r.stdout.strip().splitlines()]
-    assert len(lines) == 4 + 2
-    for n, k, slots, before, shared, report in lines[:4]:
+    assert len(lines) == 4
+    for n, k, slots, before, shared, report in lines:
         assert int(before) == int(slots)  # the whole preload is issued before the wait
         assert int(shared) >= int(slots) * 8 * 256 * 2  # the slots live in shared memory
         assert int(shared) <= 227 * 1024
         assert "0 bytes spill stores" in report, report
-    for n, k, slots, before, shared, report in lines[4:]:
-        assert int(before) == int(slots)  # the whole preload is issued before the wait
-        assert int(shared) >= int(slots) * 64 * 64 * 2 and int(shared) <= 227 * 1024
-        assert report.startswith("wgmma ") and "0 bytes spill stores" in report, report
 
 
 @pytest.mark.skipif(not gemv_tma.HAS_GLUON, reason="needs Triton's Gluon")
@@ -181,23 +132,18 @@ def test_linear_dispatch_off_gpu():
 @pytest.mark.parametrize("N,K", [(2048, 4096), (5120, 2048), (1000, 768), (37, 2056)])
 @pytest.mark.parametrize("M", [1, 2])
 @pytest.mark.parametrize("ring", [False, True])
-@pytest.mark.parametrize("mma", [False, True])
-def test_matches_reference_gpu(N, K, M, ring, mma):
+def test_matches_reference_gpu(N, K, M, ring):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("Hopper only")
     g = torch.Generator(device="cuda").manual_seed(N + K + M)
     w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=g)
     b = torch.randn(N, device="cuda", dtype=torch.bfloat16, generator=g)
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=g)
-    if mma and gemv_tma.tma_mma_config(N, K, 2, 132) is None:
-        pytest.skip("K does not split into the tensor-core form's parts")
-    make = gemv_tma.tma_mma_config if mma else gemv_tma.tma_gemv_config
-    cfg = make(N, K, 2, 132, smem_bytes=1) if ring else None  # two slots
+    cfg = gemv_tma.tma_gemv_config(N, K, 2, 132, smem_bytes=1) if ring else None  # two slots
     if ring:
-        per_tile = cfg["CPT"] if mma else cfg["CHUNKS"] // cfg["G"]
-        assert cfg["SLOTS"] < -(-cfg["tiles"] // cfg["programs"]) * per_tile  # the ring turns
+        assert cfg["SLOTS"] < -(-cfg["tiles"] // cfg["programs"]) * (cfg["CHUNKS"] // cfg["G"])  # the ring turns
     for bias in (None, b):
-        got = gemv_tma.gemv_tma_triton(x, w, bias, config=cfg, mma=mma).float()
+        got = gemv_tma.gemv_tma_triton(x, w, bias, config=cfg).float()
         ref = gemv_tma.reference_gemv_tma(x, w, bias).float()
         torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
 
@@ -246,33 +192,3 @@ def test_in_cuda_graph_gpu():
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out.float(), gemv_tma.reference_gemv_tma(x, w).float(), rtol=1e-2, atol=1e-2)
-
-
-def test_timeline_dump_summarises_the_latest_launches_per_shape(monkeypatch, tmp_path):
-    """BLITZ_GEMV_TMA_TIMES: per shape, each point relative to the launch's first wait (min /
-    median / max over programs, averaged over the latest launches), points a form does not stamp
-    left out, launches never run (zeros) skipped."""
-    path = tmp_path / "times.txt"
-    monkeypatch.setattr(gemv_tma, "_TIMES_PATH", str(path))
-    monkeypatch.setattr(gemv_tma, "_TIMES", [])
-    monkeypatch.setattr(gemv_tma, "_TIMES_POOL", {})
-    monkeypatch.setattr(gemv_tma, "_TIMES_SLOTS", 16)
-    monkeypatch.setattr("atexit.register", lambda fn: fn)
-    for i in range(3):
-        t = gemv_tma._diag_times(3, torch.device("cpu"), (2048, 4096, 1, "fma"))
-        t[:] = torch.arange(1, 9).repeat(3, 1) * 1000 + i * 100000
-        t[1] += 2000  # the second program two us behind the first, the third four
-        t[2] += 4000
-    gemv_tma._diag_times(3, torch.device("cpu"), (2048, 4096, 1, "fma"))  # captured, never run
-    u = gemv_tma._diag_times(2, torch.device("cpu"), (5120, 2048, 2, "mma"))
-    u[:] = torch.arange(1, 9).repeat(2, 1) * 1000
-    u[:, 4] = 0  # (the tensor-core form does not stamp point 4)
-    gemv_tma._dump_times(last=2)
-    lines = path.read_text().splitlines()
-    assert lines[0].startswith("N 2048 K 4096 rows 1 fma: mean of 2 launches")
-    rows = {ln[:46].strip(): [float(v) for v in ln[46:].split()] for ln in lines[1:8]}
-    assert rows["wait over"] == [0.0, 2.0, 4.0] and rows["end"] == [4.0, 6.0, 8.0]
-    assert rows["start"] == [-2.0, 0.0, 2.0]
-    assert lines[8].startswith("N 5120 K 2048 rows 2 mma: mean of 1 launches")
-    assert len(lines) == 1 + 7 + 1 + 6 and not any(ln.strip().startswith("first copy in") for ln in lines[9:])
-    assert len(gemv_tma._TIMES_POOL) == 1  # one pool: each call a view of its next slot
