@@ -29,3 +29,30 @@ class RMSNorm(nn.Module):
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class OffsetRMSNorm(RMSNorm):
+    """RMSNorm scaling by (1 + w) (Qwen3-Next, Qwen3.5): ``weight`` holds 1 + the checkpoint's
+    w (``load_checkpoint`` adds the 1; dummy weights of 1 are a checkpoint's zeros), kept in
+    fp32 whatever the model dtype, so every kernel that takes an RMSNorm weight computes this
+    norm and 1 + w is exact. In fp32 the results are transformers' (norm(x) * (1 + w)); in a
+    lower precision the normalized x is rounded before the multiply, as for every RMSNorm here
+    (transformers multiplies in fp32 and rounds once)."""
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        if self.weight.dtype != torch.float32:  # (a model-wide cast leaves this weight fp32)
+            self.weight.data = self.weight.data.float()
+        return self
+
+    def load_checkpoint(self, sub: str, tensor, name: str):
+        """Checkpoint tensor ``name`` (``sub`` relative to this norm) -> weight = 1 + it."""
+        if sub != "weight":
+            return None
+        from ..distributed.layers import read_full, shape_of
+        if shape_of(tensor) != tuple(self.weight.shape):
+            raise ValueError(f"shape mismatch for {name}: checkpoint {shape_of(tensor)}, model "
+                             f"{tuple(self.weight.shape)}")
+        with torch.no_grad():
+            self.weight.copy_(read_full(tensor).float() + 1.0)
+        return [name]

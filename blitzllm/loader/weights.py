@@ -3,7 +3,8 @@ declares (``packed_modules``); or fill it with dummy weights. One tensor in flig
 
 Model-declared mappings: ``packed_modules`` (checkpoint sub-name -> packed parameter shard),
 ``hf_module_renames`` (transformers' module name -> ours, accepted on load and written on
-export), ``load_custom_weight`` / ``required_load_keys`` (stacked MoE experts and the like).
+export), ``checkpoint_name`` (a whole name -> ours, or None to skip it), ``load_custom_weight``
+/ ``required_load_keys`` (stacked MoE experts and the like).
 
 Tensor parallel: a module built for one rank of several declares the part of each
 checkpoint tensor it holds (``tp_parts``, see ``distributed/layers.py``); the stream then
@@ -62,6 +63,9 @@ def load_weights(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tens
     # or None when the name is not its business
     custom = getattr(model, "load_custom_weight", None)
     renames = getattr(model, "hf_module_renames", {})
+    # a model may map checkpoint names itself: checkpoint_name(name) -> our name, or None to skip
+    # the tensor (the text model of a multimodal folder: its vision tower, its MTP layers)
+    checkpoint_name = getattr(model, "checkpoint_name", None)
     loaded: set[str] = set()
     bar = _progress(total or 0, "loading weights")
     for name, tensor in tensors:
@@ -69,6 +73,10 @@ def load_weights(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tens
             bar.update(1)
         if "rotary_emb.inv_freq" in name:
             continue
+        if checkpoint_name is not None:
+            name = checkpoint_name(name)
+            if name is None:
+                continue
         if renames:
             name = _rename_parts(name, renames)
         if is_fp8(tensor):  # (an FP8 quantization_config dequantizes them before here)

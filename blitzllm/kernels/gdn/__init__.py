@@ -10,6 +10,8 @@ to force it, the ``BLITZ_REFERENCE`` knob).
   norm + g and beta, one launch per layer (our Triton kernel, ``post_conv.py``).
 - ``gated_delta_rule_decode``: one token per sequence, reading and writing the recurrent
   states of its slots. CUDA: fla-core's ``fused_recurrent_gated_delta_rule``.
+- ``gdn_gates`` (prefill's g and beta) and ``rms_norm_gated`` (the output norm): torch on
+  every device for now.
 
 fla-core (a well-kept library, ``pip install fla-core``) is imported on first use on a CUDA
 device; its absence there is an ImportError that says so. Recurrent states are fp32
@@ -31,6 +33,7 @@ from .reference import (  # noqa: F401  (re-exported: the family's references)
     reference_l2norm,
     reference_post_conv_decode,
     reference_recurrent_gated_delta_rule,
+    reference_rms_norm_gated,
     split_qkv,
 )
 
@@ -92,6 +95,17 @@ def gated_delta_rule_prefill(q, k, v, g, beta, state: torch.Tensor, slots: torch
                                                     use_qk_l2norm=True)
     state.index_copy_(0, idx, final.to(state.dtype))
     return o
+
+
+def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
+    """(g, beta) fp32 of the prefill path, torch on every device (elementwise; decode computes
+    them inside ``post_conv_decode``)."""
+    return reference_gdn_gates(a, b, A_log, dt_bias)
+
+
+def rms_norm_gated(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """w * rmsnorm(x) * silu(z) per value head (``RMSNormGated``); torch on every device."""
+    return reference_rms_norm_gated(x, z, weight, eps)
 
 
 def post_conv_decode(mixed_qkv, a, b, conv_state, slots, conv_weight, conv_bias, A_log, dt_bias,

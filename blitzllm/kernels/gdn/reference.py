@@ -37,6 +37,16 @@ def reference_gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, d
     return g, torch.sigmoid(b.float())
 
 
+def reference_rms_norm_gated(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """w * rmsnorm(x) * silu(z) over the last dim (a value head), with transformers' roundings:
+    the normalized x rounded to x's dtype, times w in that dtype, times silu(z) in fp32,
+    rounded once more."""
+    dt = x.dtype
+    xf = x.float()
+    n = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dt)
+    return ((weight.to(dt) * n) * F.silu(z.float())).to(dt)
+
+
 def _expand_heads(q, k, hv):
     """Key heads repeated onto their value heads: [..., Hk, d] -> [..., Hv, d]."""
     r = hv // k.shape[-2]

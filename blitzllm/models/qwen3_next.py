@@ -1,0 +1,185 @@
+"""Qwen3-Next and Qwen3.5: hybrid decoders of gated delta net layers (``layers/gdn.py``) and
+gated full attention (``layers/gated_attention.py``), every RMSNorm scaling by (1 + w)
+(``OffsetRMSNorm``).
+
+Layer ``i`` is ``layer_types[i]`` ("linear_attention" or "full_attention"; by default every
+``full_attention_interval``-th layer, 4, is full attention). MLPs: Qwen3-Next's sparse MoE
+blocks (softmax top-k, ``norm_topk_prob``, on the ``decoder_sparse_step`` grid but for
+``mlp_only_layers``), Qwen3.5 dense, Qwen3.5-MoE every layer an MoE block with renormalized
+top-k; MoE blocks add a shared expert scaled by sigmoid(``shared_expert_gate``(x)).
+
+The multimodal checkpoints (``Qwen3_5ForConditionalGeneration``, ``Qwen3_5MoeForConditionalGeneration``)
+load as their text model: ``text_config``, weights under ``model.language_model.*``, the
+vision tower (``model.visual.*``) left out. The multi-token-prediction layers (``mtp.*``) are
+not loaded.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..distributed.parallel_state import get_tp_group
+from ..layers.gated_attention import GatedAttention
+from ..layers.gdn import GatedDeltaNet
+from ..layers.linear import Linear
+from ..layers.moe import FusedMoE
+from ..layers.norm import OffsetRMSNorm
+from ..layers.rotary import RotaryEmbedding
+from .llama import DenseMLP, mlp_forward_norm
+from .qwen3_moe import MoECausalLM, Qwen3MoeForCausalLM, hf_text_config, num_routed_experts
+
+
+def layer_types(hf: dict, num_layers: int) -> list:
+    """Each layer's kind, "linear_attention" or "full_attention", as transformers derives them."""
+    types = hf.get("layer_types")
+    if types is None:
+        every = int(hf.get("full_attention_interval", 4))
+        types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(num_layers)]
+    bad = set(types[:num_layers]) - {"linear_attention", "full_attention"}
+    if bad:
+        raise ValueError(f"layer_types may hold 'linear_attention' and 'full_attention', got {sorted(bad)}")
+    return list(types)
+
+
+class SharedExpertMoE(FusedMoE):
+    """Routed experts plus a shared expert scaled by sigmoid(``shared_expert_gate``(x)); the
+    routed sum is rounded to x's dtype before the add, as transformers does."""
+
+    def __init__(self, hidden: int, shared_intermediate: int, *args, **kw):
+        super().__init__(hidden, *args, **kw)
+        self.shared_expert = DenseMLP(hidden, shared_intermediate) if shared_intermediate else None
+        self.shared_expert_gate = Linear(hidden, 1) if shared_intermediate else None
+
+    def _experts(self, x: torch.Tensor, route) -> torch.Tensor:
+        out = super()._experts(x, route).to(x.dtype)
+        if self.shared_expert is None:
+            return out
+        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+class HybridLayer(nn.Module):
+    """Pre-norm block: (1 + w) norm, GDN (``linear_attn``) or gated attention (``self_attn``),
+    (1 + w) norm, MLP or MoE block (``mlp``)."""
+
+    def __init__(self, cfg: ModelConfig, idx: int, rotary: RotaryEmbedding, mlp: nn.Module, layout: str):
+        super().__init__()
+        hf = hf_text_config(cfg)
+        eps, tp = cfg.rms_norm_eps, get_tp_group()
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act must be 'silu', got {hf.get('hidden_act')!r}")
+        self.linear_attn = self.self_attn = None
+        if layer_types(hf, cfg.num_layers)[idx] == "linear_attention":
+            self.linear_attn = GatedDeltaNet(
+                cfg.hidden_size, hf["linear_num_key_heads"], hf["linear_key_head_dim"], hf["linear_num_value_heads"],
+                hf["linear_value_head_dim"], hf["linear_conv_kernel_dim"], eps, idx, layout)
+        else:
+            self.self_attn = GatedAttention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, eps, idx,
+                                            rotary, cfg.attention_bias)
+            self.mlp_name = "mlp"  # (the runner's decode plan wires attention layers that name their MLP)
+        self.mlp = mlp
+        self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, eps, tp)
+        self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, eps, tp)
+
+    def forward(self, positions, x, residual):
+        if self.linear_attn is not None:
+            proj, residual = self.linear_attn.in_proj.forward_norm(x, residual, self.input_layernorm)
+            x = self.linear_attn.mix(proj)
+        else:
+            proj, residual = self.self_attn.qkv_proj.forward_norm(x, residual, self.input_layernorm)
+            x = self.self_attn.attend_project(positions, proj)
+        return mlp_forward_norm(self.mlp, x, residual, self.post_attention_layernorm)
+
+
+class Qwen3NextForCausalLM(MoECausalLM):
+    layout = "qkvz"  # the GDN projections' checkpoint layout (layers/gdn.py)
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.model.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, get_tp_group())
+
+    def make_mlp(self, cfg: ModelConfig, idx: int) -> nn.Module:
+        hf = hf_text_config(cfg)
+        if not Qwen3MoeForCausalLM.is_sparse_layer(hf, idx):
+            return DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+        return SharedExpertMoE(cfg.hidden_size, int(hf.get("shared_expert_intermediate_size") or 0),
+                               hf["moe_intermediate_size"], num_routed_experts(hf), hf["num_experts_per_tok"],
+                               scoring="softmax", renormalize=self.renormalize(hf))
+
+    @staticmethod
+    def renormalize(hf: dict) -> bool:
+        return bool(hf.get("norm_topk_prob", True))
+
+    def make_layer(self, cfg: ModelConfig, idx: int, rotary: RotaryEmbedding) -> nn.Module:
+        return HybridLayer(cfg, idx, rotary, self.make_mlp(cfg, idx), self.layout)
+
+    @staticmethod
+    def rotary_dim(cfg: ModelConfig) -> int:
+        hf = hf_text_config(cfg)
+        rp = hf.get("rope_parameters") or {}
+        factor = rp.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
+        return int(cfg.head_dim * factor)
+
+    def state_layers(self) -> list:
+        """The GDN layers, whose per-sequence states the runner keeps in its state pool."""
+        return [layer.linear_attn for layer in self.model.layers if layer.linear_attn is not None]
+
+    def checkpoint_name(self, name: str):
+        """The MTP layers (``mtp.*``) are not loaded."""
+        return None if name.startswith("mtp.") else name
+
+    # ---- loading: GDN projections, q_proj's gate rows and the (1 + w) norms by their modules --
+    def load_custom_weight(self, name, tensor):
+        keys = super().load_custom_weight(name, tensor)
+        if keys is not None:
+            return keys
+        parts = name.split(".")
+        for cut in (1, 2):
+            owner = _submodule(self, ".".join(parts[:-cut]))
+            if hasattr(owner, "load_checkpoint"):
+                return owner.load_checkpoint(".".join(parts[-cut:]), tensor, name)
+        return None
+
+    def required_load_keys(self, param_name):
+        keys = super().required_load_keys(param_name)
+        if keys is None and param_name.endswith(".in_proj.weight"):
+            prefix = param_name[:-len(".in_proj.weight")]
+            owner = _submodule(self, prefix)
+            if isinstance(owner, GatedDeltaNet):
+                return owner.required_keys(prefix)
+        return keys
+
+
+def _submodule(model: nn.Module, path: str):
+    try:
+        return model.get_submodule(path) if path else None
+    except AttributeError:
+        return None
+
+
+class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
+    layout = "qkv"
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    @staticmethod
+    def renormalize(hf: dict) -> bool:
+        return True  # (Qwen3.5-MoE's router always renormalizes its top-k)
+
+
+class _TextOfMultimodal:
+    """The text model of a multimodal Qwen3.5 folder: ``model.language_model.*`` is ours
+    ``model.*``; the vision tower and the MTP layers are not loaded."""
+
+    def checkpoint_name(self, name: str):
+        if name.startswith(("model.visual.", "mtp.")):
+            return None
+        return "model." + name[len("model.language_model."):] if name.startswith("model.language_model.") else name
+
+
+class Qwen3_5ForConditionalGeneration(_TextOfMultimodal, Qwen3_5ForCausalLM):
+    pass
+
+
+class Qwen3_5MoeForConditionalGeneration(_TextOfMultimodal, Qwen3_5MoeForCausalLM):
+    pass

@@ -1,0 +1,164 @@
+"""Qwen3-Next and Qwen3.5 (hybrid gated delta net + gated attention) on the CPU reference
+path: tiny random checkpoints written by transformers' save_pretrained (``qwen3_next``,
+``qwen3_5_text``, ``qwen3_5_moe_text`` and a multimodal ``qwen3_5_moe`` folder) give
+transformers' logits through prefill, chunked prefill and decode steps with the GDN states
+in scattered slots; the (1 + w) norm; the presets' sizes."""
+import pytest
+import torch
+
+from blitzllm.config import CacheConfig, ModelConfig
+from blitzllm.layers.attention import ForwardContext, forward_context
+from blitzllm.layers.norm import OffsetRMSNorm
+from blitzllm.layers.state import StateMetadata, state_context
+from blitzllm.loader.source import resolve_model
+from blitzllm.models.registry import get_model_class
+from blitzllm.runner.build import build_model
+from blitzllm.runner.model_runner import ModelRunner
+
+ARCHS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5_moe")
+HYBRID = dict(vocab_size=320, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.25, tie_word_embeddings=False,
+              linear_num_key_heads=2, linear_key_head_dim=16, linear_num_value_heads=4, linear_value_head_dim=8,
+              linear_conv_kernel_dim=4, num_hidden_layers=4,
+              layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+              spatial_merge_size=2, temporal_patch_size=2)
+
+
+def make_hybrid_checkpoint(arch: str, path, seed: int = 0, **overrides):
+    """A tiny random checkpoint written by save_pretrained (fp32); norm weights random too
+    (transformers initialises the (1 + w) norms' w to 0 and the gated norm's to 1)."""
+    import transformers
+    torch.manual_seed(seed)
+    text = dict(HYBRID, **overrides)
+    if arch == "qwen3_next":
+        cfg = transformers.Qwen3NextConfig(**dict(MOE, intermediate_size=96, mlp_only_layers=[2], **text))
+        model = transformers.Qwen3NextForCausalLM(cfg)
+    elif arch == "qwen3_5_text":
+        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(intermediate_size=96, **text))
+    elif arch == "qwen3_5_moe_text":
+        model = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**MOE, **text))
+    elif arch == "qwen3_5_moe":
+        cfg = transformers.Qwen3_5MoeConfig(text_config=dict(MOE, **text), vision_config=VISION)
+        model = transformers.Qwen3_5MoeForConditionalGeneration(cfg)
+    else:
+        raise ValueError(arch)
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            if name.endswith("linear_attn.norm.weight"):
+                t.normal_(1.0, 0.2)
+            elif "norm" in name:
+                t.normal_(0.0, 0.3)
+    model = model.float().eval()
+    model.save_pretrained(str(path), safe_serialization=True)
+    return model
+
+
+class Harness:
+    """Our model of a checkpoint with a KV cache and a GDN state pool of ``slots`` slots,
+    run step by step as the runner does (both forward contexts)."""
+
+    def __init__(self, path, slots: int = 8):
+        src = resolve_model(str(path))
+        self.cfg = ModelConfig.from_hf(src.hf_config)
+        self.model = build_model(src, self.cfg, torch.device("cpu"), torch.float32, 0)
+        self.runner = ModelRunner(self.model, self.cfg, CacheConfig(block_size=16, num_blocks=64),
+                                  torch.device("cpu"), torch.float32)
+        self.caches = {layer.layer_idx: (torch.randn(slots, *layer.conv_state_shape),
+                                         torch.randn(slots, *layer.ssm_state_shape))
+                       for layer in self.model.state_layers()}
+
+    def step(self, seqs, tables, slots, has_initial) -> torch.Tensor:
+        """seqs: (token ids, start, end) per sequence -> log-probs of each one's last position."""
+        ids, pos, md, qsl = self.runner.prepare(seqs, tables)
+        smd = StateMetadata(self.caches, torch.tensor(slots, dtype=torch.int32), torch.tensor(has_initial),
+                            md.query_start_loc, md.is_pure_decode, (slots, has_initial, qsl))
+        with forward_context(ForwardContext(md, self.runner.kv_caches, self.runner.backend)), state_context(smd):
+            hidden = self.model(ids, pos)
+        return self.model.compute_logits(hidden[torch.tensor(qsl[1:]) - 1]).log_softmax(-1)
+
+
+def _hf_last_logprobs(hf, seqs: list) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.stack([hf(torch.tensor([s])).logits[0, -1].float().log_softmax(-1) for s in seqs])
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def checkpoint(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    return request.param, path, make_hybrid_checkpoint(request.param, path, seed=ARCHS.index(request.param))
+
+
+def test_prefill_and_decode_match_transformers(checkpoint):
+    """Four prompts (1 to 40 tokens) batched, their state slots scattered over a pool of
+    random states, then four greedy decode steps through the decode path (post-conv +
+    recurrent rule): every step's log-probs within 1e-3 of transformers' on the whole
+    sequence (transformers' own incremental decode differs from its full recompute by up to
+    6e-4 on these fp32 MoE models)."""
+    arch, path, hf = checkpoint
+    h = Harness(path)
+    g = torch.Generator().manual_seed(0)
+    toks = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (1, 5, 17, 40)]
+    tables = [list(range(4 * i, 4 * i + 4)) for i in range(4)]
+    slots = [5, 0, 7, 2]
+    lp = h.step([(t, 0, len(t)) for t in toks], tables, slots, [False] * 4)
+    for _ in range(4):
+        ref = _hf_last_logprobs(hf, toks)
+        torch.testing.assert_close(lp, ref, atol=1e-3, rtol=0)
+        for t, nxt in zip(toks, ref.argmax(-1).tolist()):
+            t.append(nxt)
+        lp = h.step([([t[-1]], len(t) - 1, len(t)) for t in toks], tables, slots, [True] * 4)
+    if arch == "qwen3_5_moe":  # the multimodal folder loaded its text model only
+        assert h.cfg.architecture == "Qwen3_5MoeForConditionalGeneration"
+
+
+def test_chunked_prefill_carries_the_state(checkpoint):
+    """Prompts computed in two chunks (the second continuing from the slot's state, beside
+    a one-token prompt and a fresh prompt) give the log-probs of the whole prompts."""
+    _, path, hf = checkpoint
+    h = Harness(path)
+    g = torch.Generator().manual_seed(1)
+    toks = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (23, 40, 1)]
+    tables = [list(range(4 * i, 4 * i + 4)) for i in range(3)]
+    h.step([(toks[0][:7], 0, 7), (toks[1][:33], 0, 33)], tables[:2], [3, 6], [False, False])
+    lp = h.step([(toks[0][7:], 7, 23), (toks[1][33:], 33, 40), (toks[2], 0, 1)], tables, [3, 6, 1],
+                [True, True, False])
+    torch.testing.assert_close(lp, _hf_last_logprobs(hf, toks), atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_offset_rmsnorm_matches_transformers(dtype):
+    """OffsetRMSNorm (weight = 1 + the checkpoint's w, kept fp32) against transformers'
+    Qwen3NextRMSNorm: equal in fp32 (with and without the residual add); in bf16 within an
+    ulp (we round the normalized x before the multiply, as every RMSNorm here)."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, generator=g) * 0.3
+    x, r = torch.randn(5, 48, generator=g).to(dtype), torch.randn(5, 48, generator=g).to(dtype)
+    hf = Qwen3NextRMSNorm(48, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        hf.weight.copy_(w)
+    ours = OffsetRMSNorm(48, 1e-6).to(dtype)
+    assert ours.weight.dtype == torch.float32
+    ours.load_checkpoint("weight", w.to(dtype), "norm.weight")
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=2 ** -6, rtol=2 ** -7)
+    torch.testing.assert_close(ours(x), hf(x), **tol)
+    y, s = ours(x, r)
+    torch.testing.assert_close(s, x + r)
+    torch.testing.assert_close(y, hf(x + r), **tol)
+
+
+@pytest.mark.parametrize("preset,billions,gdn_layers", [
+    ("qwen3-next-80b-a3b", 79.7, 36), ("qwen3.5-397b-a17b", 396.3, 45), ("qwen3.5-4b", 4.2, 24)])
+def test_presets_have_the_published_sizes(preset, billions, gdn_layers):
+    """The presets build (on the meta device) with the published parameter counts (without
+    the MTP layers and the vision tower) and 3 GDN layers in every 4."""
+    src = resolve_model(f"preset:{preset}")
+    cfg = ModelConfig.from_hf(src.hf_config)
+    with torch.device("meta"):
+        model = get_model_class(cfg.architecture)(cfg)
+    assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(billions, abs=0.05)
+    assert len(model.state_layers()) == gdn_layers
+    assert model.rotary_dim(cfg) == 64
