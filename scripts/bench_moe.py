@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""MoE kernel benchmark: router GEMM, fused routing and fused experts, Triton vs torch.
+"""MoE kernel benchmark: router GEMM, expert selection and fused experts, Triton vs torch.
 
     python3 scripts/bench_moe.py [--ts 1,4,16] [--moe-ts 1,16,256] [--budget-s 120]
     python3 scripts/bench_moe.py --smoke     # CPU: tiny shapes under TRITON_INTERPRET=1, no timing

@@ -29,40 +29,22 @@ from typing import Optional
 
 import torch
 
-from ._common import (L2_PREFETCH_LANES, device_sms, l2_prefetch, l2_prefetch_chunk, l2_prefetchable,
-                      next_pow2, pdl_enabled, pdl_launch_dependents, pdl_launch_kwargs, pdl_wait, tl, triton)
+from ._common import (device_sms, next_pow2, pdl_enabled, pdl_launch_dependents, pdl_launch_kwargs, pdl_wait,
+                      tl, triton)
 from .fp8_weights import FP8_DTYPE, fp8_block_k
 
 MOE_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
-# BLITZ_MOE_GEMV=1: decode batches of up to MOE_GEMV_MAX_TOKENS tokens take the two-launch
-# GEMV path (``fused_moe_gemv_triton``) instead of sort + grouped GEMMs + combine. Off: on the
-# H200 (qwen3-30b-a3b batch 1, with fused routing) 318.2 vs 343.4 tok/s for the direct path.
-MOE_GEMV = os.environ.get("BLITZ_MOE_GEMV", "0") == "1"
-MOE_GEMV_MAX_TOKENS = 2
 # Decode batches of up to MOE_DIRECT_MAX_ENTRIES (token, k) entries run the grouped GEMMs
 # without the sort (an entry per program row block) and combine inside the down GEMM: two
-# launches instead of four. H200, qwen3-30b-a3b batch 1: 343.4 / 343.0 vs 328.6 tok/s sorted
-# (scripts/gpu_session.sh moeab, tile). BLITZ_MOE_DIRECT=0 sorts every batch (A/B).
-MOE_DIRECT = os.environ.get("BLITZ_MOE_DIRECT", "1") != "0"
+# launches instead of four, faster on the H200 than the sorted path, which larger batches take.
 MOE_DIRECT_MAX_ENTRIES = 16
-# BLITZ_MOE_DOWN_EARLY_DEPS=1 (A/B): the direct path's down launch lets the kernel after it (the
-# next layer's RMSNorm, which lets the qkv GEMV launch as it starts) launch right after its own
-# wait instead of after its main loop, so the qkv GEMV's programs can take an SM and start their
-# weight copies as soon as that SM's down programs end
-MOE_DOWN_EARLY_DEPS = os.environ.get("BLITZ_MOE_DOWN_EARLY_DEPS", "0") == "1"
-# BLITZ_MOE_PF_DOWN=1 (A/B; Hopper): on the direct path the gate/up launch, which knows the
-# chosen experts once it has waited on the routing, asks the L2 (bulk prefetch) for their down
-# weights, its n-tile programs splitting each expert's block: the down launch's stream then
-# starts before its own ramp. Measured slower on the H200, so off: qwen3-30b-a3b batch 1 326.5 /
-# 326.7 vs 348.6 / 348.6 tok/s (scripts/gpu_session.sh moepf).
-MOE_PF_DOWN = os.environ.get("BLITZ_MOE_PF_DOWN", "0") == "1"
 # The direct path's combine for callers that take an fp32 sum (``fused_moe_triton(fp32_sum=True)``,
 # decode MoE layers whose next residual add rounds it): every down program adds its weighted
 # output into the token's fp32 row with atomics, instead of writing it for the token's last
 # program to sum after an arrival count (a release/acquire round trip and a second read on the
-# step's critical path). The order of the fp32 additions then varies from run to run (the
-# rounded result may differ in its last bit). BLITZ_MOE_ATOMIC_COMBINE=0: the counted combine.
-MOE_ATOMIC_COMBINE = os.environ.get("BLITZ_MOE_ATOMIC_COMBINE", "1") != "0"
+# step's critical path; faster on the H200). The order of the fp32 additions then varies from
+# run to run (the rounded result may differ in its last bit). Callers that want x's dtype keep
+# the counted combine.
 # BLITZ_MOE_BALANCE=1 (opt-in until measured): the direct path's gate/up programs take
 # ``balanced_rows`` output rows each instead of BLOCK_N, so the chosen experts' tiles cover the
 # SMs evenly: at Qwen3-30B-A3B's one token 128 programs of 48 rows (384 KB each) instead of 96
@@ -243,8 +225,6 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GATED: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr,
                      DIRECT: tl.constexpr, COMBINE: tl.constexpr, TOP_K: tl.constexpr,
-                     pf_ptr=None, pf_stride=0, pf_bytes=0, pf_chunk=0, PF: tl.constexpr = False,
-                     PF_LANES: tl.constexpr = 1, EARLY_DEPS: tl.constexpr = False,
                      zero_ptr=None, zero_n=0, ZERO_BLOCK: tl.constexpr = 0, ATOMIC: tl.constexpr = False,
                      ROWS: tl.constexpr = 0, ws_ptr=None, stride_se=0, stride_sn=0, FP8: tl.constexpr = False,
                      BN_Q: tl.constexpr = 1, BK_Q: tl.constexpr = 1):
@@ -255,10 +235,6 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
     nothing loaded or written). COMBINE (with DIRECT, the down GEMM): the program of a
     token's n-tile that finishes last also sums that tile over the token's TOP_K entries,
     weighted (tw_ptr), in entry order, into comb_ptr: the combine without its own launch.
-    PF (with DIRECT): the n-tile programs of entry m ask the L2 for its expert's block of
-    pf_bytes at pf_ptr + expert * pf_stride (the down weights), split over those programs.
-    EARLY_DEPS: the launch after this one may start as soon as this one's wait is over (the
-    TMA down launch, which reads the routing before its own wait), not after the main loop.
     ZERO_BLOCK > 0: the programs also zero the zero_n fp32 values at zero_ptr, ZERO_BLOCK
     each (the gate/up launch, for an ATOMIC down launch after it). ATOMIC (with DIRECT, the
     down GEMM): each program adds its entry's rounded output times its weight (tw_ptr) into
@@ -270,8 +246,6 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
     block column strides; ``kernels/fp8_weights.py``): each W tile is widened, scaled and
     rounded to A's dtype before its MMA (BLOCK_K divides BK_Q: one scale column per tile)."""
     pdl_wait(USE_PDL)  # (PDL launches write nothing before this)
-    if EARLY_DEPS:
-        pdl_launch_dependents(USE_PDL)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if ZERO_BLOCK > 0:  # (after the wait: the buffer's last reader ran before the kernel before)
         offs_z = (pid_m * tl.num_programs(1) + pid_n) * ZERO_BLOCK + tl.arange(0, ZERO_BLOCK)
@@ -280,9 +254,6 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
         expert = tl.load(expert_ptr + pid_m).to(tl.int64)
         entry = pid_m + tl.arange(0, BLOCK_M)
         row_ok = (tl.arange(0, BLOCK_M) == 0) & (expert >= 0)
-        if PF:
-            if expert >= 0:
-                l2_prefetch(pf_ptr + expert * pf_stride, pf_bytes, pf_chunk, pid_n, tl.num_programs(1), PF_LANES)
         expert = tl.maximum(expert, 0)
     else:
         if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -325,8 +296,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
             acc_up = _mma(a, b_up, acc_up, IEEE)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    if not EARLY_DEPS:
-        pdl_launch_dependents(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
     dt = out_ptr.dtype.element_ty
     res = acc.to(dt)
     if GATED:  # silu in fp32 rounded to dt, times up (as activation.silu_and_mul)
@@ -373,96 +343,6 @@ def _moe_combine_kernel(y_ptr, tw_ptr, ids_ptr, out_ptr, H, stride_o, TOP_K: tl.
         acc += y.to(tl.float32) * tl.load(tw_ptr + t * TOP_K + k)
     pdl_launch_dependents(USE_PDL)
     tl.store(out_ptr + t * stride_o + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _moe_gemv_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, H, I, stride_x, stride_we, stride_wn, stride_a,
-                        TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-    """Program (s, n): entry s = (token s // TOP_K, its expert ids[s]); rows [n*BN, (n+1)*BN)
-    of silu(gate_e x) * up_e x, with fp32 FMAs over K (a GEMV per entry: no sorting, no
-    padding rows). Entries with id < 0 write nothing."""
-    s = tl.program_id(0).to(tl.int64)
-    e = tl.load(ids_ptr + s).to(tl.int64)
-    if e < 0:
-        return
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    n_ok = offs_n[:, None] < I
-    x_row = x_ptr + (s // TOP_K) * stride_x
-    g_ptrs = w_ptr + e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k in range(0, H, BLOCK_K):
-        k_ok = offs_k[None, :] < H - k
-        xv = tl.load(x_row + k + offs_k[None, :], mask=k_ok, other=0.0).to(tl.float32)
-        wg = tl.load(g_ptrs + k, mask=n_ok & k_ok, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        wu = tl.load(g_ptrs + k + I * stride_wn, mask=n_ok & k_ok, other=0.0,
-                     eviction_policy="evict_first").to(tl.float32)
-        acc_g += wg * xv
-        acc_u += wu * xv
-    dt = act_ptr.dtype.element_ty
-    g = tl.sum(acc_g, axis=1).to(dt).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(dt)
-    res = (act.to(tl.float32) * tl.sum(acc_u, axis=1).to(dt).to(tl.float32)).to(dt)
-    tl.store(act_ptr + s * stride_a + offs_n, res, mask=offs_n < I)
-
-
-@triton.jit
-def _moe_gemv_down_kernel(act_ptr, w_ptr, ids_ptr, tw_ptr, out_ptr, H, I, stride_a, stride_we, stride_wn,
-                          stride_o, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Program (t, n): out[t, n-tile] = sum_k w[t, k] * round(down_e(act[t*K + k])), the
-    experts in order k (deterministic), each expert output rounded to the output dtype as the
-    reference does, the sum in fp32."""
-    t = tl.program_id(0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    n_ok = offs_n[:, None] < H
-    dt = out_ptr.dtype.element_ty
-    total = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        e = tl.load(ids_ptr + t * TOP_K + j).to(tl.int64)
-        if e >= 0:
-            a_row = act_ptr + (t * TOP_K + j) * stride_a
-            w_ptrs = w_ptr + e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-            for k in range(0, I, BLOCK_K):
-                k_ok = offs_k[None, :] < I - k
-                av = tl.load(a_row + k + offs_k[None, :], mask=k_ok, other=0.0).to(tl.float32)
-                wv = tl.load(w_ptrs + k, mask=n_ok & k_ok, other=0.0, eviction_policy="evict_first").to(tl.float32)
-                acc += wv * av
-            y = tl.sum(acc, axis=1).to(dt).to(tl.float32)
-            total += y * tl.load(tw_ptr + t * TOP_K + j)
-    tl.store(out_ptr + t * stride_o + offs_n, total.to(dt), mask=offs_n < H)
-
-
-def fused_moe_gemv_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                          topk_ids: torch.Tensor, block_n: int = 16, block_k: Optional[int] = None) -> torch.Tensor:
-    """The experts for a few tokens in two launches: per (token, k) entry a GEMV through its
-    expert's gate/up rows with SiLU-and-mul, then per token the down GEMVs of its K experts
-    weighted and summed. Reads each chosen expert's weights once per entry; ids < 0 are
-    skipped (other ranks' experts). Same contract and numerics as ``fused_moe_triton``."""
-    return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, dropped_ids=True, gemv=(block_n, block_k))
-
-
-def _moe_gemv(x, w13, w2, topk_weights, topk_ids, out, block_n: int, block_k: Optional[int]) -> torch.Tensor:
-    T, H = x.shape
-    inter, K = w13.shape[1] // 2, topk_ids.shape[-1]
-    bk = block_k or min(32 * 16 // x.element_size(), next_pow2(max(H, inter)))
-    ids = topk_ids.to(torch.int32).contiguous()
-    tw = topk_weights.to(torch.float32).contiguous()
-    act = torch.empty(T * K, inter, dtype=x.dtype, device=x.device)
-    _moe_gemv_up_kernel[(T * K, triton.cdiv(inter, block_n))](
-        x, w13, ids, act, H, inter, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        TOP_K=K, BLOCK_N=block_n, BLOCK_K=bk, IEEE=x.dtype == torch.float32, num_warps=4)
-    # down: one program per (token, n-tile) walks all K experts, so narrow tiles keep about
-    # four programs per SM streaming (16-row tiles left 128 programs for one token)
-    bn_down = block_n
-    while bn_down > 2 and T * triton.cdiv(H, bn_down) < 4 * device_sms(x):
-        bn_down //= 2
-    _moe_gemv_down_kernel[(T, triton.cdiv(H, bn_down))](
-        act, w2, ids, tw, out, H, inter, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        TOP_K=K, BLOCK_N=bn_down, BLOCK_K=bk, num_warps=4)
-    return out
 
 
 def expected_rows_per_expert(tokens: int, top_k: int, num_experts: int) -> float:
@@ -512,16 +392,14 @@ def _moe_config_cached(tokens, top_k, num_experts, hidden, inter, dtype, sms, it
 
 
 def _grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_entries, row_div, n, gated, cfg,
-                  direct=False, combine=None, prefetch=None, early_dependents=False, zero=None,
-                  atomic=False, rows=None, scale=None):
+                  direct=False, combine=None, zero=None, atomic=False, rows=None, scale=None):
     """direct: block_expert is the entries' expert ids (one program per entry, no sort);
     combine (direct only): (topk weights fp32 [T*K], output [T, n], top_k): the weighted
     sum over each token's entries is written there by the launch itself (``atomic``: added
-    into a zeroed fp32 output with atomics; ``out`` is then not written). prefetch (direct
-    only): expert weights [E, ...] (contiguous per expert) whose chosen experts' blocks the
-    launch asks the L2 for. zero: an fp32 tensor the launch zeroes (after its PDL wait).
-    rows: output rows per n-tile program (the kernel's ROWS; None: BLOCK_N). scale: (fp32 block
-    scales [E, ceil(n_w / bn), ceil(kd / bk)], (bn, bk)) of a float8 ``w``."""
+    into a zeroed fp32 output with atomics; ``out`` is then not written). zero: an fp32 tensor
+    the launch zeroes (after its PDL wait). rows: output rows per n-tile program (the kernel's
+    ROWS; None: BLOCK_N). scale: (fp32 block scales [E, ceil(n_w / bn), ceil(kd / bk)],
+    (bn, bk)) of a float8 ``w``."""
     kd = a.shape[1]
     fp8 = {}
     if scale is not None:
@@ -540,18 +418,12 @@ def _grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_entries, row_div
     if zero is not None and zero.numel():
         zkw = dict(zero_ptr=zero, zero_n=zero.numel(),
                    ZERO_BLOCK=max(16, next_pow2(triton.cdiv(zero.numel(), grid[0] * grid[1]))))
-    pf = {}
-    if prefetch is not None and direct:
-        nbytes = prefetch[0].numel() * prefetch.element_size()
-        pf = dict(pf_ptr=prefetch, pf_stride=prefetch.stride(0), pf_bytes=nbytes,
-                  pf_chunk=l2_prefetch_chunk(nbytes, grid[1]), PF=True, PF_LANES=L2_PREFETCH_LANES)
     _moe_gemm_kernel[grid](a, w, out, sorted_ids, block_expert, total, n, kd, n_entries, row_div,
                            a.stride(0), w.stride(0), w.stride(1), out.stride(0), tw, comb, cnt, comb.stride(0),
-                           **pf, **zkw, **fp8, ATOMIC=bool(atomic and combine is not None and direct), ROWS=rows or 0,
+                           **zkw, **fp8, ATOMIC=bool(atomic and combine is not None and direct), ROWS=rows or 0,
                            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                            GATED=gated, EVEN_K=kd % cfg["BLOCK_K"] == 0, IEEE=a.dtype == torch.float32,
                            USE_PDL=pdl, DIRECT=direct, COMBINE=combine is not None, TOP_K=top_k,
-                           EARLY_DEPS=bool(early_dependents) and pdl,
                            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                            **pdl_launch_kwargs(pdl))
 
@@ -589,31 +461,24 @@ def _balanced_up(entries: int, inter: int, cfg: dict, sms: int) -> tuple:
     return rows, dict(cfg, BLOCK_N=2 * cfg["BLOCK_N"], num_stages=min(cfg["num_stages"], 3))
 
 
-def _direct(x, w13, w2, tw, ids, out, K, up_cfg, down_cfg, tma_down=False, s13=None, s2=None) -> torch.Tensor:
+def _direct(x, w13, w2, tw, ids, out, K, up_cfg, down_cfg, s13=None, s2=None) -> torch.Tensor:
     """The direct (decode) path's launches for flat entry ids / weights [T * K] into out [T, H]:
-    gate/up, then the down GEMM with the weighted combine inside, or the TMA down launch (``tma_down``).
-    An fp32 ``out``: the gate/up launch zeroes it and the down programs add into it (atomics).
-    ``s13`` / ``s2``: (scales, block) of float8 w13 / w2."""
+    gate/up, then the down GEMM with the weighted combine inside. An fp32 ``out``: the gate/up
+    launch zeroes it and the down programs add into it (atomics). ``s13`` / ``s2``: (scales,
+    block) of float8 w13 / w2."""
     n, inter, H = ids.numel(), w2.shape[2], w2.shape[1]
     act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
-    # each expert's block one contiguous, aligned range
-    pf = w2 if (MOE_PF_DOWN and w2[0].is_contiguous()
-                and l2_prefetchable(w2, w2.stride(0) * w2.element_size())) else None
     atomic = out.dtype == torch.float32 and x.dtype != torch.float32
     rows, up_cfg = _balanced_up(n, inter, up_cfg, device_sms(x)) if MOE_BALANCE else (None, up_cfg)
-    from . import moe_tma
-    _grouped_gemm(x, w13, act, ids, ids, ids, n, K, inter, True, dict(up_cfg, BLOCK_M=16), direct=True, prefetch=pf,
-                  early_dependents=tma_down and moe_tma.MOE_TMA_DOWN_EARLY, zero=out if atomic else None, rows=rows,
-                  scale=s13)
+    _grouped_gemm(x, w13, act, ids, ids, ids, n, K, inter, True, dict(up_cfg, BLOCK_M=16), direct=True,
+                  zero=out if atomic else None, rows=rows, scale=s13)
     if atomic:
         _grouped_gemm(act, w2, act, ids, ids, ids, n, 1, H, False, dict(down_cfg, BLOCK_M=16), direct=True,
-                      combine=(tw, out, K), atomic=True, early_dependents=MOE_DOWN_EARLY_DEPS, scale=s2)
+                      combine=(tw, out, K), atomic=True, scale=s2)
         return out
-    if tma_down:
-        return moe_tma.moe_tma_down_triton(act, w13, w2, tw, ids.view(-1, K), out)
     y = torch.empty(n, H, dtype=x.dtype, device=x.device)
     _grouped_gemm(act, w2, y, ids, ids, ids, n, 1, H, False, dict(down_cfg, BLOCK_M=16), direct=True,
-                  combine=(tw, out, K), early_dependents=MOE_DOWN_EARLY_DEPS, scale=s2)
+                  combine=(tw, out, K), scale=s2)
     return out
 
 
@@ -625,25 +490,20 @@ def _counters(device: torch.device, numel: int) -> torch.Tensor:
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, *, config: Optional[dict] = None,
-                     dropped_ids: bool = False, gemv=None, direct: Optional[bool] = None,
+                     dropped_ids: bool = False, direct: Optional[bool] = None,
                      fp32_sum: bool = False, scales: Optional[tuple] = None) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk weights / ids [T, K] -> [T, H] in x's dtype.
     ``fp32_sum`` (a caller that rounds the result itself: the residual add of
-    ``rmsnorm.fused_add_rms_norm``): where the direct path runs its two launches (and
-    BLITZ_MOE_ATOMIC_COMBINE is not 0) the result is the fp32 weighted sum, not yet rounded,
-    which the down programs add up with atomics (see ``_direct``); elsewhere x's dtype.
+    ``rmsnorm.fused_add_rms_norm``): where the direct path runs its two launches the result is
+    the fp32 weighted sum, not yet rounded, which the down programs add up with atomics (see
+    ``_direct``); elsewhere x's dtype.
     ``config`` overrides MOE_CONFIG_KEYS of both GEMMs (tests, benchmarks). ``dropped_ids``:
-    entries with id -1 (experts of other tensor-parallel ranks) are skipped. ``gemv``:
-    (block_n, block_k) forces the two-launch GEMV path; None takes it for up to
-    MOE_GEMV_MAX_TOKENS tokens when BLITZ_MOE_GEMV=1. ``direct``: True / False forces the
+    entries with id -1 (experts of other tensor-parallel ranks) are skipped. ``direct``: True / False forces the
     grouped GEMMs without the sort, one program row per (token, k) entry, the combine fused
     into the down GEMM (two launches); None takes it for up to MOE_DIRECT_MAX_ENTRIES
-    entries unless BLITZ_MOE_DIRECT=0. Ids < 0 are skipped on that path. With neither
-    ``config`` nor ``direct`` given and BLITZ_MOE_TMA=1, 1-2 tokens on Hopper run
-    ``moe_tma.moe_tma_triton`` (one launch) where ``moe_tma.moe_tma_ok``.
+    entries. Ids < 0 are skipped on that path.
     ``scales``: (w13's, w2's fp32 block scales, (bn, bk)) of float8 w13 / w2
-    (``kernels/fp8_weights.py``): the grouped GEMMs dequantize their tiles (direct or sorted;
-    not the GEMV or TMA forms)."""
+    (``kernels/fp8_weights.py``): the grouped GEMMs dequantize their tiles (direct or sorted)."""
     assert x.dim() == 2 and w13.dim() == 3 and w2.dim() == 3, "x [T, H], w13 [E, 2I, H], w2 [E, H, I]"
     T, H = x.shape
     E, two_i, _ = w13.shape
@@ -654,7 +514,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     if scales is None:
         assert x.dtype == w13.dtype == w2.dtype, "x, w13 and w2 of one dtype"
     else:
-        assert w13.dtype == w2.dtype == FP8_DTYPE and gemv is None, "float8 w13 and w2 (no GEMV form) with scales"
+        assert w13.dtype == w2.dtype == FP8_DTYPE, "float8 w13 and w2 with scales"
     # (scale, block) of each GEMM's float8 weights
     s13, s2 = ((scales[0], scales[2]), (scales[1], scales[2])) if scales is not None else (None, None)
     assert w13.stride(2) == 1 and w2.stride(2) == 1, "expert weights must be contiguous along their last dim"
@@ -665,27 +525,16 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
         return out
     if inter == 0 or K == 0:
         return out.zero_()
-    if gemv is None and MOE_GEMV and config is None and T <= MOE_GEMV_MAX_TOKENS and scales is None:
-        gemv = (16, None)
-    if gemv is not None:
-        return _moe_gemv(x, w13, w2, topk_weights, topk_ids, out, *gemv)
     n = T * K
-    if direct is None and config is None and not dropped_ids and scales is None:
-        from . import moe_tma  # one launch streaming both weight sets (Hopper, 1-2 tokens; opt-in)
-        if moe_tma.moe_tma_ok(x, w13, w2, topk_ids):
-            return moe_tma.moe_tma_triton(x, w13, w2, topk_weights, topk_ids, out=out)
     if direct is None:
-        direct = MOE_DIRECT and n <= MOE_DIRECT_MAX_ENTRIES
+        direct = n <= MOE_DIRECT_MAX_ENTRIES
     up_cfg, down_cfg = _configs(x, T, K, E, H, inter, config, direct)
     if direct:  # two launches: no sort, the combine inside the down GEMM
         ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
         tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
-        from . import moe_tma  # the down GEMM with its weight copies issued before its wait (opt-in)
-        tma_down = (config is None and not dropped_ids and scales is None
-                    and moe_tma.moe_tma_down_ok(x, w13, w2, topk_ids))
-        if fp32_sum and MOE_ATOMIC_COMBINE and not tma_down and x.dtype != torch.float32:
+        if fp32_sum and x.dtype != torch.float32:
             out = torch.empty(T, H, dtype=torch.float32, device=x.device)  # (zeroed by the gate/up launch)
-        return _direct(x, w13, w2, tw, ids, out, K, up_cfg, down_cfg, tma_down=tma_down, s13=s13, s2=s2)
+        return _direct(x, w13, w2, tw, ids, out, K, up_cfg, down_cfg, s13=s13, s2=s2)
     sorted_ids, block_expert, total = moe_align_block_size(topk_ids, E, up_cfg["BLOCK_M"])
     act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w13, act, sorted_ids, block_expert, total, n, K, inter, True, up_cfg, scale=s13)

@@ -130,12 +130,7 @@ def _router_acc(acc, a, w, DOT: tl.constexpr, WIDEN: tl.constexpr):
 @triton.jit
 def _router_gemm_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, T, E, H, stride_xt, stride_we, stride_ot,
                         h_per_split, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                        SPLIT: tl.constexpr, DOT: tl.constexpr, WIDEN: tl.constexpr, USE_PDL: tl.constexpr,
-                        sel_cnt_ptr, bias_ptr, w_out_ptr, id_out_ptr, scaling,
-                        SELECT: tl.constexpr, GROUP: tl.constexpr, N_GROUP: tl.constexpr, NG_PAD: tl.constexpr,
-                        G_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
-                        K_PAD: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        RENORM: tl.constexpr):
+                        SPLIT: tl.constexpr, DOT: tl.constexpr, WIDEN: tl.constexpr, USE_PDL: tl.constexpr):
     pid_e, pid_s, pid_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -172,10 +167,6 @@ def _router_gemm_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, T, E, H, stride_
     out_ptrs = out_ptr + om.to(tl.int64) * stride_ot + on
     if SPLIT == 1:
         tl.store(out_ptrs, acc, mask=omask)
-        if SELECT:
-            _select_tail(out_ptr, stride_ot, sel_cnt_ptr, pid_t, T, bias_ptr, w_out_ptr, id_out_ptr, scaling,
-                         BLOCK_T, GROUP, N_GROUP, NG_PAD, G_PAD, TOPK_GROUP, TOP_K, K_PAD, SIGMOID, HAS_BIAS,
-                         RENORM)
     else:  # partials in ws [SPLIT, T, E]; the tile's last split to arrive sums them in order
         ws_ptrs = ws_ptr + om * E + on
         tl.store(ws_ptrs + pid_s * T * E, acc, mask=omask)
@@ -187,28 +178,6 @@ def _router_gemm_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, T, E, H, stride_
                 total += tl.load(ws_ptrs + s * T * E, mask=omask, other=0.0, cache_modifier=".cg")
             tl.store(out_ptrs, total, mask=omask)
             tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch
-            if SELECT:
-                _select_tail(out_ptr, stride_ot, sel_cnt_ptr, pid_t, T, bias_ptr, w_out_ptr, id_out_ptr, scaling,
-                             BLOCK_T, GROUP, N_GROUP, NG_PAD, G_PAD, TOPK_GROUP, TOP_K, K_PAD, SIGMOID, HAS_BIAS,
-                             RENORM)
-
-
-@triton.jit
-def _select_tail(out_ptr, stride_ot, sel_cnt_ptr, pid_t, T, bias_ptr, w_out_ptr, id_out_ptr, scaling,
-                 BLOCK_T: tl.constexpr, GROUP: tl.constexpr, N_GROUP: tl.constexpr, NG_PAD: tl.constexpr,
-                 G_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
-                 K_PAD: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr):
-    """Fused routing: a program that wrote its final E tile of token block pid_t counts it;
-    the one completing the block's last tile (all logits of those tokens visible: acq_rel)
-    routes the block's tokens, then resets the counter for the next launch."""
-    tl.debug_barrier()  # every thread's logits are stored before the release below
-    if tl.atomic_add(sel_cnt_ptr + pid_t, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-        for i in range(BLOCK_T):
-            row = pid_t * BLOCK_T + i
-            if row < T:
-                _select_row(out_ptr + row.to(tl.int64) * stride_ot, bias_ptr, w_out_ptr, id_out_ptr, row, scaling,
-                            GROUP, N_GROUP, NG_PAD, G_PAD, TOPK_GROUP, TOP_K, K_PAD, SIGMOID, HAS_BIAS, RENORM)
-        tl.atomic_xchg(sel_cnt_ptr + pid_t, 0)
 
 
 def router_config(T: int, E: int, H: int, x_dtype: torch.dtype, w_dtype: torch.dtype, sms: int,
@@ -256,12 +225,8 @@ def _zeros(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor
     return torch.zeros(numel, dtype=dtype, device=device)
 
 
-def router_gemm_triton(x: torch.Tensor, weight: torch.Tensor, *, config: Optional[dict] = None,
-                       select: Optional[tuple] = None):
-    """x [T, H] (bf16 / fp16 / fp32) @ weight [E, H]^T -> fp32 logits [T, E], fp32 accumulate.
-    ``select`` = (top_k, scoring, bias, n_group, topk_group, renormalize, scaling): the same
-    launch also routes the tokens (``select_experts``'s numerics) and the call returns
-    (logits, weights [T, K] fp32, ids [T, K] int32)."""
+def router_gemm_triton(x: torch.Tensor, weight: torch.Tensor, *, config: Optional[dict] = None) -> torch.Tensor:
+    """x [T, H] (bf16 / fp16 / fp32) @ weight [E, H]^T -> fp32 logits [T, E], fp32 accumulate."""
     assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], "x [T, H] and weight [E, H]"
     T, H = x.shape
     E = weight.shape[0]
@@ -270,14 +235,6 @@ def router_gemm_triton(x: torch.Tensor, weight: torch.Tensor, *, config: Optiona
     if weight.stride(1) != 1:
         weight = weight.contiguous()
     out = torch.empty(T, E, dtype=torch.float32, device=x.device)
-    if select is not None:
-        top_k, scoring, bias, n_group, topk_group, renorm, scaling = select
-        check_routing(E, top_k, scoring, bias, n_group, topk_group)
-        weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
-        ids = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
-        if T == 0 or H == 0:  # nothing to fuse: the separate selection
-            out.zero_()
-            return (out, *select_experts_triton(out, *select)) if T else (out, weights, ids)
     if T == 0 or E == 0:
         return out
     if H == 0:
@@ -289,31 +246,13 @@ def router_gemm_triton(x: torch.Tensor, weight: torch.Tensor, *, config: Optiona
     ws = _zeros(x.device, torch.float32, next_pow2(split * T * E)) if split > 1 else out
     cnt = _zeros(x.device, torch.int32, next_pow2(grid[0] * grid[2])) if split > 1 else out
     pdl = pdl_enabled(x)
-    sel = dict(sel_cnt_ptr=out, bias_ptr=out, w_out_ptr=out, id_out_ptr=out, scaling=1.0, SELECT=False, GROUP=1,
-               N_GROUP=1, NG_PAD=1, G_PAD=1, TOPK_GROUP=1, TOP_K=1, K_PAD=1, SIGMOID=False, HAS_BIAS=False,
-               RENORM=False)
-    if select is not None:
-        group = E // n_group
-        sel = dict(sel_cnt_ptr=_selection_counters(x.device, next_pow2(grid[2])),
-                   bias_ptr=bias.contiguous() if bias is not None else out, w_out_ptr=weights, id_out_ptr=ids,
-                   scaling=float(scaling), SELECT=True, GROUP=group, N_GROUP=n_group, NG_PAD=next_pow2(n_group),
-                   G_PAD=next_pow2(group), TOPK_GROUP=topk_group if n_group > 1 else 1, TOP_K=top_k,
-                   K_PAD=next_pow2(top_k), SIGMOID=scoring == "sigmoid", HAS_BIAS=bias is not None,
-                   RENORM=bool(renorm))
     _router_gemm_kernel[grid](
         x, weight, out, ws, cnt, T, E, H, x.stride(0), weight.stride(0), out.stride(0),
         triton.cdiv(triton.cdiv(H, bh), split) * bh,
         BLOCK_T=cfg["BLOCK_T"], BLOCK_E=cfg["BLOCK_E"], BLOCK_H=bh, SPLIT=split, DOT=cfg["DOT"],
-        WIDEN=x.dtype == torch.float32 or x.dtype != weight.dtype, USE_PDL=pdl, **sel,
+        WIDEN=x.dtype == torch.float32 or x.dtype != weight.dtype, USE_PDL=pdl,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch_kwargs(pdl))
-    return out if select is None else (out, weights, ids)
-
-
-@functools.lru_cache(maxsize=None)
-def _selection_counters(device: torch.device, numel: int) -> torch.Tensor:
-    """Per token-block arrival counters of the fused routing (each launch leaves them at 0);
-    apart from the split-H counters, which the same launch uses too."""
-    return torch.zeros(numel, dtype=torch.int32, device=device)
+    return out
 
 
 # ---- expert selection -----------------------------------------------------------------
@@ -411,29 +350,22 @@ def select_experts_triton(logits: torch.Tensor, top_k: int, scoring: str = "soft
     return weights, ids
 
 
-
-# ---- post-attention norm + router + selection in one launch (decode) ----------------------
+# ---- post-attention residual add + RMSNorm + router GEMM in one launch (decode) -----------
 
 @triton.jit
-def _norm_route_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, h_ptr, ro_ptr, logit_ptr, cnt_ptr,
-                       bias_ptr, w_out_ptr, id_out_ptr, scaling,
+def _norm_route_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, h_ptr, ro_ptr, logit_ptr,
                        T, E, H, stride_x, stride_r, stride_h, stride_ro, stride_we, eps,
                        BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                        USE_PDL: tl.constexpr,
-                       GROUP: tl.constexpr, N_GROUP: tl.constexpr, NG_PAD: tl.constexpr, G_PAD: tl.constexpr,
-                       TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                       SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
-                       SELECT: tl.constexpr, PDL_LATE: tl.constexpr,
                        pf_ptr=None, pf_bytes=0, pf_chunk=0, PF: tl.constexpr = 0, PF_LANES: tl.constexpr = 1,
                        PF_LAST: tl.constexpr = False, pf2_ptr=None, pf2_bytes=0, PF_EVERY: tl.constexpr = 1):
     """Program p: the router rows [p*BLOCK_E, +BLOCK_E). Every program forms each token's
     x + residual and its RMSNorm itself (rows of a few KB, read from L2; program 0 stores
     them), multiplies its router rows (loaded before the PDL wait: they do not depend on the
-    kernel before) and stores those logits; with SELECT the program arriving last routes the
-    tokens (else the logits are the output). PDL_LATE: the dependents launch only as each
-    program ends (after the routing), not once its logits are stored. PF (1 or 2): before the
-    wait the programs ask the L2 for pf_bytes at pf_ptr (and pf2_bytes at pf2_ptr): the next
-    layer's weights (``MOE_PF_QKV``; PF_LAST: marked evict-last)."""
+    kernel before) and stores those logits; then its dependents (the selection launch) may
+    start. PF (1 or 2): before the wait the programs ask the L2 for pf_bytes at pf_ptr (and
+    pf2_bytes at pf2_ptr): the next layer's weights (``MOE_PF_QKV``; PF_LAST: marked
+    evict-last)."""
     pid = tl.program_id(0)
     offs_e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
     cols = tl.arange(0, BLOCK_H)
@@ -460,27 +392,10 @@ def _norm_route_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, h_ptr, ro_ptr, logit_ptr, cn
             tl.store(h_ptr + t * stride_h + cols, h, mask=hmask)
         logit = tl.sum(h.to(tl.float32)[None, :] * w.to(tl.float32), axis=1)
         tl.store(logit_ptr + t * E + offs_e, logit, mask=e_ok)
-    if not PDL_LATE:
-        pdl_launch_dependents(USE_PDL)
-    if SELECT:
-        tl.debug_barrier()  # every thread's logits are stored before the release below
-        if tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-            for t in range(T):
-                _select_row(logit_ptr + t * E, bias_ptr, w_out_ptr, id_out_ptr, t, scaling, GROUP, N_GROUP, NG_PAD,
-                            G_PAD, TOPK_GROUP, TOP_K, K_PAD, SIGMOID, HAS_BIAS, RENORM)
-            tl.atomic_xchg(cnt_ptr, 0)  # ready for the next launch (CUDA-graph replays too)
-    if PDL_LATE:
-        pdl_launch_dependents(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
 
 
 NORM_ROUTE_MAX_T = 4  # tokens per launch: each program loops over them
-# BLITZ_MOE_NORM_ROUTE_WARPS (A/B): warps per program of the one-launch routing (default: 4 up
-# to 2048-wide rows, else 8)
-_NORM_ROUTE_WARPS = int(os.environ.get("BLITZ_MOE_NORM_ROUTE_WARPS", "0"))
-_NORM_ROUTE_BLOCK_E = int(os.environ.get("BLITZ_MOE_NORM_ROUTE_BLOCK_E", "0") or "0")
-# BLITZ_MOE_NORM_ROUTE_PDL=late (A/B): the one-launch routing lets its dependents launch only as
-# its programs end, not as soon as each has stored its logits
-_NORM_ROUTE_PDL_LATE = os.environ.get("BLITZ_MOE_NORM_ROUTE_PDL", "") == "late"
 
 
 # BLITZ_MOE_PF_QKV (opt-in until measured): MoE decode layers ask the L2 for the next layer's
@@ -510,21 +425,13 @@ def moe_pf_o_proj_wanted() -> bool:
     return MOE_PF_QKV and _MOE_PF_QKV == "qkvo"
 
 
-@functools.lru_cache(maxsize=None)
-def _norm_route_counter(device: torch.device) -> torch.Tensor:
-    """The one-launch routing's arrival counter (each launch leaves it at 0)."""
-    return torch.zeros(1, dtype=torch.int32, device=device)
-
-
 def norm_route_experts_triton(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
                               eps: float, weight: torch.Tensor, top_k: int, scoring: str = "softmax",
                               bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: int = 1,
-                              renormalize: bool = True, scaling: float = 1.0, select: bool = True,
-                              pdl_late: Optional[bool] = None, prefetch=()):
-    """``reference_norm_route_experts`` in one launch for up to NORM_ROUTE_MAX_T tokens;
-    ``select`` False: the launch does the norm and the router GEMM, the selection runs as
-    ``select_experts_triton`` after it (two launches). ``pdl_late``: see
-    BLITZ_MOE_NORM_ROUTE_PDL (None: that switch). ``prefetch``: up to two weights the launch
+                              renormalize: bool = True, scaling: float = 1.0, prefetch=()):
+    """``reference_norm_route_experts`` in two launches for up to NORM_ROUTE_MAX_T tokens: the
+    residual add, the RMSNorm and the router GEMM in one (``_norm_route_kernel``), the selection
+    (``select_experts_triton``) in the next. ``prefetch``: up to two weights the first launch
     asks the L2 for before its wait (the next layer's: ``MOE_PF_QKV``; ignored where the GPU
     has no bulk prefetch)."""
     T, H = x.shape
@@ -539,12 +446,8 @@ def norm_route_experts_triton(x: torch.Tensor, residual: Optional[torch.Tensor],
     h = torch.empty_like(x if residual is None else residual)  # (x may be an fp32 sum: see rmsnorm.fused_add_rms_norm)
     res_out = torch.empty_like(residual) if residual is not None else x
     logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
-    weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
     block_h = next_pow2(H)
-    # about a program per SM or more (BLITZ_MOE_NORM_ROUTE_BLOCK_E: router rows per program, A/B)
-    block_e = min(next_pow2(E), next_pow2(_NORM_ROUTE_BLOCK_E or triton.cdiv(E, device_sms(x))))
-    group = E // n_group
+    block_e = min(next_pow2(E), next_pow2(triton.cdiv(E, device_sms(x))))  # about a program per SM or more
     pdl = pdl_enabled(x)
     r = residual if residual is not None else x
     grid = triton.cdiv(E, block_e)
@@ -553,7 +456,7 @@ def norm_route_experts_triton(x: torch.Tensor, residual: Optional[torch.Tensor],
               if t is not None and t.is_contiguous() and l2_prefetchable(t, 16)]
     ranges = [(t, n) for t, n in ranges if n > 0]
     assert len(ranges) <= 2, "at most two prefetch ranges"
-    warps = _NORM_ROUTE_WARPS or (4 if block_h <= 2048 else 8)
+    warps = 4 if block_h <= 2048 else 8
     if ranges:
         most = max(n for _, n in ranges)
         threads = 32 * warps  # one lane per thread (a shorter tensor would be issued by several threads each)
@@ -563,17 +466,11 @@ def norm_route_experts_triton(x: torch.Tensor, residual: Optional[torch.Tensor],
         if len(ranges) > 1:
             pf.update(pf2_ptr=ranges[1][0], pf2_bytes=ranges[1][1])
     _norm_route_kernel[(grid,)](
-        x, r, norm_weight, weight, h, res_out, logits, _norm_route_counter(x.device),
-        bias.contiguous() if bias is not None else logits, weights, ids, float(scaling),
+        x, r, norm_weight, weight, h, res_out, logits,
         T, E, H, x.stride(0), r.stride(0), h.stride(0), res_out.stride(0), weight.stride(0), float(eps),
-        BLOCK_E=block_e, BLOCK_H=block_h, HAS_RESIDUAL=residual is not None, USE_PDL=pdl,
-        GROUP=group, N_GROUP=n_group, NG_PAD=next_pow2(n_group), G_PAD=next_pow2(group),
-        TOPK_GROUP=topk_group if n_group > 1 else 1, TOP_K=top_k, K_PAD=next_pow2(top_k),
-        SIGMOID=scoring == "sigmoid", HAS_BIAS=bias is not None, RENORM=bool(renormalize),
-        SELECT=select is True, PDL_LATE=_NORM_ROUTE_PDL_LATE if pdl_late is None else bool(pdl_late), **pf,
+        BLOCK_E=block_e, BLOCK_H=block_h, HAS_RESIDUAL=residual is not None, USE_PDL=pdl, **pf,
         num_warps=warps, **pdl_launch_kwargs(pdl))
-    if not select:
-        weights, ids = select_experts_triton(logits, top_k, scoring, bias, n_group, topk_group, renormalize, scaling)
+    weights, ids = select_experts_triton(logits, top_k, scoring, bias, n_group, topk_group, renormalize, scaling)
     return h, (res_out if residual is not None else x), weights, ids
 
 
@@ -620,22 +517,13 @@ def select_experts(logits: torch.Tensor, top_k: int, scoring: str = "softmax",
     return fn(logits, top_k, scoring, bias, n_group, topk_group, renormalize, scaling)
 
 
-# BLITZ_MOE_FUSED_ROUTING=1: decode batches (up to 16 tokens) route in the router GEMM's
-# launch (its last program per token block runs the selection). Off: on the H200 (qwen3-30b-a3b
-# batch 1, with the direct MoE path) 281.0 vs 343.4 tok/s without it.
-MOE_FUSED_ROUTING = os.environ.get("BLITZ_MOE_FUSED_ROUTING", "0") == "1"
-ROUTER_FUSED_MAX_T = 16
-
-
 def route_experts(x: torch.Tensor, weight: torch.Tensor, top_k: int, scoring: str = "softmax",
                   bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: int = 1,
                   renormalize: bool = True, scaling: float = 1.0):
-    """``select_experts(router_gemm(x, weight), ...)``: (weights [T, K] fp32, ids [T, K] int32);
-    with BLITZ_MOE_FUSED_ROUTING=1 one launch for CUDA decode batches."""
-    if MOE_FUSED_ROUTING and use_triton(x) and 0 < x.shape[0] <= ROUTER_FUSED_MAX_T:
-        _, weights, ids = router_gemm_triton(x, weight, select=(top_k, scoring, bias, n_group, topk_group,
-                                                                  renormalize, scaling))
-        return weights, ids
+    """``select_experts(router_gemm(x, weight), ...)``: (weights [T, K] fp32, ids [T, K] int32),
+    two launches on CUDA. The selection keeps a launch of its own, which under PDL overlaps its
+    neighbours: run inside the router GEMM's launch by its last program per token block, it
+    measured slower end to end on the H200 (docs/perf-history.md)."""
     return select_experts(router_gemm(x, weight), top_k, scoring, bias, n_group, topk_group, renormalize, scaling)
 
 
@@ -655,20 +543,17 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
 
 # MoE decode layers of up to NORM_ROUTE_MAX_T tokens run the post-attention residual add +
-# RMSNorm and the router GEMM in one launch, the expert selection in its own
-# (``norm_route_experts_triton(select=False)``): H200 qwen3-30b-a3b batch 1 396.7 vs 380.6
-# tok/s with the three launches (scripts/gpu_session.sh nr2). BLITZ_MOE_NORM_ROUTE=0: three
-# launches (norm, router GEMM, selection); =1: all in one launch (slower: 387.1 with its
-# dependents launched late, 349.5 early; 400.1 vs 411.3 later; with a copy of the router row
-# per warp in its last program 402.1 vs 408.2, a form taken out again: gpu_session.sh nrsel).
-_NORM_ROUTE_MODE = os.environ.get("BLITZ_MOE_NORM_ROUTE", "2")
-MOE_NORM_ROUTE = _NORM_ROUTE_MODE in ("1", "2")
-_NORM_ROUTE_SELECT = _NORM_ROUTE_MODE == "1"
+# RMSNorm and the router GEMM in one launch and the expert selection in the next: one launch
+# fewer than the norm, the router GEMM and the selection apart (what larger batches and CPU
+# tensors take), and faster on the H200. The selection stays a launch of its own: run by the
+# norm + router launch's last program it measured slower end to end, with its dependents
+# launched before or after it, though that one launch alone took less time than the kernels it
+# replaced (the loss was in its overlap with the launches around it; docs/perf-history.md).
 
 
 def norm_route_ok(x: torch.Tensor) -> bool:
     """Whether ``norm_route_experts`` takes the Triton norm + router launch for x [T, H]."""
-    return MOE_NORM_ROUTE and x.dim() == 2 and use_triton(x) and 0 < x.shape[0] <= NORM_ROUTE_MAX_T
+    return x.dim() == 2 and use_triton(x) and 0 < x.shape[0] <= NORM_ROUTE_MAX_T
 
 
 def norm_route_experts(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
@@ -677,11 +562,9 @@ def norm_route_experts(x: torch.Tensor, residual: Optional[torch.Tensor], norm_w
                        renormalize: bool = True, scaling: float = 1.0, prefetch=()):
     """(rms_norm(x + residual), x + residual, topk weights [T, K] fp32, topk ids [T, K] int32):
     where ``norm_route_ok(x)`` the norm and the router GEMM in one Triton launch and the
-    selection in another (BLITZ_MOE_NORM_ROUTE=1: one launch for all), else the norm and
-    ``route_experts``. ``prefetch``: see ``norm_route_experts_triton``."""
+    selection in another, else the norm and ``route_experts``. ``prefetch``: see ``norm_route_experts_triton``."""
     if norm_route_ok(x):
         return norm_route_experts_triton(x, residual, norm_weight, eps, weight, top_k, scoring, bias, n_group,
-                                         topk_group, renormalize, scaling, select=_NORM_ROUTE_SELECT,
-                                         prefetch=prefetch)
+                                         topk_group, renormalize, scaling, prefetch=prefetch)
     return reference_norm_route_experts(x, residual, norm_weight, eps, weight, top_k, scoring, bias, n_group,
                                         topk_group, renormalize, scaling)

@@ -33,7 +33,6 @@ partial sum, all-reduced by the next norm; the router is replicated.
 """
 from __future__ import annotations
 
-import functools
 import os
 import re
 from typing import Optional
@@ -176,8 +175,8 @@ class FusedMoE(nn.Module):
     def forward_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor], norm: nn.Module) -> tuple:
         """(self(norm(x + residual)), x + residual) for an RMSNorm ``norm``: where
         ``norm_route_ok`` the residual add, the norm and the router GEMM in one launch, the
-        selection in the next (BLITZ_MOE_NORM_ROUTE=1: the selection in the same launch); that
-        launch also asks the L2 for ``prefetch_next``'s weights (BLITZ_MOE_PF_QKV)."""
+        selection in the next; that launch also asks the L2 for ``prefetch_next``'s weights
+        (BLITZ_MOE_PF_QKV)."""
         pf = tuple(m.weight for m in self.prefetch_next)
         h, residual, weights, ids = _op("norm_route_experts")(
             x, residual, norm.weight, norm.eps, self.gate.weight, self.top_k, self.scoring, self.correction_bias,
@@ -185,49 +184,21 @@ class FusedMoE(nn.Module):
         return self._experts(h, lambda _: (weights, ids)), residual
 
     def _experts(self, x: torch.Tensor, route) -> torch.Tensor:
-        """Routed (``route(x)`` -> topk weights, ids) plus shared experts of x [T, H]."""
-        shared, side = None, None
-        if self.shared_experts is not None and x.is_cuda and SHARED_EXPERT_STREAM:
-            # the shared experts run on a second stream, beside routing + routed experts
-            # (fork/join with events, so CUDA-graph capture records both branches)
-            main = torch.cuda.current_stream(x.device)
-            side = _side_stream(x.device)
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                shared = self.shared_experts(x)
+        """Routed (``route(x)`` -> topk weights, ids) plus shared experts of x [T, H]. All on the
+        current stream: the shared experts on a second stream beside the routed ones measured
+        slower on the H200 at every size tried (the fork and join cost more GPU idle time than
+        the small shared GEMMs save; docs/perf-history.md)."""
         weights, ids = route(x)
         if self.expert_start is None:
             # (an fp32 sum only where nothing is added to it here and no rank sums it after)
-            fp32 = self.fp32_sum and shared is None and self.shared_experts is None and \
-                self.local_intermediate == self.intermediate
+            fp32 = self.fp32_sum and self.shared_experts is None and self.local_intermediate == self.intermediate
             out = _op("fused_moe")(x, self.w13, self.w2, weights, ids, fp32_sum=fp32, scales=self.fp8_scales)
         else:  # split by expert: the other ranks' experts become id -1 with weight 0
             local = ids - self.expert_start
             mine = (local >= 0) & (local < self.num_local_experts)
             out = _op("fused_moe")(x, self.w13, self.w2, weights * mine, torch.where(mine, local, -1),
                                    dropped_ids=True, scales=self.fp8_scales)
-        if side is not None:
-            main.wait_stream(side)
-        elif self.shared_experts is not None:
-            shared = self.shared_experts(x)
-        return out if shared is None else out + shared
-
-
-# BLITZ_SHARED_EXPERT_STREAM=1 runs the shared experts on a second CUDA stream beside routing and
-# the routed experts. Off by default: it measured slower at every size tried on the H200
-# (deepseek-v3, 8 layers: batch 1 283.7 vs 286.4 and 295.7 vs 298.4 tok/s, batch 32 1668 / 1668 vs
-# 1673 / 1672; the fork and join cost more GPU idle than the small shared GEMMs save)
-SHARED_EXPERT_STREAM = os.environ.get("BLITZ_SHARED_EXPERT_STREAM", "0") == "1"
-
-
-def _side_stream(device: torch.device):
-    """The side stream of a device for the shared experts (made on first use)."""
-    return _stream_for(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _stream_for(index: int):
-    return torch.cuda.Stream(device=index)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
 
 
 # ---- checkpoint mapping --------------------------------------------------------------

@@ -325,96 +325,14 @@ def test_gpu_model_shapes():
                   reference_fused_moe(x, w13, w2, weights, ids), 2e-2)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_direct_moe_down_prefetch_leaves_results_unchanged(monkeypatch):
-    """BLITZ_MOE_PF_DOWN: the direct gate/up launch carries the down-weight prefetch where the
-    GPU has it, and the outputs are bitwise those without it (Qwen3-30B-A3B sizes, 1-2 tokens,
-    a dropped entry)."""
-    from blitzllm.kernels import fused_moe as fm
-    from blitzllm.kernels._common import l2_prefetch_supported
-    seen = []
-    orig = fm._grouped_gemm
-    monkeypatch.setattr(fm, "_grouped_gemm", lambda *a, **kw: seen.append(kw.get("prefetch") is not None)
-                        or orig(*a, **kw))
-    for t in (1, 2):
-        x, w13, w2, weights, ids = moe_inputs(t, 128, 8, 2048, 768, torch.bfloat16, "cuda", seed=t)
-        ids = ids.clone()
-        ids[0, 1] = -1
-        monkeypatch.setattr(fm, "MOE_PF_DOWN", False)
-        want = fm.fused_moe_triton(x, w13, w2, weights, ids, direct=True, dropped_ids=True)
-        monkeypatch.setattr(fm, "MOE_PF_DOWN", True)
-        got = fm.fused_moe_triton(x, w13, w2, weights, ids, direct=True, dropped_ids=True)
-        assert torch.equal(got, want)
-    on = l2_prefetch_supported(x)
-    assert seen == [False, False, on, False] * 2
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("t,e,k,h,inter", [(1, 8, 2, 64, 40), (2, 10, 3, 48, 24), (1, 6, 6, 96, 72)])
-def test_fused_moe_gemv(t, e, k, h, inter, dtype, device):
-    """The small-batch GEMV path (BLITZ_MOE_GEMV) against the reference: ragged H / I
-    against the tiles, every expert of a token chosen (k = e), and dropped ids."""
-    from blitzllm.kernels.fused_moe import fused_moe_gemv_triton
-    x, w13, w2, weights, ids = moe_inputs(t, e, k, h, inter, dtype, device, seed=t + k)
-    out = fused_moe_gemv_triton(x, w13, w2, weights, ids, block_n=16, block_k=32)
-    assert out.shape == (t, h) and out.dtype == dtype
-    close(out, reference_fused_moe(x, w13, w2, weights, ids), TOL[dtype])
-    dropped = torch.where(ids % 2 == 0, ids, -1)
-    w = weights * (dropped >= 0)
-    out = fused_moe_gemv_triton(x, w13, w2, w, dropped, block_n=16, block_k=32)
-    close(out, reference_fused_moe(x, w13, w2, w, dropped, dropped_ids=True), TOL[dtype])
-
-
-def test_fused_moe_dispatches_small_batches_to_gemv(device, monkeypatch):
-    from blitzllm.kernels import fused_moe as fm
-    calls = []
-    orig = fm._moe_gemv
-    monkeypatch.setattr(fm, "MOE_GEMV", True)
-    monkeypatch.setattr(fm, "_moe_gemv", lambda *a, **kw: calls.append(1) or orig(*a, **kw))
-    for t in (1, 2, 3):
-        x, w13, w2, weights, ids = moe_inputs(t, 8, 2, 64, 40, torch.float32, device, seed=t)
-        close(fm.fused_moe_triton(x, w13, w2, weights, ids), reference_fused_moe(x, w13, w2, weights, ids),
-              TOL[torch.float32])
-    assert len(calls) == 2   # tokens 1 and 2; 3 takes the grouped GEMMs
-
-
-@pytest.mark.parametrize("cfg", ["fma", "dot-split", "auto"])
-@pytest.mark.parametrize("name", ["qwen3", "deepseek-v3", "softmax-bias-3groups", "tiny"])
-@pytest.mark.parametrize("t", [1, 3, 16])
-def test_router_gemm_with_fused_selection(t, name, cfg, device):
-    """The router GEMM launch that also routes (its last program per token block runs the
-    selection) == router_gemm then select_experts; twice, so the counters are found clean."""
-    e, k, scoring, with_bias, ng, tg, renorm, scaling = ROUTINGS[name]
-    g = torch.Generator().manual_seed(t * 31 + e)
-    h = 96
-    x = torch.randn(t, h, generator=g).to(device)
-    w = (torch.randn(e, h, generator=g) / h ** 0.5).to(device)
-    bias = (torch.randn(e, generator=g) * 0.1).to(device) if with_bias else None
-    sel = (k, scoring, bias, ng, tg, renorm, scaling)
-    conf = None if ROUTER_CONFIGS[cfg] is None else dict(ROUTER_CONFIGS[cfg], BLOCK_H=32)
-    ref_logits = router_gemm_triton(x, w, config=conf)
-    ref_w, ref_ids = reference_select_experts(ref_logits.cpu(), *(v.cpu() if torch.is_tensor(v) else v
-                                                                  for v in sel))
-    for _ in range(2):
-        logits, wts, ids = router_gemm_triton(x, w, config=conf, select=sel)
-        assert torch.equal(logits, ref_logits)
-        got_w, got_ids = by_id(wts.cpu(), ids.cpu())
-        exp_w, exp_ids = by_id(ref_w, ref_ids)
-        assert torch.equal(got_ids, exp_ids)
-        torch.testing.assert_close(got_w, exp_w, rtol=1e-5, atol=1e-6)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["qwen3", "deepseek-v3", "minimax-m2", "softmax-bias-3groups", "tiny"])
 @pytest.mark.parametrize("t,h,resid", [(1, 96, True), (3, 64, True), (2, 80, False)])
-@pytest.mark.parametrize("select,pdl_late", [(True, False), (False, False), (True, True)])
-def test_norm_route_experts(t, h, resid, name, dtype, select, pdl_late, device):
-    """Residual add + RMSNorm + router GEMM + selection in one launch (or, ``select`` off, the
-    norm + router GEMM in one and the selection kernel after it; ``pdl_late``: the dependents'
-    launch after the routing) == the norm kernel's reference then router_gemm + select_experts:
-    the normed rows and the residual (fp32: bitwise), the same experts, the weights to fp32
-    rounding; twice (the counter resets)."""
+def test_norm_route_experts(t, h, resid, name, dtype, device):
+    """Residual add + RMSNorm + router GEMM in one launch and the selection kernel after it ==
+    the norm kernel's reference then router_gemm + select_experts: the normed rows and the
+    residual (fp32: bitwise), the same experts, the weights to fp32 rounding; twice (nothing
+    carried over between calls)."""
     e, k, scoring, with_bias, ng, tg, renorm, scaling = ROUTINGS[name]
     g = torch.Generator().manual_seed(t * 7 + e + h)
     x = torch.randn(t, h, generator=g).to(dtype).to(device)
@@ -427,8 +345,7 @@ def test_norm_route_experts(t, h, resid, name, dtype, select, pdl_late, device):
     want_h, want_r = (reference_fused_add_rms_norm(x, r, nw, 1e-6) if resid else (reference_rms_norm(x, nw, 1e-6), x))
     cpu_args = [v.cpu() if torch.is_tensor(v) else v for v in args]
     for _ in range(2):
-        h_out, r_out, wts, ids = moe.norm_route_experts_triton(x, r, nw, 1e-6, w, *args, select=select,
-                                                               pdl_late=pdl_late)
+        h_out, r_out, wts, ids = moe.norm_route_experts_triton(x, r, nw, 1e-6, w, *args)
         if dtype == torch.float32:
             torch.testing.assert_close(h_out, want_h, rtol=1e-6, atol=1e-6)
             assert torch.equal(r_out, want_r)
@@ -444,8 +361,7 @@ def test_norm_route_experts(t, h, resid, name, dtype, select, pdl_late, device):
         torch.testing.assert_close(got_w, want_w, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("select", [True, False])
-def test_norm_route_rounds_an_fp32_x_first(select, device):
+def test_norm_route_rounds_an_fp32_x_first(device):
     """An fp32 x beside a bf16 residual (o_proj's fp32 sum, kernels/oproj_partials.py) gives
     exactly the results of x rounded to bf16 first, in the residual's dtype. (x sits 0.4 of a
     bf16 ulp past a bf16 value, away from zero: rounding to nearest and the interpreter's
@@ -460,8 +376,8 @@ def test_norm_route_rounds_an_fp32_x_first(select, device):
     nw = (1 + 0.2 * torch.randn(96, generator=g)).to(torch.bfloat16).to(device)
     w = (torch.randn(e, 96, generator=g) / 96 ** 0.5).to(torch.bfloat16).to(device)
     args = (k, scoring, None, ng, tg, renorm, scaling)
-    got = moe.norm_route_experts_triton(x, r, nw, 1e-6, w, *args, select=select)
-    want = moe.norm_route_experts_triton(x.to(torch.bfloat16), r, nw, 1e-6, w, *args, select=select)
+    got = moe.norm_route_experts_triton(x, r, nw, 1e-6, w, *args)
+    want = moe.norm_route_experts_triton(x.to(torch.bfloat16), r, nw, 1e-6, w, *args)
     assert got[0].dtype == got[1].dtype == torch.bfloat16
     for a, b in zip(got, want):
         assert torch.equal(a, b)
@@ -470,10 +386,11 @@ def test_norm_route_rounds_an_fp32_x_first(select, device):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_norm_route():
-    """The one-launch norm + routing at the MoE presets' shapes (bf16, 1-4 tokens): the normed
-    rows and the residual bitwise those of the RMSNorm kernel, the ids those of the router GEMM
-    + selection kernels on them, the weights to fp32 rounding; also with an L2 prefetch of a
-    next layer's qkv weight issued by the launch (BLITZ_MOE_PF_QKV)."""
+    """The norm + router launch and the selection after it at the MoE presets' shapes (bf16, 1-4
+    tokens): the normed rows and the residual bitwise those of the RMSNorm kernel, the ids those
+    of the router GEMM + selection kernels on them, the weights to fp32 rounding; also with an L2
+    prefetch of a next layer's qkv weight (and its o_proj's) issued by the launch
+    (BLITZ_MOE_PF_QKV)."""
     from blitzllm.kernels.rmsnorm import fused_add_rms_norm_triton
     dev, dt = "cuda", torch.bfloat16
     for name, h in (("qwen3", 2048), ("deepseek-v3", 7168), ("minimax-m2", 3072)):
@@ -489,10 +406,8 @@ def test_gpu_norm_route():
             want_w, want_ids = by_id(*select_experts_triton(router_gemm_triton(want_h, w), *args))
             nxt = torch.randn(5 * h, h, device=dev, generator=g).to(dt)  # a next layer's qkv weight
             nxt_o = torch.randn(h, 4 * h, device=dev, generator=g).to(dt)  # and its o_proj weight
-            for select, late, pf in ((True, False, ()), (False, False, ()), (True, True, ()), (False, False, (nxt,)),
-                                     (False, False, (nxt, nxt_o))):
-                h_out, r_out, wts, ids = moe.norm_route_experts_triton(x, r, nw, 1e-6, w, *args, select=select,
-                                                                       pdl_late=late, prefetch=pf)
+            for pf in ((), (nxt,), (nxt, nxt_o)):
+                h_out, r_out, wts, ids = moe.norm_route_experts_triton(x, r, nw, 1e-6, w, *args, prefetch=pf)
                 assert torch.equal(h_out, want_h) and torch.equal(r_out, want_r)
                 got_w, got_ids = by_id(wts, ids)
                 assert torch.equal(got_ids, want_ids)
@@ -517,8 +432,8 @@ def test_norm_route_prefetch_compiles_for_sm90():
 
 
 def test_norm_route_dispatch(monkeypatch):
-    """norm_route_experts: the composition off CUDA (== the reference); norm_route_ok only
-    when switched on, for CUDA tensors of 1..NORM_ROUTE_MAX_T rows."""
+    """norm_route_experts: the composition off CUDA (== the reference); norm_route_ok only for
+    CUDA tensors of 1..NORM_ROUTE_MAX_T rows."""
     g = torch.Generator().manual_seed(3)
     x, r = torch.randn(3, 64, generator=g), torch.randn(3, 64, generator=g)
     nw, w = torch.rand(64, generator=g) + 0.5, torch.randn(16, 64, generator=g)
@@ -526,13 +441,10 @@ def test_norm_route_dispatch(monkeypatch):
     want = moe.reference_norm_route_experts(x, r, nw, 1e-6, w, 4, "sigmoid", torch.zeros(16), 4, 2, True, 2.0)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
-    monkeypatch.setattr(moe, "MOE_NORM_ROUTE", True)
     assert not moe.norm_route_ok(x)  # CPU tensors
     monkeypatch.setattr(moe, "use_triton", lambda t: True)
     assert moe.norm_route_ok(x) and not moe.norm_route_ok(torch.zeros(moe.NORM_ROUTE_MAX_T + 1, 8))
     assert not moe.norm_route_ok(torch.zeros(0, 8))
-    monkeypatch.setattr(moe, "MOE_NORM_ROUTE", False)
-    assert not moe.norm_route_ok(x)
 
 
 def test_route_experts_dispatch_matches_the_two_steps():
@@ -548,7 +460,7 @@ def test_route_experts_dispatch_matches_the_two_steps():
 @pytest.mark.parametrize("t,e,k,h,inter,cfg", [(1, 8, 2, 64, 40, "m16-ragged"), (2, 10, 3, 48, 24, "m16-even"),
                                                (1, 6, 6, 96, 72, "auto"), (2, 8, 8, 64, 40, "auto")])
 def test_fused_moe_direct(t, e, k, h, inter, cfg, dtype, device):
-    """The unsorted decode path (BLITZ_MOE_DIRECT): one program row per entry, the combine
+    """The unsorted decode path (``direct``): one program row per entry, the combine
     inside the down GEMM's launch. Against the reference, with ragged tiles, all experts of a
     token chosen, dropped ids, and twice in a row (the arrival counters reset themselves)."""
     from blitzllm.kernels import fused_moe as fm
@@ -640,7 +552,6 @@ def test_fused_moe_dispatches_small_batches_to_direct(device, monkeypatch):
     from blitzllm.kernels import fused_moe as fm
     seen = []
     orig = fm._grouped_gemm
-    monkeypatch.setattr(fm, "MOE_DIRECT", True)
     monkeypatch.setattr(fm, "_grouped_gemm", lambda *a, **kw: seen.append(kw.get("direct", False)) or orig(*a, **kw))
     for t in (1, 2, 3):  # 8 and 16 entries go direct, 24 are sorted
         x, w13, w2, weights, ids = moe_inputs(t, 12, 8, 64, 40, torch.float32, device, seed=t)
@@ -656,7 +567,6 @@ def test_decode_env_config_reaches_direct_launches_only(device, monkeypatch):
     from blitzllm.kernels import fused_moe as fm
     monkeypatch.setenv("BLITZ_MOE_DECODE_CONFIG", '{"BLOCK_N": 32, "BLOCK_K": 32}')
     monkeypatch.setattr(fm, "_DECODE_ENV_CONFIG", fm._env_decode_config())
-    monkeypatch.setattr(fm, "MOE_DIRECT", True)
     seen = []
     orig = fm._grouped_gemm
     monkeypatch.setattr(fm, "_grouped_gemm", lambda *a, **kw: seen.append((kw.get("direct", False), a[10]["BLOCK_N"],

@@ -83,9 +83,10 @@ def test_minimax_m2_matches_transformers(tmp_path):
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "minimax_m2"])
 def test_norm_route_decode_matches_transformers(tmp_path, arch, monkeypatch):
-    """FusedMoE.forward_norm (the post-attention residual add + norm handed to the routing,
-    one launch on CUDA decode) forced on for every step of up to 4 tokens, here through its
-    torch composition: the same greedy tokens and logprobs as transformers, and it ran."""
+    """FusedMoE.forward_norm (the post-attention residual add + norm handed to the routing; on
+    CUDA decode the norm and the router GEMM in one launch) forced on for every step of up to 4
+    tokens, here through its torch composition: the same greedy tokens and logprobs as
+    transformers, and it ran."""
     calls = []
     monkeypatch.setattr(FusedMoE, "norm_route_ok",
                         lambda self, x, residual, norm: residual is not None and 0 < x.shape[0] <= 4)
