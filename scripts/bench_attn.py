@@ -6,14 +6,13 @@ followed by the o_proj GEMV, through CUDA graph replays of a whole model's layer
 
 Each case captures, per layer, a fused decode attention launch (q/k norm + rotary + cache
 write + split-K attention) over that layer's own paged cache, optionally followed by the
-o_proj GEMV on that layer's own weight (so the GEMV reads its weight from HBM unless the
-attention kernel prefetched it into L2), and reports microseconds per layer:
+o_proj GEMV on that layer's own weight (so the GEMV reads its weight from HBM), and reports
+microseconds per layer:
   attn           the attention kernel alone (PDL between consecutive launches)
   attn+o         attention then the o_proj GEMV
-  attn+o pf      the same with the attention kernel prefetching o_proj's weight into L2
   o only         the GEMV alone (its weight from HBM)
-Variants (``VARIANTS``): split counts, keys per tile, warps per program. Also checks that
-the compiled kernel holds the bulk prefetch instruction.
+Variants (``VARIANTS``): split counts, keys per tile, warps per program. First (unless
+--no-l2) a check of whether a GEMV reads faster once its weight was bulk-prefetched into L2.
 """
 import argparse
 import os
@@ -52,19 +51,13 @@ def build(name, layers, ctx, bs=16):
                 hq=hq, hkv=hkv, d=d)
 
 
-def step(s, i, with_o, prefetch, splits, block_n=None, warps=None):
+def step(s, i, with_o, splits, block_n=None, warps=None):
     from blitzllm.kernels.gemv import gemv_triton
     from blitzllm.kernels.paged_attention import fused_decode_attention_triton
     kc, vc = s["caches"][i]
-    pf = [(s["wo"][i], s["wo"][i].numel() * 2)] if prefetch else ()
-    if prefetch and i == 0 and not s.get("shown"):
-        from blitzllm.kernels.paged_attention import _prefetch_args
-        s["shown"] = True
-        print("prefetch args NPF:", _prefetch_args(s["qkv"][0], pf, 256)["NPF"], flush=True)
     out = fused_decode_attention_triton(s["qkv"][i], s["pos"], s["cs"], s["hq"], s["hkv"], s["d"], kc, vc, s["slots"],
                                         s["tables"], s["seq"], s["d"] ** -0.5, s["qw"], s["kw"], 1e-6, s["d"],
-                                        num_splits=splits, l2_prefetch_ranges=pf, block_n=block_n,
-                                        num_warps=warps)
+                                        num_splits=splits, block_n=block_n, num_warps=warps)
     if with_o:
         return gemv_triton(out.reshape(1, -1), s["wo"][i])
     return out
@@ -165,7 +158,6 @@ def main():
     ap.add_argument("--no-l2", action="store_true", help="skip the L2 residency check")
     ap.add_argument("--splits-sweep", action="store_true", help="SPLIT_VARIANTS instead of VARIANTS")
     a = ap.parse_args()
-    import blitzllm.kernels.paged_attention as pa
     from blitzllm.kernels._common import l2_prefetch_supported
     print("l2 prefetch supported:", l2_prefetch_supported(torch.empty(1, device="cuda")))
     if not a.no_l2:
@@ -177,24 +169,16 @@ def main():
         for ctx in [int(c) for c in a.contexts.split(",")]:
             s = build(name, a.layers, ctx)
             for splits, bn, warps in (SPLIT_VARIANTS if a.splits_sweep else VARIANTS):
-                t_a = time_graph(lambda i: step(s, i, False, False, splits, bn, warps), a.layers, a.reps)
-                t_ao = time_graph(lambda i: step(s, i, True, False, splits, bn, warps), a.layers, a.reps)
-                t_pf = time_graph(lambda i: step(s, i, True, True, splits, bn, warps), a.layers, a.reps)
-                rows.append((name, ctx, f"{bn or 32}/{warps or 4}", splits or "auto", t_a, t_ao, t_pf))
+                t_a = time_graph(lambda i: step(s, i, False, splits, bn, warps), a.layers, a.reps)
+                t_ao = time_graph(lambda i: step(s, i, True, splits, bn, warps), a.layers, a.reps)
+                rows.append((name, ctx, f"{bn or 32}/{warps or 'auto'}", splits or "auto", t_a, t_ao))
             t_o = time_graph(lambda i: o_only(s, i), a.layers, a.reps)
-            rows.append((name, ctx, "-", "o only", t_o, float("nan"), float("nan")))
+            rows.append((name, ctx, "-", "o only", t_o, float("nan")))
             del s
             torch.cuda.empty_cache()
-    variants = with_pf = 0
-    for cache in pa._decode_kernel.device_caches.values():
-        for k in (cache[0] if isinstance(cache, tuple) else cache).values():
-            ptx = k.asm.get("ptx", "") if hasattr(k, "asm") else ""
-            variants += 1
-            with_pf += "cp.async.bulk.prefetch.L2" in ptx
-    print(f"decode kernel variants compiled: {variants}, with the bulk prefetch in their PTX: {with_pf}")
-    print(f"{'model':<14}{'ctx':>6} {'bn/warp':>7} {'splits':>7} {'attn us':>8} {'attn+o':>8} {'+o pf':>8}")
+    print(f"{'model':<14}{'ctx':>6} {'bn/warp':>7} {'splits':>7} {'attn us':>8} {'attn+o':>8}")
     for r in rows:
-        print(f"{r[0]:<14}{r[1]:>6} {str(r[2]):>7} {str(r[3]):>7} {r[4]:8.2f} {r[5]:8.2f} {r[6]:8.2f}")
+        print(f"{r[0]:<14}{r[1]:>6} {str(r[2]):>7} {str(r[3]):>7} {r[4]:8.2f} {r[5]:8.2f}")
 
 
 if __name__ == "__main__":

@@ -61,17 +61,7 @@ def pdl_enabled(t: torch.Tensor) -> bool:
     off."""
     if not (HAS_TRITON and t.is_cuda) or os.environ.get("BLITZ_PDL", "1") == "0":
         return False
-    if capability(t)[0] < 9:
-        return False
-    return PDL_EARLY if PDL_EARLY else True
-
-
-# BLITZ_PDL_EARLY=1 (A/B): launchers that pass pdl_enabled()'s value straight on let their
-# dependents launch right after their own wait (value 2), so the next kernel's independent
-# loads overlap this kernel's whole main loop, not only its tail. Measured slower on the
-# H200 (qwen3-0.6b batch 1: 1116.6 vs 1163.0 tok/s; llama-3.1-8b: 232.5 vs 235.4): the
-# waiting dependents take SM slots from the running kernel. Off by default.
-PDL_EARLY = 2 if os.environ.get("BLITZ_PDL_EARLY", "0") == "1" else 0
+    return capability(t)[0] >= 9
 
 
 def pdl_launch_kwargs(enabled: bool) -> dict:
@@ -84,23 +74,23 @@ def pdl_wait(USE_PDL: tl.constexpr):
     """Wait until the previous kernel's writes are visible (no-op without PDL)."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        if USE_PDL == 2:  # early trigger (PDL_EARLY)
-            tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
 def pdl_launch_dependents(USE_PDL: tl.constexpr):
-    """Let the next PDL kernel launch once every program of this one got here (done at
-    the wait already with USE_PDL == 2)."""
-    if USE_PDL == 1:
+    """Let the next PDL kernel launch once every program of this one got here. Kernels call it
+    after their main loop (or, where the next kernel streams its weights before its own wait,
+    at their start): triggering right after the wait instead let the waiting dependents take
+    SM slots from the running kernel and measured slower."""
+    if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
 
 # -- L2 prefetch of the next kernels' weights ------------------------------------------------
-# Decode at small batch alternates bandwidth-bound GEMVs with latency-bound kernels (the
-# attention, the norms) during which HBM idles. A latency-bound kernel can ask the L2 to
-# fetch the next GEMVs' weights meanwhile (Hopper's bulk prefetch: one instruction per
-# range, no registers, the issuing thread does not wait), so those GEMVs then read L2.
+# Decode at small batch alternates bandwidth-bound GEMVs with latency-bound kernels during
+# which HBM idles. A latency-bound kernel can ask the L2 to fetch the next kernels' weights
+# meanwhile (Hopper's bulk prefetch: one instruction per range, no registers, the issuing
+# thread does not wait), so those kernels then read L2 (``kernels/moe.py``).
 L2_PREFETCH_LANES = 128  # one range per thread of a 4-warp program
 
 

@@ -7,7 +7,6 @@ layers read it from there. Nothing here knows about requests or the scheduler.
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -171,21 +170,6 @@ def get_forward_context() -> ForwardContext:
     return _CURRENT[0]
 
 
-def l2_prefetch_ranges(modules, budget: int) -> list:
-    """(weight, nbytes) of the leading modules' dense weights within ``budget`` bytes: every
-    whole weight that fits, then the head of the next one (at most 4 ranges)."""
-    out = []
-    for m in modules:
-        w = getattr(m, "weight", None)
-        if budget <= 0 or len(out) == 4 or w is None or getattr(m, "qweight", None) is not None:
-            break
-        n = min(budget, w.numel() * w.element_size())
-        if n > 0:
-            out.append((w, n))
-        budget -= n
-    return out
-
-
 class TritonAttentionBackend(AttentionBackend):
     """CUDA: one fused kernel for q/k norm + rotary + cache write, then paged attention
     (split-K flash decoding for pure decode steps, varlen causal prefill otherwise)."""
@@ -196,25 +180,15 @@ class TritonAttentionBackend(AttentionBackend):
         # Pure decode steps run q/k norm + rotary + cache write inside the attention kernel
         # (one launch per layer) unless a step may hold several rows of one sequence
         # (speculative verify rows): the model runner turns it off then.
-        # BLITZ_FUSED_DECODE=0 keeps the two launches (A/B).
-        self.fused_decode = os.environ.get("BLITZ_FUSED_DECODE", "1") != "0"
-        # BLITZ_L2_PREFETCH=1: the fused decode kernel asks the L2 to fetch the weights of the
-        # GEMVs after it (``Attention.prefetch_modules``, up to BLITZ_L2_PREFETCH_MB in all).
-        # Off: on the H200 it measured slower (qwen3-0.6b 1047.6 vs 1152.3 tok/s; the decode
-        # kernel took ~100 us more per step issuing the prefetches than the GEMVs saved)
-        self.l2_prefetch_bytes = (int(float(os.environ.get("BLITZ_L2_PREFETCH_MB", "40")) * (1 << 20))
-                                  if os.environ.get("BLITZ_L2_PREFETCH", "0") == "1" else 0)
+        self.fused_decode = True
 
     def forward(self, layer, positions, qkv, k_cache, v_cache, md):
         from ..kernels.paged_attention import paged_decode_attention_triton, paged_prefill_attention_triton
         from ..kernels.qk_norm_rope_cache import fused_qk_norm_rope_cache_triton
         qn, kn = layer.q_norm, layer.k_norm
         if self._fused_decode_ok(layer, md):
-            return self._fused_decode(
-                layer, positions, qkv, k_cache, v_cache, md,
-                l2_prefetch_ranges=(l2_prefetch_ranges(layer.prefetch_modules, self.l2_prefetch_bytes)
-                                    if self.l2_prefetch_bytes else ()),
-                early_dependents=_next_streams_early(layer, qkv))
+            return self._fused_decode(layer, positions, qkv, k_cache, v_cache, md,
+                                      early_dependents=_next_streams_early(layer, qkv))
         q = fused_qk_norm_rope_cache_triton(
             qkv, positions, layer.rotary.cos_sin_cache, layer.num_heads, layer.num_kv_heads, layer.head_dim,
             k_cache, v_cache, md.slot_mapping,
@@ -338,9 +312,6 @@ class Attention(nn.Module):
         self.rotary = rotary
         self._norms = (q_norm, k_norm)  # a tuple: owned (and named) by the caller, not registered here
         self.scale = scale if scale is not None else head_dim ** -0.5
-        # the modules whose weights decode reads next (o_proj, the MLP's, the next layer's
-        # qkv), for the backend's L2 prefetch; a tuple, so not registered as submodules
-        self.prefetch_modules: tuple = ()
 
     @property
     def q_norm(self):

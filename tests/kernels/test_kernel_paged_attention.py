@@ -75,18 +75,19 @@ def test_decode_partials_merge_to_the_output(case, device):
         torch.testing.assert_close(merge_decode_partials(p, d), ref, atol=TOL[torch.float32], rtol=TOL[torch.float32])
 
 
-@pytest.mark.parametrize("elems", [0, 512, 4096])
-def test_decode_combine_rounds(elems, device, monkeypatch):
-    """The fused combine with 8 query heads per KV head (8 warps) over 10 active splits, taking
-    their partials in one round (the default: 1024 values per warp, 16 splits of D 64) or in
-    several (BLITZ_ATTN_COMBINE_ELEMS 512: one split a round; 4096: 8): the same output."""
+@pytest.mark.parametrize("hq,hkv,d,per_round", [(16, 2, 64, 16), (16, 2, 128, 8), (32, 1, 256, 1)])
+def test_decode_combine_rounds(hq, hkv, d, per_round, device):
+    """The fused combine (8 warps: 8 or more query heads per KV head) over 10 active splits,
+    taking their partials in one round (1024 values per warp: 16 splits of G 8, D 64), in two
+    (8 splits of D 128) or one split a round (G 32, D 256): the same output."""
     import blitzllm.kernels.paged_attention as pa
-    monkeypatch.setattr(pa, "_COMBINE_ELEMS", elems)
-    seq_lens, hq, hkv, d = [300, 40], 16, 2, 64
+    g = hq // hkv
+    assert pa.decode_warps(g) == 8
+    assert pa._COMBINE_ELEMS_PER_WARP * 8 // (g * d) == per_round  # the launcher's splits per round
+    seq_lens = [300, 40]
     kc, vc, tables, seq = make_cache(seq_lens, hkv, d, 16, torch.float32, device)
     q = torch.randn(len(seq_lens), hq, d).to(device)
     ref = reference_paged_decode_attention(q, kc, vc, tables, seq, d ** -0.5)
-    assert pa.decode_warps(hq // hkv) == 8
     for _ in range(2):
         out = paged_decode_attention_triton(q, kc, vc, tables, seq, d ** -0.5, num_splits=16)
         torch.testing.assert_close(out, ref, atol=TOL[torch.float32], rtol=TOL[torch.float32])
@@ -231,68 +232,7 @@ def test_fused_decode_matches_unfused_reference(case, dtype, device):
         torch.testing.assert_close(vc, vr, atol=0, rtol=0)
 
 
-def test_fused_decode_passes_prefetch_ranges_to_the_launch(device, monkeypatch):
-    """The ranges given to the fused decode wrapper reach the kernel launch's arguments."""
-    import blitzllm.kernels.paged_attention as pa
-    seen = []
-    real = pa._prefetch_args
-    monkeypatch.setattr(pa, "_prefetch_args", lambda t, ranges, programs: seen.append(list(ranges)) or
-                        real(t, ranges, programs))
-    seq_lens, hq, hkv, d, rot, bs = [5, 17], 4, 2, 32, 32, 16
-    kc, vc, tables, seq = make_cache(seq_lens, hkv, d, bs, torch.float32, device)
-    qkv = torch.randn(2, (hq + 2 * hkv) * d).to(device)
-    pos = seq.long() - 1
-    tab = tables.long().cpu()
-    slots = torch.tensor([int(tab[b, p // bs]) * bs + p % bs for b, p in enumerate(pos.tolist())]).to(device)
-    cs = torch.cat([torch.ones(64, rot // 2), torch.zeros(64, rot // 2)], -1).to(device)
-    w = torch.randn(64, 32).to(device)
-    pa.fused_decode_attention_triton(qkv, pos, cs, hq, hkv, d, kc, vc, slots, tables, seq, d ** -0.5,
-                                     rotary_dim=rot, num_splits=2, l2_prefetch_ranges=[(w, 1024)])
-    assert len(seen) == 1 and len(seen[0]) == 1 and seen[0][0][0] is w and seen[0][0][1] == 1024
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("case", FUSED[1:3])
-def test_gpu_fused_decode_l2_prefetch_leaves_results_unchanged(case):
-    """The fused decode kernel with L2 prefetch ranges (whole tensors, a head of one, a
-    misaligned view that the launcher drops, more ranges than programs need) writes the
-    same output and cache, bit for bit, as without them."""
-    from blitzllm.kernels._common import l2_prefetch_supported
-    from blitzllm.kernels.paged_attention import _prefetch_args, fused_decode_attention_triton
-    seq_lens, hq, hkv, d, rot, bs, norm, splits = case
-    dt, dev = torch.bfloat16, "cuda"
-    assert l2_prefetch_supported(torch.empty(1, device=dev)) == (torch.cuda.get_device_capability()[0] >= 9)
-    g = torch.Generator().manual_seed(3)
-    kc, vc, tables, seq = make_cache(seq_lens, hkv, d, bs, dt, dev)
-    B = len(seq_lens)
-    qkv = torch.randn(B, (hq + 2 * hkv) * d, generator=g).to(dev, dt)
-    pos = seq.long() - 1
-    tab = tables.long().cpu()
-    slots = torch.tensor([int(tab[b, p // bs]) * bs + p % bs for b, p in enumerate(pos.tolist())]).to(dev)
-    inv = 1.0 / 10000.0 ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot)
-    f = torch.arange(512, dtype=torch.float32)[:, None] * inv[None, :]
-    cs = torch.cat([f.cos(), f.sin()], -1).to(dev)
-    qw = kw = (1 + 0.3 * torch.randn(d, generator=g)).to(dev, dt) if norm else None
-    big = torch.randn(4096, 1024, device=dev, dtype=dt)
-    ranges = [(big, big.numel() * 2), (big.view(-1)[1:], 1 << 20), (big[:7], 10 ** 9), (big, 12345)]
-    args = _prefetch_args(qkv, ranges, B * hkv * splits)
-    if l2_prefetch_supported(qkv):
-        assert args["NPF"] == 3 and args["pn1"] == 7 * 1024 * 2 and args["pn2"] == 12336  # the view 2 bytes in: dropped
-    outs = []
-    for pf in ((), ranges):
-        k1, v1 = kc.clone(), vc.clone()
-        out = fused_decode_attention_triton(qkv, pos, cs, hq, hkv, d, k1, v1, slots, tables, seq, d ** -0.5,
-                                            qw, kw, 1e-6, rot, num_splits=splits, l2_prefetch_ranges=pf)
-        outs.append((out, k1, v1))
-    for a, b in zip(*outs):
-        assert torch.equal(a, b)
-
-
-def test_decode_warps_default(monkeypatch):
-    """8 warps per decode program from 8 query heads per KV head on, else 4; BLITZ_ATTN_WARPS wins."""
+def test_decode_warps_default():
+    """8 warps per decode program from 8 query heads per KV head on, else 4."""
     from blitzllm.kernels import paged_attention as pa
-    monkeypatch.setattr(pa, "_DECODE_WARPS", 0)
     assert [pa.decode_warps(g) for g in (1, 2, 4, 6, 8, 16)] == [4, 4, 4, 4, 8, 8]
-    monkeypatch.setattr(pa, "_DECODE_WARPS", 2)
-    assert pa.decode_warps(8) == 2
