@@ -8,38 +8,54 @@ from blitzllm.kernels.activation import (  # noqa: E402
 from blitzllm.kernels.rmsnorm import (  # noqa: E402
     fused_add_rms_norm, fused_add_rms_norm_triton, reference_fused_add_rms_norm,
     reference_rms_norm, rms_norm, rms_norm_triton)
+from tests.kernels.conftest import assert_close_ulps  # noqa: E402
 
-# bf16: the interpreter rounds fp32 -> bf16 toward zero (the GPU rounds to nearest)
-TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 2e-2}
+# Scaled to the reference (tests/kernels/conftest.py): each element within ULPS ulps of
+# max|ref|, and the mean error within MEAN_EPS of the dtype's relative spacing. The kernels
+# accumulate in fp32 and round as the references do (the interpreter rounds to nearest even,
+# as the GPU), so half-precision results are the reference's to the last bit but for rare
+# ties: 1 ulp, and a quarter of one on average, catch an error under one bf16 ulp (the
+# variance over N + 1: test_tolerance_rejects_norm_off_by_one). fp32: the sum's order.
+ULPS = {torch.float32: 8, torch.float16: 1, torch.bfloat16: 1}
+MEAN_EPS = {torch.float32: 2.0, torch.float16: 0.25, torch.bfloat16: 0.25}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+RMS_SHAPES = [(1, 64), (7, 96), (3, 5, 128)]
+FUSED_SHAPES = [(1, 64), (33, 80)]
 
 
-def close(a, b, dtype, mult=1.0):
-    torch.testing.assert_close(a.float(), b.float(), atol=TOL[dtype] * mult, rtol=TOL[dtype] * mult)
+def close(a, b, dtype):
+    assert_close_ulps(a, b, dtype, ulps=ULPS[dtype], mean_ulps=MEAN_EPS[dtype])
+
+
+def rms_inputs(shape, dtype, device="cpu"):
+    x = (torch.randn(shape) * 3).to(device, dtype)
+    w = (1 + 0.5 * torch.randn(shape[-1])).to(device, dtype)
+    return x, w
+
+
+def fused_inputs(shape, dtype, device="cpu"):
+    x = torch.randn(shape).to(device, dtype)
+    r = (torch.randn(shape) * 4).to(device, dtype)
+    w = (1 + 0.5 * torch.randn(shape[-1])).to(device, dtype)
+    return x, r, w
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(1, 64), (7, 96), (3, 5, 128)])
+@pytest.mark.parametrize("shape", RMS_SHAPES)
 def test_rms_norm(shape, dtype, device):
-    x = (torch.randn(shape) * 3).to(device, dtype)
-    w = (1 + 0.5 * torch.randn(shape[-1])).to(device, dtype)
+    x, w = rms_inputs(shape, dtype, device)
     out = rms_norm_triton(x, w, 1e-6)
     assert out.shape == x.shape and out.dtype == dtype
     close(out, reference_rms_norm(x, w, 1e-6), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(1, 64), (33, 80)])
+@pytest.mark.parametrize("shape", FUSED_SHAPES)
 def test_fused_add_rms_norm(shape, dtype, device):
-    x = torch.randn(shape).to(device, dtype)
-    r = (torch.randn(shape) * 4).to(device, dtype)
-    w = (1 + 0.5 * torch.randn(shape[-1])).to(device, dtype)
+    x, r, w = fused_inputs(shape, dtype, device)
     out, res = fused_add_rms_norm_triton(x, r, w, 1e-5)
     ref_out, ref_res = reference_fused_add_rms_norm(x, r, w, 1e-5)
-    if dtype == torch.bfloat16 and device == "cpu":  # interpreter rounds toward zero
-        close(res, ref_res, dtype)
-    else:
-        assert torch.equal(res, ref_res)
+    assert torch.equal(res, ref_res)
     close(out, ref_out, dtype)
     # HF semantics: residual add in the model dtype, then LlamaRMSNorm
     hf_res = x + r
@@ -60,10 +76,7 @@ def test_fused_add_rms_norm_fp32_input(dtype, device):
     for fn in (fused_add_rms_norm_triton, fused_add_rms_norm):
         out, res = fn(x, r, w, 1e-5)
         assert out.dtype == res.dtype == dtype
-        if dtype == torch.bfloat16 and device == "cpu" and fn is fused_add_rms_norm_triton:
-            close(res, ref_res, dtype)  # (the interpreter rounds toward zero)
-        else:
-            assert torch.equal(res, ref_res)
+        assert torch.equal(res, ref_res)
         close(out, ref_out, dtype)
 
 
@@ -72,6 +85,35 @@ def test_rms_norm_strided_rows(device):
     x = big[:, :128]  # rows with stride 256
     w = torch.rand(128, device=device) + 0.5
     close(rms_norm_triton(x, w, 1e-6), reference_rms_norm(x, w, 1e-6), torch.float32)
+
+
+def rms_norm_var_over_n_plus_1(x, w, eps):
+    """A plausible RMSNorm bug: the variance divided by N + 1 (the output 1/(2N) too large:
+    0.4% at N = 128, under the bf16 spacing of 0.4-0.8%)."""
+    xf = x.float()
+    var = xf.pow(2).sum(-1, keepdim=True) / (x.shape[-1] + 1)
+    return (w.float() * (xf * torch.rsqrt(var + eps)).to(x.dtype).float()).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", RMS_SHAPES)
+def test_tolerance_rejects_norm_off_by_one(shape, dtype):
+    """The check test_rms_norm applies, on test_rms_norm's inputs, rejects the N + 1 norm in
+    every case (bf16: by its mean error, no element being over an ulp off)."""
+    x, w = rms_inputs(shape, dtype)
+    ref = reference_rms_norm(x, w, 1e-6)
+    with pytest.raises(AssertionError):
+        close(rms_norm_var_over_n_plus_1(x, w, 1e-6), ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", FUSED_SHAPES)
+def test_tolerance_rejects_fused_norm_off_by_one(shape, dtype):
+    """Likewise test_fused_add_rms_norm's check on its inputs."""
+    x, r, w = fused_inputs(shape, dtype)
+    ref_out, ref_res = reference_fused_add_rms_norm(x, r, w, 1e-5)
+    with pytest.raises(AssertionError):
+        close(rms_norm_var_over_n_plus_1(ref_res, w, 1e-5), ref_out, dtype)
 
 
 def test_dispatch_cpu_uses_reference():
@@ -89,7 +131,7 @@ def test_silu_and_mul(shape, dtype, device):
     x = (torch.randn(shape) * 3).to(device, dtype)
     out = silu_and_mul_triton(x)
     assert out.shape == shape[:-1] + (shape[-1] // 2,)
-    close(out, reference_silu_and_mul(x), dtype, mult=2)
+    close(out, reference_silu_and_mul(x), dtype)
 
 
 @pytest.mark.gpu
@@ -105,4 +147,4 @@ def test_gpu_norm_act_bf16():
     assert torch.equal(nr, rr)
     close(o, ro, dt)
     g = torch.randn(513, 2 * 12288, device=dev, dtype=dt)
-    close(silu_and_mul(g), reference_silu_and_mul(g), dt, mult=2)
+    close(silu_and_mul(g), reference_silu_and_mul(g), dt)
