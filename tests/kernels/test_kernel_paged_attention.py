@@ -9,8 +9,21 @@ from blitzllm.kernels.paged_attention import (  # noqa: E402
     paged_decode_attention, paged_decode_attention_triton, paged_prefill_attention,
     paged_prefill_attention_triton, reference_paged_decode_attention,
     reference_paged_prefill_attention)
+from tests.kernels.conftest import assert_close_ulps  # noqa: E402
 
-TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2.5e-2}
+TOL = {torch.float32: 1e-4}
+# fp16 / bf16: scaled to the reference (tests/kernels/conftest.py): each element within 2 ulps
+# of max|ref|, the mean error within half an eps. The kernels keep scores, softmax and sums in
+# fp32 and round P to the KV dtype for P @ V: 1 ulp at most and ~0.15 eps on average here; a
+# dropped 16-token block or a wrong scale is 7 eps or more (test_tolerance_rejects_*).
+HALF_ULPS, HALF_MEAN_EPS = 2, 0.5
+
+
+def close(out, ref, dtype):
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=TOL[dtype], rtol=TOL[dtype])
+    else:
+        assert_close_ulps(out, ref, dtype, ulps=HALF_ULPS, mean_ulps=HALF_MEAN_EPS)
 
 
 def make_cache(seq_lens, hkv, d, bs, dtype, device="cpu", spare=3):
@@ -93,14 +106,54 @@ def test_decode_combine_rounds(hq, hkv, d, per_round, device):
         torch.testing.assert_close(out, ref, atol=TOL[torch.float32], rtol=TOL[torch.float32])
 
 
+def half_decode_case(dtype, device="cpu", seq_lens=(45, 3, 16), hq=6, hkv=2, d=64):
+    kc, vc, tables, seq = make_cache(list(seq_lens), hkv, d, 16, dtype, device)
+    q = torch.randn(len(seq_lens), hq, d).to(device, dtype)
+    return q, kc, vc, tables, seq
+
+
+LONG = dict(seq_lens=(4096, 300), hq=8, hkv=2, d=64)  # 4,096 tokens: |output| ~ 0.02
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_decode_half(dtype, device):
-    seq_lens, hq, hkv, d, bs = [45, 3, 16], 6, 2, 64, 16
-    kc, vc, tables, seq = make_cache(seq_lens, hkv, d, bs, dtype, device)
-    q = torch.randn(len(seq_lens), hq, d).to(device, dtype)
+    q, kc, vc, tables, seq = half_decode_case(dtype, device)
     out = paged_decode_attention_triton(q, kc, vc, tables, seq, 0.125, num_splits=2, block_n=16)
     ref = reference_paged_decode_attention(q, kc, vc, tables, seq, 0.125)
-    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    close(out, ref, dtype)
+
+
+def test_decode_bf16_long_context(device):
+    """4,096 keys in bf16 (the default splits): the outputs are small (mean |out| ~ 0.02, the
+    old flat 2e-2), so the tolerance must scale with them to notice a missing block."""
+    q, kc, vc, tables, seq = half_decode_case(torch.bfloat16, device, **LONG)
+    out = paged_decode_attention_triton(q, kc, vc, tables, seq, 0.125)
+    close(out, reference_paged_decode_attention(q, kc, vc, tables, seq, 0.125), torch.bfloat16)
+
+
+@pytest.mark.parametrize("case", [{}, LONG], ids=["short", "4096"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tolerance_rejects_dropped_kv_block(dtype, case):
+    """The check of test_decode_half / test_decode_bf16_long_context, on their inputs, rejects
+    an attention that drops each sequence's last 16-token KV block (a 1-token sequence keeps
+    its token)."""
+    q, kc, vc, tables, seq = half_decode_case(dtype, **case)
+    ref = reference_paged_decode_attention(q, kc, vc, tables, seq, 0.125)
+    dropped = reference_paged_decode_attention(q, kc, vc, tables, (seq - 16).clamp(min=1), 0.125)
+    with pytest.raises(AssertionError):
+        close(dropped, ref, dtype)
+
+
+@pytest.mark.parametrize("factor", [math.log(2), math.sqrt(64 / 128)], ids=["exp2_without_log2e", "padded_head_dim"])
+@pytest.mark.parametrize("case", [{}, LONG], ids=["short", "4096"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tolerance_rejects_wrong_scale(dtype, case, factor):
+    """Likewise a wrong softmax scale: exp2 of the scaled scores without log2(e) folded in
+    (scale * ln 2), or 1/sqrt of a head dim padded to twice its size."""
+    q, kc, vc, tables, seq = half_decode_case(dtype, **case)
+    ref = reference_paged_decode_attention(q, kc, vc, tables, seq, 0.125)
+    with pytest.raises(AssertionError):
+        close(reference_paged_decode_attention(q, kc, vc, tables, seq, 0.125 * factor), ref, dtype)
 
 
 def test_decode_empty_sequence_gives_zeros(device):
@@ -145,7 +198,7 @@ def test_prefill(case, blocks, device):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_prefill_half(dtype, device):
     out, ref = run_prefill([9, 3], [9, 37], 6, 2, 64, 16, dtype, device, block_m=32, block_n=16)
-    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    close(out, ref, dtype)
 
 
 def test_prefill_matches_sdpa_for_fresh_sequence():
@@ -178,12 +231,15 @@ def test_gpu_attention_bf16(hq, hkv, d):
     q = torch.randn(len(seq_lens), hq, d, device="cuda", dtype=dt)
     out = paged_decode_attention(q, kc, vc, tables, seq, d ** -0.5)
     ref = reference_paged_decode_attention(q, kc, vc, tables, seq, d ** -0.5)
-    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    close(out, ref, dt)
+    dropped = reference_paged_decode_attention(q, kc, vc, tables, seq - 16 * (seq > 16), d ** -0.5)
+    with pytest.raises(AssertionError):  # (the check notices a dropped last block here too)
+        close(dropped, ref, dt)
     qsl = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
     out = paged_prefill_attention(q[2:3], kc, vc, qsl, seq[2:3], tables[2:3], d ** -0.5, 1)
-    torch.testing.assert_close(out.float(), ref[2:3].float(), atol=2e-2, rtol=2e-2)
+    close(out, ref[2:3], dt)
     out, ref = run_prefill([1, 700, 64, 2048], [900, 700, 1100, 2048], hq, hkv, d, 16, dt, "cuda")
-    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    close(out, ref, dt)
 
 
 FUSED = [  # seq_lens (context incl. the new token), Hq, Hkv, D, rotary_dim, block_size, norm, splits
@@ -227,8 +283,8 @@ def test_fused_decode_matches_unfused_reference(case, dtype, device):
         out = fused_decode_attention_triton(qkv, pos, cs, hq, hkv, d, kc, vc, slots, tables, seq, scale,
                                             qw, kw, 1e-6, rot, num_splits=splits)
         keep = slots >= 0
-        torch.testing.assert_close(out[keep], ref[keep], atol=TOL[dtype], rtol=TOL[dtype])
-        torch.testing.assert_close(kc, kr, atol=TOL[dtype], rtol=TOL[dtype])
+        close(out[keep], ref[keep], dtype)
+        close(kc, kr, dtype)
         torch.testing.assert_close(vc, vr, atol=0, rtol=0)
 
 
