@@ -52,8 +52,8 @@ def build(name, layers, ctx, bs=16):
 
 
 def step(s, i, with_o, splits, block_n=None, warps=None):
-    from blitzllm.kernels.gemv import gemv_triton
-    from blitzllm.kernels.paged_attention import fused_decode_attention_triton
+    from blitzllm.kernels.gemv.gemv import gemv_triton
+    from blitzllm.kernels.attention.paged import fused_decode_attention_triton
     kc, vc = s["caches"][i]
     out = fused_decode_attention_triton(s["qkv"][i], s["pos"], s["cs"], s["hq"], s["hkv"], s["d"], kc, vc, s["slots"],
                                         s["tables"], s["seq"], s["d"] ** -0.5, s["qw"], s["kw"], 1e-6, s["d"],
@@ -64,7 +64,7 @@ def step(s, i, with_o, splits, block_n=None, warps=None):
 
 
 def o_only(s, i):
-    from blitzllm.kernels.gemv import gemv_triton
+    from blitzllm.kernels.gemv.gemv import gemv_triton
     return gemv_triton(s["qkv"][i][:, :s["hq"] * s["d"]], s["wo"][i])
 
 
@@ -100,7 +100,7 @@ def l2_residency(reps=30):
     import triton
     import triton.language as tl
     from blitzllm.kernels._common import L2_PREFETCH_LANES, l2_prefetch, l2_prefetch_chunk
-    from blitzllm.kernels.gemv import gemv_triton
+    from blitzllm.kernels.gemv.gemv import gemv_triton
 
     @triton.jit
     def _pf_kernel(w_ptr, n, chunk, LANES: tl.constexpr):

@@ -110,7 +110,7 @@ def run(args):
 
     from blitzllm.kernels._common import device_sms
     from blitzllm.kernels.activation import silu_and_mul
-    from blitzllm.kernels.gemv import gemv_config, gemv_triton
+    from blitzllm.kernels.gemv.gemv import gemv_config, gemv_triton
 
     dev = "cpu" if args.smoke else "cuda"
     dt = torch.bfloat16

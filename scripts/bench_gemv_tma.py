@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The TMA GEMV (kernels/gemv_tma.py) against the FMA GEMV (kernels/gemv.py) on decode shapes.
+"""The TMA GEMV (kernels/gemv/gemv_tma.py) against the FMA GEMV (kernels/gemv/gemv.py) on decode shapes.
 
     python3 scripts/bench_gemv_tma.py [--spin-us 5] [--units 48]
 
@@ -33,8 +33,8 @@ def main():
     import torch
 
     import decode_window
-    from blitzllm.kernels import gemv_tma
-    from blitzllm.kernels.gemv import gemv_triton
+    from blitzllm.kernels.gemv import gemv_tma
+    from blitzllm.kernels.gemv.gemv import gemv_triton
 
     dev = torch.device("cuda")
     torch.manual_seed(0)

@@ -63,7 +63,7 @@ def bench_shape(env, h, b, ctx):
     from bench_gemv import time_graph  # graph of back-to-back calls, one input copy each
 
     from blitzllm.kernels._common import device_sms
-    from blitzllm.kernels.mla_decode import mla_config, mla_decode_triton, reference_mla_decode
+    from blitzllm.kernels.attention.mla_decode import mla_config, mla_decode_triton, reference_mla_decode
 
     r, p, dt = env.r, env.p, torch.bfloat16
     cache_bytes = b * ctx * (r + p) * dt.itemsize
@@ -109,7 +109,7 @@ def run(args):
     import torch
 
     from blitzllm.bench.roofline import copy_bandwidth
-    from blitzllm.kernels.mla_decode import reference_mla_decode
+    from blitzllm.kernels.attention.mla_decode import reference_mla_decode
 
     torch.manual_seed(0)
     smoke = args.smoke

@@ -120,7 +120,7 @@ def routing_check(got, want):
 
 def bench_router_and_routing(b, dev, dt, ts):
     torch = b.torch
-    from blitzllm.kernels.moe import (reference_router_gemm, reference_select_experts, router_config,
+    from blitzllm.kernels.moe.router import (reference_router_gemm, reference_select_experts, router_config,
                                       router_gemm_triton, select_experts_triton)
     from blitzllm.kernels._common import device_sms
     for model, (h, e, k, scoring, with_bias, ng, tg, renorm, scaling) in MODELS.items():
@@ -169,8 +169,8 @@ def bench_router_and_routing(b, dev, dt, ts):
 
 def bench_fused_moe(b, dev, dt, ts):
     torch = b.torch
-    from blitzllm.kernels.fused_moe import fused_moe_triton, moe_config
-    from blitzllm.kernels.moe import reference_fused_moe, reference_select_experts
+    from blitzllm.kernels.moe.experts import fused_moe_triton, moe_config
+    from blitzllm.kernels.moe.router import reference_fused_moe, reference_select_experts
     from blitzllm.kernels._common import device_sms
     e, k, h, inter = (8, 2, 64, 40) if b.args.smoke else QWEN_MOE
     w13 = torch.randn(e, 2 * inter, h, device=dev, dtype=dt) * h ** -0.5

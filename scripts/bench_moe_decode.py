@@ -58,10 +58,10 @@ def label(c):
 
 def run(args):
     import torch
-    from blitzllm.kernels import fused_moe as fm
+    from blitzllm.kernels.moe import experts as fm
     from blitzllm.kernels._common import device_sms
-    from blitzllm.kernels.gemv import gemv_glu_triton, gemv_triton
-    from blitzllm.kernels.moe import reference_select_experts
+    from blitzllm.kernels.gemv.gemv import gemv_glu_triton, gemv_triton
+    from blitzllm.kernels.moe.router import reference_select_experts
     gemv_bench = _load("_bench_gemv", os.path.join(ROOT, "scripts", "bench_gemv.py"))
     dev = "cpu" if args.smoke else "cuda"
     dt = torch.bfloat16

@@ -30,7 +30,7 @@ def main():
 
     import decode_window
 
-    from blitzllm.kernels.gemv import gemv_triton
+    from blitzllm.kernels.gemv.gemv import gemv_triton
 
     @triton.jit
     def preload_gemv(x_ptr, w_ptr, out_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexpr, CH: tl.constexpr,

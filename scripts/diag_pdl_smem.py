@@ -69,7 +69,7 @@ def dependent(out_ptr, SMEM: gl.constexpr, EXTRA: gl.constexpr):
 
 
 def main():
-    from blitzllm.kernels.gemv import gemv_triton
+    from blitzllm.kernels.gemv.gemv import gemv_triton
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     prim = torch.zeros(2, dtype=torch.int64, device=dev)
@@ -107,9 +107,9 @@ def main():
 
 def tma_timeline():
     """The TMA GEMV (o_proj / qkv shapes of qwen3-30b-a3b) behind the ~5 us primary, in a CUDA
-    graph of 8 units on distinct weights: each point of its programs (kernels/gemv_tma.py
+    graph of 8 units on distinct weights: each point of its programs (kernels/gemv/gemv_tma.py
     ``times``) relative to the primary's start, us: min / median / max over programs."""
-    from blitzllm.kernels.gemv_tma import gemv_tma_triton, tma_gemv_config
+    from blitzllm.kernels.gemv.gemv_tma import gemv_tma_triton, tma_gemv_config
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     names = ("start", "issued", "waited", "x_staged", "chunk0", "chunk_last", "end")

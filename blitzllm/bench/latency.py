@@ -174,7 +174,7 @@ def _compare_hf(a, eng, cfg, B, I, O, dev, ours_tps) -> dict:
     if eng.weight_dtype != eng.dtype:
         # our weights are stored in another dtype: the peer runs the model in its plain dtype
         from ..loader.source import resolve_model
-        from ..runner.model_runner import build_model
+        from ..runner.build import build_model
         model = build_model(resolve_model(a.model, a.load_format), cfg, dev, eng.dtype, a.seed)
     hf = build_hf_peer(model, cfg)
     prompts = _prompts(B, I, cfg.vocab_size, 4).to(dev)

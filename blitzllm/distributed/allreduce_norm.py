@@ -4,7 +4,7 @@
 MLP's down_proj, the experts) each rank holds a partial sum of the hidden state; the next
 pre-norm sums it over the ranks, adds the residual and normalizes. On CUDA, messages up
 to ``BLITZ_TP_ONESHOT_BYTES`` (decode batches) take the one-shot path: the partials go into a
-torch symmetric-memory buffer and one Triton kernel (``kernels/allreduce_rmsnorm.py``)
+torch symmetric-memory buffer and one Triton kernel (``kernels/norm/allreduce_rmsnorm.py``)
 reads every rank's buffer, adds the residual and normalizes; larger ones all-reduce over
 NCCL, then run the fused residual + RMSNorm kernel. On CPU: gloo, then the torch norm.
 ``BLITZ_TP_ONESHOT_BYTES=0`` sends every size through NCCL.
@@ -22,7 +22,8 @@ from typing import Optional
 import torch
 
 from .. import envs
-from ..kernels.rmsnorm import fused_add_rms_norm, rms_norm
+from ..kernels._common import use_triton
+from ..kernels.norm.rmsnorm import fused_add_rms_norm, rms_norm
 from .parallel_state import HeadSplit, TPGroup
 
 log = logging.getLogger("blitzllm.distributed")
@@ -98,10 +99,10 @@ class OneShotWorkspace:
         return bool(ok.item())
 
     def fits(self, x: torch.Tensor) -> bool:
-        return x.is_cuda and x.dim() == 2 and x.numel() * x.element_size() <= self.buf.numel()
+        return use_triton(x) and x.dim() == 2 and x.numel() * x.element_size() <= self.buf.numel()
 
     def all_reduce_rms_norm(self, x, residual, weight, eps):
-        from ..kernels.allreduce_rmsnorm import oneshot_allreduce_rms_norm_triton
+        from ..kernels.norm.allreduce_rmsnorm import oneshot_allreduce_rms_norm_triton
         rows, n = x.shape
         local = self.buf[: rows * n * x.element_size()].view(x.dtype).view(rows, n)
         self.handle.barrier(channel=0, timeout_ms=self.barrier_ms)  # all have read the last call's buffers

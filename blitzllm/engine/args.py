@@ -9,6 +9,7 @@ import torch
 
 from ..config import ModelConfig
 from ..spec.config import parse_speculative_config
+from .state_cache import engine_state_layout, state_bytes_per_row
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -92,6 +93,9 @@ def plan_kv_blocks(a: EngineArgs, cfg: ModelConfig, dtype: torch.dtype, device: 
         budget = int(total * a.gpu_memory_utilization) - (total - free) - reserve
     else:
         budget = CPU_KV_BUDGET_BYTES
+    layout = engine_state_layout(a, cfg)  # a hybrid model's recurrent states come out of the same budget
+    if layout is not None:
+        budget -= layout.total * state_bytes_per_row(cfg, torch.finfo(dtype).bits // 8, tp_size)
     want = -(-cfg.max_position_embeddings // a.block_size) * max(1, min(a.max_num_seqs, 64))
     return max(1, min(budget // per_block, want))
 

@@ -28,6 +28,7 @@ from .detokenizer import IncrementalDetokenizer
 from .kv_cache import KVCacheManager
 from .request import Request, Status
 from .scheduler import Scheduler
+from .state_cache import HybridKVCacheManager, engine_state_layout
 
 
 
@@ -100,7 +101,8 @@ class Engine:
         if tp is not None:
             self.runner.driver = tp
             tp.workers_waiting = True
-        self.scheduler.lookahead = self.runner.graphs is not None and tp is None
+        # (a look-ahead step would advance a hybrid model's recurrent states before it is kept)
+        self.scheduler.lookahead = self.runner.graphs is not None and tp is None and self.runner.states is None
         self.spec = None
         if spec_cfg is not None:
             from ..spec.decoder import SpecDecoder
@@ -109,7 +111,7 @@ class Engine:
                                       num_blocks=num_blocks, block_size=args.block_size,
                                       max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
                                       seed=args.seed, attention_backend=args.attention_backend,
-                                      runner=self.runner, kv=self.kv, new_kv=KVCacheManager)
+                                      runner=self.runner, kv=self.kv, new_kv=KVCacheManager, knobs=self.knobs)
             self.spec = SpecDecoder(spec_cfg, proposer, self.kv, self.sched_config.max_num_batched_tokens)
         self.requests: dict[str, list[Request]] = {}   # parent id -> its n sequences
         self.grammars = None  # structured outputs' compiler, made on first use
@@ -140,8 +142,13 @@ class Engine:
         self.max_model_len = max_len or min(cfg.max_position_embeddings, capacity)
         budget = args.max_num_batched_tokens or max(2048 if self.device.type == "cpu" else 8192, args.max_num_seqs)
         self.sched_config = SchedulerConfig(args.max_num_seqs, budget, self.max_model_len)
-        self.cache_config = CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching)
-        self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        layout = engine_state_layout(args, cfg)  # hybrid models: their recurrent-state rows
+        self.cache_config = CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching,
+                                        layout.total if layout else 0)
+        if layout is None:
+            self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        else:
+            self.kv = HybridKVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching, layout)
         self.scheduler = Scheduler(self.sched_config, self.kv)
         if tp is not None:
             tp.send(("runner", self.max_model_len))
@@ -173,8 +180,8 @@ class Engine:
                 continue
             while self.has_unfinished():
                 self.step()
-        if self.kv.num_free_blocks != self.kv.num_blocks:
-            raise RuntimeError("warm-up left KV blocks allocated")
+        if self.kv.num_free_blocks != self.kv.num_blocks or self._states_held():
+            raise RuntimeError("warm-up left KV blocks or state slots allocated")
         self.kv.reset_prefix_cache()
         self.kv.hit_tokens = self.kv.queried_tokens = 0
         self.scheduler.num_preemptions = 0
@@ -275,7 +282,7 @@ class Engine:
         batch = [(s.req.token_slice(s.start, s.end), s.start, s.end) for s in seqs]
         tables = [self.kv.block_table(s.req.request_id) for s in seqs]
         sample_idx = [i for i, s in enumerate(seqs) if s.samples]
-        result = self.runner.execute(batch, tables, sample_idx, rows)
+        result = self.runner.execute(batch, tables, sample_idx, rows, self._plan_states(seqs))
         self.scheduler.step_done(seqs)
         events = []
         now = time.monotonic()
@@ -291,7 +298,8 @@ class Engine:
         sample_idx = [i for i, s in enumerate(seqs) if s.samples]
         batch = [(s.req.token_slice(s.start, s.end) + d, s.start, s.end + len(d)) for s, d in zip(seqs, drafts)]
         tables = [self.kv.block_table(s.req.request_id) for s in seqs]
-        logits = self.runner.score(batch, tables, sample_idx, [len(drafts[i]) + 1 for i in sample_idx])
+        logits = self.runner.score(batch, tables, sample_idx, [len(drafts[i]) + 1 for i in sample_idx],
+                                   self._plan_states(seqs, drafts))
         rows = [self._row(seqs[i].req) for i in sample_idx]
         self.spec.select_probs(sample_idx)
         verified = self.spec.verify(self.runner.sampler, logits, rows, [drafts[i] for i in sample_idx],
@@ -317,6 +325,13 @@ class Engine:
                 ev.finish_reason, ev.stop_reason = e.finish_reason, e.stop_reason
             events.append(ev)
         return events
+
+    def _plan_states(self, seqs, drafts=None):
+        """A hybrid model's state rows for the step (engine/state_cache.py); None for others."""
+        return self.kv.plan_states(seqs, drafts) if isinstance(self.kv, HybridKVCacheManager) else None
+
+    def _states_held(self) -> bool:
+        return isinstance(self.kv, HybridKVCacheManager) and len(self.kv.free_slots) != self.kv.layout.slots
 
     @staticmethod
     def _row(req: Request) -> SamplingRow:
@@ -385,5 +400,6 @@ class Engine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             **self.counters,
+            **(self.kv.state_stats() if isinstance(self.kv, HybridKVCacheManager) else {}),
             **(self.spec.stats() if self.spec is not None else {}),
         }

@@ -297,6 +297,7 @@ def _build(args, group, device):
     from ..loader.source import resolve_model
     from ..runner.build import build_runner
     from .args import plan_kv_blocks, resolve_dtype, resolve_weight_dtype, speculation_runner_kwargs
+    from .state_cache import engine_state_layout
     src = resolve_model(args.model, args.load_format)
     cfg = ModelConfig.from_hf(src.hf_config, args.num_layers)
     dtype = resolve_dtype(args.dtype, device, src.torch_dtype)
@@ -306,7 +307,9 @@ def _build(args, group, device):
         msg = recv(group)
         if msg[0] == "stop":
             raise _Stopped
-        return CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching), msg[1]
+        layout = engine_state_layout(args, cfg)  # (a hybrid model's state rows, as rank 0's)
+        return CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching,
+                           layout.total if layout else 0), msg[1]
 
     try:
         return build_runner(src, cfg, device=device, dtype=dtype, plan_cache=plan_cache, seed=args.seed, tp=group,

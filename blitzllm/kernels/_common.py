@@ -1,10 +1,15 @@
-"""Small helpers shared by the kernel launchers."""
+"""What the kernel families share: the Triton import (optional), the dispatch rule of the
+public ops (``use_triton``, and ``reference_ops`` to force the torch references), device facts,
+and the programmatic-dependent-launch helpers."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-import os
 
 import torch
+
+from .. import envs
 
 try:  # Triton is optional: without it every public op falls back to torch.
     import triton
@@ -23,9 +28,25 @@ except Exception:  # pragma: no cover - depends on the environment
     HAS_TRITON = False
 
 
+_REFERENCE = contextvars.ContextVar("blitz_reference_ops", default=False)
+
+
 def use_triton(t: torch.Tensor) -> bool:
-    """Dispatch rule of the public ops: Triton for CUDA tensors, torch otherwise."""
-    return HAS_TRITON and t.is_cuda
+    """Dispatch rule of the public ops: Triton for CUDA tensors, torch otherwise, and torch
+    everywhere inside ``reference_ops()``."""
+    return HAS_TRITON and t.is_cuda and not _REFERENCE.get()
+
+
+@contextlib.contextmanager
+def reference_ops(on: bool = True):
+    """Inside: every public op takes its torch reference, on any device (the engine's knob
+    BLITZ_REFERENCE: the independent oracle of the GPU end-to-end tests). Scoped to the
+    current thread / task."""
+    token = _REFERENCE.set(bool(on))
+    try:
+        yield
+    finally:
+        _REFERENCE.reset(token)
 
 
 def next_pow2(n: int) -> int:
@@ -59,7 +80,7 @@ def pdl_enabled(t: torch.Tensor) -> bool:
     the kernel before it finishes; it does its independent work (index math, weight loads)
     and then waits (``pdl_wait``) for the previous kernel's writes. ``BLITZ_PDL=0`` turns it
     off."""
-    if not (HAS_TRITON and t.is_cuda) or os.environ.get("BLITZ_PDL", "1") == "0":
+    if not use_triton(t) or not envs.get("BLITZ_PDL"):
         return False
     return capability(t)[0] >= 9
 
@@ -84,82 +105,3 @@ def pdl_launch_dependents(USE_PDL: tl.constexpr):
     SM slots from the running kernel and measured slower."""
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-
-
-# -- L2 prefetch of the next kernels' weights ------------------------------------------------
-# Decode at small batch alternates bandwidth-bound GEMVs with latency-bound kernels during
-# which HBM idles. A latency-bound kernel can ask the L2 to fetch the next kernels' weights
-# meanwhile (Hopper's bulk prefetch: one instruction per range, no registers, the issuing
-# thread does not wait), so those kernels then read L2 (``kernels/moe.py``).
-L2_PREFETCH_LANES = 128  # one range per thread of a 4-warp program
-
-
-def l2_prefetch_supported(t: torch.Tensor) -> bool:
-    """cp.async.bulk.prefetch.L2 exists from sm_90 on (not in the interpreter)."""
-    if not (HAS_TRITON and t.is_cuda) or os.environ.get("TRITON_INTERPRET", "0") == "1":
-        return False
-    return capability(t)[0] >= 9
-
-
-def l2_prefetchable(t: torch.Tensor, stride_bytes: int) -> bool:
-    """Blocks of ``t`` that start ``stride_bytes`` apart can be bulk-prefetched (sm_90+, 16-byte
-    aligned): the GEMV's weight rows, an MoE weight stack's experts."""
-    return l2_prefetch_supported(t) and t.data_ptr() % 16 == 0 and stride_bytes % 16 == 0
-
-
-def l2_prefetch_chunk(nbytes: int, programs: int, lanes: int = L2_PREFETCH_LANES) -> int:
-    """Bytes per prefetch instruction: the ranges of all programs' lanes cover ``nbytes``
-    in about one round (a multiple of 16, at least 256)."""
-    per = -(-max(1, nbytes) // max(1, programs * lanes))
-    return max(256, -(-per // 16) * 16)
-
-
-@triton.jit
-def _bulk_prefetch(addr, size):
-    """cp.async.bulk.prefetch.L2 of ``size`` bytes at each address where size > 0; returns 0s
-    that the caller must use (a store that never happens), or the compiler drops the asm."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _bulk_prefetch_last(addr, size):
-    """``_bulk_prefetch`` with the lines marked evict-last in the L2 (the last candidates for
-    replacement: a stream of normal lines passing through after them leaves them in)."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .b64 pol; setp.gt.s32 p, $2, 0; "
-        "createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
-        "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol; mov.u32 $0, 0; }",
-        "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def l2_prefetch(ptr, nbytes, chunk, pid, nprog, LANES: tl.constexpr, LAST: tl.constexpr = False,
-                EVERY: tl.constexpr = 1):
-    """Ask the L2 to fetch bytes [0, nbytes) of ``ptr`` (16-byte aligned, nbytes a multiple
-    of 16): program ``pid`` of ``nprog`` (both computed in the kernel) takes ranges
-    pid * LANES / EVERY ... of ``chunk`` bytes, one per EVERY-th of its LANES lanes. LANES should
-    be the program's threads (a shorter tensor is held by several threads, each of which would
-    issue the same prefetch); EVERY > 1 gives a program fewer, larger ranges. LAST: the lines
-    come in marked evict-last."""
-    base = ptr.to(tl.pointer_type(tl.int8))
-    lanes = tl.arange(0, LANES).to(tl.int64)
-    RANGES: tl.constexpr = LANES // EVERY
-    first = pid.to(tl.int64) * RANGES * chunk
-    step = nprog.to(tl.int64) * RANGES * chunk
-    end = first * 0 + nbytes  # int64 (nbytes may arrive as a plain int)
-    issued = tl.zeros([LANES], dtype=tl.int32)
-    for c0 in range(first, end, step):
-        off = c0 + (lanes // EVERY) * chunk
-        size = tl.minimum(end - off, chunk)
-        if EVERY > 1:
-            size = tl.where(lanes % EVERY == 0, size, 0)
-        size = size.to(tl.int32)
-        if LAST:
-            issued += _bulk_prefetch_last(base + off, size)
-        else:
-            issued += _bulk_prefetch(base + off, size)
-    # the asm's result (always 0) feeds a store that never happens: without a use the
-    # compiler dropped the asm (seen with Triton 3.6)
-    tl.store(base + lanes, issued.to(tl.int8), mask=issued != 0)

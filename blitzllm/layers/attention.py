@@ -183,8 +183,8 @@ class TritonAttentionBackend(AttentionBackend):
         self.fused_decode = True
 
     def forward(self, layer, positions, qkv, k_cache, v_cache, md):
-        from ..kernels.paged_attention import paged_decode_attention_triton, paged_prefill_attention_triton
-        from ..kernels.qk_norm_rope_cache import fused_qk_norm_rope_cache_triton
+        from ..kernels.attention.paged import paged_decode_attention_triton, paged_prefill_attention_triton
+        from ..kernels.attention.qk_norm_rope_cache import fused_qk_norm_rope_cache_triton
         qn, kn = layer.q_norm, layer.k_norm
         if self._fused_decode_ok(layer, md):
             return self._fused_decode(layer, positions, qkv, k_cache, v_cache, md,
@@ -203,21 +203,6 @@ class TritonAttentionBackend(AttentionBackend):
         return paged_prefill_attention_triton(q, k_cache, v_cache, md.query_start_loc, md.seq_lens,
                                               md.block_tables, layer.scale, md.max_q_len)
 
-    def forward_project(self, layer, positions, qkv, k_cache, v_cache, md, o_proj):
-        """o_proj(self.forward(...)) as o_proj's fp32 sum where it can run as the decode attention
-        leaving its split partials unmerged and o_proj merging them per head
-        (``kernels/oproj_partials.py``: Hopper, BLITZ_ATTN_OPROJ=1, pure decode of 1-2 rows);
-        else None (the caller runs the two apart)."""
-        from ..kernels.oproj_partials import oproj_partials_ok, oproj_partials_triton
-        if not (self._fused_decode_ok(layer, md) and getattr(o_proj, "qweight", None) is None
-                and oproj_partials_ok(qkv, o_proj.weight, layer.num_heads, layer.head_dim)):
-            return None
-        from ..kernels.gemv_tma import tma_early_dependents
-        out = torch.empty(qkv.shape[0], o_proj.out_features, dtype=torch.float32, device=qkv.device)
-        partials = self._fused_decode(layer, positions, qkv, k_cache, v_cache, md,
-                                      early_dependents=tma_early_dependents(), partials=True, zero=out)
-        return oproj_partials_triton(partials, o_proj.weight, out, o_proj.bias)
-
     def _fused_decode_ok(self, layer, md) -> bool:
         """Whether this step's attention runs as the one-launch fused decode kernel."""
         return md.is_pure_decode and self.fused_decode and not getattr(layer, "full_width_qk_norm", False)
@@ -225,7 +210,7 @@ class TritonAttentionBackend(AttentionBackend):
     @staticmethod
     def _fused_decode(layer, positions, qkv, k_cache, v_cache, md, **kw):
         """``fused_decode_attention_triton`` for ``layer`` (its heads, norms, rotary) with ``kw``."""
-        from ..kernels.paged_attention import fused_decode_attention_triton
+        from ..kernels.attention.paged import fused_decode_attention_triton
         qn, kn = layer.q_norm, layer.k_norm
         return fused_decode_attention_triton(
             qkv, positions, layer.rotary.cos_sin_cache, layer.num_heads, layer.num_kv_heads, layer.head_dim,
@@ -242,10 +227,9 @@ def _next_streams_early(layer, qkv) -> bool:
     nxt = getattr(layer, "preload_next", ())
     if not nxt:
         return False
-    from ..kernels.gemv_tma import tma_early_dependents
     o_proj = nxt[0]
     # (the attention output is [rows, in_features] of qkv's dtype and device: a view stands in)
-    return tma_early_dependents() and o_proj.tma_ok(qkv[:, :o_proj.in_features])
+    return o_proj.tma_ok(qkv[:, :o_proj.in_features])
 
 
 _SDPA_MIN_LEN = 2048
@@ -312,6 +296,9 @@ class Attention(nn.Module):
         self.rotary = rotary
         self._norms = (q_norm, k_norm)  # a tuple: owned (and named) by the caller, not registered here
         self.scale = scale if scale is not None else head_dim ** -0.5
+        # set by the runner's decode plan: the projection after this attention, when it streams
+        # its weights before its wait (the TMA GEMV) so decode attention lets it launch at once
+        self.preload_next: tuple = ()
 
     @property
     def q_norm(self):
@@ -320,16 +307,6 @@ class Attention(nn.Module):
     @property
     def k_norm(self):
         return self._norms[1]
-
-    def forward_project(self, positions, qkv, o_proj):
-        """``o_proj(self(positions, qkv))`` as o_proj's fp32 sum where the backend runs the two
-        as one (``TritonAttentionBackend.forward_project``), else None."""
-        ctx = get_forward_context()
-        fn = getattr(ctx.backend, "forward_project", None)
-        if fn is None or self.pre_norm is not None:
-            return None
-        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        return fn(self, positions, qkv, k_cache, v_cache, ctx.attn_metadata, o_proj)
 
     def forward(self, positions, qkv):
         """qkv [T, (Hq + 2 Hkv) * D] -> [T, Hq * D]."""

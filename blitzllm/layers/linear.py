@@ -5,19 +5,13 @@ the loader copies each checkpoint tensor into its slice through ``load_shard``.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
 from ..kernels.activation import silu_and_mul
-from ..kernels.gemv import linear as gemv_linear
+from ..kernels.gemv.gemv import linear as gemv_linear
 from ..kernels.fp8_weights import DEFAULT_BLOCK as DEFAULT_FP8_BLOCK
 from ..kernels.fp8_weights import fp8_linear, quantize_fp8_block
-
-# BLITZ_GEMV=0 sends CUDA decode GEMMs back to cuBLAS (for A/B benchmarks)
-GEMV_ENABLED = os.environ.get("BLITZ_GEMV", "1") != "0"
-
 
 _WEIGHT_ONLY_MAX_ROWS = 4  # up to this many rows, weight-only layers compute in the weight dtype
 
@@ -34,16 +28,22 @@ class Linear(nn.Module):
         # weight_dtype='fp8' (``quantize_fp8``): a float8 weight with fp32 scales per fp8_block
         self.register_buffer("weight_scale_inv", None)
         self.fp8_block: tuple | None = None
-        # decode at 1-2 rows through the TMA GEMV (kernels/gemv_tma.py), which streams its
+        # kernel forms, set by the runner's decode plan (runner/decode_plan.py):
+        # CUDA decode rows on the Triton GEMV (else cuBLAS)
+        self.use_gemv = True
+        # decode at 1-2 rows through the TMA GEMV (kernels/gemv/gemv_tma.py), which streams its
         # weights before waiting on the kernel before: set on o_proj and qkv, which follow the
-        # latency-bound decode attention and RMSNorm (those let it launch as they start)
+        # latency-bound decode attention and RMSNorm (those let it launch as they start:
+        # ``tma_early``); ``tma_norm``: the residual add + RMSNorm inside that GEMV instead
         self.tma_preload = False
+        self.tma_early = True
+        self.tma_norm = False
 
     def tma_ok(self, x: torch.Tensor) -> bool:
         """Whether ``forward(x)`` (and ``forward_norm``) runs the TMA GEMV."""
-        if not self.tma_preload or self.qweight is not None or not GEMV_ENABLED:
+        if not self.tma_preload or self.qweight is not None or not self.use_gemv:
             return False
-        from ..kernels.gemv_tma import tma_gemv_ok
+        from ..kernels.gemv.gemv_tma import tma_gemv_ok
         return tma_gemv_ok(x, self.weight)
 
     def forward(self, x: torch.Tensor, silu_mul_input: bool = False) -> torch.Tensor:
@@ -57,7 +57,7 @@ class Linear(nn.Module):
         w = self.weight
         if not silu_mul_input and self.tma_ok(x):
             return self._tma_forward(x)
-        if x.is_cuda and GEMV_ENABLED and x.dtype == w.dtype:
+        if x.is_cuda and self.use_gemv and x.dtype == w.dtype:
             return gemv_linear(x, w, self.bias, silu_mul_input=silu_mul_input)
         if silu_mul_input:
             x = silu_and_mul(x)
@@ -74,19 +74,18 @@ class Linear(nn.Module):
     def forward_norm(self, x: torch.Tensor, residual, norm) -> tuple:
         """Pre-norm block entry: ``(self(norm(x + residual)), x + residual)``; ``norm`` is the
         RMSNorm module: the fused residual add + RMSNorm, then this layer. On the TMA GEMV's
-        path the norm lets the GEMV launch as it starts (its weights stream meanwhile), or,
-        with BLITZ_GEMV_TMA_NORM=1, runs inside the GEMV."""
+        path the norm lets the GEMV launch as it starts (its weights stream meanwhile), or
+        (``tma_norm``) runs inside the GEMV."""
         # (x may be an MoE block's fp32 sum beside a lower-precision residual: the norm rounds it)
         xd = x if residual is None else residual
         if norm.tp is None:  # (a norm that all-reduces over tensor-parallel ranks runs on its own)
             if self.tma_ok(xd) and xd.dtype == norm.weight.dtype:  # the norm lets the GEMV launch at once
-                from ..kernels.gemv_tma import gemv_tma_norm_triton, tma_early_dependents, tma_norm_ok
-                if tma_norm_ok(x, residual, self.weight):  # (BLITZ_GEMV_TMA_NORM: the norm inside the GEMV)
+                from ..kernels.gemv.gemv_tma import gemv_tma_norm_triton, tma_norm_ok
+                if self.tma_norm and tma_norm_ok(x, residual, self.weight):
                     y, residual = gemv_tma_norm_triton(x, residual, norm.weight, norm.eps, self.weight, self.bias)
                     return y, residual
-                from ..kernels.rmsnorm import fused_add_rms_norm
-                h, residual = fused_add_rms_norm(x, residual, norm.weight, norm.eps,
-                                                 early_dependents=tma_early_dependents())
+                from ..kernels.norm.rmsnorm import fused_add_rms_norm
+                h, residual = fused_add_rms_norm(x, residual, norm.weight, norm.eps, early_dependents=self.tma_early)
                 return self._tma_forward(h), residual
             if residual is None:
                 return self(norm(x)), x
@@ -94,7 +93,7 @@ class Linear(nn.Module):
         return self(h), residual
 
     def _tma_forward(self, x: torch.Tensor) -> torch.Tensor:
-        from ..kernels.gemv_tma import gemv_tma_triton
+        from ..kernels.gemv.gemv_tma import gemv_tma_triton
         rows = x.numel() // x.shape[-1]
         y = gemv_tma_triton(x.reshape(rows, x.shape[-1]), self.weight, self.bias)
         return y.view(*x.shape[:-1], self.out_features)

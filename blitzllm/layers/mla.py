@@ -3,35 +3,30 @@
 Per token and layer the cache keeps only the normalised compressed latent (kv_lora_rank
 values) and the rotated rope key (qk_rope_head_dim values), one [NB, BS, 1, R + P] tensor
 from the forward context. Pure decode steps run in the absorbed form (W_kv_b's key half
-folded into the query, attention over latents only via ``kernels/mla_decode.py``, W_kv_b's
+folded into the query, attention over latents only via ``kernels/attention/mla_decode.py``, W_kv_b's
 value half applied after); prefill and mixed steps expand the cached latents of each
 sequence to per-head keys and values. Knows nothing about the scheduler or the model.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 from torch import nn
 
-from ..distributed.layers import Part, column_linear, packed_column_linear, row_linear, shard_rows
+from .parallel import Part, column_linear, packed_column_linear, row_linear, shard_rows
 from ..distributed.parallel_state import get_tp_group
-from ..kernels import mla_decode as mla_ops
+from ..kernels.attention import mla_decode as mla_ops
 from ..kernels._common import use_triton
 from .attention import _gather, get_forward_context
 from .norm import RMSNorm
 from .rotary import apply_rotary_tables, rotary_tables, yarn_mscale
 
-# the dispatcher (Triton on CUDA) when kernels/mla_decode.py has one, else the torch reference
+# the dispatcher (Triton on CUDA) when kernels/attention/mla_decode.py has one, else the torch reference
 _mla_decode = getattr(mla_ops, "mla_decode", mla_ops.reference_mla_decode)
 
 _LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers builds them with the default eps
-# BLITZ_MLA_FUSED=1: on CUDA the latent norm + rotary + latent-cache write run as one Triton
-# launch (kernels/mla_prep.py) instead of about a dozen torch ops per layer. Opt-in until
-# it has been measured on a GPU (tested against its reference under the interpreter).
-_MLA_FUSED = os.environ.get("BLITZ_MLA_FUSED", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -203,8 +198,8 @@ class MLAttention(nn.Module):
         q_nope = q[..., :d.qk_nope_head_dim]
         ctx = get_forward_context()
         cache, md = ctx.kv_caches[self.layer_idx][0], ctx.attn_metadata
-        if _MLA_FUSED and use_triton(q):
-            from ..kernels.mla_prep import mla_prep_triton
+        if use_triton(q):  # latent norm + rotary + cache write in one launch, not a dozen torch ops
+            from ..kernels.attention.mla_prep import mla_prep_triton
             norm = self.kv_a_layernorm
             q_pe = mla_prep_triton(q, kv_a, positions, self.rotary.cos_sin_cache, norm.weight, norm.eps, cache,
                                    md.slot_mapping, d.qk_nope_head_dim, d.rope_interleave)

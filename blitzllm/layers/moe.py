@@ -1,6 +1,6 @@
 """Sparse mixture-of-experts block: a router (``gate``), stacked expert weights and the
 checkpoint mapping of per-expert tensors onto them. Shared by Qwen3-MoE, MiniMax-M2 and
-DeepSeek-V3; the routing ops come from ``kernels/moe.py`` (Triton on CUDA when its dispatch
+DeepSeek-V3; the routing ops come from ``kernels/moe/router.py`` (Triton on CUDA when its dispatch
 functions exist, the torch references otherwise). Knows nothing about attention or models.
 
 Building a block (``FusedMoE(hidden, inter, num_experts, top_k, **routing)``)::
@@ -33,14 +33,14 @@ partial sum, all-reduced by the next norm; the router is replicated.
 """
 from __future__ import annotations
 
-import os
 import re
 from typing import Optional
 
 import torch
 from torch import nn
 
-from ..distributed.layers import Part, copy_part, read_block, shape_of
+from .. import envs
+from .parallel import Part, copy_part, read_block, shape_of
 from ..distributed.parallel_state import TPGroup, get_tp_group
 
 SCORINGS = ("softmax", "sigmoid")
@@ -50,10 +50,8 @@ MIN_EXPERT_SLICE = 128  # split by expert when a rank's slice of I would be thin
 def moe_split(num_experts: int, intermediate: int, tp: TPGroup) -> str:
     """How a tensor-parallel MoE block is split: "tensor" or "expert" (see the module doc)."""
     n = tp.world_size
-    mode = os.environ.get("BLITZ_MOE_SPLIT")
-    if mode not in (None, "", "tensor", "expert"):
-        raise ValueError(f"BLITZ_MOE_SPLIT must be 'tensor' or 'expert', got {mode!r}")
-    if not mode:
+    mode = envs.get("BLITZ_MOE_SPLIT")
+    if mode == "auto":
         thin = intermediate % n or intermediate // n < MIN_EXPERT_SLICE
         mode = "expert" if num_experts % n == 0 and thin else "tensor"
     if mode == "expert" and num_experts % n:
@@ -66,10 +64,10 @@ def moe_split(num_experts: int, intermediate: int, tp: TPGroup) -> str:
 
 
 def _op(name: str):
-    """kernels/moe.py's dispatch function ``name`` (Triton on CUDA, torch otherwise), or its
+    """kernels/moe/router.py's dispatch function ``name`` (Triton on CUDA, torch otherwise), or its
     ``reference_<name>`` where the dispatcher does not exist. Imported on first use, so a
     dense model never loads the MoE kernels."""
-    from ..kernels import moe as ops
+    from ..kernels.moe import router as ops
     return getattr(ops, name, None) or getattr(ops, f"reference_{name}")
 
 
@@ -132,9 +130,6 @@ class FusedMoE(nn.Module):
         # an fp32 input itself (``rmsnorm.fused_add_rms_norm``): then decode may return the
         # routed experts' fp32 sum before its rounding (``fused_moe_triton(fp32_sum=True)``)
         self.fp32_sum = False
-        # set by a model (BLITZ_MOE_PF_QKV): the modules whose weights decode's norm + router launch
-        # asks the L2 for (the next layer's qkv projection, and its o_proj); a tuple, so not submodules
-        self.prefetch_next: tuple = ()
 
     def quantize_fp8(self, block: tuple, pow2: bool = False) -> None:
         """w13 and w2 as float8 e4m3 with fp32 scales per ``block`` of each expert's matrix
@@ -167,7 +162,7 @@ class FusedMoE(nn.Module):
 
     def norm_route_ok(self, x: torch.Tensor, residual: Optional[torch.Tensor], norm: nn.Module) -> bool:
         """Whether ``forward_norm`` fuses the norm with the routing (decode; see
-        ``kernels.moe.norm_route_experts``)."""
+        ``kernels.moe.router.norm_route_experts``)."""
         from .norm import RMSNorm
         return (residual is not None and isinstance(norm, RMSNorm) and norm.tp is None
                 and residual.shape == x.shape and _op("norm_route_ok")(x))
@@ -175,12 +170,10 @@ class FusedMoE(nn.Module):
     def forward_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor], norm: nn.Module) -> tuple:
         """(self(norm(x + residual)), x + residual) for an RMSNorm ``norm``: where
         ``norm_route_ok`` the residual add, the norm and the router GEMM in one launch, the
-        selection in the next; that launch also asks the L2 for ``prefetch_next``'s weights
-        (BLITZ_MOE_PF_QKV)."""
-        pf = tuple(m.weight for m in self.prefetch_next)
+        selection in the next."""
         h, residual, weights, ids = _op("norm_route_experts")(
             x, residual, norm.weight, norm.eps, self.gate.weight, self.top_k, self.scoring, self.correction_bias,
-            self.n_group, self.topk_group, self.renormalize, self.scaling, prefetch=pf)
+            self.n_group, self.topk_group, self.renormalize, self.scaling)
         return self._experts(h, lambda _: (weights, ids)), residual
 
     def _experts(self, x: torch.Tensor, route) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """RMSNorm, optionally fused with the residual add (pre-norm decoder blocks).
 
-Dispatches through ``kernels/rmsnorm.py``: Triton on CUDA, the torch reference elsewhere.
+Dispatches through ``kernels/norm/rmsnorm.py``: Triton on CUDA, the torch reference elsewhere.
 Built with a tensor-parallel group of more than one rank, the norm first sums its input
 over the ranks (``distributed/allreduce_norm.py``): the pre-norms of a decoder receive
 partial sums from the row-parallel projections before them.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kernels.rmsnorm import fused_add_rms_norm, rms_norm
+from ..kernels.norm.rmsnorm import fused_add_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -49,7 +49,7 @@ class OffsetRMSNorm(RMSNorm):
         """Checkpoint tensor ``name`` (``sub`` relative to this norm) -> weight = 1 + it."""
         if sub != "weight":
             return None
-        from ..distributed.layers import read_full, shape_of
+        from .parallel import read_full, shape_of
         if shape_of(tensor) != tuple(self.weight.shape):
             raise ValueError(f"shape mismatch for {name}: checkpoint {shape_of(tensor)}, model "
                              f"{tuple(self.weight.shape)}")

@@ -7,7 +7,7 @@ export), ``checkpoint_name`` (a whole name -> ours, or None to skip it), ``load_
 / ``required_load_keys`` (stacked MoE experts and the like).
 
 Tensor parallel: a module built for one rank of several declares the part of each
-checkpoint tensor it holds (``tp_parts``, see ``distributed/layers.py``); the stream then
+checkpoint tensor it holds (``tp_parts``, see ``layers/parallel.py``); the stream then
 carries lazy safetensors slices and only that part is read.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Iterable, Iterator
 import torch
 
 from .. import envs
-from ..distributed.layers import copy_part, module_part
+from ..layers.parallel import copy_part, module_part
 from ..layers.linear import PackedLinear
 from ..layers.moe import HF_FUSED_NAMES, FusedMoE, Router, hf_expert_tensors
 from .fp8 import is_fp8

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..distributed.layers import copy_part, lm_head, module_part
+from ..layers.parallel import copy_part, lm_head, module_part
 from ..distributed.parallel_state import get_tp_group
 from ..layers.linear import Linear
 from ..layers.mla import MLADims, MLAttention

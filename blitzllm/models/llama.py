@@ -8,7 +8,7 @@ gate/up are packed into single GEMMs at load time. Other decoders reuse the bloc
 overrides ``make_layer`` / ``rotary_dim`` (see qwen3_moe.py, minimax_m2.py).
 
 Built inside ``distributed.building(group)`` the layers are this rank's tensor-parallel
-shards (``distributed/layers.py``); the pre-norms sum the row-parallel partial outputs.
+shards (``layers/parallel.py``); the pre-norms sum the row-parallel partial outputs.
 """
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..distributed.allreduce_norm import FullWidthQKNorm
-from ..distributed.layers import Part, lm_head, packed_column_linear, row_linear, shard_rows, vocab_embedding
+from ..layers.parallel import Part, lm_head, packed_column_linear, row_linear, shard_rows, vocab_embedding
 from ..distributed.parallel_state import get_tp_group, split_heads
-from ..kernels.gemv import glu_linear, glu_ok
+from ..kernels.gemv.gemv import glu_linear, glu_ok
 from ..layers.attention import Attention
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
@@ -64,21 +64,10 @@ class DecoderAttention(nn.Module):
                               None if pre_norm else self.q_norm, None if pre_norm else self.k_norm,
                               full_width_qk_norm=full and pre_norm is None, pre_norm=pre_norm)
 
-        # set by the runner's decode plan where o_proj merges the decode attention's split
-        # partials itself (kernels/oproj_partials.py)
-        self.oproj_partials = False
-
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return self.attend_project(positions, self.qkv_proj(x))
 
     def attend_project(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        """o_proj(attention(qkv)); where ``oproj_partials`` and the backend takes it (CUDA decode,
-        ``Attention.forward_project``), o_proj's fp32 sum, which the residual add + RMSNorm after
-        it rounds."""
-        if self.oproj_partials:
-            out = self.attn.forward_project(positions, qkv, self.o_proj)
-            if out is not None:
-                return out
         return self.o_proj(self.attn(positions, qkv))
 
 

@@ -41,7 +41,7 @@ def build_model(src: ModelSource, cfg: ModelConfig, device: torch.device, dtype:
     read lazily, a part per rank) with its weights and decode plan, in eval mode."""
     with building(tp):
         model = _build_model(src, cfg, device, dtype, seed, weight_dtype, tp)
-    apply_decode_plan(model, Knobs.from_env() if knobs is None else knobs, tp.world_size)
+    apply_decode_plan(model, Knobs.from_env() if knobs is None else knobs)
     return model
 
 

@@ -10,14 +10,9 @@ kernel still checks the device and the shapes (a CPU or a prefill step takes the
   while the decode attention (o_proj) or the input RMSNorm (qkv) before it still runs; the
   lm_head too where the knob asks (``gemv_tma``);
 - qkv with the input residual add + RMSNorm inside that GEMV (``gemv_tma_norm``);
-- o_proj merging the decode attention's split partials itself (``attn_oproj``; one rank);
 - an MoE block's routed experts returned as their fp32 sum where the op after it is a
   residual add + RMSNorm that rounds it (the next layer's input norm or the final norm);
-- an MoE block's norm + router launch prefetching the next layer's attention weights into
-  the L2 (``moe_pf_qkv``), its expert selection form (``moe_select``) and tile balance
-  (``moe_balance``);
-- MLA's latent prep in one launch (``mla_fused``); the sampler's one-launch greedy pick is
-  the runner's (``greedy_kernel``).
+- the sampler's one-launch greedy pick is the runner's (``greedy_kernel``).
 """
 from __future__ import annotations
 
@@ -44,35 +39,26 @@ def _decoder_layers(model: nn.Module) -> list:
             and isinstance(getattr(layer.self_attn, "attn", None), Attention)]
 
 
-def apply_decode_plan(model: nn.Module, knobs: Knobs, tp_size: int = 1) -> None:
+def apply_decode_plan(model: nn.Module, knobs: Knobs) -> None:
     """Mark ``model``'s modules with the decode forms of ``knobs`` (see the module docstring)."""
     for mod in model.modules():
         if isinstance(mod, Linear):
             mod.use_gemv = knobs.gemv and not knobs.reference
-        if hasattr(mod, "decode_knobs"):  # layers that pick among kernel forms themselves
-            mod.decode_knobs = knobs
     if knobs.reference:
         return
     tma = knobs.gemv_tma
     layers = _decoder_layers(model)
-    for i, layer in enumerate(layers):
+    for layer in layers:
         attn = layer.self_attn
-        nxt = layers[i + 1] if i + 1 < len(layers) else None
         if tma != "0" and _plain(attn.o_proj):
             attn.o_proj.tma_preload = True
-            attn.attn.preload_next = (attn.o_proj,)  # the attention lets it launch as it starts
-            attn.attn.early_dependents = tma != "nodeps"
+            if tma != "nodeps":  # the attention lets it launch as it starts (a tuple: no submodule)
+                attn.attn.preload_next = (attn.o_proj,)
         qkv = attn.qkv_proj
         if tma in ("1", "nodeps", "lm_head") and _plain(qkv) and type(qkv).forward_norm is Linear.forward_norm:
             qkv.tma_preload = True
             qkv.tma_norm = knobs.gemv_tma_norm
             qkv.tma_early = tma != "nodeps"
-        attn.oproj_partials = (knobs.attn_oproj and type(attn.o_proj) is Linear and attn.attn.pre_norm is None
-                               and tp_size == 1)
-        mlp = getattr(layer, layer.mlp_name)
-        if hasattr(mlp, "prefetch_next") and nxt is not None and knobs.moe_pf_qkv != "0":
-            mlp.prefetch_next = (nxt.self_attn.qkv_proj,) + ((nxt.self_attn.o_proj,)
-                                                             if knobs.moe_pf_qkv == "qkvo" else ())
     _plan_fp32_sums(model)
     head = getattr(model, "lm_head", None)
     if tma == "lm_head" and _plain(head):

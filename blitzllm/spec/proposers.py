@@ -96,11 +96,12 @@ class DraftModelProposer(Proposer):
 
     def __init__(self, spec: SpeculativeConfig, target_cfg: ModelConfig, device, dtype, num_blocks: int,
                  block_size: int, max_num_seqs: int, max_model_len: int, seed: int,
-                 attention_backend: str = "auto", new_kv=None):
+                 attention_backend: str = "auto", new_kv=None, knobs=None):
         """``new_kv(num_blocks, block_size, enable_prefix_caching)``: a KV cache manager of the
-        engine's kind (engine/kv_cache.py's ``KVCacheManager``) for the draft's own pool."""
+        engine's kind (engine/kv_cache.py's ``KVCacheManager``) for the draft's own pool;
+        ``knobs``: the engine's kernel knobs."""
         from ..loader.source import resolve_model
-        from ..runner.model_runner import ModelRunner, build_model
+        from ..runner.build import build_runner
         self.spec = spec
         src = resolve_model(spec.model, "auto")
         cfg = ModelConfig.from_hf(src.hf_config, None)
@@ -111,11 +112,10 @@ class DraftModelProposer(Proposer):
             raise ValueError(f"speculative_config.model supports {cfg.max_position_embeddings} positions, "
                              f"fewer than max_model_len={max_model_len}")
         self.cfg = cfg
-        model = build_model(src, cfg, device, dtype, seed)
         self.kv = new_kv(num_blocks, block_size, enable_prefix_caching=False)
-        self.runner = ModelRunner(model, cfg, CacheConfig(block_size, num_blocks, False), device, dtype,
-                                  max_num_seqs=max_num_seqs, max_model_len=max_model_len, enforce_eager=True,
-                                  attention_backend=attention_backend)
+        self.runner = build_runner(src, cfg, device=device, dtype=dtype, seed=seed, knobs=knobs,
+                                   plan_cache=lambda: (CacheConfig(block_size, num_blocks, False), max_model_len),
+                                   max_num_seqs=max_num_seqs, enforce_eager=True, attention_backend=attention_backend)
         self.tokens: dict[str, list] = {}   # request id -> tokens whose KV the draft cache holds
 
     def finish(self, rid: str) -> None:

@@ -8,8 +8,8 @@ import socket
 
 import torch
 
-from blitzllm.kernels.allreduce_rmsnorm import reference_allreduce_add_rms_norm
-from blitzllm.kernels.rmsnorm import reference_rms_norm
+from blitzllm.kernels.norm.allreduce_rmsnorm import reference_allreduce_add_rms_norm
+from blitzllm.kernels.norm.rmsnorm import reference_rms_norm
 
 T, N, D, HQ = 5, 48, 8, 4
 EPS = 1e-6
@@ -99,7 +99,7 @@ class _NoBarrier:
 def test_oneshot_workspace_on_one_rank():
     from blitzllm.distributed.allreduce_norm import OneShotWorkspace, all_reduce_add_rms_norm
     from blitzllm.distributed.parallel_state import WorldEnv, connect_store, destroy_tp_group, init_tp_group
-    from blitzllm.kernels.rmsnorm import fused_add_rms_norm
+    from blitzllm.kernels.norm.rmsnorm import fused_add_rms_norm
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     env = WorldEnv(0, 1, 0, "127.0.0.1", _free_port())

@@ -15,7 +15,7 @@ from blitzllm.config import ModelConfig
 from blitzllm.engine.tp import TPWorkerError
 from blitzllm.distributed.parallel_state import TPGroup
 from blitzllm.loader.source import resolve_model
-from blitzllm.runner.model_runner import build_model
+from blitzllm.runner.build import build_model
 from tests.conftest import make_tiny_checkpoint
 from tests.models.test_deepseek_v3 import make_tiny_deepseek
 from tests.models.test_moe_models import make_moe_checkpoint

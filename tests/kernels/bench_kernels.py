@@ -10,8 +10,9 @@ import argparse
 import torch
 import triton.testing as tt
 
-from blitzllm.kernels import activation, paged_attention as pa, qk_norm_rope_cache as qk
-from blitzllm.kernels import rmsnorm
+from blitzllm.kernels import activation
+from blitzllm.kernels.attention import paged as pa, qk_norm_rope_cache as qk
+from blitzllm.kernels.norm import rmsnorm
 
 
 def bench(fn):

@@ -6,7 +6,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from blitzllm.kernels.allreduce_rmsnorm import (  # noqa: E402
+from blitzllm.kernels.norm.allreduce_rmsnorm import (  # noqa: E402
     oneshot_allreduce_rms_norm_triton, reference_allreduce_add_rms_norm)
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 2e-2}

@@ -9,8 +9,8 @@ pytest.importorskip("triton")
 
 from blitzllm.kernels.fp8_weights import (  # noqa: E402
     FP8_DTYPE, dequantize, fp8_linear_triton, quantize_fp8_block, reference_fp8_linear)
-from blitzllm.kernels.fused_moe import fused_moe_triton  # noqa: E402
-from blitzllm.kernels.moe import reference_fused_moe, reference_select_experts  # noqa: E402
+from blitzllm.kernels.moe.experts import fused_moe_triton  # noqa: E402
+from blitzllm.kernels.moe.router import reference_fused_moe, reference_select_experts  # noqa: E402
 from tests.kernels.conftest import sm90_compile  # noqa: E402
 from tests.models.test_fp8_checkpoints import quantize_block, reference_dequant  # noqa: E402
 
@@ -112,7 +112,7 @@ def test_fused_moe_fp8_matches_reference(t, e, k, h, inter, block, cfg, direct, 
 
 def test_fp8_kernels_compile_for_sm90():
     """The FP8 linear and the direct MoE GEMMs with float8 experts compile for sm_90 (a
-    stand-in driver, as scripts/ptxas_check.py) at Qwen3-30B-A3B sizes: the float8 tiles are
+    stand-in driver, as tools/ptxas_check.py) at Qwen3-30B-A3B sizes: the float8 tiles are
     widened by the hardware conversion, and nothing spills."""
     out = sm90_compile("fp8_weights()")
     rows = {ln.split(" ", 2)[0]: ln.split(" ", 2)[1:] for ln in out.strip().splitlines()}

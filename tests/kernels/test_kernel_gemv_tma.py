@@ -1,6 +1,6 @@
-"""The TMA GEMV (kernels/gemv_tma.py): a Gluon kernel, so no interpreter run. Everywhere: its
+"""The TMA GEMV (kernels/gemv/gemv_tma.py): a Gluon kernel, so no interpreter run. Everywhere: its
 tile heuristic, and that it compiles for sm_90 with the bulk tensor copies issued before the
-PDL wait (a subprocess with a stand-in driver, as scripts/ptxas_check.py). On a GPU: against
+PDL wait (a subprocess with a stand-in driver, as tools/ptxas_check.py). On a GPU: against
 the torch reference, including a shared-memory ring that turns, and under a CUDA graph."""
 import os
 import subprocess
@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from blitzllm.kernels import gemv_tma
+from blitzllm.kernels.gemv import gemv_tma
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HAS_CUDA = torch.cuda.is_available()
@@ -46,12 +46,12 @@ def test_compiles_for_sm90_with_copies_before_the_wait():
     before griddepcontrol.wait in the PTX."""
     code = r"""
 import sys
-sys.path.insert(0, "scripts"); sys.path.insert(0, ".")
+sys.path.insert(0, "tools"); sys.path.insert(0, ".")
 import ptxas_check as pc
 import torch
 import triton.runtime.driver as drv
 drv.set_active(pc._Sm90())
-from blitzllm.kernels import gemv_tma as g
+from blitzllm.kernels.gemv import gemv_tma as g
 for N, K in ((2048, 4096), (5120, 2048), (151936, 2048), (1000, 2056)):
     cfg = g.tma_gemv_config(N, K, 2, 132)
     w = torch.zeros(N, K, dtype=torch.bfloat16); x = torch.zeros(2, K, dtype=torch.bfloat16)
@@ -85,12 +85,12 @@ def test_norm_form_compiles_for_sm90():
     before the wait, the new residual stored after it."""
     code = r"""
 import sys
-sys.path.insert(0, "scripts"); sys.path.insert(0, ".")
+sys.path.insert(0, "tools"); sys.path.insert(0, ".")
 import ptxas_check as pc
 import torch
 import triton.runtime.driver as drv
 drv.set_active(pc._Sm90())
-from blitzllm.kernels import gemv_tma as g
+from blitzllm.kernels.gemv import gemv_tma as g
 for N, K, M in ((5120, 2048, 1), (5120, 2048, 2), (4096, 1024, 1)):
     cfg = g.tma_gemv_config(N, K, 2, 132)
     w = torch.zeros(N, K, dtype=torch.bfloat16); x = torch.zeros(M, K); r = torch.zeros(M, K, dtype=torch.bfloat16)
@@ -158,7 +158,7 @@ def test_norm_form_matches_norm_then_gemv_gpu(N, K, M, x_fp32):
     residual bitwise, the output to bf16 rounding (the sum of squares is taken in another order)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("Hopper only")
-    from blitzllm.kernels.rmsnorm import fused_add_rms_norm
+    from blitzllm.kernels.norm.rmsnorm import fused_add_rms_norm
     g = torch.Generator(device="cuda").manual_seed(N + K + M)
     w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=g) / K ** 0.5
     x = torch.randn(M, K, device="cuda", generator=g)

@@ -3,7 +3,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from blitzllm.kernels.mla_decode import (  # noqa: E402
+from blitzllm.kernels.attention.mla_decode import (  # noqa: E402
     mla_config, mla_decode, mla_decode_triton, reference_mla_decode)
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2.5e-2}

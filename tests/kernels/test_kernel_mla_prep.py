@@ -3,7 +3,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from blitzllm.kernels.mla_prep import mla_prep_triton, reference_mla_prep  # noqa: E402
+from blitzllm.kernels.attention.mla_prep import mla_prep_triton, reference_mla_prep  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -79,8 +79,8 @@ def test_reference_is_the_layer_math():
 
 
 def test_layer_with_fused_prep_matches_torch_steps(monkeypatch):
-    """MLAttention with the fused prologue (forced on for CPU tensors, the kernel under the
-    interpreter) gives the same output and latent cache as its torch steps, for a prefill
+    """MLAttention with the fused prologue (the CUDA path, taken here for CPU tensors with the
+    kernel under the interpreter) gives the same output and latent cache as its torch steps, for a prefill
     chunk and a decode step."""
     from blitzllm.layers import mla
     from blitzllm.layers.attention import AttentionMetadata, ForwardContext, TorchAttentionBackend, forward_context
@@ -95,7 +95,6 @@ def test_layer_with_fused_prep_matches_torch_steps(monkeypatch):
     tables = torch.tensor([[1, 0]], dtype=torch.int32)
 
     def run(fused):
-        monkeypatch.setattr(mla, "_MLA_FUSED", fused)
         monkeypatch.setattr(mla, "use_triton", lambda t: fused)
         cache = torch.zeros(2, 16, 1, 24)
         outs = []

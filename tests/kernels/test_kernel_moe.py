@@ -5,10 +5,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from blitzllm.kernels import moe  # noqa: E402
-from blitzllm.kernels.fused_moe import (  # noqa: E402
+from blitzllm.kernels.moe import router as moe  # noqa: E402
+from blitzllm.kernels.moe.experts import (  # noqa: E402
     fused_moe_triton, moe_align_block_size, moe_config)
-from blitzllm.kernels.moe import (  # noqa: E402
+from blitzllm.kernels.moe.router import (  # noqa: E402
     reference_fused_moe, reference_router_gemm, reference_select_experts, router_config,
     router_gemm_triton, select_experts_triton)
 
@@ -135,32 +135,25 @@ ROUTINGS = {  # (E, top_k, scoring, bias, n_group, topk_group, renormalize, scal
 
 @pytest.mark.parametrize("name", list(ROUTINGS))
 @pytest.mark.parametrize("t", [1, 3, 17])
-@pytest.mark.parametrize("rank", [False, True])
-def test_select_experts(t, name, rank, device):
-    """Both selection forms (argmax rounds; by rank, ungrouped routings) against the reference;
-    the rank form also gives the rounds' ids in the rounds' order (best first)."""
+def test_select_experts(t, name, device):
+    """The selection kernel (top-k argmax rounds) against the reference."""
     e, k, scoring, with_bias, ng, tg, renorm, scaling = ROUTINGS[name]
     logits, bias = routing_inputs(t, e, scoring, with_bias, ng, seed=t)
     args = (k, scoring, bias, ng, tg, renorm, scaling)
     ref_w, ref_ids = reference_select_experts(logits, *args)
     dev_args = (logits.to(device), k, scoring, bias.to(device) if with_bias else None, ng, tg, renorm, scaling)
-    w, ids = select_experts_triton(*dev_args, rank=rank)
+    w, ids = select_experts_triton(*dev_args)
     assert w.shape == ids.shape == (t, k) and w.dtype == torch.float32 and ids.dtype == torch.int32
-    if rank:
-        rw, rids = select_experts_triton(*dev_args, rank=False)
-        assert torch.equal(ids.cpu(), rids.cpu())
-        torch.testing.assert_close(w.cpu(), rw.cpu(), rtol=1e-6, atol=1e-7)
     w, ids = by_id(w.cpu(), ids.cpu())
     ref_w, ref_ids = by_id(ref_w, ref_ids)
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("rank", [False, True])
-def test_select_experts_lowest_id_on_ties(device, rank):
+def test_select_experts_lowest_id_on_ties(device):
     logits = torch.zeros(2, 12)
     logits[1, 5] = 1.0
-    _, ids = select_experts_triton(logits.to(device), 3, rank=rank)
+    _, ids = select_experts_triton(logits.to(device), 3)
     assert ids.cpu().tolist() == [[0, 1, 2], [5, 0, 1]]
 
 
@@ -341,7 +334,7 @@ def test_norm_route_experts(t, h, resid, name, dtype, device):
     w = (torch.randn(e, h, generator=g) / h ** 0.5).to(dtype).to(device)
     bias = (torch.randn(e, generator=g) * 0.1).to(device) if with_bias else None
     args = (k, scoring, bias, ng, tg, renorm, scaling)
-    from blitzllm.kernels.rmsnorm import reference_fused_add_rms_norm, reference_rms_norm
+    from blitzllm.kernels.norm.rmsnorm import reference_fused_add_rms_norm, reference_rms_norm
     want_h, want_r = (reference_fused_add_rms_norm(x, r, nw, 1e-6) if resid else (reference_rms_norm(x, nw, 1e-6), x))
     cpu_args = [v.cpu() if torch.is_tensor(v) else v for v in args]
     for _ in range(2):
@@ -388,10 +381,8 @@ def test_norm_route_rounds_an_fp32_x_first(device):
 def test_gpu_norm_route():
     """The norm + router launch and the selection after it at the MoE presets' shapes (bf16, 1-4
     tokens): the normed rows and the residual bitwise those of the RMSNorm kernel, the ids those
-    of the router GEMM + selection kernels on them, the weights to fp32 rounding; also with an L2
-    prefetch of a next layer's qkv weight (and its o_proj's) issued by the launch
-    (BLITZ_MOE_PF_QKV)."""
-    from blitzllm.kernels.rmsnorm import fused_add_rms_norm_triton
+    of the router GEMM + selection kernels on them, the weights to fp32 rounding."""
+    from blitzllm.kernels.norm.rmsnorm import fused_add_rms_norm_triton
     dev, dt = "cuda", torch.bfloat16
     for name, h in (("qwen3", 2048), ("deepseek-v3", 7168), ("minimax-m2", 3072)):
         e, k, scoring, with_bias, ng, tg, renorm, scaling = ROUTINGS[name]
@@ -404,31 +395,19 @@ def test_gpu_norm_route():
             x, r = (torch.randn(t, h, device=dev, generator=g).to(dt) for _ in range(2))
             want_h, want_r = fused_add_rms_norm_triton(x, r, nw, 1e-6)
             want_w, want_ids = by_id(*select_experts_triton(router_gemm_triton(want_h, w), *args))
-            nxt = torch.randn(5 * h, h, device=dev, generator=g).to(dt)  # a next layer's qkv weight
-            nxt_o = torch.randn(h, 4 * h, device=dev, generator=g).to(dt)  # and its o_proj weight
-            for pf in ((), (nxt,), (nxt, nxt_o)):
-                h_out, r_out, wts, ids = moe.norm_route_experts_triton(x, r, nw, 1e-6, w, *args, prefetch=pf)
-                assert torch.equal(h_out, want_h) and torch.equal(r_out, want_r)
-                got_w, got_ids = by_id(wts, ids)
-                assert torch.equal(got_ids, want_ids)
-                torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
+            h_out, r_out, wts, ids = moe.norm_route_experts_triton(x, r, nw, 1e-6, w, *args)
+            assert torch.equal(h_out, want_h) and torch.equal(r_out, want_r)
+            got_w, got_ids = by_id(wts, ids)
+            assert torch.equal(got_ids, want_ids)
+            torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
 
 
-def test_norm_route_prefetch_compiles_for_sm90():
-    """BLITZ_MOE_PF_QKV: the norm + router launch compiles for sm_90 (a stand-in driver, as
-    scripts/ptxas_check.py) with its bulk L2 prefetch before the PDL wait, evict-last where
-    asked (one range or two), no spills and no more registers than without it."""
+def test_norm_route_compiles_for_sm90():
+    """The norm + router launch compiles for sm_90 (a stand-in driver, tools/ptxas_check.py) with
+    its router rows loaded before the PDL wait, and no spills."""
     from tests.kernels.conftest import sm90_compile
-    out = sm90_compile("moe_pf_qkv()")
-    rows = {ln.split(" ", 3)[0]: ln.split(" ", 3)[1:] for ln in out.strip().splitlines()}
-    names = ("none", "normal", "last", "two")
-    sites = int(rows["norm_route_pf_normal"][0])  # (bulk prefetch sites in the PTX before the wait)
-    assert sites > 0
-    assert [rows[f"norm_route_pf_{n}"][:2] for n in names] == [["0", "0"], [str(sites), "0"], [str(sites)] * 2,
-                                                                 [str(2 * sites)] * 2]
-    regs = [int(rows[f"norm_route_pf_{n}"][2].split("Used ")[1].split()[0]) for n in names]
-    assert max(regs[1:]) <= regs[0], regs
-    assert all("0 bytes spill stores" in row[2] for row in rows.values())
+    out = sm90_compile("norm_route()")
+    assert "load_before_wait=True" in out and "0 bytes spill stores" in out, out
 
 
 def test_norm_route_dispatch(monkeypatch):
@@ -463,7 +442,7 @@ def test_fused_moe_direct(t, e, k, h, inter, cfg, dtype, device):
     """The unsorted decode path (``direct``): one program row per entry, the combine
     inside the down GEMM's launch. Against the reference, with ragged tiles, all experts of a
     token chosen, dropped ids, and twice in a row (the arrival counters reset themselves)."""
-    from blitzllm.kernels import fused_moe as fm
+    from blitzllm.kernels.moe import experts as fm
     x, w13, w2, weights, ids = moe_inputs(t, e, k, h, inter, dtype, device, seed=t + 3 * k)
     want = reference_fused_moe(x, w13, w2, weights, ids)
     for _ in range(2):
@@ -510,46 +489,8 @@ def test_fused_moe_direct_fp32_sum(t, e, k, h, inter, cfg, device):
     close(sorted_out, want, TOL[torch.bfloat16])
 
 
-@pytest.mark.parametrize("t,k,inter,sms,wide", [(1, 2, 40, 8, False), (1, 8, 40, 24, False), (2, 3, 24, 12, False),
-                                                 (1, 8, 80, 16, True)])
-def test_fused_moe_direct_balanced_rows(t, k, inter, sms, wide, device, monkeypatch):
-    """BLITZ_MOE_BALANCE: the direct path's gate/up programs take ``balanced_rows`` rows each (a
-    wider tile masked past them, twice the config's width where even rows need it; the last
-    program fewer), with the plain and the fp32 (atomic, zeroed by the gate/up launch over its
-    new grid) combine: results as the reference's."""
-    from blitzllm.kernels import fused_moe as fm
-    monkeypatch.setattr(fm, "MOE_BALANCE", True)
-    monkeypatch.setattr(fm, "device_sms", lambda t_: sms)
-    seen = []
-    orig = fm._grouped_gemm
-    monkeypatch.setattr(fm, "_grouped_gemm", lambda *a, **kw: seen.append((kw.get("rows"), a[10]["BLOCK_N"])) or
-                        orig(*a, **kw))
-    x, w13, w2, weights, ids = moe_inputs(t, 8, k, 64, inter, torch.bfloat16, device, seed=t + k)
-    cfg = MOE_CONFIGS["m16-ragged"]
-    rows, up = fm._balanced_up(t * k, inter, dict(cfg, num_stages=4), sms)
-    assert rows is not None and rows < up["BLOCK_N"] and t * k * -(-inter // rows) <= sms
-    assert up["BLOCK_N"] == (2 if wide else 1) * cfg["BLOCK_N"]
-    want = reference_fused_moe(x, w13, w2, weights, ids, fp32_sum=True)
-    for fp32 in (False, True):
-        seen.clear()
-        out = fm.fused_moe_triton(x, w13, w2, weights, ids, config=cfg, direct=True, fp32_sum=fp32)
-        assert seen == [(rows, up["BLOCK_N"]), (None, cfg["BLOCK_N"])]  # (gate/up balanced, down as before)
-        close(out, want if fp32 else want.to(torch.bfloat16), TOL[torch.bfloat16])
-
-
-def test_balanced_rows():
-    from blitzllm.kernels.fused_moe import balanced_rows
-    assert balanced_rows(8, 768, 64, 132) == 48  # qwen3-30b-a3b, one token: 128 programs of 48 rows
-    assert balanced_rows(16, 768, 64, 132) is None  # even rows would not fit under 64
-    assert balanced_rows(8, 1536, 64, 132) is None  # minimax-m2: the same
-    for e, n, bn, sms in ((8, 40, 32, 132), (3, 100, 64, 16), (5, 300, 128, 64)):
-        r = balanced_rows(e, n, bn, sms)
-        if r is not None:
-            assert r % 16 == 0 and r < bn and e * -(-n // r) <= sms
-
-
 def test_fused_moe_dispatches_small_batches_to_direct(device, monkeypatch):
-    from blitzllm.kernels import fused_moe as fm
+    from blitzllm.kernels.moe import experts as fm
     seen = []
     orig = fm._grouped_gemm
     monkeypatch.setattr(fm, "_grouped_gemm", lambda *a, **kw: seen.append(kw.get("direct", False)) or orig(*a, **kw))
@@ -564,9 +505,8 @@ def test_decode_env_config_reaches_direct_launches_only(device, monkeypatch):
     """BLITZ_MOE_DECODE_CONFIG (A/B runs) sets the tiles of the direct (decode) path's two
     launches in calls without a config; sorted batches keep the heuristic; bad values fail
     with the variable's name."""
-    from blitzllm.kernels import fused_moe as fm
+    from blitzllm.kernels.moe import experts as fm
     monkeypatch.setenv("BLITZ_MOE_DECODE_CONFIG", '{"BLOCK_N": 32, "BLOCK_K": 32}')
-    monkeypatch.setattr(fm, "_DECODE_ENV_CONFIG", fm._env_decode_config())
     seen = []
     orig = fm._grouped_gemm
     monkeypatch.setattr(fm, "_grouped_gemm", lambda *a, **kw: seen.append((kw.get("direct", False), a[10]["BLOCK_N"],
@@ -578,7 +518,6 @@ def test_decode_env_config_reaches_direct_launches_only(device, monkeypatch):
     assert seen[:2] == [(True, 32, 32)] * 2
     assert all(not d for d, _, _ in seen[2:]) and seen[2][1:] != (32, 32)
     monkeypatch.setenv("BLITZ_MOE_DECODE_CONFIG", '{"up": {"BLOCK_N": 16}, "down": {"BLOCK_K": 16}}')
-    monkeypatch.setattr(fm, "_DECODE_ENV_CONFIG", fm._env_decode_config())
     seen.clear()
     x, w13, w2, weights, ids = moe_inputs(1, 12, 8, 64, 40, torch.float32, device, seed=5)
     close(fm.fused_moe_triton(x, w13, w2, weights, ids), reference_fused_moe(x, w13, w2, weights, ids),

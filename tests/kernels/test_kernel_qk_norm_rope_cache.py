@@ -3,7 +3,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from blitzllm.kernels.qk_norm_rope_cache import (  # noqa: E402
+from blitzllm.kernels.attention.qk_norm_rope_cache import (  # noqa: E402
     fused_qk_norm_rope_cache, fused_qk_norm_rope_cache_triton, reference_qk_norm_rope_cache)
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}

@@ -24,14 +24,14 @@ grid covers the SMs; 64-128 for prefill with 64-128 wide N tiles). Padding rows 
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
 import torch
 
-from ._common import (device_sms, next_pow2, pdl_enabled, pdl_launch_dependents, pdl_launch_kwargs, pdl_wait,
+from ... import envs
+from .._common import (device_sms, next_pow2, pdl_enabled, pdl_launch_dependents, pdl_launch_kwargs, pdl_wait,
                       tl, triton)
-from .fp8_weights import FP8_DTYPE, fp8_block_k
+from ..fp8_weights import FP8_DTYPE, fp8_block_k
 
 MOE_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 # Decode batches of up to MOE_DIRECT_MAX_ENTRIES (token, k) entries run the grouped GEMMs
@@ -45,11 +45,6 @@ MOE_DIRECT_MAX_ENTRIES = 16
 # step's critical path; faster on the H200). The order of the fp32 additions then varies from
 # run to run (the rounded result may differ in its last bit). Callers that want x's dtype keep
 # the counted combine.
-# BLITZ_MOE_BALANCE=1 (opt-in until measured): the direct path's gate/up programs take
-# ``balanced_rows`` output rows each instead of BLOCK_N, so the chosen experts' tiles cover the
-# SMs evenly: at Qwen3-30B-A3B's one token 128 programs of 48 rows (384 KB each) instead of 96
-# programs of 64 (512 KB), 36 SMs idle; the launch streams at the rate of its busiest programs
-MOE_BALANCE = os.environ.get("BLITZ_MOE_BALANCE", "0") == "1"
 
 
 def _env_decode_config() -> tuple:
@@ -57,24 +52,17 @@ def _env_decode_config() -> tuple:
     the direct (decode) path in calls that pass no config of their own (A/B runs of the
     heuristic); '{"up": {...}, "down": {...}}' sets the gate/up and the down launch apart.
     Returns (gate/up keys, down keys)."""
-    import json
-    raw = os.environ.get("BLITZ_MOE_DECODE_CONFIG")
-    if not raw:
+    cfg = envs.get("BLITZ_MOE_DECODE_CONFIG")
+    if not cfg:
         return {}, {}
-    try:
-        cfg = json.loads(raw)
-    except json.JSONDecodeError:
-        raise ValueError(f"BLITZ_MOE_DECODE_CONFIG is not JSON: {raw!r}") from None
     split = isinstance(cfg, dict) and bool(set(cfg) & {"up", "down"})
     parts = (cfg.get("up", {}), cfg.get("down", {})) if split else (cfg, cfg)
     for part in parts:
         if not isinstance(part, dict) or set(part) - set(MOE_CONFIG_KEYS) or (split and set(cfg) - {"up", "down"}):
             raise ValueError(f"BLITZ_MOE_DECODE_CONFIG: expected a JSON object of {MOE_CONFIG_KEYS}, or of 'up' / "
-                             f"'down' objects of them; got {raw!r}")
+                             f"'down' objects of them; got {cfg!r}")
     return parts
 
-
-_DECODE_ENV_CONFIG = _env_decode_config()
 ALIGN_ONE_PROGRAM_MAX = 256  # (token, k) entries sorted by a single program
 ALIGN_SLICE = 256  # entries per program of the two-pass sort (at most ALIGN_MAX_PROGRAMS)
 ALIGN_MAX_PROGRAMS = 128
@@ -226,7 +214,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
                      GATED: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr,
                      DIRECT: tl.constexpr, COMBINE: tl.constexpr, TOP_K: tl.constexpr,
                      zero_ptr=None, zero_n=0, ZERO_BLOCK: tl.constexpr = 0, ATOMIC: tl.constexpr = False,
-                     ROWS: tl.constexpr = 0, ws_ptr=None, stride_se=0, stride_sn=0, FP8: tl.constexpr = False,
+                     ws_ptr=None, stride_se=0, stride_sn=0, FP8: tl.constexpr = False,
                      BN_Q: tl.constexpr = 1, BK_Q: tl.constexpr = 1):
     """out[entry, n] = A[entry // row_div] . W[e, n] for the BLOCK_M sorted entries of one
     expert e. GATED: W holds gate rows [0, N) and up rows [N, 2N); the output is
@@ -239,9 +227,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
     each (the gate/up launch, for an ATOMIC down launch after it). ATOMIC (with DIRECT, the
     down GEMM): each program adds its entry's rounded output times its weight (tw_ptr) into
     the token's fp32 row of comb_ptr with atomic adds: the combine with no arrival count and
-    no second read, its summation order not fixed. ROWS (0 < ROWS <= BLOCK_N): each n-tile
-    program takes ROWS output rows (its BLOCK_N-wide tile masked past them), so the tiles can
-    split N more evenly over the SMs than BLOCK_N-row tiles would (``balanced_rows``).
+    no second read, its summation order not fixed.
     FP8: W is float8 with one fp32 scale per [BN_Q, BK_Q] block at ws_ptr (expert, block row,
     block column strides; ``kernels/fp8_weights.py``): each W tile is widened, scaled and
     rounded to A's dtype before its MMA (BLOCK_K divides BK_Q: one scale column per tile)."""
@@ -262,12 +248,8 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
         entry = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
         row_ok = entry < n_entries
     offs_t = tl.arange(0, BLOCK_N)
-    if ROWS > 0:
-        offs_n = pid_n * ROWS + offs_t
-        n_in = (offs_t < ROWS) & (offs_n < N)
-    else:
-        offs_n = pid_n * BLOCK_N + offs_t
-        n_in = offs_n < N
+    offs_n = pid_n * BLOCK_N + offs_t
+    n_in = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + (entry // row_div).to(tl.int64)[:, None] * stride_a + offs_k[None, :]
     b_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
@@ -392,13 +374,12 @@ def _moe_config_cached(tokens, top_k, num_experts, hidden, inter, dtype, sms, it
 
 
 def _grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_entries, row_div, n, gated, cfg,
-                  direct=False, combine=None, zero=None, atomic=False, rows=None, scale=None):
+                  direct=False, combine=None, zero=None, atomic=False, scale=None):
     """direct: block_expert is the entries' expert ids (one program per entry, no sort);
     combine (direct only): (topk weights fp32 [T*K], output [T, n], top_k): the weighted
     sum over each token's entries is written there by the launch itself (``atomic``: added
     into a zeroed fp32 output with atomics; ``out`` is then not written). zero: an fp32 tensor
-    the launch zeroes (after its PDL wait). rows: output rows per n-tile program (the kernel's
-    ROWS; None: BLOCK_N). scale: (fp32 block scales [E, ceil(n_w / bn), ceil(kd / bk)],
+    the launch zeroes (after its PDL wait). scale: (fp32 block scales [E, ceil(n_w / bn), ceil(kd / bk)],
     (bn, bk)) of a float8 ``w``."""
     kd = a.shape[1]
     fp8 = {}
@@ -407,7 +388,7 @@ def _grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_entries, row_div
         if block[1] % cfg["BLOCK_K"]:
             cfg = dict(cfg, BLOCK_K=fp8_block_k(block))
         fp8 = dict(ws_ptr=s, stride_se=s.stride(0), stride_sn=s.stride(1), FP8=True, BN_Q=block[0], BK_Q=block[1])
-    grid = (block_expert.numel(), triton.cdiv(n, rows or cfg["BLOCK_N"]))
+    grid = (block_expert.numel(), triton.cdiv(n, cfg["BLOCK_N"]))
     pdl = pdl_enabled(a)
     if combine is not None:
         tw, comb, top_k = combine
@@ -420,7 +401,7 @@ def _grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_entries, row_div
                    ZERO_BLOCK=max(16, next_pow2(triton.cdiv(zero.numel(), grid[0] * grid[1]))))
     _moe_gemm_kernel[grid](a, w, out, sorted_ids, block_expert, total, n, kd, n_entries, row_div,
                            a.stride(0), w.stride(0), w.stride(1), out.stride(0), tw, comb, cnt, comb.stride(0),
-                           **zkw, **fp8, ATOMIC=bool(atomic and combine is not None and direct), ROWS=rows or 0,
+                           **zkw, **fp8, ATOMIC=bool(atomic and combine is not None and direct),
                            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                            GATED=gated, EVEN_K=kd % cfg["BLOCK_K"] == 0, IEEE=a.dtype == torch.float32,
                            USE_PDL=pdl, DIRECT=direct, COMBINE=combine is not None, TOP_K=top_k,
@@ -431,34 +412,9 @@ def _grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_entries, row_div
 def _configs(x, T, K, E, H, inter, config, direct) -> tuple:
     """(gate/up, down) tile configs: ``config`` for both, else the heuristic with
     BLITZ_MOE_DECODE_CONFIG's keys on the direct path."""
-    keys = _DECODE_ENV_CONFIG if config is None and direct else (config or {},) * 2
+    keys = _env_decode_config() if config is None and direct else (config or {},) * 2
     return tuple(_moe_config_cached(T, K, E, H, inter, x.dtype, device_sms(x), tuple(sorted(k.items())))[i]
                  for i, k in enumerate(keys))
-
-
-def balanced_rows(entries: int, n: int, block_n: int, sms: int) -> Optional[int]:
-    """Output rows per n-tile program (a multiple of 16 below ``block_n``) that spread ``entries``
-    x ``n`` rows over at most ``sms`` programs most evenly; None where ``block_n``-row tiles do
-    as well (the busiest program would not get fewer rows)."""
-    even = -(-entries * n // max(1, sms))  # rows per program were they spread perfectly
-    rows = -(-even // 16) * 16
-    while rows < block_n and entries * -(-n // rows) > sms:
-        rows += 16
-    return rows if rows < block_n and rows < n else None
-
-
-def _balanced_up(entries: int, inter: int, cfg: dict, sms: int) -> tuple:
-    """(rows, gate/up config) of BLITZ_MOE_BALANCE: ``balanced_rows`` in the config's tiles, or in
-    tiles twice as wide (at most 3 stages, for their shared memory) where even rows need more than
-    BLOCK_N (Qwen3-30B-A3B at two tokens, MiniMax-M2 at one: 128 programs of 96 rows instead of 192
-    of 64); (None, cfg) where neither helps."""
-    rows = balanced_rows(entries, inter, cfg["BLOCK_N"], sms)
-    if rows is not None:
-        return rows, cfg
-    rows = balanced_rows(entries, inter, 2 * cfg["BLOCK_N"], sms)
-    if rows is None or rows <= cfg["BLOCK_N"]:
-        return None, cfg
-    return rows, dict(cfg, BLOCK_N=2 * cfg["BLOCK_N"], num_stages=min(cfg["num_stages"], 3))
 
 
 def _direct(x, w13, w2, tw, ids, out, K, up_cfg, down_cfg, s13=None, s2=None) -> torch.Tensor:
@@ -469,9 +425,8 @@ def _direct(x, w13, w2, tw, ids, out, K, up_cfg, down_cfg, s13=None, s2=None) ->
     n, inter, H = ids.numel(), w2.shape[2], w2.shape[1]
     act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
     atomic = out.dtype == torch.float32 and x.dtype != torch.float32
-    rows, up_cfg = _balanced_up(n, inter, up_cfg, device_sms(x)) if MOE_BALANCE else (None, up_cfg)
     _grouped_gemm(x, w13, act, ids, ids, ids, n, K, inter, True, dict(up_cfg, BLOCK_M=16), direct=True,
-                  zero=out if atomic else None, rows=rows, scale=s13)
+                  zero=out if atomic else None, scale=s13)
     if atomic:
         _grouped_gemm(act, w2, act, ids, ids, ids, n, 1, H, False, dict(down_cfg, BLOCK_M=16), direct=True,
                       combine=(tw, out, K), atomic=True, scale=s2)

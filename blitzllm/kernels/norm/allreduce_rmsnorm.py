@@ -8,7 +8,7 @@ to the input dtype, adds the residual and normalizes:
 
     x = sum_r partial_r;  new_residual = x + residual;  out = rms_norm(new_residual) * weight
 
-with the rounding steps of ``kernels/rmsnorm.py`` (HF ``LlamaRMSNorm``). Without a
+with the rounding steps of ``kernels/norm/rmsnorm.py`` (HF ``LlamaRMSNorm``). Without a
 residual (the first layer) ``new_residual = x``. Synchronising the ranks around the
 buffer (who may write, when all partials are in) is the caller's job.
 """
@@ -16,7 +16,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from ._common import next_pow2, tl, triton
+from .._common import next_pow2, tl, triton
 from .rmsnorm import reference_fused_add_rms_norm, reference_rms_norm, rms_normalize
 
 
@@ -72,7 +72,7 @@ def reference_allreduce_add_rms_norm(
     partials: Sequence[torch.Tensor], residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The ranks' partial sums added in rank order in fp32 and rounded, then the residual
-    add and RMSNorm of ``kernels/rmsnorm.py``: ``(normed, new_residual)``."""
+    add and RMSNorm of ``kernels/norm/rmsnorm.py``: ``(normed, new_residual)``."""
     acc = partials[0].float().clone()
     for p in partials[1:]:
         acc += p.float()

@@ -17,8 +17,8 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from ..layers.linear import Linear, PackedLinear
-from .parallel_state import TPGroup
+from .linear import Linear, PackedLinear
+from ..distributed.parallel_state import TPGroup
 
 
 @dataclass(frozen=True)

@@ -41,15 +41,15 @@ workspace and counters are cached per (device, size), so once a first call
 (warm-up) has created them the calls can be captured in a CUDA graph.
 """
 import functools
-import os
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from ._common import (device_sms, next_pow2, pdl_enabled,
+from ... import envs
+from .._common import (device_sms, next_pow2, pdl_enabled,
                       pdl_launch_dependents, pdl_launch_kwargs, pdl_wait, tl, triton, use_triton)
-from .activation import reference_silu_and_mul, silu_and_mul
+from ..activation import reference_silu_and_mul, silu_and_mul
 
 GEMV_MAX_ROWS = 16
 _FMA_ACC_REGS = 32  # fp32 accumulator registers per thread allowed in the FMA path
@@ -59,18 +59,11 @@ _CONFIG_KEYS = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "DOT", "num_warps", "num_stages
 def _env_config() -> dict:
     """BLITZ_GEMV_CONFIG='{"BLOCK_N": 8, "num_warps": 4}': launch keys for every call that
     passes no config of its own (A/B runs of the heuristic)."""
-    import json
-    raw = os.environ.get("BLITZ_GEMV_CONFIG")
-    if not raw:
-        return {}
-    cfg = json.loads(raw)
+    cfg = envs.get("BLITZ_GEMV_CONFIG") or {}
     unknown = set(cfg) - set(_CONFIG_KEYS) if isinstance(cfg, dict) else {"(not a JSON object)"}
     if unknown:
         raise ValueError(f"BLITZ_GEMV_CONFIG: unknown keys {sorted(unknown)}; expected {_CONFIG_KEYS}")
     return cfg
-
-
-_ENV_CONFIG = _env_config()
 
 
 @triton.jit
@@ -340,7 +333,7 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
         return out
     if K == 0:
         return out.copy_(bias.expand(M, N) if bias is not None else torch.zeros_like(out))
-    items = config or _ENV_CONFIG
+    items = config or _env_config()
     cfg = _cached_config(M, N, K, x.dtype, device_sms(x), tuple(sorted(items.items())), silu_mul_input)
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
     n_splits, n_tiles = cfg["SPLIT_K"], triton.cdiv(N, bn)
@@ -376,7 +369,7 @@ def gemv_glu_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tenso
         if K == 0 and bias is not None:
             y = bias.expand(M, N2).to(x.dtype)
         return out.copy_(reference_silu_and_mul(y))
-    items = dict(config or _ENV_CONFIG)
+    items = dict(config or _env_config())
     items["SPLIT_K"] = 1
     cfg = _cached_config(M, N2, K, x.dtype, device_sms(x), tuple(sorted(items.items())), False)
     bn = cfg["BLOCK_N"]

@@ -17,7 +17,7 @@ rounded); the rotation in fp32 with the fp32 cos/sin cache, rounded once.
 """
 import torch
 
-from ._common import next_pow2, tl, triton
+from .._common import next_pow2, tl, triton
 
 HEADS_PER_PROG = 16
 
@@ -107,7 +107,7 @@ def mla_prep_triton(q, kv_a, positions, cos_sin_cache, norm_weight, eps, cache, 
 def reference_mla_prep(q, kv_a, positions, cos_sin_cache, norm_weight, eps, cache, slot_mapping,
                        nope_dim: int, interleave: bool = True):
     """The same in torch (``MLAttention``'s unfused steps)."""
-    from .rmsnorm import reference_rms_norm
+    from ..norm.rmsnorm import reference_rms_norm
     T, H, qk = q.shape
     P = qk - nope_dim
     R = kv_a.shape[1] - P

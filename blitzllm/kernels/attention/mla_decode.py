@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from ._common import device_sms, next_pow2, tl, triton, use_triton
+from .._common import device_sms, next_pow2, tl, triton, use_triton
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 128

@@ -5,13 +5,12 @@ Neither launcher syncs with the host, so both can be captured in a CUDA graph (t
 grid depends only on B, Hkv and the SM count).
 """
 import functools
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from ._common import device_sms, next_pow2, pdl_enabled, pdl_launch_kwargs, triton, use_triton
-from .paged_attention_kernels import _decode_kernel, _decode_reduce_kernel, _prefill_kernel
+from .._common import device_sms, next_pow2, pdl_enabled, pdl_launch_kwargs, triton, use_triton
+from .paged_kernels import _decode_kernel, _decode_reduce_kernel, _prefill_kernel
 from .qk_norm_rope_cache import _check as _check_qk
 
 _LOG2E = 1.4426950408889634
@@ -64,17 +63,13 @@ def paged_decode_attention_triton(
     num_splits: Optional[int] = None, block_n: Optional[int] = None,
     num_stages: int = 2, early_v: bool = True, fused_reduce: bool = True, _fuse=None,
     num_warps: Optional[int] = None, early_dependents: bool = False,
-    partials: bool = False, zero: Optional[torch.Tensor] = None,
 ):
     """q [B, Hq, D] -> [B, Hq, D]. ``num_splits`` / ``block_n`` / ``num_warps``: the split
     count, keys per tile and warps per program (defaults: ``_default_splits``,
     ``_DECODE_BLOCK_N``, ``decode_warps``). ``fused_reduce``: the split that finishes last
     merges the partials (else a second launch does). ``early_dependents`` (PDL): the next
     kernel may launch as this one starts (a GEMV that streams its weights before its wait:
-    ``kernels/gemv_tma.py``). ``partials``: returns the splits' ``DecodePartials`` unmerged
-    (at least 2 splits), for a consumer that merges them (``kernels/oproj_partials.py``);
-    ``zero``: a contiguous fp32 tensor the launch zeroes, after its wait (that consumer's
-    atomic output)."""
+    ``kernels/gemv/gemv_tma.py``)."""
     hq, hkv, d = _check_cache(q, k_cache, v_cache)
     B = q.shape[0]
     if q.stride(2) != 1:
@@ -95,12 +90,10 @@ def paged_decode_attention_triton(
                        Hq=hq, eps=float(eps), FUSE_QK=True, HAS_NORM=has_norm, ROT=rot)
     g = hq // hkv
     s = num_splits or _default_splits(q, B, hkv)
-    if partials:
-        s = max(2, s)
     g_pad, d_pad = max(16, next_pow2(g)), next_pow2(d)
     bn = block_n or _DECODE_BLOCK_N
     ieee = q.dtype == torch.float32
-    fused = fused_reduce and not partials and s > 1 and B * hkv <= _MAX_COUNTERS
+    fused = fused_reduce and s > 1 and B * hkv <= _MAX_COUNTERS
     if s > 1:
         m = torch.empty((B, hq, s), dtype=torch.float32, device=q.device)
         l_ = torch.empty_like(m)
@@ -108,12 +101,7 @@ def paged_decode_attention_triton(
     else:
         m = l_ = acc = out
     cnt = _split_counters(q.device) if fused else seq_lens
-    pdl = pdl_enabled(q) and (s == 1 or fused or partials)
-    zkw = {}
-    if zero is not None:
-        assert zero.dtype == torch.float32 and zero.is_contiguous()
-        zkw = dict(zero_ptr=zero, zero_n=zero.numel(),
-                   ZERO_BLOCK=max(16, next_pow2(triton.cdiv(zero.numel(), B * hkv))))
+    pdl = pdl_enabled(q) and (s == 1 or fused)
     g_comb = next_pow2(g)  # the combine's tiles hold the real heads only
     warps = num_warps or decode_warps(g)
     combine = max(1, min(next_pow2(s), _COMBINE_ELEMS_PER_WARP * warps // (g_comb * d_pad)))
@@ -126,11 +114,9 @@ def paged_decode_attention_triton(
         NUM_SPLITS=s, G_PAD=g_pad, D=d, D_PAD=d_pad, BLOCK_N=bn,
         BLOCK_SIZE=k_cache.shape[1], IEEE=ieee, EARLY_V=early_v, FUSED_REDUCE=fused,
         USE_PDL=pdl, G_COMB=g_comb, COMBINE=combine, **fuse_kw,
-        EARLY_DEPS=bool(early_dependents) and bool(pdl), PARTIALS=bool(partials), **zkw, num_warps=warps,
+        EARLY_DEPS=bool(early_dependents) and bool(pdl), num_warps=warps,
         num_stages=num_stages, **pdl_launch_kwargs(pdl),
     )
-    if partials:
-        return DecodePartials(m, l_, acc, seq_lens, s, bn, q.dtype)
     if s > 1 and not fused:
         _decode_reduce_kernel[(B, hq)](
             m, l_, acc, out, out.stride(0), out.stride(1), hq,
@@ -143,14 +129,13 @@ def fused_decode_attention_triton(
     qkv, positions, cos_sin_cache, num_heads, num_kv_heads, head_dim, k_cache, v_cache, slot_mapping,
     block_tables, seq_lens, scale, q_norm_weight=None, k_norm_weight=None, eps=1e-6, rotary_dim=None,
     num_splits: Optional[int] = None, block_n: Optional[int] = None, num_warps: Optional[int] = None,
-    early_dependents: bool = False, partials: bool = False, zero: Optional[torch.Tensor] = None,
+    early_dependents: bool = False,
 ):
     """One decode step of one layer in one launch: per-head q/k RMSNorm (optional) + rotary
     + writing the new k/v into the paged cache (``fused_qk_norm_rope_cache_triton``) and
     paged decode attention (``paged_decode_attention_triton``), same numerics. Each query
     token must be its sequence's only new token (a plain decode step: rows never read each
-    other's new k/v). qkv [B, (Hq + 2 Hkv) * D] -> [B, Hq, D], or with ``partials`` the
-    unmerged ``DecodePartials`` (``zero``: see ``paged_decode_attention_triton``)."""
+    other's new k/v). qkv [B, (Hq + 2 Hkv) * D] -> [B, Hq, D]."""
     rot = _check_qk(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, rotary_dim,
                     q_norm_weight, k_norm_weight, False)
     assert (q_norm_weight is None) == (k_norm_weight is None)
@@ -161,7 +146,7 @@ def fused_decode_attention_triton(
     out = qkv.new_empty((B, num_heads, head_dim))  # the launcher's q argument: shape, dtype, output
     return paged_decode_attention_triton(
         out, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=num_splits, block_n=block_n,
-        num_warps=num_warps, early_dependents=early_dependents, partials=partials, zero=zero,
+        num_warps=num_warps, early_dependents=early_dependents,
         _fuse=(qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, slot_mapping, eps, rot))
 
 
@@ -193,42 +178,6 @@ def paged_prefill_attention_triton(
         BLOCK_SIZE=k_cache.shape[1], IEEE=q.dtype == torch.float32,
         num_warps=num_warps or (8 if rows >= 128 else 4), num_stages=num_stages,
     )
-    return out
-
-
-@dataclass(frozen=True)
-class DecodePartials:
-    """A decode launch's split partials, unmerged (``partials=True``): ``m`` / ``l`` [B, Hq, S]
-    fp32 (running max in log2 units, sum of exp2), ``acc`` [B, Hq, S, D_PAD] fp32 (unnormalised
-    P @ V); sequence b's splits from ``active_splits(seq_lens[b])`` on hold nothing (their
-    programs exited). ``dtype``: what the merged output rounds to (the attention's)."""
-    m: torch.Tensor
-    l: torch.Tensor
-    acc: torch.Tensor
-    seq_lens: torch.Tensor
-    num_splits: int
-    block_n: int  # keys per tile: the split schedule's unit
-    dtype: torch.dtype
-
-
-def active_splits(seq_len: int, num_splits: int, block_n: int) -> int:
-    """Splits holding a sequence's context (the decode kernel's schedule: as few tiles per split
-    as spread the context over the splits; split 0 also for an empty context)."""
-    n_tiles = -(-seq_len // block_n)
-    per = max(-(-n_tiles // num_splits), 1)
-    return max(-(-n_tiles // per), 1)
-
-
-def merge_decode_partials(p: DecodePartials, head_dim: int) -> torch.Tensor:
-    """The torch merge of ``DecodePartials``: [B, Hq, D] in p.dtype, the fused merge's formula."""
-    B, hq, _ = p.m.shape
-    out = torch.zeros(B, hq, head_dim, dtype=p.dtype, device=p.m.device)
-    for b, n in enumerate(p.seq_lens.tolist()):
-        a = active_splits(n, p.num_splits, p.block_n)
-        m, l_, acc = p.m[b, :, :a], p.l[b, :, :a], p.acc[b, :, :a, :head_dim]
-        w = torch.exp2(m - m.max(dim=1, keepdim=True).values)
-        total = (w * l_).sum(1, keepdim=True)
-        out[b] = ((acc * w[:, :, None]).sum(1) / torch.where(total > 0, total, 1.0)).to(p.dtype)
     return out
 
 

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from ._common import next_pow2, tl, triton, use_triton
+from .._common import next_pow2, tl, triton, use_triton
 
 
 @triton.jit

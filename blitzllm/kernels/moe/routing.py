@@ -1,7 +1,7 @@
 """Expert selection inside a Triton program: a token's routing scores from its fp32 router
 logits (softmax, or sigmoid with a correction bias steering the choice; grouped top-k over
 n_group groups keeping topk_group), its top-k as TOP_K argmax rounds (``_select_row``: the
-selection launches of kernels/moe.py), the weights renormalised and scaled. The torch form
+selection launches of kernels/moe/router.py), the weights renormalised and scaled. The torch form
 is ``moe.reference_select_experts``."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from ._common import tl, triton
+from .._common import tl, triton
 
 
 @triton.jit

@@ -6,7 +6,7 @@ tile is read once per kv head. Scores and softmax statistics are fp32 (exp2 with
 folded in); the probabilities are cast to the cache dtype for the P @ V product, as flash
 attention does.
 """
-from ._common import pdl_launch_dependents, pdl_wait, tl, triton
+from .._common import pdl_launch_dependents, pdl_wait, tl, triton
 from .qk_norm_rope_cache import _norm_rope_apply, _norm_rope_params
 
 
@@ -111,14 +111,8 @@ def _decode_kernel(
     G_COMB: tl.constexpr, COMBINE: tl.constexpr,
     pos_ptr, cs_ptr, stride_cs, qw_ptr, kw_ptr, slot_ptr, Hq, eps,
     FUSE_QK: tl.constexpr, HAS_NORM: tl.constexpr, ROT: tl.constexpr,
-    EARLY_DEPS: tl.constexpr = False, PARTIALS: tl.constexpr = False, zero_ptr=None, zero_n=0,
-    ZERO_BLOCK: tl.constexpr = 0,
+    EARLY_DEPS: tl.constexpr = False,
 ):
-    """PARTIALS (FUSED_REDUCE off): the splits store their partials and nothing merges them;
-    the consumer does (``DecodePartials``); idle splits exit at once as with the fused merge.
-    ZERO_BLOCK > 0: each sequence's split-0 programs also zero ZERO_BLOCK fp32 values of
-    zero_ptr's zero_n (after the wait: the buffer's last reader ran before the kernel before),
-    the output an atomic consumer adds into."""
     if EARLY_DEPS:  # the next kernel (the TMA GEMV, streaming its weights meanwhile) launches now
         pdl_launch_dependents(USE_PDL)
     b = tl.program_id(0)
@@ -138,9 +132,9 @@ def _decode_kernel(
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
-    # with the fused combine (or partials left to the consumer), idle splits do nothing; the
-    # two-launch reduce reads every split, so there idle ones store an empty partial
-    if (split < n_active) | (not (FUSED_REDUCE or PARTIALS)):
+    # with the fused combine idle splits do nothing; the two-launch reduce reads every split,
+    # so there idle ones store an empty partial
+    if (split < n_active) | (not FUSED_REDUCE):
         offs_g = tl.arange(0, G_PAD)
         offs_d = tl.arange(0, D_PAD)
         dmask = offs_d < D
@@ -209,10 +203,6 @@ def _decode_kernel(
                 start_n, end, q_pos, qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
                 offs_d, dmask,
                 BLOCK_N, BLOCK_SIZE, False, IEEE, EARLY_V)
-        if ZERO_BLOCK > 0:
-            if split == 0:
-                offs_z = (b * tl.num_programs(1) + kvh) * ZERO_BLOCK + tl.arange(0, ZERO_BLOCK)
-                tl.store(zero_ptr + offs_z, tl.zeros([ZERO_BLOCK], dtype=tl.float32), mask=offs_z < zero_n)
         pdl_launch_dependents(USE_PDL)
         if NUM_SPLITS == 1:
             out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]

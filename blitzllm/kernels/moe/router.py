@@ -23,17 +23,16 @@ the unbiased weights re-read from the chosen logits, renormalise and scale.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from ._common import (device_sms, l2_prefetch, l2_prefetch_chunk, l2_prefetchable, next_pow2, pdl_enabled,
+from .._common import (device_sms, next_pow2, pdl_enabled,
                       pdl_launch_dependents, pdl_launch_kwargs, pdl_wait, tl, triton, use_triton)
-from .fused_moe import fused_moe_triton
+from .experts import fused_moe_triton
 from .routing import _select_row, check_routing
-from .rmsnorm import rms_normalize
+from ..norm.rmsnorm import rms_normalize
 
 
 def reference_router_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -100,7 +99,7 @@ def reference_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         tok = rows // topk_ids.shape[1]
         w_up, w_down = w13[e], w2[e]
         if scales is not None:
-            from .fp8_weights import dequantize
+            from ..fp8_weights import dequantize
             w_up = dequantize(w_up, scales[0][e], scales[2], x.dtype)
             w_down = dequantize(w_down, scales[1][e], scales[2], x.dtype)
         h = x[tok] @ w_up.t()
@@ -270,57 +269,10 @@ def _select_experts_kernel(logits_ptr, bias_ptr, w_out_ptr, id_out_ptr, stride_l
                 NG_PAD, G_PAD, TOPK_GROUP, TOP_K, K_PAD, SIGMOID, HAS_BIAS, RENORM)
 
 
-@triton.jit
-def _select_rank_kernel(logits_ptr, bias_ptr, w_out_ptr, id_out_ptr, scratch_ptr, stride_l, scaling,
-                        E: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr, SIGMOID: tl.constexpr,
-                        HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, USE_PDL: tl.constexpr):
-    """One token's top-k (no groups) by rank instead of argmax rounds: each thread holds one
-    expert's choice score, the scores go to a scratch row, and each thread counts the experts
-    ahead of its own (a higher score, or the same score and a lower id: the rounds' order) from
-    E broadcast loads, with no reduction between the loads; the experts ranked below TOP_K
-    write their weight and id at their rank."""
-    pdl_wait(USE_PDL)
-    row = tl.program_id(0).to(tl.int64)
-    pdl_launch_dependents(USE_PDL)
-    offs = tl.arange(0, E_PAD)
-    valid = offs < E
-    logit = tl.load(logits_ptr + row * stride_l + offs, mask=valid, other=float("-inf"), cache_modifier=".cg")
-    if SIGMOID:
-        score = 1.0 / (1.0 + tl.exp(-logit))
-    else:
-        p = tl.exp(logit - tl.max(logit, axis=0))
-        score = p / tl.sum(p, axis=0)
-    choice = score
-    if HAS_BIAS:  # the correction bias steers the choice, not the weights
-        choice = score + tl.load(bias_ptr + offs, mask=valid, other=0.0).to(tl.float32)
-    choice = tl.where(valid, choice, float("-inf"))
-    srow = scratch_ptr + row * E_PAD
-    tl.store(srow + offs, choice)
-    tl.debug_barrier()  # every thread's score is stored before any thread reads the row
-    rank = tl.zeros([E_PAD], dtype=tl.int32)
-    for j in tl.static_range(E):
-        c = tl.load(srow + j, cache_modifier=".cg")
-        rank += ((c > choice) | ((c == choice) & (offs > j))).to(tl.int32)
-    chosen = valid & (rank < TOP_K)
-    w = tl.where(chosen, score, 0.0)
-    if RENORM:
-        w = w / (tl.sum(w, axis=0) + 1e-20)
-    w = w * scaling
-    tl.store(w_out_ptr + row * TOP_K + rank, w, mask=chosen)
-    tl.store(id_out_ptr + row * TOP_K + rank, offs, mask=chosen)
-
-
-# BLITZ_MOE_SELECT=rank (A/B): ungrouped expert selection by each expert's rank
-# (``_select_rank_kernel``) instead of TOP_K argmax rounds in one warp
-MOE_SELECT_RANK = os.environ.get("BLITZ_MOE_SELECT", "rounds") == "rank"
-
-
 def select_experts_triton(logits: torch.Tensor, top_k: int, scoring: str = "softmax",
                           bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: int = 1,
-                          renormalize: bool = True, scaling: float = 1.0, rank: Optional[bool] = None):
-    """``reference_select_experts`` in one kernel: (weights [T, K] fp32, ids [T, K] int32).
-    ``rank``: the ungrouped selection by rank (None: BLITZ_MOE_SELECT); grouped routing always
-    takes the argmax rounds."""
+                          renormalize: bool = True, scaling: float = 1.0):
+    """``reference_select_experts`` in one kernel: (weights [T, K] fp32, ids [T, K] int32)."""
     T, E = logits.shape
     check_routing(E, top_k, scoring, bias, n_group, topk_group)
     logits = logits.float()
@@ -329,15 +281,6 @@ def select_experts_triton(logits: torch.Tensor, top_k: int, scoring: str = "soft
     weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
     if T == 0:
-        return weights, ids
-    if (MOE_SELECT_RANK if rank is None else rank) and n_group == 1 and E <= 512:
-        e_pad = next_pow2(E)
-        scratch = torch.empty(T * e_pad, dtype=torch.float32, device=logits.device)
-        pdl = pdl_enabled(logits)
-        _select_rank_kernel[(T,)](
-            logits, bias.contiguous() if bias is not None else logits, weights, ids, scratch, logits.stride(0),
-            float(scaling), E=E, E_PAD=e_pad, TOP_K=top_k, SIGMOID=scoring == "sigmoid", HAS_BIAS=bias is not None,
-            RENORM=bool(renormalize), USE_PDL=pdl, num_warps=max(1, min(16, e_pad // 32)), **pdl_launch_kwargs(pdl))
         return weights, ids
     group = E // n_group
     ng_pad, g_pad = next_pow2(n_group), next_pow2(group)
@@ -356,16 +299,12 @@ def select_experts_triton(logits: torch.Tensor, top_k: int, scoring: str = "soft
 def _norm_route_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, h_ptr, ro_ptr, logit_ptr,
                        T, E, H, stride_x, stride_r, stride_h, stride_ro, stride_we, eps,
                        BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                       USE_PDL: tl.constexpr,
-                       pf_ptr=None, pf_bytes=0, pf_chunk=0, PF: tl.constexpr = 0, PF_LANES: tl.constexpr = 1,
-                       PF_LAST: tl.constexpr = False, pf2_ptr=None, pf2_bytes=0, PF_EVERY: tl.constexpr = 1):
+                       USE_PDL: tl.constexpr):
     """Program p: the router rows [p*BLOCK_E, +BLOCK_E). Every program forms each token's
     x + residual and its RMSNorm itself (rows of a few KB, read from L2; program 0 stores
     them), multiplies its router rows (loaded before the PDL wait: they do not depend on the
     kernel before) and stores those logits; then its dependents (the selection launch) may
-    start. PF (1 or 2): before the wait the programs ask the L2 for pf_bytes at pf_ptr (and
-    pf2_bytes at pf2_ptr): the next layer's weights (``MOE_PF_QKV``; PF_LAST: marked
-    evict-last)."""
+    start."""
     pid = tl.program_id(0)
     offs_e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
     cols = tl.arange(0, BLOCK_H)
@@ -374,14 +313,10 @@ def _norm_route_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, h_ptr, ro_ptr, logit_ptr,
     w = tl.load(w_ptr + offs_e.to(tl.int64)[:, None] * stride_we + cols[None, :],
                 mask=e_ok[:, None] & hmask[None, :], other=0.0)
     nw = tl.load(nw_ptr + cols, mask=hmask, other=0.0)
-    if PF > 0:
-        l2_prefetch(pf_ptr, pf_bytes, pf_chunk, pid, tl.num_programs(0), PF_LANES, PF_LAST, PF_EVERY)
-    if PF > 1:
-        l2_prefetch(pf2_ptr, pf2_bytes, pf_chunk, pid, tl.num_programs(0), PF_LANES, PF_LAST, PF_EVERY)
     pdl_wait(USE_PDL)
     for t in range(T):
         x = tl.load(x_ptr + t * stride_x + cols, mask=hmask, other=0.0)
-        if HAS_RESIDUAL:  # the rounding steps of kernels/rmsnorm.py's fused add + norm
+        if HAS_RESIDUAL:  # the rounding steps of kernels/norm/rmsnorm.py's fused add + norm
             r = tl.load(r_ptr + t * stride_r + cols, mask=hmask, other=0.0)
             x = x.to(r.dtype)  # (an fp32 sum beside the residual: rounded first, as the reference's output)
             x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
@@ -398,42 +333,13 @@ def _norm_route_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, h_ptr, ro_ptr, logit_ptr,
 NORM_ROUTE_MAX_T = 4  # tokens per launch: each program loops over them
 
 
-# BLITZ_MOE_PF_QKV (opt-in until measured): MoE decode layers ask the L2 for the next layer's
-# qkv weights from the norm + router launch, before its wait: the HBM idles from o_proj's wait
-# (its weights are in shared memory by then) through the routing and the selection, and the
-# qkv GEMV then reads the L2. "1": the lines marked evict-last, so the experts' stream after
-# them (75 MB at Qwen3-30B-A3B, more than the L2) does not push them out; "normal": no mark
-# (A/B); "qkvo": the next layer's o_proj weights too (38 MB in all at Qwen3-30B-A3B, evict-last:
-# then the o_proj preload during that layer's attention reads the L2, and the HBM is free there).
-# (Marking the experts' loads evict-first instead does not reach the hardware: Triton pipelines
-# those loads into cp.async copies without the L2 hint.)
-_MOE_PF_QKV = os.environ.get("BLITZ_MOE_PF_QKV", "0")
-if _MOE_PF_QKV not in ("0", "1", "normal", "qkvo"):
-    raise ValueError(f"BLITZ_MOE_PF_QKV must be 0, 1, normal or qkvo, got {_MOE_PF_QKV!r}")
-MOE_PF_QKV = _MOE_PF_QKV != "0"
-MOE_PF_QKV_LANES = int(os.environ.get("BLITZ_MOE_PF_QKV_LANES", "8"))  # prefetch ranges per program (a power of 2)
-
-
-def moe_pf_qkv_wanted() -> bool:
-    """Whether models wire the next layer's qkv weights into their MoE blocks' norm + router
-    launch (BLITZ_MOE_PF_QKV)."""
-    return MOE_PF_QKV
-
-
-def moe_pf_o_proj_wanted() -> bool:
-    """Whether the next layer's o_proj weights go with them (BLITZ_MOE_PF_QKV=qkvo)."""
-    return MOE_PF_QKV and _MOE_PF_QKV == "qkvo"
-
-
 def norm_route_experts_triton(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
                               eps: float, weight: torch.Tensor, top_k: int, scoring: str = "softmax",
                               bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: int = 1,
-                              renormalize: bool = True, scaling: float = 1.0, prefetch=()):
+                              renormalize: bool = True, scaling: float = 1.0):
     """``reference_norm_route_experts`` in two launches for up to NORM_ROUTE_MAX_T tokens: the
     residual add, the RMSNorm and the router GEMM in one (``_norm_route_kernel``), the selection
-    (``select_experts_triton``) in the next. ``prefetch``: up to two weights the first launch
-    asks the L2 for before its wait (the next layer's: ``MOE_PF_QKV``; ignored where the GPU
-    has no bulk prefetch)."""
+    (``select_experts_triton``) in the next."""
     T, H = x.shape
     E = weight.shape[0]
     check_routing(E, top_k, scoring, bias, n_group, topk_group)
@@ -451,24 +357,11 @@ def norm_route_experts_triton(x: torch.Tensor, residual: Optional[torch.Tensor],
     pdl = pdl_enabled(x)
     r = residual if residual is not None else x
     grid = triton.cdiv(E, block_e)
-    pf = {}
-    ranges = [(t, t.numel() * t.element_size() // 16 * 16) for t in prefetch
-              if t is not None and t.is_contiguous() and l2_prefetchable(t, 16)]
-    ranges = [(t, n) for t, n in ranges if n > 0]
-    assert len(ranges) <= 2, "at most two prefetch ranges"
     warps = 4 if block_h <= 2048 else 8
-    if ranges:
-        most = max(n for _, n in ranges)
-        threads = 32 * warps  # one lane per thread (a shorter tensor would be issued by several threads each)
-        per = max(1, min(next_pow2(MOE_PF_QKV_LANES), threads))  # ranges per program
-        pf = dict(pf_ptr=ranges[0][0], pf_bytes=ranges[0][1], pf_chunk=l2_prefetch_chunk(most, grid, per),
-                  PF=len(ranges), PF_LANES=threads, PF_EVERY=threads // per, PF_LAST=_MOE_PF_QKV != "normal")
-        if len(ranges) > 1:
-            pf.update(pf2_ptr=ranges[1][0], pf2_bytes=ranges[1][1])
     _norm_route_kernel[(grid,)](
         x, r, norm_weight, weight, h, res_out, logits,
         T, E, H, x.stride(0), r.stride(0), h.stride(0), res_out.stride(0), weight.stride(0), float(eps),
-        BLOCK_E=block_e, BLOCK_H=block_h, HAS_RESIDUAL=residual is not None, USE_PDL=pdl, **pf,
+        BLOCK_E=block_e, BLOCK_H=block_h, HAS_RESIDUAL=residual is not None, USE_PDL=pdl,
         num_warps=warps, **pdl_launch_kwargs(pdl))
     weights, ids = select_experts_triton(logits, top_k, scoring, bias, n_group, topk_group, renormalize, scaling)
     return h, (res_out if residual is not None else x), weights, ids
@@ -481,7 +374,7 @@ def reference_norm_route_experts(x: torch.Tensor, residual: Optional[torch.Tenso
     """The post-attention half's routing: (h = rms_norm(x + residual), x + residual, topk
     weights, topk ids) with h routed by ``route_experts`` (the norm and routing dispatchers).
     residual None: h = rms_norm(x) and x is returned as the residual."""
-    from .rmsnorm import fused_add_rms_norm
+    from ..norm.rmsnorm import fused_add_rms_norm
     h, res = fused_add_rms_norm(x, residual, norm_weight, eps)
     return (h, res, *route_experts(h, weight, top_k, scoring, bias, n_group, topk_group, renormalize, scaling))
 
@@ -559,12 +452,12 @@ def norm_route_ok(x: torch.Tensor) -> bool:
 def norm_route_experts(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
                        weight: torch.Tensor, top_k: int, scoring: str = "softmax",
                        bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: int = 1,
-                       renormalize: bool = True, scaling: float = 1.0, prefetch=()):
+                       renormalize: bool = True, scaling: float = 1.0):
     """(rms_norm(x + residual), x + residual, topk weights [T, K] fp32, topk ids [T, K] int32):
     where ``norm_route_ok(x)`` the norm and the router GEMM in one Triton launch and the
-    selection in another, else the norm and ``route_experts``. ``prefetch``: see ``norm_route_experts_triton``."""
+    selection in another, else the norm and ``route_experts``."""
     if norm_route_ok(x):
         return norm_route_experts_triton(x, residual, norm_weight, eps, weight, top_k, scoring, bias, n_group,
-                                         topk_group, renormalize, scaling, prefetch=prefetch)
+                                         topk_group, renormalize, scaling)
     return reference_norm_route_experts(x, residual, norm_weight, eps, weight, top_k, scoring, bias, n_group,
                                         topk_group, renormalize, scaling)

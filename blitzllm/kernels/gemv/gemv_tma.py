@@ -20,12 +20,11 @@ machine and checks it against the reference on a GPU.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
 import torch
 
-from ._common import HAS_TRITON, capability, device_sms, next_pow2, pdl_enabled, triton
+from .._common import HAS_TRITON, capability, device_sms, next_pow2, pdl_enabled, triton
 
 try:  # Gluon ships with Triton >= 3.5
     from triton.experimental import gluon
@@ -36,13 +35,7 @@ try:  # Gluon ships with Triton >= 3.5
 except Exception:  # pragma: no cover - depends on the Triton build
     HAS_GLUON = False
 
-# BLITZ_GEMV_TMA: "1" (default) o_proj and qkv at 1-2 decode rows take this GEMV, their
-# predecessors (decode attention, RMSNorm) letting it launch as they start; "o_proj" o_proj
-# only; "lm_head" both and decode's lm_head too; "0" off (the FMA GEMV); "nodeps" the TMA GEMV
-# with the ordinary launch point (A/B)
-TMA_MODE = os.environ.get("BLITZ_GEMV_TMA", "1")
-if TMA_MODE not in ("0", "1", "o_proj", "nodeps", "lm_head"):
-    raise ValueError(f"BLITZ_GEMV_TMA must be 0, 1, o_proj, nodeps or lm_head, got {TMA_MODE!r}")
+# Which projections take this GEMV is the runner's decode plan (knob BLITZ_GEMV_TMA).
 # shared memory per program for W's ring: where a program's whole weight slice fits (Qwen3-30B-A3B's
 # o_proj and qkv) all of it is in flight before the wait; the rest of sm_90's 227 KB holds x
 TMA_SMEM_BYTES = 160 << 10
@@ -50,10 +43,6 @@ TMA_MAX_ROWS = 2
 _BLOCK_NS = (8, 16)  # the row-tile sizes the heuristic picks from
 TMA_WARPS = 8  # warps per program at most (over a tile's rows)
 TMA_GROUP_BYTES = 32 << 10  # bytes per copy at most
-# BLITZ_GEMV_TMA_NORM=1 (opt-in until measured): a pre-norm GEMV on the TMA path (qkv after the
-# input RMSNorm) takes the residual add + RMSNorm into its programs (``gemv_tma_norm_triton``): no
-# RMSNorm launch, the GEMV launching right after the kernel before (its weights stream from there)
-TMA_NORM = os.environ.get("BLITZ_GEMV_TMA_NORM", "0") == "1"
 
 if HAS_GLUON:
     @gluon.jit
@@ -240,28 +229,12 @@ def _cached_config(N, K, itemsize, sms, smem_bytes):
 def tma_gemv_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether ``gemv_tma_triton(x, w)`` runs here: Hopper with PDL, 1-2 rows, a contiguous
     bf16/fp16 W whose rows are 16-byte aligned (the TMA's rule), x of W's dtype."""
-    if TMA_MODE == "0" or not HAS_GLUON or not (x.is_cuda and w.is_cuda) or not pdl_enabled(w):
+    if not HAS_GLUON or not (x.is_cuda and w.is_cuda) or not pdl_enabled(w):
         return False
     rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
     return (capability(w)[0] == 9 and 1 <= rows <= TMA_MAX_ROWS and w.dim() == 2 and w.dtype in (torch.bfloat16, torch.float16)
             and x.dtype == w.dtype and w.is_contiguous() and w.data_ptr() % 16 == 0
             and (w.shape[1] * w.element_size()) % 16 == 0 and w.shape[0] > 0)
-
-
-def tma_early_dependents() -> bool:
-    """Whether the kernel before a TMA GEMV lets it launch as that kernel starts."""
-    return TMA_MODE in ("1", "o_proj", "lm_head")
-
-
-def tma_for_qkv() -> bool:
-    """Whether the qkv projection takes the TMA GEMV too (not only o_proj)."""
-    return TMA_MODE in ("1", "nodeps", "lm_head")
-
-
-def tma_for_lm_head() -> bool:
-    """Whether decode's lm_head takes the TMA GEMV (BLITZ_GEMV_TMA=lm_head, opt-in until measured
-    end to end: alone it streamed qwen3-30b-a3b's 622 MB at 4.45 TB/s against the FMA GEMV's 4.37)."""
-    return TMA_MODE == "lm_head"
 
 
 def gemv_tma_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
@@ -298,9 +271,10 @@ def _launch(x, w, bias, out, config, norm_kw) -> None:
 
 
 def tma_norm_ok(x: torch.Tensor, residual: Optional[torch.Tensor], w: torch.Tensor) -> bool:
-    """Whether ``gemv_tma_norm_triton`` takes this pre-norm GEMV (BLITZ_GEMV_TMA_NORM=1): the TMA
-    GEMV's conditions on the residual, which x matches in shape (x of its dtype or fp32)."""
-    return (TMA_NORM and residual is not None and residual.shape == x.shape and residual.dim() == 2
+    """Whether ``gemv_tma_norm_triton`` can take this pre-norm GEMV (the layer asks where the
+    decode plan set ``tma_norm``: knob BLITZ_GEMV_TMA_NORM): the TMA GEMV's conditions on the
+    residual, which x matches in shape (x of its dtype or fp32)."""
+    return (residual is not None and residual.shape == x.shape and residual.dim() == 2
             and x.dtype in (residual.dtype, torch.float32) and x.stride(-1) == 1 and residual.stride(-1) == 1
             and tma_gemv_ok(residual, w))
 

@@ -10,7 +10,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ._common import next_pow2, pdl_enabled, pdl_launch_dependents, pdl_launch_kwargs, pdl_wait, tl, triton, use_triton
+from .._common import next_pow2, pdl_enabled, pdl_launch_dependents, pdl_launch_kwargs, pdl_wait, tl, triton, use_triton
 
 
 @triton.jit
@@ -87,7 +87,7 @@ def _launch(x, residual, weight, eps, early_dependents: bool = False):
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
                     early_dependents: bool = False) -> torch.Tensor:
     """``early_dependents`` (PDL): the next kernel may launch as this one starts (the TMA
-    GEMV of kernels/gemv_tma.py, which streams its weights before its wait)."""
+    GEMV of kernels/gemv/gemv_tma.py, which streams its weights before its wait)."""
     return _launch(x, None, weight, eps, early_dependents)[0]
 
 

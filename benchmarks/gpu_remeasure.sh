@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# The GPU re-measurement (issue 39) in parts, each a list of `blitz bench latency` runs whose JSONs
+# land in $OUT/runs/ and whose table prints at the end; $OUT/runs.tgz brings them all back in one
+# file (the device tool returns at most 8). A run starts only while DEADLINE (seconds, default 560)
+# leaves room for it, so one call never overruns its limit.
+# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_remeasure.sh PART...
+#   variants  qwen3-30b-a3b batch 1 with each unmeasured decode variant against the default (twice),
+#             deepseek-v3 (8 layers) with the fused MLA prep, llama-3.1-8b with the o_proj merge / TMA norm
+#   tests     the whole GPU test suite (pytest -m gpu), summary in $OUT/runs/gpu_tests.log
+#   table     the README's GPU table: llama-3.1-8b (--compare hf) and qwen3-0.6b batch 1 (256 tokens),
+#             qwen3-30b-a3b batch 1 and 32, minimax-m2 / deepseek-v3 (8 layers) batch 1, 10k-token TTFT
+#   fp8       --weight-dtype fp8 against bf16 at batch 1 on the MoE presets and qwen3-0.6b
+#   mtp       MTP on deepseek-v3 (8 layers), k 1 and 3, synthetic acceptance 0.9, against no speculation
+#   serve     blitz serve + blitz bench serve at concurrency 256 (1,000 in / 1,000 out, llama-3.1-8b)
+set -u
+set -o pipefail  # a pytest piped into tail / tee keeps its exit status
+TESTS_RC=0  # the last failing pytest run's status: the script exits with it
+pytest_failed() { TESTS_RC=$1; echo "== pytest failed: rc=$1"; }
+. scripts/gpu_env.sh
+R="$OUT/runs"; mkdir -p "$R"
+DEADLINE=${DEADLINE:-560}
+M1="--batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
+D1="--batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
+run() {  # run TIMEOUT NAME ARGS...: one latency bench, skipped when the deadline is too near
+  t=$1; name=$2; shift 2; left=$((DEADLINE - SECONDS))
+  if [ $left -lt 45 ]; then echo "== $name skipped (${left}s left)"; return; fi
+  [ $t -gt $left ] && t=$left
+  s0=$SECONDS; timeout $t $B "$@" --json "$R/$name.json" > "$R/$name.log" 2>&1
+  echo "== $name rc=$? wall=$((SECONDS-s0))s $(env | grep -o '^BLITZ_[A-Z_]*=[^ ]*' | grep -v NO_PROGRESS | tr '\n' ' ')"; }
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
+for part in "$@"; do case $part in
+  variants)
+    Q="--model preset:qwen3-30b-a3b $M1"
+    run 150 q30b_def1 $Q
+    BLITZ_MOE_BALANCE=1 run 100 q30b_balance $Q
+    BLITZ_MOE_PF_QKV=1 run 100 q30b_pfqkv $Q
+    BLITZ_ATTN_OPROJ=1 run 100 q30b_oproj $Q
+    BLITZ_GEMV_TMA_NORM=1 run 100 q30b_tmanorm $Q
+    BLITZ_MOE_SELECT=rank run 100 q30b_rank $Q
+    run 100 q30b_def2 $Q
+    DS="--model preset:deepseek-v3 --num-layers 8 $M1"
+    run 120 dsv3_def $DS
+    BLITZ_MLA_FUSED=1 run 100 dsv3_mlafused $DS
+    L="--model preset:llama-3.1-8b $D1"
+    run 100 llama_def $L
+    BLITZ_ATTN_OPROJ=1 run 90 llama_oproj $L
+    BLITZ_GEMV_TMA_NORM=1 run 90 llama_tmanorm $L ;;
+  tests)
+    left=$((DEADLINE - SECONDS - 10))
+    timeout $left python3 -m pytest -q -m gpu tests/kernels tests/test_gpu_e2e.py -p no:cacheprovider \
+      --timeout 240 2>&1 | tail -30 > "$R/gpu_tests.log" || pytest_failed $?
+    tail -12 "$R/gpu_tests.log" ;;
+  table)
+    run 240 llama_b1_hf --model preset:llama-3.1-8b $D1 --compare hf
+    run 80 qwen06_b1 --model preset:qwen3-0.6b $D1
+    run 120 q30b_b1 --model preset:qwen3-30b-a3b $M1
+    run 150 q30b_b32 --model preset:qwen3-30b-a3b --batch-size 32 --input-len 128 --output-len 128 --max-num-seqs 32
+    run 100 mm2_b1 --model preset:minimax-m2 --num-layers 8 $M1
+    run 100 dsv3_b1 --model preset:deepseek-v3 --num-layers 8 $M1
+    run 90 llama_ttft10k --model preset:llama-3.1-8b --batch-size 1 --input-len 10000 --output-len 4 --max-num-seqs 1 --enforce-eager ;;
+  fp8)
+    run 120 q30b_fp8 --model preset:qwen3-30b-a3b $M1 --weight-dtype fp8
+    run 100 mm2_fp8 --model preset:minimax-m2 --num-layers 8 $M1 --weight-dtype fp8
+    run 100 dsv3_fp8 --model preset:deepseek-v3 --num-layers 8 $M1 --weight-dtype fp8
+    run 80 qwen06_fp8 --model preset:qwen3-0.6b $D1 --weight-dtype fp8 ;;
+  mtp)
+    D="--model preset:deepseek-v3 --num-layers 8 $M1 --compare nospec"
+    run 200 dsv3_mtp1 $D --speculative-config '{"method": "mtp", "num_speculative_tokens": 1, "synthetic_acceptance_rate": 0.9}'
+    run 200 dsv3_mtp3 $D --speculative-config '{"method": "mtp", "num_speculative_tokens": 3, "synthetic_acceptance_rate": 0.9}' ;;
+  serve)
+    left=$((DEADLINE - SECONDS - 10)); [ $left -gt 60 ] && timeout $left bash scripts/gpu_serve.sh 2>&1 | tail -30 > "$R/serve.log"
+    cp "$OUT"/serve_c*.json "$OUT"/serve.log "$R/" 2>/dev/null; grep -E "==|req/s|throughput|TPOT|tok/s" "$R/serve.log" | head -20 ;;
+  *) echo "unknown part $part"; exit 2 ;;
+esac; done
+python3 - "$R" <<'PY'
+import glob, json, os, sys
+keys = ["tokens_per_s", "roofline_fraction", "ms_per_token", "ttft_s", "kernels_per_layer",
+        "speedup_vs_hf_eager", "speedup_vs_hf_compiled", "speedup_vs_nospec", "spec_mean_acceptance_length",
+        "copy_bandwidth_Bps"]
+print("run".ljust(16), *[k[:13].rjust(13) for k in keys])
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
+    if os.path.basename(f).startswith("serve"):
+        continue
+    r = json.load(open(f))
+    cell = lambda v: "-" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))
+    print(os.path.basename(f)[:-5][:16].ljust(16), *[cell(r.get(k)).rjust(13) for k in keys])
+PY
+tar czf "$OUT/runs.tgz" -C "$OUT" runs
+[ "$TESTS_RC" -eq 0 ] || echo "== a pytest run failed (rc=$TESTS_RC)"
+exit "$TESTS_RC"
