@@ -242,7 +242,7 @@ _SILU_EXP_BUDGET = 8 << 20  # silu evaluations per launch the FMA-path heuristic
 
 def prefer_gemv(M: int, N: int, K: int, silu_mul_input: bool = False) -> bool:
     """Whether the GEMV beats cuBLAS for this shape (measured on the H200 with CUDA graphs,
-    scripts/bench_gemv.py): up to 2 rows it wins or ties up to ``_SILU_MAX_WEIGHTS`` with the
+    benchmarks/gemv_sweep.py): up to 2 rows it wins or ties up to ``_SILU_MAX_WEIGHTS`` with the
     silu-and-mul fused in and up to ``_MAX_WEIGHTS`` without it (a larger down_proj such as
     Llama-3.1-8B's runs a SiLU-and-mul kernel, then the plain GEMV, which also spares cuBLAS's
     split-K reduce launch); with more rows only the smaller matrices gain (split-K where cuBLAS

@@ -340,7 +340,7 @@ def moe_config(tokens: int, top_k: int, num_experts: int, hidden: int, inter: in
     Few rows per expert (decode): BLOCK_M 16, 64-wide N tiles (narrowed towards 16 only while
     the chosen experts' tiles would leave more than half the SMs without a program), K tiles
     of 256 bytes, 4 stages. (H200, one token: 64-wide tiles against the former narrowing to
-    >= 2 programs per SM, scripts/bench_moe_decode.py, us per launch gate/up + down:
+    >= 2 programs per SM, benchmarks/moe_decode_tiles.py, us per launch gate/up + down:
     qwen3-30b-a3b 14.40 + 10.18 vs 17.00 + 10.76, deepseek-v3 107.9 + 61.3 vs 117.7 + 61.3,
     minimax-m2 39.6 + 21.6 vs 37.4 + 21.6; end to end at batch 1 372.8 vs 351.7 tok/s, 308.6
     vs 303.7 (8 layers) and 850.1 vs 862.4 (8 layers).)

@@ -2,7 +2,7 @@
 more answer lengths (a fresh engine per length), e.g. the n-gram baseline an EAGLE-3 head
 should beat on the same prompts:
 
-  python3 scripts/spec_eval.py --model smollm2 --range 141-160 --max-tokens 128,1024 \
+  python3 benchmarks/draft_acceptance.py --model smollm2 --range 141-160 --max-tokens 128,1024 \
       --speculative-config '{"method": "ngram", "num_speculative_tokens": 3}'
 
 Prints one JSON line per length (the engine's spec_* counters and the answer lengths)."""

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The TMA GEMV (kernels/gemv/gemv_tma.py) against the FMA GEMV (kernels/gemv/gemv.py) on decode shapes.
 
-    python3 scripts/bench_gemv_tma.py [--spin-us 5] [--units 48]
+    python3 benchmarks/gemv_tma.py [--spin-us 5] [--units 48]
 
 Checks the TMA GEMV against torch (1-2 rows, bias, a small shared-memory budget so its ring
 turns), then per shape (bf16; weight sets cycled so nothing stays in the L2) times, as CUDA-graph

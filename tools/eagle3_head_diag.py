@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What an EAGLE-3 head's first draft position knows, on held-out greedy answers (CPU).
 
-    python3 scripts/head_diag.py HEAD_DIR [--model smollm2] [--train 81-100] [--eval 141-150] [--max-tokens 128]
+    python3 tools/eagle3_head_diag.py HEAD_DIR [--model smollm2] [--train 81-100] [--eval 141-150] [--max-tokens 128]
 
 For each position of the target's greedy answers to the --eval prompts, whether the head's
 step-0 draft equals the target's next token (what greedy verification accepts at position 1),

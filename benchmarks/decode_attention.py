@@ -2,7 +2,7 @@
 """Decode attention micro-benchmark (H200): the fused decode kernel per layer, alone and
 followed by the o_proj GEMV, through CUDA graph replays of a whole model's layers.
 
-    python3 scripts/bench_attn.py [--layers 32] [--contexts 384,2048] [--reps 50]
+    python3 benchmarks/decode_attention.py [--layers 32] [--contexts 384,2048] [--reps 50]
 
 Each case captures, per layer, a fused decode attention launch (q/k norm + rotary + cache
 write + split-K attention) over that layer's own paged cache, optionally followed by the

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """MoE kernel benchmark: router GEMM, expert selection and fused experts, Triton vs torch.
 
-    python3 scripts/bench_moe.py [--ts 1,4,16] [--moe-ts 1,16,256] [--budget-s 120]
-    python3 scripts/bench_moe.py --smoke     # CPU: tiny shapes under TRITON_INTERPRET=1, no timing
+    python3 benchmarks/moe_kernels.py [--ts 1,4,16] [--moe-ts 1,16,256] [--budget-s 120]
+    python3 benchmarks/moe_kernels.py --smoke     # CPU: tiny shapes under TRITON_INTERPRET=1, no timing
 
 Models: Qwen3-30B-A3B (H 2048, E 128, softmax top-8 renormalised, I 768), DeepSeek-V3
 (H 7168, E 256, sigmoid + bias, 8 groups / 4 kept, top-8, scaling 2.5), MiniMax-M2
@@ -67,7 +67,7 @@ class Bench:
         self.args, self.torch = args, torch
         self.t0 = time.time()
         self.results = []
-        gemv = _load("_bench_gemv", os.path.join(ROOT, "scripts", "bench_gemv.py"))
+        gemv = _load("_bench_gemv", os.path.join(ROOT, "benchmarks", "gemv_sweep.py"))
         self.time_graph, self.time_events = gemv.time_graph, gemv.time_events
 
     @property

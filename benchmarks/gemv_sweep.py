@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Decode GEMV benchmark: blitzllm's Triton gemv (heuristic + a config sweep) vs cuBLAS.
 
-    python3 scripts/bench_gemv.py [--quick] [--ms 1,4,16] [--budget-s 210]
-    python3 scripts/bench_gemv.py --smoke      # CPU: one tiny shape under TRITON_INTERPRET=1
+    python3 benchmarks/gemv_sweep.py [--quick] [--ms 1,4,16] [--budget-s 210]
+    python3 benchmarks/gemv_sweep.py --smoke      # CPU: one tiny shape under TRITON_INTERPRET=1
 
 For every (N, K) layer shape of llama-3.1-8b and qwen3-0.6b and every M: checks each gemv
 variant against torch.nn.functional.linear (bf16; max abs error / max |ref|), then times it

@@ -5,7 +5,7 @@ it repeated three times, and prompt + answer + a copy of a span; one capture for
 engine's own, as train-draft runs it) and the target's argmax at every position of the second
 and third repeats and of the copy: the fraction that is the copied token.
 
-    python3 scripts/loop_copy_check.py [--model smollm2] [--range 81-88]
+    python3 tools/loop_copy_check.py [--model smollm2] [--range 81-88]
 """
 import argparse
 import os

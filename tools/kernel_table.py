@@ -3,7 +3,7 @@ where a decode step goes, kernel by kernel. `time`: in-graph durations (with PDL
 include each kernel's wait on the one before); `exposed`: what each kernel adds to the step
 past the end of the one before it (`kernel_exposed_us`, the critical-path share). Then two
 layers from the middle of the first profiled step: each kernel's start and end (us) and what
-it adds. Usage: python3 scripts/kernel_table.py A.json [B.json ...]"""
+it adds. Usage: python3 tools/kernel_table.py A.json [B.json ...]"""
 import json
 import sys
 

@@ -1,15 +1,15 @@
 #!/usr/bin/env python3
 """MLA decode benchmark: blitzllm's Triton kernel at DeepSeek-V3 shapes vs the HBM floor.
 
-    python3 scripts/bench_mla.py [--batches 1,8,32] [--ctxs 1024,4096,16384] [--budget-s 60]
-    python3 scripts/bench_mla.py --smoke     # CPU: tiny shapes under TRITON_INTERPRET=1
+    python3 benchmarks/mla_decode.py [--batches 1,8,32] [--ctxs 1024,4096,16384] [--budget-s 60]
+    python3 benchmarks/mla_decode.py --smoke     # CPU: tiny shapes under TRITON_INTERPRET=1
 
 Shapes: H = 128 heads (and H = 16, 8-way tensor parallel, at the longest context),
 R = 512, P = 64, bf16 latent cache in pages of 16, every sequence at the full context,
 shuffled block tables. First a large device copy measures the bandwidth (2 x bytes /
 time). Per shape, the heuristic config and a few alternatives (until --budget-s has
 passed) are checked against reference_mla_decode (max abs error / max |ref|) and timed
-by replaying a CUDA graph of back-to-back calls (bench_gemv's), each on its own copy
+by replaying a CUDA graph of back-to-back calls (gemv_sweep.py's), each on its own copy
 of the cache (>= 256 MB in all, so reads come from HBM, not the 50 MB L2). "frac" =
 time to read the latent cache bytes (B * ctx * 576 * 2) at the measured bandwidth /
 kernel time.
@@ -29,7 +29,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 R, P, BS = 512, 64, 16
 MIN_BYTES = 256e6  # cache bytes cycled through per timed graph: 5x the H200's L2
@@ -60,7 +60,7 @@ def make_inputs(torch, b, h, ctx, dtype, dev, copies, r=R, p=P, bs=BS):
 def bench_shape(env, h, b, ctx):
     """Check and time the heuristic and (within the budget) the variants at one shape."""
     import torch
-    from bench_gemv import time_graph  # graph of back-to-back calls, one input copy each
+    from gemv_sweep import time_graph  # graph of back-to-back calls, one input copy each
 
     from blitzllm.kernels._common import device_sms
     from blitzllm.kernels.attention.mla_decode import mla_config, mla_decode_triton, reference_mla_decode

@@ -3,13 +3,13 @@
 the fused weighted combine), each over a grid of tiles, beside the dense GEMV streaming the
 same bytes.
 
-    python3 scripts/bench_moe_decode.py [--models qwen3-30b-a3b,...] [--t 1] [--budget-s 240]
-    python3 scripts/bench_moe_decode.py --smoke     # CPU: tiny shapes under TRITON_INTERPRET=1
+    python3 benchmarks/moe_decode_tiles.py [--models qwen3-30b-a3b,...] [--t 1] [--budget-s 240]
+    python3 benchmarks/moe_decode_tiles.py --smoke     # CPU: tiny shapes under TRITON_INTERPRET=1
 
 Per model (expert sizes of Qwen3-30B-A3B, DeepSeek-V3, MiniMax-M2; bf16): T tokens with 8
 different routings cycled through the captured calls (each call reads its experts from HBM),
 every variant checked against the torch reference of that launch first. Timings are CUDA-graph
-replays (scripts/bench_gemv.py's ``time_graph``); GB/s counts the chosen experts' weights of
+replays (benchmarks/gemv_sweep.py's ``time_graph``); GB/s counts the chosen experts' weights of
 the launch. "dense" rows: ``gemv_glu_triton`` / ``gemv_triton`` over one matrix as large as
 the launch's weights (T=1: 8 x [2I, H] and 8 x [H, I]), the heuristic tiles: what the GEMV
 streams at that size. Prints a table per launch (heuristic, best five) and writes
@@ -62,7 +62,7 @@ def run(args):
     from blitzllm.kernels._common import device_sms
     from blitzllm.kernels.gemv.gemv import gemv_glu_triton, gemv_triton
     from blitzllm.kernels.moe.router import reference_select_experts
-    gemv_bench = _load("_bench_gemv", os.path.join(ROOT, "scripts", "bench_gemv.py"))
+    gemv_bench = _load("_bench_gemv", os.path.join(ROOT, "benchmarks", "gemv_sweep.py"))
     dev = "cpu" if args.smoke else "cuda"
     dt = torch.bfloat16
     t0 = time.time()

@@ -2,7 +2,7 @@
 (llama_tp{N}_b{B}[_nccl].json, q30b_tp{N}_b{B}.json) from one or more folders and prints
 tok/s, TPOT and the ratios: TP=N against TP=1 (batch 1) and the fused all-reduce + RMSNorm
 against NCCL + a separate norm (same TP size and batch).
-Usage: python3 scripts/tp_table.py DIR [DIR...]"""
+Usage: python3 benchmarks/tp_table.py DIR [DIR...]"""
 import glob
 import json
 import os

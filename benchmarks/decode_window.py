@@ -1,4 +1,4 @@
-"""Pieces shared by the decode-layer microbenchmarks (scripts/bench_l2.py, scripts/bench_preload.py):
+"""Pieces shared by the decode-layer microbenchmarks (benchmarks/gemv_tma.py):
 a one-program kernel that keeps busy for a number of clock cycles (a latency-bound kernel such as
 the decode attention; ``EARLY`` lets its PDL dependents launch as it starts), a plain read of a
 large buffer (the experts' weight stream; ``EF``: evict_first loads), and the timer of a CUDA graph
