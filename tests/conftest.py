@@ -27,6 +27,35 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+# ---- skip report: every skipped test (and module) with its reason and whether it is gpu-marked,
+# written as JSON to $CI_SKIP_REPORT for .ci/run, which fails on any skip but the gpu ones
+_SKIPPED: list = []
+
+
+def _skip_reason(report) -> str:
+    lr = report.longrepr
+    reason = lr[2] if isinstance(lr, tuple) and len(lr) == 3 else str(lr)
+    return reason[len("Skipped: "):] if reason.startswith("Skipped: ") else reason
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and not hasattr(report, "wasxfail"):
+        _SKIPPED.append({"nodeid": report.nodeid, "reason": _skip_reason(report), "gpu": "gpu" in report.keywords})
+
+
+def pytest_collectreport(report):
+    if report.skipped:  # a whole module skipped at import (importorskip): never a gpu mark's skip
+        _SKIPPED.append({"nodeid": report.nodeid, "reason": _skip_reason(report), "gpu": False})
+
+
+def pytest_sessionfinish(session, exitstatus):
+    path = os.environ.get("CI_SKIP_REPORT")
+    if path:
+        import json
+        with open(path, "w") as f:
+            json.dump(_SKIPPED, f, indent=0)
+
+
 def make_tiny_checkpoint(arch: str, path, seed: int = 0, **overrides):
     import transformers
     torch.manual_seed(seed)
