@@ -4,11 +4,12 @@
 # file (the device tool returns at most 8). A run starts only while DEADLINE (seconds, default 560)
 # leaves room for it, so one call never overruns its limit.
 # Usage on the GPU machine, from the repo root: bash benchmarks/gpu_remeasure.sh PART...
-#   variants  qwen3-30b-a3b batch 1 with each unmeasured decode variant against the default (twice),
-#             deepseek-v3 (8 layers) with the fused MLA prep, llama-3.1-8b with the o_proj merge / TMA norm
-#   tests     the whole GPU test suite (pytest -m gpu), summary in $OUT/runs/gpu_tests.log
-#   table     the README's GPU table: llama-3.1-8b (--compare hf) and qwen3-0.6b batch 1 (256 tokens),
-#             qwen3-30b-a3b batch 1 and 32, minimax-m2 / deepseek-v3 (8 layers) batch 1, 10k-token TTFT
+#   variants  qwen3-30b-a3b batch 1 with each decode variant that was unmeasured until 2026-12-05 against
+#             the default (run on a checkout of ac88e42, which has them all; docs/perf-history.md)
+#   tests     the whole GPU test suite (pytest -m gpu), log in $OUT/runs/gpu_tests.log
+#   table     the README's GPU table: qwen3-30b-a3b batch 1 and 32, llama-3.1-8b and qwen3-0.6b batch 1
+#             (256 tokens), minimax-m2 / deepseek-v3 (8 layers) batch 1, 10k-token TTFT, then
+#             llama-3.1-8b batch 1 with --compare hf (transformers on the same weights)
 #   fp8       --weight-dtype fp8 against bf16 at batch 1 on the MoE presets and qwen3-0.6b
 #   mtp       MTP on deepseek-v3 (8 layers), k 1 and 3, synthetic acceptance 0.9, against no speculation
 #   serve     blitz serve + blitz bench serve at concurrency 256 (1,000 in / 1,000 out, llama-3.1-8b)
@@ -45,19 +46,19 @@ for part in "$@"; do case $part in
     run 100 llama_def $L
     BLITZ_ATTN_OPROJ=1 run 90 llama_oproj $L
     BLITZ_GEMV_TMA_NORM=1 run 90 llama_tmanorm $L ;;
-  tests)
-    left=$((DEADLINE - SECONDS - 10))
-    timeout $left python3 -m pytest -q -m gpu tests/kernels tests/test_gpu_e2e.py -p no:cacheprovider \
-      --timeout 240 2>&1 | tail -30 > "$R/gpu_tests.log" || pytest_failed $?
-    tail -12 "$R/gpu_tests.log" ;;
+  tests)  # TESTS_S (default 260) seconds at most; the summary and the failures' lines kept
+    timeout ${TESTS_S:-260} python3 -m pytest -q -m gpu tests/kernels tests/test_gpu_e2e.py -p no:cacheprovider \
+      --timeout 120 -rf > "$R/gpu_tests.log" 2>&1 || pytest_failed $?
+    grep -E "passed|failed|^FAILED|^E  " "$R/gpu_tests.log" | tail -25 ;;
   table)
-    run 240 llama_b1_hf --model preset:llama-3.1-8b $D1 --compare hf
+    run 150 q30b_b1 --model preset:qwen3-30b-a3b $M1
+    run 100 llama_b1 --model preset:llama-3.1-8b $D1
     run 80 qwen06_b1 --model preset:qwen3-0.6b $D1
-    run 120 q30b_b1 --model preset:qwen3-30b-a3b $M1
     run 150 q30b_b32 --model preset:qwen3-30b-a3b --batch-size 32 --input-len 128 --output-len 128 --max-num-seqs 32
     run 100 mm2_b1 --model preset:minimax-m2 --num-layers 8 $M1
     run 100 dsv3_b1 --model preset:deepseek-v3 --num-layers 8 $M1
-    run 90 llama_ttft10k --model preset:llama-3.1-8b --batch-size 1 --input-len 10000 --output-len 4 --max-num-seqs 1 --enforce-eager ;;
+    run 90 llama_ttft10k --model preset:llama-3.1-8b --batch-size 1 --input-len 10000 --output-len 4 --max-num-seqs 1 --enforce-eager
+    run 240 llama_b1_hf --model preset:llama-3.1-8b $D1 --compare hf ;;
   fp8)
     run 120 q30b_fp8 --model preset:qwen3-30b-a3b $M1 --weight-dtype fp8
     run 100 mm2_fp8 --model preset:minimax-m2 --num-layers 8 $M1 --weight-dtype fp8
