@@ -33,7 +33,8 @@ def main():
     import torch
     from blitzllm.llm import LLM
     from blitzllm.sampling_params import SamplingParams
-    from blitzllm.spec.eagle3 import Eagle3Head, HiddenCapture
+    from blitzllm.spec.eagle3 import Eagle3Head
+    from blitzllm.spec.hidden import HiddenCapture
     from blitzllm.spec.train_draft import capture_features, load_prompts, parse_range, prompt_ids
     torch.manual_seed(0)
     llm = LLM(a.model, enable_prefix_caching=False)

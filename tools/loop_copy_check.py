@@ -16,7 +16,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from blitzllm.llm import LLM  # noqa: E402
 from blitzllm.sampling_params import SamplingParams  # noqa: E402
-from blitzllm.spec.eagle3 import HiddenCapture, _target_embed_lm_head, default_layer_ids  # noqa: E402
+from blitzllm.spec.eagle3 import _target_embed_lm_head, default_layer_ids  # noqa: E402
+from blitzllm.spec.hidden import HiddenCapture  # noqa: E402
 from blitzllm.spec.train_draft import capture_features, load_prompts, parse_range, prompt_ids  # noqa: E402
 
 ap = argparse.ArgumentParser()

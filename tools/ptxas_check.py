@@ -101,7 +101,7 @@ def moe_direct():
     e, h, inter, k = 128, 2048, 768, 8
     up, _ = fm.moe_config(1, k, e, h, inter, bf, 132)
     x, act = torch.zeros(1, h, dtype=bf), torch.zeros(k, inter, dtype=bf)
-    w13, w2 = torch.zeros(e, 2 * inter, h, dtype=bf), torch.zeros(e, h, inter, dtype=bf)
+    w13 = torch.zeros(e, 2 * inter, h, dtype=bf)
     ids = torch.zeros(k, dtype=torch.int32)
     kern = fm._moe_gemm_kernel.warmup(
         x, w13, act, ids, ids, ids, inter, h, k, k, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .eagle3 import HiddenCapture, HiddenStateProposer
+from .hidden import HiddenCapture, HiddenStateProposer
 
 
 class MTPDraft:

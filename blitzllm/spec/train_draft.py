@@ -23,7 +23,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .eagle3 import Eagle3Head, HiddenCapture, copy_candidates
+from .eagle3 import Eagle3Head, copy_candidates
+from .hidden import HiddenCapture
 
 STEP_DECAY = 0.8   # default loss weight of draft step j: STEP_DECAY ** j (--step-decay)
 

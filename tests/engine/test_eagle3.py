@@ -9,7 +9,8 @@ import torch
 from blitzllm import LLM
 from blitzllm.cli import main
 from blitzllm.cli.train_draft import evaluate_head
-from blitzllm.spec.eagle3 import Eagle3Config, Eagle3Head, HiddenCapture, default_layer_ids
+from blitzllm.spec.eagle3 import Eagle3Config, Eagle3Head, default_layer_ids
+from blitzllm.spec.hidden import HiddenCapture
 from blitzllm.spec.train_draft import (Sample, capture_features, load_prompts, make_optimizer, parse_range,
                                        sample_loss, train_on)
 

@@ -106,7 +106,7 @@ def test_fp32_moe_sums_round_like_the_rounded_sum(tmp_path, arch, monkeypatch):
     layer features (hooks see the rounded output) with the fp32 sums as with them switched off,
     and fp32 sums did reach the norms."""
     from blitzllm.kernels.moe import router as moe_ops
-    from blitzllm.spec.eagle3 import HiddenCapture
+    from blitzllm.spec.hidden import HiddenCapture
     make_moe_checkpoint(arch, tmp_path, seed=11)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 320, (k,), generator=g).tolist() for k in (1, 6, 19)]
