@@ -2,6 +2,9 @@
 # One device call: GPU tests, then the latency benchmarks of issue 4 (table printed last).
 # Usage on the GPU machine, from the repo root: bash scripts/gpu_run.sh [quick]
 set -u
+set -o pipefail  # a pytest piped into tail / tee keeps its exit status
+TESTS_RC=0  # the last failing pytest run's status: the script exits with it
+pytest_failed() { TESTS_RC=$1; echo "== pytest failed: rc=$1"; }
 . scripts/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 MODE=${1:-full}
@@ -12,7 +15,7 @@ if [ "$MODE" = "final" ]; then
   exit 0
 fi
 if [ "$MODE" != "bench" ]; then
-  timeout 170 python3 -m pytest -q -m gpu tests/kernels tests/test_gpu_e2e.py -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/gpu_tests.log"
+  timeout 170 python3 -m pytest -q -m gpu tests/kernels tests/test_gpu_e2e.py -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/gpu_tests.log" || pytest_failed $?
 fi
 run() { t=$1; name=$2; shift 2; echo "== $name: $*"; timeout $t $B "$@" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1; echo "rc=$?"; grep -v "^\[" "$OUT/$name.log" | tail -3; }
 run 70 qwen06_b1 --model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8
@@ -37,3 +40,5 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
         cells.append(("-" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))).rjust(15))
     print(os.path.basename(f)[:-5].ljust(16), *cells)
 PY
+[ "$TESTS_RC" -eq 0 ] || echo "== a pytest run failed (rc=$TESTS_RC)"
+exit "$TESTS_RC"

@@ -2,6 +2,9 @@
 # One device call for the decode fast path: GPU tests, the GEMV sweep, and latency A/B
 # (Triton GEMV vs cuBLAS via BLITZ_GEMV). Usage: bash scripts/gpu_session.sh [tests|gemv|lat|serve]...
 set -u
+set -o pipefail  # a pytest piped into tail / tee keeps its exit status
+TESTS_RC=0  # the last failing pytest run's status: the script exits with it
+pytest_failed() { TESTS_RC=$1; echo "== pytest failed: rc=$1"; }
 . scripts/gpu_env.sh
 # QUIET=1: one line per run (the table at the end has the figures), so a long call's output fits
 run() { t=$1; name=$2; shift 2; [ -n "${QUIET:-}" ] || echo "== $name: $*"; s0=$SECONDS
@@ -10,8 +13,8 @@ run() { t=$1; name=$2; shift 2; [ -n "${QUIET:-}" ] || echo "== $name: $*"; s0=$
   echo "rc=$rc wall=$((SECONDS-s0))s"
   grep -v "^\[" "$OUT/$name.log" | grep -E "tokens_per_s |ms_per|roofline|kernels_per_layer|ttft|speedup|busy|gpu_" ; }
 for part in "$@"; do case $part in
-  tests) timeout 330 python3 -m pytest -q -m gpu tests/kernels tests/test_gpu_e2e.py -p no:cacheprovider -x 2>&1 | tail -15 | tee "$OUT/gpu_tests.log" ;;
-  gemv) timeout 200 python3 scripts/bench_gemv.py --budget-s 150 2>&1 | tail -40 ;;
+  tests) timeout 330 python3 -m pytest -q -m gpu tests/kernels tests/test_gpu_e2e.py -p no:cacheprovider -x 2>&1 | tail -15 | tee "$OUT/gpu_tests.log" || pytest_failed $? ;;
+  gemv) timeout 200 python3 benchmarks/gemv_sweep.py --budget-s 150 2>&1 | tail -40 ;;
   lat1) run 80 qwen06_b1 --model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8
        run 90 llama_b1 --model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 ;;
   lat) run 80 qwen06_b1 --model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8
@@ -26,8 +29,8 @@ for part in "$@"; do case $part in
        L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        run 80 qwen_norm1 $Q; BLITZ_GEMV_NORM=0 run 80 qwen_norm0 $Q
        run 90 llama_norm1 $L; BLITZ_GEMV_NORM=0 run 90 llama_norm0 $L ;;
-  moek) timeout 200 python3 scripts/bench_moe.py --budget-s 100 2>&1 | tail -30
-        timeout 120 python3 scripts/bench_mla.py 2>&1 | tail -16 ;;
+  moek) timeout 200 python3 benchmarks/moe_kernels.py --budget-s 100 2>&1 | tail -30
+        timeout 120 python3 benchmarks/mla_decode.py 2>&1 | tail -16 ;;
   moelat) run 150 q30b_b1 --model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8
        run 150 q30b_b32 --model preset:qwen3-30b-a3b --batch-size 32 --input-len 128 --output-len 128 --max-num-seqs 32
        run 150 dsv3_l8_b1 --model preset:deepseek-v3 --num-layers 8 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8
@@ -42,7 +45,7 @@ for part in "$@"; do case $part in
        run 150 dsv3_l8_b1 --model preset:deepseek-v3 --num-layers 8 $M
        BLITZ_MLA_FUSED=1 BLITZ_MOE_DIRECT=1 run 150 dsv3_l8_b1_fused --model preset:deepseek-v3 --num-layers 8 $M ;;
   quick) timeout 240 python3 -m pytest -q tests/test_gpu_e2e.py tests/kernels/test_kernel_greedy.py \
-           -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/gpu_quick.log" ;;
+           -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/gpu_quick.log" || pytest_failed $? ;;
   qwen) run 80 qwen_b1 --model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 ;;
   stash) cp .xa/part /tmp/xa_part && ls -la /tmp/xa_part ;;
   ab3) Q="--model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
@@ -62,7 +65,7 @@ for part in "$@"; do case $part in
        BLITZ_GEMV_CONFIG='{"BLOCK_N": 32, "num_warps": 8}' run 100 llama_gemv_n32w8 $L ;;
   chain) Q="--model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        timeout 300 python3 -m pytest -q tests/kernels/test_kernel_gemv.py tests/test_gpu_e2e.py tests/kernels/test_kernel_greedy.py \
-         -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/gpu_chain_tests.log"
+         -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/gpu_chain_tests.log" || pytest_failed $?
        BLITZ_NORM_CHAIN=1 run 80 qwen_chain $Q; BLITZ_NORM_CHAIN=0 run 80 qwen_nochain $Q ;;
   ab5) Q="--model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
@@ -78,24 +81,24 @@ for part in "$@"; do case $part in
   ab7) L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        run 100 llama_base $L; BLITZ_GEMV_MAX_WEIGHTS=$((64<<20)) run 100 llama_down_gemv $L ;;
   tma) # issue 5: o_proj / qkv as the TMA GEMV (weights streamed before the PDL wait, behind the attention / RMSNorm)
-       timeout 200 python3 -m pytest -q -x --tb=short -m gpu tests/kernels/test_kernel_gemv_tma.py -p no:cacheprovider 2>&1 | tail -3
-       timeout 200 python3 scripts/bench_gemv_tma.py 2>&1 | tail -12
+       timeout 200 python3 -m pytest -q -x --tb=short -m gpu tests/kernels/test_kernel_gemv_tma.py -p no:cacheprovider 2>&1 | tail -3 || pytest_failed $?
+       timeout 200 python3 benchmarks/gemv_tma.py 2>&1 | tail -12
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
        Q="--model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        run 150 q30b_tma $M; BLITZ_GEMV_TMA=0 run 150 q30b_tma0 $M; BLITZ_GEMV_TMA=nodeps run 150 q30b_nodeps $M
        run 80 qwen06_tma $Q; BLITZ_GEMV_TMA=0 run 80 qwen06_tma0 $Q
        run 100 llama_tma $L; BLITZ_GEMV_TMA=0 run 100 llama_tma0 $L
-       python3 scripts/kernel_table.py "$OUT/q30b_tma.json" "$OUT/q30b_tma0.json" 2>&1 | tail -30 ;;
+       python3 tools/kernel_table.py "$OUT/q30b_tma.json" "$OUT/q30b_tma0.json" 2>&1 | tail -30 ;;
   tmaq) # the tma part's qwen3-30b-a3b runs only (kernel test, microbenchmark, batch 1 with and without)
-       timeout 200 python3 -m pytest -q -x --tb=short -m gpu tests/kernels/test_kernel_gemv_tma.py -p no:cacheprovider 2>&1 | tail -3
-       timeout 200 python3 scripts/bench_gemv_tma.py 2>&1 | tail -12
+       timeout 200 python3 -m pytest -q -x --tb=short -m gpu tests/kernels/test_kernel_gemv_tma.py -p no:cacheprovider 2>&1 | tail -3 || pytest_failed $?
+       timeout 200 python3 benchmarks/gemv_tma.py 2>&1 | tail -12
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
        run 150 q30b_tma $M; BLITZ_GEMV_TMA=0 run 150 q30b_tma0 $M
-       python3 scripts/kernel_table.py "$OUT/q30b_tma.json" "$OUT/q30b_tma0.json" 2>&1 | tail -30 ;;
+       python3 tools/kernel_table.py "$OUT/q30b_tma.json" "$OUT/q30b_tma0.json" 2>&1 | tail -30 ;;
   tmaab) # the TMA GEMV's GPU tests, then batch 1 with and without it on the dense presets and qwen3-30b-a3b
        timeout 300 python3 -m pytest -q --tb=short -m gpu tests/kernels/test_kernel_gemv_tma.py tests/test_gpu_e2e.py \
-         -p no:cacheprovider -k "tma or bf16" 2>&1 | tail -3
+         -p no:cacheprovider -k "tma or bf16" 2>&1 | tail -3 || pytest_failed $?
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
        Q="--model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
@@ -107,27 +110,27 @@ for part in "$@"; do case $part in
        run 150 q30b_b1 $M; BLITZ_GEMV_TMA=lm_head run 150 q30b_b1_lmh $M; BLITZ_GEMV_TMA=0 run 150 q30b_b1_tma0 $M
        BLITZ_PDL=0 run 150 q30b_b1_nopdl $M
        run 200 q30b_b32 --model preset:qwen3-30b-a3b --batch-size 32 --input-len 128 --output-len 128 --max-num-seqs 32
-       python3 scripts/kernel_table.py "$OUT/q30b_b1.json" "$OUT/q30b_b1_nopdl.json" 2>&1 | tail -24 ;;
+       python3 tools/kernel_table.py "$OUT/q30b_b1.json" "$OUT/q30b_b1_nopdl.json" 2>&1 | tail -24 ;;
   moetma) # issue 5: the one-launch TMA MoE (kernels/moe_tma.py, BLITZ_MOE_TMA=1): its GPU tests (stop if they
        # fail), the kernel alone against the direct path's two launches (with in-graph timelines), then
        # qwen3-30b-a3b batch 1 with it (its engine timeline; dependents launched early too) and without
        timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -x --tb=short -m gpu tests/kernels/test_kernel_moe_tma.py \
-         -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/moe_tma_tests.log"
+         -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/moe_tma_tests.log" || pytest_failed $?
        grep -q " passed" "$OUT/moe_tma_tests.log" && ! grep -q "failed\|error" "$OUT/moe_tma_tests.log" || exit 3
        timeout 240 python3 scripts/bench_moe_tma.py ${MOETMA_ARGS:-} 2>&1 | tail -60 > "$OUT/bench_moe_tma.log"
        grep -A9 "qwen3-30b-a3b timeline" "$OUT/bench_moe_tma.log" | head -10; tail -3 "$OUT/bench_moe_tma.log"
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
        BLITZ_MOE_TMA=1 BLITZ_MOE_TMA_TIMES=$OUT/tl_e2e.txt run 150 q30b_moetma_tl $M; cat $OUT/tl_e2e.txt
        BLITZ_MOE_TMA=1 run 150 q30b_moetma $M; BLITZ_MOE_TMA=1 BLITZ_MOE_TMA_DEPS=early run 150 q30b_moetma_early $M
-       run 150 q30b_moetma0 $M; python3 scripts/kernel_table.py $OUT/q30b_moetma.json | head -8 ;;
+       run 150 q30b_moetma0 $M; python3 tools/kernel_table.py $OUT/q30b_moetma.json | head -8 ;;
   moetmae2e) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q --tb=line -m gpu tests/test_gpu_e2e.py -k "tma_moe" \
-         -p no:cacheprovider 2>&1 | tail -12 | tee "$OUT/moe_tma_e2e.log" ;;
+         -p no:cacheprovider 2>&1 | tail -12 | tee "$OUT/moe_tma_e2e.log" || pytest_failed $? ;;
   attn27) # qwen3-30b-a3b batch 1: the decode attention's tiles re-checked end to end (64 keys per tile:
        # 4 splits at 256 keys, the first tile preloaded; 4 warps for its 8 query heads per KV head)
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
        run 150 a_default $M; BLITZ_ATTN_BLOCK_N=64 run 100 a_bn64 $M; BLITZ_ATTN_WARPS=4 run 100 a_w4 $M
        rm -f "$OUT"/a_*.log
-       python3 scripts/kernel_table.py "$OUT"/a_*.json | grep -v "^    " ;;
+       python3 tools/kernel_table.py "$OUT"/a_*.json | grep -v "^    " ;;
   atom28) # stop 28: the MoE down programs' atomic fp32 combine (default) against the counted combine
        # (BLITZ_MOE_ATOMIC_COMBINE=0), twice each on qwen3-30b-a3b batch 1 (a third arm, a one-round
        # ranked expert selection, measured 411.1 / 410.8 against 417.8 / 417.8 and was removed); then the
@@ -135,12 +138,12 @@ for part in "$@"; do case $part in
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
        for i in 1 2; do run 150 at_default$i $M; BLITZ_MOE_ATOMIC_COMBINE=0 run 100 at_counted$i $M; done
        rm -f "$OUT"/at_*.log
-       python3 scripts/kernel_table.py "$OUT"/at_*.json | grep -v "^    " | grep -v "_greedy\|indexSelect\|^  kernel"
+       python3 tools/kernel_table.py "$OUT"/at_*.json | grep -v "^    " | grep -v "_greedy\|indexSelect\|^  kernel"
        timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q --tb=short tests/kernels/test_kernel_moe.py \
          tests/kernels/test_kernel_rmsnorm_act.py -k "select or direct or fp32 or norm_route or fused_add or gpu" \
-         -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/atom28_tests.log"
+         -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/atom28_tests.log" || pytest_failed $?
        timeout ${E2E_TIMEOUT:-200} python3 -m pytest -q --tb=short -m gpu tests/test_gpu_e2e.py \
-         -k "atomic or norm_route" -p no:cacheprovider 2>&1 | tail -4 | tee -a "$OUT/atom28_tests.log" ;;
+         -k "atomic or norm_route" -p no:cacheprovider 2>&1 | tail -4 | tee -a "$OUT/atom28_tests.log" || pytest_failed $? ;;
   s31) # the first call when a GPU is lent again (stop 31): all four of stop 30's opt-in paths in one call, so one
        # call answers which of them to pursue: their tests (no timing if one fails), then qwen3-30b-a3b batch 1:
        # the default, BALANCE (the expected largest: 36 SMs idle in the gate/up launch now), PF, OPROJ, BALANCE + PF,
@@ -148,7 +151,7 @@ for part in "$@"; do case $part in
        timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q --tb=short tests/kernels/test_kernel_oproj_partials.py \
          tests/kernels/test_kernel_paged_attention.py tests/kernels/test_kernel_moe.py tests/kernels/test_kernel_gemv_tma.py \
          tests/test_gpu_e2e.py -k "oproj or partials or norm_route or pf_qkv or balanced or norm_form or with_the_norm" \
-         -p no:cacheprovider 2>&1 | tail -8 | tee "$OUT/s31_tests.log"
+         -p no:cacheprovider 2>&1 | tail -8 | tee "$OUT/s31_tests.log" || pytest_failed $?
        if grep -q "failed\|error" "$OUT/s31_tests.log"; then echo "s31: a test failed, no timing"; else
          M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
          run 150 q30b_def1 $M
@@ -160,13 +163,13 @@ for part in "$@"; do case $part in
          run 100 q30b_def2 $M
          BLITZ_MOE_BALANCE=1 run 100 q30b_bal2 $M
          rm -f "$OUT"/*.log
-         python3 scripts/kernel_table.py "$OUT"/q30b_def1.json "$OUT"/q30b_bal1.json "$OUT"/q30b_all1.json \
+         python3 tools/kernel_table.py "$OUT"/q30b_def1.json "$OUT"/q30b_bal1.json "$OUT"/q30b_all1.json \
            | grep -v "^    " | grep -v "_greedy\|indexSelect"
        fi ;;
   fp831) # weight_dtype='fp8' (stop 31: block-FP8 linears and experts, W8A16, kernels/fp8_weights.py): its kernel and e2e
        # tests, then batch 1 bf16 against fp8 on qwen3-30b-a3b, deepseek-v3 (8 layers), minimax-m2 (8 layers), qwen3-0.6b
        timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q --tb=short tests/kernels/test_kernel_fp8_weights.py tests/test_gpu_e2e.py \
-         -k "fp8" -p no:cacheprovider 2>&1 | tail -6 | tee "$OUT/fp831_tests.log"
+         -k "fp8" -p no:cacheprovider 2>&1 | tail -6 | tee "$OUT/fp831_tests.log" || pytest_failed $?
        M="--batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
        run 150 q30b_bf16 --model preset:qwen3-30b-a3b $M
        run 150 q30b_fp8 --model preset:qwen3-30b-a3b $M --weight-dtype fp8
@@ -176,15 +179,15 @@ for part in "$@"; do case $part in
        run 100 mm2_fp8 --model preset:minimax-m2 --num-layers 8 $M --weight-dtype fp8
        run 60 q06_fp8 --model preset:qwen3-0.6b $M --weight-dtype fp8
        rm -f "$OUT"/*.log
-       python3 scripts/kernel_table.py "$OUT"/q30b_bf16.json "$OUT"/q30b_fp8.json | grep -v "^    " | grep -v "_greedy\|indexSelect" ;;
+       python3 tools/kernel_table.py "$OUT"/q30b_bf16.json "$OUT"/q30b_fp8.json | grep -v "^    " | grep -v "_greedy\|indexSelect" ;;
   so31) # structured outputs on CUDA (stop 31; add xgrammar and apache_tvm_ffi to the cp312 wheels carried in
        # .whl, which gpu_env.sh installs): the GPU test
        timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q --tb=short tests/test_gpu_e2e.py -k "structured" \
-         -p no:cacheprovider 2>&1 | tail -4 ;;
+         -p no:cacheprovider 2>&1 | tail -4 || pytest_failed $? ;;
   mtp31) # MTP speculation (stop 31, spec/mtp.py; its target runs eager): the GPU test, then preset:deepseek-v3 with
        # 8 layers at batch 1, k 1 and 3 at a synthetic acceptance of 0.9, each against no speculation in the same run
        timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q --tb=short tests/test_gpu_e2e.py -k "mtp" -p no:cacheprovider \
-         2>&1 | tail -4 | tee "$OUT/mtp31_tests.log"
+         2>&1 | tail -4 | tee "$OUT/mtp31_tests.log" || pytest_failed $?
        D="--model preset:deepseek-v3 --num-layers 8 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8 --compare nospec"
        run 200 dsv3_mtp1 $D --speculative-config '{"method": "mtp", "num_speculative_tokens": 1, "synthetic_acceptance_rate": 0.9}'
        run 200 dsv3_mtp3 $D --speculative-config '{"method": "mtp", "num_speculative_tokens": 3, "synthetic_acceptance_rate": 0.9}'
@@ -196,7 +199,7 @@ for part in "$@"; do case $part in
        # combination twice) and the per-layer kernel tables
        timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q --tb=short tests/kernels/test_kernel_oproj_partials.py \
          tests/kernels/test_kernel_paged_attention.py tests/kernels/test_kernel_moe.py tests/test_gpu_e2e.py \
-         -k "oproj or partials or norm_route or pf_qkv" -p no:cacheprovider 2>&1 | tail -8 | tee "$OUT/s30_tests.log"
+         -k "oproj or partials or norm_route or pf_qkv" -p no:cacheprovider 2>&1 | tail -8 | tee "$OUT/s30_tests.log" || pytest_failed $?
        if grep -q "failed\|error" "$OUT/s30_tests.log"; then echo "s30: a test failed, no timing"; else
          M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
          run 150 q30b_def1 $M
@@ -208,14 +211,14 @@ for part in "$@"; do case $part in
          run 100 q30b_def2 $M
          BLITZ_ATTN_OPROJ=1 BLITZ_MOE_PF_QKV=1 run 100 q30b_both2 $M
          rm -f "$OUT"/*.log
-         python3 scripts/kernel_table.py "$OUT"/q30b_def1.json "$OUT"/q30b_op1.json "$OUT"/q30b_pf1.json \
+         python3 tools/kernel_table.py "$OUT"/q30b_def1.json "$OUT"/q30b_op1.json "$OUT"/q30b_pf1.json \
            | grep -v "^    " | grep -v "_greedy\|indexSelect"
        fi ;;
   s30b) # the second call for stop 30's paths: the prefetch unmarked (=normal) and in one range per program, the head-split o_proj with
        # 16-key attention tiles, the input RMSNorm inside the qkv TMA GEMV (BLITZ_GEMV_TMA_NORM=1) alone and
        # with the other two, and batch 32 with the switches OP / PF (BLITZ_ATTN_OPROJ / BLITZ_MOE_PF_QKV) as set
        timeout ${TEST_TIMEOUT:-180} python3 -m pytest -q --tb=short tests/kernels/test_kernel_gemv_tma.py tests/test_gpu_e2e.py \
-         -k "norm_form or with_the_norm" -p no:cacheprovider 2>&1 | tail -6 | tee "$OUT/s30b_tests.log"
+         -k "norm_form or with_the_norm" -p no:cacheprovider 2>&1 | tail -6 | tee "$OUT/s30b_tests.log" || pytest_failed $?
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
        run 150 q30b_def3 $M
        BLITZ_MOE_PF_QKV=normal run 100 q30b_pfn $M
@@ -231,7 +234,7 @@ for part in "$@"; do case $part in
        # at one token: 128 programs of 48 rows instead of 96 of 64): its tests, then batch 1 against the
        # default (twice each, alternating) and with every stop-30 switch on
        timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q --tb=short tests/kernels/test_kernel_moe.py tests/test_gpu_e2e.py \
-         -k "balanced or fused_moe_direct" -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/bal30_tests.log"
+         -k "balanced or fused_moe_direct" -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/bal30_tests.log" || pytest_failed $?
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
        run 150 q30b_def4 $M
        BLITZ_MOE_BALANCE=1 run 100 q30b_bal1 $M
@@ -242,7 +245,7 @@ for part in "$@"; do case $part in
        run 100 mm2_def $X
        BLITZ_MOE_BALANCE=1 run 100 mm2_bal $X  # (96-row programs in 128-wide tiles)
        rm -f "$OUT"/*.log
-       python3 scripts/kernel_table.py "$OUT"/q30b_def4.json "$OUT"/q30b_bal1.json | grep -v "^    " | grep -v "_greedy\|indexSelect" ;;
+       python3 tools/kernel_table.py "$OUT"/q30b_def4.json "$OUT"/q30b_bal1.json | grep -v "^    " | grep -v "_greedy\|indexSelect" ;;
   pfw30) # with qkv's weights in the L2 (BLITZ_MOE_PF_QKV) its post-wait compute is what remains (3.3 us per
        # layer at stop 25's count): 16-row tiles on 16 warps, and the products on the tensor cores (ab29's form)
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
@@ -277,15 +280,15 @@ for part in "$@"; do case $part in
        BLITZ_GEMV_TMA_MMA=1 BLITZ_GEMV_TMA_TIMES="$OUT/times_mma.txt" run 100 q30b_tmma $M
        cat "$OUT"/times_*.txt
        rm -f "$OUT"/*.log
-       python3 scripts/kernel_table.py "$OUT"/q30b_mma.json "$OUT"/q30b_rank.json | grep -v "^    " | grep -v "_greedy\|indexSelect"
+       python3 tools/kernel_table.py "$OUT"/q30b_mma.json "$OUT"/q30b_rank.json | grep -v "^    " | grep -v "_greedy\|indexSelect"
        timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q --tb=line -m gpu tests/kernels/test_kernel_moe.py \
          tests/kernels/test_kernel_gemv_tma.py tests/test_gpu_e2e.py -k "select_experts or tensor_cores or matches_reference_gpu" \
-         -p no:cacheprovider 2>&1 | tail -6 | tee "$OUT/ab29_tests.log" ;;
+         -p no:cacheprovider 2>&1 | tail -6 | tee "$OUT/ab29_tests.log" || pytest_failed $? ;;
   mma29) # the TMA GEMV's products on the tensor cores (BLITZ_GEMV_TMA_MMA=1): its GPU tests, then
        # qwen3-30b-a3b batch 1 against the FMA form (twice each, alternating) and qwen3-0.6b
        timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q --tb=short -m gpu tests/kernels/test_kernel_gemv_tma.py \
          tests/test_gpu_e2e.py -k "gemv_tma or tma_gemv or matches_reference or graph" -p no:cacheprovider 2>&1 \
-         | tail -8 | tee "$OUT/mma29_tests.log"
+         | tail -8 | tee "$OUT/mma29_tests.log" || pytest_failed $?
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
        run 150 q30b_fma $M
        BLITZ_GEMV_TMA_MMA=1 run 100 q30b_mma $M
@@ -295,7 +298,7 @@ for part in "$@"; do case $part in
        run 80 q06_fma $Q
        BLITZ_GEMV_TMA_MMA=1 run 80 q06_mma $Q
        rm -f "$OUT"/*.log.x
-       python3 scripts/kernel_table.py "$OUT"/q30b_fma.json "$OUT"/q30b_mma.json | grep -v "_greedy\|indexSelect"
+       python3 tools/kernel_table.py "$OUT"/q30b_fma.json "$OUT"/q30b_mma.json | grep -v "_greedy\|indexSelect"
        for f in "$OUT"/q*.json; do python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[1].split('/')[-1], r['tokens_per_s'], r['roofline_fraction'])" "$f"; done ;;
   fin28) # stop 28 close: issue 5 acceptance 2 (batch 1 and 32), the x widening of the TMA GEMV and the down
        # launch's early dependents against the defaults, minimax-m2 (8 layers) batch 1, the whole GPU suite
@@ -307,29 +310,29 @@ for part in "$@"; do case $part in
        run 200 q30b_b32 --model preset:qwen3-30b-a3b --batch-size 32 --input-len 128 --output-len 128 --max-num-seqs 32
        run 150 mm2_l8_b1 --model preset:minimax-m2 --num-layers 8 --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8
        rm -f "$OUT"/*.log
-       python3 scripts/kernel_table.py "$OUT"/q30b_b1*.json | grep -v "^    " | grep -v "_greedy\|indexSelect\|^  kernel"
+       python3 tools/kernel_table.py "$OUT"/q30b_b1*.json | grep -v "^    " | grep -v "_greedy\|indexSelect\|^  kernel"
        timeout ${TEST_TIMEOUT:-380} python3 -m pytest -q --tb=short -m gpu tests/kernels tests/test_gpu_e2e.py \
-         -p no:cacheprovider 2>&1 | tail -12 | tee "$OUT/fin28_tests.log" ;;
+         -p no:cacheprovider 2>&1 | tail -12 | tee "$OUT/fin28_tests.log" || pytest_failed $? ;;
   fin27) # stop 27 close: issue 5 acceptance 2 (batch 1 and 32), the MoE e2e checks, then the whole GPU suite
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
        run 150 q30b_b1 $M
        run 200 q30b_b32 --model preset:qwen3-30b-a3b --batch-size 32 --input-len 128 --output-len 128 --max-num-seqs 32
        rm -f "$OUT"/q30b_*.log
-       python3 scripts/kernel_table.py "$OUT/q30b_b1.json" | grep -v "^    "
+       python3 tools/kernel_table.py "$OUT/q30b_b1.json" | grep -v "^    "
        timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q --tb=short -m gpu tests/kernels tests/test_gpu_e2e.py \
-         -p no:cacheprovider 2>&1 | tail -12 | tee "$OUT/fin27_tests.log" ;;
+         -p no:cacheprovider 2>&1 | tail -12 | tee "$OUT/fin27_tests.log" || pytest_failed $? ;;
   fin26) # stop 26 close: the GPU tests of this stop's kernels (decode attention's combine, the routing
        # helpers, the direct MoE with the selection inside), the MoE e2e tests, issue 5 acceptance 2
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
        run 150 q30b_b1 $M
        run 200 q30b_b32 --model preset:qwen3-30b-a3b --batch-size 32 --input-len 128 --output-len 128 --max-num-seqs 32
-       python3 scripts/kernel_table.py "$OUT/q30b_b1.json" | grep -v "^    "
+       python3 tools/kernel_table.py "$OUT/q30b_b1.json" | grep -v "^    "
        timeout ${TEST_TIMEOUT:-120} python3 -m pytest -q --tb=short tests/kernels/test_kernel_paged_attention.py \
          tests/kernels/test_kernel_moe.py -k "combine or decode or gpu or norm_route or select or direct" \
-         -p no:cacheprovider 2>&1 | tail -3 | tee "$OUT/fin26_tests.log"
+         -p no:cacheprovider 2>&1 | tail -3 | tee "$OUT/fin26_tests.log" || pytest_failed $?
        timeout ${E2E_TIMEOUT:-150} python3 -m pytest -q --tb=short -m gpu tests/test_gpu_e2e.py \
          -k "norm_route_decode_matches_default or (tma_moe and ROUTE)" -p no:cacheprovider 2>&1 | tail -3 \
-         | tee -a "$OUT/fin26_tests.log" ;;
+         | tee -a "$OUT/fin26_tests.log" || pytest_failed $? ;;
   nrsel) # qwen3-30b-a3b batch 1: the expert selection in the norm + router launch's last program
        # (BLITZ_MOE_NORM_ROUTE=1) with fewer programs (router rows per program), against the default
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
@@ -338,7 +341,7 @@ for part in "$@"; do case $part in
        BLITZ_MOE_NORM_ROUTE=1 BLITZ_MOE_NORM_ROUTE_BLOCK_E=4 run 100 nr1_be4 $M
        BLITZ_MOE_NORM_ROUTE=1 BLITZ_MOE_NORM_ROUTE_BLOCK_E=16 BLITZ_MOE_NORM_ROUTE_WARPS=8 run 100 nr1_be16 $M
        BLITZ_MOE_NORM_ROUTE_BLOCK_E=4 run 100 nr2_be4 $M
-       python3 scripts/kernel_table.py "$OUT"/nr*.json | grep -v "^    " ;;
+       python3 tools/kernel_table.py "$OUT"/nr*.json | grep -v "^    " ;;
   overlap) # qwen3-30b-a3b batch 1: the down launch letting the next RMSNorm (and so the qkv GEMV) launch
        # early, alone and with 3-stage down tiles (60 KB: a qkv program fits beside one), and the decode
        # attention's combine in one round (8192 values)
@@ -350,7 +353,7 @@ for part in "$@"; do case $part in
        BLITZ_ATTN_COMBINE_ELEMS=8192 run 100 ov_comb $M
        BLITZ_ATTN_COMBINE_ELEMS=8192 BLITZ_MOE_DOWN_EARLY_DEPS=1 BLITZ_MOE_DECODE_CONFIG='{"down": {"num_stages": 3}}' \
          run 100 ov_all $M
-       python3 scripts/kernel_table.py "$OUT"/ov_*.json | grep -v "^    " ;;
+       python3 tools/kernel_table.py "$OUT"/ov_*.json | grep -v "^    " ;;
   cfgsweep) # qwen3-30b-a3b batch 1 end to end with the direct MoE's tiles overridden (BLITZ_MOE_DECODE_CONFIG):
        # down and gate/up variants against the heuristic; then batch 32 (default)
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
@@ -372,46 +375,46 @@ print('%-14s %7.1f tok/s  roofline %.4f  moe exposed %6.2f us/layer' % ('$f'.spl
        # then qwen3-30b-a3b batch 1 with and without (kernel_table: each kernel's critical-path share),
        # then its e2e tests
        timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q --tb=short -m gpu tests/kernels/test_kernel_moe_tma.py \
-         -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/tdown_tests.log"
+         -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/tdown_tests.log" || pytest_failed $?
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
        run 150 q30b_b1 $M; BLITZ_MOE_TMA_DOWN=1 run 150 q30b_b1_tdown $M
-       python3 scripts/kernel_table.py "$OUT/q30b_b1.json" "$OUT/q30b_b1_tdown.json"
+       python3 tools/kernel_table.py "$OUT/q30b_b1.json" "$OUT/q30b_b1_tdown.json"
        timeout ${E2E_TIMEOUT:-200} python3 -m pytest -q --tb=short -m gpu tests/test_gpu_e2e.py \
-         -k "tma_moe and MOE_TMA_DOWN" -p no:cacheprovider 2>&1 | tail -4 | tee -a "$OUT/tdown_tests.log" ;;
+         -k "tma_moe and MOE_TMA_DOWN" -p no:cacheprovider 2>&1 | tail -4 | tee -a "$OUT/tdown_tests.log" || pytest_failed $? ;;
   expo) # qwen3-30b-a3b batch 1: each kernel's critical-path share (kernel_exposed_us) and two layers'
        # timeline, default and with the selection in the norm + router launch (BLITZ_MOE_NORM_ROUTE=1)
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
        run 150 q30b_b1 $M; BLITZ_MOE_NORM_ROUTE=1 run 150 q30b_b1_nr1 $M
-       python3 scripts/kernel_table.py "$OUT/q30b_b1.json" "$OUT/q30b_b1_nr1.json" ;;
+       python3 tools/kernel_table.py "$OUT/q30b_b1.json" "$OUT/q30b_b1_nr1.json" ;;
   fin25) # stop 25 close: the TMA MoE's GPU tests and both TMA e2e tests, then issue 5 acceptance 2 on the
        # default path (qwen3-30b-a3b batch 1 and 32) and batch 1 with BLITZ_MOE_TMA=1
        timeout 100 python3 -m pytest -q --tb=short -m gpu tests/kernels/test_kernel_moe_tma.py -p no:cacheprovider \
-         2>&1 | tail -3 | tee "$OUT/fin25_tests.log"
+         2>&1 | tail -3 | tee "$OUT/fin25_tests.log" || pytest_failed $?
        timeout 200 python3 -m pytest -q --tb=short -m gpu tests/test_gpu_e2e.py -k "tma" -p no:cacheprovider \
-         2>&1 | tail -3 | tee -a "$OUT/fin25_tests.log"
+         2>&1 | tail -3 | tee -a "$OUT/fin25_tests.log" || pytest_failed $?
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
        run 150 q30b_b1 $M; BLITZ_MOE_TMA=1 run 150 q30b_b1_moetma $M
        run 200 q30b_b32 --model preset:qwen3-30b-a3b --batch-size 32 --input-len 128 --output-len 128 --max-num-seqs 32 ;;
-  moediag) # qwen3-30b-a3b batch 1 with PDL and without (each kernel's own time): scripts/kernel_table.py on the JSONs
+  moediag) # qwen3-30b-a3b batch 1 with PDL and without (each kernel's own time): tools/kernel_table.py on the JSONs
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
        run 150 q30b_b1 $M; BLITZ_PDL=0 run 150 q30b_b1_nopdl $M
-       python3 scripts/kernel_table.py "$OUT/q30b_b1.json" "$OUT/q30b_b1_nopdl.json" ;;
+       python3 tools/kernel_table.py "$OUT/q30b_b1.json" "$OUT/q30b_b1_nopdl.json" ;;
   attrib) # per-kernel times without PDL overlap (each kernel starts after the one before ends)
        Q="--model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        BLITZ_PDL=0 run 80 qwen_nopdl $Q; BLITZ_PDL=0 run 100 llama_nopdl $L ;;
   l2ab) # L2 prefetch of the next GEMVs' weights from the fused decode attention kernel
        timeout 120 python3 -m pytest -q -x --tb=short tests/kernels/test_kernel_paged_attention.py -k "l2_prefetch or fused" \
-         -p no:cacheprovider 2>&1 | tail -4
+         -p no:cacheprovider 2>&1 | tail -4 || pytest_failed $?
        Q="--model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        run 80 qwen_base $Q; BLITZ_L2_PREFETCH=1 run 80 qwen_l2pf $Q
        run 100 llama_base $L; BLITZ_L2_PREFETCH=1 run 100 llama_l2pf $L
        BLITZ_L2_PREFETCH=1 BLITZ_L2_PREFETCH_MB=56 run 100 llama_l2pf56 $L ;;
   attntests) timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -x --tb=short tests/kernels/test_kernel_paged_attention.py \
-         tests/test_gpu_e2e.py tests/kernels/test_kernel_qk_norm_rope_cache.py -p no:cacheprovider 2>&1 | tail -3 ;;
+         tests/test_gpu_e2e.py tests/kernels/test_kernel_qk_norm_rope_cache.py -p no:cacheprovider 2>&1 | tail -3 || pytest_failed $? ;;
   fmlp) # the one-launch decode MLP (kernels/fused_mlp.py) against gate_up + down
-       timeout 120 python3 -m pytest -q -x tests/kernels/test_kernel_fused_mlp.py -p no:cacheprovider 2>&1 | tail -1
+       timeout 120 python3 -m pytest -q -x tests/kernels/test_kernel_fused_mlp.py -p no:cacheprovider 2>&1 | tail -1 || pytest_failed $?
        Q="--model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        run 80 qwen_base $Q; BLITZ_FUSED_MLP=1 run 80 qwen_fmlp $Q
@@ -422,7 +425,7 @@ print('%-14s %7.1f tok/s  roofline %.4f  moe exposed %6.2f us/layer' % ('$f'.spl
        run 80 qwen_base $Q; BLITZ_GEMV_DEPTH=2 run 80 qwen_depth2 $Q
        run 100 llama_base $L; BLITZ_GEMV_DEPTH=2 run 100 llama_depth2 $L ;;
   optab) # every opt-in decode path (L2 prefetch, one-launch MLP, GEMV depth 2) alone and together, after their e2e test
-       timeout 150 python3 -m pytest -q -x --tb=short tests/test_gpu_e2e.py -k opt_in -p no:cacheprovider 2>&1 | tail -2
+       timeout 150 python3 -m pytest -q -x --tb=short tests/test_gpu_e2e.py -k opt_in -p no:cacheprovider 2>&1 | tail -2 || pytest_failed $?
        Q="--model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        run 80 qwen_base $Q; BLITZ_L2_PREFETCH=1 run 80 qwen_l2pf $Q; BLITZ_FUSED_MLP=1 run 80 qwen_fmlp $Q
@@ -453,7 +456,7 @@ print('%-14s %7.1f tok/s  roofline %.4f  moe exposed %6.2f us/layer' % ('$f'.spl
        run 100 llama_1k $L1; BLITZ_ATTN_BLOCK_N=64 run 100 llama_1k_bn64 $L1
        run 100 llama_8k $L8; BLITZ_ATTN_BLOCK_N=64 run 100 llama_8k_bn64 $L8 ;;
   moepf) # direct MoE: the gate/up launch prefetches the chosen experts' down weights into the L2
-       timeout 150 python3 -m pytest -q -x --tb=short tests/kernels/test_kernel_moe.py -k "prefetch" -p no:cacheprovider 2>&1 | tail -1
+       timeout 150 python3 -m pytest -q -x --tb=short tests/kernels/test_kernel_moe.py -k "prefetch" -p no:cacheprovider 2>&1 | tail -1 || pytest_failed $?
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
        run 150 q30b_base $M; BLITZ_MOE_PF_DOWN=1 run 150 q30b_pfdown $M
        run 150 q30b_base2 $M; BLITZ_MOE_PF_DOWN=1 run 150 q30b_pfdown2 $M ;;
@@ -465,15 +468,15 @@ print('%-14s %7.1f tok/s  roofline %.4f  moe exposed %6.2f us/layer' % ('$f'.spl
        run 100 llama_base $L; BLITZ_GEMV_SILU_MAX_WEIGHTS=-1 run 100 llama_silu $L
        run 100 llama_base2 $L; BLITZ_GEMV_SILU_MAX_WEIGHTS=-1 run 100 llama_silu2 $L ;;
   diagpf) timeout 60 python3 scripts/diag_prefetch.py 2>&1 | tail -6 ;;
-  l2) timeout 120 python3 scripts/bench_attn.py --only-l2 2>&1 | tail -8 ;;
-  attn) timeout 300 python3 scripts/bench_attn.py 2>&1 | tail -30 | tee "$OUT/bench_attn.log" ;;
+  l2) timeout 120 python3 benchmarks/decode_attention.py --only-l2 2>&1 | tail -8 ;;
+  attn) timeout 300 python3 benchmarks/decode_attention.py 2>&1 | tail -30 | tee "$OUT/bench_attn.log" ;;
   eqk) # q/k-side loads of the fused decode kernel before (default) / after its PDL wait
        Q="--model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        run 80 qwen_eqk $Q; BLITZ_ATTN_EARLY_QK=0 run 80 qwen_late $Q; BLITZ_GEMV_NORM=1 run 80 qwen_gnorm $Q
        run 100 llama_eqk $L; BLITZ_ATTN_EARLY_QK=0 run 100 llama_late $L ;;
   gemvtests) timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -x --tb=short tests/kernels/test_kernel_greedy.py tests/kernels/test_kernel_gemv.py \
-       -p no:cacheprovider 2>&1 | grep -v "^\s*$" | tail -25 | tee "$OUT/gemv_tests.log" ;;
+       -p no:cacheprovider 2>&1 | grep -v "^\s*$" | tail -25 | tee "$OUT/gemv_tests.log" || pytest_failed $? ;;
   latcmp) run 240 llama_b1 --model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --compare hf ;;
   b64) run 100 llama_b64 --model preset:llama-3.1-8b --batch-size 64 --input-len 1000 --output-len 64 --max-num-seqs 64 ;;
   ttft) run 70 llama_ttft10k --model preset:llama-3.1-8b --batch-size 1 --input-len 10000 --output-len 4 --max-num-seqs 1 --enforce-eager ;;
@@ -481,10 +484,10 @@ print('%-14s %7.1f tok/s  roofline %.4f  moe exposed %6.2f us/layer' % ('$f'.spl
   serve) timeout 200 bash scripts/gpu_serve.sh ;;
   swap) # the swapped tensor-core GEMV form (W the wide MMA operand, pipelined) against cuBLAS and the
        # heuristic on Llama-3.1-8B's decode shapes at one row
-       timeout 240 python3 scripts/bench_gemv.py --swap-only --models llama-3.1-8b --layers qkv,o_proj,down,gate_up \
+       timeout 240 python3 benchmarks/gemv_sweep.py --swap-only --models llama-3.1-8b --layers qkv,o_proj,down,gate_up \
          --ms 1 --budget-s 200 > "$OUT/gemv_swap.log" 2>&1; tail -8 "$OUT/gemv_swap.log" ;;
   glutests) timeout 200 python3 -m pytest -q -x --tb=short -m gpu tests/kernels/test_kernel_gemv.py tests/test_gpu_e2e.py \
-         -k "glu or gpu_linear" -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/glu_tests.log" ;;
+         -k "glu or gpu_linear" -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/glu_tests.log" || pytest_failed $? ;;
   glu) # gate_up on the GEMV (Llama-3.1-8B's is past the plain GEMV's 64M-weight limit: cuBLAS by default),
        # and as the GLU GEMV (SiLU-and-mul in its epilogue, no SiLU-and-mul launch)
        L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
@@ -506,7 +509,7 @@ print('%-14s %7.1f tok/s  roofline %.4f  moe exposed %6.2f us/layer' % ('$f'.spl
        BLITZ_PDL=0 run 150 q30b_nopdl --model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8
        python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print([(k[:32], v) for k, v in r['kernel_time_us'].items()][:9])" "$OUT/q30b_nopdl.json" ;;
   gemvq30b) # the GEMV heuristic and sweep on qwen3-30b-a3b's qkv / o_proj at 1 row (2.66 TB/s end to end)
-       timeout 200 python3 scripts/bench_gemv.py --models qwen3-30b-a3b --layers qkv,o_proj --ms 1 --budget-s 150 \
+       timeout 200 python3 benchmarks/gemv_sweep.py --models qwen3-30b-a3b --layers qkv,o_proj --ms 1 --budget-s 150 \
          > "$OUT/gemv_q30b.log" 2>&1; tail -6 "$OUT/gemv_q30b.log" ;;
   moewide) # direct MoE decode tiles: the heuristic (64-wide N tiles since stop 19; before, N narrowed to
        # >= 2 programs per SM) vs n64 k128 set explicitly
@@ -517,20 +520,20 @@ print('%-14s %7.1f tok/s  roofline %.4f  moe exposed %6.2f us/layer' % ('$f'.spl
        run 150 mm2_base --model preset:minimax-m2 --num-layers 8 $M
        BLITZ_MOE_DECODE_CONFIG=$W run 150 mm2_wide --model preset:minimax-m2 --num-layers 8 $M ;;
   moedec) # batch-1 MoE decode launches apart: the direct gate/up and down GEMMs over a tile grid
-       timeout ${MOEDEC_TIMEOUT:-300} python3 scripts/bench_moe_decode.py --models ${MOEDEC_MODELS:-qwen3-30b-a3b} \
+       timeout ${MOEDEC_TIMEOUT:-300} python3 benchmarks/moe_decode_tiles.py --models ${MOEDEC_MODELS:-qwen3-30b-a3b} \
          --budget-s ${MOEDEC_BUDGET:-220} > "$OUT/moe_decode.log" 2>&1; tail -${MOEDEC_TAIL:-4} "$OUT/moe_decode.log" ;;
   moeearly) # qwen3-30b-a3b batch 1: heuristic, wide tiles (n64 k128)
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
        run 150 q30b_base $M; BLITZ_MOE_DECODE_CONFIG='{"BLOCK_N": 64, "BLOCK_K": 128}' run 150 q30b_wide $M ;;
   attnq30b) # decode attention at qwen3-30b-a3b's heads (32 q / 4 kv, q/k norm): split counts, tiles, warps
-       timeout 200 python3 scripts/bench_attn.py --models qwen3-30b-a3b --contexts 192,2048 --layers 48 --no-l2 \
+       timeout 200 python3 benchmarks/decode_attention.py --models qwen3-30b-a3b --contexts 192,2048 --layers 48 --no-l2 \
          --splits-sweep > "$OUT/attn_q30b.log" 2>&1; tail -21 "$OUT/attn_q30b.log" ;;
-  moebest) # qwen3-30b-a3b batch 1: the best gate/up and down tiles of scripts/bench_moe_decode.py, and n64 k128
+  moebest) # qwen3-30b-a3b batch 1: the best gate/up and down tiles of benchmarks/moe_decode_tiles.py, and n64 k128
        M="--model preset:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
        BLITZ_MOE_DECODE_CONFIG='{"up": {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 2, "num_stages": 4}, "down": {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}}' run 150 q30b_best $M
        BLITZ_MOE_DECODE_CONFIG='{"BLOCK_N": 64, "BLOCK_K": 128}' run 150 q30b_wide2 $M ;;
   nrtests) timeout 240 python3 -m pytest -q -x --tb=short -m gpu tests/kernels/test_kernel_moe.py tests/test_gpu_e2e.py \
-         -k "norm_route or direct" -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/nr_tests.log" ;;
+         -k "norm_route or direct" -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/nr_tests.log" || pytest_failed $? ;;
   normroute) # MoE decode: post-attention norm + router + selection in one launch (BLITZ_MOE_NORM_ROUTE=1), on
        # the wide MoE tiles; 8-warp decode attention; the fused routing again; deepseek-v3 / minimax-m2 wide tiles
        M="--batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"; W='{"BLOCK_N": 64, "BLOCK_K": 128}'
@@ -556,7 +559,7 @@ print('%-14s %7.1f tok/s  roofline %.4f  moe exposed %6.2f us/layer' % ('$f'.spl
        run 150 q30b_base $M; BLITZ_MOE_NORM_ROUTE=1 BLITZ_MOE_NORM_ROUTE_PDL=late run 150 q30b_nr1_late $M
        BLITZ_MOE_NORM_ROUTE=2 run 150 q30b_nr2 $M; BLITZ_MOE_NORM_ROUTE=2 BLITZ_MOE_NORM_ROUTE_PDL=late run 150 q30b_nr2_late $M
        timeout 200 python3 -m pytest -q -x --tb=short -m gpu tests/kernels/test_kernel_moe.py tests/test_gpu_e2e.py \
-         -p no:cacheprovider -k "norm_route" 2>&1 | tail -3 ;;
+         -p no:cacheprovider -k "norm_route" 2>&1 | tail -3 || pytest_failed $? ;;
   nrfin) # the norm + router launch as the default: the MoE presets at batch 1 (qwen3-30b-a3b batch 32 too), the
        # three-launch routing (BLITZ_MOE_NORM_ROUTE=0) beside on deepseek-v3 / minimax-m2, then the routing GPU tests
        M="--batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
@@ -566,7 +569,7 @@ print('%-14s %7.1f tok/s  roofline %.4f  moe exposed %6.2f us/layer' % ('$f'.spl
        BLITZ_MOE_NORM_ROUTE=0 run 150 dsv3_l8_nr0 --model preset:deepseek-v3 --num-layers 8 $M
        BLITZ_MOE_NORM_ROUTE=0 run 150 mm2_l8_nr0 --model preset:minimax-m2 --num-layers 8 $M
        timeout 120 python3 -m pytest -q -x --tb=short -m gpu tests/kernels/test_kernel_moe.py tests/test_gpu_e2e.py \
-         -p no:cacheprovider -k "norm_route or moe" 2>&1 | tail -3 ;;
+         -p no:cacheprovider -k "norm_route or moe" 2>&1 | tail -3 || pytest_failed $? ;;
   swapab) L="--model preset:llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        run 100 llama_base $L; BLITZ_GEMV_CONFIG='{"SWAP": true}' run 100 llama_swap64 $L
        BLITZ_GEMV_CONFIG='{"SWAP": true, "BLOCK_N": 128}' run 100 llama_swap128 $L ;;
@@ -587,3 +590,5 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.json")), key=os.path.getm
                     f"  k/l {r.get('kernels_per_layer') or 0:.3f}{extra}")
 print("\n".join(rows))
 PY
+[ "$TESTS_RC" -eq 0 ] || echo "== a pytest run failed (rc=$TESTS_RC)"
+exit "$TESTS_RC"

@@ -7,6 +7,9 @@
 #          (env: SAMPLES TEMP EPOCHS LABELS MAXTOK LAYERS LR STEP_DECAY INIT_LAYER=1 NO_FNORM=1 DRAFT_VOCAB BRANCH=1 COPY LOOP COPYIN=1
 #          EVAL_MAXTOK (comma-separated lengths, default 128) TAG HEAD_DIR (default $OUT) TRAIN_TIMEOUT)
 set -u
+set -o pipefail  # a pytest piped into tail / tee keeps its exit status
+TESTS_RC=0  # the last failing pytest run's status: the script exits with it
+pytest_failed() { TESTS_RC=$1; echo "== pytest failed: rc=$1"; }
 . scripts/gpu_env.sh
 SC='{"method": "ngram", "num_speculative_tokens": 3, "synthetic_acceptance_rate": 0.9}'
 L="--model preset:llama-3.1-8b --input-len 128 --output-len 256"
@@ -14,14 +17,14 @@ run() { t=$1; name=$2; shift 2; echo "== $name: $*"; timeout $t $B "$@" --json "
         grep -v "^\[" "$OUT/$name.log" | grep -E "^tokens_per_s |ms_per|roofline|kernels_per_layer|spec_mean|spec_accept|nospec|speedup|Error" ; }
 for part in "$@"; do case $part in
   stash) cp .xa/part /tmp/xa_part && ls -la /tmp/xa_part ;;
-  gputests) timeout 300 python3 -m pytest -q -m gpu tests/kernels tests/test_gpu_e2e.py -p no:cacheprovider 2>&1 | tail -8 | tee "$OUT/gpu_tests.log" ;;
+  gputests) timeout 300 python3 -m pytest -q -m gpu tests/kernels tests/test_gpu_e2e.py -p no:cacheprovider 2>&1 | tail -8 | tee "$OUT/gpu_tests.log" || pytest_failed $? ;;
   lat) Q="--model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
        run 90 qwen_fused $Q; BLITZ_FUSED_DECODE=0 run 90 qwen_unfused $Q
        run 120 llama_fused $L --batch-size 1 --max-num-seqs 8; BLITZ_FUSED_DECODE=0 run 120 llama_unfused $L --batch-size 1 --max-num-seqs 8 ;;
-  post) timeout 200 python3 -m pytest -q -m gpu tests/test_gpu_e2e.py tests/distributed tests/kernels/test_kernel_allreduce_rmsnorm.py -p no:cacheprovider 2>&1 | tail -6 | tee "$OUT/gpu_post.log"
+  post) timeout 200 python3 -m pytest -q -m gpu tests/test_gpu_e2e.py tests/distributed tests/kernels/test_kernel_allreduce_rmsnorm.py -p no:cacheprovider 2>&1 | tail -6 | tee "$OUT/gpu_post.log" || pytest_failed $?
         run 100 llama_post $L --batch-size 1 --max-num-seqs 8 ;;
   latcmp) run 240 llama_cmp $L --batch-size 1 --max-num-seqs 8 --compare hf ;;
-  spectest) timeout 200 python3 -m pytest -q -m gpu tests/test_gpu_e2e.py -p no:cacheprovider 2>&1 | tail -8 | tee "$OUT/gpu_spec_tests.log" ;;
+  spectest) timeout 200 python3 -m pytest -q -m gpu tests/test_gpu_e2e.py -p no:cacheprovider 2>&1 | tail -8 | tee "$OUT/gpu_spec_tests.log" || pytest_failed $? ;;
   bench) run 150 spec_b1 $L --batch-size 1 --max-num-seqs 8 --speculative-config "$SC" --compare nospec
          run 150 spec_b8 $L --batch-size 8 --max-num-seqs 8 --speculative-config "$SC" --compare nospec
          run 200 spec_b32 $L --batch-size 32 --max-num-seqs 32 --speculative-config "$SC" --compare nospec ;;
@@ -38,3 +41,5 @@ for part in "$@"; do case $part in
            --eval-range 141-160 --eval-k 3 --eval-max-tokens ${EVAL_MAXTOK:-128} > "$OUT/train${TAG:-}.json" 2> "$OUT/train${TAG:-}.log"
          echo "train$TAG rc=$?"; grep -v "epoch 1 sample" "$OUT/train${TAG:-}.log" | tail -8; cat "$OUT/train${TAG:-}.json" ;;
 esac; done
+[ "$TESTS_RC" -eq 0 ] || echo "== a pytest run failed (rc=$TESTS_RC)"
+exit "$TESTS_RC"

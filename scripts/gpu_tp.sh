@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 8, tensor parallelism on a multi-GPU host (nvidia-h200-x2 / -x4): the runs, then the
-# table (scripts/tp_table.py) of every result under $OUT. Parts (several device calls fit the
+# table (benchmarks/tp_table.py) of every result under $OUT. Parts (several device calls fit the
 # 10-minute limit; pass the fetched folders to tp_table.py for one table):
 #   tests   GPU tests of the tensor-parallel code
 #   base    llama-3.1-8b batch 1 at TP = 1 and each of $TP_SIZES
@@ -10,6 +10,9 @@
 # Env: TP_SIZES (default "2"), MODEL / MOE_MODEL / DEVICE / EXTRA to point it elsewhere (a CPU
 # smoke run: DEVICE=cpu MODEL=<tiny checkpoint> EXTRA="--max-model-len 64" ...).
 set -u
+set -o pipefail  # a pytest piped into tail / tee keeps its exit status
+TESTS_RC=0  # the last failing pytest run's status: the script exits with it
+pytest_failed() { TESTS_RC=$1; echo "== pytest failed: rc=$1"; }
 . scripts/gpu_env.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # spawned workers inherit
 TP_SIZES=${TP_SIZES:-2}
@@ -22,7 +25,7 @@ run() { t=$1; name=$2; shift 2; echo "== $name: $*"
         grep -v "^\[" "$OUT/$name.log" | grep -E "^tokens_per_s |ms_per_token|roofline|Error" ; }
 for part in "$@"; do case $part in
   tests) timeout 400 python3 -m pytest -q -m gpu tests/distributed tests/kernels/test_kernel_allreduce_rmsnorm.py \
-           -p no:cacheprovider 2>&1 | tail -6 | tee "$OUT/gpu_tp_tests.log" ;;
+           -p no:cacheprovider 2>&1 | tail -6 | tee "$OUT/gpu_tp_tests.log" || pytest_failed $? ;;
   base) for n in 1 $TP_SIZES; do
           run 200 llama_tp${n}_b1 --model $MODEL --batch-size 1 --input-len $I --output-len $O --max-num-seqs 8 \
             --tensor-parallel-size $n
@@ -39,4 +42,6 @@ for part in "$@"; do case $part in
        done ;;
   *) echo "unknown part $part (tests base fused moe)"; exit 2 ;;
 esac; done
-python3 scripts/tp_table.py "$OUT"
+python3 benchmarks/tp_table.py "$OUT"
+[ "$TESTS_RC" -eq 0 ] || echo "== a pytest run failed (rc=$TESTS_RC)"
+exit "$TESTS_RC"
