@@ -63,7 +63,25 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, dtype_bytes: int, tp_size: int = 1) -> int:
         n, h, d = self.kv_cache_entry_for(tp_size)
-        return n * self.num_layers * h * d * dtype_bytes
+        return n * len(self.kv_layers) * h * d * dtype_bytes
+
+    @property
+    def state_layers(self) -> tuple:
+        """Indices of the layers that keep a recurrent state instead of a KV cache (the gated
+        delta net layers of hybrid models: ``layer_types`` "linear_attention", or all but every
+        ``full_attention_interval``-th layer)."""
+        text = self.hf_config.get("text_config") or self.hf_config
+        types = text.get("layer_types")
+        if types is None and text.get("full_attention_interval"):
+            every = int(text["full_attention_interval"])
+            types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(self.num_layers)]
+        return tuple(i for i, t in enumerate((types or [])[:self.num_layers]) if t == "linear_attention")
+
+    @property
+    def kv_layers(self) -> tuple:
+        """Indices of the layers with a paged KV cache."""
+        skip = set(self.state_layers)
+        return tuple(i for i in range(self.num_layers) if i not in skip)
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], num_layers: Optional[int] = None) -> "ModelConfig":
@@ -120,6 +138,7 @@ class CacheConfig:
     block_size: int = 16
     num_blocks: int = 0
     enable_prefix_caching: bool = True
+    num_state_rows: int = 0   # hybrid models: rows of the recurrent-state pool (engine/state_cache.py)
 
 
 @dataclass(frozen=True)

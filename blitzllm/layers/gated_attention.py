@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..distributed.layers import Part, packed_column_linear, read_block, row_linear, shape_of
+from .parallel import Part, packed_column_linear, read_block, row_linear, shape_of
 from ..distributed.parallel_state import get_tp_group, split_heads
 from .attention import Attention
 from .norm import OffsetRMSNorm

@@ -31,11 +31,11 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..distributed.layers import Part, read_block, row_linear, shape_of, shard_rows
+from .parallel import Part, read_block, row_linear, shape_of, shard_rows
 from ..distributed.parallel_state import get_tp_group
 from ..kernels import gdn as ops
 from .linear import Linear
-from .state import get_state_context
+from .state import copy_rows, get_state_context
 
 LAYOUTS = ("qkvz", "qkv")
 
@@ -101,27 +101,40 @@ class GatedDeltaNet(nn.Module):
     def mix(self, proj: torch.Tensor) -> torch.Tensor:
         """The layer after its input projection: proj [T, rows of in_proj] -> [T, hidden]."""
         ctx = get_state_context()
-        conv_state, ssm_state = ctx.caches[self.layer_idx]
+        caches = ctx.caches[self.layer_idx]
+        hv, dv, C = self.hv, self.dv, self.conv_dim
+        T = proj.shape[0]
+        rounds = ctx.rounds
+        if len(rounds) == 1 and rounds[0].rows is None:
+            o = self._rule(proj, rounds[0], *caches)
+        else:  # sequences cut at points whose state is kept: segment by segment
+            o = proj.new_empty(T, hv, dv)
+            for rnd in rounds:
+                o.index_copy_(0, rnd.rows, self._rule(proj.index_select(0, rnd.rows), rnd, *caches))
+                if rnd.saves is not None:
+                    copy_rows({0: caches}, *rnd.saves)
+        z = proj[:, C:C + hv * dv].reshape(T, hv, dv)
+        return self.out_proj(self.norm(o, z).reshape(T, hv * dv))
+
+    def _rule(self, proj: torch.Tensor, rnd, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> torch.Tensor:
+        """Conv + gated delta rule of one round's tokens (proj rows in the round's order),
+        reading and writing the rows' states -> o [T_r, Hv, dv]."""
         reference = self.decode_knobs is not None and self.decode_knobs.reference
         hk, dk, hv, dv, C = self.hk, self.dk, self.hv, self.dv, self.conv_dim
-        T = proj.shape[0]
         mixed = proj[:, :C]
-        z = proj[:, C:C + hv * dv].reshape(T, hv, dv)
         b = proj[:, C + hv * dv:C + hv * dv + hv]
         a = proj[:, C + hv * dv + hv:]
         weight = self.conv1d.weight.squeeze(1)
-        if ctx.pure_decode:
-            q, k, v, g, beta = ops.post_conv_decode(mixed, a, b, conv_state, ctx.slots, weight, None, self.A_log,
+        if rnd.pure_decode:
+            q, k, v, g, beta = ops.post_conv_decode(mixed, a, b, conv_state, rnd.slots, weight, None, self.A_log,
                                                     self.dt_bias, hk, dk, hv, dv, reference=reference)
-            o = ops.gated_delta_rule_decode(q, k, v, g, beta, ssm_state, ctx.slots, reference=reference)
-        else:
-            y = ops.causal_conv1d_prefill(mixed, weight, None, conv_state, ctx.slots, ctx.has_initial,
-                                          ctx.cu_seqlens, ctx.host, reference=reference)
-            q, k, v = ops.split_qkv(y, hk, dk, hv, dv)
-            g, beta = ops.gdn_gates(a, b, self.A_log, self.dt_bias)
-            o = ops.gated_delta_rule_prefill(q, k, v, g, beta, ssm_state, ctx.slots, ctx.has_initial,
-                                             ctx.cu_seqlens, ctx.host[2], reference=reference)
-        return self.out_proj(self.norm(o, z).reshape(T, hv * dv))
+            return ops.gated_delta_rule_decode(q, k, v, g, beta, ssm_state, rnd.slots, reference=reference)
+        y = ops.causal_conv1d_prefill(mixed, weight, None, conv_state, rnd.slots, rnd.has_initial, rnd.cu_seqlens,
+                                      rnd.host, reference=reference)
+        q, k, v = ops.split_qkv(y, hk, dk, hv, dv)
+        g, beta = ops.gdn_gates(a, b, self.A_log, self.dt_bias)
+        return ops.gated_delta_rule_prefill(q, k, v, g, beta, ssm_state, rnd.slots, rnd.has_initial, rnd.cu_seqlens,
+                                            rnd.host[2], reference=reference)
 
     # ---- checkpoint ----------------------------------------------------------------------
     def _row_maps(self) -> dict:

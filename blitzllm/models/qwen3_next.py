@@ -3,7 +3,7 @@ gated full attention (``layers/gated_attention.py``), every RMSNorm scaling by (
 (``OffsetRMSNorm``).
 
 Layer ``i`` is ``layer_types[i]`` ("linear_attention" or "full_attention"; by default every
-``full_attention_interval``-th layer, 4, is full attention). MLPs: Qwen3-Next's sparse MoE
+``full_attention_interval``-th layer, 4, is full attention: ``ModelConfig.state_layers``). MLPs: Qwen3-Next's sparse MoE
 blocks (softmax top-k, ``norm_topk_prob``, on the ``decoder_sparse_step`` grid but for
 ``mlp_only_layers``), Qwen3.5 dense, Qwen3.5-MoE every layer an MoE block with renormalized
 top-k; MoE blocks add a shared expert scaled by sigmoid(``shared_expert_gate``(x)).
@@ -28,18 +28,6 @@ from ..layers.norm import OffsetRMSNorm
 from ..layers.rotary import RotaryEmbedding
 from .llama import DenseMLP, mlp_forward_norm
 from .qwen3_moe import MoECausalLM, Qwen3MoeForCausalLM, hf_text_config, num_routed_experts
-
-
-def layer_types(hf: dict, num_layers: int) -> list:
-    """Each layer's kind, "linear_attention" or "full_attention", as transformers derives them."""
-    types = hf.get("layer_types")
-    if types is None:
-        every = int(hf.get("full_attention_interval", 4))
-        types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(num_layers)]
-    bad = set(types[:num_layers]) - {"linear_attention", "full_attention"}
-    if bad:
-        raise ValueError(f"layer_types may hold 'linear_attention' and 'full_attention', got {sorted(bad)}")
-    return list(types)
 
 
 class SharedExpertMoE(FusedMoE):
@@ -69,7 +57,7 @@ class HybridLayer(nn.Module):
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act must be 'silu', got {hf.get('hidden_act')!r}")
         self.linear_attn = self.self_attn = None
-        if layer_types(hf, cfg.num_layers)[idx] == "linear_attention":
+        if idx in cfg.state_layers:
             self.linear_attn = GatedDeltaNet(
                 cfg.hidden_size, hf["linear_num_key_heads"], hf["linear_key_head_dim"], hf["linear_num_value_heads"],
                 hf["linear_value_head_dim"], hf["linear_conv_kernel_dim"], eps, idx, layout)

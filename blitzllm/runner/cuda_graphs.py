@@ -2,7 +2,9 @@
 captured at start-up, largest first, from one shared memory pool. A step's batch is padded
 to the next bucket (padding rows write nothing and read one cached token).
 
-Each graph covers the model forward and the lm_head; sampling runs after it.
+Each graph covers the model forward and the lm_head; sampling runs after it. A hybrid model's
+state layers read their rows from a device buffer of the graphs (padding rows: the pool's
+scratch row).
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import time
 import torch
 
 from ..layers.attention import AttentionMetadata, ForwardContext, forward_context
+from ..layers.state import state_context
 
 STAGING_SLOTS = 3  # pinned input slots in turn: a step and its look-ahead are in flight at once
 # Against fresh pinned tensors per step, three transfers and a copy kernel per input buffer
@@ -29,8 +32,10 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, kv_caches, backend, device, max_num_seqs: int, max_blocks_per_seq: int):
+    def __init__(self, model, kv_caches, backend, device, max_num_seqs: int, max_blocks_per_seq: int, states=None):
+        """``states``: the runner's StatePool of a hybrid model (None: no state layers)."""
         self.model, self.kv_caches, self.backend, self.device = model, kv_caches, backend, device
+        self.states = states
         self.buckets = decode_buckets(max_num_seqs)
         n, w = self.buckets[-1], max_blocks_per_seq
         # The graphs' inputs live in two device buffers, so a step's host data lands with two
@@ -45,6 +50,8 @@ class DecodeGraphs:
         self._staging: list = []  # pinned host slots (allocated on first use), each with its event
         self._next_slot = 0
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        if states is not None:
+            self.state_rows = torch.full((n,), states.scratch, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.capture_time_s = 0.0
@@ -58,7 +65,10 @@ class DecodeGraphs:
                                  q_lens_host=[1] * b, seq_lens_host=[1] * b, padded=True)
 
     def _forward(self, b: int) -> torch.Tensor:
-        with forward_context(ForwardContext(self._metadata(b), self.kv_caches, self.backend)):
+        smd = None
+        if self.states is not None:
+            smd = self.states.decode_metadata(self.state_rows[:b], self.query_start_loc[:b + 1])
+        with forward_context(ForwardContext(self._metadata(b), self.kv_caches, self.backend)), state_context(smd):
             hidden = self.model(self.input_ids[:b], self.positions[:b])
         return self.model.compute_logits(hidden, fp32=False)   # the samplers upcast
 
@@ -101,11 +111,12 @@ class DecodeGraphs:
         slot[4].synchronize()
         return slot
 
-    def run(self, ids, pos: list, slots: list, lens: list, block_tables: list) -> torch.Tensor:
+    def run(self, ids, pos: list, slots: list, lens: list, block_tables: list, state_rows: list = None) -> torch.Tensor:
         """One decode step of ``len(pos)`` rows: ``ids`` a host list or a device tensor (the
         previous step's sampled tokens), the other inputs host lists. The host data goes
         through a pinned slot with two copies (and one device copy for device ids); rows
-        past n up to the bucket are padding (slot -1: they write nothing). Returns logits [n, V]."""
+        past n up to the bucket are padding (slot -1: they write nothing; state row: scratch).
+        Returns logits [n, V]."""
         n = len(pos)
         b = next(x for x in self.buckets if x >= n)
         N, w = self._in64.shape[1], self.block_tables.shape[1]
@@ -121,5 +132,8 @@ class DecodeGraphs:
         ev.record()
         if isinstance(ids, torch.Tensor):
             self.input_ids[:n].copy_(ids)
+        if self.states is not None:
+            rows = torch.tensor(list(state_rows) + [self.states.scratch] * (b - n), dtype=torch.int32)
+            self.state_rows[:b].copy_(rows.pin_memory(), non_blocking=True)
         self.graphs[b].replay()
         return self.logits[b][:n]

@@ -13,16 +13,20 @@ Sampling happens on rank 0 only.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from ..config import CacheConfig, ModelConfig
-from ..envs import Knobs
 from ..distributed.parallel_state import SINGLE, TPGroup
+from ..envs import Knobs
+from ..kernels._common import reference_ops
 from ..layers.attention import AttentionMetadata, ForwardContext, forward_context, select_backend
 from ..layers.sampler import Sampler, SamplingMetadata, SamplingRow
+from ..layers.state import StatePlan, state_context
+from .state_pool import StatePool
 
 
 @dataclass
@@ -35,14 +39,26 @@ class StepResult:
 def allocate_kv_caches(cfg: ModelConfig, cache: CacheConfig, dtype, device, tp_size: int = 1) -> list:
     """Per layer (k_cache, v_cache), each [num_blocks, block_size, heads, dim]; MLA models
     get (latent_cache, None) with one head of kv_lora_rank + qk_rope_head_dim values. With
-    ``tp_size`` ranks, a rank's share of the KV heads."""
+    ``tp_size`` ranks, a rank's share of the KV heads. Layers without a KV cache (a hybrid
+    model's state layers) get tensors of no blocks."""
     n, heads, dim = cfg.kv_cache_entry_for(tp_size)
-    shape = (cache.num_blocks, cache.block_size, heads, dim)
+    kv_layers = set(cfg.kv_layers)
     out = []
-    for _ in range(cfg.num_layers):
+    for i in range(cfg.num_layers):
+        shape = (cache.num_blocks if i in kv_layers else 0, cache.block_size, heads, dim)
         k = torch.zeros(shape, dtype=dtype, device=device)
         out.append((k, torch.zeros(shape, dtype=dtype, device=device) if n == 2 else None))
     return out
+
+
+def _kernel_mode(method):
+    """Run a ModelRunner entry point with every op on its torch reference when the engine's
+    knob asks (``knobs.reference``; ``kernels/_common.reference_ops``)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with reference_ops(self.knobs.reference):
+            return method(self, *args, **kwargs)
+    return run
 
 
 class ModelRunner:
@@ -67,6 +83,8 @@ class ModelRunner:
             self.backend.fused_decode = False   # verify rows of one sequence read each other's k/v
         self.sampler = Sampler(greedy_kernel=knobs.greedy_kernel)
         self.kv_caches = allocate_kv_caches(cfg, cache, dtype, device, tp.world_size)
+        # hybrid models: the recurrent states of their GDN layers (runner/state_pool.py)
+        self.states = StatePool(model, cache.num_state_rows, dtype, device) if cache.num_state_rows else None
         self.driver = None  # rank 0 of several: sends each forward's inputs to the other ranks
         self.graphs = None
         self._ahead = None  # (key, SamplerOutput) of a launched look-ahead decode step
@@ -74,7 +92,7 @@ class ModelRunner:
             from .cuda_graphs import DecodeGraphs
             width = -(-max_model_len // cache.block_size)
             self.graphs = DecodeGraphs(model, self.kv_caches, self.backend, device,
-                                       max(max_num_seqs, max_decode_rows), width)
+                                       max(max_num_seqs, max_decode_rows), width, self.states)
             self.graphs.capture()
 
     def _to_dev(self, data, dtype):
@@ -116,11 +134,18 @@ class ModelRunner:
             lens.append(end + ahead)
         return pos, slots, lens
 
-    def launch_decode_graph(self, ids, pos, slots, lens, block_tables) -> torch.Tensor:
-        """ids: host list or a device tensor (the previous step's sampled tokens)."""
-        return self.graphs.run(ids, pos, slots, lens, block_tables)
+    def launch_decode_graph(self, ids, pos, slots, lens, block_tables, states: Optional[StatePlan] = None):
+        """ids: host list or a device tensor (the previous step's sampled tokens). ``states``:
+        a hybrid model's state plan (copies before and after the graph, its rows)."""
+        if self.states is None:
+            return self.graphs.run(ids, pos, slots, lens, block_tables)
+        self.states.copy(states.restores)
+        self.states.zero([row for row, p in zip(states.slots, pos) if p == 0])
+        logits = self.graphs.run(ids, pos, slots, lens, block_tables, states.slots)
+        self.states.finish(states)
+        return logits
 
-    def _decode_step(self, seqs, block_tables, rows):
+    def _decode_step(self, seqs, block_tables, rows, states: Optional[StatePlan] = None):
         """Pure decode through the CUDA graphs, one step pipelined: right after sampling
         step N, step N+1 is launched on the sampled tokens (still on the device), so the
         host's bookkeeping overlaps the GPU. The look-ahead is used only if the next call
@@ -130,19 +155,20 @@ class ModelRunner:
         if self.driver is not None:
             ids = [t[0] for t, _, _ in seqs]
             with self.driver.step():
-                self.driver.send(("graph", ids, *cur, block_tables))
-                logits = self.launch_decode_graph(ids, *cur, block_tables)
+                self.driver.send(("graph", ids, *cur, block_tables, states))
+                logits = self.launch_decode_graph(ids, *cur, block_tables, states)
             return _to_host_async(self.sampler(logits, SamplingMetadata.build(rows, self.cfg.vocab_size, self.device)))
         key = (tuple(cur[0]), tuple(cur[1]), tuple((r.seed, len(r.output_ids), id(r.params)) for r in rows))
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead[0] == key:
             out = ahead[1]
         else:
-            logits = self.launch_decode_graph([t[0] for t, _, _ in seqs], *cur, block_tables)
+            logits = self.launch_decode_graph([t[0] for t, _, _ in seqs], *cur, block_tables, states)
             out = self.sampler(logits, SamplingMetadata.build(rows, self.cfg.vocab_size, self.device))
         host = _to_host_async(out)
         nxt = self._decode_inputs(seqs, block_tables, ahead=1)
-        if nxt is not None and not any(r.params.needs_previous_token for r in rows):
+        # (no look-ahead for state layers: a dropped look-ahead would have advanced their states)
+        if nxt is not None and self.states is None and not any(r.params.needs_previous_token for r in rows):
             logits = self.launch_decode_graph(out.token_ids, *nxt, block_tables)
             nout = self.sampler(logits, SamplingMetadata.build(rows, self.cfg.vocab_size, self.device, extra_steps=1))
             nkey = (tuple(nxt[0]), tuple(nxt[1]), tuple((r.seed, len(r.output_ids) + 1, id(r.params)) for r in rows))
@@ -150,38 +176,50 @@ class ModelRunner:
         return host
 
     @torch.inference_mode()
-    def execute(self, seqs, block_tables, sample_idx: list[int], rows: list[SamplingRow]) -> StepResult:
-        """Run one step. ``sample_idx`` lists the batch rows that sample a token."""
+    @_kernel_mode
+    def execute(self, seqs, block_tables, sample_idx: list[int], rows: list[SamplingRow],
+                states: Optional[StatePlan] = None) -> StepResult:
+        """Run one step. ``sample_idx`` lists the batch rows that sample a token; ``states``: a
+        hybrid model's state plan for the step (engine/state_cache.py)."""
         if (self.graphs is not None and all(e - s == 1 for _, s, e in seqs) and len(sample_idx) == len(seqs)
                 and self.graphs.can_run(len(seqs))):
-            return _host_result(self._decode_step(seqs, block_tables, rows))
-        logits = self.score(seqs, block_tables, sample_idx, [1] * len(sample_idx))
+            return _host_result(self._decode_step(seqs, block_tables, rows, states))
+        logits = self.score(seqs, block_tables, sample_idx, [1] * len(sample_idx), states)
         if not sample_idx:
             return StepResult([], [], None)
         smd = SamplingMetadata.build(rows, self.cfg.vocab_size, self.device)
         return _host_result(_to_host_async(self.sampler(logits, smd)))
 
     @torch.inference_mode()
-    def score(self, seqs, block_tables, sample_idx: list[int], counts: list[int]) -> Optional[torch.Tensor]:
+    @_kernel_mode
+    def score(self, seqs, block_tables, sample_idx: list[int], counts: list[int],
+              states: Optional[StatePlan] = None) -> Optional[torch.Tensor]:
         """Eager forward that returns the logits of the last ``counts[j]`` positions of
         batch row ``sample_idx[j]`` (a speculative verify step: each drafting row scores
         its k drafts plus the bonus position), stacked in row order: [sum(counts), V];
         None when no row asks for logits."""
         self._ahead = None
-        if (self.graphs is not None and len(sample_idx) == len(seqs)
+        # (state layers run a sequence's rows in order: its verify rows cannot be decode rows)
+        if (self.graphs is not None and self.states is None and len(sample_idx) == len(seqs)
                 and all(c == e - s for c, (_, s, e) in zip(counts, seqs)) and self.graphs.can_run(sum(counts))):
             return self._score_as_decode_rows(seqs, block_tables)
         if self.driver is None:
-            return self.forward(seqs, block_tables, sample_idx, counts)
+            return self.forward(seqs, block_tables, sample_idx, counts, states)
         with self.driver.step():
-            self.driver.send(("forward", seqs, block_tables, sample_idx, counts))
-            return self.forward(seqs, block_tables, sample_idx, counts)
+            self.driver.send(("forward", seqs, block_tables, sample_idx, counts, states))
+            return self.forward(seqs, block_tables, sample_idx, counts, states)
 
-    def forward(self, seqs, block_tables, sample_idx: list[int], counts: list[int]) -> Optional[torch.Tensor]:
+    def forward(self, seqs, block_tables, sample_idx: list[int], counts: list[int],
+                states: Optional[StatePlan] = None) -> Optional[torch.Tensor]:
         """``score`` without the broadcast (what every tensor-parallel rank runs)."""
         input_ids, positions, md, qsl = self.prepare(seqs, block_tables)
-        with forward_context(ForwardContext(md, self.kv_caches, self.backend)):
+        smd = None
+        if self.states is not None:
+            smd = self.states.begin(states, seqs, qsl, md.query_start_loc, md.is_pure_decode)
+        with forward_context(ForwardContext(md, self.kv_caches, self.backend)), state_context(smd):
             hidden = self.model(input_ids, positions)
+        if smd is not None:
+            self.states.finish(states)
         if not sample_idx:
             return None
         idx = [p for i, c in zip(sample_idx, counts) for p in range(qsl[i + 1] - c, qsl[i + 1])]

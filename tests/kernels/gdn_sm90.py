@@ -7,7 +7,7 @@ from blitzllm.kernels.gdn import post_conv
 
 
 def print_post_conv_sm90(pc):
-    """For the sm_90 compile check (run by ``sm90_compile`` with scripts/ptxas_check.py as
+    """For the sm_90 compile check (run by ``sm90_compile`` with tools/ptxas_check.py as
     ``pc``): the post-conv kernel at Qwen3-Next-80B-A3B and Qwen3.5-397B-A17B sizes, bf16, one
     line each: name, ptxas report."""
     bf = torch.bfloat16

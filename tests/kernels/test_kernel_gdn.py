@@ -227,7 +227,7 @@ def test_fla_paths_match_references_on_gpu(dtype):
 
 def test_post_conv_kernel_compiles_for_sm90():
     """The decode post-conv kernel compiles for sm_90 (the stand-in driver of
-    scripts/ptxas_check.py) at the published models' head sizes, without spills."""
+    tools/ptxas_check.py) at the published models' head sizes, without spills."""
     # (sm90_compile runs ``pc.<call>``: a harmless attribute, then our printer, from a module
     # that does not import the conftest, which would turn the interpreter on)
     out = sm90_compile("ptxas_report\nfrom tests.kernels.gdn_sm90 import print_post_conv_sm90\n"

@@ -73,8 +73,8 @@ class Harness:
     def step(self, seqs, tables, slots, has_initial) -> torch.Tensor:
         """seqs: (token ids, start, end) per sequence -> log-probs of each one's last position."""
         ids, pos, md, qsl = self.runner.prepare(seqs, tables)
-        smd = StateMetadata(self.caches, torch.tensor(slots, dtype=torch.int32), torch.tensor(has_initial),
-                            md.query_start_loc, md.is_pure_decode, (slots, has_initial, qsl))
+        smd = StateMetadata.single(self.caches, torch.tensor(slots, dtype=torch.int32), torch.tensor(has_initial),
+                                   md.query_start_loc, md.is_pure_decode, (slots, has_initial, qsl))
         with forward_context(ForwardContext(md, self.runner.kv_caches, self.runner.backend)), state_context(smd):
             hidden = self.model(ids, pos)
         return self.model.compute_logits(hidden[torch.tensor(qsl[1:]) - 1]).log_softmax(-1)
@@ -162,3 +162,122 @@ def test_presets_have_the_published_sizes(preset, billions, gdn_layers):
     assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(billions, abs=0.05)
     assert len(model.state_layers()) == gdn_layers
     assert model.rotary_dim(cfg) == 64
+
+
+# ---- the engine: batching, chunked prefill, preemption, prefix caching, speculation -------
+
+def _llm(path, **kw):
+    from blitzllm import LLM
+    return LLM(str(path), device="cpu", dtype="float32", kv_cache_blocks=kw.pop("kv_cache_blocks", 64), **kw)
+
+
+def _prompts(lengths=(1, 5, 17, 40), seed: int = 7) -> list:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 320, (n,), generator=g).tolist() for n in lengths]
+
+
+def assert_no_leaks(llm) -> dict:
+    st = llm.stats()
+    assert st["kv_blocks_free"] == st["kv_blocks_total"] and st["num_running"] == st["num_waiting"] == 0
+    assert st["state_slots_free"] == st["state_slots_total"]
+    return st
+
+
+def check_generate(llm, hf, prompts, n: int = 12, **params) -> list:
+    """Greedy tokens equal transformers', their logprobs within 1e-3; nothing left allocated."""
+    from blitzllm import SamplingParams
+    from tests.conftest import hf_greedy, hf_logprobs
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0, **params))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(hf, prompt, n)
+        ours = torch.tensor([lp[t] for lp, t in zip(out.logprobs, out.token_ids)])
+        torch.testing.assert_close(ours, hf_logprobs(hf, prompt, out.token_ids), atol=1e-3, rtol=0)
+    assert_no_leaks(llm)
+    return outs
+
+
+def test_llm_matches_transformers(checkpoint):
+    """Prompts of 1 to 40 tokens batched through the engine: transformers' greedy tokens and
+    logprobs; every KV block and state slot back in its pool."""
+    _, path, hf = checkpoint
+    check_generate(_llm(path), hf, _prompts())
+
+
+def test_chunked_prefill_and_preemption(checkpoint):
+    """Prompts in chunks of 8 tokens (the state carried from chunk to chunk, decodes beside
+    them), then a KV cache and a state pool too small for the load (requests preempted and
+    recomputed, others waiting for a slot): the same outputs as transformers."""
+    _, path, hf = checkpoint
+    prompts = _prompts((17, 40, 33, 25, 3))
+    check_generate(_llm(path, max_num_batched_tokens=8), hf, prompts, n=16)
+    llm = _llm(path, kv_cache_blocks=8, max_num_seqs=3)
+    check_generate(llm, hf, prompts, n=16)
+    assert llm.stats()["preemptions"] > 0
+
+
+def test_prefix_caching_repeated_prompt_and_two_turn_chat(checkpoint):
+    """A repeated batch hits the prefix cache (KV blocks and the GDN states at their last block
+    boundaries) and gives the same tokens; a second turn whose prompt is the first turn's prompt
+    and answer plus new tokens reuses all of its 48 whole-block tokens (the snapshot a decode
+    step took at position 48) and matches transformers."""
+    _, path, hf = checkpoint
+    llm = _llm(path)
+    prompts = _prompts((17, 40, 33))
+    first = check_generate(llm, hf, prompts)
+    before = llm.stats()
+    again = check_generate(llm, hf, prompts)
+    st = llm.stats()
+    assert [o.token_ids for o in again] == [o.token_ids for o in first]
+    hits = st["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"]
+    assert hits == 16 + 32 + 32 == st["state_snapshot_hit_tokens"] - before["state_snapshot_hit_tokens"]
+    turn1 = _prompts((37,), seed=11)[0]
+    out1 = check_generate(llm, hf, [turn1])[0].token_ids
+    before = llm.stats()
+    check_generate(llm, hf, [turn1 + out1 + _prompts((9,), seed=12)[0]])
+    st = llm.stats()
+    assert st["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"] == 48
+    assert st["state_snapshot_hit_tokens"] - before["state_snapshot_hit_tokens"] == 48
+
+
+class _OracleDrafts:
+    """A proposer that knows each prompt's greedy continuation and drafts it with one token
+    wrong, at a position that moves from call to call: every acceptance length from 0 to k."""
+
+    def __init__(self, answers: dict):
+        self.answers, self.calls = answers, 0
+
+    def propose(self, reqs, limits):
+        from blitzllm.spec.base import Proposal
+        drafts = []
+        for r, lim in zip(reqs, limits):
+            truth = self.answers[tuple(r.prompt_token_ids)][len(r.output_token_ids):][:lim]
+            bad = self.calls % (lim + 1)
+            self.calls += 1
+            drafts.append([(t + 1) % 320 if j == bad else t for j, t in enumerate(truth)])
+        return Proposal(drafts)
+
+    def finish(self, rid):
+        pass
+
+    def stats(self):
+        return {}
+
+
+def test_speculation_rolls_the_state_back(checkpoint):
+    """Speculative decoding: n-gram drafts on repetitive prompts, then drafts of every
+    acceptance length (a proposer that knows the answer and gets one token wrong): each
+    rejection rolls the GDN states back to the last accepted token, and the tokens stay
+    transformers' greedy ones."""
+    from tests.conftest import hf_greedy
+    _, path, hf = checkpoint
+    base = _prompts((6, 9, 4), seed=3)
+    prompts = [p * 5 for p in base] + [_prompts((13,), seed=4)[0]]
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    llm = _llm(path, speculative_config=spec)
+    check_generate(llm, hf, prompts, n=24)
+    assert llm.stats()["spec_draft_tokens"] > 0
+    llm = _llm(path, speculative_config=spec)
+    llm.engine.spec.proposer = _OracleDrafts({tuple(p): hf_greedy(hf, p, 24) for p in prompts})
+    check_generate(llm, hf, prompts, n=24)
+    st = llm.stats()
+    assert 0 < st["spec_accepted_tokens"] < st["spec_draft_tokens"]

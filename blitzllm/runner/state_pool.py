@@ -1,0 +1,94 @@
+"""The recurrent-state tensors of a hybrid model and each step's state metadata.
+
+Per GDN layer a conv state [rows, K - 1, C] (model dtype) and a recurrent state
+[rows, Hv, dk, dv] (fp32); rows as ``engine/state_cache.py`` lays them out (the runner only
+knows their count and that the last is scratch). A step's ``StatePlan`` (host lists) becomes
+the copies before it (restores), the ``StateMetadata`` of its forward (one round, or one per
+segment where a sequence keeps its state at points inside its tokens) and the copies after it.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..layers.state import StateMetadata, StatePlan, StateRound, copy_rows
+
+
+class StatePool:
+    def __init__(self, model, rows: int, dtype: torch.dtype, device: torch.device):
+        self.device, self.rows = device, rows
+        self.caches = {layer.layer_idx: (torch.zeros(rows, *layer.conv_state_shape, dtype=dtype, device=device),
+                                         torch.zeros(rows, *layer.ssm_state_shape, dtype=torch.float32, device=device))
+                       for layer in model.state_layers()}
+
+    @property
+    def scratch(self) -> int:
+        return self.rows - 1
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for ts in self.caches.values() for t in ts)
+
+    def _dev(self, data, dtype) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
+
+    def copy(self, pairs: list) -> None:
+        """(src row, dst row) copies in every layer, in order of the list."""
+        if pairs:
+            src, dst = zip(*pairs)
+            copy_rows(self.caches, self._dev(src, torch.int64), self._dev(dst, torch.int64))
+
+    def zero(self, rows: list) -> None:
+        """Rows of sequences that start now: zero states (the decode kernels read them as they are)."""
+        if rows:
+            idx = self._dev(rows, torch.int64)
+            for tensors in self.caches.values():
+                for t in tensors:
+                    t.index_fill_(0, idx, 0)
+
+    def begin(self, plan: Optional[StatePlan], seqs, qsl: list, cu_seqlens: torch.Tensor, pure_decode: bool):
+        """The restores of ``plan``, then the step's StateMetadata. ``seqs``: (tokens, start,
+        end) per sequence; ``qsl``: their token offsets (host), ``cu_seqlens`` the same on the device."""
+        if plan is None:
+            raise RuntimeError("a model with state layers needs a StatePlan for every step")
+        self.copy(plan.restores)
+        slots = plan.slots
+        firsts = [start > 0 for _, start, _ in seqs]
+        self.zero([row for row, has in zip(slots, firsts) if not has])
+        if not any(plan.splits):
+            return StateMetadata.single(self.caches, self._dev(slots, torch.int32), self._dev(firsts, torch.bool),
+                                        cu_seqlens, pure_decode, (slots, firsts, qsl))
+        # segments of each sequence: [(first row, end row, save row or None)], cut at its split points
+        segs = []
+        for i, ((_, start, end), cuts) in enumerate(zip(seqs, plan.splits)):
+            base, prev, mine = qsl[i] - start, start, []
+            for p, row in cuts:
+                mine.append((base + prev, base + p, row))
+                prev = p
+            mine.append((base + prev, base + end, None))
+            segs.append(mine)
+        rounds = []
+        for r in range(max(len(m) for m in segs)):
+            who = [i for i, m in enumerate(segs) if len(m) > r]
+            part = [segs[i][r] for i in who]
+            cu = [0]
+            for a, b, _ in part:
+                cu.append(cu[-1] + b - a)
+            rows = [t for a, b, _ in part for t in range(a, b)]
+            rs, fs = [slots[i] for i in who], [firsts[i] if r == 0 else True for i in who]
+            saves = [(slots[i], row) for i, (_, _, row) in zip(who, part) if row is not None]
+            rounds.append(StateRound(
+                self._dev(rs, torch.int32), self._dev(fs, torch.bool), self._dev(cu, torch.int32),
+                all(b - a == 1 for a, b, _ in part), (rs, fs, cu), rows=self._dev(rows, torch.int64),
+                saves=tuple(self._dev(list(x), torch.int64) for x in zip(*saves)) if saves else None))
+        return StateMetadata(self.caches, rounds)
+
+    def finish(self, plan: StatePlan) -> None:
+        """The copies after the step (snapshots of states that end on a block boundary)."""
+        self.copy(plan.saves)
+
+    def decode_metadata(self, slots: torch.Tensor, cu_seqlens: torch.Tensor) -> StateMetadata:
+        """A pure-decode step over the rows in the device buffer ``slots`` (CUDA graphs)."""
+        ones = torch.ones(slots.shape[0], dtype=torch.bool, device=slots.device)
+        return StateMetadata.single(self.caches, slots, ones, cu_seqlens, True)
