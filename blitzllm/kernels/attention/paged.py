@@ -1,5 +1,5 @@
 """Attention over the paged KV cache: split-K decode and varlen causal prefill (the launchers,
-their torch references and the public ops; the Triton kernels are in ``paged_attention_kernels``).
+their torch references and the public ops; the Triton kernels are in ``paged_kernels.py``).
 
 Neither launcher syncs with the host, so both can be captured in a CUDA graph (the decode
 grid depends only on B, Hkv and the SM count).

@@ -1,4 +1,4 @@
-"""The Triton kernels of attention over the paged KV cache (launchers: ``paged_attention.py``).
+"""The Triton kernels of attention over the paged KV cache (launchers: ``paged.py``).
 
 Both the split-K decode kernel and the varlen causal prefill kernel handle GQA by packing
 the G = Hq // Hkv query heads that share a kv head into the rows of one tile, so every K/V

@@ -4,7 +4,7 @@ sigmoid+bias scoring, grouped top-k, renormalise, scale) and the expert computat
 Each op has its plain-torch reference (what the model layers use off-GPU) and a Triton
 path for CUDA tensors behind the same public function: ``router_gemm``, ``select_experts``,
 ``fused_moe``. The fused expert computation (token sorting, grouped GEMMs, combine) lives
-in ``fused_moe.py``. Nothing here knows about models or checkpoints.
+in ``experts.py``. Nothing here knows about models or checkpoints.
 
 Shapes: x [T, H]; router weight [E, H]; w13 [E, 2I, H] (gate rows then up rows);
 w2 [E, H, I]; topk weights [T, K] fp32; topk ids [T, K] int32.
