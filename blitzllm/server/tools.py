@@ -8,7 +8,10 @@ blocks come back as OpenAI ``tool_calls`` instead of text.
 ``` ``<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>``; ``deepseek_v31`` (V3.1 / V3.2): each call
 ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>`` in the same wrapper.
 ``minimax_m2``: ``<minimax:tool_call><invoke name="NAME"><parameter name="KEY">VALUE</parameter>
-...</invoke>...</minimax:tool_call>``, values typed by the request's tool schemas. Text outside the
+...</invoke>...</minimax:tool_call>``, values typed by the request's tool schemas. ``qwen3_coder``
+(Qwen3.5's and Qwen3-Coder's templates, vLLM's name): ``<tool_call>`` newline ``<function=NAME>``
+then per argument ``<parameter=KEY>`` newline VALUE newline ``</parameter>``, ``</function>``
+``</tool_call>``, values typed by the schemas as MiniMax's. Text outside the
 blocks stays content (None when only whitespace is left beside calls); a block whose JSON does
 not hold a name is content as it was, as is a block the output never closes. ``tool_choice``:
 "auto" (the default with tools) parses calls, "none" leaves the tools out of the prompt and
@@ -32,7 +35,7 @@ from typing import Optional
 from .errors import bad_request
 from .reasoning import _held_tail
 
-TOOL_PARSERS = ("hermes", "deepseek_v3", "deepseek_v31", "minimax_m2")
+TOOL_PARSERS = ("hermes", "deepseek_v3", "deepseek_v31", "minimax_m2", "qwen3_coder")
 START, END = "<tool_call>", "</tool_call>"
 
 
@@ -203,17 +206,33 @@ def _typed(value: str, schema) -> object:
         return text
 
 
-def _minimax_m2_calls(inner: str, tools=None) -> Optional[list]:
-    """MiniMax-M2: one or more ``<invoke name="NAME"><parameter name="KEY">VALUE</parameter>...
-    </invoke>`` (values typed by the request's tool schemas)."""
+def _xml_calls(inner: str, tools, invoke: re.Pattern, param: re.Pattern) -> Optional[list]:
+    """Calls written as XML-like elements: ``invoke`` finds (name, body) pairs, ``param`` the
+    (key, value) pairs of a body; values typed by the request's tool schemas."""
     props = {t["function"]["name"]: (t["function"].get("parameters") or {}).get("properties") or {}
              for t in tools or () if isinstance(t, dict) and isinstance(t.get("function"), dict)}
     calls = []
-    for name, body in _INVOKE.findall(inner):
-        p = props.get(name, {})
-        args = {k: _typed(v, p.get(k)) for k, v in _PARAM.findall(body)}
-        calls.append(_tool_call(name, args))
+    for name, body in invoke.findall(inner):
+        p = props.get(name.strip(), {})
+        args = {k.strip(): _typed(v, p.get(k.strip())) for k, v in param.findall(body)}
+        calls.append(_tool_call(name.strip(), args))
     return calls if calls and all(calls) else None
+
+
+def _minimax_m2_calls(inner: str, tools=None) -> Optional[list]:
+    """MiniMax-M2: one or more ``<invoke name="NAME"><parameter name="KEY">VALUE</parameter>...
+    </invoke>`` (values typed by the request's tool schemas)."""
+    return _xml_calls(inner, tools, _INVOKE, _PARAM)
+
+
+_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
+_QPARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+
+
+def _qwen3_coder_calls(inner: str, tools=None) -> Optional[list]:
+    """Qwen3.5 / Qwen3-Coder: ``<function=NAME>`` with ``<parameter=KEY>`` newline VALUE newline
+    ``</parameter>`` elements (a value may span lines), typed by the request's tool schemas."""
+    return _xml_calls(inner, tools, _FUNCTION, _QPARAM)
 
 
 class ToolFormat:
@@ -232,6 +251,7 @@ FORMATS = {
     "deepseek_v3": ToolFormat(_DS_BEGIN, _DS_END, _deepseek_v3_call, _DS_DROP),
     "deepseek_v31": ToolFormat(_DS_BEGIN, _DS_END, _deepseek_v31_call, _DS_DROP),
     "minimax_m2": ToolFormat("<minimax:tool_call>", "</minimax:tool_call>", _minimax_m2_calls),
+    "qwen3_coder": ToolFormat(START, END, _qwen3_coder_calls),
 }
 
 
