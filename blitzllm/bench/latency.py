@@ -14,7 +14,7 @@ import torch
 
 from ..cli_args import engine_kwargs
 from ..sampling_params import SamplingParams
-from .roofline import copy_bandwidth, count_kernels, kv_bytes_per_step, weight_bytes_per_step
+from .roofline import copy_bandwidth, count_kernels, kv_bytes_per_step, state_bytes_per_step, weight_bytes_per_step
 
 HF_COMPILED_REPEATS = 3  # --compare hf: the compiled peer's decode time is the median of 3 estimates
 
@@ -94,15 +94,16 @@ def run(a) -> int:
     dtype_bytes = torch.finfo(eng.dtype).bits // 8
     w_bytes = weight_bytes_per_step(eng.runner.model, B)
     kv_bytes = kv_bytes_per_step(cfg, [I + O // 2] * B, dtype_bytes, tp)  # per rank, like the weights
+    st_bytes = state_bytes_per_step(cfg, B, dtype_bytes, tp)  # hybrid models' GDN states, read and written
     bw = copy_bandwidth(dev)
     res = {
         "model": a.model, "device": str(dev), "dtype": str(eng.dtype).replace("torch.", ""),
         "weight_dtype": str(eng.weight_dtype).replace("torch.", ""),
         "num_layers": cfg.num_layers, "tensor_parallel_size": tp, "batch_size": B, "input_len": I, "output_len": O,
         "tokens_per_s": B / step_s, "tokens_per_s_per_user": 1.0 / step_s, "ms_per_token": step_s * 1e3,
-        "ttft_s": ttft, "bytes_per_step": w_bytes + kv_bytes, "weight_bytes_per_step": w_bytes,
-        "kv_bytes_per_step": kv_bytes, "copy_bandwidth_Bps": bw,
-        "roofline_fraction": (w_bytes + kv_bytes) / bw / step_s,
+        "ttft_s": ttft, "bytes_per_step": w_bytes + kv_bytes + st_bytes, "weight_bytes_per_step": w_bytes,
+        "kv_bytes_per_step": kv_bytes, "state_bytes_per_step": st_bytes, "copy_bandwidth_Bps": bw,
+        "roofline_fraction": (w_bytes + kv_bytes + st_bytes) / bw / step_s,
     }
     if eng.spec is not None:
         res.update(_spec_stats(eng))

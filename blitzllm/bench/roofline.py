@@ -1,5 +1,5 @@
 """Hardware limits for the benchmarks: measured copy bandwidth, bytes one decode step must
-read (weights + KV cache), and the profiler's kernel-launch count."""
+move (weights + KV cache + recurrent states), and the profiler's kernel-launch count."""
 from __future__ import annotations
 
 import time
@@ -73,6 +73,14 @@ def weight_bytes_per_step(model: torch.nn.Module, batch: int) -> int:
 def kv_bytes_per_step(cfg, context_lens: list, dtype_bytes: int, tp_size: int = 1) -> int:
     """KV bytes one rank (of ``tp_size``) reads in a decode step."""
     return sum(context_lens) * cfg.kv_bytes_per_token(dtype_bytes, tp_size)
+
+
+def state_bytes_per_step(cfg, batch: int, dtype_bytes: int, tp_size: int = 1) -> int:
+    """Recurrent-state bytes one rank reads and writes in a decode step of ``batch`` sequences:
+    each GDN layer reads a sequence's conv and fp32 recurrent state and writes them back (0 for
+    models without state layers)."""
+    from ..engine.state_cache import state_bytes_per_row
+    return 2 * batch * state_bytes_per_row(cfg, dtype_bytes, tp_size)
 
 
 def count_kernels(fn, device: torch.device, steps: int = 1):
