@@ -34,14 +34,23 @@ def test_bench_serve_mt_bench(smol_server, tmp_path):
     assert doc["config"]["model"] == "smollm2"
 
 
-def test_bench_serve_random_with_plot(smol_server, tmp_path):
+def test_bench_serve_random(smol_server, tmp_path):
+    """The random dataset (no matplotlib needed: the plot has its own test)."""
+    _, doc = bench(smol_server, tmp_path, "--dataset", "random", "--input-len", "12", "--output-len", "3",
+                   "--num-prompts", "4", "--concurrency", "2", "--request-rate", "50")
+    assert doc["successful_requests"] == 4 and doc["failed_requests"] == 0
+    assert doc["total_input_tokens"] == 4 * 12 and doc["total_output_tokens"] == 4 * 3
+    assert len(doc["ttfts_s"]) == 4
+
+
+def test_bench_serve_plot(smol_server, tmp_path):
+    """--plot writes the TTFT / ITL histograms (matplotlib: in the test extras)."""
     pytest.importorskip("matplotlib")
     png = tmp_path / "dist.png"
     _, doc = bench(smol_server, tmp_path, "--dataset", "random", "--input-len", "12", "--output-len", "3",
-                   "--num-prompts", "4", "--concurrency", "2", "--request-rate", "50", "--plot", str(png))
-    assert doc["successful_requests"] == 4
-    assert doc["total_input_tokens"] == 4 * 12 and doc["total_output_tokens"] == 4 * 3
-    assert png.stat().st_size > 1000
+                   "--num-prompts", "2", "--concurrency", "2", "--plot", str(png))
+    assert doc["successful_requests"] == 2
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
 
 
 def test_bench_serve_jsonl_file(smol_server, tmp_path):
