@@ -109,3 +109,39 @@ def hf_logprobs(model, prompt: list, generated: list) -> torch.Tensor:
         lp = model(ids).logits[0].float().log_softmax(-1)
     pos = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(generated))
     return lp[pos, torch.tensor(generated)]
+
+
+def assert_greedy_agrees(ref_llm, llm, prompts: list, n: int, tol: float):
+    """``llm`` (lower-precision weights) against ``ref_llm`` over the whole greedy sequence of
+    ``n`` tokens of each prompt, where rounding can genuinely flip a near tie:
+
+    * teacher-forced on the reference's own sequence (one request per prefix), at every step
+      ``llm``'s logprob of the reference token is within ``tol`` of the reference's, and its
+      greedy token is the reference's unless the reference ranks ``llm``'s choice within
+      ``2 * tol`` of its own (a near tie, which logprob errors of ``tol`` can flip);
+    * free-running, the two sequences are equal up to their first difference, and there the
+      reference's own logprobs show a near tie in the same sense.
+
+    Returns the steps (prompt index, step, reference token, its logprob, ``llm``'s token, the
+    reference's logprob of it) where the tokens differ, teacher-forced."""
+    from blitzllm import SamplingParams
+    p = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=5)
+    refs, outs = ref_llm.generate(prompts, p), llm.generate(prompts, p)
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=20)
+    flips = []
+    for k, (prompt, a, b) in enumerate(zip(prompts, refs, outs)):
+        prefixes = [prompt + a.token_ids[:i] for i in range(n)]
+        for i, (r, o) in enumerate(zip(ref_llm.generate(prefixes, one), llm.generate(prefixes, one))):
+            t, u = a.token_ids[i], o.token_ids[0]
+            assert r.token_ids[0] == t, (k, i, "the reference's prefill and decode disagree")
+            lr, lo = r.logprobs[0], o.logprobs[0]
+            assert t in lo and abs(lo[t] - lr[t]) <= tol, (k, i, t, lr[t], lo.get(t))
+            if u != t:
+                assert u in lr and lr[t] - lr[u] <= 2 * tol, (k, i, t, lr[t], u, lr.get(u), "not a near tie")
+                flips.append((k, i, t, lr[t], u, lr[u]))
+        if a.token_ids != b.token_ids:
+            j = next(i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y)
+            lp = a.logprobs[j]
+            assert b.token_ids[j] in lp and lp[a.token_ids[j]] - lp[b.token_ids[j]] <= 2 * tol, (
+                k, j, a.token_ids, b.token_ids, lp)
+    return flips

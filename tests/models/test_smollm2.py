@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from blitzllm import SamplingParams
-from tests.conftest import hf_greedy
+from tests.conftest import assert_greedy_agrees, hf_greedy, hf_logprobs
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -36,10 +36,8 @@ def test_greedy_matches_transformers(smollm2_llm, hf_model):
     for q, prompt, out in zip(QUESTIONS, prompts, outs):
         ref = hf_greedy(hf_model, prompt, 64)
         assert out.token_ids == ref, f"divergence for {q!r}"
-        with torch.no_grad():
-            first = hf_model(torch.tensor([prompt])).logits[0, -1].float().log_softmax(-1)
-        tok = out.token_ids[0]
-        assert abs(out.logprobs[0][tok] - first[tok].item()) < 1e-3
+        ours = torch.tensor([lp[t] for lp, t in zip(out.logprobs, out.token_ids)])
+        torch.testing.assert_close(ours, hf_logprobs(hf_model, prompt, out.token_ids), atol=1e-3, rtol=0)
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
 
 
@@ -62,8 +60,11 @@ def test_int4_weights_reencode_the_q4_gguf(smollm2_llm):
     x = torch.randn(5, f_layer.in_features, generator=torch.Generator().manual_seed(0))
     ref, got = f_layer(x), q_layer(x)
     assert (got - ref).abs().max() <= 1e-2 * ref.abs().max()  # bf16 activations + scales
-    p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    # all 12 tokens of each answer, teacher-forced on the fp32 engine's: logprobs within 0.2
+    # (bf16 activations over 30 layers: mostly under 0.05) and the same greedy token but at a
+    # near tie (the third answer's 9th token: 2933 over 416 by 0.002 in fp32, taken the other
+    # way in int4)
     prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS[:3]]
-    for a, b in zip(llm.generate(prompts, p), smollm2_llm.generate(prompts, p)):
-        assert a.token_ids[:4] == b.token_ids[:4]
+    flips = assert_greedy_agrees(smollm2_llm, llm, prompts, 12, tol=0.2)
+    assert len(flips) <= 1
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]

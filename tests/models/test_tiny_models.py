@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from blitzllm import LLM, SamplingParams
-from tests.conftest import hf_greedy, hf_logprobs, make_tiny_checkpoint
+from tests.conftest import assert_greedy_agrees, hf_greedy, hf_logprobs, make_tiny_checkpoint
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
@@ -36,19 +36,26 @@ def test_tied_embeddings_and_sharded_index(tmp_path):
 
 def test_bf16_weights_fp32_activations(tmp_path):
     """weight_dtype='bfloat16' stores linear weights in bf16 (half the bytes on CPU) while
-    activations, norms, the embedding and the KV cache stay fp32: close to the fp32 run."""
+    activations, norms, the embedding and the KV cache stay fp32: close to the fp32 run over
+    all 8 tokens. The bf16 weights move logprobs by up to ~0.04, and the fp32 run's 4th token
+    is a near tie (252 at -1.746 over 9 at -1.816), which the bf16 run takes the other way:
+    so the whole sequence is compared teacher-forced, logprobs within 0.05 and the same
+    greedy token except at such ties (tests/conftest.py assert_greedy_agrees)."""
     make_tiny_checkpoint("llama", tmp_path, seed=3, tie_word_embeddings=True)
     prompt = [3, 14, 15, 92, 65, 35]
-    p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
     full = LLM(str(tmp_path), device="cpu", dtype="float32", kv_cache_blocks=16)
     half = LLM(str(tmp_path), device="cpu", dtype="float32", weight_dtype="bfloat16", kv_cache_blocks=16)
     m = half.engine.runner.model
     assert m.lm_head.weight.dtype == torch.bfloat16 and m.model.embed_tokens.weight.dtype == torch.float32
     assert m.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
-    a = full.generate([prompt], p)[0]
-    b = half.generate([prompt], p)[0]
-    assert a.token_ids[0] == b.token_ids[0]
-    assert abs(a.logprobs[0][a.token_ids[0]] - b.logprobs[0][b.token_ids[0]]) < 0.05
+    flips = assert_greedy_agrees(full, half, [prompt], 8, tol=0.05)
+    assert len(flips) <= 1
+    # the check bites: another checkpoint's weights (seed 4) fail it
+    other = tmp_path / "other"
+    make_tiny_checkpoint("llama", other, seed=4, tie_word_embeddings=True)
+    with pytest.raises(AssertionError):
+        assert_greedy_agrees(full, LLM(str(other), device="cpu", dtype="float32", kv_cache_blocks=16), [prompt], 8,
+                             tol=0.05)
 
 
 @pytest.mark.parametrize("glu", [False, True])
