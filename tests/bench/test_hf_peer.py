@@ -42,12 +42,31 @@ def test_single_estimate_and_bad_repeats(monkeypatch):
 
 
 def test_real_transformers_model_on_cpu():
-    """A tiny random transformers Llama decodes; the estimate is a positive time per token."""
+    """A tiny random transformers Llama decodes: each generate gives exactly the tokens asked
+    for (no early stop: the estimate's T(n) - T(1) spans n - 1 decode steps), and the estimate
+    is the median of (T(6) - T(1)) / 5 over the repeats, from the times of the very calls (timed
+    here around generate, so the launcher's own overhead of microseconds is all that differs)."""
+    import time
+
     import transformers
     conf = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(conf).eval()
     prompts = torch.randint(0, 64, (2, 5))
+    calls = []
+    real_generate = hf.generate
+
+    def generate(inputs, **kw):
+        t0 = time.perf_counter()
+        out = real_generate(inputs, **kw)
+        calls.append((kw["max_new_tokens"], out.shape[1] - inputs.shape[1], time.perf_counter() - t0))
+        return out
+
+    hf.generate = generate
     got = hf_peer.hf_decode_seconds_per_token(hf, prompts, 6, compiled=False, repeats=3)
-    assert 0.0 < got < 5.0
+    assert [c[0] for c in calls] == [6, 6, 1, 6, 1, 6, 1]  # warm-up, then (T(6), T(1)) three times
+    assert all(asked == made for asked, made, _ in calls)
+    est = sorted(max(t6 - t1, 1e-9) / 5 for (_, _, t6), (_, _, t1) in zip(calls[1::2], calls[2::2]))
+    assert got == pytest.approx(est[1], rel=0.02, abs=2e-5)
+    assert got > 0
