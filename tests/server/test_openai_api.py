@@ -54,12 +54,26 @@ def test_models(smol_server):
     assert c.models.retrieve(MODEL).id == MODEL
 
 
-def test_chat_completion_and_usage(smol_server):
+@pytest.fixture(scope="module")
+def offline(request):
+    """The offline engine the server runs (its defaults: fp32 on a CPU), for the greedy answers
+    the server's must equal."""
+    import torch
+    if not torch.cuda.is_available():
+        return request.getfixturevalue("smollm2_llm")  # (LLM("smollm2", dtype="float32", device="cpu"))
+    from blitzllm import LLM
+    return LLM("smollm2")
+
+
+def test_chat_completion_and_usage(smol_server, offline):
+    from blitzllm import SamplingParams
     r = client(smol_server).chat.completions.create(model=MODEL, messages=MSG, max_tokens=12, temperature=0)
     assert r.object == "chat.completion" and r.model == MODEL
     ch = r.choices[0]
-    assert ch.index == 0 and ch.message.role == "assistant" and ch.message.content
-    assert ch.finish_reason in ("stop", "length")
+    assert ch.index == 0 and ch.message.role == "assistant"
+    want = offline.chat(MSG, SamplingParams(temperature=0, max_tokens=12))[0]  # the same greedy answer offline
+    assert ch.message.content == want.text and "Paris" in want.text
+    assert ch.finish_reason == want.finish_reason and r.usage.completion_tokens == len(want.token_ids)
     assert r.usage.prompt_tokens == tokens_of(smol_server, messages=MSG)
     assert 1 <= r.usage.completion_tokens <= 12
     if ch.finish_reason == "length":
@@ -67,11 +81,14 @@ def test_chat_completion_and_usage(smol_server):
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
 
 
-def test_completion_usage_and_echo(smol_server):
+def test_completion_usage_and_echo(smol_server, offline):
+    from blitzllm import SamplingParams
     c = client(smol_server)
     prompt = "The capital of France is"
     r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
-    assert r.object == "text_completion" and r.choices[0].text
+    assert r.object == "text_completion"
+    want = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert r.choices[0].text == want.text and len(want.token_ids) == 8
     assert r.choices[0].finish_reason == "length"
     assert r.usage.prompt_tokens == tokens_of(smol_server, prompt=prompt)
     assert r.usage.completion_tokens == 8
