@@ -83,7 +83,6 @@ class GatedDeltaNet(nn.Module):
         self.norm = RMSNormGated(head_v_dim, eps)
         vd = num_v_heads * head_v_dim
         self.out_proj = row_linear(vd, hidden, tp, part=Part(1, v0 * head_v_dim, hv * head_v_dim, vd))
-        self.decode_knobs = None  # the engine's kernel knobs (the decode plan sets them)
 
     # ---- shapes of this rank's state -----------------------------------------------------
     @property
@@ -118,8 +117,8 @@ class GatedDeltaNet(nn.Module):
 
     def _rule(self, proj: torch.Tensor, rnd, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> torch.Tensor:
         """Conv + gated delta rule of one round's tokens (proj rows in the round's order),
-        reading and writing the rows' states -> o [T_r, Hv, dv]."""
-        reference = self.decode_knobs is not None and self.decode_knobs.reference
+        reading and writing the rows' states -> o [T_r, Hv, dv]. (BLITZ_REFERENCE reaches the ops
+        through ``kernels._common.reference_ops``.)"""
         hk, dk, hv, dv, C = self.hk, self.dk, self.hv, self.dv, self.conv_dim
         mixed = proj[:, :C]
         b = proj[:, C + hv * dv:C + hv * dv + hv]
@@ -127,14 +126,14 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight.squeeze(1)
         if rnd.pure_decode:
             q, k, v, g, beta = ops.post_conv_decode(mixed, a, b, conv_state, rnd.slots, weight, None, self.A_log,
-                                                    self.dt_bias, hk, dk, hv, dv, reference=reference)
-            return ops.gated_delta_rule_decode(q, k, v, g, beta, ssm_state, rnd.slots, reference=reference)
+                                                    self.dt_bias, hk, dk, hv, dv)
+            return ops.gated_delta_rule_decode(q, k, v, g, beta, ssm_state, rnd.slots)
         y = ops.causal_conv1d_prefill(mixed, weight, None, conv_state, rnd.slots, rnd.has_initial, rnd.cu_seqlens,
-                                      rnd.host, reference=reference)
+                                      rnd.host)
         q, k, v = ops.split_qkv(y, hk, dk, hv, dv)
         g, beta = ops.gdn_gates(a, b, self.A_log, self.dt_bias)
         return ops.gated_delta_rule_prefill(q, k, v, g, beta, ssm_state, rnd.slots, rnd.has_initial, rnd.cu_seqlens,
-                                            rnd.host[2], reference=reference)
+                                            rnd.host[2])
 
     # ---- checkpoint ----------------------------------------------------------------------
     def _row_maps(self) -> dict:

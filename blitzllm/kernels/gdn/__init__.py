@@ -1,6 +1,6 @@
 """Gated delta net (GDN) ops: the entry points a GDN layer calls, each dispatching to CUDA
-kernels or to its torch reference (``reference.py``; every op also takes ``reference=True``
-to force it, the ``BLITZ_REFERENCE`` knob).
+kernels or to its torch reference (``reference.py``; inside ``kernels._common.reference_ops``,
+the ``BLITZ_REFERENCE`` knob, or with ``reference=True`` every op takes its reference).
 
 - ``causal_conv1d_prefill``: depthwise causal conv + SiLU of a varlen batch continuing
   from (and updating) per-sequence conv states. CUDA: fla-core's Triton ``causal_conv1d``.
