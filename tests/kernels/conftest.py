@@ -211,13 +211,13 @@ def assert_close_ulps(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype =
 
 
 def sm90_compile(call: str) -> str:
-    """stdout of ``scripts/ptxas_check.py``'s ``call`` (e.g. ``"fp8_weights()"``) run in a fresh
+    """stdout of ``tools/ptxas_check.py``'s ``call`` (e.g. ``"fp8_weights()"``) run in a fresh
     process with the stand-in sm_90 driver (a compile for Hopper on any machine); fails the
     test where it fails."""
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    code = ("import sys; sys.path.insert(0, 'scripts'); sys.path.insert(0, '.')\n"
+    code = ("import sys; sys.path.insert(0, 'tools'); sys.path.insert(0, '.')\n"
             "import ptxas_check as pc, triton.runtime.driver as drv\n"
             f"drv.set_active(pc._Sm90()); pc.{call}\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=root, env=dict(os.environ, TRITON_INTERPRET="0"),

@@ -5,7 +5,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from blitzllm.kernels.paged_attention import (  # noqa: E402
+from blitzllm.kernels.attention.paged import (  # noqa: E402
     paged_decode_attention, paged_decode_attention_triton, paged_prefill_attention,
     paged_prefill_attention_triton, reference_paged_decode_attention,
     reference_paged_prefill_attention)
@@ -72,7 +72,7 @@ def test_decode_partials_merge_to_the_output(case, device):
     """partials=True: the splits' partials, unmerged (idle splits exit), merge in torch
     (``merge_decode_partials``) to the reference output; the launch zeroes the given fp32
     buffer; at least two splits even where one was asked for."""
-    from blitzllm.kernels.paged_attention import active_splits, merge_decode_partials
+    from blitzllm.kernels.attention.paged import active_splits, merge_decode_partials
     seq_lens, hq, hkv, d, bs = case
     kc, vc, tables, seq = make_cache(seq_lens, hkv, d, bs, torch.float32, device)
     q = torch.randn(len(seq_lens), hq, d).to(device)
@@ -93,7 +93,7 @@ def test_decode_combine_rounds(hq, hkv, d, per_round, device):
     """The fused combine (8 warps: 8 or more query heads per KV head) over 10 active splits,
     taking their partials in one round (1024 values per warp: 16 splits of G 8, D 64), in two
     (8 splits of D 128) or one split a round (G 32, D 256): the same output."""
-    import blitzllm.kernels.paged_attention as pa
+    import blitzllm.kernels.attention.paged as pa
     g = hq // hkv
     assert pa.decode_warps(g) == 8
     assert pa._COMBINE_ELEMS_PER_WARP * 8 // (g * d) == per_round  # the launcher's splits per round
@@ -256,8 +256,8 @@ def test_fused_decode_matches_unfused_reference(case, dtype, device):
     """q/k norm + rotary + cache write + decode attention in one launch == the reference
     norm/rope/cache-write followed by the reference paged decode attention; the cache ends
     up identical, and a padding row (slot -1) writes nothing."""
-    from blitzllm.kernels.paged_attention import fused_decode_attention_triton
-    from blitzllm.kernels.qk_norm_rope_cache import reference_qk_norm_rope_cache
+    from blitzllm.kernels.attention.paged import fused_decode_attention_triton
+    from blitzllm.kernels.attention.qk_norm_rope_cache import reference_qk_norm_rope_cache
     seq_lens, hq, hkv, d, rot, bs, norm, splits = case
     g = torch.Generator().manual_seed(len(seq_lens) * 7 + d)
     kc, vc, tables, seq = make_cache(seq_lens, hkv, d, bs, dtype, device)
@@ -290,5 +290,5 @@ def test_fused_decode_matches_unfused_reference(case, dtype, device):
 
 def test_decode_warps_default():
     """8 warps per decode program from 8 query heads per KV head on, else 4."""
-    from blitzllm.kernels import paged_attention as pa
+    from blitzllm.kernels.attention import paged as pa
     assert [pa.decode_warps(g) for g in (1, 2, 4, 6, 8, 16)] == [4, 4, 4, 4, 8, 8]

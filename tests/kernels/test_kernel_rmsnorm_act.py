@@ -5,7 +5,7 @@ pytest.importorskip("triton")
 
 from blitzllm.kernels.activation import (  # noqa: E402
     reference_silu_and_mul, silu_and_mul, silu_and_mul_triton)
-from blitzllm.kernels.rmsnorm import (  # noqa: E402
+from blitzllm.kernels.norm.rmsnorm import (  # noqa: E402
     fused_add_rms_norm, fused_add_rms_norm_triton, reference_fused_add_rms_norm,
     reference_rms_norm, rms_norm, rms_norm_triton)
 from tests.kernels.conftest import assert_close_ulps  # noqa: E402
