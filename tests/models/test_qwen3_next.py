@@ -281,3 +281,23 @@ def test_speculation_rolls_the_state_back(checkpoint):
     check_generate(llm, hf, prompts, n=24)
     st = llm.stats()
     assert 0 < st["spec_accepted_tokens"] < st["spec_draft_tokens"]
+
+
+def test_abort_and_no_prefix_caching_free_everything(tmp_path):
+    """A request aborted mid-generation gives its blocks and its state slot back at once;
+    without prefix caching no snapshots are kept and the outputs are transformers'."""
+    from blitzllm import SamplingParams
+    hf = make_hybrid_checkpoint("qwen3_5_text", tmp_path, seed=9)
+    llm = _llm(tmp_path)
+    eng = llm.engine
+    eng.add_request("a", _prompts((30,))[0], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    assert llm.stats()["state_slots_free"] == llm.stats()["state_slots_total"] - 1
+    assert eng.abort_request("a")
+    assert_no_leaks(llm)
+    llm = _llm(tmp_path, enable_prefix_caching=False)
+    check_generate(llm, hf, _prompts((17, 40)))
+    check_generate(llm, hf, _prompts((17, 40)))
+    st = llm.stats()
+    assert st["state_snapshots_total"] == st["state_snapshots_cached"] == st["prefix_cache_hit_tokens"] == 0
