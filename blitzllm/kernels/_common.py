@@ -76,10 +76,8 @@ def capability(t: torch.Tensor) -> tuple:
 
 
 def pdl_enabled(t: torch.Tensor) -> bool:
-    """Programmatic dependent launch (Hopper+): a kernel launched with it may start while
-    the kernel before it finishes; it does its independent work (index math, weight loads)
-    and then waits (``pdl_wait``) for the previous kernel's writes. ``BLITZ_PDL=0`` turns it
-    off."""
+    """Whether kernels on ``t``'s device launch with programmatic dependent launch (Hopper+): they
+    may start while the kernel before finishes, then ``pdl_wait``. ``BLITZ_PDL=0`` turns it off."""
     if not use_triton(t) or not envs.get("BLITZ_PDL"):
         return False
     return capability(t)[0] >= 9
@@ -99,9 +97,7 @@ def pdl_wait(USE_PDL: tl.constexpr):
 
 @triton.jit
 def pdl_launch_dependents(USE_PDL: tl.constexpr):
-    """Let the next PDL kernel launch once every program of this one got here. Kernels call it
-    after their main loop (or, where the next kernel streams its weights before its own wait,
-    at their start): triggering right after the wait instead let the waiting dependents take
-    SM slots from the running kernel and measured slower."""
+    """Let the next PDL kernel launch once every program of this one got here: after the main
+    loop, or at the start where the next kernel streams its weights before its own wait."""
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()

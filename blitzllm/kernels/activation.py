@@ -1,8 +1,5 @@
-"""SwiGLU gate: ``silu(x[..., :I]) * x[..., I:]``.
-
-Numerics follow the HF MLP ``act_fn(gate_proj(x)) * up_proj(x)``: silu is
-computed in fp32 and rounded to the input dtype, then multiplied by ``up``
-(the product rounded to the input dtype).
+"""SwiGLU gate ``silu(x[..., :I]) * x[..., I:]`` with the HF MLP's numerics: silu in fp32
+rounded to the input dtype, then times ``up`` (the product rounded to the input dtype).
 """
 import torch
 import torch.nn.functional as F

@@ -1,14 +1,6 @@
-"""Greedy sampling in one launch: per row the argmax token and its log-probability
-(max logit - logsumexp) of raw logits [B, V].
-
-The eager way takes a float copy, an argmax reduction, a logsumexp (max, exp, sum, log)
-and a gather: about eight kernels and 25 us per decode step at a 152k vocabulary on the
-H200, for 0.6 MB of logits. Here program (b, s) reduces the s-th slice of row b to a
-running (max, first index of the max, sum of exp(x - max)) and writes it to a workspace;
-the program arriving last for the row (an acq_rel counter, reset for the next launch)
-merges the slices. Ties go to the lowest index, as torch.argmax. No host sync and no
-allocation besides the outputs once the workspace exists, so it can follow a CUDA graph
-replay (or be captured in one).
+"""Greedy sampling in one launch: per row of raw logits [B, V] the argmax (ties to the lowest
+index, as torch.argmax) and its log-probability, by a split-row kernel whose last program to
+arrive merges; cached workspace, no host sync, CUDA-graph safe.
 """
 from __future__ import annotations
 

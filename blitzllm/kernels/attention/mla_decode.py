@@ -1,22 +1,6 @@
-"""Multi-head latent attention (DeepSeek MLA) decode over the paged latent cache, in the
-absorbed form: W_kv_b's key half is folded into the query and its value half applied to
-the output by the caller, so attention reads only the cache.
-
-Cache: [num_blocks, block_size, 1, R + P] per layer: the normalised compressed latent
-(R = kv_lora_rank) then the rotated rope key (P = qk_rope_head_dim). Every head attends
-to the same latent rows, so a Triton program takes a block of BLOCK_H heads and a run of
-cache tiles: each [BLOCK_N, R + P] tile is loaded once and used by both products,
-S = q_latent @ c^T + q_rope @ k_rope^T and acc += softmax(S) @ c (fp32 online softmax,
-exp2 with the scale folded in). At DeepSeek-V3's H = 128 that is ~240 flops per cache
-byte: the kernel is bound by tensor-core throughput as much as by HBM, so it needs every
-SM busy even at batch 1. The context is split (split-K) so that batch x head blocks x
-splits fills the GPU about once; a sequence whose context fits one split writes its
-output directly, longer ones leave normalised fp32 partials and a log-sum-exp that a
-second, small launch combines per (sequence, head, 128-wide slice of R). That combine is
-a launch of its own (paged_attention folds it into the last split) because a split's
-partial is BLOCK_H x R fp32 (128 KB at 64 x 512): one program combining 64 of them
-serially would take longer than the attention. Neither launch syncs with the host and the grid depends only on shapes,
-so the op can be captured in a CUDA graph.
+"""DeepSeek MLA decode over the paged latent cache [num_blocks, block_size, 1, R + P] in the
+absorbed form (W_kv_b folded in by the caller): the split-K kernel, its combine launch and
+their heuristic; no host sync (docs/gpu-performance.md#mla).
 """
 from __future__ import annotations
 
@@ -151,13 +135,7 @@ def _mla_combine_kernel(
 def mla_config(B: int, H: int, R: int, max_ctx: int, sms: int, config: Optional[dict] = None,
                fp32: bool = False) -> dict:
     """Launch settings: heads per program, tokens per tile, warps, stages, context splits.
-    Entries of `config` override the heuristic (the benchmark sweeps them).
-
-    From sm_90 compiles at R = 512, P = 64 (ptxas, no spills): 64 heads x 32 tokens with
-    8 warps is wgmma with q and a double-buffered tile in shared memory (~147 KB, ~243
-    registers: one program per SM); 32 heads need 8 warps (4 spill); 16 heads x 32
-    tokens with 4 warps is mma.sync at ~226 registers, two per SM. An fp32 cache runs
-    exact fp32 FMA products, whose operands live in registers: 16 x 16 tiles."""
+    Entries of `config` override the heuristic (the benchmark sweeps them)."""
     cfg = dict(config or {})
     block_h = cfg.get("BLOCK_H") or (16 if fp32 else 64 if H > 32 else max(16, next_pow2(H)))
     block_n = cfg.get("BLOCK_N") or (16 if fp32 or next_pow2(R) < 256 else 32)

@@ -1,19 +1,7 @@
-"""Fused MLA attention prologue: latent RMSNorm + rotary on the rope parts + latent-cache write.
-
-For each token of a step, MLA needs (``layers/mla.py``): the compressed latent normalised by
-``kv_a_layernorm``; the shared rope key and every head's rope query rotated; and
-``[latent, k_pe]`` written into the paged latent cache. In torch that is a dozen small
-launches per layer (split copies, the de-interleave, two concatenations, the rotation, the
-masked cache write). One launch does it here: program (t, 0) normalises token t's latent,
-rotates its k_pe and stores both into the cache (slots < 0 are not written); programs
-(t, 1 + j) rotate a block of ``HEADS_PER_PROG`` query heads into ``q_pe``.
-
-Rotary layout as ``MLAttention._rope``: with ``interleave`` the rope dims come as (x0, x1)
-pairs and the result is stored rotate-half style (the pair's first elements, then the
-second ones), the order transformers' interleaved rope returns; q and k use the same
-layout, so their dot products are those of the checkpoint's convention. Numerics: the norm
-as ``reference_rms_norm`` (fp32 statistics, normalised value rounded, times the weight,
-rounded); the rotation in fp32 with the fp32 cos/sin cache, rounded once.
+"""Fused MLA attention prologue in one launch: latent RMSNorm + rotary on the rope parts +
+latent-cache write (program (t, 0)) and the query heads' rotary (programs (t, 1 + j)),
+instead of a dozen torch ops per layer; numerics as ``MLAttention``'s torch steps
+(docs/gpu-performance.md#mla).
 """
 import torch
 

@@ -1,8 +1,6 @@
-"""Attention over the paged KV cache: split-K decode and varlen causal prefill (the launchers,
-their torch references and the public ops; the Triton kernels are in ``paged_kernels.py``).
-
-Neither launcher syncs with the host, so both can be captured in a CUDA graph (the decode
-grid depends only on B, Hkv and the SM count).
+"""Attention over the paged KV cache: split-K decode (optionally fused with q/k norm, rotary and
+the cache write) and varlen causal prefill: the launchers, their torch references and the
+public ops (the Triton kernels are ``paged_kernels.py``). No host sync: CUDA-graph safe.
 """
 import functools
 from typing import Optional
@@ -25,15 +23,11 @@ def _check_cache(q, k_cache, v_cache):
     return hq, hkv, d
 
 
-# The most splits of one sequence's context in decode: enough programs to cover the GPU for
-# short batches; fewer splits (down to 1: one program per (sequence, KV head) walks the whole
-# context, no partials or combine) measured slower.
+# Decode constants (docs/gpu-performance.md#decode-attention): the most splits of one
+# sequence's context, enough programs to cover the GPU for short batches; keys per tile; fp32
+# partial values per warp the combine loads a round (its rounds' L2 round trips are dependent).
 _MAX_SPLITS = 32
-# Keys per decode tile: 32 beat 64 at every batch measured.
 _DECODE_BLOCK_N = 32
-# The decode combine loads the partials of several splits per round (the rounds' L2 round trips
-# are dependent): up to 1024 fp32 values per warp, i.e. 32 per thread. With 8 query heads per KV
-# head (8 warps, D 128) that is 8 splits a round, so a context of up to 256 keys takes one round.
 _COMBINE_ELEMS_PER_WARP = 1024
 
 
@@ -64,12 +58,10 @@ def paged_decode_attention_triton(
     num_stages: int = 2, early_v: bool = True, fused_reduce: bool = True, _fuse=None,
     num_warps: Optional[int] = None, early_dependents: bool = False,
 ):
-    """q [B, Hq, D] -> [B, Hq, D]. ``num_splits`` / ``block_n`` / ``num_warps``: the split
-    count, keys per tile and warps per program (defaults: ``_default_splits``,
-    ``_DECODE_BLOCK_N``, ``decode_warps``). ``fused_reduce``: the split that finishes last
-    merges the partials (else a second launch does). ``early_dependents`` (PDL): the next
-    kernel may launch as this one starts (a GEMV that streams its weights before its wait:
-    ``kernels/gemv/gemv_tma.py``)."""
+    """q [B, Hq, D] -> [B, Hq, D]. ``num_splits`` / ``block_n`` / ``num_warps`` default to
+    ``_default_splits``, ``_DECODE_BLOCK_N``, ``decode_warps``. ``fused_reduce``: the last split
+    to finish merges the partials (else a second launch). ``early_dependents`` (PDL): the next
+    kernel may launch as this one starts (the TMA GEMV)."""
     hq, hkv, d = _check_cache(q, k_cache, v_cache)
     B = q.shape[0]
     if q.stride(2) != 1:
@@ -131,11 +123,9 @@ def fused_decode_attention_triton(
     num_splits: Optional[int] = None, block_n: Optional[int] = None, num_warps: Optional[int] = None,
     early_dependents: bool = False,
 ):
-    """One decode step of one layer in one launch: per-head q/k RMSNorm (optional) + rotary
-    + writing the new k/v into the paged cache (``fused_qk_norm_rope_cache_triton``) and
-    paged decode attention (``paged_decode_attention_triton``), same numerics. Each query
-    token must be its sequence's only new token (a plain decode step: rows never read each
-    other's new k/v). qkv [B, (Hq + 2 Hkv) * D] -> [B, Hq, D]."""
+    """One decode step of one layer in one launch, qkv [B, (Hq + 2 Hkv) * D] -> [B, Hq, D]: the
+    numerics of ``fused_qk_norm_rope_cache_triton`` then ``paged_decode_attention_triton``. Each
+    query token must be its sequence's only new token (rows never read each other's new k/v)."""
     rot = _check_qk(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, rotary_dim,
                     q_norm_weight, k_norm_weight, False)
     assert (q_norm_weight is None) == (k_norm_weight is None)

@@ -1,10 +1,7 @@
-"""The Triton kernels of attention over the paged KV cache (launchers: ``paged.py``).
-
-Both the split-K decode kernel and the varlen causal prefill kernel handle GQA by packing
-the G = Hq // Hkv query heads that share a kv head into the rows of one tile, so every K/V
-tile is read once per kv head. Scores and softmax statistics are fp32 (exp2 with the scale
-folded in); the probabilities are cast to the cache dtype for the P @ V product, as flash
-attention does.
+"""The Triton kernels of attention over the paged KV cache (launchers: ``paged.py``). GQA packs
+the Hq // Hkv query heads of a kv head into one tile's rows, so each K/V tile is read once per
+kv head; scores and softmax statistics in fp32 (exp2, scale folded in), the probabilities cast
+to the cache dtype for P @ V, as flash attention does.
 """
 from .._common import pdl_launch_dependents, pdl_wait, tl, triton
 from .qk_norm_rope_cache import _norm_rope_apply, _norm_rope_params

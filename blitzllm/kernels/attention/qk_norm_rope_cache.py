@@ -1,16 +1,7 @@
-"""Fused q/k RMSNorm + neox rotary + paged KV-cache write.
-
-The norm is per head (Qwen3: weights of D values, one rstd per head) or, with
-``full_width_norm``, over all heads of q and of k at once (MiniMax-M2: weights of
-Hq*D and Hkv*D values, one rstd per token for q and one for k).
-
-One launch handles a whole step: program (t, 0) rotates the q heads of token
-t, (t, 1) the k heads (stored straight into ``k_cache``), (t, 2) copies the v
-heads into ``v_cache``. Slots < 0 are not written.
-
-Numerics (shared with ``reference_qk_norm_rope_cache``): the optional norm is
-HF style (fp32 normalize, round to the model dtype, times weight, round); the
-rotation is done in fp32 with the fp32 cos/sin cache and rounded once.
+"""Fused q/k RMSNorm (per head, or ``full_width_norm`` over all heads) + neox rotary + paged
+KV-cache write in one launch: program (t, 0) token t's q heads, (t, 1) its k heads, (t, 2) its
+v heads (slots < 0 not written). Numerics as ``reference_qk_norm_rope_cache``: HF-style norm,
+rotation in fp32 with the fp32 cos/sin cache, rounded once.
 """
 from typing import Optional
 
@@ -25,11 +16,9 @@ def _norm_rope_params(
     HAS_NORM: tl.constexpr, FULL_NORM: tl.constexpr, H_PAD: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr, ROT: tl.constexpr,
 ):
-    """What ``_norm_rope_apply`` needs besides the heads: norm weights at each dim and at its
-    rotary partner (fp32; [D_PAD], or [H_PAD, D_PAD] with FULL_NORM; ones without norm) and
-    cos / sin [D_PAD] of the position whose row of the cos|sin cache is at cs_ptr.
-    Independent of the heads' values, so a kernel may load them before waiting on the
-    kernel that writes the heads."""
+    """What ``_norm_rope_apply`` needs besides the heads, independent of their values (so loadable
+    before the PDL wait): fp32 norm weights at each dim and its rotary partner ([D_PAD], or
+    [H_PAD, D_PAD] with FULL_NORM; ones without norm) and cos / sin [D_PAD] of the row at cs_ptr."""
     HALF: tl.constexpr = ROT // 2
     offs_h = tl.arange(0, H_PAD)
     offs_d = tl.arange(0, D_PAD)

@@ -1,44 +1,7 @@
-"""Skinny GEMM ``y = x @ W^T (+ bias)`` for decode: x [M <= 16, K], W [N, K] row-major.
-
-At batch 1-16 a linear layer is bound by reading W from HBM; the work per weight
-is M multiply-adds. One launch reads every weight once, for all M rows, with
-16-byte vector loads along K (W's contiguous dimension). Two ways to spread it:
-
-(a) split over N (``SPLIT_K == 1``): program n owns BLOCK_N output columns,
-    loops over K in BLOCK_K chunks ([BLOCK_N, BLOCK_K] tile of W plus the
-    [M, BLOCK_K] slice of x, which stays in L2) and writes its [M, BLOCK_N]
-    block. Enough when cdiv(N, BLOCK_N) alone fills the GPU (qkv, gate_up, lm_head).
-(b) split-K in the same launch (``SPLIT_K > 1``), for small N (o_proj / down,
-    small models): program (n, s) reduces the s-th BLOCK_K-aligned K range and
-    adds its fp32 partial into a workspace (relaxed atomics), then, after a CTA
-    barrier, bumps the n-tile's arrival counter (acq_rel). The program arriving
-    last reads the total from L2, adds the bias, writes the output and zeroes its
-    workspace tile and counter: no second reduce kernel, and the next call (or
-    CUDA-graph replay) starts clean. Partials are summed in arrival order, so
-    split-K results are not bitwise reproducible run to run.
-
-The product is either elementwise fp32 FMAs into a [BLOCK_N, M, BLOCK_K]
-accumulator reduced over K once at the end (``DOT=False``: M <= 2; x is loaded
-through pointers broadcast over N, so it lands in W's register layout), or
-``tl.dot`` on tensor cores (``DOT=True``: from M = 3 on, M FMAs per weight would
-crowd the memory stream). fp32 accumulation either way (IEEE dot for fp32).
-
-With ``silu_mul_input`` x is [M, 2K] (gate | up) and the GEMV input is
-``silu(gate) * up`` with the numerics of ``activation.silu_and_mul``, computed
-on the fly (the [M, K] intermediate never exists). Every N tile recomputes the
-silu of its K range (every warp of it, with DOT), hence wide N tiles then.
-
-``gemv_glu_triton`` takes a packed gate_up W [2I, K] and stores silu(gate) * up [M, I]:
-each program's tile is BLOCK_N // 2 gate rows and the matching up rows, and its epilogue
-applies the SiLU-and-mul to them (no split-K then).
-
-In the FMA path each program keeps the load of its next W tile in flight while it multiplies
-the current one (registers double-buffered: Triton software-pipelines only the loads that feed
-``tl.dot``); one tile ahead, not more, keeps the register budget for the accumulator.
-
-No host sync and no allocation per call besides the output: the split-K
-workspace and counters are cached per (device, size), so once a first call
-(warm-up) has created them the calls can be captured in a CUDA graph.
+"""Skinny GEMM ``y = x @ W^T (+ bias)`` for decode, x [M <= 16, K], W [N, K] row-major: the Triton
+GEMV (split over N, or split-K in the same launch), its SiLU-and-mul input form, the GLU GEMV
+for packed gate_up, their heuristic and when to prefer them over cuBLAS. Knows nothing about
+layers (docs/gpu-performance.md#the-triton-gemv).
 """
 import functools
 from typing import Optional
@@ -141,9 +104,8 @@ def _gemv_kernel(
         x_k = w_k
         x_ptrs = tl.broadcast_to(x_ptr + om[:, :, None] * stride_xm + x_k, (BLOCK_N, M_PAD, BLOCK_K))
         x_mask = om[:, :, None] < M
-    # W does not depend on the kernel before: its first tile loads before the wait (with PDL,
-    # while that kernel ends). The FMA path always loads it first, then keeps the next tile's
-    # load in flight during each tile's FMAs (see the module docstring).
+    # W does not depend on the kernel before: its first tile loads before the PDL wait; the
+    # FMA path then keeps the next tile's load in flight during each tile's FMAs.
     PREFETCH: tl.constexpr = USE_PDL or not DOT
     if PREFETCH:
         w_cur = tl.load(w_ptrs, mask=w_mask & (w_k < K), other=0.0, eviction_policy="evict_first")
@@ -224,29 +186,22 @@ def _gemv_finish(acc, om, on, pid_n, M, N, out_ptr, stride_om, ws_ptr, cnt_ptr, 
 
 
 def _pick_split(n_tiles: int, K: int, block_k: int, sms: int) -> int:
-    """Split K only when the n-tiles alone leave SMs idle; then aim at about 4x SMs programs
-    (the H200 sweep: a split beside >= 1 program per SM only added atomics)."""
+    """Split K only when the n-tiles alone leave SMs idle; then aim at about 4x SMs programs."""
     if n_tiles >= sms:
         return 1
     return max(1, min(triton.cdiv(4 * sms, n_tiles), triton.cdiv(K, block_k)))
 
 
-# prefer_gemv's size limits (weights, up to 2 rows): the plain GEMV and the one with the
-# SiLU-and-mul fused into its input. The fused form's limit is lower because every program
-# recomputes the silu of its K range: past it (Llama-3.1-8B's down_proj, 58.7M weights) a
-# separate SiLU-and-mul kernel then the plain GEMV is faster
+# prefer_gemv's size limits (weights, up to 2 rows), plain and with the SiLU-and-mul fused
+# into the input: lower there, as every program recomputes the silu of its K range.
 _MAX_WEIGHTS = 64 << 20
 _SILU_MAX_WEIGHTS = 32 << 20
 _SILU_EXP_BUDGET = 8 << 20  # silu evaluations per launch the FMA-path heuristic aims under
 
 
 def prefer_gemv(M: int, N: int, K: int, silu_mul_input: bool = False) -> bool:
-    """Whether the GEMV beats cuBLAS for this shape (measured on the H200 with CUDA graphs,
-    benchmarks/gemv_sweep.py): up to 2 rows it wins or ties up to ``_SILU_MAX_WEIGHTS`` with the
-    silu-and-mul fused in and up to ``_MAX_WEIGHTS`` without it (a larger down_proj such as
-    Llama-3.1-8B's runs a SiLU-and-mul kernel, then the plain GEMV, which also spares cuBLAS's
-    split-K reduce launch); with more rows only the smaller matrices gain (split-K where cuBLAS
-    leaves SMs idle)."""
+    """Whether the GEMV beats cuBLAS for this shape: up to 2 rows, up to ``_SILU_MAX_WEIGHTS``
+    weights with the SiLU-and-mul fused in and ``_MAX_WEIGHTS`` without; more rows, up to 16M."""
     if M <= 2:
         return N * K <= (_SILU_MAX_WEIGHTS if silu_mul_input else _MAX_WEIGHTS)
     return N * K <= (16 << 20)
@@ -254,11 +209,8 @@ def prefer_gemv(M: int, N: int, K: int, silu_mul_input: bool = False) -> bool:
 
 def gemv_config(M: int, N: int, K: int, dtype: torch.dtype, sms: int, config: Optional[dict] = None,
                 silu_mul_input: bool = False) -> dict:
-    """Launch parameters: the heuristic, overridden by the keys given in ``config``
-    (a config without SPLIT_K gets the heuristic split for its BLOCK_N / BLOCK_K).
-    Heuristic from the H200 sweep: up to 2 rows, FMA tiles of 2048-8192 weights with about
-    4 programs per SM and no split (n16 k512 with 8 warps for wide N); more rows, tensor-core
-    tiles n16 k256 with split-K only when the N tiles leave SMs idle."""
+    """Launch parameters: the heuristic, overridden by the keys given in ``config`` (a config
+    without SPLIT_K gets the heuristic split for its BLOCK_N / BLOCK_K)."""
     config = dict(config or {})
     unknown = set(config) - set(_CONFIG_KEYS)
     if unknown:
@@ -277,7 +229,7 @@ def gemv_config(M: int, N: int, K: int, dtype: torch.dtype, sms: int, config: Op
             bn //= 2
         bk, warps = (4 if bn == 2 else 2) * vec_k, 4
         # every program evaluates the silu of the whole x (N/bn * K exponentials): wider N tiles
-        # where that count gets large (Llama-3.1-8B's down_proj: bn 4 -> 8, 14.7M -> 7.3M)
+        # where that count gets large
         while silu_mul_input and bn < 8 and triton.cdiv(N, bn) * K > _SILU_EXP_BUDGET:
             bn, bk = bn * 2, 2 * vec_k
     bk = config.get("BLOCK_K") or min(bk, max(16, next_pow2(K)))
@@ -324,7 +276,8 @@ def _launch_operands(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tens
 def gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                 silu_mul_input: bool = False, out: Optional[torch.Tensor] = None,
                 config: Optional[dict] = None) -> torch.Tensor:
-    """x [M, K] (or [M, 2K] gate|up with silu_mul_input), w [N, K] -> [M, N] in x.dtype."""
+    """x [M, K] (or [M, 2K] gate|up with silu_mul_input), w [N, K] -> [M, N] in x.dtype; fp32
+    accumulation. Split-K sums partials in arrival order: not bitwise reproducible run to run."""
     assert x.dim() == 2 and w.dim() == 2 and x.dtype == w.dtype, "x [M, K] and w [N, K] of one dtype"
     M, (N, K) = x.shape[0], w.shape
     assert x.shape[1] == (2 * K if silu_mul_input else K), "x width must be K (2K with silu_mul_input)"
@@ -354,11 +307,8 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
 
 def gemv_glu_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                     out: Optional[torch.Tensor] = None, config: Optional[dict] = None) -> torch.Tensor:
-    """``silu_and_mul(x @ w^T + bias)`` in one launch: w [2I, K] is a packed gate_up (gate
-    rows, then up rows), x [M, K] -> [M, I]. Each program multiplies BLOCK_N // 2 gate rows
-    and the matching up rows and applies the SiLU-and-mul to its own outputs (rounded as the
-    unfused gate_up output, then as silu_and_mul), so the [M, 2I] product never exists.
-    No split-K (every output needs its whole K), so the tiles alone must fill the GPU."""
+    """``silu_and_mul(x @ w^T + bias)`` in one launch: w [2I, K] a packed gate_up (gate rows, then
+    up rows), x [M, K] -> [M, I], rounded as gate_up's output, then as silu_and_mul. No split-K."""
     assert x.dim() == 2 and w.dim() == 2 and x.dtype == w.dtype, "x [M, K] and w [2I, K] of one dtype"
     M, (N2, K) = x.shape[0], w.shape
     assert N2 % 2 == 0 and x.shape[1] == K, "w must be [2I, K] and x [M, K]"
@@ -385,9 +335,6 @@ def gemv_glu_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tenso
     return out
 
 
-# Dense MLPs at 1-2 decode rows run gate_up as the GLU GEMV (gemv_glu_triton), of any size: no
-# SiLU-and-mul launch after gate_up, and no silu recomputed by every down_proj program (what the
-# silu-input GEMV would cost); down_proj then takes the plain GEMV.
 def glu_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether ``glu_linear`` takes this decode call on the GLU GEMV (1-2 rows, CUDA, half
     precision, a packed gate_up of even width)."""

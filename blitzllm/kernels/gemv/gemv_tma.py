@@ -1,21 +1,7 @@
-"""Decode GEMV whose weights stream through Hopper's bulk tensor copy (TMA) into shared
-memory, issued before the kernel waits on the one before it (programmatic dependent launch).
-
-``out[m] = W @ x[m]`` for 1-2 rows. Program p of P (P <= SMs) takes the BLOCK_N-row tiles
-p, p + P, ... of W, each in K chunks of BLOCK_K; its chunks flow through a ring of SLOTS
-shared-memory slots, one mbarrier each. Before its PDL wait a program already issues the
-copies of its first SLOTS chunks: where SLOTS covers all its chunks (the heuristic aims
-there, up to ``TMA_SMEM_BYTES`` per program) the whole weight slice is in flight while the
-kernel before still runs. Behind a latency-bound kernel that lets its dependents launch
-as it starts (the decode attention before o_proj, the RMSNorm before qkv) the weight
-stream then hides under that kernel; after the wait only x is read, and the products are
-taken from shared memory (fp32 FMAs, fp32 sums, the output rounded once; x widened to fp32
-once per program where a copy holds a whole row tile).
-
-Written in Gluon (Triton's explicit-layout dialect: shared memory, mbarriers and TMA by
-hand), so it needs a Hopper GPU: no interpreter path. ``reference_gemv_tma`` is the torch
-form; ``tests/kernels/test_kernel_gemv_tma.py`` compiles the kernel for sm_90 on any
-machine and checks it against the reference on a GPU.
+"""Decode GEMV ``out[m] = W @ x[m]`` (1-2 rows) whose weights stream by Hopper's bulk tensor copy
+(TMA) into shared memory before the PDL wait: the Gluon kernel (Hopper only, no interpreter
+path), its pre-norm form, its heuristic and ``reference_gemv_tma``. Which projections take it
+is the decode plan's (docs/gpu-performance.md#the-tma-gemv-o_proj-qkv).
 """
 from __future__ import annotations
 
@@ -36,8 +22,8 @@ except Exception:  # pragma: no cover - depends on the Triton build
     HAS_GLUON = False
 
 # Which projections take this GEMV is the runner's decode plan (knob BLITZ_GEMV_TMA).
-# shared memory per program for W's ring: where a program's whole weight slice fits (Qwen3-30B-A3B's
-# o_proj and qkv) all of it is in flight before the wait; the rest of sm_90's 227 KB holds x
+# shared memory per program for W's ring: where a program's whole weight slice fits, all of it
+# is in flight before the wait; the rest of sm_90's 227 KB holds x
 TMA_SMEM_BYTES = 160 << 10
 TMA_MAX_ROWS = 2
 _BLOCK_NS = (8, 16)  # the row-tile sizes the heuristic picks from
@@ -101,10 +87,8 @@ if HAS_GLUON:
                          HAS_BIAS: gl.constexpr, USE_PDL: gl.constexpr, TPW_K: gl.constexpr,
                          WN: gl.constexpr, r_ptr=None, nw_ptr=None, ro_ptr=None, stride_rm=0, stride_rom=0, eps=1e-6,
                          NORM: gl.constexpr = False):
-        """NORM: x is the pre-norm block's input (fp32 or W's dtype) beside the residual r: every
-        program forms s = round(round(x) + r) and W's input rmsnorm(s) * nw itself (the rounding
-        steps of ``rmsnorm.fused_add_rms_norm``), and program 0 stores s (the new residual) at
-        ro_ptr: the RMSNorm launch before the GEMV is gone."""
+        """NORM: x is the pre-norm input (fp32 or W's dtype) beside the residual r: every program
+        forms s = round(round(x) + r) and rmsnorm(s) * nw itself; program 0 stores s at ro_ptr."""
         pid = gl.program_id(0)
         nprog = gl.num_programs(0)
         GPT: gl.constexpr = CHUNKS // G  # copies (groups of G chunks) per tile
@@ -190,12 +174,10 @@ if HAS_GLUON:
 
 def tma_gemv_config(N: int, K: int, itemsize: int, sms: int, smem_bytes: int = TMA_SMEM_BYTES,
                     warps: int = None, group_bytes: int = None) -> dict:
-    """BLOCK_N (the row-tile size that spreads W most evenly over at most one program per
-    SM), BLOCK_K (256 values, a TMA box row), G (chunks per copy: up to ``group_bytes``, where
-    BLOCK_K divides K), programs, SLOTS (a program's copies, capped by ``smem_bytes``) and the
-    warps (WN, over the rows; a copy's chunks stay within each thread). E.g. H200, bf16:
-    Qwen3-30B-A3B o_proj (2048 x 4096): 128 programs of 16 rows x 4096, four 32 KB copies each,
-    all preloaded; qkv (5120 x 2048): 132 programs of 4-5 8-row tiles, one 32 KB copy per tile."""
+    """BLOCK_N (the row-tile size that spreads W most evenly over at most one program per SM),
+    BLOCK_K (256 values, a TMA box row), G (chunks per copy: up to ``group_bytes``, where BLOCK_K
+    divides K), programs, SLOTS (a program's copies, capped by ``smem_bytes``) and the warps (WN,
+    over the rows; a copy's chunks stay within each thread)."""
     warps = warps or TMA_WARPS
     group_bytes = group_bytes or TMA_GROUP_BYTES
     bk = min(256, max(16 // itemsize, next_pow2(K)))
@@ -271,9 +253,8 @@ def _launch(x, w, bias, out, config, norm_kw) -> None:
 
 
 def tma_norm_ok(x: torch.Tensor, residual: Optional[torch.Tensor], w: torch.Tensor) -> bool:
-    """Whether ``gemv_tma_norm_triton`` can take this pre-norm GEMV (the layer asks where the
-    decode plan set ``tma_norm``: knob BLITZ_GEMV_TMA_NORM): the TMA GEMV's conditions on the
-    residual, which x matches in shape (x of its dtype or fp32)."""
+    """Whether ``gemv_tma_norm_triton`` can take this pre-norm GEMV: the TMA GEMV's conditions, and
+    a residual x matches in shape (x of its dtype or fp32)."""
     return (residual is not None and residual.shape == x.shape and residual.dim() == 2
             and x.dtype in (residual.dtype, torch.float32) and x.stride(-1) == 1 and residual.stride(-1) == 1
             and tma_gemv_ok(residual, w))
@@ -282,10 +263,8 @@ def tma_norm_ok(x: torch.Tensor, residual: Optional[torch.Tensor], w: torch.Tens
 def gemv_tma_norm_triton(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                          w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                          config: Optional[dict] = None) -> tuple:
-    """(W @ rmsnorm(x + residual) * norm_weight, x + residual) in one launch: each program forms
-    the normed rows itself after its wait, program 0 stores the new residual; the numerics of
-    ``rmsnorm.fused_add_rms_norm`` then ``gemv_tma_triton`` (an fp32 x is rounded to the
-    residual's dtype first)."""
+    """(W @ rmsnorm(x + residual) * norm_weight, x + residual) in one launch (program 0 stores the
+    new residual), with the numerics of ``rmsnorm.fused_add_rms_norm`` then ``gemv_tma_triton``."""
     assert HAS_GLUON and x.is_cuda, "the TMA GEMV needs a Hopper GPU and Gluon"
     M, K = residual.shape
     assert x.shape == (M, K) and 1 <= M <= TMA_MAX_ROWS and w.shape[1] == K and norm_weight.shape == (K,)

@@ -1,25 +1,7 @@
-"""Fused MoE experts on Triton: ``out[t] = sum_k w[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t))``
-with e = ids[t, k]; the torch reference is ``moe.reference_fused_moe`` (same numerics:
-each expert's output rounded to x's dtype, the weighted sum in fp32).
-
-Four launches, no host sync, fixed grid sizes (CUDA-graph capturable):
-
-1. ``moe_align_block_size``: the T*K (token, k) entries sorted by expert (stable), each
-   expert's run padded to a multiple of BLOCK_M with the sentinel T*K; per block its
-   expert (-1 past the end) and the padded total. One program when T*K is small (decode),
-   else a counting pass over slices and a scatter pass (two launches).
-2. grouped GEMM gate/up: program (m-block, n-tile) gathers the block's x rows and
-   multiplies them by its expert's gate rows and up rows (two accumulators); the epilogue
-   applies silu(gate) * up and writes the activated intermediate [T*K, I].
-3. grouped GEMM down on that intermediate -> each entry's expert output [T*K, H] in x's dtype.
-4. combine: out[t] = sum_k w[t, k] * y[t*K + k] in fp32 (fixed order: deterministic).
-
-Decode batches of a few tokens take the direct path instead (``_direct``): two launches, no
-sort, the combine inside the down launch (counted, or with ``fp32_sum`` fp32 atomic adds).
-
-Block sizes: BLOCK_M follows the expected rows per chosen expert (16 at decode, where the
-kernels stream the chosen experts' weights: narrow N tiles, deep K tiles, 4 stages, so the
-grid covers the SMs; 64-128 for prefill with 64-128 wide N tiles). Padding rows are masked.
+"""Fused MoE experts on Triton, ``out[t] = sum_k w[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t))``
+with ``router.reference_fused_moe``'s numerics: the sort of (token, k) entries by expert, the
+grouped GEMMs, the combine, the direct (decode) path and their tiles; no host sync. Knows
+nothing about routing or layers (docs/gpu-performance.md#moe-decode).
 """
 from __future__ import annotations
 
@@ -34,24 +16,14 @@ from .._common import (device_sms, next_pow2, pdl_enabled, pdl_launch_dependents
 from ..fp8_weights import FP8_DTYPE, fp8_block_k
 
 MOE_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
-# Decode batches of up to MOE_DIRECT_MAX_ENTRIES (token, k) entries run the grouped GEMMs
-# without the sort (an entry per program row block) and combine inside the down GEMM: two
-# launches instead of four, faster on the H200 than the sorted path, which larger batches take.
+# Decode batches of up to this many (token, k) entries run the direct path: no sort, an entry
+# per program row block, the combine inside the down GEMM (two launches instead of four).
 MOE_DIRECT_MAX_ENTRIES = 16
-# The direct path's combine for callers that take an fp32 sum (``fused_moe_triton(fp32_sum=True)``,
-# decode MoE layers whose next residual add rounds it): every down program adds its weighted
-# output into the token's fp32 row with atomics, instead of writing it for the token's last
-# program to sum after an arrival count (a release/acquire round trip and a second read on the
-# step's critical path; faster on the H200). The order of the fp32 additions then varies from
-# run to run (the rounded result may differ in its last bit). Callers that want x's dtype keep
-# the counted combine.
 
 
 def _env_decode_config() -> tuple:
-    """BLITZ_MOE_DECODE_CONFIG='{"BLOCK_N": 32, "BLOCK_K": 128}': tile keys for both GEMMs of
-    the direct (decode) path in calls that pass no config of their own (A/B runs of the
-    heuristic); '{"up": {...}, "down": {...}}' sets the gate/up and the down launch apart.
-    Returns (gate/up keys, down keys)."""
+    """(gate/up keys, down keys) of BLITZ_MOE_DECODE_CONFIG ('{"BLOCK_N": 32, ...}' for both GEMMs,
+    '{"up": {...}, "down": {...}}' apart) for direct-path calls that pass no config of their own."""
     cfg = envs.get("BLITZ_MOE_DECODE_CONFIG")
     if not cfg:
         return {}, {}
@@ -149,13 +121,10 @@ def _moe_align_kernel(ids_ptr, counts_ptr, sorted_ptr, expert_ptr, total_ptr,
 
 
 def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int):
-    """Sort the (token, k) entries of ``topk_ids`` [T, K] by expert for BLOCK_M-row GEMM blocks.
-
-    Returns ``sorted_ids`` [S] int32 (entry t*K + k; each expert's run starts at a block
-    boundary and is padded with the sentinel T*K), ``block_expert`` [S / block_m] int32
-    (-1 for blocks past the end) and ``total`` [1] int32 (the padded length used). S is the
-    worst case T*K + min(E, T*K) * (block_m - 1), rounded up to whole blocks, so the sizes
-    depend on shapes only. Entries keep their order within an expert."""
+    """Sort the (token, k) entries of ``topk_ids`` [T, K] by expert (stable) for BLOCK_M-row blocks:
+    (``sorted_ids`` [S] int32, entry t*K + k, each expert's run block-aligned and padded with the
+    sentinel T*K; ``block_expert`` [S / block_m] int32, -1 past the end; ``total`` [1] int32, the
+    padded length). S = T*K + min(E, T*K) * (block_m - 1) in whole blocks: sizes from shapes."""
     ids = topk_ids.reshape(-1)
     if ids.dtype != torch.int32 or not ids.is_contiguous():
         ids = ids.to(torch.int32).contiguous()
@@ -216,21 +185,16 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr,
                      zero_ptr=None, zero_n=0, ZERO_BLOCK: tl.constexpr = 0, ATOMIC: tl.constexpr = False,
                      ws_ptr=None, stride_se=0, stride_sn=0, FP8: tl.constexpr = False,
                      BN_Q: tl.constexpr = 1, BK_Q: tl.constexpr = 1):
-    """out[entry, n] = A[entry // row_div] . W[e, n] for the BLOCK_M sorted entries of one
-    expert e. GATED: W holds gate rows [0, N) and up rows [N, 2N); the output is
-    silu(gate) * up with the reference's rounding steps.
-    DIRECT (decode): no sort; program m is entry m alone (expert_ptr: the ids, -1 = dropped:
-    nothing loaded or written). COMBINE (with DIRECT, the down GEMM): the program of a
-    token's n-tile that finishes last also sums that tile over the token's TOP_K entries,
-    weighted (tw_ptr), in entry order, into comb_ptr: the combine without its own launch.
-    ZERO_BLOCK > 0: the programs also zero the zero_n fp32 values at zero_ptr, ZERO_BLOCK
-    each (the gate/up launch, for an ATOMIC down launch after it). ATOMIC (with DIRECT, the
-    down GEMM): each program adds its entry's rounded output times its weight (tw_ptr) into
-    the token's fp32 row of comb_ptr with atomic adds: the combine with no arrival count and
-    no second read, its summation order not fixed.
-    FP8: W is float8 with one fp32 scale per [BN_Q, BK_Q] block at ws_ptr (expert, block row,
-    block column strides; ``kernels/fp8_weights.py``): each W tile is widened, scaled and
-    rounded to A's dtype before its MMA (BLOCK_K divides BK_Q: one scale column per tile)."""
+    """out[entry, n] = A[entry // row_div] . W[e, n] for the BLOCK_M sorted entries of one expert e.
+    GATED: W holds gate rows [0, N) and up rows [N, 2N); out is silu(gate) * up, rounded as the
+    reference. DIRECT (decode): no sort; program m is entry m (expert_ptr: the ids, -1 dropped:
+    nothing loaded or written). COMBINE (DIRECT down GEMM): the last program of a token's n-tile
+    sums it over the token's TOP_K entries, weighted (tw_ptr), in entry order, into comb_ptr;
+    with ATOMIC each program instead adds its rounded output times its weight into the token's
+    fp32 row with atomics (no arrival count, summation order not fixed). ZERO_BLOCK > 0: the
+    programs also zero the zero_n fp32 values at zero_ptr (the gate/up launch before an ATOMIC
+    down). FP8: float8 W, one fp32 scale per [BN_Q, BK_Q] block at ws_ptr, each tile widened,
+    scaled and rounded to A's dtype before its MMA (BLOCK_K divides BK_Q)."""
     pdl_wait(USE_PDL)  # (PDL launches write nothing before this)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if ZERO_BLOCK > 0:  # (after the wait: the buffer's last reader ran before the kernel before)
@@ -338,13 +302,8 @@ def moe_config(tokens: int, top_k: int, num_experts: int, hidden: int, inter: in
                sms: int, config: Optional[dict] = None):
     """(gate/up config, down config): the heuristic, with the keys of ``config`` applied to both.
     Few rows per expert (decode): BLOCK_M 16, 64-wide N tiles (narrowed towards 16 only while
-    the chosen experts' tiles would leave more than half the SMs without a program), K tiles
-    of 256 bytes, 4 stages. (H200, one token: 64-wide tiles against the former narrowing to
-    >= 2 programs per SM, benchmarks/moe_decode_tiles.py, us per launch gate/up + down:
-    qwen3-30b-a3b 14.40 + 10.18 vs 17.00 + 10.76, deepseek-v3 107.9 + 61.3 vs 117.7 + 61.3,
-    minimax-m2 39.6 + 21.6 vs 37.4 + 21.6; end to end at batch 1 372.8 vs 351.7 tok/s, 308.6
-    vs 303.7 (8 layers) and 850.1 vs 862.4 (8 layers).)
-    Many rows (prefill): 64 x 128 tiles (64 x 64 x 2 gated), BLOCK_M 128 from 256 rows on."""
+    the chosen experts' tiles would leave more than half the SMs idle), 256-byte K tiles, 4
+    stages. Many rows (prefill): 64 x 128 tiles (64 x 64 gated), BLOCK_M 128 from 256 rows on."""
     config = dict(config or {})
     unknown = set(config) - set(MOE_CONFIG_KEYS)
     if unknown:
@@ -375,12 +334,11 @@ def _moe_config_cached(tokens, top_k, num_experts, hidden, inter, dtype, sms, it
 
 def _grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_entries, row_div, n, gated, cfg,
                   direct=False, combine=None, zero=None, atomic=False, scale=None):
-    """direct: block_expert is the entries' expert ids (one program per entry, no sort);
-    combine (direct only): (topk weights fp32 [T*K], output [T, n], top_k): the weighted
-    sum over each token's entries is written there by the launch itself (``atomic``: added
-    into a zeroed fp32 output with atomics; ``out`` is then not written). zero: an fp32 tensor
-    the launch zeroes (after its PDL wait). scale: (fp32 block scales [E, ceil(n_w / bn), ceil(kd / bk)],
-    (bn, bk)) of a float8 ``w``."""
+    """direct: block_expert holds the entries' expert ids (one program per entry, no sort).
+    combine (direct only): (fp32 topk weights [T*K], output [T, n], top_k), the weighted sum
+    written by the launch (``atomic``: added into a zeroed fp32 output; ``out`` unwritten).
+    zero: an fp32 tensor the launch zeroes after its PDL wait. scale: (fp32 block scales
+    [E, ceil(n_w / bn), ceil(kd / bk)], (bn, bk)) of a float8 ``w``."""
     kd = a.shape[1]
     fp8 = {}
     if scale is not None:
@@ -418,10 +376,9 @@ def _configs(x, T, K, E, H, inter, config, direct) -> tuple:
 
 
 def _direct(x, w13, w2, tw, ids, out, K, up_cfg, down_cfg, s13=None, s2=None) -> torch.Tensor:
-    """The direct (decode) path's launches for flat entry ids / weights [T * K] into out [T, H]:
-    gate/up, then the down GEMM with the weighted combine inside. An fp32 ``out``: the gate/up
-    launch zeroes it and the down programs add into it (atomics). ``s13`` / ``s2``: (scales,
-    block) of float8 w13 / w2."""
+    """The direct (decode) path for flat entry ids / weights [T * K] into out [T, H]: gate/up, then
+    down with the combine inside (an fp32 ``out``: zeroed by gate/up, atomic adds). ``s13`` /
+    ``s2``: (scales, block) of float8 w13 / w2."""
     n, inter, H = ids.numel(), w2.shape[2], w2.shape[1]
     act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
     atomic = out.dtype == torch.float32 and x.dtype != torch.float32
@@ -448,17 +405,12 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
                      dropped_ids: bool = False, direct: Optional[bool] = None,
                      fp32_sum: bool = False, scales: Optional[tuple] = None) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk weights / ids [T, K] -> [T, H] in x's dtype.
-    ``fp32_sum`` (a caller that rounds the result itself: the residual add of
-    ``rmsnorm.fused_add_rms_norm``): where the direct path runs its two launches the result is
-    the fp32 weighted sum, not yet rounded, which the down programs add up with atomics (see
-    ``_direct``); elsewhere x's dtype.
-    ``config`` overrides MOE_CONFIG_KEYS of both GEMMs (tests, benchmarks). ``dropped_ids``:
-    entries with id -1 (experts of other tensor-parallel ranks) are skipped. ``direct``: True / False forces the
-    grouped GEMMs without the sort, one program row per (token, k) entry, the combine fused
-    into the down GEMM (two launches); None takes it for up to MOE_DIRECT_MAX_ENTRIES
-    entries. Ids < 0 are skipped on that path.
-    ``scales``: (w13's, w2's fp32 block scales, (bn, bk)) of float8 w13 / w2
-    (``kernels/fp8_weights.py``): the grouped GEMMs dequantize their tiles (direct or sorted)."""
+    ``fp32_sum``: where the direct path runs, the unrounded fp32 weighted sum (atomic adds, last
+    bit not fixed), for a caller that rounds it (``rmsnorm.fused_add_rms_norm``). ``config``
+    overrides MOE_CONFIG_KEYS of both GEMMs. ``dropped_ids``: ids -1 (other ranks' experts) are
+    skipped. ``direct``: force the two-launch path without the sort, which skips ids < 0 (None:
+    up to MOE_DIRECT_MAX_ENTRIES entries). ``scales``: (w13's, w2's fp32 block scales,
+    (bn, bk)) of float8 w13 / w2, dequantized per tile."""
     assert x.dim() == 2 and w13.dim() == 3 and w2.dim() == 3, "x [T, H], w13 [E, 2I, H], w2 [E, H, I]"
     T, H = x.shape
     E, two_i, _ = w13.shape

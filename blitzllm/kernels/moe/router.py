@@ -1,24 +1,7 @@
-"""Mixture-of-experts ops: router GEMM (fp32 logits), expert selection (softmax or
-sigmoid+bias scoring, grouped top-k, renormalise, scale) and the expert computation.
-
-Each op has its plain-torch reference (what the model layers use off-GPU) and a Triton
-path for CUDA tensors behind the same public function: ``router_gemm``, ``select_experts``,
-``fused_moe``. The fused expert computation (token sorting, grouped GEMMs, combine) lives
-in ``experts.py``. Nothing here knows about models or checkpoints.
-
-Shapes: x [T, H]; router weight [E, H]; w13 [E, 2I, H] (gate rows then up rows);
-w2 [E, H, I]; topk weights [T, K] fp32; topk ids [T, K] int32.
-
-Router GEMM (decode: T <= 16, E <= 256, H <= 7168): bound by reading the [E, H] weight
-once. Programs own BLOCK_E experts x a BLOCK_H-aligned range of H (split-H when the E
-tiles alone leave SMs idle); the product is fp32 FMAs for T <= 2 and ``tl.dot`` (fp32
-accumulate) from 3 tokens on. Split partials go to a cached fp32 workspace; the last
-split of a tile to finish (arrival counter) adds them in split order, so the logits are
-bitwise reproducible, and resets the counter (graph-capturable after a first call).
-
-Routing: one program per token holds the whole row [n_group, E / n_group] in registers:
-scores, group scores, group top-k, top-k by repeated argmax (lowest expert id on ties),
-the unbiased weights re-read from the chosen logits, renormalise and scale.
+"""Mixture-of-experts ops, each a torch reference and a Triton path behind one public function:
+router GEMM (fp32 logits), expert selection (softmax or sigmoid + bias, grouped top-k,
+renormalise, scale), the norm + router launch and ``fused_moe`` (GEMMs in ``experts.py``).
+x [T, H], router weight [E, H], topk weights / ids [T, K] fp32 / int32. Knows no models.
 """
 from __future__ import annotations
 
@@ -43,15 +26,11 @@ def reference_router_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
 def reference_select_experts(logits: torch.Tensor, top_k: int, scoring: str = "softmax",
                              bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: int = 1,
                              renormalize: bool = True, scaling: float = 1.0):
-    """logits [T, E] (fp32) -> (weights [T, K] fp32, ids [T, K] int32).
-
-    scoring: "softmax" (Qwen3-MoE) or "sigmoid" (DeepSeek-V3, MiniMax-M2). ``bias`` (the
-    e_score_correction_bias) is added to the scores for *selection* only; the weights come
-    from the unbiased scores. With n_group > 1 (DeepSeek grouped top-k) experts are split
-    into n_group groups, each group scored by the sum of its top-2 biased scores (its max
-    when there is no bias), and only experts of the best topk_group groups are eligible.
-    ``renormalize`` divides the K weights by their sum; ``scaling`` multiplies them
-    (routed_scaling_factor)."""
+    """logits [T, E] (fp32) -> (weights [T, K] fp32, ids [T, K] int32). ``scoring``: "softmax" or
+    "sigmoid"; ``bias`` (e_score_correction_bias) shifts the scores for selection only. With
+    n_group > 1 a group scores the sum of its top-2 biased scores (its max without a bias) and
+    only the best topk_group groups are eligible. ``renormalize`` divides the K weights by their
+    sum; ``scaling`` (routed_scaling_factor) multiplies them."""
     if scoring == "softmax":
         scores = torch.softmax(logits.float(), dim=-1)
     elif scoring == "sigmoid":
@@ -81,13 +60,10 @@ def reference_select_experts(logits: torch.Tensor, top_k: int, scoring: str = "s
 def reference_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                         topk_weights: torch.Tensor, topk_ids: torch.Tensor, dropped_ids: bool = False,
                         fp32_sum: bool = False, scales: Optional[tuple] = None) -> torch.Tensor:
-    """sum_k weight[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, k]; [T, H] in
-    x's dtype. Each expert's output is rounded to x's dtype before the weighted sum (as
-    transformers does), the sum is accumulated in fp32. With ``dropped_ids``, entries with
-    id -1 (another rank's expert) contribute nothing. ``fp32_sum``: the fp32 sum itself,
-    before that last rounding (for a caller that rounds it: ``fused_moe_triton``'s too).
-    ``scales``: (w13's, w2's fp32 block scales, block) of float8 w13 / w2: each expert used is
-    dequantized to x's dtype first (``kernels/fp8_weights.py``)."""
+    """sum_k weight[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, k]; [T, H] in x's
+    dtype: each expert's output rounded to x's dtype (as transformers), the sum in fp32 (returned
+    unrounded with ``fp32_sum``). ``dropped_ids``: ids -1 contribute nothing. ``scales``: (w13's,
+    w2's fp32 block scales, block) of float8 experts, dequantized to x's dtype first."""
     T, H = x.shape
     inter = w2.shape[2]
     out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
@@ -181,11 +157,8 @@ def _router_gemm_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, T, E, H, stride_
 
 def router_config(T: int, E: int, H: int, x_dtype: torch.dtype, w_dtype: torch.dtype, sms: int,
                   config: Optional[dict] = None) -> dict:
-    """Launch parameters: the heuristic, overridden by the keys given in ``config``.
-    Decode (T <= 16): narrow E tiles and 16-byte loads along H (chunks of 2-4 warp-wide rows,
-    narrowed to 64 columns at the least while there are fewer chunks than SMs), with split-H
-    up to about 2 programs per SM; fp32 FMAs up to 2 tokens, tensor cores from 3 (fp32 or mixed
-    dtypes: fp32 IEEE dot). Larger T: 64 x 64 tensor-core tiles, split only to fill the SMs."""
+    """Launch parameters: the heuristic (docs/gpu-performance.md), overridden by the keys given in
+    ``config``."""
     config = dict(config or {})
     unknown = set(config) - set(ROUTER_CONFIG_KEYS)
     if unknown:
@@ -300,11 +273,9 @@ def _norm_route_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, h_ptr, ro_ptr, logit_ptr,
                        T, E, H, stride_x, stride_r, stride_h, stride_ro, stride_we, eps,
                        BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                        USE_PDL: tl.constexpr):
-    """Program p: the router rows [p*BLOCK_E, +BLOCK_E). Every program forms each token's
-    x + residual and its RMSNorm itself (rows of a few KB, read from L2; program 0 stores
-    them), multiplies its router rows (loaded before the PDL wait: they do not depend on the
-    kernel before) and stores those logits; then its dependents (the selection launch) may
-    start."""
+    """Program p: router rows [p*BLOCK_E, +BLOCK_E). Every program forms each token's x + residual
+    and its RMSNorm itself (program 0 stores them), multiplies its router rows (loaded before the
+    PDL wait) and stores those logits; then its dependents (the selection launch) may start."""
     pid = tl.program_id(0)
     offs_e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
     cols = tl.arange(0, BLOCK_H)
@@ -414,34 +385,25 @@ def route_experts(x: torch.Tensor, weight: torch.Tensor, top_k: int, scoring: st
                   bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: int = 1,
                   renormalize: bool = True, scaling: float = 1.0):
     """``select_experts(router_gemm(x, weight), ...)``: (weights [T, K] fp32, ids [T, K] int32),
-    two launches on CUDA. The selection keeps a launch of its own, which under PDL overlaps its
-    neighbours: run inside the router GEMM's launch by its last program per token block, it
-    measured slower end to end on the H200 (docs/perf-history.md)."""
+    two launches on CUDA."""
     return select_experts(router_gemm(x, weight), top_k, scoring, bias, n_group, topk_group, renormalize, scaling)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, dropped_ids: bool = False, fp32_sum: bool = False,
               scales: Optional[tuple] = None) -> torch.Tensor:
-    """sum_k weight[t, k] * expert_{ids[t, k]}(x_t) -> [T, H] in x's dtype (see
-    ``reference_fused_moe``): sorted grouped GEMMs in Triton for CUDA tensors, torch otherwise.
-    ``dropped_ids``: ids may be -1 (entries of experts held by other tensor-parallel ranks).
-    ``fp32_sum``: the caller also takes the fp32 sum before its rounding (``fused_moe_triton``;
-    the torch path then returns it always). ``scales``: of float8 expert weights (see
-    ``reference_fused_moe``)."""
+    """``reference_fused_moe``'s result: grouped GEMMs in Triton for CUDA tensors, torch otherwise.
+    ``dropped_ids``, ``fp32_sum`` (the torch path then always returns the fp32 sum) and
+    ``scales`` as there."""
     if use_triton(x):
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, dropped_ids=dropped_ids, fp32_sum=fp32_sum,
                                 scales=scales)
     return reference_fused_moe(x, w13, w2, topk_weights, topk_ids, dropped_ids, fp32_sum=fp32_sum, scales=scales)
 
 
-# MoE decode layers of up to NORM_ROUTE_MAX_T tokens run the post-attention residual add +
-# RMSNorm and the router GEMM in one launch and the expert selection in the next: one launch
-# fewer than the norm, the router GEMM and the selection apart (what larger batches and CPU
-# tensors take), and faster on the H200. The selection stays a launch of its own: run by the
-# norm + router launch's last program it measured slower end to end, with its dependents
-# launched before or after it, though that one launch alone took less time than the kernels it
-# replaced (the loss was in its overlap with the launches around it; docs/perf-history.md).
+# MoE decode layers of up to NORM_ROUTE_MAX_T tokens run the residual add + RMSNorm and the
+# router GEMM in one launch and the selection in its own next one; larger batches and CPU
+# tensors take the three ops apart.
 
 
 def norm_route_ok(x: torch.Tensor) -> bool:

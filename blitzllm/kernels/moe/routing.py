@@ -15,10 +15,9 @@ from .._common import tl, triton
 @triton.jit
 def _route_scores(row_ptr, bias_ptr, GROUP: tl.constexpr, N_GROUP: tl.constexpr, NG_PAD: tl.constexpr,
                   G_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """One token's routing scores from its fp32 logits at row_ptr (read from L2: written by
-    other programs or the launch before), flat [NG_PAD * G_PAD] (group-major): (choice: what
-    the top-k ranks, the experts of groups not kept below every eligible one and padding at
-    -inf; score: what the weights take; the expert id of each position)."""
+    """One token's routing scores from its fp32 logits at row_ptr (from L2), flat [NG_PAD * G_PAD]
+    group-major: (choice, which the top-k ranks: experts of groups not kept below every eligible
+    one, padding -inf; score, which the weights take; each position's expert id)."""
     grp = tl.arange(0, NG_PAD)
     col = tl.arange(0, G_PAD)
     expert = grp[:, None] * GROUP + col[None, :]  # the row as [group, expert in group]

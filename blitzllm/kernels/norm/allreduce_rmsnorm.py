@@ -1,16 +1,7 @@
-"""One-shot all-reduce fused with the residual add and RMSNorm (tensor parallelism).
-
-Every rank has put its partial sums [rows, N] into a buffer the other ranks can read
-(symmetric memory on CUDA; any memory under the interpreter); ``ptrs`` [world] int64 holds
-the buffers' addresses, rank 0's first. One program per row reads the row from every
-buffer, sums in fp32 in rank order (so every rank computes bit-identical results), rounds
-to the input dtype, adds the residual and normalizes:
-
-    x = sum_r partial_r;  new_residual = x + residual;  out = rms_norm(new_residual) * weight
-
-with the rounding steps of ``kernels/norm/rmsnorm.py`` (HF ``LlamaRMSNorm``). Without a
-residual (the first layer) ``new_residual = x``. Synchronising the ranks around the
-buffer (who may write, when all partials are in) is the caller's job.
+"""One-shot all-reduce fused with the residual add and RMSNorm (tensor parallelism): reads every
+rank's partial sums from buffers all ranks can read, sums them in fp32 in rank order
+(bit-identical on every rank) and normalizes as ``kernels/norm/rmsnorm.py``. Synchronising
+the ranks around the buffers is the caller's job.
 """
 from typing import Optional, Sequence, Tuple
 
@@ -48,8 +39,10 @@ def oneshot_allreduce_rms_norm_triton(
     ptrs: torch.Tensor, rows: int, n: int, residual: Optional[torch.Tensor], weight: torch.Tensor,
     eps: float, dtype: torch.dtype,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``ptrs`` [world] int64 on the device: each rank's buffer of ``rows`` x ``n`` contiguous
-    ``dtype`` partial sums. Returns ``(normed, new_residual)``, both [rows, n]."""
+    """``ptrs`` [world] int64 on the device, rank 0's first: each rank's buffer of ``rows`` x ``n``
+    contiguous ``dtype`` partial sums (any memory under the interpreter). One program per row:
+    x = sum_r partial_r rounded; new_residual = x + residual (x without one); out =
+    rms_norm(new_residual) * weight. Returns ``(normed, new_residual)``, both [rows, n]."""
     dev = ptrs.device
     res_out = torch.empty(rows, n, dtype=dtype, device=dev)
     out = torch.empty(rows, n, dtype=dtype, device=dev)

@@ -1,10 +1,6 @@
-"""RMSNorm and fused residual-add + RMSNorm.
-
-Numerics follow HF ``LlamaRMSNorm``: the row is normalized in fp32, cast to the
-input dtype, then multiplied by ``weight`` (the product rounded to the input
-dtype). The fused variant first forms ``new_residual = x + residual`` in the
-input dtype (as HF does with ``hidden_states = residual + hidden_states``) and
-normalizes that rounded sum.
+"""RMSNorm and fused residual-add + RMSNorm with HF ``LlamaRMSNorm``'s numerics: the row
+normalized in fp32, cast to the input dtype, times ``weight`` (rounded to the input dtype);
+the fused form first rounds ``new_residual = x + residual`` to the input dtype, as HF does.
 """
 from typing import Optional, Tuple
 
@@ -131,11 +127,9 @@ def fused_add_rms_norm(
     x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float = 1e-6,
     early_dependents: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Returns ``(rms_norm(x + residual), x + residual)``; ``residual=None`` means
-    the first layer: ``(rms_norm(x), x)``. ``early_dependents``: see ``rms_norm_triton``.
-    An fp32 ``x`` beside a lower-precision residual (an MoE block's sum,
-    ``fused_moe_triton(fp32_sum=True)``) is rounded to the residual's dtype first: the
-    results are those of the rounded x."""
+    """``(rms_norm(x + residual), x + residual)``; ``residual=None`` (the first layer):
+    ``(rms_norm(x), x)``. An fp32 ``x`` beside a lower-precision residual (an MoE fp32 sum) is
+    rounded to the residual's dtype first. ``early_dependents``: see ``rms_norm_triton``."""
     if residual is None:
         return rms_norm(x, weight, eps, early_dependents), x
     if x.dtype != residual.dtype and not (use_triton(x) and x.dtype == torch.float32):
