@@ -1,49 +1,7 @@
-"""Speculative verification: exact rejection sampling of draft tokens, batched on the device.
-
-Owns turning the target's logits at each request's k draft positions + 1 bonus position into
-the accepted draft prefix and one more token. It reuses the ``Sampler``'s logit pipeline,
-so the distribution p at every position is exactly what non-speculative sampling would draw
-from. It knows nothing about proposers, KV caches or the scheduler.
-
-Interface (what the engine calls)::
-
-    md = build_spec_metadata(rows, drafts, vocab_size, device)   # one row per position
-    out = rejection_sample(target_logits, drafts, md, draft_probs=None)
-    # out.output_tokens [B, K+1] (-1 padded), out.num_accepted [B], out.logprobs [B, K+1]
-
-- ``rows``: the requests' ``SamplingRow`` as for ``SamplingMetadata.build``; ``drafts``:
-  ``list[list[int]]`` (request b has k_b = len(drafts[b]) >= 0 drafts; K = max k_b).
-- ``target_logits`` [sum(k_b + 1), V]: request b's rows are contiguous, in request order:
-  the logits that score drafts[b][0..k_b-1] and then the bonus position.
-- ``draft_probs`` [sum(k_b), V], rows in the same flat order as the drafts: the draft's final
-  (processed) distribution q each draft token was sampled from. ``None``: the proposer is
-  deterministic (n-gram, greedy draft model) and q is a one-hot at the draft token.
-- Request b emits ``output_tokens[b, :num_accepted[b] + 1]``: the accepted drafts, then the
-  correction token (first rejection) or the bonus token (all k_b accepted).
-  ``logprobs``/``top_ids``/``top_logprobs`` follow the Sampler (raw distribution), per slot.
-
-Rule, per position i of a random row: accept draft x with probability min(1, p_i(x)/q_i(x))
-(implemented as ``u * q(x) < p(x)``, u ~ U(0,1)); on the first rejection draw from
-normalise(max(0, p_i - q_i)); after k accepts draw the bonus from p_{k+1}. Greedy rows
-(temperature 0) accept exactly while the draft equals the argmax of the processed logits;
-the correction / bonus is that argmax. All of it is row-wise tensor work: no host sync, no
-Python loop over positions or the vocabulary.
-
-Penalties and min_tokens: position i of request b is only ever used when its drafts 0..i-1
-were all accepted, so its history is known in advance: output_ids + drafts[:i].
-``build_spec_metadata`` gives each position that history (and step = len(output_ids) + i),
-so count-based penalties, repetition penalty and min_tokens bans at position i see exactly
-the tokens accepted before it, through the Sampler's own ``SamplingMetadata.build``.
-
-Reproducibility: every draw is a pure function of (seed, step of that output position):
-the acceptance uniform is a hash of (seed, step, a salt no token id reaches), the residual
-and bonus draws are the Sampler's exponential race with ``exponential_noise(seed, step)``.
-A seeded request gives the same tokens in any batch; a request with k = 0 gets exactly the
-token ``Sampler.forward`` would give.
-
-``synthetic_acceptance_rate`` (benchmark mode only): accept each draft with that forced
-probability, independent of p and q (rejections still emit the residual / argmax token).
-This does NOT preserve the target distribution; outputs produced so must be labelled.
+"""Speculative verification by exact rejection sampling, batched on the device: the target's
+logits at each request's k draft positions + 1 bonus position -> the accepted draft prefix and
+one more token, through the ``Sampler``'s logit pipeline. Knows nothing about proposers, KV
+caches or the scheduler (docs/speculative.md).
 """
 from __future__ import annotations
 
@@ -131,7 +89,16 @@ def _layout(num_drafts: Sequence[int]):
 def rejection_sample(target_logits: Tensor, drafts: Sequence[Sequence[int]],
                      md: SamplingMetadata, draft_probs: Optional[Tensor] = None,
                      synthetic_acceptance_rate: Optional[float] = None) -> RejectionOutput:
-    """Verify every request's drafts at once; see the module docstring."""
+    """Verify every request's drafts at once (no host sync, no loop over positions).
+
+    ``drafts[b]``: request b's k_b >= 0 draft ids (K = max k_b); ``md``: ``build_spec_metadata``'s.
+    ``target_logits`` [sum(k_b + 1), V]: request b's rows contiguous, in request order, scoring
+    drafts[b][0..k_b-1] and then the bonus position. ``draft_probs`` [sum(k_b), V] in the drafts'
+    flat order: the processed q each draft was sampled from; ``None``: a deterministic proposer
+    (q one-hot at the draft). Request b emits ``output_tokens[b, :num_accepted[b] + 1]``: the
+    accepted drafts, then the correction (first rejection) or bonus token; logprobs / top ids
+    follow the Sampler (raw distribution) per slot. ``synthetic_acceptance_rate`` (benchmarks
+    only) accepts each draft with that probability: outputs are then not the target's."""
     raw = target_logits.float()
     N, V = raw.shape
     B = len(drafts)

@@ -14,6 +14,10 @@ class Proposal:
 
 
 class Proposer:
+    """``propose(reqs, limits)``: up to ``limits[i]`` draft ids per request (maybe none) and,
+    optionally, the distributions they were sampled from (``probs[i]`` [len(drafts[i]), V], None
+    for point drafts); ``finish(rid)`` drops any per-request state. Heads implement the same."""
+
     def propose(self, reqs: Sequence, limits: Sequence[int]) -> Proposal:
         raise NotImplementedError
 

@@ -1,15 +1,7 @@
-"""EAGLE-3 draft head: one decoder layer fed with the token embedding and a projection of
-the target's hidden states from three layers (low / middle / high; each RMS-normalized
-first in heads with ``feature_norm``), with its own final norm and lm_head (the target's,
-frozen); saved as a folder (config.json + model.safetensors).
-
-The capture of those target hidden states (forward hooks during the engine's own forwards)
-is ``hidden.py``, shared with MTP.
-
-The head is plain torch (autograd for ``blitz train-draft``, CPU or GPU). Its attention
-runs over the draft's own sequence: position t attends to the "verified" entries <= t
-(built from target features) plus its own draft steps at t (the EAGLE-3 training-time-test
-mask), so training sees exactly what drafting sees. Knows nothing about the scheduler.
+"""EAGLE-3 draft head: one decoder layer fed with the token embedding and a projection of the
+target's low / middle / high hidden states, its own final norm and the target's frozen lm_head
+(a folder of config.json + model.safetensors). Owns the head (plain torch: training and
+drafting) and its training-time-test mask; knows nothing about the scheduler.
 """
 from __future__ import annotations
 
@@ -62,11 +54,9 @@ def copy_candidate_at(tokens: list, max_n: int = COPY_MAX_N) -> tuple:
 
 
 class CopyIndex:
-    """``copy_candidate_at`` for a growing token sequence without a scan of it per call: per
-    n <= max_n the last end position of every n-gram ending before the sequence's last token
-    (extended as the sequence grows; rebuilt if the old one is not a prefix of the new one).
-    ``candidate(extra)``: the copy candidate of the last position of tokens + extra (ends from
-    the last indexed token on are looked at directly)."""
+    """``copy_candidate_at`` for a growing token sequence without a scan per call: the last end of
+    every n-gram (n <= max_n), extended as the sequence grows and rebuilt when the old one is not
+    its prefix. ``candidate(extra)``: the candidate of the last position of tokens + extra."""
 
     def __init__(self, max_n: int = COPY_MAX_N):
         self.max_n = max_n
@@ -228,9 +218,8 @@ class Eagle3Head(nn.Module):
         return self.d2t[idx] if self.config.draft_vocab_size else idx
 
     def reduce_vocab(self, d2t: torch.Tensor) -> None:
-        """Predict over the target tokens ``d2t`` only (distinct ids, e.g. the most frequent in
-        the training answers): the lm_head keeps those rows of the target's (frozen); the
-        full one stays as ``full_lm_head`` (not saved) for training labels."""
+        """Predict over the target tokens ``d2t`` only: the lm_head keeps those rows of the target's
+        (frozen); the full one stays as ``full_lm_head`` (not saved) for training labels."""
         d2t = torch.as_tensor(d2t, dtype=torch.long).flatten()
         V = self.config.vocab_size
         if d2t.numel() == 0 or d2t.unique().numel() != d2t.numel() or int(d2t.min()) < 0 or int(d2t.max()) >= V:
@@ -250,13 +239,10 @@ class Eagle3Head(nn.Module):
     # ---- training: one sequence, ``steps`` draft steps (training-time test) ------------
     def forward_steps(self, feats: torch.Tensor, tokens: torch.Tensor, steps: int,
                       copy: Optional[tuple] = None) -> list:
-        """feats [T, 3Ht]: target features of positions 0..T-1; tokens [T + steps]: token
-        ids of positions 1..T+steps (token t+1+j is step j's input at position t); ``copy``
-        (heads with the copy input): (candidates, lengths), each [T + steps], of the same
-        positions (``copy_candidates`` of the sequence the step inputs continue).
-        Returns per step j the layer output [T, H] (``logits`` of row t predict the token
-        at position t + 2 + j). Step j's query at row t attends to step-0 keys <= t and to
-        steps 1..j at row t."""
+        """feats [T, 3Ht]: target features of positions 0..T-1; tokens [T + steps]: ids of positions
+        1..T+steps (token t+1+j is step j's input at row t); ``copy``: (candidates, lengths) of the
+        same positions, each [T + steps]. Returns per step j the layer output [T, H] (row t predicts
+        position t + 2 + j); step j's query at row t sees step-0 keys <= t and steps 1..j at t."""
         T = feats.shape[0]
         pos = torch.arange(T, device=feats.device)
         causal = pos[None, :] <= pos[:, None]
@@ -330,12 +316,9 @@ class Eagle3Head(nn.Module):
     @classmethod
     def from_target(cls, model, cfg, layer_ids: Optional[list] = None, feature_norm: bool = False,
                     init_layer: bool = False, intermediate_size: int = 0, copy_input: bool = False) -> "Eagle3Head":
-        """A fresh head for ``model`` (a blitzllm causal LM): embedding and lm_head copied
-        (frozen), final norm from the target's (trained); fc starts as the identity
-        on the high layer's features (a logit-lens start); the layer starts small, or
-        (``init_layer``) as a copy of the target's last decoder layer on the hidden half of
-        its input (the embedding half small). ``intermediate_size`` > 0: the layer's MLP
-        width (default the target's)."""
+        """A fresh head for ``model`` (a blitzllm causal LM): embedding and lm_head copied (frozen),
+        final norm the target's (trained), fc the identity on the high layer's features; the layer
+        small, or (``init_layer``) the target's last one. ``intermediate_size`` > 0: MLP width."""
         hc = Eagle3Config.from_target(cfg, layer_ids, feature_norm)
         hc.copy_input = copy_input
         if intermediate_size:
@@ -402,11 +385,8 @@ def _target_embed_lm_head(model, cfg) -> tuple:
 
 
 class Eagle3Proposer(HiddenStateProposer):
-    """Drafts k tokens per request with an EAGLE-3 head from the target's hidden states
-    (``HiddenStateProposer``). Per request ``cache`` holds the head's step-0 K/V of the
-    verified positions (tokens used, k [c, Hkv, D], v [c, Hkv, D]); each call extends it with
-    the new positions, then runs k draft steps greedily (point drafts, exact under
-    rejection sampling)."""
+    """Drafts k tokens per request greedily (point drafts) with an EAGLE-3 head; ``cache`` holds per
+    request the head's step-0 K/V of the verified positions (tokens, k / v [c, Hkv, D])."""
 
     def __init__(self, head: Eagle3Head, runner, kv):
         super().__init__(HiddenCapture(runner.model, head.config.layer_ids), runner, kv)

@@ -6,12 +6,10 @@ from __future__ import annotations
 import torch
 
 class HiddenCapture:
-    """Forward hooks on the target's decoder layers ``layer_ids``: every forward of the
-    model appends its features [T, 3 * hidden] (the outputs x + residual of the three
-    layers, row order = the step's flat token order) and positions [T] to ``records``.
-    Use as a context manager; hooks are removed on exit. CUDA-graph replays bypass hooks:
-    capture from eager forwards (prefill, or enforce_eager). ``final_features``: the records'
-    features are the model's output (the final-normed hidden states, [T, H]) instead."""
+    """Forward hooks on the target's decoder layers ``layer_ids`` (a context manager): every eager
+    forward appends features [T, 3 * hidden] (the three layers' x + residual, in the step's flat
+    token order; ``final_features``: the final-normed output [T, H]) and positions [T] to
+    ``records``. CUDA-graph replays bypass hooks."""
 
     def __init__(self, model, layer_ids: list, keep_final: bool = False, final_features: bool = False):
         self.model = model
@@ -67,13 +65,8 @@ class HiddenCapture:
 
 
 class HiddenStateProposer:
-    """The part of a draft head's proposer that follows the target: its hidden states of the
-    engine's own forwards (``HiddenCapture`` hooks; the runner's ``prepare`` is wrapped to
-    learn each forward's row segments, and the KV manager's block tables tell whose segment
-    it was) filed per request as the features and token of every verified position
-    (``toks`` / ``feats``), trimmed to what still agrees with the request (rejected drafts
-    fall away). A request whose features are incomplete (a prefix-cache hit skipped its
-    prefill, or CUDA-graph decodes bypassed the hooks) drafts nothing. Subclasses keep
+    """The part of a head's proposer that follows the target: its hidden states, filed per request
+    as the features and token of every verified position (``toks`` / ``feats``). Subclasses keep
     their own per-request state in ``cache`` and implement ``propose``."""
 
     def __init__(self, capture: HiddenCapture, runner, kv):

@@ -1,20 +1,6 @@
-"""MTP speculative decoding: DeepSeek-V3's multi-token-prediction module as the draft
-(``speculative_config={"method": "mtp", "num_speculative_tokens": k}``).
-
-The module (``models/deepseek_v3.py`` ``MTPLayer``, loaded from checkpoint layer
-``num_hidden_layers``) predicts the token after next from the target's hidden state at a
-position and the embedding of the token that follows it: x = eh_proj([enorm(embed(token
-t + 1)), hnorm(h_t)]), one decoder layer (MLA attention over the module's own earlier
-positions, then its MoE), then ``shared_head`` (norm + its own output head). Draft step 0
-takes h_{n-1}, the target's final-normed hidden state of the newest position it has seen
-(the hidden state its lm_head reads, as vLLM and SGLang feed it), and the newest token;
-steps 1..k-1 run the same module again on its own previous output and draft, as vLLM
-does when k exceeds the checkpoint's MTP modules.
-
-The draft layer keeps its latent-cache entries per request, dense and in torch
-(``MLAttention.latent_qkv`` / ``attend_latents``), the same entries the paged cache would
-hold; the target's hidden states come from its own forwards (``HiddenStateProposer``).
-Drafts are greedy point drafts: verification keeps the output exact at any temperature.
+"""MTP speculative decoding (``{"method": "mtp"}``): DeepSeek-V3's ``MTPLayer`` run k times per
+step on the target's final-normed hidden state and the newest token, over its own per-request
+latents; greedy point drafts. Knows nothing about the scheduler (docs/speculative.md).
 """
 from __future__ import annotations
 

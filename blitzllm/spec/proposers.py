@@ -1,10 +1,5 @@
-"""Draft proposers: given the requests about to decode, guess their next tokens.
-
-Interface (``Proposer``): ``propose(reqs, limits) -> Proposal`` with up to ``limits[i]``
-draft token ids per request (possibly none) and, optionally, the draft distributions the
-drafts were sampled from (``probs[i]``: [len(drafts[i]), V] or None for greedy / point
-drafts); ``finish(rid)`` drops any per-request state. Heads (EAGLE-3, MTP) plug in by
-implementing the same two methods.
+"""Draft proposers for the ``Proposer`` interface of ``base.py``: prompt lookup (n-gram) and a
+draft model with its own runner and paged KV cache. Knows nothing about verification.
 """
 from __future__ import annotations
 
@@ -20,9 +15,8 @@ from .config import SpeculativeConfig
 
 
 class TokenBytes:
-    """A request's token ids as 4-byte words, extended as the request grows, so prompt
-    lookup's match is a C substring search (``bytes.rfind``) rather than a Python loop over
-    the history: what a decode step of every running request can afford at large batch."""
+    """A request's token ids as 4-byte words, extended as it grows, so prompt lookup's match is a
+    C substring search (``bytes.rfind``), cheap enough for every running request at large batch."""
 
     def __init__(self):
         self.buf = bytearray()
@@ -88,11 +82,8 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class DraftModelProposer(Proposer):
-    """A smaller model with the target's vocabulary, its own ModelRunner and its own paged
-    KV pool (no prefix caching). Per request it remembers which tokens its cache holds;
-    each call keeps the prefix that still agrees with the request (rejected drafts fall
-    away), catches up the rest in one batched forward that also yields the first draft,
-    then decodes greedily for the remaining steps."""
+    """A smaller model with the target's vocabulary, its own ModelRunner and paged KV pool (no
+    prefix caching), drafting greedily after catching its cache up with each request."""
 
     def __init__(self, spec: SpeculativeConfig, target_cfg: ModelConfig, device, dtype, num_blocks: int,
                  block_size: int, max_num_seqs: int, max_model_len: int, seed: int,

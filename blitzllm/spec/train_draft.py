@@ -1,15 +1,6 @@
-"""Trains an EAGLE-3 draft head online from an engine's own hidden states (the library behind
-``blitz train-draft``, whose command line is ``cli/train_draft.py``).
-
-The engine answers the prompts (greedy, batched), then runs one prefill per prompt +
-answer (prefix caching off) while ``HiddenCapture`` records the target features of every
-position of that exact engine forward (0..N-2), and (``labels="target"``) its outputs,
-whose logits are the target's next-token distributions. The head trains on each sequence
-as soon as its features arrive (EAGLE objective: features at t + token t+1 -> the target's
-distribution of token t+2, or the token itself, with a few training-time-test steps, each
-feeding the previous step's output back as the hidden input); later epochs replay the kept
-sequences. Writes the folder that ``speculative_config={"method": "eagle3", "model": DIR}``
-loads.
+"""Trains an EAGLE-3 draft head online from an engine's own hidden states: the library behind
+``blitz train-draft`` (command line: ``cli/train_draft.py``), writing the folder that
+``{"method": "eagle3", "model": DIR}`` loads (docs/speculative.md#training-a-head).
 """
 from __future__ import annotations
 
@@ -88,12 +79,9 @@ def prompt_ids(llm, text: str) -> list:
 
 def generate_answers(llm, prompts: list, max_tokens: int, samples: int = 1, temperature: float = 0.8,
                      seed: int = 0, branch: bool = False) -> list:
-    """Answers (token ids) of one batch of prompts (token id lists): per prompt the greedy
-    answer, then ``samples - 1`` answers sampled at ``temperature`` (seeded), so the head
-    also sees the target's other likely continuations. With ``branch`` those are instead
-    greedy answers that took one sampled turn: the greedy answer up to a random point, one
-    token sampled there at ``temperature``, then greedy again (contexts like the ones greedy
-    decoding of other prompts meets, not fully sampled text). Returns [(prompt index, answer)]."""
+    """[(prompt index, answer ids)] of one batch of prompts: per prompt the greedy answer, then
+    ``samples - 1`` answers sampled at ``temperature`` (seeded); with ``branch`` those are the
+    greedy answer up to a random point, one token sampled there, then greedy again."""
     from ..sampling_params import SamplingParams
     if branch and samples > 1:
         return _branched_answers(llm, prompts, max_tokens, samples, temperature, seed)
@@ -141,10 +129,8 @@ def _branched_answers(llm, prompts: list, max_tokens: int, samples: int, tempera
 
 
 def copy_span_sequence(prompt: list, answer: list, rng: random.Random, min_len: int = 8) -> Optional[list]:
-    """prompt + answer + a copy of one random span of the answer (at least ``min_len``
-    tokens, at most the whole answer), or None for a shorter answer: text where the target
-    continues by copying, as greedy decoding of a small model often does (its loops, restated
-    phrases), for the head to learn the copy from the target's own distributions there."""
+    """prompt + answer + a copy of one random span of it (``min_len`` tokens to the whole answer),
+    or None for a shorter answer: text where the target continues by copying."""
     if len(answer) < min_len:
         return None
     n = rng.randint(min_len, len(answer))
@@ -158,12 +144,8 @@ LOOP_REPEATS = 3   # a loop sequence's span appears this many times
 def loop_span_sequence(prompt: list, answer: list, rng: random.Random, min_len: int = 8,
                        max_len: int = 48) -> Optional[tuple]:
     """(prompt + the answer up to a random cut + S repeated LOOP_REPEATS times, where the loss
-    starts), S being a random span of the answer, shuffled; None for an answer shorter than
-    ``min_len``. Greedy decoding of a small model often ends in such a loop, and the target
-    then continues by copying (SmolLM2-135M's argmax is the copy at 0.76 of the second
-    repeat's positions and 0.96 of the third's); S being new text each time, the head can
-    fit those labels only by copying from its context, not by remembering the answer. The
-    loss covers the repeats after the first S."""
+    starts: after the first S), S a shuffled random span of the answer; None for an answer
+    shorter than ``min_len``. The head can fit those labels only by copying from its context."""
     if len(answer) < min_len:
         return None
     n = rng.randint(min_len, min(max_len, len(answer)))
@@ -205,11 +187,10 @@ def choose_draft_vocab(token_lists: list, size: int, vocab_size: int) -> torch.T
 
 
 def sample_loss(head: Eagle3Head, s: Sample, steps: int, step_decay: float = STEP_DECAY) -> tuple:
-    """Weighted loss over draft steps and per-step (correct, count) of top-1 predictions of
-    answer tokens. Row t of step j predicts token t + 2 + j. With the target's outputs
-    (``s.final``) the label is the target's whole next-token distribution at position
-    t + 1 + j (cross-entropy against it: distillation) and "correct" means the target's
-    argmax, which is what greedy verification accepts; without, the token itself."""
+    """Weighted loss over draft steps and per-step (correct, count) of top-1 predictions; row t of
+    step j predicts token t + 2 + j. With the target's outputs (``s.final``) the label is its whole
+    distribution at position t + 1 + j (distillation) and "correct" is its argmax (what greedy
+    verification accepts); without, the token itself."""
     dev = head.fc.weight.device
     N = s.tokens.shape[0]
     T = N - 2
@@ -289,26 +270,11 @@ def train_draft(llm, prompts: list, out: Optional[str], epochs: int = 1, max_tok
                 feature_norm: bool = True, init_layer: bool = False, step_decay: float = STEP_DECAY,
                 draft_vocab: int = 0, draft_intermediate: int = 0, branch: bool = False, copy_spans: int = 0,
                 loop_spans: int = 0, copy_input: bool = False, log=print) -> Eagle3Head:
-    """``llm``: an ``LLM`` built with prefix caching off. Epoch 1 is online: the engine
-    answers ``batch`` prompts at a time (batched decode; ``samples`` answers per prompt, the
-    first greedy), then each prompt + answer goes through one engine prefill with the capture
-    hooks on and the head trains on it; later epochs replay the kept sequences. The learning
-    rate warms up over the first 3% of the optimizer steps, then decays (cosine) to 10%.
-    ``labels``: "target" trains on the target's next-token distributions (the logits of
-    the same capture forward), "tokens" on the answer tokens themselves. ``feature_norm``:
-    the head normalizes each target feature before its fc (see ``Eagle3Config``);
-    ``init_layer``: its decoder layer starts as a copy of the target's last one.
-    ``step_decay``: draft step j's loss weighs ``step_decay ** j``. ``draft_vocab`` > 0: the
-    head predicts over that many target tokens, the most frequent in the first batch's
-    prompts and answers (``choose_draft_vocab``), before it trains on them.
-    ``draft_intermediate`` > 0: the head's MLP width (default the target's). ``branch``: the
-    answers after each prompt's first are greedy ones with one sampled turn (``generate_answers``).
-    ``copy_spans`` > 0: after each answer the head also trains on that many sequences of the
-    answer followed by a copy of a random span of it (``copy_span_sequence``), its loss on the
-    copied tokens only (labelled by the target's own distributions there). ``loop_spans`` > 0:
-    that many sequences per answer ending in a loop of a shuffled span of it
-    (``loop_span_sequence``), the loss on the loop's repeats. ``copy_input``: the head gets
-    the copy input (``Eagle3Config.copy_input``)."""
+    """Trains a head on ``llm`` (prefix caching off) with ``blitz train-draft``'s options
+    (docs/speculative.md#training-a-head). Epoch 1 is online: the engine answers ``batch`` prompts
+    at a time (``samples`` each, the first greedy; ``branch``: ``generate_answers``), each prompt +
+    answer goes through one captured prefill and the head trains on it; later epochs replay the kept
+    sequences. ``labels``: "target" (the capture forward's distributions) or "tokens"."""
     if labels not in ("target", "tokens"):
         raise ValueError(f"--labels must be 'target' or 'tokens', got {labels!r}")
     torch.manual_seed(seed)

@@ -1,18 +1,6 @@
-"""Verification of drafts: the target's logits at each request's k draft positions + the
-bonus position -> the tokens the request emits this step.
-
-Uses ``layers/rejection_sampler.py`` (exact rejection sampling, any sampling settings).
-``_match_target`` is the simpler cross-check the tests swap in (``_rs = None``): each
-position is sampled by the ordinary ``Sampler`` with that position's history (output +
-accepted drafts) and drafts are accepted while they equal what the target itself drew.
-That is exact too (the sampler is a pure function of seed, step and logits) and even
-reproduces non-speculative tokens one for one, at a lower acceptance for random rows.
-
-``_greedy_verify`` is the fast path when every row is plain greedy (no penalties, banned
-tokens or top logprobs): every emitted token is then the argmax of its position's raw
-logits, so one greedy-sampling launch (argmax + log-probability, ``kernels/greedy.py``)
-and one copy to the host replace the rejection sampler's few dozen small kernels; the
-accepted prefix is found on the host. Same tokens and acceptance as the general path.
+"""Verification of drafts: the target's logits at each request's k draft positions + the bonus
+position -> the tokens it emits, through ``layers/rejection_sampler.py``, the all-greedy fast
+path (``_greedy_verify``) or the tests' cross-check (``_match_target``), all exact.
 """
 from __future__ import annotations
 
