@@ -1,17 +1,7 @@
-"""Structured outputs: ``SamplingParams(structured_output=...)`` constrains a request's tokens,
-as vLLM and SGLang do with xgrammar (``pip install xgrammar``): ``{"type": "json_object"}`` (a
-JSON object), ``{"type": "json_schema", "schema": {...}}`` (JSON matching it; the server's
-``response_format``), ``{"type": "regex", "pattern": ...}``, ``{"type": "choice", "choices":
-[...]}`` (exactly one of the strings) or ``{"type": "grammar", "grammar": EBNF}`` (xgrammar's
-EBNF, root rule ``root``): vLLM's ``structured_outputs`` json / regex / choice / grammar.
-
-Per engine, a grammar compiler over the tokenizer's vocabulary (compiled grammars are cached by
-spec); per sequence, a matcher that follows its tokens. Each step the sampler masks the logits
-of a constrained row to the tokens its matcher accepts next (``SamplingMetadata.allowed``,
-applied with the min_tokens bans, before temperature and top-k/p), and every sampled token
-advances the matcher. A constrained row needs its previous token on the host before its next
-mask, so the runner's one-step decode look-ahead skips batches holding one, and speculative
-decoding drafts nothing for it.
+"""Structured outputs through xgrammar: validating ``SamplingParams.structured_output``, a
+grammar compiler per engine (compiled grammars cached by spec) and a matcher per sequence
+that yields each step's allowed tokens. Knows nothing about the sampler or HTTP
+(docs/serving.md#structured-outputs).
 """
 from __future__ import annotations
 

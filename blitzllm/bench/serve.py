@@ -1,9 +1,8 @@
 """Serving benchmark: an async streaming client that load-tests an OpenAI-compatible server.
 
-``blitz bench serve --base-url URL --num-prompts N --concurrency C [--request-rate R]
---dataset random|mt-bench|FILE.jsonl``: reports request and token throughput and TTFT /
-TPOT / ITL / E2EL mean, median and p99. Talks HTTP only; knows nothing of the engine, so it
-measures any server that speaks the API (blitz, vLLM, SGLang...).
+Owns the request generator (random, mt-bench or a JSONL file), the client and its report
+(throughput, TTFT / TPOT / ITL / E2EL mean, median, p99). Talks HTTP only, so it measures any
+server that speaks the API (blitz, vLLM, SGLang...).
 """
 from __future__ import annotations
 

@@ -28,9 +28,9 @@ log = logging.getLogger("blitzllm.server")
 def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
               on_load_error: Optional[Callable[[BaseException], None]] = None,
               engine_thread: bool = True) -> FastAPI:
-    """``engine_factory`` builds the Engine (default: from ``cfg.engine_kwargs``). With
-    ``engine_thread`` the app runs the engine in a background thread of its own; without,
-    the caller runs ``app.state.aengine.run_forever()`` in a thread it chooses."""
+    """``engine_factory`` builds the Engine (default: from ``cfg.engine_kwargs``); with
+    ``engine_thread`` the app runs it in a thread of its own, else the caller runs
+    ``app.state.aengine.run_forever()`` in a thread it chooses."""
     from ..engine.engine import Engine, EngineArgs
 
     metrics = ServerMetrics(cfg.model_name, lambda: aengine.stats())

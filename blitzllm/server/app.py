@@ -1,9 +1,6 @@
 """``blitz serve``: command-line options, the server config and the uvicorn runner. The app
-itself is in ``api.py`` (imported only when serving, so other commands stay light).
-
-uvicorn starts answering at once; the engine loads in the AsyncEngine's thread and /health
-turns from 503 to 200 when it is ready. A model that fails to load stops the server, and
-``run_server`` raises its message (the CLI prints it and exits 2).
+itself is ``api.py``, imported only when serving so other commands stay light. A model that
+fails to load stops the server: ``run_server`` raises its message (the CLI exits 2).
 """
 from __future__ import annotations
 
@@ -62,11 +59,9 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
 
 
 def run_server(args: argparse.Namespace) -> int:
-    """Serve until Ctrl-C / SIGTERM. HTTP runs in a background thread (its own event loop);
-    once it listens (a taken port fails fast, before any loading), the engine loads and
-    steps in this, the main thread: signals land where the engine loop can stop cleanly,
-    and torch's CPU ops timed a few percent faster in the main thread than in a secondary
-    one (a microbenchmark on a 2-core VM; within noise for the whole server)."""
+    """Serve until Ctrl-C / SIGTERM: HTTP in a background thread (its own event loop); once it
+    listens (a taken port fails fast, before any loading), the engine loads and steps in this,
+    the main thread, where signals can stop its loop cleanly."""
     import uvicorn
 
     from .api import build_app

@@ -115,10 +115,9 @@ def _structured_output(fmt):
 
 
 class _ChoiceParser:
-    """One streamed choice's text through the reasoning splitter (reasoning_content / content),
-    then its content through the tool-call splitter (content / tool_calls); either may be None.
-    What they hold back comes out with the last chunk. ``called``: parsed calls came out (a
-    forced choice's do not make the finish reason "tool_calls")."""
+    """One streamed choice's text through the reasoning splitter, then its content through the
+    tool-call splitter; what they hold back comes out with the last chunk. ``called``: parsed
+    calls came out (a forced choice's do not make the finish reason "tool_calls")."""
 
     def __init__(self, reasoning, tools, one_call: bool = False, forced: bool = False):
         self.reasoning, self.tools, self.one_call, self.forced = reasoning, tools, one_call, forced

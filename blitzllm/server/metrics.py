@@ -1,8 +1,6 @@
-"""Prometheus metrics of one server (a private CollectorRegistry, never the global one).
-
-Latency histograms are observed per token on the event loop thread (the AsyncEngine calls
-``first_token`` / ``inter_token`` / ``finished``); engine gauges and counters are read from
-the engine's latest stats snapshot when /metrics is scraped.
+"""Prometheus metrics of one server (a private CollectorRegistry, never the global one): latency
+histograms observed per token on the event loop thread, engine gauges and counters read from
+the engine's latest stats when /metrics is scraped.
 """
 from __future__ import annotations
 

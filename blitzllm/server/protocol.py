@@ -1,8 +1,6 @@
-"""Request bodies of the OpenAI-compatible API, as strict pydantic models (a string where a
-number belongs is a 400, not a silent coercion). Unknown fields are ignored, as OpenAI
-clients send extras. Responses are plain dicts built in ``serving.py`` (cheaper per chunk).
-
-``null`` means "the default" for every optional field, as in OpenAI's API.
+"""Request bodies of the OpenAI-compatible API as strict pydantic models: a string where a number
+belongs is a 400, unknown fields are ignored, ``null`` means the default. Responses are plain
+dicts built in ``serving.py`` (cheaper per chunk).
 """
 from __future__ import annotations
 

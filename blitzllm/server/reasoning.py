@@ -1,21 +1,6 @@
-"""Reasoning outputs (``blitz serve --reasoning-parser NAME``): a thinking model's
-``<think> ... </think>`` block comes back apart from its answer, as ``reasoning_content``
-beside ``content`` in chat completions (and in the stream's deltas), the field vLLM, SGLang
-and DeepSeek's API use.
-
-One rule serves DeepSeek-R1 / V3.1+, Qwen3 and MiniMax-M2 (``deepseek_r1``, ``deepseek_v3``,
-``qwen3``, ``minimax_m2``): the text is reasoning while a ``<think>`` is open and content after
-its ``</think>``. A ``<think>`` is open at the start of the output when the rendered prompt left
-one unclosed (R1's and MiniMax-M2's templates end the generation prompt with ``<think>``;
-V3.1's and Qwen3's do so, or close an empty block, by ``chat_template_kwargs`` ``thinking`` /
-``enable_thinking``), or when the output itself begins with ``<think>`` (Qwen3 opening its own
-block). An open block that never closes is all reasoning; output that opens none is all
-content. ``minimax_m2_append_think`` keeps the reasoning in the content, with the ``<think>``
-the prompt opened put back in front (for clients that parse it themselves).
-
-Streaming holds back only what could still be a tag: a tail of the text that is a prefix of
-``</think>`` while reasoning, and the output's first characters while they could be its
-opening ``<think>``.
+"""Reasoning outputs (``--reasoning-parser NAME``): a thinking model's ``<think>`` block as
+``reasoning_content`` beside ``content``, whole or streamed, by the one open / close rule every
+parser name shares (docs/serving.md#reasoning-output). Knows nothing about the engine or HTTP.
 """
 from __future__ import annotations
 

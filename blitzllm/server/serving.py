@@ -224,8 +224,7 @@ class Serving:
 
     def chat_prompt(self, messages, add_generation_prompt: bool = True, template_kwargs=None, tools=None) -> list:
         """The prompt's token ids: ``messages`` through the model's chat template, with
-        ``template_kwargs`` (the request's ``chat_template_kwargs``) as extra template variables
-        and ``tools`` (function definitions) where given."""
+        ``template_kwargs`` (the request's ``chat_template_kwargs``) and ``tools`` where given."""
         tok = self.need_tokenizer("chat needs a chat template; use /v1/completions with token ids")
         if not getattr(tok, "chat_template", None):
             raise bad_request("this model has no chat template; use /v1/completions", param="messages")

@@ -1,29 +1,7 @@
-"""Tool calls in chat completions (``blitz serve --enable-auto-tool-choice --tool-call-parser
-NAME``), as vLLM: the request's ``tools`` go to the chat template, and the model's tool-call
-blocks come back as OpenAI ``tool_calls`` instead of text.
-
-``hermes``: the format of Hermes, Qwen2.5 and Qwen3 templates: each call is
-``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` in the output. ``deepseek_v3``:
-``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`` newline ```json ARGS
-``` ``<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>``; ``deepseek_v31`` (V3.1 / V3.2): each call
-``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>`` in the same wrapper.
-``minimax_m2``: ``<minimax:tool_call><invoke name="NAME"><parameter name="KEY">VALUE</parameter>
-...</invoke>...</minimax:tool_call>``, values typed by the request's tool schemas. ``qwen3_coder``
-(Qwen3.5's and Qwen3-Coder's templates, vLLM's name): ``<tool_call>`` newline ``<function=NAME>``
-then per argument ``<parameter=KEY>`` newline VALUE newline ``</parameter>``, ``</function>``
-``</tool_call>``, values typed by the schemas as MiniMax's. Text outside the
-blocks stays content (None when only whitespace is left beside calls); a block whose JSON does
-not hold a name is content as it was, as is a block the output never closes. ``tool_choice``:
-"auto" (the default with tools) parses calls, "none" leaves the tools out of the prompt and
-parses nothing. "required" and a named function are forced with a structured output
-(``blitzllm/structured.py``), as vLLM does: a named function's answer is its arguments, decoded
-to its ``parameters`` schema; "required" decodes a non-empty JSON array of {"name", "parameters"}
-objects, one of the tools each; both come back as tool_calls with ``finish_reason`` "stop", as
-OpenAI's forced calls do (cut short, the text stays content). These need no tool-call parser.
-
-Streaming holds back only what could still become a block: a tail that is a prefix of
-``<tool_call>``, and an open block until it closes; a closed block comes out as one
-``tool_calls`` delta with the whole arguments string.
+"""Tool calls in chat completions (``--enable-auto-tool-choice --tool-call-parser NAME``): each
+parser's block format, the model's blocks as OpenAI ``tool_calls`` (whole or streamed), and the
+structured outputs that force "required" or a named function. Knows nothing about the engine
+or HTTP (docs/serving.md#tool-calls).
 """
 from __future__ import annotations
 
