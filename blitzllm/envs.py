@@ -1,12 +1,7 @@
 """Every environment variable blitzllm reads, declared once: name, type, default, a line of doc,
-and whether it is an operational setting or a kernel A/B knob.
-
-Nothing here is read at import. Operational settings are read where they are used
-(``get("BLITZ_API_KEY")``); the kernel knobs are read once when an engine builds its model
-(``Knobs.from_env()``), into a frozen object the runner's decode plan hands to the layers, so a
-test sets a knob with ``monkeypatch.setenv`` before it builds an ``LLM``, and two engines in one
-process may differ. (The two tile overrides are read by the launchers' config caches instead.) ``docs/switches.md`` is generated from this table:
-``python -m blitzllm.envs > docs/switches.md`` (a test fails when it is stale).
+and whether it is an operational setting or a kernel A/B knob. Nothing is read at import;
+the knobs are read once per engine into ``Knobs``. docs/switches.md is generated from the
+table (``python -m blitzllm.envs > docs/switches.md``); docs/design.md#switches.
 """
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Per-request sampling settings, validated at construction.
-
-Field names follow vLLM's ``SamplingParams`` so users can carry their habits over.
-Owns validation only; how the values are applied lives in ``layers/sampler.py``.
+"""Per-request sampling settings with vLLM's field names, validated at construction; how the
+values are applied lives in ``layers/sampler.py``.
 """
 from __future__ import annotations
 

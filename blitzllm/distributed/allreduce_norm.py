@@ -1,17 +1,7 @@
-"""The collectives inside a tensor-parallel forward.
-
-``all_reduce_add_rms_norm``: after a row-parallel projection (attention's o_proj, the
-MLP's down_proj, the experts) each rank holds a partial sum of the hidden state; the next
-pre-norm sums it over the ranks, adds the residual and normalizes. On CUDA, messages up
-to ``BLITZ_TP_ONESHOT_BYTES`` (decode batches) take the one-shot path: the partials go into a
-torch symmetric-memory buffer and one Triton kernel (``kernels/norm/allreduce_rmsnorm.py``)
-reads every rank's buffer, adds the residual and normalizes; larger ones all-reduce over
-NCCL, then run the fused residual + RMSNorm kernel. On CPU: gloo, then the torch norm.
-``BLITZ_TP_ONESHOT_BYTES=0`` sends every size through NCCL.
-
-``full_width_qk_norm``: MiniMax-M2 normalizes q over all query heads (and k over all KV
-heads) at once; each rank sums the squares of its heads, the [T, 2] sums are all-reduced,
-and every rank scales its own heads: q and k are never gathered.
+"""The collectives inside a tensor-parallel forward: ``all_reduce_add_rms_norm`` (a pre-norm
+summing the ranks' partial sums, one-shot over symmetric memory for small CUDA messages, else
+NCCL / gloo) and ``full_width_qk_norm`` (MiniMax-M2's q/k norm from all-reduced sums of
+squares). Knows nothing about models or layers (docs/tensor-parallel.md).
 """
 from __future__ import annotations
 

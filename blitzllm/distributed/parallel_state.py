@@ -1,14 +1,6 @@
-"""Who this process is in a tensor-parallel world and how it talks to the others.
-
-``TPGroup`` is rank, world size and the process groups: ``device_group`` for tensor
-collectives (NCCL on CUDA, gloo on CPU) and ``cpu_group`` (gloo) for the step metadata
-rank 0 broadcasts. Models read the group they are built for with ``get_tp_group()``,
-which is only set inside ``building(group)`` (a scoped context, like the forward
-context): a model built anywhere else, a draft model say, is a plain single-rank model
-even in a process that hosts a tensor-parallel engine.
-
-Ranks meet through a TCP store at ``MASTER_ADDR:MASTER_PORT`` (torchrun's own store
-when torchrun started us). Knows nothing about engines or models.
+"""Who this process is in a tensor-parallel world: ``TPGroup`` (rank, world size, a device group
+for tensors and a gloo group for step metadata, met through a TCP store). ``get_tp_group()``
+is set only inside ``building(group)``, so a model built elsewhere (a draft) is single-rank.
 """
 from __future__ import annotations
 

@@ -107,10 +107,9 @@ def check_tp_size(n) -> int:
 
 
 def speculation_runner_kwargs(args) -> dict:
-    """ModelRunner options that depend on speculation (the same on every tensor-parallel
-    rank): EAGLE-3 and MTP read the target's hidden states through forward hooks, which
-    CUDA-graph replays bypass, so their target runs eager; verify steps run as decode rows, one per
-    scored position, so the decode graphs cover max_num_seqs * (k + 1) rows (at most 512)."""
+    """ModelRunner options that depend on speculation, the same on every rank: an eager target for
+    EAGLE-3 and MTP (their hooks miss graph replays), decode graphs over max_num_seqs * (k + 1)
+    verify rows (at most 512)."""
     spec = parse_speculative_config(args.speculative_config)
     if spec is None:
         return {"enforce_eager": args.enforce_eager, "max_decode_rows": 0}

@@ -1,11 +1,7 @@
-"""An asyncio front for the synchronous ``Engine``: the engine loads and steps in one thread
-of its own (a background thread from ``start()``, or the caller's thread in
-``run_forever()``: the server gives it the main thread and serves HTTP from a second
-one); adds and aborts reach it through a thread-safe command queue drained between steps,
-and each step's events are handed to the event loop in one ``call_soon_threadsafe`` and
-routed to per-request async streams.
-
-Knows nothing about HTTP; the server maps its exceptions to status codes.
+"""An asyncio front for the synchronous ``Engine``: the engine loads and steps in a thread of its
+own (``start()``'s, or the caller's in ``run_forever()``); adds and aborts go through a
+thread-safe queue drained between steps, and each step's events reach per-request async
+streams in one ``call_soon_threadsafe``. Knows nothing about HTTP.
 """
 from __future__ import annotations
 
@@ -73,10 +69,9 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """``factory`` builds the Engine (in the background thread, so loading does not block
-    the event loop). ``observer`` (optional) gets ``first_token(s)``, ``inter_token(s)`` and
-    ``finished(e2e_s, reason)`` calls on the event loop thread. ``on_load_error`` is called
-    when the engine cannot serve: it failed to load, or it died (``fatal_error``: a
+    """``factory`` builds the Engine in the engine thread. ``observer`` (optional) gets
+    ``first_token(s)``, ``inter_token(s)`` and ``finished(e2e_s, reason)`` on the event loop
+    thread. ``on_load_error``: the engine cannot serve (failed to load, or ``fatal_error``: a
     tensor-parallel worker is gone); in-flight requests then fail and the loop ends."""
 
     def __init__(self, factory: Callable[[], "Engine"], max_waiting: int = 1024, observer=None,

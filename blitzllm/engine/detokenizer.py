@@ -1,39 +1,6 @@
-"""Incremental (streaming) detokenization with stop-string handling.
-
-One :class:`IncrementalDetokenizer` lives per sequence. The engine feeds it the newly sampled
-token ids after every step and gets back the text delta that is safe to stream.
-
-Decoding works on a small sliding window of token ids instead of re-decoding the whole output:
-
-* ``_window`` holds the ids from the *prefix offset* on. ``_window[:_read]`` (the prefix) is
-  text that has already been turned into output; its decoded length is ``_prefix_len``.
-* Each step decodes the window and takes the characters past the prefix. Decoding the prefix
-  together with the new ids gives the new tokens their context (leading spaces of
-  sentencepiece pieces, bytes that a byte-level token shares with its neighbours).
-* When the window decodes to text that does not end in U+FFFD, the byte stream is at a
-  character boundary: the window slides (prefix := the ids just read) and stays a few tokens
-  long, so the work per step is O(new tokens).
-* When it ends in U+FFFD (a multi-byte character is still incomplete) the window keeps growing
-  and only the text before the trailing U+FFFD run is taken; that text can no longer change.
-
-Stop strings are searched in the decoded text that has not been emitted yet. The longest
-suffix of it that is a proper prefix of some stop string is held back, so emitted text never
-contains the start of a stop string that may still complete, and deltas stay append-only.
-When several stop strings match, the one that completes first (smallest end offset) wins, and
-on a tie the one starting first; this is what a strict token-by-token scan would see, so the
-result does not depend on how many tokens arrive per ``add`` call.
-
-Relation to ``tokenizer.decode(generated_ids, skip_special_tokens=...)`` (without stop strings):
-
-* byte-level BPE (GPT-2 / SmolLM2 / Llama-3 style): the deltas add up to exactly that string.
-* sentencepiece style (Metaspace pieces, decoder strips one leading space): the prompt tail is
-  decoded as context, so a first piece "\u2581Paris" streams as " Paris" -- the generated part
-  of ``decode(prompt + generated)``, as vLLM does. With an empty prompt (or one that decodes to
-  nothing) it equals ``decode(generated)``.
-* Space clean-up (``clean_up_tokenization_spaces``) is never applied: it is not incremental.
-* If a byte-fallback model emits *invalid* UTF-8, HF's ``ByteFallback`` turns the whole run of
-  ``<0xXX>`` tokens into U+FFFD, including valid bytes that were already streamed; the streamed
-  text keeps those bytes (deltas are append-only), so it can differ from ``decode`` there.
+"""Incremental (streaming) detokenization with stop strings: one sequence's sliding window of ids,
+the text delta safe to stream and the hold-back of a possible stop string. Knows nothing about
+requests or the scheduler (docs/design.md#streaming-text-the-detokenizer).
 """
 from __future__ import annotations
 
@@ -62,16 +29,10 @@ def _make_decoder(tokenizer, skip_special_tokens: bool) -> Callable[[list[int]],
 
 
 class IncrementalDetokenizer:
-    """Turns a stream of generated token ids into append-only text deltas.
-
-    Args:
-        tokenizer: a ``transformers`` tokenizer (fast or slow).
-        prompt_ids: the prompt's token ids; its last few give the first generated tokens
-            their leading-space context.
-        skip_special_tokens: drop special tokens from the text (as ``tokenizer.decode``).
-        stop: stop strings; the output is cut at the first one that completes.
-        include_stop_str_in_output: keep the matched stop string at the end of the output.
-    """
+    """Turns a stream of generated token ids into append-only text deltas. ``tokenizer``: a
+    ``transformers`` tokenizer; ``prompt_ids``: their tail gives the first tokens their context;
+    ``skip_special_tokens`` as in ``tokenizer.decode``; ``stop``: stop strings, the output cut at
+    the first that completes (kept at its end with ``include_stop_str_in_output``)."""
 
     def __init__(self, tokenizer, prompt_ids: Sequence[int], *,
                  skip_special_tokens: bool = True,
@@ -131,10 +92,8 @@ class IncrementalDetokenizer:
         return self._emit(final=False)
 
     def finish(self) -> str:
-        """End of generation (length / EOS): flush everything held back, return the delta.
-
-        An incomplete UTF-8 sequence at the very end is emitted as decoded (U+FFFD).
-        """
+        """End of generation (length / EOS): flush everything held back and return the delta; an
+        incomplete UTF-8 sequence at the very end is emitted as decoded (U+FFFD)."""
         if self.stopped or self.finished:
             self.finished = True
             return ""
@@ -145,13 +104,9 @@ class IncrementalDetokenizer:
     # ------------------------------------------------------------------ internals
 
     def _prompt_context(self, prompt_ids: Sequence[int]) -> tuple[list[int], str]:
-        """The prompt tail decoded ahead of the output, and its text.
-
-        Normally the last few tokens; widened when they decode to nothing (e.g. only skipped
-        special tokens) or end in U+FFFD (the tail starts inside a character that was split
-        into byte tokens). If the prompt itself ends inside a multi-byte character, there is no
-        context: the output is decoded on its own rather than merged with the prompt's bytes.
-        """
+        """The prompt tail decoded ahead of the output, and its text: the last few tokens, widened
+        while they decode to nothing or end in U+FFFD; none if the prompt ends inside a character
+        (the output is then decoded on its own)."""
         n = len(prompt_ids)
         if n == 0:
             return [], ""

@@ -45,10 +45,9 @@ class StepEvent:
 
 
 class Engine:
-    """``tensor_parallel_size`` > 1: this process is rank 0 (scheduler, KV manager, sampler)
-    and drives the other ranks through ``self.tp`` (``engine/tp.py``); call
-    ``close()`` to stop them. Under torchrun, an Engine made on a rank > 0 serves rank 0
-    as a worker and then exits the process (SystemExit)."""
+    """``tensor_parallel_size`` > 1: this process is rank 0 and drives the other ranks through
+    ``self.tp`` (``engine/tp.py``; ``close()`` stops them). Under torchrun, an Engine made on a
+    rank > 0 serves rank 0 as a worker, then exits the process (SystemExit)."""
 
     def __init__(self, args: EngineArgs):
         t0 = time.perf_counter()
@@ -163,10 +162,8 @@ class Engine:
 
     # ---- setup -------------------------------------------------------------------
     def _warmup(self) -> float:
-        """Run throw-away requests through every path a first user request takes (batched
-        chunked prefill, single long prompt, graph decode, greedy and random sampling with
-        logprobs) so Triton's JIT compilation does not land in anyone's time to first token.
-        Leaves no trace: blocks freed, prefix cache and counters reset."""
+        """Throw-away requests through every path a first user request takes, so Triton's JIT never
+        lands in a time to first token; they leave no trace (blocks, prefix cache, counters)."""
         t0 = time.perf_counter()
         vocab, cap = self.model_config.vocab_size, self.max_model_len - 4
         g = random.Random(0)

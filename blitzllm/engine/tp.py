@@ -1,21 +1,7 @@
-"""The processes of a tensor-parallel engine. Rank 0's side (``TPDriver``): start or join the
-world, broadcast each step's inputs, watch the workers, shut them down. Ranks 1..N-1
-(``run_worker``): build the same model shard and KV cache shard as rank 0 (same arguments,
-same order of collectives), then loop: receive a step's inputs, run its forward (taking part
-in the collectives inside), until rank 0 says stop; they know nothing about requests,
-sampling or text.
-
-One host: rank 0 (the engine process) hosts a TCP store on a free loopback port and
-spawns ranks 1..N-1 (``multiprocessing`` spawn context, daemon processes). Several
-hosts: every rank is started by torchrun (or by hand) with ``RANK``, ``WORLD_SIZE``,
-``MASTER_ADDR``, ``MASTER_PORT`` (and ``LOCAL_RANK``); rank 0 runs the engine, the others
-run ``run_worker``.
-
-Failure: a spawned worker that dies is seen by a watchdog thread within
-``WATCH_INTERVAL_S``; it kills the other workers (a collective waiting on the dead rank
-then fails: gloo on the closed sockets, NCCL by an abort) and every later step raises
-``TPWorkerError``. Any exception inside a step is fatal too: the ranks no longer agree on
-where they are. Collectives that hang without a death fail after ``BLITZ_TP_TIMEOUT``.
+"""The processes of a tensor-parallel engine: rank 0's ``TPDriver`` (start or join the world,
+broadcast each step's inputs, watch and stop the workers) and ``run_worker`` for ranks 1..N-1
+(build the same shards, run each step's forward until told to stop). Workers know nothing
+about requests, sampling or text (docs/tensor-parallel.md).
 """
 from __future__ import annotations
 

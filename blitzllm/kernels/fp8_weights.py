@@ -1,17 +1,7 @@
-"""Block-FP8 weights with 16-bit activations (W8A16), ``weight_dtype='fp8'``.
-
-A weight [..., N, K] is held as float8 e4m3 values q and one fp32 scale per [bn, bk] block
-(the grid rounded up at ragged edges: DeepSeek's checkpoint layout, ``loader/fp8.py``), the
-weight being q * scale blockwise. Quantizing takes DeepSeek's recipe: scale = amax / 448
-per block, q = fp8(w / scale). Half the bytes of bf16 per weight, so a decode step that
-streams its weights reads about half as much.
-
-Kernels dequantize inside their K loops: each [BLOCK_K, BLOCK_N] tile of q is widened,
-multiplied by its columns' scales (one scale column per tile: BLOCK_K divides bk) and
-rounded to the activations' dtype, which is exactly the weight ``dequantize`` gives, then
-multiplied on the tensor cores. ``fp8_linear_triton`` is the plain linear (decode and short
-prefills); the MoE experts' grouped GEMM takes the same tiles (``fused_moe``'s ``scales``).
-``reference_fp8_linear`` is the torch form: the weight dequantized, then ``F.linear``.
+"""Block-FP8 weights with 16-bit activations (``weight_dtype='fp8'``): float8 e4m3 values and one
+fp32 scale per [bn, bk] block (DeepSeek's layout and recipe, scale = block amax / 448), and the
+Triton linear that dequantizes each tile in its K loop exactly as ``dequantize`` does. Knows
+nothing about checkpoints (docs/models.md#fp8-any-device).
 """
 from __future__ import annotations
 
@@ -33,10 +23,9 @@ FP8_LINEAR_MAX_ROWS = 64  # more rows (prefill): the weight dequantized once, th
 
 
 def quantize_fp8_block(w: torch.Tensor, block: tuple = DEFAULT_BLOCK, pow2: bool = False) -> tuple:
-    """(q float8 [..., N, K], scale fp32 [..., ceil(N / bn), ceil(K / bk)]) with w ~ q * scale
-    blockwise; an all-zero block gets scale 1. ``pow2``: each scale rounded up to a power of
-    two (``scale_fmt: ue8m0`` checkpoints' recipe). Works one leading index at a time (fp32
-    temporaries of one matrix)."""
+    """(q float8 [..., N, K], scale fp32 [..., ceil(N / bn), ceil(K / bk)]), w ~ q * scale
+    blockwise; an all-zero block gets scale 1; ``pow2``: scales rounded up to powers of two
+    (ue8m0). One leading index at a time (fp32 temporaries of one matrix)."""
     bn, bk = block
     *lead, n, k = w.shape
     gn, gk = -(-n // bn), -(-k // bk)

@@ -1,8 +1,6 @@
-"""Attention over the paged KV cache: per-step metadata, a scoped forward context, and the
-backend interface with its pure-torch reference backend (CPU and CUDA).
-
-The model runner builds ``AttentionMetadata`` and enters ``forward_context``; attention
-layers read it from there. Nothing here knows about requests or the scheduler.
+"""Attention over the paged KV cache: per-step ``AttentionMetadata``, the scoped
+``forward_context`` the runner enters and layers read, and the backends (the pure-torch
+reference, Triton on CUDA). Knows nothing about requests or the scheduler.
 """
 from __future__ import annotations
 
@@ -252,9 +250,8 @@ def _single_decode_sdpa(q, k_cache, v_cache, md, scale):
 
 
 def _long_prompt_sdpa(q, k_cache, v_cache, md, scale):
-    """A single uncached long prompt: its k/v sit in the cache contiguous per block; gather
-    them once and use torch's flash attention (faster than our paged prefill kernel at
-    these lengths)."""
+    """A single uncached long prompt: its k/v sit in the cache contiguous per block; gather them
+    once and use torch's flash attention."""
     import torch.nn.functional as F
     n = md.seq_lens_host[0]
     g = q.shape[1] // k_cache.shape[2]
@@ -279,11 +276,9 @@ def select_backend(device: torch.device, name: str = "auto") -> AttentionBackend
 
 
 class Attention(nn.Module):
-    """Attention over the paged cache from a packed qkv projection output. The optional
-    q/k norms are per head (weights of head_dim values) or, with ``full_width_qk_norm``,
-    over all heads of q (Hq * D values) and of k (Hkv * D) at once. ``pre_norm`` (a callable
-    qkv -> qkv) runs before the backend: the tensor-parallel full-width q/k norm, whose heads
-    span the ranks."""
+    """Attention over the paged cache from a packed qkv projection output, with optional q/k norms
+    per head or (``full_width_qk_norm``) over all heads of q and of k. ``pre_norm`` (qkv -> qkv)
+    runs before the backend: the tensor-parallel full-width q/k norm, whose heads span the ranks."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int, rotary,
                  q_norm=None, k_norm=None, scale: Optional[float] = None, full_width_qk_norm: bool = False,

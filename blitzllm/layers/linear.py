@@ -72,10 +72,9 @@ class Linear(nn.Module):
 
 
     def forward_norm(self, x: torch.Tensor, residual, norm) -> tuple:
-        """Pre-norm block entry: ``(self(norm(x + residual)), x + residual)``; ``norm`` is the
-        RMSNorm module: the fused residual add + RMSNorm, then this layer. On the TMA GEMV's
-        path the norm lets the GEMV launch as it starts (its weights stream meanwhile), or
-        (``tma_norm``) runs inside the GEMV."""
+        """Pre-norm block entry, ``(self(norm(x + residual)), x + residual)`` for the RMSNorm module
+        ``norm``; on the TMA GEMV's path the norm lets the GEMV launch as it starts, or
+        (``tma_norm``) runs inside it."""
         # (x may be an MoE block's fp32 sum beside a lower-precision residual: the norm rounds it)
         xd = x if residual is None else residual
         if norm.tp is None:  # (a norm that all-reduces over tensor-parallel ranks runs on its own)
@@ -110,10 +109,9 @@ class Linear(nn.Module):
 
     # ---- weight-only int4 (CPU) -------------------------------------------------------
     def quantize_int4(self, group_size: int = 32) -> None:
-        """Asymmetric int4 per group of ``group_size`` input weights, w = (q - 8) * scale + zero,
-        the GGUF Q4_1 form: a Q4_0 / Q4_1 checkpoint's groups come back on the same grid
-        (min and max of a group are levels 0 and 15), up to the bf16 rounding of scale and
-        zero that torch's int4 CPU kernel takes. Other weights are genuinely quantized."""
+        """Asymmetric int4 per group of ``group_size`` input weights, w = (q - 8) * scale + zero
+        (GGUF Q4_1): a Q4_0 / Q4_1 checkpoint's groups come back on their grid, up to the bf16
+        rounding of scale and zero that torch's int4 CPU kernel takes."""
         w = self.weight.detach().float()
         n, k = w.shape
         g = w.view(n, k // group_size, group_size)
@@ -130,9 +128,8 @@ class Linear(nn.Module):
             self.bias.data = self.bias.data.float()
 
     def quantize_int8(self) -> None:
-        """Symmetric int8 per output channel (scale = max |w| / 127), through torch's int8 CPU
-        kernel: the lm_head of weight_dtype='int4', half the bytes of bf16 and, on this
-        kernel, about 1.4x faster per token than a bf16 GEMV."""
+        """Symmetric int8 per output channel (scale = max |w| / 127) through torch's int8 CPU
+        kernel: the lm_head of weight_dtype='int4'."""
         w = self.weight.detach().float()
         scale = w.abs().amax(1) / 127
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -158,8 +155,8 @@ INT4_GROUP = 32
 
 def quantize_linear_weights_int4(model: nn.Module, group_size: int = INT4_GROUP) -> int:
     """weight_dtype='int4' (CPU): every decoder Linear whose input size is a multiple of
-    ``group_size`` becomes weight-only int4; the lm_head gets int8 per output channel (GGUF
-    files store it in 8 bits, which int4 would coarsen). Returns the layers quantized."""
+    ``group_size`` becomes weight-only int4, the lm_head int8 per output channel (GGUF keeps it
+    in 8 bits, which int4 would coarsen). Returns the layers quantized."""
     if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         raise ValueError("weight_dtype='int4' needs torch >= 2.5 (its int4 CPU kernel)")
     cast_linear_weights(model, torch.bfloat16)
@@ -176,10 +173,9 @@ def quantize_linear_weights_int4(model: nn.Module, group_size: int = INT4_GROUP)
 
 
 def quantize_fp8_weights(model: nn.Module, block: tuple = DEFAULT_FP8_BLOCK, pow2: bool = False) -> int:
-    """weight_dtype='fp8': every Linear of the decoder (not the output heads) and every MoE
-    block's experts hold block-FP8 weights (``Linear.quantize_fp8``, ``FusedMoE.quantize_fp8``);
-    norms, embeddings, routers and MLA's absorbed kv_b keep the model dtype. ``pow2``: scales
-    rounded up to powers of two. Returns the modules quantized."""
+    """weight_dtype='fp8': every decoder Linear (not the output heads) and MoE block's experts hold
+    block-FP8 weights; norms, embeddings, routers and MLA's absorbed kv_b keep the model dtype.
+    ``pow2``: power-of-two scales. Returns the modules quantized."""
     done = 0
     for name, mod in model.named_modules():
         if isinstance(mod, Linear) and mod.weight is not None and mod.fp8_block is None:

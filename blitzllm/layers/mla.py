@@ -1,11 +1,7 @@
-"""Multi-head latent attention (DeepSeek-V2/V3 MLA) over the paged latent cache.
-
-Per token and layer the cache keeps only the normalised compressed latent (kv_lora_rank
-values) and the rotated rope key (qk_rope_head_dim values), one [NB, BS, 1, R + P] tensor
-from the forward context. Pure decode steps run in the absorbed form (W_kv_b's key half
-folded into the query, attention over latents only via ``kernels/attention/mla_decode.py``, W_kv_b's
-value half applied after); prefill and mixed steps expand the cached latents of each
-sequence to per-head keys and values. Knows nothing about the scheduler or the model.
+"""Multi-head latent attention (DeepSeek-V2/V3 MLA) over the paged latent cache [NB, BS, 1, R + P]
+(normalised latent, rotated rope key). Pure decode runs the absorbed form
+(``kernels/attention/mla_decode.py``); prefill and mixed steps expand each sequence's latents
+to per-head keys and values. Knows nothing about the scheduler or the model.
 """
 from __future__ import annotations
 
@@ -59,18 +55,16 @@ class MLADims:
 
 
 def rotate_rope(x: torch.Tensor, tables, interleave: bool) -> torch.Tensor:
-    """Rotate x [T, heads, P] (q's heads then the shared k) with rotary ``tables``; interleaved
-    pairs are laid out as rotate-half halves first, the order transformers' interleaved rope
-    returns."""
+    """Rotate x [T, heads, P] (q's heads, then the shared k) with rotary ``tables``; interleaved
+    pairs come out rotate-half style, the order transformers' interleaved rope returns."""
     if interleave:
         x = torch.cat([x[..., 0::2], x[..., 1::2]], -1)
     return apply_rotary_tables(x, *tables)
 
 
 class LatentUpProjection(nn.Module):
-    """``kv_b_proj``: latent [.., R] -> per head (k_nope, v). A plain weight, not a ``Linear``:
-    the absorbed decode reads its key and value halves as matrices, so low-precision
-    weight casts and int4 packing leave it alone."""
+    """``kv_b_proj``: latent [.., R] -> per head (k_nope, v); a plain weight, not a ``Linear``, as
+    the absorbed decode reads its halves as matrices (weight casts and int4 packing skip it)."""
 
     def __init__(self, d: MLADims):
         super().__init__()
@@ -98,10 +92,9 @@ class LatentUpProjection(nn.Module):
 
 
 def write_latent_cache(entry: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, padded: bool):
-    """entry [T, R + P] into cache [NB, BS, 1, R + P] at ``slot_mapping`` (negative: skip).
-    Without a host sync (CUDA-graph safe): a padding row repeats the write of the real row
-    with the highest slot, the same value to the same place. (Only when every row is
-    padding, as in graph capture before any request exists, slot 0 takes a junk write.)"""
+    """entry [T, R + P] into cache [NB, BS, 1, R + P] at ``slot_mapping`` (negative: skip), with no
+    host sync: a padding row repeats the write of the real row with the highest slot (all
+    padding, as in graph capture: slot 0 takes a junk write)."""
     if padded:
         keep = slot_mapping >= 0
         j = slot_mapping.argmax().view(1)  # index_select, not [j]: a 0-dim index reads it on the host
@@ -111,13 +104,9 @@ def write_latent_cache(entry: torch.Tensor, cache: torch.Tensor, slot_mapping: t
 
 
 class MLAttention(nn.Module):
-    """Checkpoint names as HF (``self_attn.q_a_proj`` ...); ``q_a_proj`` (or ``q_proj``) and
-    ``kv_a_proj_with_mqa`` read the same input, so they are packed into one GEMM,
-    ``fused_qkv_a_proj`` (see ``packed_modules``).
-
-    Tensor parallel: the heads are split (q_b_proj / q_proj rows, kv_b_proj rows, o_proj
-    input columns); the latent projections and the latent cache are replicated, every
-    rank computes the same latent."""
+    """Checkpoint names as HF; ``q_a_proj`` (or ``q_proj``) and ``kv_a_proj_with_mqa`` read the same
+    input, so they are packed into one GEMM, ``fused_qkv_a_proj``. Tensor parallel: heads split,
+    the latent projections and cache replicated (every rank computes the same latent)."""
 
     def __init__(self, d: MLADims, layer_idx: int, rotary, scale: float):
         super().__init__()
@@ -173,9 +162,8 @@ class MLAttention(nn.Module):
         return pe[:, :-1], torch.cat([latent, pe[:, -1]], -1)
 
     def latent_qkv(self, positions: torch.Tensor, x: torch.Tensor) -> tuple:
-        """x [T, hidden] -> (q [T, H, N + P], rope part rotated; latent-cache entries [T, R + P]),
-        in torch and without the forward context: for an MTP draft layer that keeps its own
-        dense latents (``spec/mtp.py``)."""
+        """x [T, hidden] -> (q [T, H, N + P], rope part rotated; latent-cache entries [T, R + P]) in
+        torch, without the forward context: for the MTP draft layer's own dense latents."""
         q, kv_a = self._split(self.fused_qkv_a_proj(x))
         q_pe, entry = self._rope_latent(q, kv_a, rotary_tables(self.rotary.cos_sin_cache, positions))
         return torch.cat([q[..., :self.d.qk_nope_head_dim], q_pe], -1), entry

@@ -1,35 +1,7 @@
-"""Sparse mixture-of-experts block: a router (``gate``), stacked expert weights and the
-checkpoint mapping of per-expert tensors onto them. Shared by Qwen3-MoE, MiniMax-M2 and
-DeepSeek-V3; the routing ops come from ``kernels/moe/router.py`` (Triton on CUDA when its dispatch
-functions exist, the torch references otherwise). Knows nothing about attention or models.
-
-Building a block (``FusedMoE(hidden, inter, num_experts, top_k, **routing)``)::
-
-    Qwen3-MoE    FusedMoE(H, I, E, K, scoring="softmax", renormalize=cfg.norm_topk_prob)
-    MiniMax-M2   FusedMoE(H, I, E, K, scoring="sigmoid", correction_bias="block",
-                          expert_names=("w1", "w3", "w2"))
-    DeepSeek-V3  FusedMoE(H, I, E, K, scoring="sigmoid", correction_bias="gate",
-                          n_group=8, topk_group=4, renormalize=True,
-                          scaling=routed_scaling_factor, shared_experts=DenseMLP(H, I * n_shared))
-
-``correction_bias`` says where the checkpoint keeps ``e_score_correction_bias``: on the
-router (``mlp.gate.e_score_correction_bias``, DeepSeek) or on the block itself
-(``block_sparse_moe.e_score_correction_bias``, MiniMax); the parameter lives at that name
-so it loads as a plain copy. ``shared_experts`` is any module mapping [T, H] -> [T, H]
-(a dense gated MLP); its output is added to the routed experts' output, and it is named
-``<block>.shared_experts`` like the HF checkpoints.
-
-Parameter names: ``<block>.gate.weight`` [E, H], ``<block>.w13`` [E, 2I, H] (gate rows then
-up rows, the layout of transformers' fused ``experts.gate_up_proj``), ``<block>.w2`` [E, H, I]
-(``experts.down_proj``). ``load_expert_weight`` / ``expert_load_keys`` are the model's
-``load_custom_weight`` / ``required_load_keys`` for them; ``hf_expert_tensors`` the inverse.
-
-Tensor parallel (built inside ``distributed.building``): the experts are split by tensor
-(every rank holds every expert's slice of I: gate/up rows, down columns) or, where that
-slice would be thin (I / ranks < ``MIN_EXPERT_SLICE``) and the experts divide evenly, by
-expert (each rank holds E / ranks whole experts and drops the other ranks' (token, expert)
-pairs). ``BLITZ_MOE_SPLIT=tensor|expert`` forces one. Either way a rank's output is a
-partial sum, all-reduced by the next norm; the router is replicated.
+"""Sparse mixture-of-experts block: a router (``gate``), stacked expert weights [E, 2I, H] and
+[E, H, I], their tensor-parallel split and the checkpoint mapping of per-expert tensors onto
+them. Shared by Qwen3-MoE, MiniMax-M2, DeepSeek-V3 and Qwen3-Next; the routing ops come from
+``kernels/moe/router.py``. Knows nothing about attention or models (docs/models.md).
 """
 from __future__ import annotations
 
@@ -48,7 +20,8 @@ MIN_EXPERT_SLICE = 128  # split by expert when a rank's slice of I would be thin
 
 
 def moe_split(num_experts: int, intermediate: int, tp: TPGroup) -> str:
-    """How a tensor-parallel MoE block is split: "tensor" or "expert" (see the module doc)."""
+    """How a tensor-parallel MoE block is split: "tensor" (every rank a slice of each expert's I)
+    or "expert" (E / ranks whole experts each), by ``BLITZ_MOE_SPLIT`` or the slice's width."""
     n = tp.world_size
     mode = envs.get("BLITZ_MOE_SPLIT")
     if mode == "auto":
@@ -86,7 +59,10 @@ class Router(nn.Module):
 
 
 class FusedMoE(nn.Module):
-    """Routed experts (top-k of E) plus optional shared experts; forward x [T, H] -> [T, H]."""
+    """Routed experts (top-k of E) plus optional shared experts (any [T, H] -> [T, H] module,
+    added); forward x [T, H] -> [T, H], a partial sum under tensor parallelism. ``correction_bias``:
+    where the checkpoint keeps ``e_score_correction_bias`` ("gate": the router; "block": the block).
+    Parameters ``gate.weight`` [E, H], ``w13`` [E, 2I, H] (gate rows, then up), ``w2`` [E, H, I]."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
                  scoring: str = "softmax", correction_bias: Optional[str] = None,
@@ -177,10 +153,8 @@ class FusedMoE(nn.Module):
         return self._experts(h, lambda _: (weights, ids)), residual
 
     def _experts(self, x: torch.Tensor, route) -> torch.Tensor:
-        """Routed (``route(x)`` -> topk weights, ids) plus shared experts of x [T, H]. All on the
-        current stream: the shared experts on a second stream beside the routed ones measured
-        slower on the H200 at every size tried (the fork and join cost more GPU idle time than
-        the small shared GEMMs save; docs/perf-history.md)."""
+        """Routed (``route(x)`` -> topk weights, ids) plus shared experts of x [T, H], all on the
+        current stream."""
         weights, ids = route(x)
         if self.expert_start is None:
             # (an fp32 sum only where nothing is added to it here and no rank sums it after)
@@ -214,10 +188,9 @@ def _stacked_keys(block: str, moe: "FusedMoE", leaf: str) -> list:
 
 
 def load_expert_weight(model: nn.Module, name: str, tensor: torch.Tensor) -> Optional[list]:
-    """A ``load_custom_weight`` for expert tensors: copies ``name`` into the stacked weights
-    of the ``FusedMoE`` it belongs to and returns the load keys it filled. None when
-    ``name`` is not an expert tensor of this model (the loader then skips layers past a
-    ``num_layers`` override and rejects the rest)."""
+    """A ``load_custom_weight`` for expert tensors: copies ``name`` into its ``FusedMoE``'s stacked
+    weights and returns the load keys it filled; None when ``name`` is no expert tensor here (the
+    loader then skips layers past a ``num_layers`` override and rejects the rest)."""
     m = _PER_EXPERT.match(name) or _FUSED.match(name)
     if m is None:
         return None

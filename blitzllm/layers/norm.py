@@ -1,9 +1,7 @@
-"""RMSNorm, optionally fused with the residual add (pre-norm decoder blocks).
-
-Dispatches through ``kernels/norm/rmsnorm.py``: Triton on CUDA, the torch reference elsewhere.
-Built with a tensor-parallel group of more than one rank, the norm first sums its input
-over the ranks (``distributed/allreduce_norm.py``): the pre-norms of a decoder receive
-partial sums from the row-parallel projections before them.
+"""RMSNorm, optionally fused with the residual add (pre-norm decoder blocks), through
+``kernels/norm/rmsnorm.py``. Built for more than one tensor-parallel rank, the norm first sums
+its input (the row-parallel partial sums before it) over the ranks
+(``distributed/allreduce_norm.py``).
 """
 from __future__ import annotations
 
@@ -32,12 +30,9 @@ class RMSNorm(nn.Module):
 
 
 class OffsetRMSNorm(RMSNorm):
-    """RMSNorm scaling by (1 + w) (Qwen3-Next, Qwen3.5): ``weight`` holds 1 + the checkpoint's
-    w (``load_checkpoint`` adds the 1; dummy weights of 1 are a checkpoint's zeros), kept in
-    fp32 whatever the model dtype, so every kernel that takes an RMSNorm weight computes this
-    norm and 1 + w is exact. In fp32 the results are transformers' (norm(x) * (1 + w)); in a
-    lower precision the normalized x is rounded before the multiply, as for every RMSNorm here
-    (transformers multiplies in fp32 and rounds once)."""
+    """RMSNorm scaling by (1 + w) (Qwen3-Next, Qwen3.5): ``weight`` holds 1 + the checkpoint's w in
+    fp32 (``load_checkpoint`` adds the 1), so every RMSNorm kernel takes it and 1 + w is exact.
+    Below fp32 the normalized x is rounded before the multiply (transformers rounds once)."""
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)

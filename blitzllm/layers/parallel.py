@@ -1,13 +1,7 @@
-"""Tensor-parallel layers: which part of each checkpoint tensor a rank holds, and the
-builders models call instead of constructing ``Linear`` / ``PackedLinear`` / embeddings
-directly.
-
-A sharded module carries ``tp_parts``: ``(parameter leaf, packed shard index or None) ->
-Part``; the loader copies only that part of the checkpoint tensor (read lazily from
-safetensors, so a rank reads 1/N of the model). Column-parallel layers split their output
-rows, row-parallel ones their input columns; a row-parallel layer's output is a partial
-sum that the next ``RMSNorm`` (built with the group) all-reduces. With one rank the
-builders return the plain layers, with no parts: the single-GPU path is untouched.
+"""Tensor-parallel layers: the builders models call instead of constructing ``Linear`` /
+``PackedLinear`` / embeddings directly, and the ``tp_parts`` each sharded module declares
+(which part of each checkpoint tensor a rank holds). With one rank the builders return the
+plain layers. Knows nothing about processes (docs/tensor-parallel.md).
 """
 from __future__ import annotations
 
@@ -23,9 +17,9 @@ from ..distributed.parallel_state import TPGroup
 
 @dataclass(frozen=True)
 class Part:
-    """This rank holds ``checkpoint.narrow(dim, start, size)`` of a tensor whose ``dim`` has
-    ``full`` entries. Entries past ``full`` (the padded vocabulary of the last rank) are
-    zeros; ``zero``: the rank holds zeros (a row-parallel bias, added by rank 0 only)."""
+    """This rank holds ``checkpoint.narrow(dim, start, size)`` of a tensor of ``full`` entries along
+    ``dim`` (zeros past ``full``: the last rank's padded vocabulary); ``zero``: the rank holds
+    zeros (a row-parallel bias, added by rank 0 only)."""
     dim: int
     start: int
     size: int
@@ -134,9 +128,8 @@ def vocab_part(vocab: int, tp: TPGroup) -> Part:
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rows ``[rank * per, (rank + 1) * per)`` of the embedding (the last rank's past the
-    vocabulary are zeros). Tokens of other ranks embed to zeros, so the output is a
-    partial sum: the first layer's norm all-reduces it."""
+    """Rows ``[rank * per, (rank + 1) * per)`` of the embedding (zeros past the vocabulary); other
+    ranks' tokens embed to zeros, so the output is a partial sum the first norm all-reduces."""
 
     def __init__(self, vocab: int, hidden: int, tp: TPGroup):
         super().__init__()

@@ -1,8 +1,6 @@
-"""Rotary position embedding (neox / rotate-half layout, as HF Llama and Qwen).
-
-Builds ``cos_sin_cache [max_positions, rotary_dim]`` (cos in the first half, sin in the
-second), the layout the fused Triton kernel reads too. Scaling: default, linear, llama3, and
-yarn (whose attention factor multiplies the cached cos and sin, as transformers does).
+"""Rotary position embedding (neox / rotate-half layout, as HF Llama and Qwen): builds
+``cos_sin_cache [max_positions, rotary_dim]`` (cos, then sin), the layout the Triton kernels
+read too. Scaling: default, linear, llama3, yarn (its attention factor scales cos and sin).
 """
 from __future__ import annotations
 
@@ -22,10 +20,9 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 def _yarn(rotary_dim: int, base: float, scaling: dict, max_positions: int) -> tuple[torch.Tensor, float]:
-    """(inv_freq, attention_factor) as transformers' ``_compute_yarn_parameters``: frequencies
-    blend from extrapolated (fast, high dims kept) to interpolated (slow, divided by
-    ``factor``) over a linear ramp between the beta_fast and beta_slow correction dims.
-    Computed in float32 like the oracle."""
+    """(inv_freq, attention_factor) as transformers' ``_compute_yarn_parameters``, in float32: the
+    frequencies blend from extrapolated (high dims kept) to interpolated (divided by ``factor``)
+    over a linear ramp between the beta_fast and beta_slow correction dims."""
     old_len = scaling.get("original_max_position_embeddings") or max_positions
     factor = scaling.get("factor") or max_positions / old_len
     attn = scaling.get("attention_factor")

@@ -1,13 +1,7 @@
-"""Turns one step's logits into tokens: the only place blitzllm samples.
-
-Owns ``SamplingMetadata.build`` (per-request ``SamplingParams`` -> batched device
-tensors), the logit pipeline (repetition / frequency / presence penalties, min_tokens
-bans, temperature, top-k, top-p, min-p), greedy and seeded random sampling, and the
-raw-distribution logprobs returned with each token.
-
-Random rows use the exponential race argmax(p / E), E ~ Exp(1), where E comes from a
-counter-based hash of (seed, step, token id). There is no RNG state and no host sync,
-and a request draws the same token whatever batch it sits in and wherever in it.
+"""Turns one step's logits into tokens, the only place blitzllm samples: ``SamplingMetadata.build``
+(params -> batched device tensors), the logit pipeline (penalties, bans, temperature, top-k/p,
+min-p), greedy and seeded random sampling (an exponential race over a hash of (seed, step,
+token id): no RNG state, no host sync, batch-independent) and raw-distribution logprobs.
 """
 from __future__ import annotations
 
@@ -26,11 +20,8 @@ _GOLDEN = 0x9E3779B9
 
 # --------------------------------------------------------------------------- noise
 def _fmix32_(h: Tensor) -> Tensor:
-    """murmur3's 32-bit finalizer, in place, on int64 values in [0, 2**32).
-
-    The int64 products may wrap past 2**63; their low 32 bits are still exact and the
-    mask after each multiply keeps only those, so CPU and CUDA agree bit for bit.
-    """
+    """murmur3's 32-bit finalizer, in place, on int64 values in [0, 2**32); the mask after each
+    multiply keeps the exact low 32 bits of wrapped products, so CPU and CUDA agree bit for bit."""
     h.bitwise_xor_(h >> 16)
     h.mul_(0x85EBCA6B).bitwise_and_(_M32)
     h.bitwise_xor_(h >> 13)
@@ -170,11 +161,8 @@ def _mask_of(tokens: Tensor, vocab_size: int) -> Tensor:
 
 
 def _top_k_top_p(x: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
-    """Mask (-inf) outside top-k, then outside the top-p nucleus. One sort per call.
-
-    top-k keeps every token tied with the k-th largest logit; top-p keeps the smallest
-    prefix (by descending prob) whose mass reaches top_p, so the top token always stays.
-    """
+    """Mask (-inf) outside top-k (ties with the k-th largest kept), then outside the top-p nucleus
+    (the smallest prefix by descending prob reaching top_p: the top token stays). One sort."""
     V = x.shape[-1]
     xs, order = x.sort(dim=-1, descending=True)
     k = torch.where((top_k <= 0) | (top_k > V), V, top_k)
@@ -214,11 +202,8 @@ class Sampler(torch.nn.Module):
         return self._output(raw, tokens, md)
 
     def processed_logits(self, logits: Tensor, md: SamplingMetadata) -> Tensor:
-        """[B, V] float32 logits that random rows sample from (-inf = removed).
-
-        Greedy rows get their penalized, banned logits without temperature or
-        top-k / top-p / min-p: their argmax is the token ``forward`` picks.
-        """
+        """[B, V] float32 logits that random rows sample from (-inf = removed); greedy rows get
+        their penalized, banned logits only, whose argmax is the token ``forward`` picks."""
         raw = logits.float()
         x = self._penalize(raw, md)
         if md.all_greedy:

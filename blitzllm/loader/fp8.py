@@ -1,16 +1,6 @@
-"""FP8 block-quantized checkpoints, as DeepSeek-V3 / R1, MiniMax-M2 and the Qwen3 "-FP8"
-releases ship them: ``config.json`` carries ``quantization_config`` with ``quant_method:
-"fp8"`` and ``weight_block_size: [bn, bk]``; every quantized linear stores ``<x>.weight`` in
-float8 (e4m3) beside ``<x>.weight_scale_inv``, one float per [bn, bk] block of the weight
-(the grid rounded up where a dimension is not a multiple of the block, e.g. V3's 576-row
-``kv_a_proj_with_mqa``), and the weight is ``weight * weight_scale_inv`` blockwise. Norms,
-embeddings, the lm_head and the routers stay in bf16.
-
-The loader dequantizes on the fly: the stream pairs each float8 weight with its scale (in
-whichever order, and whichever file, the checkpoint holds them), forms the product in fp32
-and hands it on as an ordinary tensor, which the parameter copy rounds to the model's dtype
-(as transformers' dequantizing load does). Everything downstream (packing, stacked experts,
-MLA's absorbed projections, MTP layers, tensor-parallel parts) sees plain weights.
+"""FP8 block-quantized checkpoints (``quant_method: "fp8"``, ``weight_block_size``): pairs each
+float8 ``<x>.weight`` with its ``<x>.weight_scale_inv`` in the weight stream and hands on the
+fp32 product as a plain tensor, so nothing downstream sees float8 (docs/models.md).
 """
 from __future__ import annotations
 
@@ -74,9 +64,8 @@ def _full(t) -> torch.Tensor:
 
 
 def dequantize_stream(tensors: Iterable, block: tuple[int, int]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint stream with every float8 ``<x>.weight`` and its ``<x>.weight_scale_inv``
-    replaced by the dequantized fp32 ``<x>.weight``; other tensors pass unchanged. A weight
-    waits for its scale (or a scale for its weight) only until the partner arrives."""
+    """The checkpoint stream with each float8 ``<x>.weight`` + ``<x>.weight_scale_inv`` pair
+    replaced by the fp32 ``<x>.weight`` (either waits only for its partner); others unchanged."""
     weights: dict = {}
     scales: dict = {}
     for name, t in tensors:

@@ -51,9 +51,8 @@ _DUMMY_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>: {{ m['content'] }}
 
 
 def dummy_tokenizer(vocab_size: int, eos_token_id: int | None):
-    """A character-level tokenizer for dummy-weight presets (which ship no tokenizer), so
-    text prompts, chat and the server work on them: printable ASCII maps to ids 1..95,
-    every other id decodes to ``<id>``; the eos id decodes to nothing."""
+    """A character-level tokenizer for dummy-weight presets, so text prompts, chat and the server
+    work on them: printable ASCII is ids 1..95, other ids decode to ``<id>``, eos to nothing."""
     _quiet_transformers()
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

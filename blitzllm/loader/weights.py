@@ -1,14 +1,7 @@
-"""Copy a stream of HF-named checkpoint tensors into a model, packing shards as the model
-declares (``packed_modules``); or fill it with dummy weights. One tensor in flight at a time.
-
-Model-declared mappings: ``packed_modules`` (checkpoint sub-name -> packed parameter shard),
-``hf_module_renames`` (transformers' module name -> ours, accepted on load and written on
-export), ``checkpoint_name`` (a whole name -> ours, or None to skip it), ``load_custom_weight``
-/ ``required_load_keys`` (stacked MoE experts and the like).
-
-Tensor parallel: a module built for one rank of several declares the part of each
-checkpoint tensor it holds (``tp_parts``, see ``layers/parallel.py``); the stream then
-carries lazy safetensors slices and only that part is read.
+"""Copy a stream of HF-named checkpoint tensors into a model, one tensor in flight at a time, or
+fill it with dummy weights; export the inverse. Owns applying the mappings a model declares
+(``packed_modules``, ``hf_module_renames``, ``checkpoint_name``, ``load_custom_weight`` /
+``required_load_keys``) and its tensor-parallel parts (``tp_parts``: only that part is read).
 """
 from __future__ import annotations
 
@@ -151,26 +144,9 @@ def _check_complete(model, params, modules, loaded):
 
 
 def init_dummy_weights(model: torch.nn.Module, seed: int = 0, per_parameter_seeds: bool = False) -> None:
-    """Random weights with sane scales (norms at 1), drawn in place on the model's device:
-    for speed work, where the values do not change the time. Tensor-parallel ranks
-    (``per_parameter_seeds``) draw each parameter from a seed of its own name, so the
-    parameters every rank holds whole (routers, latent projections) are the same on all.
-
-    MoE models route like a trained model (one trained with a load-balancing loss) does,
-    so a benchmark sees tokens spread evenly over the experts, not a few hot experts:
-
-    - every router row has the same norm (rows orthonormal when E <= H), so no expert's
-      logit is systematically larger, and ``e_score_correction_bias`` is zero;
-    - the token embedding (when not tied to the lm_head) has std 2 * sqrt(num_layers),
-      not 0.02, so at every depth the router input is mostly the token's own embedding:
-      an isotropic, token-specific direction. With 0.02 the residual stream is the sum of
-      the layer outputs, which are anisotropic (attention writes through a subspace of
-      Hkv * D dims) and shared along a sequence (attention averages over the context),
-      so experts aligned with those directions take most tokens: max/min expert load
-      4-9x over 2k random tokens. With the larger embedding the load is close to a
-      uniform multinomial draw at 2 and at 40 layers (chi-square per degree of freedom
-      about 1.1 against 0.9 for independent uniform choices); tests/models/
-      test_moe_models.py measures the histogram."""
+    """Random weights with sane scales drawn in place, for speed work; MoE models route in balance
+    (docs/models.md). ``per_parameter_seeds`` (tensor-parallel ranks): a seed per parameter name,
+    so parameters every rank holds whole agree."""
     gens: dict = {}
     routers = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, Router)}
     routers |= {n for n, _ in model.named_parameters() if n.endswith("mlp.gate.weight")}
@@ -211,14 +187,9 @@ def _balanced_router(experts: int, hidden: int, gen, device) -> torch.Tensor:
 
 
 def export_hf_state_dict(model: torch.nn.Module, per_expert: bool = False) -> dict:
-    """The inverse of ``load_weights``: HF names -> tensors (views, no copies), packed
-    parameters split back into their shards. Lets a peer run on our exact weights.
-
-    By default the names are transformers' module names (``load_state_dict`` on a
-    transformers model): MoE experts as its fused ``experts.gate_up_proj`` [E, 2I, H] and
-    ``experts.down_proj`` [E, H, I], modules under ``hf_module_renames``' names. With
-    ``per_expert`` they are the checkpoint-file names (what ``save_pretrained`` writes):
-    ``experts.<e>.<gate|up|down name>.weight`` per expert, modules under our names."""
+    """The inverse of ``load_weights`` (views, packed shards split back), so a peer runs on our
+    exact weights: transformers' module names (fused ``experts.gate_up_proj`` / ``down_proj``),
+    or with ``per_expert`` the checkpoint-file names (per-expert tensors, our module names)."""
     inverse = {}
     for ck, (packed, idx) in getattr(model, "packed_modules", {}).items():
         inverse.setdefault(packed, {})[idx] = ck

@@ -1,13 +1,6 @@
-"""DeepSeek-V3: multi-head latent attention (``layers/mla.py``), the first
-``first_k_dense_replace`` layers with a dense MLP, the others (every ``moe_layer_freq``) a
-``FusedMoE`` with sigmoid scores, ``e_score_correction_bias`` for selection, grouped top-k
-over ``n_group`` / ``topk_group``, renormalised weights times ``routed_scaling_factor`` and
-``n_shared_experts`` shared experts.
-
-Multi-token-prediction layers (``model.layers.{num_hidden_layers + i}``, DeepSeek's MTP
-modules) are loaded, when the checkpoint has them, into ``mtp``: weights only, forward
-never runs them (speculative decoding will). They are created on the first MTP tensor, so a
-checkpoint without them (transformers drops them) or dummy weights cost nothing.
+"""DeepSeek-V3: MLA (``layers/mla.py``), dense MLPs in the first ``first_k_dense_replace``
+layers and a sigmoid, grouped top-k ``FusedMoE`` with shared experts in the others, and the
+MTP layers kept in ``mtp`` when the checkpoint has them (docs/models.md). Architecture only.
 """
 from __future__ import annotations
 
@@ -108,12 +101,9 @@ class SharedHead(nn.Module):
 
 
 class MTPLayer(DeepseekV3DecoderLayer):
-    """One DeepSeek MTP module: a decoder layer plus ``enorm`` / ``hnorm`` (of the next
-    token's embedding and of the previous hidden state), ``eh_proj`` [H, 2H] and
-    ``shared_head`` (norm + its own copy of the output head). The checkpoint's
-    ``embed_tokens`` copy is the main embedding (DeepSeek shares it) and is not kept.
-    ``forward`` is the inherited decoder block; speculative decoding composes the rest
-    (eh_proj over [enorm(embedding), hnorm(hidden)] before it, shared_head after)."""
+    """One DeepSeek MTP module: a decoder layer (its ``forward``) plus ``enorm`` / ``hnorm``,
+    ``eh_proj`` [H, 2H] and ``shared_head``, which MTP speculation composes around it. The
+    checkpoint's ``embed_tokens`` copy is the main embedding (DeepSeek shares it): not kept."""
 
     def __init__(self, cfg: ModelConfig, a: DeepseekV3Args, i: int, rotary: RotaryEmbedding):
         super().__init__(cfg, a, a.checkpoint_layers + i, rotary, cache_idx=cfg.num_layers + i)

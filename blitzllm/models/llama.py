@@ -1,14 +1,7 @@
-"""Dense pre-norm decoder (Llama, Qwen2, Qwen3) built from the shared layers: architecture
-only; which kernels and fusions decode runs is the runner's decode plan (runner/decode_plan.py).
-
-Differences between the three are flags on ``ModelConfig``: q/k/v bias (Qwen2) and per-head
-q/k RMSNorm (Qwen3). Checkpoint names follow HF; ``packed_modules`` declares how q/k/v and
-gate/up are packed into single GEMMs at load time. Other decoders reuse the blocks:
-``DecoderLayer`` takes any MLP module (MoE models pass a ``FusedMoE``), and a model class
-overrides ``make_layer`` / ``rotary_dim`` (see qwen3_moe.py, minimax_m2.py).
-
-Built inside ``distributed.building(group)`` the layers are this rank's tensor-parallel
-shards (``layers/parallel.py``); the pre-norms sum the row-parallel partial outputs.
+"""Dense pre-norm decoder (Llama, Qwen2, Qwen3) built from the shared layers, and the blocks
+other decoders reuse (``DecoderLayer`` takes any MLP module; a model class overrides
+``make_layer`` / ``rotary_dim``). Architecture only: which kernels decode runs is the
+runner's decode plan, and the tensor-parallel shards are ``layers/parallel.py``'s.
 """
 from __future__ import annotations
 
@@ -28,13 +21,9 @@ from ..layers.rotary import RotaryEmbedding
 
 
 class DecoderAttention(nn.Module):
-    """``qk_norm``: None (from the config: per head when ``cfg.qk_norm``), "head" (RMSNorm
-    over each head's D values, Qwen3) or "full" (over the whole q / k projection output,
-    MiniMax-M2).
-
-    Tensor parallel: each rank holds ``split_heads``' query heads and KV heads (q/k/v rows
-    of the packed projection, o_proj's matching input columns); a full-width q/k norm
-    holds its heads' slice of the weights and all-reduces sums of squares."""
+    """``qk_norm``: None (per head when ``cfg.qk_norm``), "head" (over each head's D values, Qwen3)
+    or "full" (over the whole q / k projection output, MiniMax-M2). Each tensor-parallel rank
+    holds ``split_heads``' query and KV heads; a full-width norm all-reduces sums of squares."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, qk_norm: str | None = None):
         super().__init__()
@@ -119,9 +108,8 @@ class DecoderLayer(nn.Module):
 
 
 def mlp_forward_norm(mlp: nn.Module, x: torch.Tensor, residual, norm) -> tuple:
-    """The post-attention half of a pre-norm block: (mlp(norm(x + residual)), x + residual).
-    An MoE block may take the norm into its routing launch (``FusedMoE.forward_norm``). x may
-    be an fp32 MoE sum beside a lower-precision residual: the norm rounds it."""
+    """The post-attention half of a pre-norm block, (mlp(norm(x + residual)), x + residual); an MoE
+    block may take the norm into its routing launch; the norm rounds an fp32 MoE sum x."""
     if hasattr(mlp, "norm_route_ok") and mlp.norm_route_ok(x, residual, norm):
         return mlp.forward_norm(x, residual, norm)
     h, residual = norm(x, residual)

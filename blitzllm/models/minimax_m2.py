@@ -1,15 +1,6 @@
-"""MiniMax-M2: every layer attention + a sparse MoE block (``block_sparse_moe``).
-
-Attention differs from Qwen3 in two ways: q_norm / k_norm are RMSNorms over the *whole*
-q projection output (Hq * D values) and k projection output (Hkv * D) before the split
-into heads (``qk_norm_type: per_layer``), and rotary covers only the first ``rotary_dim``
-dims of each head. Routing: sigmoid scores, experts chosen by score +
-``e_score_correction_bias``, weights = the chosen unbiased scores renormalised to sum 1
-(no routed scaling, as transformers' MiniMaxM2 implementation).
-
-Checkpoint names: ``block_sparse_moe.gate.weight``, ``block_sparse_moe.e_score_correction_bias``,
-``block_sparse_moe.experts.<e>.{w1,w3,w2}.weight`` (gate, up, down). transformers' in-memory
-names (``mlp.`` instead of ``block_sparse_moe.``, fused ``experts.gate_up_proj``) load too.
+"""MiniMax-M2: every layer attention + a sparse MoE block (``block_sparse_moe``); what differs from
+Qwen3 is full-width q/k RMSNorms, partial rotary, sigmoid + bias routing without routed scaling
+and the checkpoint names (docs/models.md). Architecture only.
 """
 from __future__ import annotations
 

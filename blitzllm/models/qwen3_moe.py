@@ -1,10 +1,6 @@
-"""Qwen3-MoE: the Qwen3 decoder (per-head q/k RMSNorm) with a sparse MoE block in place of
-the dense MLP: softmax routing over ``num_experts``, top ``num_experts_per_tok``, the
-selected weights renormalised when ``norm_topk_prob``. Layers in ``mlp_only_layers``, and
-those not on the ``decoder_sparse_step`` grid, keep a dense MLP of ``intermediate_size``.
-
-Checkpoint names: ``mlp.gate.weight`` (router) and ``mlp.experts.<e>.{gate,up,down}_proj.weight``
-(or transformers' fused ``mlp.experts.gate_up_proj`` / ``down_proj``), stacked at load time.
+"""Qwen3-MoE: the Qwen3 decoder with a sparse MoE block (softmax top-k, ``norm_topk_prob``) in
+place of the dense MLP, except in the dense layers of ``mlp_only_layers`` /
+``decoder_sparse_step``; checkpoint names in docs/models.md. Architecture only.
 """
 from __future__ import annotations
 

@@ -21,11 +21,10 @@ from .model_runner import ModelRunner
 def build_runner(src: ModelSource, cfg: ModelConfig, *, device: torch.device, dtype: torch.dtype,
                  plan_cache: Callable[[], tuple], weight_dtype=None, seed: int = 0, tp: TPGroup = SINGLE,
                  knobs: Optional[Knobs] = None, dummy_mtp: bool = False, **runner_kw) -> ModelRunner:
-    """The model, then ``plan_cache()`` -> (CacheConfig, max_model_len) once its weights are on
-    the device (the engine sizes the KV cache from the memory left; tensor-parallel ranks agree
-    on it there), then the runner (``runner_kw``: ``ModelRunner``'s options). ``knobs``: the
-    kernel knobs (default: read from the environment now). ``dummy_mtp``: random MTP layers
-    beside dummy weights (MTP speculation on a preset)."""
+    """The model, then ``plan_cache()`` -> (CacheConfig, max_model_len) once its weights are on the
+    device (the KV cache sized from the memory left, agreed by the ranks), then the runner
+    (``runner_kw``: ``ModelRunner``'s options). ``knobs``: default read from the environment now;
+    ``dummy_mtp``: random MTP layers beside dummy weights (MTP speculation on a preset)."""
     knobs = Knobs.from_env() if knobs is None else knobs
     model = build_model(src, cfg, device, dtype, seed, weight_dtype, tp, knobs)
     if dummy_mtp and src.tensors is None and hasattr(model, "dummy_mtp"):

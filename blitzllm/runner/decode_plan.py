@@ -1,18 +1,7 @@
-"""The decode plan: which kernel forms and fusions each layer of a built model takes.
-
-Models describe architecture; this module decides, once per engine, from the model's
-structure, the tensor-parallel size and the engine's knobs (``envs.Knobs``), and marks the
-modules. Each mark only selects a kernel form the module dispatches to at run time, where the
-kernel still checks the device and the shapes (a CPU or a prefill step takes the plain path):
-
-- every ``Linear``: the Triton GEMV for decode rows, or cuBLAS (knob ``gemv``);
-- o_proj and qkv of a pre-norm decoder layer: the Hopper TMA GEMV, which streams its weights
-  while the decode attention (o_proj) or the input RMSNorm (qkv) before it still runs; the
-  lm_head too where the knob asks (``gemv_tma``);
-- qkv with the input residual add + RMSNorm inside that GEMV (``gemv_tma_norm``);
-- an MoE block's routed experts returned as their fp32 sum where the op after it is a
-  residual add + RMSNorm that rounds it (the next layer's input norm or the final norm);
-- the sampler's one-launch greedy pick is the runner's (``greedy_kernel``).
+"""The decode plan: decides once per engine, from the model's structure, the tensor-parallel size
+and the knobs, which kernel form each module takes at decode, and marks it (a mark only selects
+a form the module dispatches to at run time). Models know nothing of it
+(docs/design.md#the-decode-plan).
 """
 from __future__ import annotations
 
