@@ -183,25 +183,33 @@ class MLAttention(nn.Module):
         """Output of ``fused_qkv_a_proj`` [T, first + R + P] -> [T, hidden]."""
         d, T = self.d, qkv_a.shape[0]
         q, kv_a = self._split(qkv_a)
-        q_nope = q[..., :d.qk_nope_head_dim]
         ctx = get_forward_context()
         cache, md = ctx.kv_caches[self.layer_idx][0], ctx.attn_metadata
+        q_pe = self._write_latents(positions, q, kv_a, cache, md)
+        out = self._dense(q[..., :d.qk_nope_head_dim], q_pe, cache, md)
+        return self.o_proj(out.reshape(T, d.num_heads * d.v_head_dim))
+
+    def _write_latents(self, positions, q, kv_a, cache, md) -> torch.Tensor:
+        """Write this step's latent-cache entries; returns q's rotated rope part [T, H, P]."""
+        d = self.d
         if use_triton(q):  # latent norm + rotary + cache write in one launch, not a dozen torch ops
             from ..kernels.attention.mla_prep import mla_prep_triton
             norm = self.kv_a_layernorm
-            q_pe = mla_prep_triton(q, kv_a, positions, self.rotary.cos_sin_cache, norm.weight, norm.eps, cache,
+            return mla_prep_triton(q, kv_a, positions, self.rotary.cos_sin_cache, norm.weight, norm.eps, cache,
                                    md.slot_mapping, d.qk_nope_head_dim, d.rope_interleave)
-        else:
-            q_pe, entry = self._rope_latent(q, kv_a, self._tables(positions))
-            write_latent_cache(entry, cache, md.slot_mapping, md.padded)
-        if md.is_pure_decode:
-            q_latent = self.kv_b_proj.absorb_query(q_nope)
-            o_latent = _mla_decode(q_latent.contiguous(), q_pe.contiguous(), cache, md.block_tables,
-                                   md.seq_lens, self.scale)
-            out = self.kv_b_proj.values(o_latent)
-        else:
-            out = self._prefill(torch.cat([q_nope, q_pe], -1), cache, md)
-        return self.o_proj(out.reshape(T, d.num_heads * d.v_head_dim))
+        q_pe, entry = self._rope_latent(q, kv_a, self._tables(positions))
+        write_latent_cache(entry, cache, md.slot_mapping, md.padded)
+        return q_pe
+
+    def _dense(self, q_nope, q_pe, cache, md) -> torch.Tensor:
+        """Attention of every row over all its cached context -> [T, H, V]: absorbed for pure
+        decode, latents expanded per head otherwise."""
+        if not md.is_pure_decode:
+            return self._prefill(torch.cat([q_nope, q_pe], -1), cache, md)
+        q_latent = self.kv_b_proj.absorb_query(q_nope)
+        o_latent = _mla_decode(q_latent.contiguous(), q_pe.contiguous(), cache, md.block_tables,
+                               md.seq_lens, self.scale)
+        return self.kv_b_proj.values(o_latent)
 
     def _tables(self, positions: torch.Tensor):
         """This step's rotary tables (made once per step: the same for every layer)."""
