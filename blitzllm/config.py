@@ -63,7 +63,14 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, dtype_bytes: int, tp_size: int = 1) -> int:
         n, h, d = self.kv_cache_entry_for(tp_size)
-        return n * len(self.kv_layers) * h * d * dtype_bytes
+        return (n * h * d + self.index_head_dim) * len(self.kv_layers) * dtype_bytes
+
+    @property
+    def index_head_dim(self) -> int:
+        """Values per token and layer of a sparse-attention indexer's key cache, the second paged
+        tensor of an MLA layer (DeepSeek-V3.2: ``index_head_dim`` with ``index_topk``); 0: none."""
+        text = self.hf_config.get("text_config") or self.hf_config
+        return int(text.get("index_head_dim") or 0) if self.is_mla and text.get("index_topk") else 0
 
     @property
     def state_layers(self) -> tuple:

@@ -179,6 +179,10 @@ class MLAttention(nn.Module):
         p = torch.softmax(s, dim=-1).to(v.dtype)  # [H, Q, L]
         return torch.matmul(p, v.transpose(0, 1)).transpose(0, 1)
 
+    # what an MTP draft layer (spec/mtp.py) runs over its own dense entries
+    draft_entries = latent_qkv
+    draft_attend = attend_latents
+
     def attend(self, positions: torch.Tensor, qkv_a: torch.Tensor) -> torch.Tensor:
         """Output of ``fused_qkv_a_proj`` [T, first + R + P] -> [T, hidden]."""
         d, T = self.d, qkv_a.shape[0]

@@ -61,6 +61,10 @@ class DeepseekV3Args:
             first_k_dense_replace=t.get("first_k_dense_replace") or 0, moe_layer_freq=t.get("moe_layer_freq") or 1,
             num_mtp_layers=t.get("num_nextn_predict_layers") or 0, checkpoint_layers=t["num_hidden_layers"])
 
+    def attention(self, cache_idx: int, rotary: RotaryEmbedding, scale: float) -> nn.Module:
+        """The attention block of a layer whose cache is ``kv_caches[cache_idx]``."""
+        return MLAttention(self.mla, cache_idx, rotary, scale)
+
     def is_moe_layer(self, idx: int) -> bool:
         """By the layer's checkpoint index (an MTP layer counts from num_hidden_layers)."""
         return self.n_routed_experts > 0 and idx >= self.first_k_dense_replace and idx % self.moe_layer_freq == 0
@@ -82,7 +86,7 @@ class DeepseekV3DecoderLayer(nn.Module):
                  cache_idx: Optional[int] = None):
         super().__init__()
         scale = a.mla.softmax_scale(cfg.rope_scaling)
-        self.self_attn = MLAttention(a.mla, idx if cache_idx is None else cache_idx, rotary, scale)
+        self.self_attn = a.attention(idx if cache_idx is None else cache_idx, rotary, scale)
         self.mlp = _make_mlp(cfg, a, idx)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, get_tp_group())
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, get_tp_group())
@@ -125,10 +129,12 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
+    args_class = DeepseekV3Args
+
     def __init__(self, cfg: ModelConfig):
         if not cfg.is_mla:
             raise ValueError("DeepseekV3ForCausalLM needs kv_lora_rank > 0 in config.json")
-        self.args = DeepseekV3Args.from_config(cfg)  # read by make_layer during super().__init__
+        self.args = self.args_class.from_config(cfg)  # read by make_layer during super().__init__
         super().__init__(cfg)
         # checkpoint sub-name -> (packed parameter sub-name, shard index)
         self.packed_modules = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),

@@ -38,16 +38,22 @@ class StepResult:
 
 def allocate_kv_caches(cfg: ModelConfig, cache: CacheConfig, dtype, device, tp_size: int = 1) -> list:
     """Per layer (k_cache, v_cache), each [num_blocks, block_size, heads, dim]; MLA models
-    get (latent_cache, None) with one head of kv_lora_rank + qk_rope_head_dim values. With
-    ``tp_size`` ranks, a rank's share of the KV heads. Layers without a KV cache (a hybrid
-    model's state layers) get tensors of no blocks."""
+    get (latent_cache, None) with one head of kv_lora_rank + qk_rope_head_dim values, or with a
+    sparse-attention indexer (latent_cache, indexer_key_cache [num_blocks, block_size, 1,
+    index_head_dim]). With ``tp_size`` ranks, a rank's share of the KV heads. Layers without a
+    KV cache (a hybrid model's state layers) get tensors of no blocks."""
     n, heads, dim = cfg.kv_cache_entry_for(tp_size)
     kv_layers = set(cfg.kv_layers)
     out = []
     for i in range(cfg.num_layers):
         shape = (cache.num_blocks if i in kv_layers else 0, cache.block_size, heads, dim)
         k = torch.zeros(shape, dtype=dtype, device=device)
-        out.append((k, torch.zeros(shape, dtype=dtype, device=device) if n == 2 else None))
+        if n == 2:
+            second = torch.zeros(shape, dtype=dtype, device=device)
+        else:
+            second = torch.zeros(shape[:3] + (cfg.index_head_dim,), dtype=dtype, device=device) \
+                if cfg.index_head_dim else None
+        out.append((k, second))
     return out
 
 

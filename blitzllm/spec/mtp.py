@@ -29,13 +29,13 @@ class MTPDraft:
 
     def entries(self, x: torch.Tensor, positions: torch.Tensor) -> tuple:
         """(q [T, heads, N + P], latent entries [T, R + P]) of layer inputs x at ``positions``."""
-        return self.layer.self_attn.latent_qkv(positions, self.layer.input_layernorm(x))
+        return self.layer.self_attn.draft_entries(positions, self.layer.input_layernorm(x))
 
     def finish(self, x: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
         """The layer's output [T, H] for inputs x [T, H] whose queries q attend to the
         entries kv of positions 0..len(kv)-1."""
         L, attn = self.layer, self.layer.self_attn
-        o = attn.attend_latents(q, kv, qpos)
+        o = attn.draft_attend(q, kv, qpos)
         h = x + attn.o_proj(o.reshape(o.shape[0], -1))
         return h + L.mlp(L.post_attention_layernorm(h))
 

@@ -48,15 +48,17 @@ def test_mtp_greedy_equals_plain(ds_mtp, k):
     assert llm.stats()["kv_blocks_free"] == 96
 
 
-def _reference_drafts(hf, extra, ids: list, k: int) -> list:
+def _reference_drafts(hf, extra, ids: list, k: int, arch: str = "DeepseekV3") -> list:
     """k greedy MTP drafts after token list ``ids``, from transformers: the main model's final
     hidden states, then the MTP decoder layer (transformers' DeepSeek-V3 layer with the MTP
     weights) over x_t = eh_proj([enorm(embed(ids[t + 1])), hnorm(h_t)]), causal, its own
     output and draft fed back for each further step. Returns (drafts, top-2 logit margins)."""
     import transformers
     n_layers = hf.config.num_hidden_layers
-    cfg = transformers.DeepseekV3Config(**{**hf.config.to_dict(), "num_hidden_layers": n_layers + 1})
-    layer = transformers.DeepseekV3ForCausalLM(cfg).model.layers[n_layers].float().eval()
+    per_layer = ("mlp_layer_types", "layer_types")  # (rebuilt for n_layers + 1 layers)
+    kw = {k: v for k, v in hf.config.to_dict().items() if k not in per_layer}
+    cfg = getattr(transformers, f"{arch}Config")(**{**kw, "num_hidden_layers": n_layers + 1})
+    layer = getattr(transformers, f"{arch}ForCausalLM")(cfg).model.layers[n_layers].float().eval()
     prefix = f"model.layers.{n_layers}."
     layer.load_state_dict({k[len(prefix):]: v for k, v in extra.items() if k.startswith(prefix)
                            and not k[len(prefix):].startswith(("enorm", "hnorm", "eh_proj", "shared_head",
@@ -94,6 +96,15 @@ def test_mtp_drafts_match_transformers_reference(ds_mtp, monkeypatch):
     equals the reference's drafts for the request's tokens at that moment, where the
     reference's top two logits are not a near tie."""
     path, hf, extra = ds_mtp
+    seen = record_proposals(monkeypatch)
+    llm = LLM(str(path), **KW, speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    llm.generate(_prompts(seed=8, lengths=(5, 12)), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    assert len(seen) >= 4
+    assert check_drafts(hf, extra, seen) >= len(seen)
+
+
+def record_proposals(monkeypatch) -> list:
+    """A list that collects (the request's tokens, its drafts) of every MTP proposal from now on."""
     seen = []
     orig = mtp_mod.MTPProposer.propose
 
@@ -103,18 +114,21 @@ def test_mtp_drafts_match_transformers_reference(ds_mtp, monkeypatch):
         return p
 
     monkeypatch.setattr(mtp_mod.MTPProposer, "propose", recording)
-    llm = LLM(str(path), **KW, speculative_config={"method": "mtp", "num_speculative_tokens": 3})
-    llm.generate(_prompts(seed=8, lengths=(5, 12)), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
-    assert len(seen) >= 4
+    return seen
+
+
+def check_drafts(hf, extra, seen: list, arch: str = "DeepseekV3") -> int:
+    """Assert each recorded proposal equals ``_reference_drafts`` up to the reference's first near
+    tie; returns how many drafts were checked."""
     checked = 0
     for ids, drafts in seen:
-        ref, margins = _reference_drafts(hf, extra, ids, len(drafts))
+        ref, margins = _reference_drafts(hf, extra, ids, len(drafts), arch)
         for j, (a, b, mg) in enumerate(zip(drafts, ref, margins)):
             if mg < 1e-4:
                 break  # a near tie: later steps may differ legitimately
             assert a == b, (ids, j, drafts, ref)
             checked += 1
-    assert checked >= len(seen)
+    return checked
 
 
 def test_mtp_errors(tmp_path):

@@ -21,14 +21,15 @@ YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_posit
             beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=0.8)
 
 
-def make_tiny_deepseek(path, seed=0, **overrides):
-    """A random DeepSeek-V3 written with save_pretrained; correction biases random (not the
-    zeros transformers starts from) so they steer expert selection."""
+def make_tiny_deepseek(path, seed=0, arch="DeepseekV3", base=None, **overrides):
+    """A random DeepSeek-V3 (or transformers' ``arch`` on config ``base``) written with
+    save_pretrained; correction biases random (not the zeros transformers starts from) so they
+    steer expert selection."""
     import transformers
     torch.manual_seed(seed)
-    kw = dict(TINY_DS, **overrides)
+    kw = dict(base or TINY_DS, **overrides)
     kw.setdefault("rope_parameters", dict(YARN))
-    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**kw)).float().eval()
+    model = getattr(transformers, f"{arch}ForCausalLM")(getattr(transformers, f"{arch}Config")(**kw)).float().eval()
     with torch.no_grad():
         for layer in model.model.layers:
             gate = getattr(layer.mlp, "gate", None)
