@@ -319,8 +319,11 @@ def test_train_draft_samples_and_eval_through_config(tiny4, tmp_path, monkeypatc
     from blitzllm.spec import train_draft as td
     llm0, _ = tiny4
     model_dir = llm0.engine.args.model
-    # tiny checkpoints have no tokenizer: text -> ids by character codes
-    monkeypatch.setattr(td, "prompt_ids", lambda llm, text: [1 + ord(c) % 300 for c in text])
+    import blitzllm.cli.train_draft as cli_td
+    # tiny checkpoints have no tokenizer: text -> ids by character codes (in the training and the
+    # evaluation module)
+    for mod in (td, cli_td):
+        monkeypatch.setattr(mod, "prompt_ids", lambda llm, text: [1 + ord(c) % 300 for c in text])
     prompts = [(i, f"question number {i} about things") for i in range(4)]
     llm = LLM(model_dir, device="cpu", kv_cache_blocks=128, enable_prefix_caching=False, max_num_seqs=8)
     logs = []

@@ -67,27 +67,6 @@ def test_decode(case, num_splits, fused_reduce, device):
         torch.testing.assert_close(out, ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
-@pytest.mark.parametrize("case", DECODE)
-def test_decode_partials_merge_to_the_output(case, device):
-    """partials=True: the splits' partials, unmerged (idle splits exit), merge in torch
-    (``merge_decode_partials``) to the reference output; the launch zeroes the given fp32
-    buffer; at least two splits even where one was asked for."""
-    from blitzllm.kernels.attention.paged import active_splits, merge_decode_partials
-    seq_lens, hq, hkv, d, bs = case
-    kc, vc, tables, seq = make_cache(seq_lens, hkv, d, bs, torch.float32, device)
-    q = torch.randn(len(seq_lens), hq, d).to(device)
-    ref = reference_paged_decode_attention(q, kc, vc, tables, seq, 1 / math.sqrt(d))
-    for splits in (1, 4):
-        zero = torch.full((37,), float("nan"), device=device)
-        p = paged_decode_attention_triton(q, kc, vc, tables, seq, 1 / math.sqrt(d), num_splits=splits,
-                                          partials=True, zero=zero)
-        assert p.num_splits == max(2, splits) and p.m.shape == (len(seq_lens), hq, p.num_splits)
-        assert not zero.any()
-        for b, n in enumerate(seq_lens):  # every split the schedule names holds keys (the merge takes no other)
-            assert (p.l[b, :, :active_splits(n, p.num_splits, p.block_n)] > 0).all()
-        torch.testing.assert_close(merge_decode_partials(p, d), ref, atol=TOL[torch.float32], rtol=TOL[torch.float32])
-
-
 @pytest.mark.parametrize("hq,hkv,d,per_round", [(16, 2, 64, 16), (16, 2, 128, 8), (32, 1, 256, 1)])
 def test_decode_combine_rounds(hq, hkv, d, per_round, device):
     """The fused combine (8 warps: 8 or more query heads per KV head) over 10 active splits,
