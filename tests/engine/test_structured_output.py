@@ -1,4 +1,4 @@
-"""Structured outputs (``SamplingParams.structured_output``, engine/structured.py) on the real
+"""Structured outputs (``SamplingParams.structured_output``, blitzllm/structured.py) on the real
 SmolLM2: greedy and sampled answers, alone and batched with unconstrained requests, with
 n > 1 and beside speculative decoding, parse as JSON of the asked shape; every generated
 token was one the grammar allowed (the mask each step, checked against a fresh matcher fed
@@ -10,20 +10,9 @@ import json
 import pytest
 
 from blitzllm import LLM, SamplingParams
+from tests.conftest import needs_xgrammar
 
-
-def _has_xgrammar() -> bool:
-    try:
-        import xgrammar  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-# Only the tests that compile a grammar need xgrammar (it is in the test extras: CI runs all);
-# the spec validation tests below run without it.
-needs_xgrammar = pytest.mark.skipif(not _has_xgrammar(), reason="needs xgrammar")
-
+# Only the tests that compile a grammar need xgrammar; the spec validation tests run without it.
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                                            "city": {"type": "string"}},

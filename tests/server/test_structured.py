@@ -7,20 +7,12 @@ import json
 import httpx
 import pytest
 
-
-def _has_xgrammar() -> bool:
-    try:
-        import xgrammar  # noqa: F401
-    except ImportError:
-        return False
-    return True
+from tests.conftest import needs_xgrammar
 
 
-# Only the tests whose answer comes from a compiled grammar need xgrammar (without it the
-# server answers 400 "structured outputs need xgrammar", which would pass the two error
-# cases marked below for the wrong reason); the request validation runs without it.
-needs_xgrammar = pytest.mark.skipif(not _has_xgrammar(), reason="needs xgrammar")
-
+# Only the tests whose answer comes from a compiled grammar need xgrammar (without it the server
+# answers 400 "structured outputs need xgrammar", which would pass the two error cases marked
+# below for the wrong reason); the request validation runs without it.
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                                            "city": {"type": "string"}},
