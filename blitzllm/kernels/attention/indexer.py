@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from .._common import device_sms, next_pow2, tl, triton, use_triton
+from .mla_prep import _rotate as _rope_rows
 
 ROW_CHUNK = 64  # query rows per step of the torch references (bounds their gathered keys)
 
@@ -74,15 +76,157 @@ def reference_indexer_logits(q: torch.Tensor, weights: torch.Tensor, cache: torc
     return out
 
 
+# ---- Triton -----------------------------------------------------------------------------------
+
+@triton.jit
+def _indexer_prep_kernel(
+    q_ptr, k_ptr, pos_ptr, cs_ptr, lw_ptr, lb_ptr, slot_ptr, cache_ptr, qo_ptr,
+    stride_qt, stride_qh, stride_kt, stride_cs, stride_slot, stride_qot, H, eps,
+    D: tl.constexpr, D_PAD: tl.constexpr, P: tl.constexpr, HALF_PAD: tl.constexpr, HB: tl.constexpr,
+    INTERLEAVE: tl.constexpr,
+):
+    """Program (t, 0): the key of token t, LayerNorm (fp32, rounded to k's dtype) + rotary, into
+    the cache at its slot; programs (t, 1 + j): rotary of query heads j*HB.. of token t."""
+    t = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    HALF: tl.constexpr = P // 2
+    offs_d = tl.arange(0, D_PAD)
+    offs_p = tl.arange(0, HALF_PAD)
+    pmask = offs_p < HALF
+    cs = cs_ptr + tl.load(pos_ptr + t) * stride_cs
+    if part == 0:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot >= 0:  # normalised key into the cache, then its rope dims rotated in place
+            dmask = offs_d < D
+            x = tl.load(k_ptr + t * stride_kt + offs_d, mask=dmask, other=0.0)
+            xf = x.to(tl.float32)
+            diff = tl.where(dmask, xf - tl.sum(xf, axis=0) / D, 0.0)
+            rstd = tl.rsqrt(tl.sum(diff * diff, axis=0) / D + eps)
+            w = tl.load(lw_ptr + offs_d, mask=dmask, other=0.0)
+            b = tl.load(lb_ptr + offs_d, mask=dmask, other=0.0)
+            dst = cache_ptr + slot * stride_slot
+            tl.store(dst + offs_d, (diff * rstd * w + b).to(x.dtype).to(cache_ptr.dtype.element_ty), mask=dmask)
+            tl.debug_barrier()
+            first, second = _rope_rows(dst, cs, offs_p, pmask, HALF, INTERLEAVE)
+            tl.debug_barrier()  # (interleaved pairs: every read before the halves are overwritten)
+            tl.store(dst + offs_p, first.to(x.dtype).to(cache_ptr.dtype.element_ty), mask=pmask)
+            tl.store(dst + HALF + offs_p, second.to(x.dtype).to(cache_ptr.dtype.element_ty), mask=pmask)
+    else:
+        offs_h = (part - 1) * HB + tl.arange(0, HB)
+        hmask = offs_h < H
+        src = q_ptr + t * stride_qt + offs_h[:, None].to(tl.int64) * stride_qh
+        dst = qo_ptr + t * stride_qot + offs_h[:, None] * D
+        first, second = _rope_rows(src, cs, offs_p[None, :], hmask[:, None] & pmask[None, :], HALF, INTERLEAVE)
+        m = hmask[:, None] & pmask[None, :]
+        tl.store(dst + offs_p[None, :], first.to(qo_ptr.dtype.element_ty), mask=m)
+        tl.store(dst + HALF + offs_p[None, :], second.to(qo_ptr.dtype.element_ty), mask=m)
+        rest = hmask[:, None] & (offs_d[None, :] >= P) & (offs_d[None, :] < D)
+        tl.store(dst + offs_d[None, :], tl.load(src + offs_d[None, :], mask=rest, other=0.0), mask=rest)
+
+
+PREP_HEADS_PER_PROG = 16
+
+
+def indexer_prep_triton(q, k, positions, cos_sin_cache, ln_weight, ln_bias, eps, cache, slot_mapping,
+                        interleave: bool = False):
+    """Same contract as reference_indexer_prep (q, k: rows may be strided views with unit stride
+    inside a head); returns a new contiguous [T, Hi, D]."""
+    T, H, D = q.shape
+    P = cos_sin_cache.shape[-1]
+    assert q.stride(2) == 1 and k.stride(1) == 1 and k.shape[1] == D and cache.shape[-1] == D
+    assert P % 2 == 0 and P <= D and cos_sin_cache.stride(-1) == 1 and cache.stride(-1) == 1
+    assert cache.stride(0) == cache.shape[1] * cache.stride(1), "cache blocks must be contiguous"
+    out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
+    if T == 0:
+        return out
+    _indexer_prep_kernel[(T, 1 + triton.cdiv(H, PREP_HEADS_PER_PROG))](
+        q, k, positions, cos_sin_cache, ln_weight, ln_bias, slot_mapping, cache, out,
+        q.stride(0), q.stride(1), k.stride(0), cos_sin_cache.stride(0), cache.stride(1), out.stride(0), H, float(eps),
+        D=D, D_PAD=next_pow2(D), P=P, HALF_PAD=next_pow2(P // 2), HB=PREP_HEADS_PER_PROG,
+        INTERLEAVE=bool(interleave), num_warps=4,
+    )
+    return out
+
+
+@triton.jit
+def _indexer_logits_kernel(
+    q_ptr, w_ptr, cache_ptr, bt_ptr, lens_ptr, out_ptr,
+    stride_qt, stride_qh, stride_wt, stride_cb, stride_ct, stride_bt, stride_ot, H,
+    D: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Program (t, s): row t's key tiles s, s + S, s + 2S, ... below lens[t]; all heads of the row
+    at once (one [heads, D] x [D, BLOCK_N] product), ReLU, weighted head sum."""
+    t = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    n = tl.load(lens_ptr + t)
+    if split * BLOCK_N >= n:
+        return
+    heads = tl.arange(0, H_PAD)
+    hmask = heads < H
+    offs_d = tl.arange(0, D_PAD)
+    dmask = offs_d < D
+    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=hmask[:, None] & dmask[None, :], other=0.0)
+    w = tl.load(w_ptr + t * stride_wt + heads, mask=hmask, other=0.0)
+    bt = bt_ptr + t * stride_bt
+    for s0 in range(split * BLOCK_N, n, tl.num_programs(1) * BLOCK_N):
+        offs_n = s0 + tl.arange(0, BLOCK_N)
+        valid = offs_n < n
+        blk = tl.load(bt + offs_n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        k = tl.load(cache_ptr + blk[:, None] * stride_cb + (offs_n % BLOCK_SIZE)[:, None] * stride_ct
+                    + offs_d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        logit = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0)
+        tl.store(out_ptr + t * stride_ot + offs_n, logit, mask=valid)
+
+
+LOGITS_BLOCK_N = 64
+
+
+def indexer_logits_triton(q, weights, cache, block_tables, lens, width: int, splits: int = 0) -> torch.Tensor:
+    """Same contract as reference_indexer_logits, except that entries at or past lens[t] are left
+    unwritten. ``splits``: programs per row (default: about four per SM over all rows, at most a
+    key tile each)."""
+    T, H, D = q.shape
+    out = torch.empty((T, width), dtype=torch.float32, device=q.device)
+    if T == 0:
+        return out
+    assert cache.shape[-1] == D and cache.stride(-1) == 1 and weights.dtype == torch.float32
+    if q.dtype != cache.dtype:
+        q = q.to(cache.dtype)
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    tiles = triton.cdiv(max(1, width), LOGITS_BLOCK_N)
+    splits = splits or max(1, min(tiles, 4 * device_sms(q) // T))
+    _indexer_logits_kernel[(T, splits)](
+        q, weights, cache, block_tables, lens, out,
+        q.stride(0), q.stride(1), weights.stride(0), cache.stride(0), cache.stride(1), block_tables.stride(0),
+        out.stride(0), H,
+        D=D, H_PAD=max(16, next_pow2(H)), D_PAD=max(16, next_pow2(D)), BLOCK_N=LOGITS_BLOCK_N,
+        BLOCK_SIZE=cache.shape[1], IEEE=cache.dtype == torch.float32, num_warps=4,
+    )
+    return out
+
+
 # ---- public ops -------------------------------------------------------------------------------
 
 def indexer_prep(q, k, positions, cos_sin_cache, ln_weight, ln_bias, eps, cache, slot_mapping,
                  interleave: bool = False):
-    """See ``reference_indexer_prep`` (the Triton kernel is not written yet: torch everywhere)."""
+    """See ``reference_indexer_prep``; one Triton launch on CUDA (no host sync)."""
+    if use_triton(q):
+        return indexer_prep_triton(q, k, positions, cos_sin_cache, ln_weight, ln_bias, eps, cache,
+                                   slot_mapping, interleave)
     return reference_indexer_prep(q, k, positions, cos_sin_cache, ln_weight, ln_bias, eps, cache, slot_mapping,
                                   interleave)
 
 
 def indexer_logits(q, weights, cache, block_tables, lens, width: int) -> torch.Tensor:
-    """See ``reference_indexer_logits`` (the Triton kernel is not written yet: torch everywhere)."""
+    """See ``reference_indexer_logits``; the Triton kernel on CUDA (fixed grid, no host sync), which
+    leaves the entries at or past ``lens[t]`` unwritten."""
+    if use_triton(q):
+        return indexer_logits_triton(q, weights, cache, block_tables, lens, width)
     return reference_indexer_logits(q, weights, cache, block_tables, lens, width)

@@ -32,12 +32,24 @@ def _mla_split_kernel(
     R: tl.constexpr, P: tl.constexpr, R_PAD: tl.constexpr, P_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     IEEE: tl.constexpr,
+    idx_ptr=None, stride_idx=0, K: tl.constexpr = 1, K_PAD: tl.constexpr = 1, SPARSE: tl.constexpr = False,
 ):
+    """SPARSE (sparse_mla.py): row b attends to the positions idx[b, :K] (selected first, then -1)
+    instead of 0..seq_len-1; their count plans the splits, and program (0, 0) stores it into
+    seq_lens for the combine launch."""
     hb = tl.program_id(0)  # fastest axis: the head blocks of one tile run side by side (L2 reuse)
     split = tl.program_id(1)
     b = tl.program_id(2)
     num_splits = tl.num_programs(1)
-    seq_len = tl.load(seq_lens_ptr + b)
+    b64 = b.to(tl.int64)
+    if SPARSE:
+        irow = idx_ptr + b64 * stride_idx
+        offs_k = tl.arange(0, K_PAD)
+        seq_len = tl.sum((tl.load(irow + offs_k, mask=offs_k < K, other=-1) >= 0).to(tl.int32), 0)
+        if hb == 0 and split == 0:
+            tl.store(seq_lens_ptr + b, seq_len)
+    else:
+        seq_len = tl.load(seq_lens_ptr + b)
     per, n_active = _split_plan(seq_len, num_splits, BLOCK_N)
     if split >= n_active:
         return
@@ -50,7 +62,6 @@ def _mla_split_kernel(
     offs_p = tl.arange(0, P_PAD)
     rmask = offs_r < R
     pmask = offs_p < P
-    b64 = b.to(tl.int64)
     qn = tl.load(qn_ptr + b64 * stride_qnb + heads[:, None] * stride_qnh + offs_r[None, :],
                  mask=hmask[:, None] & rmask[None, :], other=0.0)
     qr = tl.load(qr_ptr + b64 * stride_qrb + heads[:, None] * stride_qrh + offs_p[None, :],
@@ -62,8 +73,14 @@ def _mla_split_kernel(
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         valid = offs_n < end
-        blk = tl.load(bt + offs_n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        row = cache_ptr + blk * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct
+        if SPARSE:
+            pos = tl.load(irow + offs_n, mask=valid, other=-1)
+            valid = pos >= 0
+            pos = tl.maximum(pos, 0)
+        else:
+            pos = offs_n
+        blk = tl.load(bt + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        row = cache_ptr + blk * stride_cb + (pos % BLOCK_SIZE) * stride_ct
         c = tl.load(row[:, None] + offs_r[None, :], mask=valid[:, None] & rmask[None, :], other=0.0)
         kr = tl.load(row[:, None] + R + offs_p[None, :], mask=valid[:, None] & pmask[None, :],
                      other=0.0)

@@ -1,10 +1,17 @@
 """Sparse MLA (DeepSeek-V3.2): absorbed-form attention of each query row over only the latent
 rows its top-k selection names, read through the row's block table from the paged latent
-cache [NB, BS, 1, R + P]. Decode rows and prefill rows alike (a row is one query token).
+cache [NB, BS, 1, R + P]. Decode rows and prefill rows alike (a row is one query token):
+``mla_decode.py``'s split kernel in its SPARSE form (the positions read from the row's index
+list), its heuristic and its combine launch.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+
+from .._common import device_sms, next_pow2, triton, use_triton
+from .mla_decode import _LOG2E, _mla_combine_kernel, _mla_split_kernel, mla_config
 
 
 ROW_CHUNK = 32  # query rows per step of the torch reference (bounds its gathered latents)
@@ -34,7 +41,52 @@ def reference_sparse_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     return out
 
 
+def sparse_mla_triton(q_latent, q_rope, cache, block_tables, indices, scale, config: Optional[dict] = None):
+    """Same contract as reference_sparse_mla, with each row's selected positions first and its -1
+    padding after (as ``topk`` returns them); ``config`` overrides mla_config's choices."""
+    T, H, R = q_latent.shape
+    P = q_rope.shape[2]
+    K = indices.shape[1]
+    assert cache.dim() == 4 and cache.shape[2] == 1 and cache.shape[3] == R + P and cache.stride(3) == 1
+    assert q_rope.shape[:2] == (T, H) and indices.dtype == torch.int32 and indices.stride(1) == 1
+    out = torch.empty_like(q_latent)
+    if T == 0 or H == 0:
+        return out
+    q_latent, q_rope = q_latent.to(cache.dtype), q_rope.to(cache.dtype)  # the products in the cache's precision
+    if q_latent.stride(2) != 1:
+        q_latent = q_latent.contiguous()
+    if q_rope.stride(2) != 1:
+        q_rope = q_rope.contiguous()
+    cfg = mla_config(T, H, R, K, device_sms(q_latent), config, fp32=cache.dtype == torch.float32)
+    s, r_pad, p_pad = cfg["SPLITS"], max(16, next_pow2(R)), max(16, next_pow2(P))
+    counts = torch.empty(T, dtype=torch.int32, device=out.device)
+    if s > 1:
+        part = torch.empty((T, H, s, r_pad), dtype=torch.float32, device=out.device)
+        lse = torch.empty((T, H, s), dtype=torch.float32, device=out.device)
+    else:
+        part = lse = torch.empty(1, dtype=torch.float32, device=out.device)
+    _mla_split_kernel[(triton.cdiv(H, cfg["BLOCK_H"]), s, T)](
+        q_latent, q_rope, cache, block_tables, counts, out, part, lse,
+        q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
+        cache.stride(0), cache.stride(1), block_tables.stride(0),
+        out.stride(0), out.stride(1), H, float(scale) * _LOG2E,
+        R=R, P=P, R_PAD=r_pad, P_PAD=p_pad, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_SIZE=cache.shape[1], IEEE=cache.dtype == torch.float32,
+        idx_ptr=indices, stride_idx=indices.stride(0), K=K, K_PAD=next_pow2(K), SPARSE=True,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if s > 1:
+        block_r = min(r_pad, 128)
+        _mla_combine_kernel[(H, r_pad // block_r, T)](
+            part, lse, counts, out, out.stride(0), out.stride(1), H, s,
+            R=R, R_PAD=r_pad, BLOCK_R=block_r, BLOCK_N=cfg["BLOCK_N"], S_CHUNK=8 if s <= 8 else 32, num_warps=4,
+        )
+    return out
+
+
 def sparse_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                indices: torch.Tensor, scale: float) -> torch.Tensor:
-    """See ``reference_sparse_mla`` (the Triton kernels are not written yet: torch everywhere)."""
+    """See ``reference_sparse_mla``; the Triton split + combine kernels on CUDA (no host sync)."""
+    if use_triton(q_latent):
+        return sparse_mla_triton(q_latent, q_rope, cache, block_tables, indices, scale)
     return reference_sparse_mla(q_latent, q_rope, cache, block_tables, indices, scale)
