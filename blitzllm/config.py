@@ -73,6 +73,12 @@ class ModelConfig:
         return int(text.get("index_head_dim") or 0) if self.is_mla and text.get("index_topk") else 0
 
     @property
+    def index_topk(self) -> int:
+        """Cached tokens a query of a sparse-attention layer attends to (0: all, no indexer)."""
+        text = self.hf_config.get("text_config") or self.hf_config
+        return int(text.get("index_topk") or 0) if self.index_head_dim else 0
+
+    @property
     def state_layers(self) -> tuple:
         """Indices of the layers that keep a recurrent state instead of a KV cache (the gated
         delta net layers of hybrid models: ``layer_types`` "linear_attention", or all but every

@@ -71,8 +71,13 @@ def weight_bytes_per_step(model: torch.nn.Module, batch: int) -> int:
 
 
 def kv_bytes_per_step(cfg, context_lens: list, dtype_bytes: int, tp_size: int = 1) -> int:
-    """KV bytes one rank (of ``tp_size``) reads in a decode step."""
-    return sum(context_lens) * cfg.kv_bytes_per_token(dtype_bytes, tp_size)
+    """KV bytes one rank (of ``tp_size``) reads in a decode step; a sparse-attention model
+    (DeepSeek-V3.2) reads every indexer key but only the ``index_topk`` selected latents."""
+    if not cfg.index_topk:
+        return sum(context_lens) * cfg.kv_bytes_per_token(dtype_bytes, tp_size)
+    n, h, d = cfg.kv_cache_entry_for(tp_size)
+    per_layer = sum(c * cfg.index_head_dim + min(c, cfg.index_topk) * n * h * d for c in context_lens)
+    return per_layer * len(cfg.kv_layers) * dtype_bytes
 
 
 def state_bytes_per_step(cfg, batch: int, dtype_bytes: int, tp_size: int = 1) -> int:

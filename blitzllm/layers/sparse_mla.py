@@ -18,6 +18,8 @@ from .mla import MLADims, MLAttention
 from .parallel import Part, packed_column_linear
 from .rotary import rotary_tables
 
+LOGITS_BYTES = 1 << 28  # the most indexer logits one chunk of query rows holds
+
 
 class SparseMLAttention(MLAttention):
     """Packed GEMMs: ``fused_qkv_a_proj`` = [q_a_proj, kv_a_proj_with_mqa, indexer.wk] (replicated)
@@ -85,11 +87,19 @@ class SparseMLAttention(MLAttention):
             out = self._dense(q_nope, q_pe, cache, md)
         else:
             tables, lens = self._rows(positions, md, cache.shape[1])
-            idx = self.indexer.select(q_idx, h, keys, tables, lens)
-            q_latent = self.kv_b_proj.absorb_query(q_nope)
-            out = self.kv_b_proj.values(sparse_mla(q_latent.contiguous(), q_pe.contiguous(), cache, tables, idx,
-                                                   self.scale))
+            # rows in chunks whose logits [rows, context] stay within LOGITS_BYTES (a long prompt's prefill)
+            step = max(1, LOGITS_BYTES // (4 * tables.shape[1] * cache.shape[1]))
+            parts = [self._sparse(q_nope[r], q_pe[r], q_idx[r], h[r], cache, keys, tables[r], lens[r])
+                     for r in (slice(r0, r0 + step) for r0 in range(0, T, step))]
+            out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self.o_proj(out.reshape(T, d.num_heads * d.v_head_dim))
+
+    def _sparse(self, q_nope, q_pe, q_idx, h, cache, keys, tables, lens) -> torch.Tensor:
+        """Rows' indexer selection, then attention over the selected latents -> [rows, H, V]."""
+        idx = self.indexer.select(q_idx, h, keys, tables, lens)
+        q_latent = self.kv_b_proj.absorb_query(q_nope)
+        return self.kv_b_proj.values(sparse_mla(q_latent.contiguous(), q_pe.contiguous(), cache, tables, idx,
+                                                self.scale))
 
     @staticmethod
     def _rows(positions: torch.Tensor, md, block_size: int) -> tuple:

@@ -138,10 +138,15 @@ def long_ckpt(tmp_path_factory):
     return path, make_tiny_v32(path, seed=2)
 
 
-def test_long_prompts_prefill_chunks_and_decode_agree(long_ckpt):
+@pytest.mark.parametrize("logits_bytes", [None, 4 * 48 * 5])
+def test_long_prompts_prefill_chunks_and_decode_agree(long_ckpt, logits_bytes, monkeypatch):
     """Prompts 4x index_topk and more: the logits at every prompt position from one-shot prefill,
     7-token chunks and token-by-token decode agree (1e-4), and equal the definition's
-    (transformers with a tie-stable top-k)."""
+    (transformers with a tie-stable top-k); ``logits_bytes``: the layer's query rows in chunks
+    of 5 (a long prompt's bounded indexer logits)."""
+    from blitzllm.layers import sparse_mla
+    if logits_bytes:
+        monkeypatch.setattr(sparse_mla, "LOGITS_BYTES", logits_bytes)
     path, hf = long_ckpt
     for prompt in _prompts((32, 45), seed=5):
         with torch.no_grad(), stable_topk():
@@ -251,7 +256,9 @@ def test_cache_holds_latent_and_indexer_keys(tmp_path):
     for latent, keys in llm.engine.runner.kv_caches:
         assert latent.shape == (8, 16, 1, 40) and keys.shape == (8, 16, 1, 16)
     cfg = llm.engine.model_config
-    assert cfg.index_head_dim == 16 and cfg.kv_bytes_per_token(4) == 2 * (40 + 16) * 4
+    assert (cfg.index_head_dim, cfg.index_topk) == (16, 8) and cfg.kv_bytes_per_token(4) == 2 * (40 + 16) * 4
+    from blitzllm.bench.roofline import kv_bytes_per_step  # a decode step reads every key, the top 8 latents
+    assert kv_bytes_per_step(cfg, [5, 30], 4) == 2 * ((5 + 30) * 16 + (5 + 8) * 40) * 4
     attn = llm.engine.runner.model.model.layers[0].self_attn
     assert attn.indexer.k_norm.weight.dtype == attn.indexer.weights_proj.weight.dtype == torch.float32
 
