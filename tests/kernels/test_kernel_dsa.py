@@ -165,3 +165,27 @@ def test_dsa_kernels_compile_for_sm90():
     assert set(rows) == {"indexer_prep", "indexer_logits", "topk", "sparse_mla"}, out
     for name, report in rows.items():
         assert "registers" in report and "0 bytes spill stores" in report, (name, report)
+
+
+def test_model_attention_on_the_triton_kernels(tmp_path, monkeypatch):
+    """A tiny DeepSeek-V3.2 whose attention runs every Triton kernel of the CUDA path (MLA prep and
+    decode, indexer prep and logits, top-k, sparse MLA) under the interpreter, prefill and decode
+    past index_topk, batched: the torch path's greedy tokens and logprobs."""
+    from blitzllm import LLM, SamplingParams
+    from blitzllm.kernels.attention import mla_decode
+    from blitzllm.layers import mla
+    from tests.models.test_deepseek_v32 import _prompts, make_tiny_v32
+    make_tiny_v32(tmp_path, seed=2, num_hidden_layers=2)
+    prompts, params = _prompts((5, 20), seed=4), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    kw = dict(device="cpu", dtype="float32", kv_cache_blocks=32, block_size=4)
+    want = LLM(str(tmp_path), **kw).generate(prompts, params)
+    calls = []
+    for mod in (ix, tk, sm, mla_decode, mla):
+        monkeypatch.setattr(mod, "use_triton", lambda t, _m=mod.__name__: calls.append(_m) or True)
+    got = LLM(str(tmp_path), **kw).generate(prompts, params)
+    assert {"blitzllm.kernels.attention.topk", "blitzllm.kernels.attention.sparse_mla"} <= set(calls)
+    for a, b in zip(want, got):
+        assert a.token_ids == b.token_ids
+        for da, db in zip(a.logprobs, b.logprobs):
+            torch.testing.assert_close(torch.tensor([db[t] for t in da]), torch.tensor(list(da.values())),
+                                       atol=1e-4, rtol=1e-4)
