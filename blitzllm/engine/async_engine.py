@@ -29,6 +29,10 @@ class QueueFullError(RuntimeError):
     """The waiting queue is over its bound; try again later."""
 
 
+class DuplicateRequestError(ValueError):
+    """A request with this id is still in flight."""
+
+
 class EngineStepError(RuntimeError):
     """The engine failed while running this request (an internal error, not the client's)."""
 
@@ -137,7 +141,7 @@ class AsyncEngine:
         if waiting >= self.max_waiting:
             raise QueueFullError(f"{waiting} requests are waiting (bound {self.max_waiting}); retry later")
         if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise DuplicateRequestError(f"request id {request_id!r} is already in use")
         stream = RequestStream(request_id, params.n, time.monotonic())
         self._streams[request_id] = stream
         fut = self._loop.create_future()
@@ -182,6 +186,8 @@ class AsyncEngine:
                     del self._streams[ev.request_id]
                     if obs is not None:
                         obs.finished(t - s.arrival, ev.finish_reason)
+                    log.debug("request %s finished (%s) after %.3fs", ev.request_id, ev.finish_reason,
+                              t - s.arrival)
 
     def _resolve(self, results: list) -> None:
         for fut, exc in results:

@@ -6,7 +6,9 @@ import asyncio
 import copy
 import hmac
 import logging
+import re
 import time
+import uuid
 from contextlib import asynccontextmanager
 from typing import Callable, Optional
 
@@ -23,6 +25,37 @@ from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeReques
 from .serving import Serving
 
 log = logging.getLogger("blitzllm.server")
+
+_CLIENT_ID = re.compile(r"[!-~]{1,128}")  # a client's X-Request-Id: up to 128 visible ASCII characters
+
+
+class RequestIdMiddleware:
+    """Every response carries ``X-Request-Id``: the client's (when it is up to 128 visible ASCII
+    characters), else a fresh one; handlers read it as ``request.state.request_id``."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        rid = None
+        for k, v in scope.get("headers", ()):
+            if k == b"x-request-id":
+                text = v.decode("latin-1")
+                rid = text if _CLIENT_ID.fullmatch(text) else None
+                break
+        rid = rid or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+        header = (b"x-request-id", rid.encode())
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                headers = [h for h in message.get("headers", ()) if h[0].lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, header]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
@@ -49,7 +82,7 @@ def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
     aliases = (str(cfg.engine_kwargs["model"]),) if "model" in cfg.engine_kwargs else ()
     serving = Serving(aengine, cfg.model_name, aliases, reasoning_parser=cfg.reasoning_parser,
                       tool_parser=cfg.tool_call_parser)
-    expected_auth = f"Bearer {cfg.api_key}".encode() if cfg.api_key else None
+    expected_key = cfg.api_key.encode() if cfg.api_key else None
 
     @asynccontextmanager
     async def lifespan(app):
@@ -63,11 +96,12 @@ def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
     app = FastAPI(title="blitzllm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.aengine, app.state.serving, app.state.metrics = aengine, serving, metrics
     install_error_handlers(app)
+    app.add_middleware(RequestIdMiddleware)
 
     def guard(request: Request, need_engine: bool = True) -> None:
-        if expected_auth is not None:
-            got = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(got, expected_auth):
+        if expected_key is not None:
+            scheme, _, key = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), expected_key):
                 raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                                code="invalid_api_key")
         if need_engine and not aengine.ready:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -13,7 +12,7 @@ from .errors import bad_request
 from .protocol import ChatCompletionRequest
 from .reasoning import make_splitter, split_reasoning
 from .tools import FORMATS, Forced, ToolCallSplitter, check_tools, split_tool_calls
-from .serving import SSE_DONE, Serving, SSEResponse, lp_value, pick, sse, usage
+from .serving import SSE_DONE, Serving, SSEResponse, lp_value, pick, request_id, sse, usage
 
 
 def _chat_logprobs(s: Serving, token_ids, lps, k) -> list:
@@ -58,7 +57,7 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
                         req.tools if tool_mode is not None else None)
     # a reasoning parser reads where the rendered prompt left off (an open <think> block?)
     prompt_text = s.tokenizer.decode(ids) if s.reasoning_parser else ""
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    rid = f"chatcmpl-{request_id(raw)}"
     stream = await s.submit(rid, ids, params, "messages", mt_field, structured_field=field)
     created = int(time.time())
     if req.stream:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -11,7 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from ..engine.async_engine import EngineStepError
 from .errors import bad_request
 from .protocol import CompletionRequest
-from .serving import SSE_DONE, Serving, SSEResponse, lp_value, merge, pick, sse, usage
+from .serving import SSE_DONE, Serving, SSEResponse, lp_value, merge, pick, request_id, sse, usage
 
 
 def _completion_prompts(s: Serving, prompt) -> list:
@@ -71,14 +70,14 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
     params = s.sampling_params(req, pick(req.max_tokens, 16), req.logprobs, structured=requested)
     structured_field = requested[1]
     prompts = _completion_prompts(s, req.prompt)
-    base = f"cmpl-{uuid.uuid4().hex}"
+    base = f"cmpl-{request_id(raw)}"
     rids = [f"{base}-{j}" for j in range(len(prompts))]
     streams = []
     try:
         for rid, (ids, _) in zip(rids, prompts):
             streams.append(await s.submit(rid, ids, params, "prompt", structured_field=structured_field))
-    except BaseException:
-        for rid in rids:
+    except BaseException:  # (only the ones submitted: an id in use may be another request's)
+        for rid in rids[:len(streams)]:
             s.aengine.abort(rid)
         raise
     created = int(time.time())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Optional
 
 from fastapi import FastAPI, Request
@@ -88,8 +89,8 @@ def _finite_float(text: str) -> float:
     return x
 
 
-async def read_json(request: Request, limit: int) -> dict:
-    """The request body as a JSON object; 413 over ``limit`` bytes, 400 when not UTF-8 JSON."""
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw request body; 413 over ``limit`` bytes (by Content-Length, else while reading)."""
     cl = request.headers.get("content-length")
     if cl is not None:
         try:
@@ -104,7 +105,36 @@ async def read_json(request: Request, limit: int) -> dict:
         if size > limit:
             raise APIError(413, f"the request body exceeds the limit of {limit} bytes", code="request_too_large")
         chunks.append(chunk)
-    raw = b"".join(chunks)
+    return b"".join(chunks)
+
+
+# a JSON escape of a UTF-16 surrogate (\uD800-\uDFFF): only then can the parsed text hold one
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _surrogate_path(obj, path: tuple) -> Optional[tuple]:
+    """The path of the first string (or key) in ``obj`` holding a lone surrogate, else None."""
+    if isinstance(obj, str):
+        return path if _SURROGATE.search(obj) else None
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if _SURROGATE.search(k):
+                return path
+            found = _surrogate_path(v, path + (k,))
+            if found is not None:
+                return found
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            found = _surrogate_path(v, path + (i,))
+            if found is not None:
+                return found
+    return None
+
+
+def decode_json(raw: bytes) -> dict:
+    """A request body as a JSON object: 400 when not UTF-8 JSON, when a number is not finite, or
+    when text holds a lone UTF-16 surrogate (tokenizers cannot encode it: a 400 naming the field)."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -123,7 +153,19 @@ async def read_json(request: Request, limit: int) -> dict:
         raise bad_request("the request body is nested too deeply", code="invalid_json") from None
     if not isinstance(obj, dict):
         raise bad_request("the request body must be a JSON object", code="invalid_json")
+    if _SURROGATE_ESCAPE.search(raw):
+        path = _surrogate_path(obj, ())
+        if path is not None:
+            param = ".".join(str(p) for p in path) or None
+            raise bad_request(f"{param or 'the request body'}: the text holds a lone UTF-16 surrogate (an unpaired "
+                              "\\uD800-\\uDFFF escape), which is not a Unicode character", param=param,
+                              code="invalid_unicode")
     return obj
+
+
+async def read_json(request: Request, limit: int) -> dict:
+    """The request body as a JSON object (``read_body`` + ``decode_json``)."""
+    return decode_json(await read_body(request, limit))
 
 
 def parse_body(model: type[BaseModel], obj: dict) -> BaseModel:
@@ -151,5 +193,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return APIError(500, f"internal server error: {type(exc).__name__}", type="server_error").response()
+        rid = getattr(request.state, "request_id", None)
+        log.exception("unhandled error on %s %s (request %s)", request.method, request.url.path, rid)
+        return APIError(500, f"internal server error: {type(exc).__name__}", type="server_error",
+                        headers={"X-Request-Id": rid} if rid else None).response()

@@ -8,19 +8,23 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
+import uuid
 from typing import Optional
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from ..engine.async_engine import (AsyncEngine, EngineNotReadyError, EngineStepError, EngineStoppedError,
-                                   QueueFullError)
+from ..engine.async_engine import (AsyncEngine, DuplicateRequestError, EngineNotReadyError, EngineStepError,
+                                   EngineStoppedError, QueueFullError)
 from ..structured import INSTALL as STRUCTURED_INSTALL
 from ..sampling_params import SamplingParams
 from .errors import APIError, bad_request
 from .protocol import DetokenizeRequest, TokenizeRequest
 from .tools import template_messages
+
+log = logging.getLogger("blitzllm.server")
 
 MAX_N = 128
 # apply_chat_template's own arguments, which chat_template_kwargs may not override
@@ -46,6 +50,13 @@ def lp_value(x) -> float:
 
 def pick(v, default):
     return default if v is None else v
+
+
+def request_id(raw: Request) -> str:
+    """The request's id: its X-Request-Id (echoed on the response by ``api.RequestIdMiddleware``)
+    or the one the middleware generated; the engine request ids and response ids carry it."""
+    rid = getattr(raw.state, "request_id", None)
+    return rid if rid else uuid.uuid4().hex
 
 
 class SSEResponse(StreamingResponse):
@@ -185,7 +196,12 @@ class Serving:
     async def submit(self, rid: str, prompt_ids: list, params: SamplingParams, prompt_field: str,
                      max_tokens_field: str = "max_tokens", structured_field: Optional[str] = None):
         try:
-            return await self.aengine.add_request(rid, prompt_ids, params)
+            stream = await self.aengine.add_request(rid, prompt_ids, params)
+            log.debug("request %s: %d prompt tokens, max_tokens %s", rid, len(prompt_ids), params.max_tokens)
+            return stream
+        except DuplicateRequestError as e:
+            raise bad_request(f"{e}: an X-Request-Id names one request in flight at a time",
+                              code="duplicate_request_id") from None
         except ValueError as e:
             raise self._user_error(e, prompt_field, max_tokens_field, structured_field=structured_field) from None
         except QueueFullError as e:

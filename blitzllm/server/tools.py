@@ -29,7 +29,7 @@ def check_tools(tools, tool_choice, parser: Optional[str]):
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict) \
                 or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise bad_request(f"tools.{i} must be {{'type': 'function', 'function': {{'name': ..., "
-                              "'parameters': ...}}}}", param=f"tools.{i}")
+                              f"'parameters': ...}}}}", param=f"tools.{i}")
     choice = "auto" if tool_choice is None else tool_choice
     if choice == "none":
         return None
