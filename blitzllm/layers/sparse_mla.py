@@ -26,9 +26,10 @@ class SparseMLAttention(MLAttention):
     and ``fused_q_b_proj`` = [q_b_proj (heads split over tensor-parallel ranks), indexer.wq_b
     (replicated)]. Steps whose every row sees at most ``index_topk`` tokens run dense MLA
     (the same selection: all of them); others run indexer logits -> top-k -> sparse MLA, one
-    query row per token (decode and prefill rows alike)."""
+    query row per token (decode and prefill rows alike). ``shared`` (GLM-5's "shared" layers):
+    no indexer; the layer attends to the tokens the last layer with one selected."""
 
-    def __init__(self, d: MLADims, ix: IndexerDims, layer_idx: int, rotary, scale: float):
+    def __init__(self, d: MLADims, ix: IndexerDims, layer_idx: int, rotary, scale: float, shared: bool = False):
         if not d.q_lora_rank:
             raise ValueError("sparse attention needs q_lora_rank in config.json (its indexer reads the query latent)")
         if d.attention_bias:
@@ -38,15 +39,16 @@ class SparseMLAttention(MLAttention):
         super().__init__(d, layer_idx, rotary, scale)
         tp = get_tp_group()
         self.ix = ix
-        self.fused_qkv_a_proj = packed_column_linear(d.hidden, [d.q_lora_rank, d.cache_dim, ix.head_dim], tp,
-                                                     parts=[None, None, None])
+        own = [] if shared else [ix.head_dim]  # the indexer's wk and wq_b shards
+        self.fused_qkv_a_proj = packed_column_linear(d.hidden, [d.q_lora_rank, d.cache_dim, *own], tp,
+                                                     parts=[None] * (2 + len(own)))
         del self.q_b_proj
         q_full = d.num_heads * d.qk_head_dim
         h0, h = tp.split(d.num_heads, "num_attention_heads")
         q_part = Part(0, h0 * d.qk_head_dim, h * d.qk_head_dim, q_full)
-        self.fused_q_b_proj = packed_column_linear(d.q_lora_rank, [q_full, ix.n_heads * ix.head_dim], tp,
-                                                   parts=[q_part, None])
-        self.indexer = Indexer(ix, d.hidden)
+        self.fused_q_b_proj = packed_column_linear(d.q_lora_rank, [q_full] + [ix.n_heads * x for x in own], tp,
+                                                   parts=[q_part] + [None] * len(own))
+        self.indexer = None if shared else Indexer(ix, d.hidden)
 
     @staticmethod
     def packed_modules(d: MLADims) -> dict:
@@ -65,13 +67,16 @@ class SparseMLAttention(MLAttention):
         return self.attend(positions, self.fused_qkv_a_proj(h), h), residual
 
     def _split_dsa(self, qkv_a: torch.Tensor) -> tuple:
-        """-> (q [T, H, N + P] before rotary, kv_a [T, R + P], indexer q [T, Hi, D], indexer k [T, D])."""
+        """-> (q [T, H, N + P] before rotary, kv_a [T, R + P], indexer q [T, Hi, D], indexer k [T, D]);
+        a shared layer's indexer q and k: None."""
         d, ix, T = self.d, self.ix, qkv_a.shape[0]
-        q_a, kv_a, k_idx = qkv_a.split([d.q_lora_rank, d.cache_dim, ix.head_dim], dim=1)
+        q_a, kv_a, k_idx = qkv_a.split([d.q_lora_rank, d.cache_dim, qkv_a.shape[1] - d.q_lora_rank - d.cache_dim], 1)
         qb = self.fused_q_b_proj(self.q_a_layernorm(q_a.contiguous()))
         nq = d.num_heads * d.qk_head_dim
-        return (qb[:, :nq].view(T, d.num_heads, d.qk_head_dim), kv_a,
-                qb[:, nq:].view(T, ix.n_heads, ix.head_dim), k_idx)
+        q = qb[:, :nq].view(T, d.num_heads, d.qk_head_dim)
+        if self.indexer is None:
+            return q, kv_a, None, None
+        return q, kv_a, qb[:, nq:].view(T, ix.n_heads, ix.head_dim), k_idx
 
     def attend(self, positions: torch.Tensor, qkv_a: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """``fused_qkv_a_proj``'s output and its input h [T, hidden] -> [T, hidden]."""
@@ -81,7 +86,8 @@ class SparseMLAttention(MLAttention):
         md = ctx.attn_metadata
         cache, keys = ctx.kv_caches[self.layer_idx]
         q_pe = self._write_latents(positions, q, kv_a, cache, md)
-        q_idx = self.indexer.prep(q_idx, k_idx, positions, self.rotary.cos_sin_cache, keys, md.slot_mapping)
+        if self.indexer is not None:
+            q_idx = self.indexer.prep(q_idx, k_idx, positions, self.rotary.cos_sin_cache, keys, md.slot_mapping)
         q_nope = q[..., :d.qk_nope_head_dim]
         if md.max_seq_len <= self.ix.topk:
             out = self._dense(q_nope, q_pe, cache, md)
@@ -89,14 +95,17 @@ class SparseMLAttention(MLAttention):
             tables, lens = self._rows(positions, md, cache.shape[1])
             # rows in chunks whose logits [rows, context] stay within LOGITS_BYTES (a long prompt's prefill)
             step = max(1, LOGITS_BYTES // (4 * tables.shape[1] * cache.shape[1]))
-            parts = [self._sparse(q_nope[r], q_pe[r], q_idx[r], h[r], cache, keys, tables[r], lens[r])
-                     for r in (slice(r0, r0 + step) for r0 in range(0, T, step))]
+            rows = [slice(r0, r0 + step) for r0 in range(0, T, step)]
+            if self.indexer is not None:  # (kept for the shared layers after this one)
+                ctx.scratch["dsa_picks"] = [self.indexer.select(q_idx[r], h[r], keys, tables[r], lens[r])
+                                            for r in rows]
+            parts = [self._sparse(q_nope[r], q_pe[r], cache, tables[r], idx)
+                     for r, idx in zip(rows, ctx.scratch["dsa_picks"])]
             out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self.o_proj(out.reshape(T, d.num_heads * d.v_head_dim))
 
-    def _sparse(self, q_nope, q_pe, q_idx, h, cache, keys, tables, lens) -> torch.Tensor:
-        """Rows' indexer selection, then attention over the selected latents -> [rows, H, V]."""
-        idx = self.indexer.select(q_idx, h, keys, tables, lens)
+    def _sparse(self, q_nope, q_pe, cache, tables, idx) -> torch.Tensor:
+        """Rows' attention over their selected latents ``idx`` -> [rows, H, V]."""
         q_latent = self.kv_b_proj.absorb_query(q_nope)
         return self.kv_b_proj.values(sparse_mla(q_latent.contiguous(), q_pe.contiguous(), cache, tables, idx,
                                                 self.scale))

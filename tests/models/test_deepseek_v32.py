@@ -115,6 +115,24 @@ def test_tiny_v32_matches_transformers(variant, tmp_path):
     assert _all_free(llm)
 
 
+@pytest.mark.parametrize("types", [["full"] * 3, ["full", "shared", "shared"]])
+def test_glm5_matches_transformers(tmp_path, types):
+    """GLM-5 (GlmMoeDsaForCausalLM) on the same code: its indexer's interleaved rotary pairs and
+    "shared" layers that attend to the last full layer's selection (no indexer of their own):
+    transformers' tokens and step logprobs as above, and on prompts past index_topk one-shot
+    prefill and token-by-token decode give the same logits."""
+    hf = make_tiny_deepseek(tmp_path, 3, arch="GlmMoeDsa", base=TINY_V32, indexer_types=types)
+    assert (hf.model.layers[1].self_attn.indexer is None) == (types[1] == "shared")
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", kv_cache_blocks=64)
+    attn = llm.engine.runner.model.model.layers[1].self_attn
+    assert attn.ix.interleave and (attn.indexer is None) == (types[1] == "shared")
+    _check_matches(llm, hf, _prompts((1, 8), seed=9), n=32)
+    prompt = _prompts((30,), seed=10)[0]
+    one, each = (engine_logits(LLM(str(tmp_path), device="cpu", dtype="float32", kv_cache_blocks=16, block_size=4),
+                               prompt, chunk) for chunk in (30, 1))
+    torch.testing.assert_close(each, one, atol=1e-4, rtol=1e-4)
+
+
 def test_oracle_noncausal_only_through_ties(tmp_path):
     """The evidence for the module docstring: with 2 indexer heads (ties at score 0 common),
     transformers' logits at position 39 of a 44-token forward differ from those of the same
