@@ -19,7 +19,7 @@ from ..engine.async_engine import AsyncEngine
 from .config import ServeConfig
 from .chat import create_chat_completion
 from .completions import create_completion
-from .errors import APIError, install_error_handlers, parse_body, read_json
+from .errors import APIError, decode_json, install_error_handlers, parse_body, read_body
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .serving import Serving
@@ -92,6 +92,7 @@ def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
             aengine.bind(asyncio.get_running_loop())
         yield
         aengine.shutdown()
+        serving.close()
 
     app = FastAPI(title="blitzllm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.aengine, app.state.serving, app.state.metrics = aengine, serving, metrics
@@ -110,7 +111,9 @@ def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
                            code="model_loading", headers={"Retry-After": "5"})
 
     async def body(request: Request, model):
-        return parse_body(model, await read_json(request, cfg.max_request_bytes))
+        """The body parsed into ``model``, in a worker thread."""
+        raw = await read_body(request, cfg.max_request_bytes)
+        return await serving.cpu(lambda: parse_body(model, decode_json(raw)))
 
     def counted(status_exc: APIError):
         metrics.rejected(status_exc.status)
@@ -158,11 +161,11 @@ def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
     @app.post("/tokenize")
     async def tokenize(request: Request):
         guard(request)
-        return JSONResponse(serving.tokenize(await body(request, TokenizeRequest)))
+        return await serving.tokenize(await body(request, TokenizeRequest))
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
         guard(request)
-        return JSONResponse(serving.detokenize(await body(request, DetokenizeRequest)))
+        return JSONResponse(await serving.cpu(serving.detokenize, await body(request, DetokenizeRequest)))
 
     return app

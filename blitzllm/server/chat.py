@@ -53,10 +53,10 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
             raise bad_request(str(e), param=field) from None
     else:
         field = requested[1]
-    ids = s.chat_prompt(req.messages, pick(req.add_generation_prompt, True), req.chat_template_kwargs,
-                        req.tools if tool_mode is not None else None)
+    ids, prompt_text = await s.chat_prompt(req.messages, pick(req.add_generation_prompt, True),
+                                           req.chat_template_kwargs, req.tools if tool_mode is not None else None)
     # a reasoning parser reads where the rendered prompt left off (an open <think> block?)
-    prompt_text = s.tokenizer.decode(ids) if s.reasoning_parser else ""
+    prompt_text = prompt_text if s.reasoning_parser else ""
     rid = f"chatcmpl-{request_id(raw)}"
     stream = await s.submit(rid, ids, params, "messages", mt_field, structured_field=field)
     created = int(time.time())

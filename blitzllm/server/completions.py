@@ -13,8 +13,10 @@ from .protocol import CompletionRequest
 from .serving import SSE_DONE, Serving, SSEResponse, lp_value, merge, pick, request_id, sse, usage
 
 
-def _completion_prompts(s: Serving, prompt) -> list:
-    """[(ids, echo_text)] for str | list[str] | list[int] | list[list[int]]."""
+def _completion_prompts(s: Serving, prompt, echo: bool) -> list:
+    """[(ids or text, param, echo text)] for str | list[str] | list[int] | list[list[int]], in a
+    worker thread: a text past the character bound, and token ids that leave no room to
+    generate, are refused here; texts are tokenized next (``Serving.tokens``)."""
     if isinstance(prompt, str):
         prompts = [prompt]
     elif not prompt:
@@ -24,17 +26,22 @@ def _completion_prompts(s: Serving, prompt) -> list:
     else:
         prompts = list(prompt)
     out = []
-    for p in prompts:
+    for j, p in enumerate(prompts):
+        field = "prompt" if len(prompts) == 1 else f"prompt.{j}"
         if isinstance(p, str):
-            tok = s.need_tokenizer("pass the prompt as token ids")
-            ids = tok.encode(p, add_special_tokens=True)
-            out.append((ids, p))
+            s.need_tokenizer("pass the prompt as token ids")
+            s.check_prompt_chars(p, field)
+            out.append((p, field, p))
         else:
             if not p:
                 raise bad_request("prompt must not be empty", param="prompt")
+            s.check_prompt_len(len(p), field)
             if any(t < 0 or t >= s.vocab_size for t in p):
                 raise bad_request(f"prompt token ids must be in [0, {s.vocab_size})", param="prompt")
-            out.append((list(p), None))
+            text = None
+            if echo:
+                text = s.worker_tokenizer("").decode(p) if s.tokenizer is not None else ""
+            out.append((list(p), field, text))
     return out
 
 
@@ -52,12 +59,6 @@ def _cmpl_logprobs(s: Serving, token_ids, lps, k, offset) -> dict:
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def _echo_text(s: Serving, ids, text) -> str:
-    if text is not None:
-        return text
-    return s.tokenizer.decode(ids) if s.tokenizer is not None else ""
-
-
 async def create_completion(s: Serving, req: CompletionRequest, raw: Request) -> Response:
     s.check_model(req.model)
     if req.suffix:
@@ -69,7 +70,8 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
     requested = s.structured_request(req)
     params = s.sampling_params(req, pick(req.max_tokens, 16), req.logprobs, structured=requested)
     structured_field = requested[1]
-    prompts = _completion_prompts(s, req.prompt)
+    prompts = [(await s.tokens(p, True, field) if isinstance(p, str) else p, text)
+               for p, field, text in await s.cpu(_completion_prompts, s, req.prompt, bool(req.echo))]
     base = f"cmpl-{request_id(raw)}"
     rids = [f"{base}-{j}" for j in range(len(prompts))]
     streams = []
@@ -83,7 +85,7 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
     created = int(time.time())
     n, k = params.n, req.logprobs
     prompt_tokens = sum(len(ids) for ids, _ in prompts)
-    echoes = [_echo_text(s, ids, text) if req.echo else "" for ids, text in prompts]
+    echoes = [text if req.echo else "" for _, text in prompts]
     if req.stream:
         opts = req.stream_options
 

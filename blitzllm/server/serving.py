@@ -7,14 +7,19 @@ AsyncEngine.
 from __future__ import annotations
 
 import asyncio
+import copy
+import functools
 import json
 import logging
+import os
+import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from ..engine.async_engine import (AsyncEngine, DuplicateRequestError, EngineNotReadyError, EngineStepError,
                                    EngineStoppedError, QueueFullError)
@@ -50,6 +55,51 @@ def lp_value(x) -> float:
 
 def pick(v, default):
     return default if v is None else v
+
+
+# A request's CPU work (JSON, templating, tokenizing) runs in the prep pool; a text past
+# BULK_CHARS is tokenized in the bulk pool instead: one worker at a lowered OS priority, so short
+# requests never queue behind it and the engine's threads keep their cores.
+BULK_CHARS = 1 << 15
+PREP_WORKERS = 2
+PREP_NICE, BULK_NICE = 5, 10  # the workers' niceness (the engine's and the event loop's threads keep 0)
+_JSON_IDS_SLICE = 32768  # token ids serialized per call (each call holds the GIL a few ms)
+_LONG_DECODE = 4096      # /detokenize decodes a list this long through the Rust batch call
+
+
+def _lower_priority(nice: int) -> None:
+    try:  # Linux: a thread id names that thread alone; raising niceness needs no privilege
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except (AttributeError, OSError):
+        pass
+
+
+def max_token_chars(tok) -> Optional[int]:
+    """The most characters one token of ``tok`` can cover, when that is a sound bound: a BPE model
+    whose alphabet covers every byte (a byte-level pre-tokenizer, or byte fallback), so no input
+    character is dropped or merged into an unknown token. Then a text of more than
+    ``max_model_len * max_token_chars`` characters cannot fit the context (x4 when a normalizer
+    may shorten the text first). None when no such bound holds."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    try:
+        spec = json.loads(backend.to_str())
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot describe itself gets no bound
+        return None
+    model = spec.get("model") or {}
+    byte_level = "ByteLevel" in json.dumps(spec.get("pre_tokenizer"))
+    if model.get("type") != "BPE" or not (byte_level or model.get("byte_fallback")):
+        return None
+    longest = max((len(t) for t in backend.get_vocab(with_added_tokens=True)), default=0)
+    return max(1, longest) * (1 if spec.get("normalizer") is None else 4)
+
+
+def json_with_ids(head: dict, key: str, ids: list) -> bytes:
+    """``{**head, key: ids}`` as JSON, the ids serialized in slices (a long list never holds the
+    GIL in one call)."""
+    parts = [",".join(map(str, ids[i:i + _JSON_IDS_SLICE])) for i in range(0, len(ids), _JSON_IDS_SLICE)]
+    return (json.dumps(head, separators=(",", ":"))[:-1] + f',"{key}":[' + ",".join(parts) + "]}").encode()
 
 
 def request_id(raw: Request) -> str:
@@ -93,12 +143,80 @@ class Serving:
         self.vocab_size = 0
         self.created = int(time.time())
         self._tok_str: dict[int, str] = {}
+        self.max_prompt_chars: Optional[int] = None  # a prompt longer than this cannot fit (see max_token_chars)
+        # a request's CPU work runs in these pools, never on the event loop; each worker thread
+        # has its own tokenizer copy (HF tokenizers are not safe to share between threads)
+        self._local = threading.local()
+        self._pool = ThreadPoolExecutor(PREP_WORKERS, "blitz-prep", initializer=self._init_worker)
+        self._bulk = ThreadPoolExecutor(1, "blitz-bulk", initializer=self._init_worker, initargs=(True,))
 
     def setup(self, engine, tokenizer) -> None:
         """Called from the loading thread, before the engine reports ready."""
         self.tokenizer = tokenizer
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model_config.vocab_size
+        if tokenizer is not None:
+            per_token = max_token_chars(tokenizer)
+            self.max_prompt_chars = None if per_token is None else per_token * engine.max_model_len
+            for pool, n in ((self._pool, PREP_WORKERS), (self._bulk, 1)):  # start the workers (tokenizer copies) now
+                barrier = threading.Barrier(n)
+                for f in [pool.submit(barrier.wait, 60) for _ in range(n)]:
+                    f.result()
+
+    def _init_worker(self, bulk: bool = False) -> None:
+        _lower_priority(BULK_NICE if bulk else PREP_NICE)
+        if self.tokenizer is not None:
+            self._local.tokenizer = copy.deepcopy(self.tokenizer)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._bulk.shutdown(wait=False, cancel_futures=True)
+
+    async def cpu(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)`` in a prep worker thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+
+    async def tokens(self, text: str, add_special_tokens: bool, param: Optional[str] = None) -> list:
+        """``encode`` in a worker thread: the bulk pool for a long text."""
+        pool = self._bulk if len(text) > BULK_CHARS else self._pool
+        return await asyncio.get_running_loop().run_in_executor(pool, self.encode, text, add_special_tokens, param)
+
+    def worker_tokenizer(self, what: str):
+        """This worker thread's tokenizer copy (400 ``what`` when the model has none)."""
+        self.need_tokenizer(what)
+        tok = getattr(self._local, "tokenizer", None)
+        if tok is None:  # (a worker started before the model loaded)
+            tok = self._local.tokenizer = copy.deepcopy(self.tokenizer)
+        return tok
+
+    def encode(self, text: str, add_special_tokens: bool, param: Optional[str] = None) -> list:
+        """``tokenizer.encode(text)`` in a worker thread, with the GIL released while the tokenizer
+        works (its Rust batch call); with ``param``, a prompt too long to fit is a 400 naming it,
+        found without building its list of ids."""
+        tok = self.worker_tokenizer("nothing to tokenize with")
+        backend = getattr(tok, "backend_tokenizer", None)
+        if backend is None:  # a Python tokenizer
+            ids = tok.encode(text, add_special_tokens=add_special_tokens)
+            n = len(ids)
+        else:
+            enc = backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+            n, ids = len(enc), None
+        if param is not None:
+            self.check_prompt_len(n, param)
+        return list(enc.ids) if ids is None else list(ids)
+
+    def check_prompt_chars(self, text: str, param: str) -> None:
+        """A 400 (context_length_exceeded) for a text too long to fit, before tokenizing it."""
+        if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
+            raise bad_request(f"the prompt has {len(text)} characters, more than any prompt of max_model_len="
+                              f"{self.max_model_len} tokens can hold ({self.max_prompt_chars})", param=param,
+                              code="context_length_exceeded")
+
+    def check_prompt_len(self, n: int, param: str) -> None:
+        """A 400 (context_length_exceeded) for a prompt of ``n`` tokens that leaves no room to generate."""
+        if n >= self.max_model_len:
+            raise bad_request(f"the prompt has {n} tokens, which leaves no room to generate within max_model_len="
+                              f"{self.max_model_len}", param=param, code="context_length_exceeded")
 
     # ---- shared pieces ---------------------------------------------------------------
     def check_model(self, name: Optional[str]) -> None:
@@ -238,10 +356,19 @@ class Serving:
             return sse(APIError(503, str(e), code="shutting_down").body())
         return sse(APIError(500, str(e), type="server_error").body())
 
-    def chat_prompt(self, messages, add_generation_prompt: bool = True, template_kwargs=None, tools=None) -> list:
-        """The prompt's token ids: ``messages`` through the model's chat template, with
-        ``template_kwargs`` (the request's ``chat_template_kwargs``) and ``tools`` where given."""
-        tok = self.need_tokenizer("chat needs a chat template; use /v1/completions with token ids")
+    async def chat_prompt(self, messages, add_generation_prompt: bool = True, template_kwargs=None, tools=None,
+                          check_length: bool = True) -> tuple:
+        """(token ids, rendered text) of ``messages`` through the model's chat template, with
+        ``template_kwargs`` (the request's ``chat_template_kwargs``) and ``tools`` where given, in
+        worker threads. A text past the character bound is refused before it is tokenized;
+        ``check_length``: and one of too many tokens after."""
+        text = await self.cpu(self.render_chat, messages, add_generation_prompt, template_kwargs, tools)
+        # (what apply_chat_template(tokenize=True) does: no special tokens added to the rendered text)
+        return await self.tokens(text, False, "messages" if check_length else None), text
+
+    def render_chat(self, messages, add_generation_prompt: bool, template_kwargs, tools) -> str:
+        """The chat template's text (see ``chat_prompt``), in a worker thread."""
+        tok = self.worker_tokenizer("chat needs a chat template; use /v1/completions with token ids")
         if not getattr(tok, "chat_template", None):
             raise bad_request("this model has no chat template; use /v1/completions", param="messages")
         conv = []
@@ -267,13 +394,12 @@ class Serving:
         try:
             if tools:
                 kwargs["tools"] = tools
-            ids = tok.apply_chat_template(template_messages(conv), tokenize=True,
-                                          add_generation_prompt=add_generation_prompt, **kwargs)
+            text = tok.apply_chat_template(template_messages(conv), tokenize=False,
+                                           add_generation_prompt=add_generation_prompt, **kwargs)
         except Exception as e:  # jinja errors from the template (e.g. role order): the input's fault
             raise bad_request(f"the chat template rejected the messages: {e}", param="messages") from None
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
+        self.check_prompt_chars(text, "messages")
+        return text
 
     @staticmethod
     async def collect(streams, n) -> list:
@@ -289,25 +415,35 @@ class Serving:
                 c["reason"], c["stop"] = ev.finish_reason, ev.stop_reason
         return out
 
-    # ---- tokenizer endpoints -----------------------------------------------------------
-    def tokenize(self, req: TokenizeRequest) -> dict:
+    # ---- tokenizer endpoints ---------------------------------------------------------
+    async def tokenize(self, req: TokenizeRequest) -> Response:
         self.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of 'prompt' or 'messages'", param="prompt")
         if req.messages is not None:
-            ids = self.chat_prompt(req.messages, pick(req.add_generation_prompt, True), req.chat_template_kwargs,
-                                   req.tools)
+            ids, _ = await self.chat_prompt(req.messages, pick(req.add_generation_prompt, True),
+                                            req.chat_template_kwargs, req.tools, check_length=False)
         else:
-            tok = self.need_tokenizer("nothing to tokenize with")
-            ids = tok.encode(req.prompt, add_special_tokens=pick(req.add_special_tokens, True))
-        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": list(ids)}
+            self.need_tokenizer("nothing to tokenize with")
+            self.check_prompt_chars(req.prompt, "prompt")  # (O(1): the length of a str)
+            ids = await self.tokens(req.prompt, pick(req.add_special_tokens, True))
+        body = await self.cpu(json_with_ids, {"count": len(ids), "max_model_len": self.max_model_len}, "tokens", ids)
+        return Response(body, media_type="application/json")
 
     def detokenize(self, req: DetokenizeRequest) -> dict:
+        """In a worker thread."""
         self.check_model(req.model)
-        tok = self.need_tokenizer("nothing to detokenize with")
+        tok = self.worker_tokenizer("nothing to detokenize with")
         if any(t < 0 or t >= self.vocab_size for t in req.tokens):
             raise bad_request(f"tokens must be in [0, {self.vocab_size})", param="tokens")
-        return {"prompt": tok.decode(req.tokens)}
+        backend = getattr(tok, "backend_tokenizer", None)
+        if backend is None or len(req.tokens) < _LONG_DECODE:
+            return {"prompt": tok.decode(req.tokens)}
+        # a long list: the Rust batch call, which releases the GIL (tok.decode's does not)
+        text = backend.decode_batch([req.tokens], skip_special_tokens=False)[0]
+        if getattr(tok, "clean_up_tokenization_spaces", False):
+            text = tok.clean_up_tokenization(text)
+        return {"prompt": text}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
