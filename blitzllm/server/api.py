@@ -21,6 +21,7 @@ from .chat import create_chat_completion
 from .completions import create_completion
 from .errors import APIError, decode_json, install_error_handlers, parse_body, read_body
 from .metrics import CONTENT_TYPE, ServerMetrics
+from .openapi import build_openapi
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .serving import Serving
 
@@ -56,6 +57,14 @@ class RequestIdMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_id)
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("blitzllm")
+    except Exception:  # noqa: BLE001 - a source tree that is not installed
+        return "0"
 
 
 def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
@@ -94,7 +103,19 @@ def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
         aengine.shutdown()
         serving.close()
 
-    app = FastAPI(title="blitzllm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="blitzllm", version=_version(), lifespan=lifespan, docs_url="/docs", redoc_url="/redoc",
+                  openapi_url="/openapi.json",
+                  description="An OpenAI-compatible server (docs/serving.md): chat and text completions, the "
+                              "model list, the server's tokenizer, health and Prometheus metrics.")
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+            base = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            app.openapi_schema = build_openapi(base, api_key=cfg.api_key is not None)
+        return app.openapi_schema
+
+    app.openapi = openapi
     app.state.aengine, app.state.serving, app.state.metrics = aengine, serving, metrics
     install_error_handlers(app)
     app.add_middleware(RequestIdMiddleware)

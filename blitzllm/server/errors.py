@@ -47,7 +47,7 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "model", "f
 def _loc(loc) -> Optional[str]:
     """Dotted field path, without pydantic's union member tags (``str``, ``list[int]``...)."""
     parts = [str(p) for p in loc if p != "body" and not (isinstance(p, str) and (
-        p in _TYPE_TAGS or "[" in p or p.startswith(("function-", "is-instance", "tagged-union"))))]
+        p in _TYPE_TAGS or "[" in p or p.startswith(("function-", "is-instance", "tagged-union", "constrained-"))))]
     return ".".join(parts) or None
 
 

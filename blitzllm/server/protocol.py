@@ -1,12 +1,27 @@
 """Request bodies of the OpenAI-compatible API as strict pydantic models: a string where a number
 belongs is a 400, unknown fields are ignored, ``null`` means the default. Responses are plain
-dicts built in ``serving.py`` (cheaper per chunk).
+dicts built in ``serving.py`` (cheaper per chunk); the response models at the end describe them
+for the OpenAPI schema (``/openapi.json``), and the tests check real responses against them.
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+MAX_N = 128      # the most completions a request may ask for
+MAX_STOP = 32    # the most stop strings
+
+
+def _whole(v):
+    """JSON Schema's integer: a number with no fraction, so 13.0 is 13 (13.5 and "13" stay errors)."""
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+Int = Annotated[int, BeforeValidator(_whole)]
+TokenId = Annotated[int, BeforeValidator(_whole), Field(ge=0)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+Text = Annotated[str, Field(min_length=1)]
 
 
 class _Strict(BaseModel):
@@ -37,22 +52,23 @@ class ResponseFormat(_Strict):
 
 
 class _SamplingRequest(_Strict):
-    """Fields shared by chat and completions (OpenAI's plus vLLM's common extensions)."""
+    """Fields shared by chat and completions (OpenAI's plus vLLM's common extensions). The bounds
+    are SamplingParams' (they are checked there too), stated here for the OpenAPI schema."""
     model: Optional[str] = None
-    n: Optional[int] = None
-    max_tokens: Optional[int] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    seed: Optional[int] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    stop: Union[str, list[str], None] = None
-    stop_token_ids: Optional[list[int]] = None
+    n: Optional[Int] = Field(None, ge=1, le=MAX_N)
+    max_tokens: Optional[Int] = Field(None, ge=1)
+    temperature: Optional[float] = Field(None, ge=0)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    top_k: Optional[Int] = Field(None, ge=-1, description="0 or -1: no top-k")
+    min_p: Optional[float] = Field(None, ge=0, le=1)
+    seed: Optional[Int] = Field(None, ge=0, le=2**63 - 1)
+    presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    repetition_penalty: Optional[float] = Field(None, gt=0, le=10)
+    stop: Union[str, list[str], None] = Field(None, description=f"at most {MAX_STOP} strings")
+    stop_token_ids: Optional[list[TokenId]] = None
     ignore_eos: Optional[bool] = False
-    min_tokens: Optional[int] = None
+    min_tokens: Optional[Int] = Field(None, ge=0)
     skip_special_tokens: Optional[bool] = True
     include_stop_str_in_output: Optional[bool] = False
     logit_bias: Optional[dict[str, float]] = None
@@ -70,9 +86,9 @@ class _SamplingRequest(_Strict):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = None
+    max_completion_tokens: Optional[Int] = Field(None, ge=1)
     logprobs: Optional[bool] = False
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[Int] = Field(None, ge=0, le=20)
     response_format: Optional[ResponseFormat] = None
     tools: Optional[list] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None  # extra variables for the chat template
@@ -82,11 +98,12 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: Union[str, list[int], list[str], list[list[int]]]
+    prompt: Union[Text, TokenIds, Annotated[list[Text], Field(min_length=1)],
+                  Annotated[list[TokenIds], Field(min_length=1)]]
     echo: Optional[bool] = False
-    logprobs: Optional[int] = None
+    logprobs: Optional[Int] = Field(None, ge=0, le=20)
     suffix: Optional[str] = None
-    best_of: Optional[int] = None
+    best_of: Optional[Int] = None
 
 
 class TokenizeRequest(_Strict):
@@ -101,4 +118,159 @@ class TokenizeRequest(_Strict):
 
 class DetokenizeRequest(_Strict):
     model: Optional[str] = None
+    tokens: list[TokenId]
+
+
+# ---- responses (the OpenAPI schema's; serving.py builds them as dicts) ---------------------------
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Usage(_Out):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class FunctionCall(_Out):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(_Out):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class ToolCallDelta(ToolCall):
+    index: int
+
+
+class TopLogprob(_Out):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Out):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(_Out):
+    role: Literal["assistant"]
+    content: Optional[str]
+    reasoning_content: Optional[str] = Field(None, description="with --reasoning-parser")
+    tool_calls: Optional[list[ToolCall]] = None
+
+
+class ChatChoice(_Out):
+    index: int
+    message: AssistantMessage
+    logprobs: Optional[ChatLogprobs]
+    finish_reason: Optional[str] = Field(description="stop, length, tool_calls or abort")
+    stop_reason: Union[int, str, None] = Field(description="the stop string or token id that ended the choice")
+
+
+class ChatCompletionResponse(_Out):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(_Out):
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    tool_calls: Optional[list[ToolCallDelta]] = None
+
+
+class ChatChunkChoice(_Out):
+    index: int
+    delta: ChatDelta
+    logprobs: Optional[ChatLogprobs]
+    finish_reason: Optional[str]
+    stop_reason: Union[int, str, None] = None
+
+
+class ChatCompletionChunk(_Out):
+    """One ``data:`` event of a stream (``text/event-stream``, ended by ``data: [DONE]``)."""
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Optional[Usage] = None
+
+
+class CompletionLogprobs(_Out):
+    """The legacy format: parallel lists, one entry per token (a prompt's first token, echoed, has
+    no logprob: null)."""
+    tokens: list[str]
+    token_logprobs: list[Optional[float]]
+    top_logprobs: list[Optional[dict[str, float]]]
+    text_offset: list[int]
+
+
+class CompletionChoice(_Out):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs]
+    finish_reason: Optional[str] = Field(description="stop, length or abort")
+    stop_reason: Union[int, str, None] = None
+
+
+class CompletionResponse(_Out):
+    """Also each ``data:`` event of a stream (then ``usage`` only where asked for)."""
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None
+
+
+class ModelCard(_Out):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: Optional[int] = Field(None, description="once the model has loaded")
+    vocab_size: Optional[int] = Field(None, description="once the model has loaded")
+
+
+class ModelList(_Out):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class TokenizeResponse(_Out):
+    count: int
+    max_model_len: int
     tokens: list[int]
+
+
+class DetokenizeResponse(_Out):
+    prompt: str
+
+
+class HealthResponse(_Out):
+    status: Literal["ok"]
+
+
+class ErrorDetail(_Out):
+    message: str
+    type: str
+    param: Optional[str]
+    code: Optional[str]
+
+
+class ErrorResponse(_Out):
+    error: ErrorDetail

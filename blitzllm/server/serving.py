@@ -26,17 +26,15 @@ from ..engine.async_engine import (AsyncEngine, DuplicateRequestError, EngineNot
 from ..structured import INSTALL as STRUCTURED_INSTALL
 from ..sampling_params import SamplingParams
 from .errors import APIError, bad_request
-from .protocol import DetokenizeRequest, TokenizeRequest
+from .protocol import MAX_N, MAX_STOP, DetokenizeRequest, TokenizeRequest
 from .tools import template_messages
 
 log = logging.getLogger("blitzllm.server")
 
-MAX_N = 128
 # apply_chat_template's own arguments, which chat_template_kwargs may not override
 _TEMPLATE_ARGS = {"conversation", "messages", "tokenize", "add_generation_prompt", "return_dict", "return_tensors",
                   "padding", "truncation", "max_length", "tools", "documents", "chat_template",
                   "continue_final_message", "return_assistant_tokens_mask", "tokenizer_kwargs"}
-MAX_STOP = 32
 _FIELDS = {"n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
            "repetition_penalty", "max_tokens", "min_tokens", "stop", "stop_token_ids", "logprobs"}
 

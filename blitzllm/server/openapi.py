@@ -1,0 +1,90 @@
+"""The OpenAPI 3.1 schema of ``/openapi.json`` (and ``/docs``, ``/redoc``): FastAPI's paths, with
+each operation's request body and responses taken from the pydantic models of ``protocol.py``.
+The routes parse their bodies themselves (size limit, worker threads, OpenAI-style errors), so
+FastAPI cannot see those models; this table says which goes where."""
+from __future__ import annotations
+
+from typing import Optional
+
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from . import protocol as P
+
+_JSON = "application/json"
+_SSE = "text/event-stream"
+_REF = "#/components/schemas/{model}"
+
+_ERRORS = {400: "a bad request: the field is named in `param`", 401: "a missing or wrong API key",
+           404: "an unknown model or route", 413: "the body is over --max-request-bytes",
+           500: "the engine failed while running the request",
+           503: "the model is loading, the queue is full or the server is stopping (see Retry-After)"}
+
+# (path, method) -> (request model, 200 model, the event model of a stream, error statuses, summary)
+_OPS = {
+    ("/v1/chat/completions", "post"): (P.ChatCompletionRequest, P.ChatCompletionResponse, P.ChatCompletionChunk,
+                                       (400, 401, 404, 413, 500, 503), "Create a chat completion"),
+    ("/v1/completions", "post"): (P.CompletionRequest, P.CompletionResponse, P.CompletionResponse,
+                                  (400, 401, 404, 413, 500, 503), "Create a completion"),
+    ("/v1/models", "get"): (None, P.ModelList, None, (401,), "List the served model"),
+    ("/v1/models/{model_id}", "get"): (None, P.ModelCard, None, (401, 404), "The served model"),
+    ("/tokenize", "post"): (P.TokenizeRequest, P.TokenizeResponse, None, (400, 401, 404, 413, 503),
+                            "Tokenize a prompt or chat messages"),
+    ("/detokenize", "post"): (P.DetokenizeRequest, P.DetokenizeResponse, None, (400, 401, 404, 413, 503),
+                              "Turn token ids into text"),
+    ("/health", "get"): (None, P.HealthResponse, None, (503,), "200 once the model has loaded"),
+}
+_GUARDED = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model_id}", "/tokenize",
+            "/detokenize"}
+
+
+def _ref(model: type[BaseModel]) -> dict:
+    return {"$ref": _REF.format(model=model.__name__)}
+
+
+def _content(model: type[BaseModel], stream: Optional[type[BaseModel]]) -> dict:
+    content = {_JSON: {"schema": _ref(model)}}
+    if stream is not None:
+        content[_SSE] = {"schema": {"type": "string", "description": f"with `stream`: server-sent events, each "
+                                    f"`data:` line a {stream.__name__}, the last `data: [DONE]`"}}
+    return content
+
+
+def build_openapi(base: dict, api_key: bool) -> dict:
+    """``base``: FastAPI's ``get_openapi`` document of the app's routes."""
+    doc = dict(base)
+    requests = [m for m, *_ in _OPS.values() if m is not None]
+    responses = {m for _, m, s, *_ in _OPS.values()} | {s for _, _, s, *_ in _OPS.values() if s} | {P.ErrorResponse}
+    _, defs = models_json_schema([(m, "validation") for m in requests]
+                                 + [(m, "serialization") for m in sorted(responses, key=lambda m: m.__name__)],
+                                 ref_template=_REF)
+    components = doc.setdefault("components", {})
+    schemas = components.setdefault("schemas", {})
+    for stale in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(stale, None)
+    schemas.update(defs.get("$defs", {}))
+    if api_key:
+        components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer",
+                                                    "description": "--api-key (the scheme in any case)"}}
+    request_id = {"name": "X-Request-Id", "in": "header", "required": False,
+                  "description": "the request's id (echoed; generated when absent)", "schema": {"type": "string"}}
+    id_header = {"X-Request-Id": {"description": "the request's id", "schema": {"type": "string"}}}
+    for path, methods in doc.get("paths", {}).items():
+        for method, op in methods.items():
+            spec = _OPS.get((path, method))
+            op["parameters"] = [p for p in op.get("parameters", ()) if p.get("name") != "X-Request-Id"] + [request_id]
+            if spec is None:  # /metrics
+                op["responses"] = {"200": {"description": "Prometheus metrics", "headers": id_header,
+                                           "content": {"text/plain": {"schema": {"type": "string"}}}}}
+                continue
+            req, ok, stream, errors, summary = spec
+            op["summary"] = summary
+            if req is not None:
+                op["requestBody"] = {"required": True, "content": {_JSON: {"schema": _ref(req)}}}
+            op["responses"] = {"200": {"description": "OK", "headers": id_header, "content": _content(ok, stream)}}
+            for status in errors:
+                op["responses"][str(status)] = {"description": _ERRORS[status], "headers": id_header,
+                                                "content": {_JSON: {"schema": _ref(P.ErrorResponse)}}}
+            if api_key and path in _GUARDED:
+                op["security"] = [{"bearer": []}]
+    return doc
