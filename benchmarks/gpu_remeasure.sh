@@ -47,7 +47,7 @@ for part in "$@"; do case $part in
     BLITZ_ATTN_OPROJ=1 run 90 llama_oproj $L
     BLITZ_GEMV_TMA_NORM=1 run 90 llama_tmanorm $L ;;
   tests)  # TESTS_S (default 260) seconds at most; the summary and the failures' lines kept
-    timeout ${TESTS_S:-260} python3 -m pytest -q -m gpu tests/kernels tests/test_gpu_e2e.py -p no:cacheprovider \
+    timeout ${TESTS_S:-260} python3 -m pytest -q -m gpu tests/kernels tests/models/test_deepseek_v32_gpu.py tests/models/test_qwen3_next_gpu.py tests/test_gpu_e2e.py -p no:cacheprovider \
       --timeout 120 -rf > "$R/gpu_tests.log" 2>&1 || pytest_failed $?
     grep -E "passed|failed|^FAILED|^E  " "$R/gpu_tests.log" | tail -25 ;;
   table)

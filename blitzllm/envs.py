@@ -62,9 +62,6 @@ _SWITCHES = (
            "tile override of the decode MoE launches, e.g. `{\"up\": {\"BLOCK_N\": 32}, \"down\": {...}}`"),
     Switch("BLITZ_GREEDY_KERNEL", KNOB, "bool", True,
            "all-greedy steps pick their tokens in one Triton launch (0: torch argmax + log-softmax)"),
-    Switch("BLITZ_GEMV_TMA_NORM", KNOB, "bool", False,
-           "the input residual add + RMSNorm inside the qkv TMA GEMV (no RMSNorm launch; faster on the "
-           "small models, slower on Llama-3.1-8B, and its GPU test failed once: see docs/perf-history.md)"),
 )
 SWITCHES: Mapping[str, Switch] = {s.name: s for s in _SWITCHES}
 
@@ -116,7 +113,6 @@ class Knobs:
     gemv: bool = True
     gemv_tma: str = "1"
     greedy_kernel: bool = True
-    gemv_tma_norm: bool = False
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "Knobs":

@@ -34,10 +34,9 @@ class Linear(nn.Module):
         # decode at 1-2 rows through the TMA GEMV (kernels/gemv/gemv_tma.py), which streams its
         # weights before waiting on the kernel before: set on o_proj and qkv, which follow the
         # latency-bound decode attention and RMSNorm (those let it launch as they start:
-        # ``tma_early``); ``tma_norm``: the residual add + RMSNorm inside that GEMV instead
+        # ``tma_early``)
         self.tma_preload = False
         self.tma_early = True
-        self.tma_norm = False
 
     def tma_ok(self, x: torch.Tensor) -> bool:
         """Whether ``forward(x)`` (and ``forward_norm``) runs the TMA GEMV."""
@@ -73,16 +72,11 @@ class Linear(nn.Module):
 
     def forward_norm(self, x: torch.Tensor, residual, norm) -> tuple:
         """Pre-norm block entry, ``(self(norm(x + residual)), x + residual)`` for the RMSNorm module
-        ``norm``; on the TMA GEMV's path the norm lets the GEMV launch as it starts, or
-        (``tma_norm``) runs inside it."""
+        ``norm``; on the TMA GEMV's path the norm lets the GEMV launch as it starts."""
         # (x may be an MoE block's fp32 sum beside a lower-precision residual: the norm rounds it)
         xd = x if residual is None else residual
         if norm.tp is None:  # (a norm that all-reduces over tensor-parallel ranks runs on its own)
             if self.tma_ok(xd) and xd.dtype == norm.weight.dtype:  # the norm lets the GEMV launch at once
-                from ..kernels.gemv.gemv_tma import gemv_tma_norm_triton, tma_norm_ok
-                if self.tma_norm and tma_norm_ok(x, residual, self.weight):
-                    y, residual = gemv_tma_norm_triton(x, residual, norm.weight, norm.eps, self.weight, self.bias)
-                    return y, residual
                 from ..kernels.norm.rmsnorm import fused_add_rms_norm
                 h, residual = fused_add_rms_norm(x, residual, norm.weight, norm.eps, early_dependents=self.tma_early)
                 return self._tma_forward(h), residual

@@ -46,7 +46,6 @@ def apply_decode_plan(model: nn.Module, knobs: Knobs) -> None:
         qkv = attn.qkv_proj
         if tma in ("1", "nodeps", "lm_head") and _plain(qkv) and type(qkv).forward_norm is Linear.forward_norm:
             qkv.tma_preload = True
-            qkv.tma_norm = knobs.gemv_tma_norm
             qkv.tma_early = tma != "nodeps"
     _plan_fp32_sums(model)
     head = getattr(model, "lm_head", None)

@@ -29,7 +29,6 @@ def _marks(model):
                 early=[layer.self_attn.attn.preload_next == (layer.self_attn.o_proj,) for layer in layers],
                 qkv=[layer.self_attn.qkv_proj.tma_preload for layer in layers],
                 qkv_early=[layer.self_attn.qkv_proj.tma_early for layer in layers],
-                tma_norm=[layer.self_attn.qkv_proj.tma_norm for layer in layers],
                 lm_head=model.lm_head.tma_preload,
                 gemv={m.use_gemv for m in model.modules() if isinstance(m, Linear)})
 
@@ -45,24 +44,23 @@ def test_gemv_tma_modes_mark_the_projections(moe_dir, monkeypatch, mode, o_proj,
     assert set(m["early"]) == {early}
     if qkv:
         assert set(m["qkv_early"]) == {mode != "nodeps"}
-    assert m["tma_norm"] == [False] * len(m["qkv"]) and m["gemv"] == {True}
+    assert m["gemv"] == {True}
 
 
 def test_knobs_are_read_per_engine_and_keep_the_outputs(moe_dir, monkeypatch):
     """Knobs come from the environment when an engine is built (not at import): an engine with
-    the GEMV off, the norm inside the TMA GEMV and the greedy kernel off marks its modules so,
+    the GEMV off and the greedy kernel off marks its modules so,
     the engine built before keeps its own, and on the CPU every knob gives the default tokens."""
     base = LLM(str(moe_dir), device="cpu", kv_cache_blocks=64)
     want = _greedy(base)
     monkeypatch.setenv("BLITZ_GEMV", "0")
-    monkeypatch.setenv("BLITZ_GEMV_TMA_NORM", "1")
     monkeypatch.setenv("BLITZ_GREEDY_KERNEL", "0")
     llm = LLM(str(moe_dir), device="cpu", kv_cache_blocks=64)
     m = _marks(llm.engine.runner.model)
-    assert m["gemv"] == {False} and set(m["tma_norm"]) == {True}
+    assert m["gemv"] == {False}
     assert llm.engine.runner.sampler.greedy_kernel is False
     assert _marks(base.engine.runner.model)["gemv"] == {True}  # the first engine is unchanged
-    assert llm.engine.knobs == Knobs(gemv=False, gemv_tma_norm=True, greedy_kernel=False)
+    assert llm.engine.knobs == Knobs(gemv=False, greedy_kernel=False)
     assert _greedy(llm) == want
 
 

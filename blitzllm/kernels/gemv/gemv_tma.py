@@ -1,6 +1,6 @@
 """Decode GEMV ``out[m] = W @ x[m]`` (1-2 rows) whose weights stream by Hopper's bulk tensor copy
 (TMA) into shared memory before the PDL wait: the Gluon kernel (Hopper only, no interpreter
-path), its pre-norm form, its heuristic and ``reference_gemv_tma``. Which projections take it
+path), its heuristic and ``reference_gemv_tma``. Which projections take it
 is the decode plan's (docs/gpu-performance.md#the-tma-gemv-o_proj-qkv).
 """
 from __future__ import annotations
@@ -61,34 +61,11 @@ if HAS_GLUON:
             tma.async_copy_global_to_shared(w_desc, [0, row, (q % GPT) * BLOCK_K], bar, smem.index(s), pred=ok)
 
     @gluon.jit
-    def _norm_rows(xv, r_ptr, nw_ptr, ro_ptr, xr, xk, xmask, stride_rm, stride_rom, pid, K, eps,
-                   CHUNKS: gl.constexpr, TWO_ROWS: gl.constexpr, dt: gl.constexpr):
-        """x chunks [XR, BLOCK_K] (chunk row r * CHUNKS + c of token r) -> rmsnorm(x + r) * nw in dt,
-        each token's sum of squares over its chunk rows; program 0 stores the new residual."""
-        rd = r_ptr.dtype.element_ty
-        rv = gl.load(r_ptr + xr * stride_rm + xk, mask=xmask, other=0.0).to(gl.float32)
-        sv = (xv.to(rd).to(gl.float32) + rv).to(rd)  # (an fp32 x is rounded first, as the reference's output)
-        if pid == 0:
-            gl.store(ro_ptr + xr * stride_rom + xk, sv, mask=xmask)
-        sf = sv.to(gl.float32)
-        sq = gl.sum(sf * sf, axis=1)  # per chunk row
-        tok = gl.max(xr, axis=1)  # the token of each chunk row ([XR]; xr is constant along a row)
-        ss = gl.zeros_like(sq) + gl.sum(gl.where(tok == 0, sq, 0.0), axis=0)
-        if TWO_ROWS:
-            ss = gl.where(tok == 1, gl.sum(gl.where(tok == 1, sq, 0.0), axis=0), ss)
-        normed = (sf * gl.expand_dims(gl.rsqrt(ss / K + eps), 1)).to(rd)
-        nw = gl.load(nw_ptr + xk, mask=xk < K, other=0.0).to(gl.float32)
-        return (nw * normed.to(gl.float32)).to(dt)
-
-    @gluon.jit
     def _gemv_tma_kernel(w_desc, x_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_om, n_tiles,
                          BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, CHUNKS: gl.constexpr, G: gl.constexpr,
                          SLOTS: gl.constexpr, GROUPED: gl.constexpr, TWO_ROWS: gl.constexpr,
                          HAS_BIAS: gl.constexpr, USE_PDL: gl.constexpr, TPW_K: gl.constexpr,
-                         WN: gl.constexpr, r_ptr=None, nw_ptr=None, ro_ptr=None, stride_rm=0, stride_rom=0, eps=1e-6,
-                         NORM: gl.constexpr = False):
-        """NORM: x is the pre-norm input (fp32 or W's dtype) beside the residual r: every program
-        forms s = round(round(x) + r) and rmsnorm(s) * nw itself; program 0 stores s at ro_ptr."""
+                         WN: gl.constexpr):
         pid = gl.program_id(0)
         nprog = gl.num_programs(0)
         GPT: gl.constexpr = CHUNKS // G  # copies (groups of G chunks) per tile
@@ -121,9 +98,6 @@ if HAS_GLUON:
         # flight at once), kept in shared memory for all tiles
         xmask = (xi < ROWS * CHUNKS) & (xk < K) & (xr < M)
         xv = gl.load(x_ptr + xr * stride_xm + xk, mask=xmask, other=0.0)
-        if NORM:
-            xv = _norm_rows(xv, r_ptr, nw_ptr, ro_ptr, xr, xk, xmask, stride_rm, stride_rom, pid, K, eps, CHUNKS,
-                            TWO_ROWS, w_desc.dtype)
         xs.store(xv)
         gl.thread_barrier()
         # Where one copy holds a whole row tile (all of K: qkv's 8 x 2048 tiles) every tile takes
@@ -231,12 +205,11 @@ def gemv_tma_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tenso
         x = x.contiguous()
     if out is None:
         out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    _launch(x, w, bias, out, config, {})
+    _launch(x, w, bias, out, config)
     return out
 
 
-def _launch(x, w, bias, out, config, norm_kw) -> None:
-    """The kernel's launch (``norm_kw``: its NORM arguments, or none)."""
+def _launch(x, w, bias, out, config) -> None:
     M, K = x.shape
     N = w.shape[0]
     cfg = config or _cached_config(N, K, w.element_size(), device_sms(x), TMA_SMEM_BYTES)
@@ -249,31 +222,7 @@ def _launch(x, w, bias, out, config, norm_kw) -> None:
         desc, x, bias if bias is not None else out, out, M, N, K, x.stride(0), out.stride(0), cfg["tiles"],
         BLOCK_N=bn, BLOCK_K=bk, CHUNKS=cfg["CHUNKS"], G=cfg["G"], SLOTS=cfg["SLOTS"], GROUPED=grouped,
         TWO_ROWS=M > 1, HAS_BIAS=bias is not None, USE_PDL=pdl, TPW_K=min(32, bk // 8), WN=cfg["WN"],
-        **norm_kw, num_warps=cfg["num_warps"], **kw)
-
-
-def tma_norm_ok(x: torch.Tensor, residual: Optional[torch.Tensor], w: torch.Tensor) -> bool:
-    """Whether ``gemv_tma_norm_triton`` can take this pre-norm GEMV: the TMA GEMV's conditions, and
-    a residual x matches in shape (x of its dtype or fp32)."""
-    return (residual is not None and residual.shape == x.shape and residual.dim() == 2
-            and x.dtype in (residual.dtype, torch.float32) and x.stride(-1) == 1 and residual.stride(-1) == 1
-            and tma_gemv_ok(residual, w))
-
-
-def gemv_tma_norm_triton(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                         w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-                         config: Optional[dict] = None) -> tuple:
-    """(W @ rmsnorm(x + residual) * norm_weight, x + residual) in one launch (program 0 stores the
-    new residual), with the numerics of ``rmsnorm.fused_add_rms_norm`` then ``gemv_tma_triton``."""
-    assert HAS_GLUON and x.is_cuda, "the TMA GEMV needs a Hopper GPU and Gluon"
-    M, K = residual.shape
-    assert x.shape == (M, K) and 1 <= M <= TMA_MAX_ROWS and w.shape[1] == K and norm_weight.shape == (K,)
-    out = torch.empty(M, w.shape[0], dtype=residual.dtype, device=x.device)
-    res_out = torch.empty_like(residual)
-    _launch(x, w, bias, out, config,
-            dict(r_ptr=residual, nw_ptr=norm_weight, ro_ptr=res_out, stride_rm=residual.stride(0),
-                 stride_rom=res_out.stride(0), eps=float(eps), NORM=True))
-    return out, res_out
+        num_warps=cfg["num_warps"], **kw)
 
 
 def _descriptor(w: torch.Tensor, bn: int, bk: int, g: int, grouped: bool):
