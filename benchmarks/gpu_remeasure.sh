@@ -17,7 +17,7 @@ set -u
 set -o pipefail  # a pytest piped into tail / tee keeps its exit status
 TESTS_RC=0  # the last failing pytest run's status: the script exits with it
 pytest_failed() { TESTS_RC=$1; echo "== pytest failed: rc=$1"; }
-. scripts/gpu_env.sh
+. benchmarks/gpu_env.sh
 R="$OUT/runs"; mkdir -p "$R"
 DEADLINE=${DEADLINE:-560}
 M1="--batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
@@ -69,7 +69,7 @@ for part in "$@"; do case $part in
     run 200 dsv3_mtp1 $D --speculative-config '{"method": "mtp", "num_speculative_tokens": 1, "synthetic_acceptance_rate": 0.9}'
     run 200 dsv3_mtp3 $D --speculative-config '{"method": "mtp", "num_speculative_tokens": 3, "synthetic_acceptance_rate": 0.9}' ;;
   serve)
-    left=$((DEADLINE - SECONDS - 10)); [ $left -gt 60 ] && timeout $left bash scripts/gpu_serve.sh 2>&1 | tail -30 > "$R/serve.log"
+    left=$((DEADLINE - SECONDS - 10)); [ $left -gt 60 ] && timeout $left bash benchmarks/gpu_serve.sh 2>&1 | tail -30 > "$R/serve.log"
     cp "$OUT"/serve_c*.json "$OUT"/serve.log "$R/" 2>/dev/null; grep -E "==|req/s|throughput|TPOT|tok/s" "$R/serve.log" | head -20 ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac; done

@@ -1,4 +1,4 @@
-"""The issue-8 table: reads `blitz bench latency --json` results named by scripts/gpu_tp.sh
+"""The issue-8 table: reads `blitz bench latency --json` results named by benchmarks/gpu_tp.sh
 (llama_tp{N}_b{B}[_nccl].json, q30b_tp{N}_b{B}.json) from one or more folders and prints
 tok/s, TPOT and the ratios: TP=N against TP=1 (batch 1) and the fused all-reduce + RMSNorm
 against NCCL + a separate norm (same TP size and batch).

@@ -1,4 +1,4 @@
-# Sourced by the device scripts (scripts/gpu_*.sh): $OUT, carried wheels from .whl/ installed
+# Sourced by the device scripts (benchmarks/gpu_*.sh): $OUT, carried wheels from .whl/ installed
 # into /tmp/site, the repo on PYTHONPATH, unbuffered quiet output, and $B = the latency bench.
 OUT=${OUT:-/tmp/blitz_out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then

