@@ -1,4 +1,4 @@
-"""The ``blitz`` command: generate, chat, serve, bench.
+"""The ``blitz`` command: generate, chat, serve, router, bench.
 
 User errors print one line on stderr and exit with status 2; no tracebacks.
 """
@@ -118,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     else:
         add_serve_args(s)
     add_engine_args(s)
+    from .router import add_router_args
+    add_router_args(sub.add_parser("router", help="OpenAI-compatible router: prefill/decode disaggregation or replicas"))
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_cmd", parser_class=_Parser)
     from ..bench import register_bench_commands
@@ -146,6 +148,9 @@ def main(argv=None) -> int:
                 raise ValueError(a.serve_import_error)
             from ..server.app import run_server
             return run_server(a)
+        if a.cmd == "router":
+            from .router import run_router
+            return run_router(a)
         if a.cmd == "bench":
             if getattr(a, "bench_func", None) is None:
                 p.error("bench needs a subcommand: " + ", ".join(sorted(b for b in ("latency", "serve", "throughput"))))

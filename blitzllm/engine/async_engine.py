@@ -132,9 +132,13 @@ class AsyncEngine:
     def num_pending(self) -> int:
         return len(self._streams)
 
-    async def add_request(self, request_id: str, prompt, params: SamplingParams) -> RequestStream:
+    async def add_request(self, request_id: str, prompt, params: SamplingParams,
+                          kv_transfer_params: Optional[dict] = None) -> RequestStream:
         """Queue a request; returns its stream once the engine accepted it. Raises
-        ValueError (the engine's user-facing message), EngineNotReadyError or QueueFullError."""
+        ValueError (the engine's user-facing message), EngineNotReadyError or QueueFullError.
+        ``kv_transfer_params`` (disaggregation, docs/disaggregation.md): a producer's answer on a
+        consumer, whose KV is pulled here before the engine sees the request (KVLoadError when
+        the pull fails under policy 'fail'); ``{"do_remote_decode": true}`` on a producer."""
         if not self.ready:
             raise EngineNotReadyError(str(self.load_error) if self.load_error else "the model is still loading")
         waiting = (self._stats or {}).get("num_waiting", 0) + self._pending_adds
@@ -146,8 +150,9 @@ class AsyncEngine:
         self._streams[request_id] = stream
         fut = self._loop.create_future()
         self._pending_adds += 1
-        self._cmds.put(("add", request_id, prompt, params, fut))
         try:
+            kv = await self._kv_extras(prompt, kv_transfer_params)
+            self._cmds.put(("add", request_id, prompt, params, fut, kv))
             await fut
         except BaseException:  # rejected, or the caller went away before the engine saw it
             self.abort(request_id)
@@ -155,6 +160,18 @@ class AsyncEngine:
         finally:
             self._pending_adds -= 1
         return stream
+
+    async def _kv_extras(self, prompt, kv_transfer_params: Optional[dict]) -> dict:
+        """The engine's keyword arguments for a request's KV transfer: its params, and on a
+        consumer the KV pulled from the producer (in a worker thread, bounded by its timeout)."""
+        conn = getattr(self.engine, "connector", None)
+        if not kv_transfer_params or conn is None:
+            return {}
+        out = {"kv_transfer_params": kv_transfer_params}
+        if conn.is_consumer and kv_transfer_params.get("do_remote_prefill"):
+            ids = prompt if isinstance(prompt, list) else self.engine.tokenize(prompt)
+            out["kv_payload"] = await asyncio.to_thread(conn.load, kv_transfer_params, ids)
+        return out
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its KV blocks (no-op once it finished)."""
@@ -263,6 +280,8 @@ class AsyncEngine:
                     events = []
                 if events:
                     self._loop.call_soon_threadsafe(self._deliver, events, time.monotonic())
+            if getattr(eng, "connector", None) is not None:
+                eng.connector.tick(eng.kv)   # free the blocks of released and expired KV leases
             self._stats = eng.stats()
 
     def _drain(self, block: bool) -> None:
@@ -279,9 +298,9 @@ class AsyncEngine:
         results = []
         for cmd in cmds:
             if cmd[0] == "add":
-                _, rid, prompt, params, fut = cmd
+                _, rid, prompt, params, fut, kv = cmd
                 try:
-                    eng.add_request(rid, prompt, params)
+                    eng.add_request(rid, prompt, params, **kv)
                     results.append((fut, None))
                 except Exception as e:  # ValueError: the client's fault; others: ours
                     if not isinstance(e, ValueError):

@@ -189,4 +189,6 @@ def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
         guard(request)
         return JSONResponse(await serving.cpu(serving.detokenize, await body(request, DetokenizeRequest)))
 
+    from .kv_routes import install_kv_routes
+    install_kv_routes(app, aengine, guard, lambda request: read_body(request, cfg.max_request_bytes))
     return app

@@ -29,6 +29,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_BODY, help="request body limit (413)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     g.add_argument("--access-log", action="store_true", help="log every request (off: it costs throughput)")
+    g.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                   help='prefill/decode disaggregation (docs/disaggregation.md), vLLM\'s keys: {"kv_role": '
+                        '"kv_producer" | "kv_consumer" | "kv_both", "kv_connector": "NixlConnector" (default), '
+                        '"kv_connector_extra_config": {...}, "kv_lease_s": 30, "kv_load_failure_policy": '
+                        '"recompute" | "fail"}')
     from .reasoning import PARSERS
     g.add_argument("--reasoning-parser", default=None, choices=PARSERS,
                    help="return a thinking model's <think> block as reasoning_content beside content in chat "
@@ -52,7 +57,12 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         raise ValueError(f"--max-request-bytes must be >= 1024, got {args.max_request_bytes}")
     if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
         raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together")
-    return ServeConfig(engine_kwargs=engine_kwargs(args), host=args.host, port=args.port, api_key=args.api_key,
+    kwargs = engine_kwargs(args)
+    if args.kv_transfer_config is not None:
+        from ..kv_transfer import parse_kv_transfer_config
+        kv = parse_kv_transfer_config(args.kv_transfer_config).with_address(args.host, args.port)
+        kwargs["kv_transfer_config"] = kv.to_dict()
+    return ServeConfig(engine_kwargs=kwargs, host=args.host, port=args.port, api_key=args.api_key,
                        served_model_name=args.served_model_name, max_waiting_requests=args.max_waiting_requests,
                        max_request_bytes=args.max_request_bytes, reasoning_parser=args.reasoning_parser,
                        tool_call_parser=args.tool_call_parser)

@@ -53,6 +53,16 @@ class _EngineCollector:
         yield counter("blitz_num_preemptions", "Sequences preempted for lack of KV blocks.", s.get("preemptions", 0))
         yield counter("blitz_prompt_tokens", "Prompt tokens of accepted requests.", s.get("prompt_tokens", 0))
         yield counter("blitz_generation_tokens", "Generated tokens.", s.get("generation_tokens", 0))
+        if "kv_leases_held" in s:  # prefill/decode disaggregation (docs/disaggregation.md)
+            yield gauge("blitz_kv_leases_held", "Finished prefills whose KV blocks wait for a consumer.",
+                        s["kv_leases_held"])
+            yield counter("blitz_kv_leases_expired", "Leases freed unclaimed after kv_lease_s.", s["kv_leases_expired"])
+            yield counter("blitz_kv_leases_completed", "Leases a consumer pulled (or a router gave back).",
+                          s["kv_leases_completed"])
+            yield counter("blitz_kv_pulls_ok", "Requests whose prompt KV this consumer pulled.", s["kv_pulls_ok"])
+            yield counter("blitz_kv_pulls_failed", "Pulls that failed (then recomputed, or a 503).",
+                          s["kv_pulls_failed"])
+            yield counter("blitz_kv_pulled_blocks", "KV blocks pulled from producers.", s["kv_pulled_blocks"])
         if "spec_draft_tokens" in s:
             yield counter("blitz_spec_draft_tokens_total", "Draft tokens proposed by speculative decoding.",
                           s["spec_draft_tokens"])

@@ -1,0 +1,187 @@
+"""The router's FastAPI app: ``/v1/chat/completions`` and ``/v1/completions`` (disaggregated:
+prefill on a producer, then decode on a consumer with the producer's ``kv_transfer_params``;
+or replicas), ``/v1/models``, ``/health`` (503 while a needed kind of backend is down) and
+``/metrics``. Backend health is polled in the background, so a backend that returns is used
+again within one interval.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Optional
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from .backends import Pool, prefix_keys, probe, watch
+from .proxy import Proxy, error, forward_headers
+
+log = logging.getLogger("blitzllm.router")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    prefill: tuple = ()
+    decode: tuple = ()
+    backends: tuple = ()
+    prefix_aware: bool = False
+    health_interval_s: float = 1.0
+    request_timeout_s: float = 600.0
+    host: str = "127.0.0.1"
+    port: int = 8080
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def disaggregated(self) -> bool:
+        return bool(self.prefill)
+
+
+def prompt_text(body: dict) -> str:
+    """The text a conversation's prefix key is made of: chat messages in order, or the prompt."""
+    if isinstance(body.get("messages"), list):
+        parts = []
+        for m in body["messages"]:
+            if isinstance(m, dict):
+                parts.append(f"{m.get('role')}\x1f{json.dumps(m.get('content'), sort_keys=True)}\x1e")
+        return "".join(parts)
+    p = body.get("prompt")
+    return p if isinstance(p, str) else json.dumps(p)
+
+
+def build_router_app(cfg: RouterConfig) -> FastAPI:
+    if cfg.disaggregated:
+        prefill, decode = Pool(list(cfg.prefill), "prefill"), Pool(list(cfg.decode), "decode")
+        pools = [prefill, decode]
+    else:
+        decode = Pool(list(cfg.backends), "replica")
+        prefill, pools = None, [decode]
+    reg = CollectorRegistry()
+    requests = Counter("blitz_router_requests", "requests sent to each backend, by outcome",
+                       ["backend", "kind", "status"], registry=reg)
+    up = Gauge("blitz_router_backend_up", "1 while the backend's /health answers 200", ["backend", "kind"],
+               registry=reg)
+    outstanding = Gauge("blitz_router_backend_outstanding", "requests in flight at the backend",
+                        ["backend", "kind"], registry=reg)
+    prefix_hits = Counter("blitz_router_prefix_routed", "requests routed by a known conversation prefix",
+                          registry=reg)
+    state = {}
+
+    @asynccontextmanager
+    async def lifespan(app):
+        timeout = httpx.Timeout(cfg.request_timeout_s, connect=5.0)
+        client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1024,
+                                                                          max_keepalive_connections=256))
+        state["client"] = client
+        state["proxy"] = Proxy(client, lambda b, s: requests.labels(b.url, b.kind, s).inc())
+        await asyncio.gather(*(probe(client, b) for p in pools for b in p.backends))
+        task = asyncio.create_task(watch(client, pools, cfg.health_interval_s))
+        yield
+        task.cancel()
+        await client.aclose()
+
+    app = FastAPI(title="blitz router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    def ready() -> Optional[str]:
+        for p in pools:
+            if not p.healthy():
+                return f"no {p.kind} backend is up"
+        return None
+
+    @app.get("/health")
+    async def health():
+        why = ready()
+        if why is not None:
+            return error(503, why, code="no_backend")
+        return JSONResponse({"status": "ok", "backends": {b.url: b.kind for p in pools for b in p.healthy()}})
+
+    @app.get("/metrics")
+    async def metrics():
+        for p in pools:
+            for b in p.backends:
+                up.labels(b.url, b.kind).set(1 if b.up else 0)
+                outstanding.labels(b.url, b.kind).set(b.outstanding)
+        return Response(generate_latest(reg), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        b = decode.pick()
+        if b is None:
+            return error(503, f"no {decode.kind} backend is up; retry shortly", code="no_backend")
+        try:
+            r = await state["client"].get(b.url + "/v1/models", headers=forward_headers(request), timeout=10.0)
+        except httpx.HTTPError as e:
+            b.up = False
+            return error(503, f"the backend did not answer: {e}", code="no_backend")
+        return Response(r.content, status_code=r.status_code, media_type="application/json")
+
+    async def handle(request: Request, path: str):
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return error(400, f"the request body is not valid JSON: {e}", code="invalid_json")
+        if not isinstance(body, dict):
+            return error(400, "the request body must be a JSON object", code="invalid_json")
+        headers = forward_headers(request)
+        stream = bool(body.get("stream"))
+        proxy: Proxy = state["proxy"]
+        if not cfg.disaggregated:
+            keys = None
+            if cfg.prefix_aware:
+                keys = prefix_keys(prompt_text(body))
+                known = decode.pick(keys)
+                if known is not None and known.match(keys):
+                    prefix_hits.inc()
+            return await proxy.forward(decode, path, raw, headers, stream, request, keys=keys)
+        return await disaggregated(request, path, body, headers, stream, proxy)
+
+    async def disaggregated(request, path, body, headers, stream, proxy: Proxy):
+        if body.get("n") not in (None, 1):
+            return error(400, "n > 1 is not supported by the disaggregated router", param="n")
+        pre = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "min_tokens")}
+        pre.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+        if "max_completion_tokens" in pre:
+            pre["max_completion_tokens"] = 1
+        if decode.pick() is None:
+            return error(503, "no decode backend is up; retry shortly", code="no_backend")
+        b, r = await proxy.post_json(prefill, path, pre, headers, request)
+        if b is None:
+            return error(503, "no prefill backend is up; retry shortly", code="no_backend")
+        if r is None:
+            return Response(status_code=499)  # the client left during the prefill
+        if r.status_code != 200:
+            return Response(r.content, status_code=r.status_code, media_type="application/json")
+        params = None
+        try:
+            params = r.json().get("kv_transfer_params")
+        except ValueError:
+            pass
+        dec = dict(body)
+        if isinstance(params, dict):
+            dec["kv_transfer_params"] = params
+        else:
+            dec.pop("kv_transfer_params", None)
+            params = {}
+
+        def give_back():  # a lease the consumer never claimed need not wait for kv_lease_s
+            asyncio.ensure_future(proxy.release(b, params, headers))
+
+        return await proxy.forward(decode, path, json.dumps(dec).encode(), {**headers, "content-type":
+                                   "application/json"}, stream, request, after=give_back)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await handle(request, "/v1/chat/completions")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, "/v1/completions")
+
+    app.state.pools = pools
+    return app

@@ -1,0 +1,166 @@
+"""Moving one request through the router: the prefill hop of a disaggregated request (the
+producer answers one token and ``kv_transfer_params``), the forward of a request to one backend
+(streamed or whole, retried on another backend while no byte has left), and giving a lease back
+when the decode never claimed it. Knows nothing about routes or health polling.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Callable, Optional
+
+import httpx
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from .backends import Backend, Pool
+
+log = logging.getLogger("blitzllm.router")
+_PASS_HEADERS = ("authorization", "x-request-id", "content-type")
+_BACK_HEADERS = ("content-type", "x-request-id", "retry-after")
+
+
+def error(status: int, message: str, code: Optional[str] = None, param: Optional[str] = None) -> JSONResponse:
+    """An OpenAI-style error body."""
+    kind = "invalid_request_error" if status < 500 else ("service_unavailable" if status == 503 else "server_error")
+    headers = {"Retry-After": "1"} if status == 503 else None
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                        status_code=status, headers=headers)
+
+
+def forward_headers(request: Request) -> dict:
+    return {k: v for k, v in request.headers.items() if k.lower() in _PASS_HEADERS}
+
+
+def _reply(r: httpx.Response, content: bytes) -> Response:
+    return Response(content, status_code=r.status_code,
+                    headers={k: v for k, v in r.headers.items() if k.lower() in _BACK_HEADERS})
+
+
+async def until_done_or_gone(request: Request, coro):
+    """Await ``coro``; cancel it (and return None) if the client disconnects first."""
+    task = asyncio.ensure_future(coro)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                return None
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+class Proxy:
+    def __init__(self, client: httpx.AsyncClient, on_result: Callable[[Backend, str], None]):
+        self.client = client
+        self.on_result = on_result   # (backend, status label) for the metrics
+
+    async def post_json(self, pool: Pool, path: str, body: dict, headers: dict,
+                        request: Request) -> tuple[Optional[Backend], Optional[httpx.Response]]:
+        """POST ``body`` to a healthy backend of ``pool`` (least outstanding), the next one when
+        the connection fails; (None, None) when none is left or the client went away."""
+        tried = []
+        while True:
+            b = pool.pick(exclude=tried)
+            if b is None:
+                return None, None
+            tried.append(b)
+            b.outstanding += 1
+            b.served += 1
+            try:
+                r = await until_done_or_gone(request, self.client.post(b.url + path, json=body, headers=headers))
+            except httpx.TransportError as e:
+                b.up = False
+                self.on_result(b, "unreachable")
+                log.warning("backend %s failed: %s", b.url, e)
+                continue
+            finally:
+                b.outstanding -= 1
+            if r is None:
+                self.on_result(b, "client_gone")
+                return b, None
+            self.on_result(b, str(r.status_code))
+            return b, r
+
+    async def forward(self, pool: Pool, path: str, content: bytes, headers: dict, stream: bool, request: Request,
+                      keys: Optional[list] = None, after: Optional[Callable[[], None]] = None) -> Response:
+        """Send the body to one backend and relay its answer (SSE chunks as they come). ``after``
+        runs once the backend has answered its headers, or failed, or the client left."""
+        tried = []
+        done = [False]
+
+        def finish():
+            if not done[0]:
+                done[0] = True
+                if after is not None:
+                    after()
+        try:
+            while True:
+                b = pool.pick(keys, exclude=tried)
+                if b is None:
+                    finish()
+                    return error(503, f"no {pool.kind} backend is up; retry shortly", code="no_backend")
+                tried.append(b)
+                if keys:
+                    b.remember(keys)
+                b.outstanding += 1
+                b.served += 1
+                req = self.client.build_request("POST", b.url + path, content=content, headers=headers)
+                try:
+                    r = await until_done_or_gone(request, self.client.send(req, stream=True))
+                except httpx.TransportError as e:
+                    b.outstanding -= 1
+                    b.up = False
+                    self.on_result(b, "unreachable")
+                    log.warning("backend %s failed: %s", b.url, e)
+                    continue
+                if r is None:  # the client left before the backend answered
+                    b.outstanding -= 1
+                    self.on_result(b, "client_gone")
+                    finish()
+                    return Response(status_code=499)
+                finish()
+                self.on_result(b, str(r.status_code))
+                if not stream or r.status_code != 200:
+                    try:
+                        data = await until_done_or_gone(request, r.aread())
+                    finally:
+                        await r.aclose()
+                        b.outstanding -= 1
+                    return _reply(r, data or b"")
+                return StreamingResponse(self._relay(r, b), status_code=200, media_type="text/event-stream",
+                                         headers={k: v for k, v in r.headers.items()
+                                                  if k.lower() in ("x-request-id",)})
+        except BaseException:
+            finish()
+            raise
+
+    @staticmethod
+    async def _relay(r: httpx.Response, b: Backend):
+        """The backend's stream, chunk by chunk; closing it (the client left) closes the backend's."""
+        try:
+            async for chunk in r.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as e:
+            msg = {"error": {"message": f"the backend stream broke: {e}", "type": "server_error", "param": None,
+                             "code": "backend_error"}}
+            yield f"data: {json.dumps(msg)}\n\n".encode()
+        finally:
+            await r.aclose()
+            b.outstanding -= 1
+
+    async def release(self, b: Backend, params: dict, headers: dict) -> None:
+        """Give a producer's lease back (best effort; a no-op once the consumer pulled it)."""
+        lease = params.get("remote_request_id")
+        if not lease:
+            return
+        try:
+            await self.client.post(b.url + "/kv_transfer/release", json={"lease": lease},
+                                   headers={k: v for k, v in headers.items() if k.lower() == "authorization"},
+                                   timeout=5.0)
+        except httpx.HTTPError:
+            pass

@@ -1,0 +1,128 @@
+"""Issue 37, acceptance 3 (CPU faults) on a tiny random Llama: a producer killed after answering
+but before the pull (recompute: the same answer; 'fail': a 503 with an OpenAI error body); an
+unclaimed lease frees its blocks after kv_lease_s; the router answers 503 while no backend is up
+and recovers when one returns. (A client dropping a stream: test_pd.py.) Plus the start-up
+refusal of different tensor-parallel sizes."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from disagg_helpers import ENGINE, Proc, free_port, kv, settled, start_all
+
+LEASE_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def tiny_pd(tiny_model, tmp_path_factory):
+    """A producer (2 s leases) and two consumers, one per load-failure policy."""
+    d = tmp_path_factory.mktemp("tiny-pd")
+    m = ["--model", str(tiny_model), *ENGINE]
+    procs = [Proc([*m, *kv("kv_producer", kv_lease_s=LEASE_S)], d, "producer"),
+             Proc([*m, *kv("kv_consumer")], d, "consumer"),
+             Proc([*m, *kv("kv_consumer", kv_load_failure_policy="fail", kv_transfer_timeout_s=5)], d, "failing")]
+    try:
+        yield start_all(procs)
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def _prefill(producer, prompt: str) -> dict:
+    r = httpx.post(producer.url + "/v1/completions", timeout=60, json={
+        "prompt": prompt, "max_tokens": 1, "temperature": 0, "kv_transfer_params": {"do_remote_decode": True}})
+    assert r.status_code == 200, r.text
+    params = r.json()["kv_transfer_params"]
+    assert params["remote_num_tokens"] > 0 and params["remote_block_ids"]
+    return params
+
+
+def _decode(server, prompt: str, params=None) -> httpx.Response:
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    if params is not None:
+        body["kv_transfer_params"] = params
+    return httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+
+
+def test_unclaimed_lease_frees_its_blocks(tiny_pd):
+    producer = tiny_pd[0]
+    settled(producer)
+    _prefill(producer, "A lease that nobody claims " * 4)
+    m = producer.metrics()
+    assert m["blitz_kv_leases_held"] == 1 and m["blitz_kv_cache_usage_perc"] > 0
+    t0 = time.monotonic()
+    ms = settled(producer, timeout=LEASE_S + 5)
+    assert time.monotonic() - t0 >= LEASE_S - 0.5
+    assert ms["producer"]["blitz_kv_leases_expired_total"] >= 1
+
+
+def test_producer_killed_before_the_pull(tiny_pd):
+    producer, consumer, failing = tiny_pd
+    prompt = "The producer dies before the consumer reads this prompt's blocks."
+    want = _decode(consumer, prompt).json()["choices"][0]["text"]
+    # first a good pull on each consumer (so both know the producer's NIXL agent already)
+    for c in (consumer, failing):
+        r = _decode(c, prompt, _prefill(producer, prompt))
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
+    p1, p2 = _prefill(producer, prompt), _prefill(producer, prompt)
+    producer.kill()
+    before = consumer.metrics()
+    r = _decode(consumer, prompt, p1)            # policy recompute: the same answer
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == want
+    assert consumer.metrics()["blitz_kv_pulls_failed_total"] == before.get("blitz_kv_pulls_failed_total", 0) + 1
+    r = _decode(failing, prompt, p2)             # policy fail: 503, OpenAI's error body
+    assert r.status_code == 503, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == "kv_load_failed"
+    assert "producer" in err["message"]
+    settled(consumer, failing)
+
+
+def test_router_503_without_backend_then_recovers(tiny_pd, tiny_model, tmp_path_factory):
+    consumer = tiny_pd[1]
+    d = tmp_path_factory.mktemp("recover")
+    port = free_port()
+    router = Proc(["--prefill", f"http://127.0.0.1:{port}", "--decode", consumer.url, "--health-interval", "0.3"],
+                  d, "router", cmd="router")
+    producer = None
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                r = httpx.get(router.url + "/health", timeout=5)
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline, router.log()
+                time.sleep(0.2)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_backend"
+        r = httpx.post(router.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 503, r.text
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+        producer = Proc(["--model", str(tiny_model), *ENGINE, *kv("kv_producer")], d, "producer", port=port)
+        producer.wait_ready()
+        router.wait_ready(10)                     # the health poll found it
+        prompt = "Back again: the producer returned."
+        r = httpx.post(router.url + "/v1/completions", timeout=60,
+                       json={"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == _decode(consumer, prompt).json()["choices"][0]["text"]
+        settled(producer, consumer)
+    finally:
+        router.stop()
+        if producer is not None:
+            producer.stop()
+
+
+def test_different_tensor_parallel_sizes_refused_at_start(tiny_model):
+    """A consumer of tensor_parallel_size 2 (its producers have 1) stops at start-up, naming both
+    sizes, instead of pulling KV heads it cannot place."""
+    out = subprocess.run([sys.executable, "-m", "blitzllm.cli", "serve", "--model", str(tiny_model), *ENGINE,
+                          "--port", str(free_port()), "-tp", "2", *kv("kv_consumer")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "tensor_parallel_size 1, got 2" in out.stderr and "size 1 and a consumer of size 2" in out.stderr
