@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .base import CacheLayout, KVConnector, KVLoadError, KVPayload, prompt_digest
+from .base import CacheLayout, KVConnector, KVLoadError, KVPayload, land_shard, prompt_digest
 from .config import KVTransferConfig, parse_kv_transfer_config
 
-__all__ = ["CacheLayout", "KVConnector", "KVLoadError", "KVPayload", "KVTransferConfig", "build_connector",
+__all__ = ["CacheLayout", "KVConnector", "KVLoadError", "KVPayload", "KVTransferConfig", "build_connector", "land_shard",
            "parse_kv_transfer_config", "prompt_digest"]
 
 
@@ -20,10 +20,10 @@ def build_connector(value, tp_size: int = 1, has_states: bool = False) -> Option
     cfg = parse_kv_transfer_config(value)
     if cfg is None:
         return None
-    if tp_size != 1:
-        raise ValueError(f"kv_transfer_config needs tensor_parallel_size 1, got {tp_size}: KV moves between "
-                         "engines of one rank each for now (a producer of size 1 and a consumer of size 2 would "
-                         "need each rank's KV heads re-sliced on receipt, which is not built)")
+    if tp_size != 1 and cfg.is_producer:
+        raise ValueError(f"a kv_producer needs tensor_parallel_size 1, got {tp_size}: its blocks are read from one "
+                         "rank's cache (a consumer may have any size: a producer of size 1 feeds a consumer of size "
+                         f"{tp_size} by re-slicing the KV heads)")
     if has_states:
         raise ValueError("kv_transfer_config: a hybrid model's recurrent states do not move yet (paged KV, MLA "
                          "latents and index keys do)")

@@ -58,17 +58,47 @@ class CacheLayout:
                    int(d["tp_size"]))
 
     def mismatch(self, remote: "CacheLayout") -> Optional[str]:
-        """None when ``remote`` (the producer's) matches this (the consumer's), else why not."""
-        if remote.tp_size != self.tp_size:
-            return (f"tensor_parallel_size differs: the producer has {remote.tp_size}, this consumer has "
-                    f"{self.tp_size} (KV heads are not re-sliced; run both sides with the same size)")
+        """None when ``remote`` (the producer's) can land here (this, the consumer's), else why
+        not. A producer of one rank may feed a consumer of several: each rank takes its heads."""
+        sizes = f"the producer has tensor_parallel_size {remote.tp_size}, this consumer has {self.tp_size}"
+        if remote.tp_size != self.tp_size and remote.tp_size != 1:
+            return f"{sizes}: only a producer of size 1 can feed another size (its heads are re-sliced)"
         if remote.block_size != self.block_size:
             return f"block_size differs: the producer has {remote.block_size}, this consumer has {self.block_size}"
         if remote.dtype != self.dtype:
             return f"KV dtype differs: the producer has {remote.dtype}, this consumer has {self.dtype}"
-        if remote.entries != self.entries:
+        if len(remote.entries) != len(self.entries):
             return "the KV cache layouts differ (another model or layer count on the two sides)"
+        for (la, ja, sa), (lb, jb, sb) in zip(remote.entries, self.entries):
+            if (la, ja) != (lb, jb) or sa[0] != sb[0] or sa[2:] != sb[2:]:
+                return "the KV cache layouts differ (another model or layer count on the two sides)"
+            if head_range(sa[1], sb[1], 0, self.tp_size) is None:
+                return f"{sizes}: {sa[1]} KV heads cannot be split into this consumer's {sb[1]} per rank"
         return None
+
+
+def head_range(heads: int, local: int, rank: int, world: int) -> Optional[tuple]:
+    """The [start, end) of a full cache's ``heads`` that rank ``rank`` of ``world`` holds as its
+    ``local`` heads (the split of ``distributed.parallel_state.split_heads``: even shares, or one
+    head replicated on world / heads ranks; a replicated MLA latent: all); None when impossible."""
+    if local == heads:
+        return 0, heads
+    if heads >= world and heads % world == 0 and local == heads // world:
+        return rank * local, (rank + 1) * local
+    if heads < world and world % heads == 0 and local == 1:
+        h = rank // (world // heads)
+        return h, h + 1
+    return None
+
+
+def land_shard(kv_caches: list, entries: tuple, block_ids: list, tensors: list, rank: int, world: int) -> None:
+    """Write full-head ``tensors`` ([blocks, block_size, heads, dim] per entry, a producer of one
+    rank's) into this rank's blocks ``block_ids``, keeping the heads this rank holds."""
+    idx = torch.tensor(block_ids, dtype=torch.long)
+    for (layer, j, shape), t in zip(entries, tensors):
+        cache = kv_caches[layer][j]
+        lo, hi = head_range(t.shape[2], shape[1], rank, world)
+        cache.index_copy_(0, idx.to(cache.device), t[:, :, lo:hi].to(cache.device, cache.dtype))
 
 
 @dataclass
@@ -84,6 +114,7 @@ class KVConnector(ABC):
         self.config = config
         self.layout: Optional[CacheLayout] = None
         self.kv_caches: list = []
+        self.broadcast = None    # tensor parallel: sends a message to the other ranks (engine/tp.py)
 
     @property
     def is_producer(self) -> bool:
@@ -95,8 +126,8 @@ class KVConnector(ABC):
 
     # ---- worker side ---------------------------------------------------------------
     @abstractmethod
-    def register_caches(self, kv_caches: list, block_size: int) -> None:
-        """The engine's cache tensors, once allocated."""
+    def register_caches(self, kv_caches: list, block_size: int, tp_size: int = 1) -> None:
+        """The engine's cache tensors (rank 0's shard with ``tp_size`` ranks), once allocated."""
 
     @abstractmethod
     def load(self, params: dict, prompt_ids: list) -> Optional[KVPayload]:
@@ -130,10 +161,10 @@ class KVConnector(ABC):
             last = min(-(-n // kv.block_size), len(table), p.tensors[0].shape[0] if p.tensors else 0)
             if first >= last:
                 continue
-            idx = torch.tensor(table[first:last], dtype=torch.long)
-            for (layer, j, _), t in zip(self.layout.entries, p.tensors):
-                cache = self.kv_caches[layer][j]
-                cache.index_copy_(0, idx.to(cache.device), t[first:last].to(cache.device, cache.dtype))
+            parts = [t[first:last] for t in p.tensors]
+            land_shard(self.kv_caches, self.layout.entries, table[first:last], parts, 0, self.layout.tp_size)
+            if self.broadcast is not None:   # the other tensor-parallel ranks take their heads
+                self.broadcast(("kv_land", self.layout.entries, table[first:last], parts))
 
     @abstractmethod
     def request_finished(self, req, kv) -> None:

@@ -43,7 +43,8 @@ class NixlConnector(KVConnector):
         self._regions: list = []        # per layout entry: [base address, bytes per block, mem type, device]
         self._reg = None
         self._remote: dict[str, str] = {}   # producer engine id -> its NIXL agent name
-        self._lock = threading.Lock()       # one pull at a time (the agent, the staging buffer)
+        self._lock = threading.Lock()       # one pull at a time (the staging buffer)
+        self._agent_lock = threading.Lock()  # the agent's calls (a kv_both engine's tick polls it too)
         self._staging: Optional[torch.Tensor] = None
         self._staging_reg = None
         self._ids = itertools.count()
@@ -80,8 +81,9 @@ class NixlConnector(KVConnector):
         if params.get("prompt_digest") != prompt_digest(prompt_ids):
             raise KVLoadError("the request's prompt is not the one the producer prefilled")
         theirs, ours = int(params.get("tp_size") or 1), self.layout.tp_size
-        if theirs != ours:
-            raise KVLoadError(f"tensor_parallel_size differs: the producer has {theirs}, this consumer has {ours}")
+        if theirs != ours and theirs != 1:
+            raise KVLoadError(f"the producer has tensor_parallel_size {theirs}, this consumer has {ours}: only a "
+                              "producer of size 1 can feed another size")
         timeout = self.config.kv_transfer_timeout_s
         deadline = time.monotonic() + timeout
         engine, lease = str(params["remote_engine_id"]), str(params["remote_request_id"])
@@ -95,14 +97,16 @@ class NixlConnector(KVConnector):
             if r.status_code != 200:
                 raise KVLoadError(f"the producer refused the claim of {lease} ({r.status_code}): {r.text[:200]}")
             d = r.json()
-            why = self.layout.mismatch(CacheLayout.from_dict(d["layout"]))
+            remote = CacheLayout.from_dict(d["layout"])
+            why = self.layout.mismatch(remote)
             if why is not None:
                 raise KVLoadError(why)
             if engine not in self._remote:
-                self._remote[engine] = self.agent.add_remote_agent(base64.b64decode(d["agent_metadata"]))
-            return self._read(engine, lease, d, n, deadline)
+                with self._agent_lock:
+                    self._remote[engine] = self.agent.add_remote_agent(base64.b64decode(d["agent_metadata"]))
+            return self._read(engine, lease, d, remote, n, deadline)
 
-    def _read(self, engine: str, lease: str, d: dict, n: int, deadline: float) -> KVPayload:
+    def _read(self, engine: str, lease: str, d: dict, remote: CacheLayout, n: int, deadline: float) -> KVPayload:
         blocks = d["block_ids"][: math.ceil(n / self.layout.block_size)]
         sizes = [r[1] for r in d["regions"]]
         total = len(blocks) * sum(sizes)
@@ -114,24 +118,27 @@ class NixlConnector(KVConnector):
                 remote.append((base + b * nbytes, nbytes, dev))
                 off += nbytes
         mem = d["regions"][0][2] if d["regions"] else "DRAM"
-        agent, name = self.agent, self._remote[engine]
-        handle = agent.initialize_xfer("READ", agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(remote, mem),
-                                       name, lease.encode())
-        state = agent.transfer(handle)
+        agent, name, lock = self.agent, self._remote[engine], self._agent_lock
+        with lock:
+            handle = agent.initialize_xfer("READ", agent.get_xfer_descs(local, "DRAM"),
+                                           agent.get_xfer_descs(remote, mem), name, lease.encode())
+            state = agent.transfer(handle)
         while state not in ("DONE", "ERR") and time.monotonic() < deadline:
             time.sleep(0.0002)
-            state = agent.check_xfer_state(handle)
-        try:
-            agent.release_xfer_handle(handle)
-        except Exception:  # noqa: BLE001 - a transfer still in flight to a dead peer
-            pass
+            with lock:
+                state = agent.check_xfer_state(handle)
+        with lock:
+            try:
+                agent.release_xfer_handle(handle)
+            except Exception:  # noqa: BLE001 - a transfer still in flight to a dead peer
+                pass
         if state != "DONE":
             self._forget(engine)
             raise KVLoadError(f"the KV read of {lease} {'failed' if state == 'ERR' else 'timed out'}")
         data = buf[:total].clone()
         tensors, off = [], 0
         dtype = getattr(torch, self.layout.dtype)
-        for (_, _, shape), nbytes in zip(self.layout.entries, sizes):
+        for (_, _, shape), nbytes in zip(remote.entries, sizes):   # (full heads: land() re-slices them)
             part = data[off:off + nbytes * len(blocks)]
             tensors.append(part.view(dtype).view(len(blocks), *shape))
             off += nbytes * len(blocks)
@@ -140,18 +147,20 @@ class NixlConnector(KVConnector):
     def _forget(self, engine: str) -> None:
         name = self._remote.pop(engine, None)
         if name is not None:
-            try:
-                self.agent.remove_remote_agent(name)
-            except Exception:  # noqa: BLE001
-                pass
+            with self._agent_lock:
+                try:
+                    self.agent.remove_remote_agent(name)
+                except Exception:  # noqa: BLE001
+                    pass
 
     def _staging_for(self, nbytes: int) -> torch.Tensor:
         if self._staging is None or self._staging.numel() < nbytes:
-            if self._staging_reg is not None:
-                self.agent.deregister_memory(self._staging_reg)
             size = max(nbytes, 2 * (self._staging.numel() if self._staging is not None else 0), 1 << 20)
-            self._staging = torch.empty(size, dtype=torch.uint8)
-            self._staging_reg = self.agent.register_memory(self._staging)
+            with self._agent_lock:
+                if self._staging_reg is not None:
+                    self.agent.deregister_memory(self._staging_reg)
+                self._staging = torch.empty(size, dtype=torch.uint8)
+                self._staging_reg = self.agent.register_memory(self._staging)
         return self._staging
 
     # ---- scheduler side ------------------------------------------------------------
@@ -179,9 +188,14 @@ class NixlConnector(KVConnector):
     def tick(self, kv) -> None:
         if not self.is_producer:
             return
-        for msgs in self.agent.get_new_notifs().values():
-            for m in msgs:
-                self.leases.release(m.decode(errors="replace"))
+        if self._agent_lock.acquire(blocking=False):  # (never wait on a pull: next tick then)
+            try:
+                notifs = self.agent.get_new_notifs()
+            finally:
+                self._agent_lock.release()
+            for msgs in notifs.values():
+                for m in msgs:
+                    self.leases.release(m.decode(errors="replace"))
         for lease in self.leases.sweep():
             kv.free_request(lease)
 

@@ -13,7 +13,7 @@ import httpx
 from tests.server.conftest import ServerProcess, _tiny_llama as tiny_llama, free_port  # noqa: F401
 
 STARTUP_TIMEOUT = 240
-ENGINE = ["--dtype", "float32", "--max-model-len", "512", "--kv-cache-blocks", "512", "--seed", "0", "--log-level", "warning"]
+ENGINE = ["--dtype", "float32", "--weight-dtype", "float32", "--max-model-len", "512", "--kv-cache-blocks", "512", "--seed", "0", "--log-level", "warning"]
 
 
 def kv(role: str, **extra) -> list:
@@ -34,7 +34,10 @@ class Proc(ServerProcess):
         self.start()
 
     def start(self) -> None:
-        env = dict(os.environ, TRANSFORMERS_VERBOSITY="error", TOKENIZERS_PARALLELISM="false", BLITZ_NO_PROGRESS="1")
+        # (one torch thread each: several engines share the cores, and spinning OpenMP threads of one
+        # would starve the others)
+        env = dict(os.environ, TRANSFORMERS_VERBOSITY="error", TOKENIZERS_PARALLELISM="false", BLITZ_NO_PROGRESS="1",
+                   OMP_NUM_THREADS="1")
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "blitzllm.cli", self.cmd, "--port", str(self.port),
                                       *self.args], stdout=self._log, stderr=subprocess.STDOUT, env=env)

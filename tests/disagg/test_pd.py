@@ -11,10 +11,8 @@ import httpx
 
 from disagg_helpers import settled
 
-PROMPTS = ["The three primary colors are", "def fibonacci(n):", "Water boils at a temperature of",
-           "Once upon a time, in a small village,"]
-CHATS = [[{"role": "user", "content": "Name a large animal that lives in the ocean."}],
-         [{"role": "system", "content": "You answer in one short sentence."},
+PROMPTS = ["The three primary colors are", "Once upon a time, in a small village, there lived an old baker who"]
+CHATS = [[{"role": "system", "content": "You answer in one short sentence."},
           {"role": "user", "content": "What is the capital of Japan?"}]]
 
 
@@ -46,7 +44,7 @@ def test_same_greedy_answers_as_a_single_engine(smol, pd_router):
     cases = [("/v1/completions", {"prompt": p}) for p in PROMPTS] + \
             [("/v1/chat/completions", {"messages": m}) for m in CHATS]
     for path, extra in cases:
-        body = {"model": "smollm2", "max_tokens": 10, "temperature": 0, **extra}
+        body = {"model": "smollm2", "max_tokens": 8, "temperature": 0, **extra}
         single = _ask(consumer.url, path, body, stream=False)   # no kv_transfer_params: one engine
         assert single
         for stream in (False, True):
