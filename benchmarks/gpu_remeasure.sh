@@ -6,6 +6,7 @@
 # Usage on the GPU machine, from the repo root: bash benchmarks/gpu_remeasure.sh PART...
 #   variants  qwen3-30b-a3b batch 1 with each decode variant that was unmeasured until 2026-12-05 against
 #             the default (run on a checkout of ac88e42, which has them all; docs/perf-history.md)
+#   key       the acceptance rows (qwen3-30b-a3b, llama-3.1-8b batch 1); table then skips them
 #   tests     the whole GPU test suite (pytest -m gpu), log in $OUT/runs/gpu_tests.log
 #   table     the README's GPU table: qwen3-30b-a3b batch 1 and 32, llama-3.1-8b and qwen3-0.6b batch 1
 #             (256 tokens), minimax-m2 / deepseek-v3 (8 layers) batch 1, 10k-token TTFT, then
@@ -25,6 +26,7 @@ D1="--batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
 run() {  # run TIMEOUT NAME ARGS...: one latency bench, skipped when the deadline is too near
   t=$1; name=$2; shift 2; left=$((DEADLINE - SECONDS))
   if [ $left -lt 45 ]; then echo "== $name skipped (${left}s left)"; return; fi
+  [ -f "$R/$name.json" ] && return  # already measured in this call (part key)
   [ $t -gt $left ] && t=$left
   s0=$SECONDS; timeout $t $B "$@" --json "$R/$name.json" > "$R/$name.log" 2>&1
   echo "== $name rc=$? wall=$((SECONDS-s0))s $(env | grep -o '^BLITZ_[A-Z_]*=[^ ]*' | grep -v NO_PROGRESS | tr '\n' ' ')"; }
@@ -46,8 +48,12 @@ for part in "$@"; do case $part in
     run 100 llama_def $L
     BLITZ_ATTN_OPROJ=1 run 90 llama_oproj $L
     BLITZ_GEMV_TMA_NORM=1 run 90 llama_tmanorm $L ;;
-  tests)  # TESTS_S (default 260) seconds at most; the summary and the failures' lines kept
-    timeout ${TESTS_S:-260} python3 -m pytest -q -m gpu tests/kernels tests/models/test_deepseek_v32_gpu.py tests/models/test_qwen3_next_gpu.py tests/test_gpu_e2e.py -p no:cacheprovider \
+  key)  # the issue's acceptance rows first: qwen3-30b-a3b and llama-3.1-8b at batch 1
+    run 150 q30b_b1 --model preset:qwen3-30b-a3b $M1
+    run 100 llama_b1 --model preset:llama-3.1-8b $D1 ;;
+  tests)  # TESTS_S (default 260) seconds at most, within the deadline; the summary and the failures' lines kept
+    t=${TESTS_S:-260}; left=$((DEADLINE - SECONDS - 20)); [ $t -gt $left ] && t=$left
+    timeout $t python3 -m pytest -q -m gpu tests/kernels tests/models/test_deepseek_v32_gpu.py tests/models/test_qwen3_next_gpu.py tests/test_gpu_e2e.py -p no:cacheprovider \
       --timeout 120 -rf > "$R/gpu_tests.log" 2>&1 || pytest_failed $?
     grep -E "passed|failed|^FAILED|^E  " "$R/gpu_tests.log" | tail -25 ;;
   table)
