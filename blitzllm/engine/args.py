@@ -87,6 +87,10 @@ def plan_kv_blocks(a: EngineArgs, cfg: ModelConfig, dtype: torch.dtype, device: 
             raise ValueError(f"kv_cache_blocks must be an integer >= 1, got {a.kv_cache_blocks!r}")
         return a.kv_cache_blocks
     per_block = cfg.kv_bytes_per_token(torch.finfo(dtype).bits // 8, tp_size) * a.block_size
+    spec = parse_speculative_config(a.speculative_config)
+    if spec is not None and spec.method == "mtp" and cfg.state_layers:
+        # a hybrid model's MTP layer keeps its K/V in the target's blocks: one attention layer more
+        per_block += per_block // len(cfg.kv_layers)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         reserve = 4 << 30  # activations, logits, graphs

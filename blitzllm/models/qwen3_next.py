@@ -10,8 +10,8 @@ top-k; MoE blocks add a shared expert scaled by sigmoid(``shared_expert_gate``(x
 
 The multimodal checkpoints (``Qwen3_5ForConditionalGeneration``, ``Qwen3_5MoeForConditionalGeneration``)
 load as their text model: ``text_config``, weights under ``model.language_model.*``, the
-vision tower (``model.visual.*``) left out. The multi-token-prediction layers (``mtp.*``) are
-not loaded.
+vision tower (``model.visual.*``) left out. The multi-token-prediction layers (``mtp.*``, also of
+the multimodal folders) load into ``mtp`` (``qwen3_next_mtp.py``) for MTP speculation.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from ..layers.norm import OffsetRMSNorm
 from ..layers.rotary import RotaryEmbedding
 from .llama import DenseMLP, mlp_forward_norm
 from .qwen3_moe import MoECausalLM, Qwen3MoeForCausalLM, hf_text_config, num_routed_experts
+from .qwen3_next_mtp import MTPLoading
 
 
 class SharedExpertMoE(FusedMoE):
@@ -79,12 +80,13 @@ class HybridLayer(nn.Module):
         return mlp_forward_norm(self.mlp, x, residual, self.post_attention_layernorm)
 
 
-class Qwen3NextForCausalLM(MoECausalLM):
+class Qwen3NextForCausalLM(MTPLoading, MoECausalLM):
     layout = "qkvz"  # the GDN projections' checkpoint layout (layers/gdn.py)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         self.model.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, get_tp_group())
+        self.mtp, self._mtp_keys = None, None   # the MTP layers, when the checkpoint has them
 
     def make_mlp(self, cfg: ModelConfig, idx: int) -> nn.Module:
         hf = hf_text_config(cfg)
@@ -101,6 +103,14 @@ class Qwen3NextForCausalLM(MoECausalLM):
     def make_layer(self, cfg: ModelConfig, idx: int, rotary: RotaryEmbedding) -> nn.Module:
         return HybridLayer(cfg, idx, rotary, self.make_mlp(cfg, idx), self.layout)
 
+    def make_mtp_layer(self, cfg: ModelConfig, i: int) -> nn.Module:
+        """MTP layer ``i``: gated attention at cache index num_layers + i (past every state layer),
+        the MLP of layer 0's kind (as vLLM and SGLang build it), the model's rotary."""
+        rotary = next((layer.self_attn.attn.rotary for layer in self.model.layers if layer.self_attn is not None), None)
+        if rotary is None:  # (a num_layers override left no attention layer)
+            rotary = RotaryEmbedding(self.rotary_dim(cfg), cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        return HybridLayer(cfg, cfg.num_layers + i, rotary, self.make_mlp(cfg, 0), self.layout)
+
     @staticmethod
     def rotary_dim(cfg: ModelConfig) -> int:
         hf = hf_text_config(cfg)
@@ -112,15 +122,15 @@ class Qwen3NextForCausalLM(MoECausalLM):
         """The GDN layers, whose per-sequence states the runner keeps in its state pool."""
         return [layer.linear_attn for layer in self.model.layers if layer.linear_attn is not None]
 
-    def checkpoint_name(self, name: str):
-        """The MTP layers (``mtp.*``) are not loaded."""
-        return None if name.startswith("mtp.") else name
-
     # ---- loading: GDN projections, q_proj's gate rows and the (1 + w) norms by their modules --
     def load_custom_weight(self, name, tensor):
+        if name.startswith("mtp."):
+            return self._load_mtp(name, tensor)
         keys = super().load_custom_weight(name, tensor)
-        if keys is not None:
-            return keys
+        return keys if keys is not None else self.load_by_owner(name, tensor)
+
+    def load_by_owner(self, name, tensor):
+        """A tensor its module loads itself (``load_checkpoint``), or None."""
         parts = name.split(".")
         for cut in (1, 2):
             owner = _submodule(self, ".".join(parts[:-cut]))
@@ -157,10 +167,10 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
 
 class _TextOfMultimodal:
     """The text model of a multimodal Qwen3.5 folder: ``model.language_model.*`` is ours
-    ``model.*``; the vision tower and the MTP layers are not loaded."""
+    ``model.*``; the vision tower is not loaded (the MTP layers, top-level ``mtp.*``, are)."""
 
     def checkpoint_name(self, name: str):
-        if name.startswith(("model.visual.", "mtp.")):
+        if name.startswith("model.visual."):
             return None
         return "model." + name[len("model.language_model."):] if name.startswith("model.language_model.") else name
 

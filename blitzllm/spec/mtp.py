@@ -1,6 +1,8 @@
-"""MTP speculative decoding (``{"method": "mtp"}``): DeepSeek-V3's ``MTPLayer`` run k times per
-step on the target's final-normed hidden state and the newest token, over its own per-request
-latents; greedy point drafts. Knows nothing about the scheduler (docs/speculative.md).
+"""MTP speculative decoding (``{"method": "mtp"}``): the model's multi-token-prediction layer run k
+times per step on the target's final-normed hidden state and the newest token, then on its own
+output and draft; greedy point drafts. DeepSeek-V3's ``MTPLayer`` over its own dense per-request
+latents (``MTPProposer``); Qwen3-Next / Qwen3.5's over paged K/V in the target's blocks
+(``PagedMTPProposer``). Knows nothing about the scheduler (docs/speculative.md).
 """
 from __future__ import annotations
 
@@ -85,3 +87,92 @@ class MTPProposer(HiddenStateProposer):
                 d.append(D.draft(out))
             drafts.append(d)
         return self._proposal(drafts)
+
+
+class PagedMTPProposer(HiddenStateProposer):
+    """MTP of the hybrid models (Qwen3-Next, Qwen3.5; ``models/qwen3_next_mtp.py``): the layer's
+    K/V in a paged cache tensor of its own (cache index num_layers) indexed by the target's block
+    tables, so the target's blocks hold the draft's pages too: admission and preemption hand them
+    out and take them back with the target's (the KV budget counts the extra layer,
+    ``engine/args.py``), and the proposer reserves the blocks its later draft steps write ahead of
+    the verify step (which needs them anyway). Per request ``cache``: (tokens used,) of the
+    positions whose entries the pages hold; a request's blocks freed (finish, abort, preemption)
+    forget them. Each call writes the entries of the new positions and drafts from the last one,
+    batched over the requests, then runs the further steps on its own output and draft."""
+
+    def __init__(self, model, runner, kv):
+        if not hasattr(model, "check_mtp"):
+            raise ValueError("speculative_config method 'mtp' needs a model with MTP layers")
+        model.check_mtp()
+        self.model, self.mtp = model, model.mtp
+        k, v = runner.kv_caches[runner.cfg.kv_layers[0]]
+        # (every draft step runs MTP layer 0, as vLLM does past the checkpoint's MTP layers)
+        self.kv_caches = list(runner.kv_caches) + [(torch.zeros_like(k), torch.zeros_like(v))]
+        super().__init__(HiddenCapture(model, [], final_features=True), runner, kv)
+        free = kv.free_request
+
+        def freeing(rid):
+            self.cache.pop(rid, None)   # (its pages go back: the entries are gone)
+            free(rid)
+        kv.free_request = freeing
+
+    @torch.inference_mode()
+    def propose(self, reqs, limits):
+        from ..kernels._common import reference_ops
+        self._ingest()
+        with reference_ops(self.runner.knobs.reference):
+            return self._proposal(self._draft(reqs, limits))
+
+    def _draft(self, reqs, limits) -> list:
+        drafts = [[] for _ in reqs]
+        live, seqs, tables, hidden = [], [], [], []
+        for i, (r, lim) in enumerate(zip(reqs, limits)):
+            rid, ids = r.request_id, r.all_token_ids
+            n = len(ids) - 1          # the target's hidden states of positions 0..n-1 are needed
+            h = self.features(rid, ids) if lim > 0 else None
+            if h is None:
+                continue
+            lim = min(lim, self._reserve(rid, n + lim - 1) - n + 1)   # step j writes position n - 1 + j
+            if lim <= 0:
+                continue
+            m = min(self.reusable(rid, ids, n), n - 1)
+            self.cache[rid] = (list(ids[1:n + 1]),)
+            live.append((i, n, lim))
+            seqs.append((list(ids[m + 1:n + 1]), m, n))   # position t: h_t and token t + 1
+            tables.append(self.kv.block_table(rid))
+            hidden.append(h[m:n])
+        out = None
+        for j in range(max((lim for _, _, lim in live), default=0)):
+            if j:  # the live requests' next step: their own output and draft at the next position
+                keep = [a for a, (_, _, lim) in enumerate(live) if lim > j]
+                hidden = [out[a:a + 1] for a in keep]
+                live, tables = [live[a] for a in keep], [tables[a] for a in keep]
+                seqs = [([drafts[i][-1]], n - 1 + j, n + j) for i, n, _ in live]
+            out = self._step(seqs, tables, hidden)
+            for (i, _, _), t in zip(live, self.model.compute_logits(out).argmax(-1).tolist()):
+                drafts[i].append(t)
+        return drafts
+
+    def _step(self, seqs, tables, hidden) -> torch.Tensor:
+        """One batched MTP forward (its pages written) -> the output of each sequence's last position."""
+        from ..layers.attention import ForwardContext, forward_context
+        runner = self.runner
+        ids, pos, md, qsl = type(runner).prepare(runner, seqs, tables)   # (not the recording wrapper)
+        x = self.mtp.inputs(self.model.model.embed_tokens(ids), torch.cat(hidden).to(ids.device))
+        with forward_context(ForwardContext(md, self.kv_caches, runner.backend)):
+            out = self.mtp(pos, x)
+        return out.index_select(0, torch.tensor(qsl[1:], device=out.device) - 1)
+
+    def _reserve(self, rid: str, num_tokens: int) -> int:
+        """Blocks for ``num_tokens`` tokens of the request where the pool has them; the tokens its
+        blocks hold now."""
+        if self.kv.allocate(rid, num_tokens):
+            return num_tokens
+        return len(self.kv.block_table(rid)) * self.kv.block_size
+
+
+def make_mtp_proposer(model, runner, kv):
+    """The MTP proposer of the model: paged for the hybrid models, DeepSeek's otherwise."""
+    if hasattr(model, "state_layers"):
+        return PagedMTPProposer(model, runner, kv)
+    return MTPProposer(model, runner, kv)

@@ -208,6 +208,6 @@ def build_proposer(spec: SpeculativeConfig, runner=None, kv=None, **target) -> P
                                target_cfg=target["target_cfg"])
         return Eagle3Proposer(head, runner, kv)
     if spec.method == "mtp":
-        from .mtp import MTPProposer
-        return MTPProposer(runner.model, runner, kv)
+        from .mtp import make_mtp_proposer
+        return make_mtp_proposer(runner.model, runner, kv)
     raise ValueError(f"speculative_config.method {spec.method!r} is not available")
