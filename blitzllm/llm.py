@@ -63,8 +63,8 @@ class LLM:
             for rid in rids:
                 self.engine.abort_request(rid)
             raise
-        acc = {rid: [{"ids": [], "text": [], "lps": [], "reason": None, "stop": None} for _ in range(p.n)]
-               for rid, p in zip(rids, plist)}
+        acc = {rid: [{"ids": [], "text": [], "lps": [], "reason": None, "stop": None, "plp": None}
+                     for _ in range(p.n)] for rid, p in zip(rids, plist)}
         while self.engine.has_unfinished():
             for ev in self.engine.step():
                 slot = acc[ev.request_id][ev.index]
@@ -72,6 +72,8 @@ class LLM:
                 slot["text"].append(ev.text)
                 if ev.logprobs is not None:
                     slot["lps"].extend(ev.logprobs)
+                if ev.prompt_logprobs is not None:
+                    slot["plp"] = ev.prompt_logprobs
                 if ev.finish_reason is not None:
                     slot["reason"], slot["stop"] = ev.finish_reason, ev.stop_reason
         outs = []
@@ -80,7 +82,8 @@ class LLM:
                                       s["lps"] if p.logprobs is not None else None, s["reason"], s["stop"])
                      for i, s in enumerate(acc[rid])]
             ptoks = self.engine.tokenize(prompt)
-            outs.append(RequestOutput(rid, prompt if isinstance(prompt, str) else None, ptoks, comps, True))
+            outs.append(RequestOutput(rid, prompt if isinstance(prompt, str) else None, ptoks, comps, True,
+                                      prompt_logprobs=acc[rid][0]["plp"]))
         return outs
 
     def stream(self, prompt, params: Optional[SamplingParams] = None) -> Iterator[str]:

@@ -24,7 +24,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    max_tokens: Optional[int] = 16  # None: up to the context length
+    max_tokens: Optional[int] = 16  # None: up to the context length; 0: no token (scoring with prompt_logprobs)
     min_tokens: int = 0
     stop: Union[None, str, Sequence[str]] = None
     stop_token_ids: Optional[Sequence[int]] = None
@@ -35,6 +35,8 @@ class SamplingParams:
     # {"type": "json_object"} or {"type": "json_schema", "schema": {...}}: tokens constrained to
     # such JSON (blitzllm/structured.py; needs xgrammar)
     structured_output: Optional[dict] = None
+    logit_bias: Optional[dict] = None  # {token id: bias in [-100, 100]}, added to the logits before sampling
+    prompt_logprobs: Optional[int] = None  # per prompt token: its logprob and the top-N, from the prefill
 
     def __post_init__(self) -> None:
         def is_num(v):
@@ -69,14 +71,24 @@ class SamplingParams:
             raise _err("repetition_penalty", "in (0, 10]", self.repetition_penalty)
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed <= _MAX_SEED):
             raise _err("seed", f"an integer in [0, {_MAX_SEED}]", self.seed)
-        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
-            raise _err("max_tokens", "an integer >= 1", self.max_tokens)
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 0):
+            raise _err("max_tokens", "an integer >= 0", self.max_tokens)
         if not is_int(self.min_tokens) or self.min_tokens < 0:
             raise _err("min_tokens", "an integer >= 0", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise _err("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise _err("logprobs", "an integer in [0, 20]", self.logprobs)
+        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= 20):
+            raise _err("prompt_logprobs", "an integer in [0, 20]", self.prompt_logprobs)
+        if self.logit_bias is not None:
+            bias = self.logit_bias
+            if not isinstance(bias, dict) or not all(is_int(t) and t >= 0 for t in bias):
+                raise _err("logit_bias", "a mapping of token ids (integers >= 0) to biases", bias)
+            if not all(is_num(v) and -100.0 <= v <= 100.0 for v in bias.values()):
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {bias!r}")
+            self.logit_bias = {int(t): float(v) for t, v in bias.items()} or None
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):

@@ -95,6 +95,15 @@ def smollm2_gguf():
 
 
 @pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf):
+    """transformers' SmolLM2 on the same GGUF weights, float32: the oracle."""
+    import transformers
+    m = transformers.AutoModelForCausalLM.from_pretrained(
+        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32)
+    return m.eval()
+
+
+@pytest.fixture(scope="session")
 def smollm2_llm():
     from blitzllm import LLM
     return LLM("smollm2", dtype="float32", device="cpu")

@@ -16,10 +16,12 @@ import torch
 
 from ..config import CacheConfig, ModelConfig, SchedulerConfig
 from ..distributed.parallel_state import SINGLE
-from ..layers.sampler import SamplingRow
+from ..kernels._common import reference_ops
+from ..layers.sampler import SamplingMetadata, SamplingRow
 from ..loader.source import resolve_model
 from ..envs import Knobs
 from ..runner.build import build_runner
+from ..runner.model_runner import StepResult
 from ..sampling_params import SamplingParams
 from ..spec.config import parse_speculative_config
 from .args import (EngineArgs, check_tp_size, plan_kv_blocks, resolve_device, resolve_dtype, resolve_weight_dtype,
@@ -42,6 +44,7 @@ class StepEvent:
     logprobs: Optional[list]
     finish_reason: Optional[str] = None
     stop_reason: object = None
+    prompt_logprobs: Optional[list] = None  # on the first event of a request that asked for them
 
 
 class Engine:
@@ -226,6 +229,8 @@ class Engine:
                              f"max_model_len={self.max_model_len}")
         if any(t >= V for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {V})")
+        if params.logit_bias and max(params.logit_bias) >= V:
+            raise ValueError(f"logit_bias token ids must be in [0, {V})")
         if params.structured_output is not None and self.grammars is None:
             from ..structured import GrammarCompiler
             self.grammars = GrammarCompiler(self.tokenizer, V)
@@ -241,6 +246,8 @@ class Engine:
                           prompt=prompt if isinstance(prompt, str) else None)
             if params.structured_output is not None:
                 req.matcher = self.grammars.matcher(params.structured_output)
+            if params.prompt_logprobs is not None and i == 0:
+                req.prompt_logprobs = []
             if self.tokenizer is not None:
                 req.detok = IncrementalDetokenizer(
                     self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
@@ -279,7 +286,11 @@ class Engine:
         batch = [(s.req.token_slice(s.start, s.end), s.start, s.end) for s in seqs]
         tables = [self.kv.block_table(s.req.request_id) for s in seqs]
         sample_idx = [i for i, s in enumerate(seqs) if s.samples]
-        result = self.runner.execute(batch, tables, sample_idx, rows, self._plan_states(seqs))
+        if any(s.req.prompt_logprobs_from is not None for s in seqs):
+            logits = self._score(seqs, batch, tables, {i: 1 for i in sample_idx}, self._plan_states(seqs))
+            result = self._sample(logits, rows)
+        else:
+            result = self.runner.execute(batch, tables, sample_idx, rows, self._plan_states(seqs))
         self.scheduler.step_done(seqs)
         events = []
         now = time.monotonic()
@@ -295,8 +306,8 @@ class Engine:
         sample_idx = [i for i, s in enumerate(seqs) if s.samples]
         batch = [(s.req.token_slice(s.start, s.end) + d, s.start, s.end + len(d)) for s, d in zip(seqs, drafts)]
         tables = [self.kv.block_table(s.req.request_id) for s in seqs]
-        logits = self.runner.score(batch, tables, sample_idx, [len(drafts[i]) + 1 for i in sample_idx],
-                                   self._plan_states(seqs, drafts))
+        logits = self._score(seqs, batch, tables, {i: len(drafts[i]) + 1 for i in sample_idx},
+                             self._plan_states(seqs, drafts))
         rows = [self._row(seqs[i].req) for i in sample_idx]
         self.spec.select_probs(sample_idx)
         verified = self.spec.verify(self.runner.sampler, logits, rows, [drafts[i] for i in sample_idx],
@@ -323,6 +334,63 @@ class Engine:
             events.append(ev)
         return events
 
+    # ---- prompt logprobs: the prefill's logits of every prompt position ------------------
+    def _score(self, seqs, batch, tables, sample_counts: dict, states) -> Optional[torch.Tensor]:
+        """``runner.score`` of each sampling row's last ``sample_counts[i]`` positions, stacked in
+        row order; a prompt-logprobs request's chunk also has its prompt positions scored (in the
+        same forward), turned into its prompt logprobs here and left out of what is returned."""
+        want = {}  # batch row -> prompt positions [lo, hi) to score this step
+        for i, s in enumerate(seqs):
+            first = s.req.prompt_logprobs_from
+            if first is not None:
+                lo, hi = max(s.start, first), min(s.end, len(s.req.prompt_token_ids) - 1)
+                if lo < hi:
+                    want[i] = (lo, hi)
+        idx = sorted(set(sample_counts) | set(want))
+        counts = [max(sample_counts.get(i, 0), batch[i][2] - want[i][0] if i in want else 0) for i in idx]
+        logits = self.runner.score(batch, tables, idx, counts, states)
+        if not want:
+            return logits
+        keep, off = [], 0
+        for i, c in zip(idx, counts):
+            if i in want:
+                lo, hi = want[i]
+                self._prompt_logprobs(seqs[i].req, logits[off:off + hi - lo], lo)
+            keep.extend(range(off + c - sample_counts.get(i, 0), off + c))
+            off += c
+        return logits[keep] if keep else None
+
+    @staticmethod
+    @torch.inference_mode()
+    def _prompt_logprobs(req: Request, logits: torch.Tensor, lo: int) -> None:
+        """Rows of ``logits`` score prompt positions lo, lo + 1, ...: each gives the logprob of the
+        next prompt token and the top-N (raw log-softmax, as a generated token's)."""
+        k = req.params.prompt_logprobs
+        targets = req.prompt_token_ids[lo + 1:lo + 1 + logits.shape[0]]
+        for a in range(0, len(targets), 256):  # (a few rows at a time: [rows, V] float32)
+            lp = logits[a:a + 256].float().log_softmax(-1)
+            t = torch.tensor(targets[a:a + 256], device=lp.device)
+            chosen = lp.gather(1, t[:, None])[:, 0].tolist()
+            top = lp.topk(k, dim=-1) if k else None
+            top_ids = top.indices.tolist() if k else [[]] * len(chosen)
+            top_lps = top.values.tolist() if k else [[]] * len(chosen)
+            for tid, c, ids, vals in zip(targets[a:a + 256], chosen, top_ids, top_lps):
+                d = {tid: c}
+                for j, v in zip(ids, vals):
+                    d.setdefault(j, v)
+                req.prompt_logprobs.append(d)
+
+    def _sample(self, logits: Optional[torch.Tensor], rows: list) -> StepResult:
+        """The sampler on the sampling rows' logits (what ``runner.execute`` does after its forward)."""
+        if not rows:
+            return StepResult([], [], None)
+        with reference_ops(self.knobs.reference), torch.inference_mode():
+            out = self.runner.sampler(logits, SamplingMetadata.build(rows, self.model_config.vocab_size, self.device))
+            top = None
+            if out.top_ids is not None:
+                top = [list(zip(a, b)) for a, b in zip(out.top_ids.tolist(), out.top_logprobs.tolist())]
+            return StepResult(out.token_ids.tolist(), out.logprobs.tolist(), top)
+
     def _plan_states(self, seqs, drafts=None):
         """A hybrid model's state rows for the step (engine/state_cache.py); None for others."""
         return self.kv.plan_states(seqs, drafts) if isinstance(self.kv, HybridKVCacheManager) else None
@@ -338,6 +406,12 @@ class Engine:
 
     def _append_token(self, req: Request, tok: int, lp: float, top, now: float) -> StepEvent:
         p = req.params
+        rid, index = req.request_id.rsplit("#", 1)
+        plp = None if req.output_token_ids or req.prompt_logprobs is None else [None] + req.prompt_logprobs
+        if p.max_tokens == 0:  # scoring only: the prefill is done, nothing is generated
+            self._finish(req, "length", None)
+            return StepEvent(rid, int(index), [], "", [] if p.logprobs is not None else None, "length",
+                             prompt_logprobs=plp)
         req.output_token_ids.append(tok)
         if req.matcher is not None:
             req.matcher.accept_token(tok)
@@ -371,8 +445,7 @@ class Engine:
             if req.detok is not None and not req.detok.stopped:
                 text += req.detok.finish()
             self._finish(req, reason, stop_reason)
-        return StepEvent(req.request_id.rsplit("#", 1)[0], int(req.request_id.rsplit("#", 1)[1]),
-                         [tok], text, lps, reason, stop_reason)
+        return StepEvent(rid, int(index), [tok], text, lps, reason, stop_reason, prompt_logprobs=plp)
 
     def _finish(self, req: Request, reason: str, stop_reason) -> None:
         req.status, req.finish_reason, req.stop_reason = Status.FINISHED, reason, stop_reason

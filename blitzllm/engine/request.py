@@ -37,6 +37,17 @@ class Request:
     first_token_time: Optional[float] = None
     num_cached_tokens: int = 0
     matcher: object = None        # structured output: its grammar matcher (blitzllm/structured.py)
+    # with params.prompt_logprobs (the first of n sequences): per prompt token from the second on,
+    # {id: logprob} of it and the top-N, filled by the prefill; None otherwise
+    prompt_logprobs: Optional[list] = None
+
+    @property
+    def prompt_logprobs_from(self) -> Optional[int]:
+        """The first prompt position whose logits the prompt logprobs still need (position p
+        scores token p + 1); None when there are none to compute."""
+        if self.prompt_logprobs is None or len(self.prompt_logprobs) >= len(self.prompt_token_ids) - 1:
+            return None
+        return len(self.prompt_logprobs)
 
     @property
     def num_tokens(self) -> int:
@@ -78,6 +89,7 @@ class RequestOutput:
     outputs: list
     finished: bool
     num_cached_tokens: int = 0
+    prompt_logprobs: Optional[list] = None   # None, then per later prompt token {id: logprob}
 
     # convenience accessors for the first (usually only) completion
     @property

@@ -13,6 +13,15 @@ from .kv_cache import KVCacheManager
 from .request import Request, Status
 
 
+# a prefill chunk that scores its prompt (prompt logprobs) has logits for every position:
+# [chunk, vocab], so its chunks are bounded
+PROMPT_LOGPROBS_CHUNK = 512
+
+
+def _chunk_cap(req: Request) -> int:
+    return PROMPT_LOGPROBS_CHUNK if req.prompt_logprobs_from is not None else 1 << 62
+
+
 @dataclass
 class ScheduledSeq:
     req: Request
@@ -71,7 +80,7 @@ class Scheduler:
                 break
             if req.status is not Status.RUNNING:  # preempted as a victim below
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens - req.num_computed_tokens, budget, _chunk_cap(req))
             # decodes reserve the next token's slot too when blocks are plentiful: the
             # runner may compute one step ahead (its pipelined decode)
             if (n == 1 and self.lookahead and self.kv.num_free_blocks > self.cfg.max_num_seqs
@@ -91,9 +100,13 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
             if req.request_id not in self.kv.tables:
-                req.num_computed_tokens = self.kv.match_prefix(req.request_id, req.all_token_ids)
+                # prompt logprobs need the logits of every prompt position not yet scored: the
+                # cache may serve only the tokens before the first of them
+                first = req.prompt_logprobs_from
+                tokens = req.all_token_ids if first is None else req.all_token_ids[:first + 1]
+                req.num_computed_tokens = self.kv.match_prefix(req.request_id, tokens)
                 req.num_cached_tokens = max(req.num_cached_tokens, req.num_computed_tokens)
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens - req.num_computed_tokens, budget, _chunk_cap(req))
             if not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
                 if not self.running and not out:
                     # nothing else holds blocks: it can never fit

@@ -1,5 +1,5 @@
 """Turns one step's logits into tokens, the only place blitzllm samples: ``SamplingMetadata.build``
-(params -> batched device tensors), the logit pipeline (penalties, bans, temperature, top-k/p,
+(params -> batched device tensors), the logit pipeline (logit_bias, penalties, bans, temperature, top-k/p,
 min-p), greedy and seeded random sampling (an exponential race over a hash of (seed, step,
 token id): no RNG state, no host sync, batch-independent) and raw-distribution logprobs.
 """
@@ -90,6 +90,8 @@ class SamplingMetadata:
     any_top_k_top_p: bool = True
     any_min_p: bool = True
     allowed: Optional[Tensor] = None  # [B, V] bool: structured outputs' next tokens; None: all
+    bias_ids: Optional[Tensor] = None     # [B, K] int64: logit_bias token ids (padding: id 0, value 0)
+    bias_values: Optional[Tensor] = None  # [B, K] float32: added to those logits; None: no bias
 
     @classmethod
     def build(cls, rows: list[SamplingRow], vocab_size: int, device, extra_steps: int = 0) -> "SamplingMetadata":
@@ -126,6 +128,15 @@ class SamplingMetadata:
                 ids = sorted({t for t in eos + list(p.stop_token_ids) if 0 <= t < V})
             bans.append(ids)
         banned_tokens = _pad(bans, -1, device) if any(bans) else None
+        bias_ids = bias_values = None
+        if any(p.logit_bias for p in ps):
+            biases = [list((p.logit_bias or {}).items()) for p in ps]
+            bias_ids = _pad([[t for t, _ in b] for b in biases], 0, device)
+            vals = torch.zeros(bias_ids.shape, dtype=torch.float32)
+            for i, b in enumerate(biases):
+                if b:
+                    vals[i, :len(b)] = torch.tensor([v for _, v in b], dtype=torch.float32)
+            bias_values = vals.to(device, non_blocking=True)
         allowed = None
         if any(r.matcher is not None for r in rows):
             from ..structured import allowed_mask
@@ -137,7 +148,7 @@ class SamplingMetadata:
             repetition_penalty=floats[5],
             top_k=ints[0], seeds=ints[1], steps=ints[2],
             prompt_tokens=prompt_tokens, output_tokens=output_tokens,
-            banned_tokens=banned_tokens, allowed=allowed,
+            banned_tokens=banned_tokens, allowed=allowed, bias_ids=bias_ids, bias_values=bias_values,
             max_num_logprobs=max((p.logprobs or 0 for p in ps), default=0),
             all_greedy=all(greedy), any_greedy=any(greedy),
             any_top_k_top_p=any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p),
@@ -184,8 +195,8 @@ class Sampler(torch.nn.Module):
         self.greedy_kernel = greedy_kernel
 
     def forward(self, logits: Tensor, md: SamplingMetadata) -> SamplerOutput:
-        if (md.all_greedy and md.max_num_logprobs == 0 and md.output_tokens is None
-                and md.prompt_tokens is None and md.banned_tokens is None and md.allowed is None):
+        if (md.all_greedy and md.max_num_logprobs == 0 and md.output_tokens is None and md.prompt_tokens is None
+                and md.banned_tokens is None and md.allowed is None and md.bias_ids is None):
             # argmax + its log-probability of the raw logits: one fused launch on CUDA
             tokens, chosen = greedy_sample(logits, self.greedy_kernel)
             return SamplerOutput(token_ids=tokens, logprobs=chosen, top_ids=None, top_logprobs=None)
@@ -216,8 +227,11 @@ class Sampler(torch.nn.Module):
     # -- pipeline stages ------------------------------------------------------------
     @staticmethod
     def _penalize(x: Tensor, md: SamplingMetadata) -> Tensor:
-        """Penalties and min_tokens bans; returns a new tensor when anything applies."""
+        """logit_bias (added first, as OpenAI and vLLM do), penalties, min_tokens bans and the
+        structured-output mask; returns a new tensor when anything applies."""
         B, V = x.shape
+        if md.bias_ids is not None:
+            x = x.scatter_add(1, md.bias_ids, md.bias_values)
         seen = counts = None
         if md.output_tokens is not None:
             out = md.output_tokens

@@ -54,7 +54,8 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
     else:
         field = requested[1]
     ids, prompt_text = await s.chat_prompt(req.messages, pick(req.add_generation_prompt, True),
-                                           req.chat_template_kwargs, req.tools if tool_mode is not None else None)
+                                           req.chat_template_kwargs, req.tools if tool_mode is not None else None,
+                                           require_tools=tool_mode == "auto")
     # a reasoning parser reads where the rendered prompt left off (an open <think> block?)
     prompt_text = prompt_text if s.reasoning_parser else ""
     rid = f"chatcmpl-{request_id(raw)}"

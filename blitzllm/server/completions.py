@@ -45,6 +45,30 @@ def _completion_prompts(s: Serving, prompt, echo: bool) -> list:
     return out
 
 
+def _prompt_logprobs(s: Serving, ids, plp, k) -> dict:
+    """The echoed prompt's part of the legacy logprobs: its first token has none (null), each
+    later one its logprob and top k (as vLLM and OpenAI's legacy API return them)."""
+    tokens, token_lps, tops, offsets, offset = [], [], [], [], 0
+    plp = plp or [None] * len(ids)
+    for tid, d in zip(ids, plp):
+        text = s.tok_str(tid)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if d is None:
+            token_lps.append(None)
+            tops.append(None)
+            continue
+        token_lps.append(lp_value(d.get(tid, -9999.0)))
+        top = sorted(d.items(), key=lambda kv: -kv[1])[:k] if k else [(tid, d.get(tid, -9999.0))]
+        tops.append({s.tok_str(t): lp_value(v) for t, v in top})
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _joined(a: dict, b: dict) -> dict:
+    return {key: a[key] + b[key] for key in a}
+
+
 def _cmpl_logprobs(s: Serving, token_ids, lps, k, offset) -> dict:
     """The legacy completions logprobs: parallel lists, top-k as {token text: logprob}."""
     tokens, token_lps, tops, offsets = [], [], [], []
@@ -65,10 +89,12 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
         raise bad_request("suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != pick(req.n, 1):
         raise bad_request("best_of is not supported (it must be null or equal n)", param="best_of")
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo with logprobs (prompt logprobs) is not supported", param="echo")
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request("max_tokens must be >= 1 (0 only with echo: scoring the prompt)", param="max_tokens")
     requested = s.structured_request(req)
-    params = s.sampling_params(req, pick(req.max_tokens, 16), req.logprobs, structured=requested)
+    scoring = req.logprobs if req.echo else None  # echo + logprobs: the prompt's logprobs too
+    params = s.sampling_params(req, pick(req.max_tokens, 16), req.logprobs, structured=requested,
+                               prompt_logprobs=scoring)
     structured_field = requested[1]
     prompts = [(await s.tokens(p, True, field) if isinstance(p, str) else p, text)
                for p, field, text in await s.cpu(_completion_prompts, s, req.prompt, bool(req.echo))]
@@ -93,35 +119,56 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
             for rid in rids:
                 s.aengine.abort(rid)
 
-        return SSEResponse(_cmpl_sse(s, base, created, streams, n, k, echoes, prompt_tokens,
-                                     bool(opts and opts.include_usage),
-                                     bool(opts and opts.continuous_usage_stats)), on_close=close)
+        echo_ids = [ids for ids, _ in prompts] if req.echo and k is not None else None
+        return SSEResponse(_cmpl_sse(s, base, created, streams, n, k, echoes, echo_ids, prompt_tokens,
+                                     bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats)),
+                           on_close=close)
     result = await s.until_done_or_gone(raw, s.collect(streams, n), rids)
     if result is None:
         return Response(status_code=499)
     choices = []
     for i, c in enumerate(result):
         echo = echoes[i // n]
-        choices.append({"index": i, "text": echo + "".join(c["text"]),
-                        "logprobs": _cmpl_logprobs(s, c["ids"], c["lps"], k, len(echo)) if k is not None
-                        else None, "finish_reason": c["reason"], "stop_reason": c["stop"]})
+        lp = None
+        if k is not None:
+            lp = _cmpl_logprobs(s, c["ids"], c["lps"], k, len(echo))
+            if req.echo:  # (the prompt's logprobs come with each prompt's first choice)
+                lp = _joined(_prompt_logprobs(s, prompts[i // n][0], result[i - i % n]["plp"], k), lp)
+        choices.append({"index": i, "text": echo + "".join(c["text"]), "logprobs": lp,
+                        "finish_reason": c["reason"], "stop_reason": c["stop"]})
     ntok = sum(len(c["ids"]) for c in result)
     return JSONResponse({"id": base, "object": "text_completion", "created": created, "model": s.model_name,
                          "choices": choices, "usage": usage(prompt_tokens, ntok)})
 
 
-async def _cmpl_sse(s: Serving, base, created, streams, n, k, echoes, prompt_tokens, include_usage, continuous):
+async def _cmpl_sse(s: Serving, base, created, streams, n, k, echoes, echo_ids, prompt_tokens, include_usage,
+                    continuous):
+    """With echo, each choice's first event is its prompt's text: at once, or, with ``echo_ids``
+    (echo + logprobs: each prompt's ids), with its prompt logprobs once the prefill has computed
+    them (the first event of the prompt's first choice carries them; the engine schedules that
+    choice first)."""
     head = {"id": base, "object": "text_completion", "created": created, "model": s.model_name}
     ntok = 0
     offsets = {}
+    echo_lp = echo_ids is not None
+    plps: dict = {}     # prompt -> its prompt logprobs
+    pending = set()     # choices whose echo is still to come
     try:
         for j, echo in enumerate(echoes):
             for i in range(n):
                 offsets[j * n + i] = len(echo)
-                if echo:
+                if echo_lp:
+                    pending.add(j * n + i)
+                elif echo:
                     yield sse({**head, "choices": [{"index": j * n + i, "text": echo, "logprobs": None,
                                                     "finish_reason": None}]})
         async for j, ev in merge(streams):
+            if ev.prompt_logprobs is not None:
+                plps[j] = ev.prompt_logprobs
+            if j * n + ev.index in pending:
+                pending.discard(j * n + ev.index)
+                yield sse({**head, "choices": [{"index": j * n + ev.index, "text": echoes[j], "finish_reason": None,
+                                                "logprobs": _prompt_logprobs(s, echo_ids[j], plps.get(j), k)}]})
             ntok += len(ev.new_token_ids)
             # skip empty deltas (text held back for stop strings or partial UTF-8); a model
             # without a tokenizer streams one empty chunk per token so clients see progress

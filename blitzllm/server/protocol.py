@@ -71,7 +71,8 @@ class _SamplingRequest(_Strict):
     min_tokens: Optional[Int] = Field(None, ge=0)
     skip_special_tokens: Optional[bool] = True
     include_stop_str_in_output: Optional[bool] = False
-    logit_bias: Optional[dict[str, float]] = None
+    logit_bias: Optional[dict[str, Annotated[float, Field(ge=-100, le=100)]]] = Field(
+        None, description="token id (a decimal string) -> a bias in [-100, 100] added to its logit")
     # vLLM's structured outputs: {"json": schema, "json_object": true, "regex": ..., "choice": [...],
     # "grammar": ...} (one of them), and its older guided_* fields
     structured_outputs: Optional[dict[str, Any]] = None
@@ -100,8 +101,9 @@ class ChatCompletionRequest(_SamplingRequest):
 class CompletionRequest(_SamplingRequest):
     prompt: Union[Text, TokenIds, Annotated[list[Text], Field(min_length=1)],
                   Annotated[list[TokenIds], Field(min_length=1)]]
+    max_tokens: Optional[Int] = Field(None, ge=0, description="0 (with echo): score the prompt, generate nothing")
     echo: Optional[bool] = False
-    logprobs: Optional[Int] = Field(None, ge=0, le=20)
+    logprobs: Optional[Int] = Field(None, ge=0, le=20, description="with echo, the prompt tokens' too")
     suffix: Optional[str] = None
     best_of: Optional[Int] = None
 

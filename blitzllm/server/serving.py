@@ -36,7 +36,7 @@ _TEMPLATE_ARGS = {"conversation", "messages", "tokenize", "add_generation_prompt
                   "padding", "truncation", "max_length", "tools", "documents", "chat_template",
                   "continue_final_message", "return_assistant_tokens_mask", "tokenizer_kwargs"}
 _FIELDS = {"n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-           "repetition_penalty", "max_tokens", "min_tokens", "stop", "stop_token_ids", "logprobs"}
+           "repetition_penalty", "max_tokens", "min_tokens", "stop", "stop_token_ids", "logprobs", "logit_bias"}
 
 
 def sse(obj) -> bytes:
@@ -267,14 +267,18 @@ class Serving:
         return specs[kind](value), field
 
     def sampling_params(self, req, max_tokens, logprobs, max_tokens_field="max_tokens",
-                        logprobs_field="logprobs", structured=(None, None)) -> SamplingParams:
+                        logprobs_field="logprobs", structured=(None, None),
+                        prompt_logprobs: Optional[int] = None) -> SamplingParams:
         """``structured``: ``structured_request(req)``, read once by the endpoint."""
         if req.n is not None and req.n > MAX_N:
             raise bad_request(f"n must be in [1, {MAX_N}], got {req.n}", param="n")
         if isinstance(req.stop, list) and len(req.stop) > MAX_STOP:
             raise bad_request(f"stop takes at most {MAX_STOP} strings, got {len(req.stop)}", param="stop")
+        bias = None
         if req.logit_bias:
-            raise bad_request("logit_bias is not supported", param="logit_bias")
+            if not all(k.isdigit() and k.isascii() for k in req.logit_bias):
+                raise bad_request("logit_bias keys must be token ids (decimal integers >= 0)", param="logit_bias")
+            bias = {int(k): v for k, v in req.logit_bias.items()}
         structured, field = structured
         try:
             return SamplingParams(
@@ -286,7 +290,8 @@ class Serving:
                 min_tokens=pick(req.min_tokens, 0), stop=req.stop, stop_token_ids=req.stop_token_ids,
                 ignore_eos=bool(req.ignore_eos), logprobs=logprobs,
                 skip_special_tokens=pick(req.skip_special_tokens, True),
-                include_stop_str_in_output=bool(req.include_stop_str_in_output), structured_output=structured)
+                include_stop_str_in_output=bool(req.include_stop_str_in_output), structured_output=structured,
+                logit_bias=bias, prompt_logprobs=prompt_logprobs)
         except ValueError as e:
             raise self._user_error(e, "prompt", max_tokens_field, logprobs_field, field) from None
 
@@ -355,17 +360,20 @@ class Serving:
         return sse(APIError(500, str(e), type="server_error").body())
 
     async def chat_prompt(self, messages, add_generation_prompt: bool = True, template_kwargs=None, tools=None,
-                          check_length: bool = True) -> tuple:
+                          check_length: bool = True, require_tools: bool = False) -> tuple:
         """(token ids, rendered text) of ``messages`` through the model's chat template, with
         ``template_kwargs`` (the request's ``chat_template_kwargs``) and ``tools`` where given, in
         worker threads. A text past the character bound is refused before it is tokenized;
         ``check_length``: and one of too many tokens after."""
-        text = await self.cpu(self.render_chat, messages, add_generation_prompt, template_kwargs, tools)
+        text = await self.cpu(self.render_chat, messages, add_generation_prompt, template_kwargs, tools, require_tools)
         # (what apply_chat_template(tokenize=True) does: no special tokens added to the rendered text)
         return await self.tokens(text, False, "messages" if check_length else None), text
 
-    def render_chat(self, messages, add_generation_prompt: bool, template_kwargs, tools) -> str:
-        """The chat template's text (see ``chat_prompt``), in a worker thread."""
+    def render_chat(self, messages, add_generation_prompt: bool, template_kwargs, tools,
+                    require_tools: bool = False) -> str:
+        """The chat template's text (see ``chat_prompt``), in a worker thread. ``require_tools``
+        (tool_choice "auto": the model must see the tools to call them): a 400 when the template
+        renders the same text without them."""
         tok = self.worker_tokenizer("chat needs a chat template; use /v1/completions with token ids")
         if not getattr(tok, "chat_template", None):
             raise bad_request("this model has no chat template; use /v1/completions", param="messages")
@@ -389,26 +397,36 @@ class Serving:
         clash = sorted(set(kwargs) & _TEMPLATE_ARGS)
         if clash:
             raise bad_request(f"chat_template_kwargs may not set {', '.join(clash)}", param="chat_template_kwargs")
+        conv = template_messages(conv)
         try:
-            if tools:
-                kwargs["tools"] = tools
-            text = tok.apply_chat_template(template_messages(conv), tokenize=False,
-                                           add_generation_prompt=add_generation_prompt, **kwargs)
+            text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           **kwargs, **({"tools": tools} if tools else {}))
+            bare = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           **kwargs) if tools and require_tools else None
         except Exception as e:  # jinja errors from the template (e.g. role order): the input's fault
             raise bad_request(f"the chat template rejected the messages: {e}", param="messages") from None
+        if bare == text:
+            raise bad_request("this model's chat template does not render tools, so the model would never see "
+                              "them: send tool_choice 'none' (no tools), force a call with tool_choice 'required' or "
+                              "a named function (a grammar decodes it), or serve a chat template that renders tools",
+                              param="tools")
         self.check_prompt_chars(text, "messages")
         return text
 
     @staticmethod
     async def collect(streams, n) -> list:
-        """Per choice (prompt * n + index): text pieces, token ids, logprobs, finish."""
-        out = [{"text": [], "ids": [], "lps": [], "reason": None, "stop": None} for _ in range(len(streams) * n)]
+        """Per choice (prompt * n + index): text pieces, token ids, logprobs, finish, prompt logprobs
+        (the first choice of each prompt, where asked for)."""
+        out = [{"text": [], "ids": [], "lps": [], "reason": None, "stop": None, "plp": None}
+               for _ in range(len(streams) * n)]
         async for j, ev in merge(streams):
             c = out[j * n + ev.index]
             c["text"].append(ev.text)
             c["ids"].extend(ev.new_token_ids)
             if ev.logprobs is not None:
                 c["lps"].extend(ev.logprobs)
+            if ev.prompt_logprobs is not None:
+                c["plp"] = ev.prompt_logprobs
             if ev.finish_reason is not None:
                 c["reason"], c["stop"] = ev.finish_reason, ev.stop_reason
         return out

@@ -70,9 +70,9 @@ def _match_target(sampler: Sampler, logits, rows, drafts, vocab_size, device, sy
 
 def _plain_greedy(rows, drafts) -> bool:
     """Whether every verified position samples as ``Sampler``'s greedy kernel path: greedy,
-    no penalties, no top logprobs, and past min_tokens (no banned stop tokens)."""
+    no penalties, no logit_bias, no top logprobs, and past min_tokens (no banned stop tokens)."""
     return all(r.params.temperature == 0.0 and not r.params.logprobs and not r.params.uses_penalties
-               and len(r.output_ids) >= r.params.min_tokens for r in rows)
+               and not r.params.logit_bias and len(r.output_ids) >= r.params.min_tokens for r in rows)
 
 
 def _greedy_verify(logits, rows, drafts, synthetic_rate) -> list:

@@ -122,10 +122,12 @@ def _tiny_llama(folder: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_server(tmp_path_factory):
     """A tiny random model behind an API key, one running sequence at most, a waiting bound of
-    one and a small body limit: the server limits, cheaply."""
+    one and a small body limit: the server limits, cheaply. Auto tool choice is on (with
+    SmolLM2's chat template, which renders no tools)."""
     folder = _tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
     srv = ServerProcess(["--model", str(folder), "--served-model-name", "tiny", "--api-key", "sesame",
                          "--max-num-seqs", "1", "--max-waiting-requests", "1", "--max-request-bytes", "65536",
-                         "--max-model-len", "1024", "--kv-cache-blocks", "128"],
+                         "--max-model-len", "1024", "--kv-cache-blocks", "128",
+                         "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
                         tmp_path_factory.mktemp("tiny") / "server.log", api_key="sesame")
     yield from running(srv)

@@ -67,7 +67,6 @@ CASES = [
     ("prompt_empty", CMPL, cmpl(prompt=""), 400, "prompt"),
     ("token_id_out_of_vocab", CMPL, cmpl(prompt=[1, 10_000_000]), 400, "prompt"),
     ("token_id_negative", CMPL, cmpl(prompt=[-1]), 400, "prompt"),
-    ("logit_bias_unsupported", CMPL, cmpl(logit_bias={"1": 5.0}), 400, "logit_bias"),
     ("unknown_model_chat", CHAT, chat(model="gpt-17"), 404, "model"),
     ("unknown_model_completions", CMPL, cmpl(model="gpt-17"), 404, "model"),
     ("detokenize_bad_ids", "/detokenize", {"tokens": [10_000_000]}, 400, "tokens"),
