@@ -1,6 +1,6 @@
 """Decode latency at a fixed batch, beside the memory-bandwidth roofline.
 
-`blitz bench latency --model M --batch-size B --input-len I --output-len O [--compare hf]`
+`blitz bench latency --model M --batch-size B --input-len I --output-len O [--compare hf,llamacpp]`
 prints (and with --json writes) tokens_per_s, ms_per_token, ttft_s, bytes_per_step,
 copy_bandwidth_Bps, roofline_fraction, kernels_per_step / kernels_per_layer (CUDA).
 """
@@ -28,6 +28,8 @@ def add_args(p, add_engine_args) -> None:
                    help="comma list of peers timed in the same run: hf (transformers on the same weights), "
                         "llamacpp (llama-cpp-python on the same .gguf, CPU), nospec (this engine with "
                         "--speculative-config switched off)")
+    p.add_argument("--long-prompt-len", type=int, default=1000,
+                   help="with --compare llamacpp: TTFT of one prompt this long, both engines")
     p.add_argument("--json", default=None, help="write the results to this file")
 
 
@@ -71,8 +73,6 @@ def run(a) -> int:
     kw["max_num_batched_tokens"] = kw["max_num_batched_tokens"] or max(B * I, 2048)
     kw["max_num_seqs"] = max(kw["max_num_seqs"], B)
     kw["enable_prefix_caching"] = False  # every run must compute its prompt
-    if kw["max_model_len"] is None:
-        kw["max_model_len"] = I + max(O, 8)
     peers = [x.strip() for x in (a.compare or "").split(",") if x.strip()]
     bad = [x for x in peers if x not in ("hf", "llamacpp", "nospec")]
     if bad:
@@ -82,7 +82,12 @@ def run(a) -> int:
     tp = kw["tensor_parallel_size"]
     if tp > 1 and any(p != "nospec" for p in peers):
         raise ValueError("--compare hf/llamacpp runs the peers on one device: use it with --tensor-parallel-size 1")
+    long_len = a.long_prompt_len if "llamacpp" in peers else 0
+    if kw["max_model_len"] is None:
+        kw["max_model_len"] = max(I + max(O, 8), long_len + 8)
+    t0 = time.perf_counter()
     llm = LLM(**kw)
+    startup_s = time.perf_counter() - t0
     eng = llm.engine
     cfg, dev = eng.model_config, eng.device
     _timed_run(eng, _prompts(B, I, cfg.vocab_size, 1), min(O, 8), "warm")
@@ -98,13 +103,21 @@ def run(a) -> int:
     bw = copy_bandwidth(dev)
     res = {
         "model": a.model, "device": str(dev), "dtype": str(eng.dtype).replace("torch.", ""),
-        "weight_dtype": str(eng.weight_dtype).replace("torch.", ""),
+        "weight_dtype": _weight_format(eng),
         "num_layers": cfg.num_layers, "tensor_parallel_size": tp, "batch_size": B, "input_len": I, "output_len": O,
         "tokens_per_s": B / step_s, "tokens_per_s_per_user": 1.0 / step_s, "ms_per_token": step_s * 1e3,
         "ttft_s": ttft, "bytes_per_step": w_bytes + kv_bytes + st_bytes, "weight_bytes_per_step": w_bytes,
         "kv_bytes_per_step": kv_bytes, "state_bytes_per_step": st_bytes, "copy_bandwidth_Bps": bw,
         "roofline_fraction": (w_bytes + kv_bytes + st_bytes) / bw / step_s,
+        "startup_s": startup_s,
     }
+    cpu_decode = getattr(eng.runner, "cpu_decode", None)
+    if cpu_decode is not None:
+        res["cpu_decode"] = "compiled" if cpu_decode.compiled else "eager"
+        res["cpu_compile_s"] = cpu_decode.compile_s
+    if long_len:
+        res["ttft_long_prompt_len"] = long_len
+        res["ttft_long_s"] = _long_ttft(eng, long_len, cfg)
     if eng.spec is not None:
         res.update(_spec_stats(eng))
     if dev.type == "cuda":
@@ -114,7 +127,7 @@ def run(a) -> int:
     if "hf" in peers:
         res.update(_compare_hf(a, eng, cfg, B, I, O, dev, res["tokens_per_s"]))
     if "llamacpp" in peers:
-        res.update(_compare_llamacpp(a.model, cfg, B, I, O, res["tokens_per_s"]))
+        res.update(_compare_llamacpp(a.model, cfg, B, I, O, res["tokens_per_s"], long_len, res["ttft_long_s"]))
     llm.close()
     _print(res)
     if a.json:
@@ -190,7 +203,24 @@ def _compare_hf(a, eng, cfg, B, I, O, dev, ours_tps) -> dict:
     return out
 
 
-def _compare_llamacpp(model, cfg, B, I, O, ours_tps) -> dict:
+def _weight_format(eng) -> str:
+    """The linears' storage: a dtype, int4 / fp8, or 'gguf-grid' (a GGUF's codes kept, CPU)."""
+    if eng.weight_dtype == "auto":
+        kept = any(getattr(m, "quant", None) is not None for m in eng.runner.model.modules())
+        return "gguf-grid" if kept else str(eng.dtype).replace("torch.", "")
+    return str(eng.weight_dtype).replace("torch.", "")
+
+
+def _long_ttft(eng, n, cfg) -> float:
+    """Seconds from adding one uncached n-token prompt to its first token (the median of 3)."""
+    times = []
+    for r in range(3):
+        t, _ = _timed_run(eng, _prompts(1, n, cfg.vocab_size, 10 + r), 2, f"long{r}")
+        times.append(t)
+    return sorted(times)[1]
+
+
+def _compare_llamacpp(model, cfg, B, I, O, ours_tps, long_len=0, ours_long_ttft=None) -> dict:
     """llama.cpp through llama-cpp-python on the same GGUF file (its own quantized kernels)."""
     from pathlib import Path
     try:
@@ -202,7 +232,7 @@ def _compare_llamacpp(model, cfg, B, I, O, ours_tps) -> dict:
     if path.suffix != ".gguf" or B != 1:
         raise ValueError("--compare llamacpp needs a .gguf model (or smollm2) and --batch-size 1")
     import os
-    lm = Llama(model_path=str(path), n_ctx=I + O + 8, n_threads=os.cpu_count(), verbose=False)
+    lm = Llama(model_path=str(path), n_ctx=max(I + O, long_len) + 8, n_threads=os.cpu_count(), verbose=False)
     prompt = _prompts(1, I, cfg.vocab_size, 5)[0].tolist()
 
     def decode_time(n):
@@ -217,7 +247,18 @@ def _compare_llamacpp(model, cfg, B, I, O, ours_tps) -> dict:
 
     decode_time(8)
     per_tok = decode_time(O) / (O - 1)
-    return {"llamacpp_tokens_per_s": 1.0 / per_tok, "speedup_vs_llamacpp": ours_tps * per_tok}
+    out = {"llamacpp_tokens_per_s": 1.0 / per_tok, "speedup_vs_llamacpp": ours_tps * per_tok}
+    if long_len:
+        times = []
+        for r in range(3):
+            long_prompt = _prompts(1, long_len, cfg.vocab_size, 10 + r)[0].tolist()
+            lm.reset()
+            t = time.perf_counter()
+            next(iter(lm.generate(long_prompt, temp=0.0, reset=True)))
+            times.append(time.perf_counter() - t)
+        out["llamacpp_ttft_long_s"] = sorted(times)[1]
+        out["ttft_long_vs_llamacpp"] = ours_long_ttft / out["llamacpp_ttft_long_s"]
+    return out
 
 
 def _print(res: dict) -> None:

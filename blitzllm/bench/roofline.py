@@ -64,6 +64,9 @@ def weight_bytes_per_step(model: torch.nn.Module, batch: int) -> int:
             total += batch * p.shape[1] * p.element_size()
         else:
             total += p.numel() * p.element_size() * expert_share.get(id(p), 1.0)
+    for mod in model.modules():  # a GGUF's grid kept on the CPU (loader/gguf_grid.py)
+        if getattr(mod, "quant", None) is not None:
+            total += mod.quant.nbytes()
     for name, b in model.named_buffers():  # weight-only int4 layers keep packed buffers, FP8 ones scales
         if name.endswith(("qweight", "qscales_zeros", "scale_inv")) and not _is_mtp(name):
             total += b.numel() * b.element_size() * expert_share.get(id(b), 1.0)

@@ -40,6 +40,11 @@ class EngineArgs:
     speculative_config: Optional[Union[str, dict]] = None  # see blitzllm/spec/config.py
     tensor_parallel_size: int = 1     # ranks the model is sharded over (blitzllm/distributed/)
 
+    def __post_init__(self):
+        if self.weight_dtype is None and self.dtype is None:
+            # neither asked: on the CPU a GGUF's quantized linears stay on their grid (resolve_weight_dtype)
+            self.weight_dtype = "auto"
+
 
 def resolve_device(device: Optional[str]) -> torch.device:
     if device is None:
@@ -74,6 +79,8 @@ def resolve_weight_dtype(weight_dtype: Optional[str], device: torch.device, dtyp
         return "int4"
     if weight_dtype == "fp8":
         return "fp8"
+    if weight_dtype == "auto":  # build_model keeps a GGUF's quantized grid on the CPU (loader/gguf_grid.py)
+        return "auto" if device.type == "cpu" else dtype
     if weight_dtype and weight_dtype not in _DTYPES:
         raise ValueError(f"weight_dtype must be one of float32, bfloat16, float16, int4, fp8; got {weight_dtype!r}")
     return resolve_dtype(weight_dtype, device, None) if weight_dtype else dtype

@@ -12,6 +12,7 @@ from ..kernels.activation import silu_and_mul
 from ..kernels.gemv.gemv import linear as gemv_linear
 from ..kernels.fp8_weights import DEFAULT_BLOCK as DEFAULT_FP8_BLOCK
 from ..kernels.fp8_weights import fp8_linear, quantize_fp8_block
+from ..kernels.cpu_quant import int4_matmul
 
 _WEIGHT_ONLY_MAX_ROWS = 4  # up to this many rows, weight-only layers compute in the weight dtype
 
@@ -28,6 +29,8 @@ class Linear(nn.Module):
         # weight_dtype='fp8' (``quantize_fp8``): a float8 weight with fp32 scales per fp8_block
         self.register_buffer("weight_scale_inv", None)
         self.fp8_block: tuple | None = None
+        # a GGUF checkpoint's grid kept on the CPU (loader/gguf_grid.py): kernels/cpu_quant's QuantWeight
+        self.quant = None
         # kernel forms, set by the runner's decode plan (runner/decode_plan.py):
         # CUDA decode rows on the Triton GEMV (else cuBLAS)
         self.use_gemv = True
@@ -40,7 +43,7 @@ class Linear(nn.Module):
 
     def tma_ok(self, x: torch.Tensor) -> bool:
         """Whether ``forward(x)`` (and ``forward_norm``) runs the TMA GEMV."""
-        if not self.tma_preload or self.qweight is not None or not self.use_gemv:
+        if not self.tma_preload or self.qweight is not None or self.quant is not None or not self.use_gemv:
             return False
         from ..kernels.gemv.gemv_tma import tma_gemv_ok
         return tma_gemv_ok(x, self.weight)
@@ -48,6 +51,9 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor, silu_mul_input: bool = False) -> torch.Tensor:
         """x [..., in] -> [..., out]. With ``silu_mul_input`` x is [..., 2*in] (gate, up) and
         the layer applies ``silu(gate) * up`` first, fused into the GEMV on CUDA decode."""
+        if self.quant is not None:
+            y = int4_matmul(silu_and_mul(x) if silu_mul_input else x, self.quant)
+            return y if self.bias is None else y + self.bias.to(y.dtype)
         if self.qweight is not None:
             return self._int4_forward(silu_and_mul(x) if silu_mul_input else x)
         if self.fp8_block is not None:

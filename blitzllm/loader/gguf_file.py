@@ -82,12 +82,13 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_gguf_tensors(reader, config: dict) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_tensors(reader, config: dict, skip=frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    """``skip``: HF names not to read (weights the model already holds in another form)."""
     import gguf
     is_llama = config["architectures"][0] == "LlamaForCausalLM"
     for t in reader.tensors:
         name = _hf_name(t.name)
-        if name is None:
+        if name is None or name in skip:
             continue
         shape = tuple(int(s) for s in reversed(t.shape))
         arr = gguf.quants.dequantize(reader.tensor_data(t), t.tensor_type).reshape(shape)

@@ -4,6 +4,7 @@ workers and the draft-model proposer.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, Optional
 
 import torch
@@ -58,6 +59,15 @@ def _build_model(src, cfg, device, dtype, seed, weight_dtype, tp):
                                                     cfg.rope_theta, cfg.rope_scaling).to(device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    if weight_dtype == "auto":  # none asked: a GGUF's quantized linears stay on their grid on the CPU
+        weight_dtype = dtype
+        if device.type == "cpu" and src.kind == "gguf" and src.tensors is not None and tp.world_size == 1:
+            from ..loader.gguf_file import iter_gguf_tensors, open_gguf
+            from ..loader.gguf_grid import apply_gguf_grids
+            reader, gcfg = open_gguf(src.path)
+            skip = apply_gguf_grids(model, reader, gcfg)  # (their float copies are never read)
+            src = replace(src, tensors=lambda: iter_gguf_tensors(reader, gcfg, skip),
+                          num_tensors=src.num_tensors - len(skip))
     if src.tensors is None:
         init_dummy_weights(model, seed, per_parameter_seeds=tp.world_size > 1)
     else:

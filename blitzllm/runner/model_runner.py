@@ -100,6 +100,11 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, self.kv_caches, self.backend, device,
                                        max(max_num_seqs, max_decode_rows), width, self.states)
             self.graphs.capture()
+        self.cpu_decode = None  # CPU pure-decode steps in few ops, compiled or not (runner/cpu_graph.py)
+        if device.type == "cpu" and not knobs.reference:
+            from .cpu_graph import maybe_cpu_decode
+            self.cpu_decode = maybe_cpu_decode(model, self.kv_caches, self.backend, cache.block_size, tp.world_size,
+                                               self.states, enforce_eager)
 
     def _to_dev(self, data, dtype):
         return torch.tensor(data, dtype=dtype, device="cpu").to(self.device, non_blocking=True)
@@ -190,6 +195,13 @@ class ModelRunner:
         if (self.graphs is not None and all(e - s == 1 for _, s, e in seqs) and len(sample_idx) == len(seqs)
                 and self.graphs.can_run(len(seqs))):
             return _host_result(self._decode_step(seqs, block_tables, rows, states))
+        if (self.cpu_decode is not None and self.driver is None and len(sample_idx) == len(seqs)
+                and all(e - s == 1 for _, s, e in seqs)):
+            self._ahead = None
+            cur = self._decode_inputs(seqs, block_tables)
+            logits = self.cpu_decode.run([t[0] for t, _, _ in seqs], *cur, block_tables)
+            smd = SamplingMetadata.build(rows, self.cfg.vocab_size, self.device)
+            return _host_result(_to_host_async(self.sampler(logits, smd)))
         logits = self.score(seqs, block_tables, sample_idx, [1] * len(sample_idx), states)
         if not sample_idx:
             return StepResult([], [], None)

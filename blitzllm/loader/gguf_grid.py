@@ -1,0 +1,115 @@
+"""A GGUF file's quantized linear weights kept on their grid (the CPU default): the raw Q4_0 /
+Q4_1 / Q8_0 blocks of every linear read straight from the file (q/k rows un-permuted for Llama,
+as ``gguf_file`` does for the dequantized tensors), the shards of a packed projection stacked,
+and each ``Linear`` given the packed form of ``kernels/cpu_quant`` in place of its float weight.
+The embedding table keeps its dequantized float values (only looked-up rows are read); a tied
+lm_head gets its own packed copy of the table's blocks.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..kernels.cpu_quant import QuantWeight, pack_q4, pack_q8_blocks
+from ..layers.linear import Linear, PackedLinear
+from .gguf_file import _hf_name, _unpermute
+
+Q4_0, Q4_1, Q8_0 = 2, 3, 8
+GRID_TYPES = (Q4_0, Q4_1, Q8_0)
+_BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
+
+
+def _blocks(reader, t) -> tuple:
+    """(kind, q [N, K], d [N, K/32], m [N, K/32] or None) as torch tensors from raw bytes."""
+    k = int(t.shape[0])
+    n = int(np.prod(t.shape[1:]))
+    raw = np.asarray(reader._mm[t.offset:t.offset + t.nbytes]).reshape(n, k // 32, _BLOCK_BYTES[t.tensor_type])
+    d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if t.tensor_type == Q8_0:
+        q = raw[..., 2:].copy().view(np.int8).reshape(n, k)
+        return "q8", q, d, None
+    off = 4 if t.tensor_type == Q4_1 else 2
+    m = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if t.tensor_type == Q4_1 else None
+    qs = raw[..., off:off + 16]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)  # low nibbles first, as ggml
+    return "q4", q, d, m
+
+
+def read_grids(reader, config: dict, names=None) -> dict:
+    """HF name -> (kind, q, d, m) for every Q4_0 / Q4_1 / Q8_0 2-D tensor (``names``: only those)."""
+    is_llama = config["architectures"][0] == "LlamaForCausalLM"
+    out = {}
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        if name is None or t.tensor_type not in GRID_TYPES or len(t.shape) != 2 or t.shape[0] % 32:
+            continue
+        if names is not None and name not in names:
+            continue
+        kind, q, d, m = _blocks(reader, t)
+        heads = None
+        if is_llama and name.endswith("q_proj.weight"):
+            heads = config["num_attention_heads"]
+        elif is_llama and name.endswith("k_proj.weight"):
+            heads = config["num_key_value_heads"]
+        if heads is not None:
+            q, d = _unpermute(q, heads), _unpermute(d, heads)
+            m = None if m is None else _unpermute(m, heads)
+        out[name] = (kind, torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(np.ascontiguousarray(d)),
+                     None if m is None else torch.from_numpy(np.ascontiguousarray(m)))
+    return out
+
+
+def _linear_names(model: nn.Module) -> dict:
+    """Linear module -> its checkpoint tensor names, shard order (packed_modules inverted)."""
+    inverse: dict = {}
+    for ck, (packed, idx) in getattr(model, "packed_modules", {}).items():
+        inverse.setdefault(packed, {})[idx] = ck
+    cfg = getattr(model, "config", None)
+    out = {}
+    for name, mod in model.named_modules():
+        if not isinstance(mod, Linear) or mod.weight is None:
+            continue
+        prefix, _, short = name.rpartition(".")
+        if isinstance(mod, PackedLinear) and short in inverse:
+            out[mod] = [f"{prefix}.{inverse[short][i]}.weight" for i in range(len(mod.shard_sizes))]
+        else:
+            out[mod] = [f"{name}.weight"]
+    lm_head = getattr(model, "lm_head", None)
+    if cfg is not None and getattr(cfg, "tie_word_embeddings", False) and isinstance(lm_head, Linear):
+        out[lm_head] = ["model.embed_tokens.weight"]
+    return out
+
+
+def apply_gguf_grids(model: nn.Module, reader, config: dict) -> set:
+    """Every Linear whose checkpoint tensors are all Q4_0/Q4_1 (one kind for all shards) or all
+    Q8_0 becomes packed (``Linear.quant``); others keep their float weights. Returns the
+    checkpoint names no float parameter needs any more (the stream may skip them)."""
+    targets = _linear_names(model)
+    grids = read_grids(reader, config, {n for names in targets.values() for n in names})
+    done: set = set()
+    for mod, names in targets.items():
+        if mod.bias is not None and mod.bias.dtype != torch.float32:
+            continue
+        parts = [grids.get(n) for n in names]
+        if any(p is None for p in parts) or len({(p[0], p[3] is None) for p in parts}) != 1:
+            continue
+        kind = parts[0][0]
+        q = torch.cat([p[1] for p in parts])
+        d = torch.cat([p[2] for p in parts])
+        if tuple(q.shape) != (mod.out_features, mod.in_features):
+            continue
+        if kind == "q8":
+            qw = pack_q8_blocks(q, d)
+        else:
+            qw = pack_q4(q, d, None if parts[0][3] is None else torch.cat([p[3] for p in parts]))
+        set_quant(mod, qw)
+        done.update(names)
+    still = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    return {n for n in done if n not in still}  # (a tied table stays: the embedding reads it)
+
+
+def set_quant(mod: Linear, qw: QuantWeight) -> None:
+    """The Linear computes through ``qw``; its float weight is dropped (a tied lm_head unties)."""
+    mod.quant = qw
+    mod.weight = None

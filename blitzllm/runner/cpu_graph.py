@@ -1,0 +1,193 @@
+"""CPU decode steps of a dense pre-norm decoder (Llama, Qwen2, Qwen3) in few ops: one function
+per layer (``layer_step``) takes the layer's weights as arguments, so one compiled graph
+(torch.compile, inductor's C++ backend; its code cached on disk by inductor) serves every layer
+of every step, with the batch size (1, or 2 and more) and the context length as its only
+shapes. The residual add + RMSNorm, rotary, the paged KV-cache write, attention over the
+gathered cache rows and SiLU-and-mul fuse around the weight-only quantized matmuls
+(``kernels/cpu_quant``) or float ones. Runs eagerly (the same function, no compiler) when
+compiling is off. Numerics as the eager model's CPU path (HF's): fp32 statistics, the same
+rotary tables.
+
+Knows nothing of requests; the runner hands it one pure-decode step's host lists.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels.norm.rmsnorm import reference_rms_norm
+from ..layers.linear import Linear
+from ..layers.rotary import rotary_tables
+
+_COMPILE_OPTIONS = {"fx_graph_cache": True}
+
+
+def supports(model, kv_caches, backend, tp_size: int, states) -> bool:
+    """Whether this model's decode can run here: a dense pre-norm decoder of plain layers on
+    the CPU, one rank, the torch attention backend, no recurrent states."""
+    inner = getattr(model, "model", None)
+    if tp_size != 1 or states is not None or backend.name != "torch" or inner is None:
+        return False
+    layers = getattr(inner, "layers", None)
+    if not layers or not isinstance(getattr(model, "lm_head", None), Linear):
+        return False
+    for layer in layers:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if attn is None or mlp is None or not hasattr(mlp, "gate_up_proj") or not hasattr(attn, "qkv_proj"):
+            return False
+        a = attn.attn
+        if a.pre_norm is not None or a.full_width_qk_norm or a.rotary.rotary_dim != a.head_dim:
+            return False
+        for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            if not isinstance(lin, Linear) or lin.qweight is not None or lin.fp8_block is not None:
+                return False
+        if mlp.down_proj.bias is not None or mlp.gate_up_proj.bias is not None or attn.o_proj.bias is not None:
+            return False
+    return all(k.device.type == "cpu" for k, _ in kv_caches)
+
+
+def _weights(lin: Linear) -> tuple:
+    """A linear as step arguments: (float weight,) or its packed int4 parts, flattened."""
+    if lin.quant is not None:
+        return tuple(t for part in lin.quant.parts for t in part)
+    return (lin.weight,)
+
+
+def _mm(x: torch.Tensor, w: tuple, n_out: int) -> torch.Tensor:
+    if len(w) == 1:
+        return F.linear(x, w[0].to(x.dtype) if w[0].dtype != x.dtype else w[0])
+    xb, y = x.to(torch.bfloat16), None  # (the int4 kernel's fast form: kernels/cpu_quant/pack.py)
+    for i in range(0, len(w), 2):
+        part = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, w[i], 32, w[i + 1]).float()
+        y = part if y is None else y + part
+    return y.to(x.dtype)
+
+
+def layer_step(x, residual, ln1, ln2, qkv_w: tuple, qkv_b, q_norm, k_norm, o_w: tuple, gu_w: tuple, dn_w: tuple,
+               k_cache, v_cache, cos, sin, gidx, is_new, mask, dims: tuple):
+    """One decoder layer for B decode rows: x, residual [B, H] -> (mlp out, new residual, k, v),
+    k / v [B, Hkv, D] the rows' new cache entries, which the caller writes (a cache written in
+    a compiled graph is copied whole). ``cos`` / ``sin`` [B, 1, D] (rotary_tables), ``gidx``
+    [B, L] the cache rows each row attends to, its own new entry at ``is_new`` [B, L, 1, 1],
+    ``mask`` [B, 1, 1, L] (None: every row attends to all L). ``dims``: (heads, kv heads, head
+    dim, intermediate, eps, scale, q/k norm eps)."""
+    hq, hkv, d, inter, eps, scale, qk_eps = dims
+    B = x.shape[0]
+    res = x + residual
+    qkv = _mm(reference_rms_norm(res, ln1, eps), qkv_w, (hq + 2 * hkv) * d)
+    if qkv_b is not None:
+        qkv = qkv + qkv_b
+    heads = qkv.view(B, hq + 2 * hkv, d)
+    qk, v = heads[:, :hq + hkv], heads[:, hq + hkv:]
+    if q_norm is not None:
+        qk = torch.cat([reference_rms_norm(qk[:, :hq], q_norm, qk_eps),
+                        reference_rms_norm(qk[:, hq:], k_norm, qk_eps)], 1)
+    half = d // 2
+    qf = qk.float()
+    qk = (qf * cos + torch.cat([qf[..., half:], qf[..., :half]], -1) * sin).to(x.dtype)
+    q, k = qk[:, :hq], qk[:, hq:]
+    k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+    kg = torch.where(is_new, k[:, None], k_cache.view(-1, hkv, d)[gidx]).transpose(1, 2).to(x.dtype)  # [B, Hkv, L, D]
+    vg = torch.where(is_new, v[:, None], v_cache.view(-1, hkv, d)[gidx]).transpose(1, 2).to(x.dtype)
+    o = F.scaled_dot_product_attention(q[:, :, None], kg, vg, attn_mask=mask, scale=scale, enable_gqa=hq != hkv)
+    h2 = _mm(o.reshape(B, hq * d), o_w, x.shape[1]) + res
+    gu = _mm(reference_rms_norm(h2, ln2, eps), gu_w, 2 * inter)
+    act = F.silu(gu[:, :inter]) * gu[:, inter:]
+    return _mm(act, dn_w, x.shape[1]), h2, k, v
+
+
+class CpuDecode:
+    """Pure-decode steps of a supported model (``supports``); ``compiled``: through
+    torch.compile (compiled on the first step of each shape class, or by ``warm_up``)."""
+
+    def __init__(self, model, kv_caches, block_size: int, compiled: bool):
+        self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
+        self.compiled = compiled
+        inner = model.model
+        self.embed, self.norm, self.lm_head = inner.embed_tokens, inner.norm, model.lm_head
+        self.rotary = inner.layers[0].self_attn.attn.rotary
+        self.layers = []
+        for layer in inner.layers:
+            sa, mlp = layer.self_attn, layer.mlp
+            a = sa.attn
+            qn, kn = a.q_norm, a.k_norm
+            dims = (a.num_heads, a.num_kv_heads, a.head_dim, mlp.down_proj.in_features,
+                    layer.input_layernorm.eps, a.scale, qn.eps if qn is not None else 1e-6)
+            self.layers.append((layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                                _weights(sa.qkv_proj), sa.qkv_proj.bias,
+                                qn.weight if qn is not None else None, kn.weight if kn is not None else None,
+                                _weights(sa.o_proj), _weights(mlp.gate_up_proj), _weights(mlp.down_proj), dims))
+        self.step_fn = layer_step
+        if compiled:
+            self.step_fn = torch.compile(layer_step, fullgraph=True, options=_COMPILE_OPTIONS)
+        self.compile_s = 0.0
+
+    def warm_up(self, batch_sizes=(1,)) -> float:
+        """Compile (or load from the cache) the step for these batch sizes now; returns seconds."""
+        t = time.perf_counter()
+        for b in batch_sizes:
+            bs = self.block_size
+            with torch.inference_mode():
+                # a throw-away row writing into cache row 0 of block 0 (rewritten by any real step)
+                self.run([0] * b, [0] * b, [0] * b, [1] * b, [[0]] * b)
+        self.compile_s += time.perf_counter() - t
+        return time.perf_counter() - t
+
+    def _gather_index(self, lens, block_tables):
+        bs = self.block_size
+        L = max(lens)
+        nblk = -(-L // bs)
+        bt = torch.tensor([t[:nblk] + [0] * (nblk - len(t[:nblk])) for t in block_tables], dtype=torch.int64)
+        gidx = (bt[:, :, None] * bs + torch.arange(bs)).view(len(lens), -1)[:, :L]
+        lens_t = torch.tensor(lens)[:, None]
+        is_new = (torch.arange(L)[None, :] == lens_t - 1)[:, :, None, None]
+        mask = None
+        if len(lens) > 1:  # (always a mask past one row: one graph, not two)
+            mask = (torch.arange(L)[None, :] < lens_t)[:, None, None, :]
+        return gidx, is_new, mask
+
+    def run(self, ids, pos, slots, lens, block_tables) -> torch.Tensor:
+        """One decode step: host lists per row -> fp32 logits [B, V]."""
+        ids_t = torch.tensor(ids, dtype=torch.int64)
+        pos_t = torch.tensor(pos, dtype=torch.int64)
+        slots_t = torch.tensor(slots, dtype=torch.int64)
+        gidx, is_new, mask = self._gather_index(lens, block_tables)
+        if self.compiled:
+            torch._dynamo.mark_dynamic(gidx, 1)
+            torch._dynamo.mark_dynamic(is_new, 1)
+            if mask is not None:
+                torch._dynamo.mark_dynamic(mask, 3)
+        cos, sin = rotary_tables(self.rotary.cos_sin_cache, pos_t)
+        x = self.embed(ids_t)
+        residual = torch.zeros_like(x)
+        if self.compiled and len(ids) > 1:  # one graph for every batch of 2 and more
+            for t in (x, residual, cos, sin, gidx, is_new) + (() if mask is None else (mask,)):
+                torch._dynamo.mark_dynamic(t, 0)
+        step = self.step_fn
+        for (ln1, ln2, qkv_w, qkv_b, qn, kn, o_w, gu_w, dn_w, dims), (kc, vc) in zip(self.layers, self.kv_caches):
+            x, residual, k, v = step(x, residual, ln1, ln2, qkv_w, qkv_b, qn, kn, o_w, gu_w, dn_w, kc, vc,
+                                     cos, sin, gidx, is_new, mask, dims)
+            hkv, d = kc.shape[2], kc.shape[3]
+            kc.view(-1, hkv, d).index_copy_(0, slots_t, k)
+            vc.view(-1, hkv, d).index_copy_(0, slots_t, v)
+        h, _ = self.norm(x, residual)
+        return self.model.compute_logits(h)
+
+
+def compile_enabled(default: bool) -> bool:
+    """BLITZ_CPU_COMPILE=0/1 overrides the runner's default."""
+    v = os.environ.get("BLITZ_CPU_COMPILE")
+    return default if v in (None, "") else v not in ("0", "false", "no")
+
+
+def maybe_cpu_decode(model, kv_caches, backend, block_size: int, tp_size: int, states,
+                     enforce_eager: bool) -> Optional[CpuDecode]:
+    """The CPU decode path, or None: unsupported, or ``enforce_eager`` (every step through the
+    model's modules, whose hooks EAGLE-3 and MTP read)."""
+    if enforce_eager or not supports(model, kv_caches, backend, tp_size, states):
+        return None
+    return CpuDecode(model, kv_caches, block_size, compiled=compile_enabled(False))

@@ -1,0 +1,44 @@
+"""runner/cpu_graph.py: the CPU decode step, compiled (torch.compile, inductor) and eager, gives
+the model's own eager forward's greedy tokens at batch 1, 3 and 8, with chunked prefill and
+prefix caching on (prompts sharing a prefix longer than a block, a token budget smaller than
+the prompts). One compile per batch class (1; 2 and more), context length symbolic."""
+import pytest
+import torch
+
+from blitzllm import LLM, SamplingParams
+
+KW = dict(device="cpu", dtype="float32", kv_cache_blocks=64, block_size=16, max_num_batched_tokens=24,
+          enable_prefix_caching=True, max_num_seqs=8)
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(0)
+    shared = torch.randint(1, 300, (21,), generator=g).tolist()
+    return [shared + torch.randint(1, 300, (5 + 7 * i,), generator=g).tolist() for i in range(8)]
+
+
+def _run(llm, prompts):
+    p = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    return [o.token_ids for o in llm.generate(prompts, p)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    llm = LLM(str(tiny_llama[0]), **KW)
+    llm.engine.runner.cpu_decode = None  # every step through the model's forward
+    prompts = _prompts()
+    return {b: _run(llm, prompts[:b]) for b in (1, 3, 8)}
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_cpu_decode_greedy_equals_model_forward(tiny_llama, reference, compiled, monkeypatch):
+    monkeypatch.setenv("BLITZ_CPU_COMPILE", "1" if compiled else "0")
+    llm = LLM(str(tiny_llama[0]), **KW)
+    dec = llm.engine.runner.cpu_decode
+    assert dec is not None and dec.compiled == compiled
+    prompts = _prompts()
+    for b in (1, 3, 8):
+        assert _run(llm, prompts[:b]) == reference[b], b
+        assert _run(llm, prompts[:b]) == reference[b], b  # again: the shared prefix now cached
+    stats = llm.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
