@@ -39,6 +39,7 @@ class EngineArgs:
     warmup: bool = True               # CUDA: compile the kernels a first request needs at start-up
     speculative_config: Optional[Union[str, dict]] = None  # see blitzllm/spec/config.py
     tensor_parallel_size: int = 1     # ranks the model is sharded over (blitzllm/distributed/)
+    kv_transfer_config: Optional[Union[str, dict]] = None  # P/D disaggregation (blitzllm/kv_transfer/)
 
     def __post_init__(self):
         if self.weight_dtype is None and self.dtype is None:

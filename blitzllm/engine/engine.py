@@ -45,6 +45,7 @@ class StepEvent:
     finish_reason: Optional[str] = None
     stop_reason: object = None
     prompt_logprobs: Optional[list] = None  # on the first event of a request that asked for them
+    kv_transfer_params: Optional[dict] = None  # a producer's finished request: where its KV waits
 
 
 class Engine:
@@ -68,6 +69,8 @@ class Engine:
         self.model_config = cfg = ModelConfig.from_hf(src.hf_config, args.num_layers)
         self.dtype = resolve_dtype(args.dtype, self.device, src.torch_dtype)
         self.weight_dtype = resolve_weight_dtype(args.weight_dtype, self.device, self.dtype)
+        from ..kv_transfer import build_connector   # P/D disaggregation (docs/disaggregation.md)
+        self.connector = build_connector(args.kv_transfer_config, tp_size, bool(cfg.state_layers))
         if tp_size > 1:
             self._join_tp_world(cfg, tp_size)
         try:
@@ -100,6 +103,10 @@ class Engine:
                                    max_num_seqs=args.max_num_seqs, attention_backend=args.attention_backend,
                                    **speculation_runner_kwargs(args))
         num_blocks = self.cache_config.num_blocks
+        if self.connector is not None:
+            self.connector.register_caches(self.runner.kv_caches, args.block_size, group.world_size)
+            self.connector.broadcast = tp.send if tp is not None else None   # (KV heads for the other ranks)
+            self.scheduler.remote_tokens = self.connector.remote_tokens
         if tp is not None:
             self.runner.driver = tp
             tp.workers_waiting = True
@@ -162,6 +169,8 @@ class Engine:
         with one rank). Idempotent; the engine cannot step afterwards."""
         if self.tp is not None:
             self.tp.shutdown()
+        if getattr(self, "connector", None) is not None:
+            self.connector.close()
 
     # ---- setup -------------------------------------------------------------------
     def _warmup(self) -> float:
@@ -210,7 +219,9 @@ class Engine:
             return list(prompt)
         raise ValueError("a prompt must be a string or a list of token ids")
 
-    def add_request(self, request_id: str, prompt: Union[str, list], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt: Union[str, list], params: SamplingParams,
+                    kv_transfer_params: Optional[dict] = None, kv_payload=None) -> None:
+        """``kv_transfer_params`` / ``kv_payload``: disaggregation (``async_engine.py`` pulls the payload)."""
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams")
         if request_id in self.requests:
@@ -231,6 +242,10 @@ class Engine:
             raise ValueError(f"stop_token_ids must be in [0, {V})")
         if params.logit_bias and max(params.logit_bias) >= V:
             raise ValueError(f"logit_bias token ids must be in [0, {V})")
+        if self.connector is None:
+            kv_transfer_params = kv_payload = None
+        elif kv_transfer_params and kv_transfer_params.get("do_remote_decode") and params.n != 1:
+            raise ValueError("n must be 1 with kv_transfer_params do_remote_decode")
         if params.structured_output is not None and self.grammars is None:
             from ..structured import GrammarCompiler
             self.grammars = GrammarCompiler(self.tokenizer, V)
@@ -246,6 +261,7 @@ class Engine:
                           prompt=prompt if isinstance(prompt, str) else None)
             if params.structured_output is not None:
                 req.matcher = self.grammars.matcher(params.structured_output)
+            req.kv_transfer_params, req.kv_payload = kv_transfer_params, kv_payload
             if params.prompt_logprobs is not None and i == 0:
                 req.prompt_logprobs = []
             if self.tokenizer is not None:
@@ -278,6 +294,8 @@ class Engine:
         seqs = self.scheduler.schedule()
         if not seqs:
             return []
+        if self.connector is not None:
+            self.connector.land(seqs, self.kv)  # KV pulled for requests admitted now
         drafts = self.spec.propose(seqs) if self.spec is not None else None
         if drafts is not None:
             return self._spec_step(seqs, drafts)
@@ -445,10 +463,13 @@ class Engine:
             if req.detok is not None and not req.detok.stopped:
                 text += req.detok.finish()
             self._finish(req, reason, stop_reason)
-        return StepEvent(rid, int(index), [tok], text, lps, reason, stop_reason, prompt_logprobs=plp)
+        return StepEvent(rid, int(index), [tok], text, lps, reason, stop_reason, prompt_logprobs=plp,
+                         kv_transfer_params=req.kv_transfer_params if reason is not None else None)
 
     def _finish(self, req: Request, reason: str, stop_reason) -> None:
         req.status, req.finish_reason, req.stop_reason = Status.FINISHED, reason, stop_reason
+        if self.connector is not None:
+            self.connector.request_finished(req, self.kv)   # a producer's blocks stay, under a lease
         self.scheduler.remove(req)
         if self.spec is not None:
             self.spec.finish(req.request_id)
@@ -472,4 +493,5 @@ class Engine:
             **self.counters,
             **(self.kv.state_stats() if isinstance(self.kv, HybridKVCacheManager) else {}),
             **(self.spec.stats() if self.spec is not None else {}),
+            **(self.connector.stats() if self.connector is not None else {}),
         }

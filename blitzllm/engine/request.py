@@ -40,6 +40,10 @@ class Request:
     # with params.prompt_logprobs (the first of n sequences): per prompt token from the second on,
     # {id: logprob} of it and the top-N, filled by the prefill; None otherwise
     prompt_logprobs: Optional[list] = None
+    # disaggregation (blitzllm/kv_transfer): the request's kv_transfer_params (on a producer, the
+    # consumer's params once it finished), and the KV pulled for it until it lands in its blocks
+    kv_transfer_params: Optional[dict] = None
+    kv_payload: object = None
 
     @property
     def prompt_logprobs_from(self) -> Optional[int]:

@@ -46,6 +46,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.lookahead = False  # set by the engine when its runner pipelines decode steps
+        self.remote_tokens = None  # a KV connector's: req -> prompt tokens whose KV came with it
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -106,6 +107,8 @@ class Scheduler:
                 tokens = req.all_token_ids if first is None else req.all_token_ids[:first + 1]
                 req.num_computed_tokens = self.kv.match_prefix(req.request_id, tokens)
                 req.num_cached_tokens = max(req.num_cached_tokens, req.num_computed_tokens)
+                if self.remote_tokens is not None:  # (landed by the engine before the forward)
+                    req.num_computed_tokens = max(req.num_computed_tokens, self.remote_tokens(req))
             n = min(req.num_tokens - req.num_computed_tokens, budget, _chunk_cap(req))
             if not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
                 if not self.running and not out:

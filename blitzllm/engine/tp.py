@@ -317,6 +317,9 @@ def _serve(runner, group) -> None:
             runner.forward(*msg[1:])
         elif kind == "graph":
             runner.launch_decode_graph(*msg[1:])
+        elif kind == "kv_land":  # KV pulled from a producer (disaggregation): this rank's heads of it
+            from ..kv_transfer import land_shard
+            land_shard(runner.kv_caches, *msg[1:], group.rank, group.world_size)
         else:
             raise RuntimeError(f"unknown tensor-parallel message {kind!r}")
 
