@@ -111,17 +111,17 @@ class NixlConnector(KVConnector):
         sizes = [r[1] for r in d["regions"]]
         total = len(blocks) * sum(sizes)
         buf = self._staging_for(total)
-        local, remote, off = [], [], buf.data_ptr()
+        mine, theirs, off = [], [], buf.data_ptr()
         for base, nbytes, _, dev in d["regions"]:
             for b in blocks:
-                local.append((off, nbytes, 0))
-                remote.append((base + b * nbytes, nbytes, dev))
+                mine.append((off, nbytes, 0))
+                theirs.append((base + b * nbytes, nbytes, dev))
                 off += nbytes
         mem = d["regions"][0][2] if d["regions"] else "DRAM"
         agent, name, lock = self.agent, self._remote[engine], self._agent_lock
         with lock:
-            handle = agent.initialize_xfer("READ", agent.get_xfer_descs(local, "DRAM"),
-                                           agent.get_xfer_descs(remote, mem), name, lease.encode())
+            handle = agent.initialize_xfer("READ", agent.get_xfer_descs(mine, "DRAM"),
+                                           agent.get_xfer_descs(theirs, mem), name, lease.encode())
             state = agent.transfer(handle)
         while state not in ("DONE", "ERR") and time.monotonic() < deadline:
             time.sleep(0.0002)

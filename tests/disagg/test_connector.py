@@ -37,11 +37,16 @@ def test_leases_expire_and_claims_are_single():
     assert t.claim("b") is None and t.sweep() == ["b"] and t.expired == 1 and t.completed == 1
 
 
-def test_layout_mismatch_names_both_tensor_parallel_sizes():
-    a = CacheLayout(((0, 0, (16, 2, 8)),), "float32", 16, 1)
-    b = CacheLayout(((0, 0, (16, 1, 8)),), "float32", 16, 2)
-    why = b.mismatch(a)
-    assert "producer has 1" in why and "consumer has 2" in why
+def test_layouts_across_tensor_parallel_sizes():
+    one = CacheLayout(((0, 0, (16, 2, 8)),), "float32", 16, 1)
+    assert CacheLayout(((0, 0, (16, 1, 8)),), "float32", 16, 2).mismatch(one) is None   # 2 heads -> 1 a rank
+    assert CacheLayout(((0, 0, (16, 1, 8)),), "float32", 16, 4).mismatch(one) is None   # each head on 2 ranks
+    why = one.mismatch(CacheLayout(((0, 0, (16, 1, 8)),), "float32", 16, 2))
+    assert "producer has tensor_parallel_size 2" in why and "consumer has 1" in why
+    three = CacheLayout(((0, 0, (16, 3, 8)),), "float32", 16, 1)
+    why = CacheLayout(((0, 0, (16, 1, 8)),), "float32", 16, 2).mismatch(three)
+    assert "tensor_parallel_size 1" in why and "consumer has 2" in why and "3 KV heads" in why
+    assert "block_size" in CacheLayout(((0, 0, (32, 2, 8)),), "float32", 32, 1).mismatch(one)
 
 
 @pytest.fixture(scope="module")
