@@ -19,9 +19,22 @@ KINDS = {"json_object": None, "json_schema": "schema", "regex": "pattern", "choi
 
 def check_structured_output(spec) -> Optional[dict]:
     """The normalised spec ({"type": ..., and its one key as a string}) of a
-    ``structured_output`` value; ValueError for anything else."""
+    ``structured_output`` value; ValueError for anything else. An optional ``"start_after"``
+    (a non-empty string, such as a thinking model's ``"</think>"``) keeps it: the grammar
+    applies only once the output has emitted that text, every token being allowed before
+    (vLLM's reasoning-aware structured outputs)."""
     if spec is None:
         return None
+    out = _check_kind(spec)
+    after = spec.get("start_after")
+    if after is not None:
+        if not isinstance(after, str) or not after:
+            raise ValueError(f"structured_output start_after must be a non-empty string, got {after!r}")
+        out["start_after"] = after
+    return out
+
+
+def _check_kind(spec) -> dict:
     if not isinstance(spec, dict) or spec.get("type") not in KINDS:
         raise ValueError("structured_output must be {'type': 'json_object'}, {'type': 'json_schema', 'schema': "
                          "{...}}, {'type': 'regex', 'pattern': ...}, {'type': 'choice', 'choices': [...]} or "
@@ -66,6 +79,7 @@ class GrammarCompiler:
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         self.compiler = xgr.GrammarCompiler(self.info)
         self._compiled = functools.lru_cache(maxsize=64)(self._compile)
+        self._vocab = None
 
     def _compile(self, kind: str, value: Optional[str]):
         c = self.compiler
@@ -85,7 +99,38 @@ class GrammarCompiler:
 
     def matcher(self, spec: dict):
         key = KINDS[spec["type"]]
-        return self.xgr.GrammarMatcher(self._compiled(spec["type"], spec.get(key) if key else None))
+        m = self.xgr.GrammarMatcher(self._compiled(spec["type"], spec.get(key) if key else None))
+        if spec.get("start_after"):
+            if self._vocab is None:   # (each token's bytes, read once)
+                self._vocab = self.info.decoded_vocab
+            m = StartAfter(m, spec["start_after"].encode(), self._vocab)
+        return m
+
+
+class StartAfter:
+    """A grammar matcher that starts once the output's bytes hold ``marker`` (the token that
+    completes it included; the grammar takes the tokens after it): until then every token is
+    allowed. What the engine and the sampler call of an xgrammar matcher."""
+
+    def __init__(self, matcher, marker: bytes, vocab: list):
+        self.matcher, self.marker, self.vocab = matcher, marker, vocab
+        self.tail = b""      # the output's last len(marker) - 1 bytes, while not started
+        self.started = False
+
+    def accept_token(self, tok: int) -> bool:
+        if self.started:
+            return self.matcher.accept_token(tok)
+        text = self.tail + (self.vocab[tok] if 0 <= tok < len(self.vocab) else b"")
+        self.started = self.marker in text
+        self.tail = text[-(len(self.marker) - 1):] if len(self.marker) > 1 else b""
+        return True
+
+    def fill_next_token_bitmask(self, bitmask, row: int) -> None:
+        if self.started:
+            self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def is_terminated(self) -> bool:
+        return self.started and self.matcher.is_terminated()
 
 
 def _regex_escape(s: str) -> str:

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from ..engine.async_engine import EngineStepError
 from .errors import bad_request
 from .protocol import ChatCompletionRequest
-from .reasoning import make_splitter, split_reasoning
+from .reasoning import END, THINK_PARSERS, make_splitter, prompt_opens_thinking, split_reasoning
 from .tools import FORMATS, Forced, ToolCallSplitter, check_tools, split_tool_calls
 from .serving import SSE_DONE, Serving, SSEResponse, lp_value, pick, request_id, sse, usage
 
@@ -58,6 +58,9 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
                                            require_tools=tool_mode == "auto")
     # a reasoning parser reads where the rendered prompt left off (an open <think> block?)
     prompt_text = prompt_text if s.reasoning_parser else ""
+    if structured is not None and s.reasoning_parser in THINK_PARSERS and prompt_opens_thinking(prompt_text):
+        # the answer's grammar (a forced call, a response_format) starts after the thinking
+        params = params.clone(structured_output={**structured, "start_after": END})
     rid = f"chatcmpl-{request_id(raw)}"
     stream = await s.submit(rid, ids, params, "messages", mt_field, structured_field=field)
     created = int(time.time())

@@ -44,6 +44,7 @@ class ChatMessage(_Strict):
     name: Optional[str] = None
     tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant's earlier calls
     tool_call_id: Optional[str] = None                 # a tool message: the call it answers
+    reasoning_content: Optional[str] = None            # an assistant's earlier thinking, for the template
 
 
 class ResponseFormat(_Strict):

@@ -27,14 +27,10 @@ from ..structured import INSTALL as STRUCTURED_INSTALL
 from ..sampling_params import SamplingParams
 from .errors import APIError, bad_request
 from .protocol import MAX_N, MAX_STOP, DetokenizeRequest, TokenizeRequest
-from .tools import template_messages
+from .chat_template import conversation, render
 
 log = logging.getLogger("blitzllm.server")
 
-# apply_chat_template's own arguments, which chat_template_kwargs may not override
-_TEMPLATE_ARGS = {"conversation", "messages", "tokenize", "add_generation_prompt", "return_dict", "return_tensors",
-                  "padding", "truncation", "max_length", "tools", "documents", "chat_template",
-                  "continue_final_message", "return_assistant_tokens_mask", "tokenizer_kwargs"}
 _FIELDS = {"n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
            "repetition_penalty", "max_tokens", "min_tokens", "stop", "stop_token_ids", "logprobs", "logit_bias"}
 
@@ -377,39 +373,7 @@ class Serving:
         tok = self.worker_tokenizer("chat needs a chat template; use /v1/completions with token ids")
         if not getattr(tok, "chat_template", None):
             raise bad_request("this model has no chat template; use /v1/completions", param="messages")
-        conv = []
-        for i, m in enumerate(messages):
-            content = m.content
-            if isinstance(content, list):
-                texts = []
-                for part in content:
-                    if part.type != "text" or part.text is None:
-                        raise bad_request(f"messages.{i}.content: only text parts are supported, got "
-                                          f"type {part.type!r}", param=f"messages.{i}.content")
-                    texts.append(part.text)
-                content = "\n".join(texts)
-            entry = {"role": m.role, "content": content or ""}
-            for key in ("name", "tool_calls", "tool_call_id"):
-                if getattr(m, key) is not None:
-                    entry[key] = getattr(m, key)
-            conv.append(entry)
-        kwargs = dict(template_kwargs or {})
-        clash = sorted(set(kwargs) & _TEMPLATE_ARGS)
-        if clash:
-            raise bad_request(f"chat_template_kwargs may not set {', '.join(clash)}", param="chat_template_kwargs")
-        conv = template_messages(conv)
-        try:
-            text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           **kwargs, **({"tools": tools} if tools else {}))
-            bare = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           **kwargs) if tools and require_tools else None
-        except Exception as e:  # jinja errors from the template (e.g. role order): the input's fault
-            raise bad_request(f"the chat template rejected the messages: {e}", param="messages") from None
-        if bare == text:
-            raise bad_request("this model's chat template does not render tools, so the model would never see "
-                              "them: send tool_choice 'none' (no tools), force a call with tool_choice 'required' or "
-                              "a named function (a grammar decodes it), or serve a chat template that renders tools",
-                              param="tools")
+        text = render(tok, conversation(messages), add_generation_prompt, template_kwargs, tools, require_tools)
         self.check_prompt_chars(text, "messages")
         return text
 

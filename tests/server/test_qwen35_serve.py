@@ -9,8 +9,8 @@ content with ``enable_thinking: false``); the tools reach the system turn; earli
 tool results render in Qwen3.5's form; a Qwen3.5 tool-call block in the answer comes back as
 typed tool_calls (the random model writes none by itself, so a regex makes it write one);
 ``tool_choice`` required / named are forced through structured output; bad requests are
-400s and the engine keeps serving. Two strict xfails name what the server still lacks for
-Qwen3.5: forced tool choices with thinking on, and an earlier turn's reasoning_content."""
+400s and the engine keeps serving. With thinking on, a forced choice's grammar starts after
+</think>, and an earlier turn's reasoning_content reaches the template."""
 from __future__ import annotations
 
 import json
@@ -336,16 +336,18 @@ def test_earlier_tool_calls_and_results_render(qwen35_server):
         qwen35_server, two_turns)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "blitzllm/server/protocol.py + serving.py: an assistant message's reasoning_content is dropped before "
-    "the template, which renders it for the turns after the last user query (vLLM passes it on)"))
 def test_earlier_reasoning_reaches_the_template(qwen35_server):
     """Interleaved thinking: the reasoning of a tool-call turn after the last user query is
-    rendered back in its think block, as Qwen3.5's template does."""
+    rendered back in its think block, as Qwen3.5's template does (an assistant message's
+    reasoning_content goes to the template, as vLLM passes it); the chat endpoint renders the
+    same prompt."""
     history = [dict(m) for m in HISTORY]
     history[2]["reasoning_content"] = "The user wants the weather."
     text = _prompt_text(qwen35_server, history, tools=TOOLS)
     assert "<|im_start|>assistant\n<think>\nThe user wants the weather.\n</think>\n\n<tool_call>" in text
+    body = {"messages": history, "tools": TOOLS, "max_tokens": 1, "temperature": 0}
+    assert _post(qwen35_server, "/v1/chat/completions", body)["usage"]["prompt_tokens"] == len(
+        _prompt_ids(qwen35_server, history, tools=TOOLS))
 
 
 # what a Qwen3.5 writes to call a tool (after its thinking), as its template asks
@@ -389,14 +391,31 @@ def test_forced_tool_choices_with_thinking_off(qwen35_server, stream):
         assert "city" in args if name == "get_weather" else list(args) == ["timezone"]
 
 
+# a logit_bias on </think> that makes the random model close its block after a few words (it
+# would think to max_tokens otherwise); at +100 it closes the block at once
+THINK_END_BIAS = 6.5
+
+
 @needs_xgrammar
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "blitzllm/server/chat.py: with thinking on, Qwen3.5's prompt opens <think> and the forced JSON "
-    "(constrained from the first token) is parsed as reasoning_content, so no tool_calls come back"))
+@pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("choice", [NAMED, "required"])
-def test_forced_tool_choices_with_thinking_on(qwen35_server, choice):
-    """Qwen3.5's default (thinking on) with a forced choice should still return tool_calls."""
-    assert _forced(qwen35_server, choice, False)
+def test_forced_tool_choices_with_thinking_on(qwen35_server, choice, stream):
+    """Qwen3.5's default (thinking on, the prompt opens <think>) with a forced choice: the
+    grammar applies only after </think> (vLLM's reasoning-aware structured outputs), so the
+    thinking is free text in reasoning_content and the call comes back as tool_calls."""
+    end = _post(qwen35_server, "/tokenize", {"prompt": "</think>", "add_special_tokens": False})["tokens"]
+    assert len(end) == 1
+    for bias in (THINK_END_BIAS, 100):
+        msg, reason = _chat(qwen35_server, ASK, stream=stream, max_tokens=300, tools=TOOLS, tool_choice=choice,
+                            logit_bias={str(end[0]): bias})
+        assert reason == "stop" and msg.get("tool_calls") and not msg["content"], (msg, reason)
+        names = [n for n, _ in _args(msg["tool_calls"])]
+        assert names == ["get_weather"] if choice == NAMED else set(names) <= {"get_weather", "get_time"}
+        reasoning = msg["reasoning_content"]
+        if bias == 100:   # (closed at once: the grammar would have forbidden </think> as a first token)
+            assert reasoning == "", msg
+        else:             # free text, not the grammar's JSON
+            assert len(reasoning.split()) >= 3 and "{" not in reasoning, msg
 
 
 @pytest.mark.parametrize("body,status,param", [

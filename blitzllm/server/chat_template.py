@@ -1,0 +1,60 @@
+"""Chat messages through the model's chat template: the request's messages as the template's
+conversation (text parts joined, an assistant's earlier calls and reasoning_content kept) and
+the rendering, with the request's ``chat_template_kwargs`` and ``tools``. Errors are the
+client's 400s. Runs in the server's worker threads (``serving.py``); knows nothing of HTTP
+beyond its errors.
+"""
+from __future__ import annotations
+
+from .errors import bad_request
+from .tools import template_messages
+
+# apply_chat_template's own arguments, which chat_template_kwargs may not override
+_TEMPLATE_ARGS = {"conversation", "messages", "tokenize", "add_generation_prompt", "return_dict", "return_tensors",
+                  "padding", "truncation", "max_length", "tools", "documents", "chat_template",
+                  "continue_final_message", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+# what a message hands the template besides its role and content (vLLM passes the same)
+_KEPT = ("name", "tool_calls", "tool_call_id", "reasoning_content")
+
+
+def conversation(messages) -> list:
+    """``ChatMessage``s as the template's list of dicts; only text content parts are taken."""
+    conv = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise bad_request(f"messages.{i}.content: only text parts are supported, got "
+                                      f"type {part.type!r}", param=f"messages.{i}.content")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        entry = {"role": m.role, "content": content or ""}
+        for key in _KEPT:
+            if getattr(m, key) is not None:
+                entry[key] = getattr(m, key)
+        conv.append(entry)
+    return template_messages(conv)
+
+
+def render(tok, conv: list, add_generation_prompt: bool, template_kwargs, tools, require_tools: bool) -> str:
+    """The template's text of ``conv``. ``require_tools`` (tool_choice "auto": the model must see
+    the tools to call them): a 400 when the template renders the same text without them."""
+    kwargs = dict(template_kwargs or {})
+    clash = sorted(set(kwargs) & _TEMPLATE_ARGS)
+    if clash:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(clash)}", param="chat_template_kwargs")
+    try:
+        text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                       **kwargs, **({"tools": tools} if tools else {}))
+        bare = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                       **kwargs) if tools and require_tools else None
+    except Exception as e:  # jinja errors from the template (e.g. role order): the input's fault
+        raise bad_request(f"the chat template rejected the messages: {e}", param="messages") from None
+    if bare == text:
+        raise bad_request("this model's chat template does not render tools, so the model would never see "
+                          "them: send tool_choice 'none' (no tools), force a call with tool_choice 'required' or "
+                          "a named function (a grammar decodes it), or serve a chat template that renders tools",
+                          param="tools")
+    return text
