@@ -97,8 +97,12 @@ class PagedMTPProposer(HiddenStateProposer):
     ``engine/args.py``), and the proposer reserves the blocks its later draft steps write ahead of
     the verify step (which needs them anyway). Per request ``cache``: (tokens used,) of the
     positions whose entries the pages hold; a request's blocks freed (finish, abort, preemption)
-    forget them. Each call writes the entries of the new positions and drafts from the last one,
-    batched over the requests, then runs the further steps on its own output and draft."""
+    forget them. ``pages``: the full blocks whose every entry was written, by the chained hash of
+    the tokens they were written for, so a request that starts with cached blocks (a prefix-cache
+    hit, a recompute) takes the entries of those that still hold them and needs the target's
+    hidden states only past them. Each call writes the entries of the new positions and drafts
+    from the last one, batched over the requests, then runs the further steps on its own output
+    and draft."""
 
     def __init__(self, model, runner, kv):
         if not hasattr(model, "check_mtp"):
@@ -109,6 +113,7 @@ class PagedMTPProposer(HiddenStateProposer):
         # (every draft step runs MTP layer 0, as vLLM does past the checkpoint's MTP layers)
         self.kv_caches = list(runner.kv_caches) + [(torch.zeros_like(k), torch.zeros_like(v))]
         super().__init__(HiddenCapture(model, [], final_features=True), runner, kv)
+        self.pages: dict = {}   # block id -> the hash of the tokens its entries were written for
         free = kv.free_request
 
         def freeing(rid):
@@ -128,19 +133,20 @@ class PagedMTPProposer(HiddenStateProposer):
         live, seqs, tables, hidden = [], [], [], []
         for i, (r, lim) in enumerate(zip(reqs, limits)):
             rid, ids = r.request_id, r.all_token_ids
-            n = len(ids) - 1          # the target's hidden states of positions 0..n-1 are needed
-            h = self.features(rid, ids) if lim > 0 else None
+            n = len(ids) - 1          # entries of positions 0..n-1 (the target's hidden states there)
+            m = min(self.reusable(rid, ids, n) if rid in self.cache else self._in_pages(rid), n - 1)
+            h = self._held(rid, ids, m, n) if lim > 0 else None
             if h is None:
                 continue
             lim = min(lim, self._reserve(rid, n + lim - 1) - n + 1)   # step j writes position n - 1 + j
             if lim <= 0:
                 continue
-            m = min(self.reusable(rid, ids, n), n - 1)
             self.cache[rid] = (list(ids[1:n + 1]),)
+            self._mark(rid, m, n)
             live.append((i, n, lim))
             seqs.append((list(ids[m + 1:n + 1]), m, n))   # position t: h_t and token t + 1
             tables.append(self.kv.block_table(rid))
-            hidden.append(h[m:n])
+            hidden.append(h)
         out = None
         for j in range(max((lim for _, _, lim in live), default=0)):
             if j:  # the live requests' next step: their own output and draft at the next position
@@ -162,6 +168,37 @@ class PagedMTPProposer(HiddenStateProposer):
         with forward_context(ForwardContext(md, self.kv_caches, runner.backend)):
             out = self.mtp(pos, x)
         return out.index_select(0, torch.tensor(qsl[1:], device=out.device) - 1)
+
+    def _held(self, rid: str, ids, m: int, n: int):
+        """The target's hidden states of positions m..n-1 of the request, or None where they are
+        not all held for its tokens."""
+        have = self.toks.get(rid, [])
+        if n < 1 or len(have) < n or have[m:n] != list(ids[m:n]):
+            return None
+        return self.feats[rid][m:n]
+
+    def _append(self, rid, start, toks, feats) -> None:
+        have = self.toks.get(rid, [])
+        if start > len(have):  # a prefix-cache hit skipped these positions: their entries may be in the pages
+            gap = start - len(have)
+            old, pad = self.feats.get(rid), feats.new_zeros(start - len(have), feats.shape[1])
+            self.toks[rid] = have + [None] * gap
+            self.feats[rid] = pad if old is None else torch.cat([old[:len(have)], pad])
+        super()._append(rid, start, toks, feats)
+
+    def _in_pages(self, rid: str) -> int:
+        """Leading positions of the request whose entries its blocks hold (written for the same tokens)."""
+        table, hashes = self.kv.block_table(rid), self.kv.hashes.get(rid, [])
+        b = 0
+        while b < len(hashes) and self.pages.get(table[b]) == hashes[b]:
+            b += 1
+        return b * self.kv.block_size
+
+    def _mark(self, rid: str, m: int, n: int) -> None:
+        """The request's full blocks of positions < n have all their entries once this call wrote m..n-1."""
+        table, hashes, bs = self.kv.block_table(rid), self.kv.hashes.get(rid, []), self.kv.block_size
+        for b in range(m // bs, min(n // bs, len(hashes))):
+            self.pages[table[b]] = hashes[b]
 
     def _reserve(self, rid: str, num_tokens: int) -> int:
         """Blocks for ``num_tokens`` tokens of the request where the pool has them; the tokens its

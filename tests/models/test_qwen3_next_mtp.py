@@ -218,6 +218,29 @@ def test_mtp_preemption_abort_and_kv_budget(mtp_checkpoint, monkeypatch):
     assert len(cfg.kv_layers) == 2
     assert blocks(dict(spec, method="ngram")) == 60 and blocks(spec) == 40
 
+def test_mtp_prefix_cache_hit_takes_the_cached_pages(mtp_checkpoint, monkeypatch):
+    """A second chat turn (the first turn's prompt and answer plus new tokens) hits the prefix
+    cache for 32 tokens (the GDN state snapshot its prefill took: verify steps take none): it
+    drafts from the MTP entries the first turn left in those blocks (it has no hidden states
+    there), its drafts equal the reference's, its output transformers'. Without prefix caching
+    it drafts from its own prefill, as does a first turn."""
+    arch, path, hf, layer, extra = mtp_checkpoint
+    if arch != "qwen3_5_text":
+        pytest.skip("one architecture is enough here")
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    turn1 = _prompts((37,), seed=11)[0]
+    for caching in (True, False):
+        llm = LLM(str(path), **KW, kv_cache_blocks=64, enable_prefix_caching=caching, speculative_config=spec)
+        answer = check_generate(llm, hf, [turn1], n=10)[0].token_ids
+        seen = _record(monkeypatch)
+        before = llm.stats()
+        check_generate(llm, hf, [turn1 + answer + _prompts((9,), seed=12)[0]], n=8)
+        st = llm.stats()
+        assert st["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"] == (32 if caching else 0)
+        assert st["spec_draft_tokens"] - before["spec_draft_tokens"] >= 6 and len(seen) >= 3
+        _check_drafts(hf, layer, extra, seen, arch)
+
+
 def test_mtp_dummy_weights_and_errors(tmp_path):
     """Dummy weights get a random MTP layer when the config declares one (greedy output still the
     plain engine's); a checkpoint without mtp.* tensors, or with only part of them, is an error."""
