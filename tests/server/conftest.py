@@ -102,6 +102,15 @@ def smol_server(tmp_path_factory):
     assert srv.proc.returncode == 0, f"SIGTERM should stop the server cleanly:\n{srv.log()}"
 
 
+@pytest.fixture(scope="session")
+def smol_f32_server(tmp_path_factory):
+    """The default model with ``--dtype float32`` (the GGUF dequantized, as transformers and the
+    ``smollm2_llm`` fixture run it): for answers compared with theirs."""
+    srv = ServerProcess(["--model", "smollm2", "--dtype", "float32", "--max-model-len", "1024", "--seed", "0"],
+                        tmp_path_factory.mktemp("smol-f32") / "server.log")
+    yield from running(srv)
+
+
 def _tiny_llama(folder: Path) -> Path:
     """A 2-layer random Llama with SmolLM2's tokenizer (loads in a second or two)."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

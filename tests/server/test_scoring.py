@@ -231,14 +231,14 @@ def test_logit_bias_with_structured_output(smollm2_llm):
 CMPL = "/v1/completions"
 
 
-def test_echo_logprobs_score_the_prompt(smol_server, hf_model):
+def test_echo_logprobs_score_the_prompt(smol_f32_server, hf_model):
     """echo + logprobs: the prompt's tokens with their logprobs (null for the first) and top
     alternatives, then the generated ones; max_tokens 0 scores the prompt alone."""
     text = TEXTS[0]
-    ids = httpx.post(smol_server.url + "/tokenize", json={"prompt": text}).json()["tokens"]
+    ids = httpx.post(smol_f32_server.url + "/tokenize", json={"prompt": text}).json()["tokens"]
     ref = hf_lp(hf_model, ids)
     for max_tokens in (0, 1):
-        r = httpx.post(smol_server.url + CMPL, json={"prompt": text, "echo": True, "logprobs": 2, "max_tokens": max_tokens,
+        r = httpx.post(smol_f32_server.url + CMPL, json={"prompt": text, "echo": True, "logprobs": 2, "max_tokens": max_tokens,
                                                      "temperature": 0}, timeout=120)
         assert r.status_code == 200, r.text
         ch = r.json()["choices"][0]
@@ -253,14 +253,14 @@ def test_echo_logprobs_score_the_prompt(smol_server, hf_model):
         if max_tokens == 0:
             assert ch["text"] == text and ch["finish_reason"] == "length" and r.json()["usage"]["completion_tokens"] == 0
     # streamed: the first event carries the echoed prompt with its logprobs
-    with httpx.stream("POST", smol_server.url + CMPL, json={"prompt": text, "echo": True, "logprobs": 1,
+    with httpx.stream("POST", smol_f32_server.url + CMPL, json={"prompt": text, "echo": True, "logprobs": 1,
                                                             "max_tokens": 2, "stream": True}, timeout=120) as r:
         import json
         events = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
     first = events[0]["choices"][0]
     assert first["text"] == text and first["logprobs"]["token_logprobs"][0] is None
     assert len(first["logprobs"]["tokens"]) == len(ids)
-    check_error(httpx.post(smol_server.url + CMPL, json={"prompt": text, "max_tokens": 0}), 400, "max_tokens")
+    check_error(httpx.post(smol_f32_server.url + CMPL, json={"prompt": text, "max_tokens": 0}), 400, "max_tokens")
 
 
 def test_logit_bias_over_http(smol_server):
