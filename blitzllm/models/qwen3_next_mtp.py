@@ -121,11 +121,11 @@ class MTPLoading:
         _check_complete(self, params, dict(self.named_modules()), self._mtp_keys)
 
     def dummy_mtp(self, seed: int) -> None:
-        """Random MTP layers beside dummy weights when the config declares them (MTP speculation
-        on a preset measures speed)."""
+        """Random MTP layers beside dummy weights (MTP speculation on a preset measures speed):
+        the config's count, else one (the published checkpoints have one; vLLM's default too)."""
         hf = self.config.hf_config.get("text_config") or self.config.hf_config
-        if self.mtp is None and num_mtp_layers(hf):
+        if self.mtp is None:
             from ..loader.weights import init_dummy_weights
-            self.mtp = self._new_mtp(num_mtp_layers(hf))
+            self.mtp = self._new_mtp(max(1, num_mtp_layers(hf)))
             self._mtp_keys = None
             init_dummy_weights(self.mtp, seed + 1)

@@ -153,6 +153,7 @@ def test_mtp_greedy_equals_transformers(mtp_checkpoint, k):
         assert st["spec_method"] == "mtp" and st["spec_draft_tokens"] > st["spec_accepted_tokens"]
 
 
+@pytest.mark.parametrize("mtp_checkpoint", ["qwen3_next", "qwen3_5_moe"], indirect=True)  # (the layouts' extremes)
 def test_mtp_accepted_drafts_keep_the_pages_right(mtp_checkpoint, monkeypatch):
     """The MTP head's drafts replaced, after it made them, by the greedy answer with one token
     wrong at a moving position: every acceptance length from 0 to k, so positions the target
@@ -160,8 +161,6 @@ def test_mtp_accepted_drafts_keep_the_pages_right(mtp_checkpoint, monkeypatch):
     transformers' greedy output, and the head's own drafts equal the reference's at every call
     (its pages reused and rewritten correctly after each acceptance and rollback)."""
     arch, path, hf, layer, extra = mtp_checkpoint
-    if arch not in ("qwen3_next", "qwen3_5_moe"):
-        pytest.skip("the two layouts' extremes suffice here (per-expert vs fused experts, text vs multimodal)")
     prompts = _prompts((3, 11, 26), seed=13)
     answers = {tuple(p): hf_greedy(hf, p, 14) for p in prompts}
     calls = [0]
@@ -180,6 +179,7 @@ def test_mtp_accepted_drafts_keep_the_pages_right(mtp_checkpoint, monkeypatch):
     _check_drafts(hf, layer, extra, seen, arch)
 
 
+@pytest.mark.parametrize("mtp_checkpoint", ["qwen3_5_moe_text"], indirect=True)
 def test_mtp_preemption_abort_and_kv_budget(mtp_checkpoint, monkeypatch):
     """A KV cache and a state pool too small for the load: requests preempted (their draft pages
     go with their blocks and are rewritten after the recompute: the drafts stay the reference's)
@@ -187,8 +187,6 @@ def test_mtp_preemption_abort_and_kv_budget(mtp_checkpoint, monkeypatch):
     request gives back every block, the draft's reserved ones included; the KV budget of MTP
     speculation counts one attention layer more per block."""
     arch, path, hf, layer, extra = mtp_checkpoint
-    if arch != "qwen3_5_moe_text":
-        pytest.skip("one architecture is enough here")
     from blitzllm.config import ModelConfig
     from blitzllm.engine import args as args_mod
     from blitzllm.engine.args import EngineArgs, plan_kv_blocks
@@ -218,6 +216,7 @@ def test_mtp_preemption_abort_and_kv_budget(mtp_checkpoint, monkeypatch):
     assert len(cfg.kv_layers) == 2
     assert blocks(dict(spec, method="ngram")) == 60 and blocks(spec) == 40
 
+@pytest.mark.parametrize("mtp_checkpoint", ["qwen3_5_text"], indirect=True)
 def test_mtp_prefix_cache_hit_takes_the_cached_pages(mtp_checkpoint, monkeypatch):
     """A second chat turn (the first turn's prompt and answer plus new tokens) hits the prefix
     cache for 32 tokens (the GDN state snapshot its prefill took: verify steps take none): it
@@ -225,8 +224,6 @@ def test_mtp_prefix_cache_hit_takes_the_cached_pages(mtp_checkpoint, monkeypatch
     there), its drafts equal the reference's, its output transformers'. Without prefix caching
     it drafts from its own prefill, as does a first turn."""
     arch, path, hf, layer, extra = mtp_checkpoint
-    if arch != "qwen3_5_text":
-        pytest.skip("one architecture is enough here")
     spec = {"method": "mtp", "num_speculative_tokens": 2}
     turn1 = _prompts((37,), seed=11)[0]
     for caching in (True, False):
@@ -242,15 +239,14 @@ def test_mtp_prefix_cache_hit_takes_the_cached_pages(mtp_checkpoint, monkeypatch
 
 
 def test_mtp_dummy_weights_and_errors(tmp_path):
-    """Dummy weights get a random MTP layer when the config declares one (greedy output still the
-    plain engine's); a checkpoint without mtp.* tensors, or with only part of them, is an error."""
+    """Dummy weights get a random MTP layer (the config's count, else one: a preset runs MTP;
+    greedy output still the plain engine's); a checkpoint without mtp.* tensors, or with only
+    part of them, is an error."""
     import json
     hf = make_hybrid_checkpoint("qwen3_5_text", tmp_path / "m", seed=31)
     spec = {"method": "mtp", "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="needs a model with MTP layers"):
         LLM(str(tmp_path / "m"), **KW, kv_cache_blocks=32, speculative_config=spec)
-    conf = json.loads((tmp_path / "m" / "config.json").read_text())
-    (tmp_path / "m" / "config.json").write_text(json.dumps({**conf, "mtp_num_hidden_layers": 1}))
     kw = dict(KW, kv_cache_blocks=32, load_format="dummy")
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompts = _prompts((4, 9), seed=32)
@@ -259,7 +255,10 @@ def test_mtp_dummy_weights_and_errors(tmp_path):
     want = [o.token_ids for o in plain.generate(prompts, params)]
     llm = LLM(str(tmp_path / "m"), **kw, speculative_config=spec)
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
-    assert llm.stats()["spec_draft_tokens"] > 0
+    assert llm.stats()["spec_draft_tokens"] > 0 and len(llm.engine.runner.model.mtp.layers) == 1
+    conf = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**conf, "mtp_num_hidden_layers": 2}))
+    assert len(LLM(str(tmp_path / "m"), **kw, speculative_config=spec).engine.runner.model.mtp.layers) == 2
     add_mtp_weights("qwen3_5_text", tmp_path / "m", tmp_path / "o", seed=33)
     part = load_file(str(tmp_path / "m" / "mtp.safetensors"))
     del part["mtp.layers.0.self_attn.k_proj.weight"]
@@ -267,3 +266,34 @@ def test_mtp_dummy_weights_and_errors(tmp_path):
     with pytest.raises(ValueError, match="missing weights: mtp.layers.0.self_attn.qkv_proj.weight"):
         LLM(str(tmp_path / "m"), **KW, kv_cache_blocks=32, speculative_config=spec)
     assert hf_greedy(hf, prompts[0], 2)  # (the checkpoint itself is a working model)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe"])
+def test_mtp_on_cuda(arch, tmp_path):
+    """CUDA (skipped without a GPU): the MTP layer's paged attention on the Triton backend, fp32
+    tiny checkpoints: greedy output with MTP (k = 1 and 3, batched, chunked) equals
+    transformers', drafts made, nothing left allocated; then a bf16 preset (dummy weights, a
+    random MTP layer, a few layers) runs MTP speculation to the end."""
+    hf = make_hybrid_checkpoint(arch, tmp_path / "m", seed=51).to("cuda")
+    add_mtp_weights(arch, tmp_path / "m", tmp_path / "o", seed=52)
+    prompts = _prompts((1, 6, 19, 33), seed=53)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt], device="cuda")
+        with torch.no_grad():
+            want.append(hf.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, eos_token_id=None,
+                                    pad_token_id=0, attention_mask=torch.ones_like(ids))[0, len(prompt):].tolist())
+    for k, extra in ((1, {}), (3, {"max_num_batched_tokens": 8})):
+        llm = LLM(str(tmp_path / "m"), device="cuda", dtype="float32", kv_cache_blocks=64, max_num_seqs=4,
+                  speculative_config={"method": "mtp", "num_speculative_tokens": k}, **extra)
+        assert llm.engine.runner.backend.name == "triton"
+        assert [o.token_ids for o in llm.generate(prompts, params)] == want
+        assert llm.stats()["spec_draft_tokens"] > 0
+        assert_no_leaks(llm)
+    llm = LLM("preset:qwen3.5-4b", num_layers=8, device="cuda", dtype="bfloat16", kv_cache_blocks=256,
+              max_num_seqs=4, max_model_len=1024, speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    outs = llm.generate(prompts, params)
+    assert [len(o.token_ids) for o in outs] == [12] * len(prompts) and llm.stats()["spec_draft_tokens"] > 0
+    assert_no_leaks(llm)
