@@ -48,24 +48,24 @@ def _post_conv_decode_kernel(
     x_row = x_ptr + row * stride_x
     state_row = state_ptr + slot * stride_ss
     if h < HK:
-        offs = tl.arange(0, BLOCK_DK)
-        m = offs < DK
-        qc = h * DK + offs
-        q = _conv_silu(x_row, state_row, stride_st, w_ptr, bias_ptr, qc, m, KW, HAS_BIAS)
-        k = _conv_silu(x_row, state_row, stride_st, w_ptr, bias_ptr, qc + HK * DK, m, KW, HAS_BIAS)
-        q = tl.where(m, q, 0.0)
-        k = tl.where(m, k, 0.0)
+        offs_k = tl.arange(0, BLOCK_DK)
+        mk = offs_k < DK
+        qc = h * DK + offs_k
+        q = _conv_silu(x_row, state_row, stride_st, w_ptr, bias_ptr, qc, mk, KW, HAS_BIAS)
+        k = _conv_silu(x_row, state_row, stride_st, w_ptr, bias_ptr, qc + HK * DK, mk, KW, HAS_BIAS)
+        q = tl.where(mk, q, 0.0)
+        k = tl.where(mk, k, 0.0)
         q = q * tl.rsqrt(tl.sum(q * q, axis=0) + eps)
         k = k * tl.rsqrt(tl.sum(k * k, axis=0) + eps)
-        out = (row * HK + h) * DK + offs
-        tl.store(q_ptr + out, q.to(q_ptr.dtype.element_ty), mask=m)
-        tl.store(k_ptr + out, k.to(k_ptr.dtype.element_ty), mask=m)
+        out = (row * HK + h) * DK + offs_k
+        tl.store(q_ptr + out, q.to(q_ptr.dtype.element_ty), mask=mk)
+        tl.store(k_ptr + out, k.to(k_ptr.dtype.element_ty), mask=mk)
     else:
         j = h - HK
-        offs = tl.arange(0, BLOCK_DV)
-        m = offs < DV
-        v = _conv_silu(x_row, state_row, stride_st, w_ptr, bias_ptr, 2 * HK * DK + j * DV + offs, m, KW, HAS_BIAS)
-        tl.store(v_ptr + (row * HV + j) * DV + offs, v.to(v_ptr.dtype.element_ty), mask=m)
+        offs_v = tl.arange(0, BLOCK_DV)
+        mv = offs_v < DV
+        v = _conv_silu(x_row, state_row, stride_st, w_ptr, bias_ptr, 2 * HK * DK + j * DV + offs_v, mv, KW, HAS_BIAS)
+        tl.store(v_ptr + (row * HV + j) * DV + offs_v, v.to(v_ptr.dtype.element_ty), mask=mv)
         a = tl.load(a_ptr + row * stride_a + j).to(tl.float32) + tl.load(dtb_ptr + j).to(tl.float32)
         # softplus as torch's (threshold 20), exp(a) where 1 + exp(a) rounds to 1
         sp = tl.where(a > 20.0, a, tl.where(a < -15.0, tl.exp(a), tl.log(1.0 + tl.exp(a))))
