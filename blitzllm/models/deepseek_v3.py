@@ -179,11 +179,15 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
 
     def _new_mtp(self) -> MTPModules:
         ref = self.model.norm.weight
-        with torch.device(ref.device):
-            mtp = MTPModules(self.config, self.args, self.model.layers[0].self_attn.rotary)
-        for p in mtp.parameters():  # not .to(): the rotary tables it shares stay float32
-            p.data = p.data.to(ref.dtype)
-        return mtp
+        # allocated in the model's dtype (not float32 then cast: DeepSeek-V3's MoE MTP layer alone
+        # is 42 GiB in float32); not .to(): the rotary tables it shares stay float32
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(ref.dtype)
+        try:
+            with torch.device(ref.device):
+                return MTPModules(self.config, self.args, self.model.layers[0].self_attn.rotary)
+        finally:
+            torch.set_default_dtype(prev)
 
 
 def _copy_packed(root: nn.Module, packed: dict, name: str, tensor: torch.Tensor) -> str:

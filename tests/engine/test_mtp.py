@@ -152,3 +152,31 @@ def test_mtp_on_dummy_weights(tmp_path):
     assert llm.engine.runner.model.mtp is not None
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
     assert llm.stats()["spec_draft_tokens"] > 0
+
+
+def test_mtp_layers_are_allocated_in_the_model_dtype(tmp_path):
+    """A bf16 model's MTP layers are created in bf16, never float32 first: on the H200 a float32
+    first draft of DeepSeek-V3's MoE MTP layer (42 GiB) ran the 8-layer preset out of memory.
+    Every tensor the factories return while the layers are built is watched, and the default
+    dtype is restored afterwards."""
+    from torch.overrides import TorchFunctionMode
+
+    class Factories(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.dtypes = set()
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.empty, torch.zeros, torch.ones) and isinstance(out, torch.Tensor):
+                self.dtypes.add(out.dtype)
+            return out
+
+    make_tiny_deepseek(tmp_path, seed=3, num_hidden_layers=2, num_nextn_predict_layers=1)
+    llm = LLM(str(tmp_path), device="cpu", dtype="bfloat16", kv_cache_blocks=32, load_format="dummy")
+    model = llm.engine.runner.model
+    with Factories() as seen:
+        mtp = model._new_mtp()
+    assert seen.dtypes == {torch.bfloat16}
+    assert {p.dtype for p in mtp.parameters()} == {torch.bfloat16}
+    assert torch.get_default_dtype() == torch.float32
