@@ -12,7 +12,7 @@ from .errors import bad_request
 from .protocol import ChatCompletionRequest
 from .reasoning import END, THINK_PARSERS, make_splitter, prompt_opens_thinking, split_reasoning
 from .tools import FORMATS, Forced, ToolCallSplitter, check_tools, split_tool_calls
-from .serving import SSE_DONE, Serving, SSEResponse, lp_value, pick, request_id, sse, usage
+from .serving import SSE_DONE, Serving, SSEResponse, kv_field, lp_value, pick, request_id, sse, usage
 
 
 def _chat_logprobs(s: Serving, token_ids, lps, k) -> list:
@@ -62,7 +62,8 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
         # the answer's grammar (a forced call, a response_format) starts after the thinking
         params = params.clone(structured_output={**structured, "start_after": END})
     rid = f"chatcmpl-{request_id(raw)}"
-    stream = await s.submit(rid, ids, params, "messages", mt_field, structured_field=field)
+    stream = await s.submit(rid, ids, params, "messages", mt_field, structured_field=field,
+                            kv_transfer_params=req.kv_transfer_params)
     created = int(time.time())
     if req.stream:
         opts = req.stream_options
@@ -98,7 +99,7 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
                         else None, "finish_reason": reason, "stop_reason": c["stop"]})
     ntok = sum(len(c["ids"]) for c in result)
     return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": s.model_name,
-                         "choices": choices, "usage": usage(len(ids), ntok)})
+                         "choices": choices, "usage": usage(len(ids), ntok), **kv_field(result)})
 
 
 def _structured_output(fmt):

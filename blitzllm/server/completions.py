@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from ..engine.async_engine import EngineStepError
 from .errors import bad_request
 from .protocol import CompletionRequest
-from .serving import SSE_DONE, Serving, SSEResponse, lp_value, merge, pick, request_id, sse, usage
+from .serving import SSE_DONE, Serving, SSEResponse, kv_field, lp_value, merge, pick, request_id, sse, usage
 
 
 def _completion_prompts(s: Serving, prompt, echo: bool) -> list:
@@ -98,12 +98,15 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
     structured_field = requested[1]
     prompts = [(await s.tokens(p, True, field) if isinstance(p, str) else p, text)
                for p, field, text in await s.cpu(_completion_prompts, s, req.prompt, bool(req.echo))]
+    if req.kv_transfer_params and len(prompts) > 1:
+        raise bad_request("kv_transfer_params takes a single prompt", param="kv_transfer_params")
     base = f"cmpl-{request_id(raw)}"
     rids = [f"{base}-{j}" for j in range(len(prompts))]
     streams = []
     try:
         for rid, (ids, _) in zip(rids, prompts):
-            streams.append(await s.submit(rid, ids, params, "prompt", structured_field=structured_field))
+            streams.append(await s.submit(rid, ids, params, "prompt", structured_field=structured_field,
+                                          kv_transfer_params=req.kv_transfer_params))
     except BaseException:  # (only the ones submitted: an id in use may be another request's)
         for rid in rids[:len(streams)]:
             s.aengine.abort(rid)
@@ -138,7 +141,7 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
                         "finish_reason": c["reason"], "stop_reason": c["stop"]})
     ntok = sum(len(c["ids"]) for c in result)
     return JSONResponse({"id": base, "object": "text_completion", "created": created, "model": s.model_name,
-                         "choices": choices, "usage": usage(prompt_tokens, ntok)})
+                         "choices": choices, "usage": usage(prompt_tokens, ntok), **kv_field(result)})
 
 
 async def _cmpl_sse(s: Serving, base, created, streams, n, k, echoes, echo_ids, prompt_tokens, include_usage,

@@ -84,6 +84,9 @@ class _SamplingRequest(_Strict):
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
+    # disaggregation (docs/disaggregation.md): {"do_remote_decode": true} to a producer; its answer's
+    # kv_transfer_params to a consumer
+    kv_transfer_params: Optional[dict[str, Any]] = None
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -186,6 +189,7 @@ class ChatCompletionResponse(_Out):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    kv_transfer_params: Optional[dict[str, Any]] = None  # a producer's: where the prefilled KV waits
 
 
 class ChatDelta(_Out):
@@ -238,6 +242,7 @@ class CompletionResponse(_Out):
     model: str
     choices: list[CompletionChoice]
     usage: Optional[Usage] = None
+    kv_transfer_params: Optional[dict[str, Any]] = None  # a producer's: where the prefilled KV waits
 
 
 class ModelCard(_Out):

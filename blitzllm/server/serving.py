@@ -23,6 +23,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from ..engine.async_engine import (AsyncEngine, DuplicateRequestError, EngineNotReadyError, EngineStepError,
                                    EngineStoppedError, QueueFullError)
+from ..kv_transfer import KVLoadError
 from ..structured import INSTALL as STRUCTURED_INSTALL
 from ..sampling_params import SamplingParams
 from .errors import APIError, bad_request
@@ -311,9 +312,10 @@ class Serving:
         return bad_request(msg, param=prompt_field)
 
     async def submit(self, rid: str, prompt_ids: list, params: SamplingParams, prompt_field: str,
-                     max_tokens_field: str = "max_tokens", structured_field: Optional[str] = None):
+                     max_tokens_field: str = "max_tokens", structured_field: Optional[str] = None,
+                     kv_transfer_params: Optional[dict] = None):
         try:
-            stream = await self.aengine.add_request(rid, prompt_ids, params)
+            stream = await self.aengine.add_request(rid, prompt_ids, params, kv_transfer_params)
             log.debug("request %s: %d prompt tokens, max_tokens %s", rid, len(prompt_ids), params.max_tokens)
             return stream
         except DuplicateRequestError as e:
@@ -321,6 +323,9 @@ class Serving:
                               code="duplicate_request_id") from None
         except ValueError as e:
             raise self._user_error(e, prompt_field, max_tokens_field, structured_field=structured_field) from None
+        except KVLoadError as e:  # (kv_load_failure_policy 'fail')
+            raise APIError(503, f"could not load the prompt's KV from the producer: {e}", code="kv_load_failed",
+                           headers={"Retry-After": "1"}) from None
         except QueueFullError as e:
             raise APIError(503, f"the server is overloaded: {e}", code="queue_full",
                            headers={"Retry-After": "1"}) from None
@@ -391,6 +396,8 @@ class Serving:
                 c["lps"].extend(ev.logprobs)
             if ev.prompt_logprobs is not None:
                 c["plp"] = ev.prompt_logprobs
+            if ev.kv_transfer_params is not None:
+                c["kv"] = ev.kv_transfer_params
             if ev.finish_reason is not None:
                 c["reason"], c["stop"] = ev.finish_reason, ev.stop_reason
         return out
@@ -424,6 +431,11 @@ class Serving:
         if getattr(tok, "clean_up_tokenization_spaces", False):
             text = tok.clean_up_tokenization(text)
         return {"prompt": text}
+
+
+def kv_field(result: list) -> dict:
+    """A producer's answer carries its first choice's kv_transfer_params."""
+    return {"kv_transfer_params": result[0]["kv"]} if result and result[0].get("kv") else {}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
