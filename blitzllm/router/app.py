@@ -10,7 +10,7 @@ import asyncio
 import json
 import logging
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import httpx
@@ -35,7 +35,6 @@ class RouterConfig:
     request_timeout_s: float = 600.0
     host: str = "127.0.0.1"
     port: int = 8080
-    extra: dict = field(default_factory=dict)
 
     @property
     def disaggregated(self) -> bool:
