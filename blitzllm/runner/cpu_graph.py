@@ -45,6 +45,8 @@ def supports(model, kv_caches, backend, tp_size: int, states) -> bool:
         for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
             if not isinstance(lin, Linear) or lin.qweight is not None or lin.fp8_block is not None:
                 return False
+            if lin.quant is None and lin.weight.dtype != inner.embed_tokens.weight.dtype:
+                return False  # (weight-only bf16: Linear computes those in the weight's dtype)
         if mlp.down_proj.bias is not None or mlp.gate_up_proj.bias is not None or attn.o_proj.bias is not None:
             return False
     return all(k.device.type == "cpu" for k, _ in kv_caches)
@@ -57,47 +59,68 @@ def _weights(lin: Linear) -> tuple:
     return (lin.weight,)
 
 
-def _mm(x: torch.Tensor, w: tuple, n_out: int) -> torch.Tensor:
+def _as(t: torch.Tensor, dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _mm(x: torch.Tensor, w: tuple) -> torch.Tensor:
+    """x @ W.T: in x's dtype for a float weight; for packed int4 parts the kernel's bf16 output
+    (fp32 when two parts add), which the next op widens where it needs to."""
     if len(w) == 1:
-        return F.linear(x, w[0].to(x.dtype) if w[0].dtype != x.dtype else w[0])
-    xb, y = x.to(torch.bfloat16), None  # (the int4 kernel's fast form: kernels/cpu_quant/pack.py)
-    for i in range(0, len(w), 2):
-        part = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, w[i], 32, w[i + 1]).float()
-        y = part if y is None else y + part
-    return y.to(x.dtype)
+        return F.linear(x, _as(w[0], x.dtype))
+    xb = _as(x, torch.bfloat16)  # (the int4 kernel's fast form: kernels/cpu_quant/pack.py)
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, w[0], 32, w[1])
+    for i in range(2, len(w), 2):
+        y = y.float() + torch.ops.aten._weight_int4pack_mm_for_cpu(xb, w[i], 32, w[i + 1])
+    return y
+
+
+def _norm(x, w, eps):
+    """RMSNorm as the model's CPU path: torch's one op in fp32, else the reference's roundings."""
+    if x.dtype == torch.float32 and w.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+    return reference_rms_norm(x, w, eps)
 
 
 def layer_step(x, residual, ln1, ln2, qkv_w: tuple, qkv_b, q_norm, k_norm, o_w: tuple, gu_w: tuple, dn_w: tuple,
-               k_cache, v_cache, cos, sin, gidx, is_new, mask, dims: tuple):
+               k_cache, v_cache, cos, sin, slots, gidx, is_new, mask, dims: tuple):
     """One decoder layer for B decode rows: x, residual [B, H] -> (mlp out, new residual, k, v),
-    k / v [B, Hkv, D] the rows' new cache entries, which the caller writes (a cache written in
-    a compiled graph is copied whole). ``cos`` / ``sin`` [B, 1, D] (rotary_tables), ``gidx``
-    [B, L] the cache rows each row attends to, its own new entry at ``is_new`` [B, L, 1, 1],
-    ``mask`` [B, 1, 1, L] (None: every row attends to all L). ``dims``: (heads, kv heads, head
-    dim, intermediate, eps, scale, q/k norm eps)."""
+    k / v [B, Hkv, D] the rows' new cache entries: written here to cache rows ``slots`` [B], or
+    with ``slots`` None by the caller (a compiled graph copies a cache it writes whole).
+    ``cos`` / ``sin`` [B, 1, D] (rotary_tables), ``gidx`` [B, L] the cache rows each row attends
+    to, its own new entry at ``is_new`` [B, L, 1, 1], ``mask`` [B, 1, 1, L] (None: every row
+    attends to all L). ``dims``: (heads, kv heads, head dim, intermediate, eps, scale, q/k norm
+    eps). The mlp output may be bf16 (the next add widens it)."""
     hq, hkv, d, inter, eps, scale, qk_eps = dims
-    B = x.shape[0]
-    res = x + residual
-    qkv = _mm(reference_rms_norm(res, ln1, eps), qkv_w, (hq + 2 * hkv) * d)
+    B, L, dt = x.shape[0], gidx.shape[1], residual.dtype
+    res = x + residual  # (x + 0 for the first layer)
+    qkv = _as(_mm(_norm(res, ln1, eps), qkv_w), dt)
     if qkv_b is not None:
         qkv = qkv + qkv_b
     heads = qkv.view(B, hq + 2 * hkv, d)
     qk, v = heads[:, :hq + hkv], heads[:, hq + hkv:]
     if q_norm is not None:
-        qk = torch.cat([reference_rms_norm(qk[:, :hq], q_norm, qk_eps),
-                        reference_rms_norm(qk[:, hq:], k_norm, qk_eps)], 1)
+        qk = torch.cat([_norm(qk[:, :hq], q_norm, qk_eps), _norm(qk[:, hq:], k_norm, qk_eps)], 1)
     half = d // 2
-    qf = qk.float()
-    qk = (qf * cos + torch.cat([qf[..., half:], qf[..., :half]], -1) * sin).to(x.dtype)
-    q, k = qk[:, :hq], qk[:, hq:]
-    k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
-    kg = torch.where(is_new, k[:, None], k_cache.view(-1, hkv, d)[gidx]).transpose(1, 2).to(x.dtype)  # [B, Hkv, L, D]
-    vg = torch.where(is_new, v[:, None], v_cache.view(-1, hkv, d)[gidx]).transpose(1, 2).to(x.dtype)
+    qf = _as(qk, torch.float32)
+    qk = _as(qf * cos + torch.cat([qf[..., half:], qf[..., :half]], -1) * sin, dt)
+    q, k = qk[:, :hq], _as(qk[:, hq:], k_cache.dtype)
+    v = _as(v, v_cache.dtype)
+    kc, vc = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
+    flat = gidx.reshape(-1)
+    if slots is not None:  # eager: write first, then read the rows back (fewer ops than a where)
+        kc.index_copy_(0, slots, k)
+        vc.index_copy_(0, slots, v)
+        kg, vg = kc.index_select(0, flat).view(B, L, hkv, d), vc.index_select(0, flat).view(B, L, hkv, d)
+    else:
+        kg = torch.where(is_new, k[:, None], kc.index_select(0, flat).view(B, L, hkv, d))
+        vg = torch.where(is_new, v[:, None], vc.index_select(0, flat).view(B, L, hkv, d))
+    kg, vg = _as(kg.transpose(1, 2), dt), _as(vg.transpose(1, 2), dt)  # [B, Hkv, L, D]
     o = F.scaled_dot_product_attention(q[:, :, None], kg, vg, attn_mask=mask, scale=scale, enable_gqa=hq != hkv)
-    h2 = _mm(o.reshape(B, hq * d), o_w, x.shape[1]) + res
-    gu = _mm(reference_rms_norm(h2, ln2, eps), gu_w, 2 * inter)
+    h2 = _mm(o.reshape(B, hq * d), o_w) + res
+    gu = _as(_mm(_norm(h2, ln2, eps), gu_w), dt)
     act = F.silu(gu[:, :inter]) * gu[:, inter:]
-    return _mm(act, dn_w, x.shape[1]), h2, k, v
+    return _mm(act, dn_w), h2, k, v
 
 
 class CpuDecode:
@@ -121,6 +144,9 @@ class CpuDecode:
                                 _weights(sa.qkv_proj), sa.qkv_proj.bias,
                                 qn.weight if qn is not None else None, kn.weight if kn is not None else None,
                                 _weights(sa.o_proj), _weights(mlp.gate_up_proj), _weights(mlp.down_proj), dims))
+        dn = self.layers[0][8]
+        self.out_dtype = model.model.embed_tokens.weight.dtype if len(dn) == 1 else (
+            torch.bfloat16 if len(dn) == 2 else torch.float32)
         self.step_fn = layer_step
         if compiled:
             self.step_fn = torch.compile(layer_step, fullgraph=True, options=_COMPILE_OPTIONS)
@@ -142,7 +168,7 @@ class CpuDecode:
         L = max(lens)
         nblk = -(-L // bs)
         bt = torch.tensor([t[:nblk] + [0] * (nblk - len(t[:nblk])) for t in block_tables], dtype=torch.int64)
-        gidx = (bt[:, :, None] * bs + torch.arange(bs)).view(len(lens), -1)[:, :L]
+        gidx = (bt[:, :, None] * bs + torch.arange(bs)).view(len(lens), -1)[:, :L].contiguous()
         lens_t = torch.tensor(lens)[:, None]
         is_new = (torch.arange(L)[None, :] == lens_t - 1)[:, :, None, None]
         mask = None
@@ -162,19 +188,22 @@ class CpuDecode:
             if mask is not None:
                 torch._dynamo.mark_dynamic(mask, 3)
         cos, sin = rotary_tables(self.rotary.cos_sin_cache, pos_t)
-        x = self.embed(ids_t)
-        residual = torch.zeros_like(x)
+        residual = self.embed(ids_t)
+        # the first layer adds zeros of the dtype a layer returns (bf16 from a packed down_proj): the
+        # same graph as the others
+        x = torch.zeros(residual.shape, dtype=self.out_dtype)
         if self.compiled and len(ids) > 1:  # one graph for every batch of 2 and more
             for t in (x, residual, cos, sin, gidx, is_new) + (() if mask is None else (mask,)):
                 torch._dynamo.mark_dynamic(t, 0)
-        step = self.step_fn
+        step, write = self.step_fn, None if self.compiled else slots_t
         for (ln1, ln2, qkv_w, qkv_b, qn, kn, o_w, gu_w, dn_w, dims), (kc, vc) in zip(self.layers, self.kv_caches):
             x, residual, k, v = step(x, residual, ln1, ln2, qkv_w, qkv_b, qn, kn, o_w, gu_w, dn_w, kc, vc,
-                                     cos, sin, gidx, is_new, mask, dims)
-            hkv, d = kc.shape[2], kc.shape[3]
-            kc.view(-1, hkv, d).index_copy_(0, slots_t, k)
-            vc.view(-1, hkv, d).index_copy_(0, slots_t, v)
-        h, _ = self.norm(x, residual)
+                                     cos, sin, write, gidx, is_new, mask, dims)
+            if write is None:
+                hkv, d = kc.shape[2], kc.shape[3]
+                kc.view(-1, hkv, d).index_copy_(0, slots_t, k)
+                vc.view(-1, hkv, d).index_copy_(0, slots_t, v)
+        h, _ = self.norm(_as(x, residual.dtype), residual)
         return self.model.compute_logits(h)
 
 
