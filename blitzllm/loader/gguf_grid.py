@@ -97,8 +97,8 @@ def apply_gguf_grids(model: nn.Module, reader, config: dict) -> set:
         kind = parts[0][0]
         q = torch.cat([p[1] for p in parts])
         d = torch.cat([p[2] for p in parts])
-        if tuple(q.shape) != (mod.out_features, mod.in_features):
-            continue
+        if tuple(q.shape) != (mod.out_features, mod.in_features) or mod.out_features % 16:
+            continue  # (torch's int4 CPU packing takes N % 16 == 0)
         if kind == "q8":
             qw = pack_q8_blocks(q, d)
         else:
