@@ -71,12 +71,19 @@ class MTPLoading:
 
     def _new_mtp(self, count: int) -> HybridMTP:
         ref = self.model.embed_tokens.weight
-        with torch.device(ref.device):
-            mtp = HybridMTP(self.config, [self.make_mtp_layer(self.config, i) for i in range(count)])
-        for mod in mtp.modules():  # (the (1 + w) norms stay fp32; the rotary tables it shares stay as they are)
-            if not isinstance(mod, OffsetRMSNorm):
+        # allocated in the model's dtype, not float32 then cast (a Qwen3.5-397B MoE MTP layer is
+        # about 26 GB in float32); the (1 + w) norms are widened back to fp32 after
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(ref.dtype)
+        try:
+            with torch.device(ref.device):
+                mtp = HybridMTP(self.config, [self.make_mtp_layer(self.config, i) for i in range(count)])
+        finally:
+            torch.set_default_dtype(prev)
+        for mod in mtp.modules():  # (the rotary tables it shares stay as they are)
+            if isinstance(mod, OffsetRMSNorm):
                 for p in mod.parameters(recurse=False):
-                    p.data = p.data.to(ref.dtype)
+                    p.data = p.data.float()
         self._mtp_keys = set()
         return mtp
 

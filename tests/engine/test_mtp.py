@@ -8,12 +8,27 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from blitzllm import LLM, SamplingParams
 from blitzllm.spec import mtp as mtp_mod
 from tests.models.test_deepseek_v3 import _add_mtp_weights, make_tiny_deepseek
 
 KW = dict(device="cpu", dtype="float32", kv_cache_blocks=96)
+
+
+class FactoryDtypes(TorchFunctionMode):
+    """The dtypes of every tensor torch.empty / zeros / ones return inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.empty, torch.zeros, torch.ones) and isinstance(out, torch.Tensor):
+            self.dtypes.add(out.dtype)
+        return out
 
 
 @pytest.fixture(scope="module")
@@ -159,23 +174,10 @@ def test_mtp_layers_are_allocated_in_the_model_dtype(tmp_path):
     first draft of DeepSeek-V3's MoE MTP layer (42 GiB) ran the 8-layer preset out of memory.
     Every tensor the factories return while the layers are built is watched, and the default
     dtype is restored afterwards."""
-    from torch.overrides import TorchFunctionMode
-
-    class Factories(TorchFunctionMode):
-        def __init__(self):
-            super().__init__()
-            self.dtypes = set()
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func in (torch.empty, torch.zeros, torch.ones) and isinstance(out, torch.Tensor):
-                self.dtypes.add(out.dtype)
-            return out
-
     make_tiny_deepseek(tmp_path, seed=3, num_hidden_layers=2, num_nextn_predict_layers=1)
     llm = LLM(str(tmp_path), device="cpu", dtype="bfloat16", kv_cache_blocks=32, load_format="dummy")
     model = llm.engine.runner.model
-    with Factories() as seen:
+    with FactoryDtypes() as seen:
         mtp = model._new_mtp()
     assert seen.dtypes == {torch.bfloat16}
     assert {p.dtype for p in mtp.parameters()} == {torch.bfloat16}

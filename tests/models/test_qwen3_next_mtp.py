@@ -268,6 +268,21 @@ def test_mtp_dummy_weights_and_errors(tmp_path):
     assert hf_greedy(hf, prompts[0], 2)  # (the checkpoint itself is a working model)
 
 
+
+def test_mtp_layer_is_allocated_in_the_model_dtype(tmp_path):
+    """A bf16 hybrid model's MTP layer is created in bf16 (never float32 first: a Qwen3.5-397B
+    MoE MTP layer would be about 26 GB), its (1 + w) norms widened to fp32 after, as the model's."""
+    from blitzllm.layers.norm import OffsetRMSNorm
+    from tests.engine.test_mtp import FactoryDtypes
+    make_hybrid_checkpoint("qwen3_5_moe_text", tmp_path / "m", seed=34)
+    llm = LLM(str(tmp_path / "m"), device="cpu", dtype="bfloat16", kv_cache_blocks=32, load_format="dummy")
+    with FactoryDtypes() as seen:
+        mtp = llm.engine.runner.model._new_mtp(1)
+    assert seen.dtypes == {torch.bfloat16} and torch.get_default_dtype() == torch.float32
+    norms = {id(p) for m in mtp.modules() if isinstance(m, OffsetRMSNorm) for p in m.parameters(recurse=False)}
+    assert norms and {p.dtype for p in mtp.parameters() if id(p) in norms} == {torch.float32}
+    assert {p.dtype for p in mtp.parameters() if id(p) not in norms} == {torch.bfloat16}
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe"])
 def test_mtp_on_cuda(arch, tmp_path):
