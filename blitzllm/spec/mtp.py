@@ -142,7 +142,7 @@ class PagedMTPProposer(HiddenStateProposer):
             if lim <= 0:
                 continue
             self.cache[rid] = (list(ids[1:n + 1]),)
-            self._mark(rid, m, n)
+            self._mark(rid, m, n, n + lim - 1)
             live.append((i, n, lim))
             seqs.append((list(ids[m + 1:n + 1]), m, n))   # position t: h_t and token t + 1
             tables.append(self.kv.block_table(rid))
@@ -194,11 +194,15 @@ class PagedMTPProposer(HiddenStateProposer):
             b += 1
         return b * self.kv.block_size
 
-    def _mark(self, rid: str, m: int, n: int) -> None:
-        """The request's full blocks of positions < n have all their entries once this call wrote m..n-1."""
+    def _mark(self, rid: str, m: int, n: int, end: int) -> None:
+        """This call writes the entries of positions m..end-1 (those from n on by draft steps): the
+        request's full blocks of positions < n then hold all theirs; the blocks past them do not."""
         table, hashes, bs = self.kv.block_table(rid), self.kv.hashes.get(rid, []), self.kv.block_size
-        for b in range(m // bs, min(n // bs, len(hashes))):
-            self.pages[table[b]] = hashes[b]
+        for b in range(m // bs, -(-end // bs)):
+            if b < min(n // bs, len(hashes)):
+                self.pages[table[b]] = hashes[b]
+            else:
+                self.pages.pop(table[b], None)
 
     def _reserve(self, rid: str, num_tokens: int) -> int:
         """Blocks for ``num_tokens`` tokens of the request where the pool has them; the tokens its
