@@ -273,7 +273,8 @@ class Serving:
             raise bad_request(f"stop takes at most {MAX_STOP} strings, got {len(req.stop)}", param="stop")
         bias = None
         if req.logit_bias:
-            if not all(k.isdigit() and k.isascii() for k in req.logit_bias):
+            # (a longer key is no token id, and int() refuses past 4300 digits)
+            if not all(k.isdigit() and k.isascii() and len(k.lstrip("0")) <= 18 for k in req.logit_bias):
                 raise bad_request("logit_bias keys must be token ids (decimal integers >= 0)", param="logit_bias")
             bias = {int(k): v for k, v in req.logit_bias.items()}
         structured, field = structured

@@ -274,6 +274,7 @@ def test_logit_bias_over_http(smol_server):
                                                  "logit_bias": {str(forced[0]): 100}}, timeout=60)
     assert r.json()["choices"][0]["text"] == " banana" * 3
     for bad, param in (({"abc": 1}, "logit_bias"), ({"5": 101}, "logit_bias.5"), ({"-3": 1}, "logit_bias"),
+                       ({"9" * 5000: 1}, "logit_bias"), ({"\uff15": 1}, "logit_bias"),
                        ({"99999999": 1}, "logit_bias"), ({"5": "high"}, "logit_bias.5")):
         check_error(httpx.post(smol_server.url + CMPL, json={"prompt": "Hi", "max_tokens": 1, "logit_bias": bad}),
                     400, param)
