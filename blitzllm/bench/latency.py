@@ -2,7 +2,8 @@
 
 `blitz bench latency --model M --batch-size B --input-len I --output-len O [--compare hf,llamacpp]`
 prints (and with --json writes) tokens_per_s, ms_per_token, ttft_s, bytes_per_step,
-copy_bandwidth_Bps, roofline_fraction, kernels_per_step / kernels_per_layer (CUDA).
+copy_bandwidth_Bps, roofline_fraction, startup_s, kernels_per_step / kernels_per_layer (CUDA),
+cpu_decode / cpu_compile_s (CPU), and with llamacpp a long prompt's TTFT for both (docs/cpu.md).
 """
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ def add_args(p, add_engine_args) -> None:
                         "--speculative-config switched off)")
     p.add_argument("--long-prompt-len", type=int, default=1000,
                    help="with --compare llamacpp: TTFT of one prompt this long, both engines")
+    p.add_argument("--llamacpp-no-extra-bufts", action="store_true",
+                   help="llama.cpp without its extra buffer types (weight repacking, AMX): for a CPU that "
+                        "reports AMX but does not enable it, where a native build dies of SIGILL")
     p.add_argument("--json", default=None, help="write the results to this file")
 
 
@@ -127,7 +131,8 @@ def run(a) -> int:
     if "hf" in peers:
         res.update(_compare_hf(a, eng, cfg, B, I, O, dev, res["tokens_per_s"]))
     if "llamacpp" in peers:
-        res.update(_compare_llamacpp(a.model, cfg, B, I, O, res["tokens_per_s"], long_len, res["ttft_long_s"]))
+        res.update(_compare_llamacpp(a.model, cfg, B, I, O, res["tokens_per_s"], long_len, res["ttft_long_s"],
+                                     a.llamacpp_no_extra_bufts))
     llm.close()
     _print(res)
     if a.json:
@@ -220,19 +225,42 @@ def _long_ttft(eng, n, cfg) -> float:
     return sorted(times)[1]
 
 
-def _compare_llamacpp(model, cfg, B, I, O, ours_tps, long_len=0, ours_long_ttft=None) -> dict:
+def _llama(path, n_ctx, no_extra_bufts: bool):
+    """llama_cpp.Llama on ``path`` with this machine's threads (``no_extra_bufts``: model
+    parameters with use_extra_bufts off, which the Llama class does not expose)."""
+    import os
+
+    import llama_cpp.llama as ll
+    from llama_cpp import Llama
+    low = ll.llama_cpp
+    default = low.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    if no_extra_bufts:
+        low.llama_model_default_params = params
+    try:
+        return Llama(model_path=str(path), n_ctx=n_ctx, n_threads=os.cpu_count(), verbose=False)
+    finally:
+        low.llama_model_default_params = default
+
+
+def _compare_llamacpp(model, cfg, B, I, O, ours_tps, long_len=0, ours_long_ttft=None,
+                      no_extra_bufts: bool = False) -> dict:
     """llama.cpp through llama-cpp-python on the same GGUF file (its own quantized kernels)."""
     from pathlib import Path
     try:
-        from llama_cpp import Llama
+        import llama_cpp  # noqa: F401
     except ImportError:
         raise ValueError("--compare llamacpp needs llama-cpp-python: pip install llama-cpp-python") from None
     from ..loader.source import smollm2_path
     path = smollm2_path() if model == "smollm2" else Path(model)
     if path.suffix != ".gguf" or B != 1:
         raise ValueError("--compare llamacpp needs a .gguf model (or smollm2) and --batch-size 1")
-    import os
-    lm = Llama(model_path=str(path), n_ctx=max(I + O, long_len) + 8, n_threads=os.cpu_count(), verbose=False)
+    lm = _llama(path, max(I + O, long_len) + 8, no_extra_bufts)
     prompt = _prompts(1, I, cfg.vocab_size, 5)[0].tolist()
 
     def decode_time(n):
