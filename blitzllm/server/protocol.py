@@ -113,6 +113,10 @@ class CompletionRequest(_SamplingRequest):
 
 
 class TokenizeRequest(_Strict):
+    # exactly one of prompt (a string) and messages (a list), as the route checks
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"oneOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]})
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = None
