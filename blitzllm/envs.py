@@ -31,6 +31,8 @@ _SWITCHES = (
            "cache folder for converted tokenizers (default `~/.cache/blitzllm`)"),
     Switch("BLITZ_NO_PROGRESS", SETTING, "bool", False,
            "no weight-loading progress bar (tensor-parallel workers set it: rank 0 shows one)"),
+    Switch("BLITZ_CPU_COMPILE", SETTING, "bool", False,
+           "CPU decode steps through torch.compile (runner/cpu_graph.py; docs/cpu.md)"),
     Switch("BLITZ_TP_TIMEOUT", SETTING, "float", 600.0,
            "seconds a tensor-parallel step collective may take before it fails"),
     Switch("BLITZ_TP_STARTUP_TIMEOUT", SETTING, "float", 600.0,

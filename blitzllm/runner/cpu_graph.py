@@ -12,7 +12,6 @@ Knows nothing of requests; the runner hands it one pure-decode step's host lists
 """
 from __future__ import annotations
 
-import os
 import time
 from typing import Optional
 
@@ -207,10 +206,10 @@ class CpuDecode:
         return self.model.compute_logits(h)
 
 
-def compile_enabled(default: bool) -> bool:
-    """BLITZ_CPU_COMPILE=0/1 overrides the runner's default."""
-    v = os.environ.get("BLITZ_CPU_COMPILE")
-    return default if v in (None, "") else v not in ("0", "false", "no")
+def compile_enabled() -> bool:
+    """BLITZ_CPU_COMPILE (envs.py): off by default (docs/cpu.md says why)."""
+    from .. import envs
+    return bool(envs.get("BLITZ_CPU_COMPILE"))
 
 
 def maybe_cpu_decode(model, kv_caches, backend, block_size: int, tp_size: int, states,
@@ -219,4 +218,4 @@ def maybe_cpu_decode(model, kv_caches, backend, block_size: int, tp_size: int, s
     model's modules, whose hooks EAGLE-3 and MTP read)."""
     if enforce_eager or not supports(model, kv_caches, backend, tp_size, states):
         return None
-    return CpuDecode(model, kv_caches, block_size, compiled=compile_enabled(False))
+    return CpuDecode(model, kv_caches, block_size, compiled=compile_enabled())
