@@ -195,8 +195,11 @@ class ModelRunner:
         if (self.graphs is not None and all(e - s == 1 for _, s, e in seqs) and len(sample_idx) == len(seqs)
                 and self.graphs.can_run(len(seqs))):
             return _host_result(self._decode_step(seqs, block_tables, rows, states))
+        # (the CPU decode path skips the modules: not while hooks read them, as a hidden-state
+        # capture's for EAGLE-3, MTP or draft training)
+        body = getattr(self.model, "model", self.model)
         if (self.cpu_decode is not None and self.driver is None and len(sample_idx) == len(seqs)
-                and all(e - s == 1 for _, s, e in seqs)):
+                and all(e - s == 1 for _, s, e in seqs) and not body._forward_hooks and not body._forward_pre_hooks):
             self._ahead = None
             cur = self._decode_inputs(seqs, block_tables)
             logits = self.cpu_decode.run([t[0] for t, _, _ in seqs], *cur, block_tables)
