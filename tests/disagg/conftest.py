@@ -13,9 +13,10 @@ if importlib.util.find_spec("nixl") is None:
     pytest.skip("needs nixl (pip install nixl)", allow_module_level=True)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def smol(tmp_path_factory):
-    """(producer, consumer) serving SmolLM2."""
+    """(producer, consumer) serving SmolLM2, per test module: their NIXL agents' progress threads poll
+    while idle, so they must not outlive the modules that use them."""
     d = tmp_path_factory.mktemp("smol-pd")
     procs = [Proc(["--model", "smollm2", *ENGINE, *kv("kv_producer", kv_lease_s=20)], d, "producer"),
              Proc(["--model", "smollm2", *ENGINE, *kv("kv_consumer")], d, "consumer")]
@@ -26,7 +27,7 @@ def smol(tmp_path_factory):
             p.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def pd_router(smol, tmp_path_factory):
     p, c = smol
     r = Proc(["--prefill", p.url, "--decode", c.url, "--health-interval", "0.5"],
