@@ -71,8 +71,11 @@ class SamplingParams:
             raise _err("repetition_penalty", "in (0, 10]", self.repetition_penalty)
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed <= _MAX_SEED):
             raise _err("seed", f"an integer in [0, {_MAX_SEED}]", self.seed)
-        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 0):
-            raise _err("max_tokens", "an integer >= 0", self.max_tokens)
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 0
+                                            or (self.max_tokens == 0 and self.prompt_logprobs is None)):
+            # 0 generates nothing: only a scoring request (prompt_logprobs) has a result
+            raise _err("max_tokens", "an integer >= 1 (0 only with prompt_logprobs: scoring the prompt)",
+                       self.max_tokens)
         if not is_int(self.min_tokens) or self.min_tokens < 0:
             raise _err("min_tokens", "an integer >= 0", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

@@ -93,6 +93,8 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
         raise bad_request("max_tokens must be >= 1 (0 only with echo: scoring the prompt)", param="max_tokens")
     requested = s.structured_request(req)
     scoring = req.logprobs if req.echo else None  # echo + logprobs: the prompt's logprobs too
+    if req.max_tokens == 0 and scoring is None:
+        scoring = 0  # echo alone with max_tokens 0: the engine takes it as a scoring request
     params = s.sampling_params(req, pick(req.max_tokens, 16), req.logprobs, structured=requested,
                                prompt_logprobs=scoring)
     structured_field = requested[1]

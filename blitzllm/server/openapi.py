@@ -45,8 +45,11 @@ def _ref(model: type[BaseModel]) -> dict:
 def _content(model: type[BaseModel], stream: Optional[type[BaseModel]]) -> dict:
     content = {_JSON: {"schema": _ref(model)}}
     if stream is not None:
-        content[_SSE] = {"schema": {"type": "string", "description": f"with `stream`: server-sent events, each "
-                                    f"`data:` line a {stream.__name__}, the last `data: [DONE]`"}}
+        # OpenAPI 3.1 has no `itemSchema`: a stream's `schema` describes one event (data, event, id, retry)
+        data = {"type": "string", "description": f"a {stream.__name__} as JSON; the last event's is `[DONE]`"}
+        event = {"data": data, "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}
+        content[_SSE] = {"schema": {"type": "object", "required": ["data"], "properties": event,
+                                    "description": "with `stream`: one server-sent event"}}
     return content
 
 

@@ -85,6 +85,14 @@ def _evaluate(model: str, model_args: dict, task: str, folder, **kw) -> dict:
                            task_manager=TaskManager(include_path=str(folder), include_defaults=False), **kw)
 
 
+def _chat_prompt(arguments) -> str:
+    """A logged sample's chat prompt (JSON text): lm-eval nests it in one-element tuples, to a
+    depth and in a wrapper (``JsonChatStr``) that vary between its code paths."""
+    while isinstance(arguments, (tuple, list)):
+        arguments = arguments[0]
+    return getattr(arguments, "prompt", arguments)
+
+
 def _by_doc(res: dict, task: str) -> list:
     return sorted(res["samples"][task], key=lambda s: s["doc_id"])
 
@@ -148,7 +156,7 @@ def test_lm_eval_generate_until_matches_the_engine(smol_f32_server, smollm2_llm,
                                                 "max_retries": 1, "timeout": 600}, "blitz_gen", folder,
                      apply_chat_template=True)
     samples = _by_doc(chat, "blitz_gen")
-    messages = [json.loads(getattr(s["arguments"][0][0], "prompt", s["arguments"][0][0])) for s in samples]
+    messages = [json.loads(_chat_prompt(s["arguments"])) for s in samples]
     assert [m[-1]["content"] for m in messages] == [p for p, _ in GEN]
     want = _reference_generations(smollm2_llm, [smollm2_llm.apply_chat_template(m) for m in messages])
     assert [s["resps"][0][0] for s in samples] == want

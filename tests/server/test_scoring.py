@@ -117,7 +117,9 @@ def test_prompt_logprobs_validation():
             SamplingParams(prompt_logprobs=bad)
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=-1)
-    assert SamplingParams(max_tokens=0).max_tokens == 0
+    with pytest.raises(ValueError, match="max_tokens must be an integer >= 1"):
+        SamplingParams(max_tokens=0)   # generates nothing and scores nothing
+    assert SamplingParams(max_tokens=0, prompt_logprobs=0).max_tokens == 0
 
 
 # ---- logit_bias -------------------------------------------------------------------------------
