@@ -33,6 +33,9 @@ _SWITCHES = (
            "no weight-loading progress bar (tensor-parallel workers set it: rank 0 shows one)"),
     Switch("BLITZ_CPU_COMPILE", SETTING, "bool", False,
            "CPU decode steps through torch.compile (runner/cpu_graph.py; docs/cpu.md)"),
+    Switch("BLITZ_CPU_QGEMM", SETTING, "bool", True,
+           "GGUF Q4/Q8 linears on the CPU through our AVX-512 fp32 kernels (0: torch's int4 kernel, bf16 "
+           "inputs; kernels/cpu_quant/native.py)"),
     Switch("BLITZ_TP_TIMEOUT", SETTING, "float", 600.0,
            "seconds a tensor-parallel step collective may take before it fails"),
     Switch("BLITZ_TP_STARTUP_TIMEOUT", SETTING, "float", 600.0,

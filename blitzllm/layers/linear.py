@@ -12,7 +12,7 @@ from ..kernels.activation import silu_and_mul
 from ..kernels.gemv.gemv import linear as gemv_linear
 from ..kernels.fp8_weights import DEFAULT_BLOCK as DEFAULT_FP8_BLOCK
 from ..kernels.fp8_weights import fp8_linear, quantize_fp8_block
-from ..kernels.cpu_quant import int4_matmul
+from ..kernels.cpu_quant import quant_matmul
 
 _WEIGHT_ONLY_MAX_ROWS = 4  # up to this many rows, weight-only layers compute in the weight dtype
 
@@ -52,7 +52,7 @@ class Linear(nn.Module):
         """x [..., in] -> [..., out]. With ``silu_mul_input`` x is [..., 2*in] (gate, up) and
         the layer applies ``silu(gate) * up`` first, fused into the GEMV on CUDA decode."""
         if self.quant is not None:
-            y = int4_matmul(silu_and_mul(x) if silu_mul_input else x, self.quant)
+            y = quant_matmul(silu_and_mul(x) if silu_mul_input else x, self.quant)
             return y if self.bias is None else y + self.bias.to(y.dtype)
         if self.qweight is not None:
             return self._int4_forward(silu_and_mul(x) if silu_mul_input else x)

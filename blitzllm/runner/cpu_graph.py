@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..kernels.cpu_quant import native
 from ..kernels.norm.rmsnorm import reference_rms_norm
 from ..layers.linear import Linear
 from ..layers.rotary import rotary_tables
@@ -52,10 +53,14 @@ def supports(model, kv_caches, backend, tp_size: int, states) -> bool:
 
 
 def _weights(lin: Linear) -> tuple:
-    """A linear as step arguments: (float weight,) or its packed int4 parts, flattened."""
-    if lin.quant is not None:
-        return tuple(t for part in lin.quant.parts for t in part)
-    return (lin.weight,)
+    """A linear as step arguments: (float weight,), (codes, d, m) of our GGUF kernel, or torch's
+    int4 packing (packed, scales_zeros) per 4-bit matrix (kernels/cpu_quant/pack.py)."""
+    q = lin.quant
+    if q is None:
+        return (lin.weight,)
+    if q.parts is None:
+        return (q.codes, q.d, q.m)
+    return tuple(t for part in q.parts for t in part)
 
 
 def _as(t: torch.Tensor, dtype) -> torch.Tensor:
@@ -63,11 +68,15 @@ def _as(t: torch.Tensor, dtype) -> torch.Tensor:
 
 
 def _mm(x: torch.Tensor, w: tuple) -> torch.Tensor:
-    """x @ W.T: in x's dtype for a float weight; for packed int4 parts the kernel's bf16 output
-    (fp32 when two parts add), which the next op widens where it needs to."""
+    """x @ W.T: in x's dtype for a float weight, fp32 from our GGUF kernel; from torch's int4
+    kernel bf16 (fp32 when two parts add), which the next op widens where it needs to."""
     if len(w) == 1:
         return F.linear(x, _as(w[0], x.dtype))
-    xb = _as(x, torch.bfloat16)  # (the int4 kernel's fast form: kernels/cpu_quant/pack.py)
+    if len(w) == 3:
+        if torch.compiler.is_compiling():
+            return native.gguf_matmul_op(_as(x, torch.float32), *w)
+        return native.matmul(_as(x, torch.float32).contiguous(), *w)
+    xb = _as(x, torch.bfloat16)
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, w[0], 32, w[1])
     for i in range(2, len(w), 2):
         y = y.float() + torch.ops.aten._weight_int4pack_mm_for_cpu(xb, w[i], 32, w[i + 1])
@@ -144,8 +153,7 @@ class CpuDecode:
                                 qn.weight if qn is not None else None, kn.weight if kn is not None else None,
                                 _weights(sa.o_proj), _weights(mlp.gate_up_proj), _weights(mlp.down_proj), dims))
         dn = self.layers[0][8]
-        self.out_dtype = model.model.embed_tokens.weight.dtype if len(dn) == 1 else (
-            torch.bfloat16 if len(dn) == 2 else torch.float32)
+        self.out_dtype = {1: model.model.embed_tokens.weight.dtype, 2: torch.bfloat16}.get(len(dn), torch.float32)
         self.step_fn = layer_step
         if compiled:
             self.step_fn = torch.compile(layer_step, fullgraph=True, options=_COMPILE_OPTIONS)

@@ -42,3 +42,20 @@ def test_cpu_decode_greedy_equals_model_forward(tiny_llama, reference, compiled,
         assert _run(llm, prompts[:b]) == reference[b], b  # again: the shared prefix now cached
     stats = llm.stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_gguf_blocks_decode_compiled_and_eager_equal_model_forward(monkeypatch):
+    """The default model's GGUF blocks (our AVX-512 kernel; through a custom op when compiled),
+    4 layers: the decode step compiled and eager gives the model forward's greedy tokens."""
+    kw = dict(device="cpu", num_layers=4, max_num_batched_tokens=24, enable_prefix_caching=True)
+    ref = LLM("smollm2", **kw)
+    assert ref.engine.runner.model.lm_head.quant.parts is None
+    ref.engine.runner.cpu_decode = None
+    prompts = _prompts()
+    want = {b: _run(ref, prompts[:b]) for b in (1, 3)}
+    for compiled in (False, True):
+        monkeypatch.setenv("BLITZ_CPU_COMPILE", "1" if compiled else "0")
+        llm = LLM("smollm2", **kw)
+        assert llm.engine.runner.cpu_decode.compiled == compiled
+        for b in (1, 3):
+            assert _run(llm, prompts[:b]) == want[b], (compiled, b)

@@ -1,0 +1,148 @@
+/* Weight-only quantized matmul on x86 CPUs with AVX-512: y [M, N] = x [M, K] @ W.T in fp32,
+   W read from GGUF's own blocks of 32 (kernels/cpu_quant/native.py builds and loads this file).
+
+   q4: codes [N, K/2] uint8, group g's 16 bytes hold its codes j (low nibble) and j + 16 (high);
+       w = d q + m (Q4_1) or d (q - 8) (Q4_0, passed as m = -8 d); d, m fp16 [N, K/32].
+   q8: codes [N, K] int8, w = d q (Q8_0); d fp16 [N, K/32].
+
+   Every weight is its exact GGUF value and every product and sum is fp32, so the result is the
+   fp32 matmul with the dequantized weight up to summation order. Each pass unpacks NB weight
+   rows once for up to RB activation rows. */
+#include <immintrin.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define RB 4
+#define NB 2
+#define MAXG 1024 /* K up to 32768 */
+
+static inline void halves(const uint16_t* h, float* f, int n) {
+  int i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(f + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(h + i))));
+  for (; i < n; i++) f[i] = _cvtsh_ss(h[i]);
+}
+
+static inline float dot(const float* a, const float* b, int n) {
+  __m512 s = _mm512_setzero_ps();
+  int i = 0;
+  for (; i + 16 <= n; i += 16) s = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s);
+  float r = _mm512_reduce_add_ps(s);
+  for (; i < n; i++) r += a[i] * b[i];
+  return r;
+}
+
+/* the 32 weights' codes of group g of a row as two vectors of 16 floats: q4 (codes + g * 16:
+   low nibbles then high) or q8 (codes + g * 32) */
+static inline void unpack(const uint8_t* row, int g, int q8, __m512* a, __m512* b) {
+  if (q8) {
+    *a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(row + g * 32))));
+    *b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(row + g * 32 + 16))));
+  } else {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(row + g * 16)));
+    *a = _mm512_cvtepi32_ps(_mm512_and_epi32(v, _mm512_set1_epi32(15)));
+    *b = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+  }
+}
+
+/* weight rows [n, n + nb) (codes from ``c``, row stride ldc bytes) against activation rows
+   [r, r + nr) -> y[r, n]; ``mh`` (q4): each row's zeros, times the group sums ``xs`` */
+static inline void pass(const float* x, const float* xs, int nr, int K, const uint8_t* c, size_t ldc, int q8,
+                        const uint16_t* dh, const uint16_t* mh, int nb, float* y, size_t ldy) {
+  const int G = K / 32;
+  float d[NB][MAXG], m[NB][MAXG];
+  __m512 acc[NB][RB];
+  for (int i = 0; i < nb; i++) {
+    halves(dh + (size_t)i * G, d[i], G);
+    if (mh) halves(mh + (size_t)i * G, m[i], G);
+    for (int r = 0; r < RB; r++) acc[i][r] = _mm512_setzero_ps();
+  }
+  for (int g = 0; g < G; g++) {
+    __m512 a[NB], b[NB];
+    for (int i = 0; i < nb; i++) unpack(c + (size_t)i * ldc, g, q8, &a[i], &b[i]);
+    for (int r = 0; r < nr; r++) {
+      const float* xr = x + (size_t)r * K + g * 32;
+      const __m512 x0 = _mm512_loadu_ps(xr), x1 = _mm512_loadu_ps(xr + 16);
+      for (int i = 0; i < nb; i++)
+        acc[i][r] = _mm512_fmadd_ps(_mm512_set1_ps(d[i][g]), _mm512_fmadd_ps(b[i], x1, _mm512_mul_ps(a[i], x0)),
+                                    acc[i][r]);
+    }
+  }
+  for (int i = 0; i < nb; i++)
+    for (int r = 0; r < nr; r++)
+      y[(size_t)r * ldy + i] = _mm512_reduce_add_ps(acc[i][r]) + (mh ? dot(m[i], xs + (size_t)r * G, G) : 0.0f);
+}
+
+int blitz_q4_gemm(const float* x, const uint8_t* codes, const uint16_t* d, const uint16_t* m, float* y, int M,
+                  int N, int K, int nthreads) {
+  const int G = K / 32;
+  if (K % 32 || G > MAXG) return 1;
+  float* xs = (float*)malloc(sizeof(float) * (size_t)M * G); /* the rows' group sums: the m term */
+  if (!xs) return 2;
+  for (int r = 0; r < M; r++)
+    for (int g = 0; g < G; g++) {
+      const float* xg = x + (size_t)r * K + g * 32;
+      xs[(size_t)r * G + g] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(xg), _mm512_loadu_ps(xg + 16)));
+    }
+  const int passes = (N + NB - 1) / NB;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int p = 0; p < passes; p++) {
+    const int n = p * NB, nb = N - n < NB ? N - n : NB;
+    for (int r = 0; r < M; r += RB)
+      pass(x + (size_t)r * K, xs + (size_t)r * G, M - r < RB ? M - r : RB, K, codes + (size_t)n * (K / 2), K / 2,
+           0, d + (size_t)n * G, m + (size_t)n * G, nb, y + (size_t)r * N + n, N);
+  }
+  free(xs);
+  return 0;
+}
+
+int blitz_q8_gemm(const float* x, const int8_t* codes, const uint16_t* d, float* y, int M, int N, int K,
+                  int nthreads) {
+  const int G = K / 32;
+  if (K % 32 || G > MAXG) return 1;
+  const int passes = (N + NB - 1) / NB;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int p = 0; p < passes; p++) {
+    const int n = p * NB, nb = N - n < NB ? N - n : NB;
+    for (int r = 0; r < M; r += RB)
+      pass(x + (size_t)r * K, 0, M - r < RB ? M - r : RB, K, (const uint8_t*)codes + (size_t)n * K, K, 1,
+           d + (size_t)n * G, 0, nb, y + (size_t)r * N + n, N);
+  }
+  return 0;
+}
+
+/* the weight [N, K] in fp32 (prefill multiplies it by a dense GEMM) */
+void blitz_q4_dequant(const uint8_t* codes, const uint16_t* dh, const uint16_t* mh, float* w, int N, int K,
+                      int nthreads) {
+  const int G = K / 32;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int n = 0; n < N; n++) {
+    float d[MAXG], m[MAXG];
+    halves(dh + (size_t)n * G, d, G);
+    halves(mh + (size_t)n * G, m, G);
+    for (int g = 0; g < G; g++) {
+      __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(codes + (size_t)n * (K / 2) + g * 16)));
+      const __m512 dg = _mm512_set1_ps(d[g]), mg = _mm512_set1_ps(m[g]);
+      float* wg = w + (size_t)n * K + g * 32;
+      _mm512_storeu_ps(wg, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_epi32(v, _mm512_set1_epi32(15))), dg, mg));
+      _mm512_storeu_ps(wg + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), dg, mg));
+    }
+  }
+}
+
+void blitz_q8_dequant(const int8_t* codes, const uint16_t* dh, float* w, int N, int K, int nthreads) {
+  const int G = K / 32;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int n = 0; n < N; n++) {
+    float d[MAXG];
+    halves(dh + (size_t)n * G, d, G);
+    for (int g = 0; g < G; g++) {
+      const int8_t* q = codes + (size_t)n * K + g * 32;
+      const __m512 dg = _mm512_set1_ps(d[g]);
+      float* wg = w + (size_t)n * K + g * 32;
+      _mm512_storeu_ps(wg, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q))), dg));
+      _mm512_storeu_ps(wg + 16,
+                       _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 16)))), dg));
+    }
+  }
+}
