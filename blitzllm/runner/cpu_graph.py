@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..kernels import cpu_decode
 from ..kernels.cpu_quant import native
 from ..kernels.norm.rmsnorm import reference_rms_norm
 from ..layers.linear import Linear
@@ -124,11 +125,28 @@ def layer_step(x, residual, ln1, ln2, qkv_w: tuple, qkv_b, q_norm, k_norm, o_w: 
         kg = torch.where(is_new, k[:, None], kc.index_select(0, flat).view(B, L, hkv, d))
         vg = torch.where(is_new, v[:, None], vc.index_select(0, flat).view(B, L, hkv, d))
     kg, vg = _as(kg.transpose(1, 2), dt), _as(vg.transpose(1, 2), dt)  # [B, Hkv, L, D]
-    o = F.scaled_dot_product_attention(q[:, :, None], kg, vg, attn_mask=mask, scale=scale, enable_gqa=hq != hkv)
+    gqa = hq != hkv
+    if gqa and torch.compiler.is_compiling():  # (dims may be symbolic there; enable_gqa takes a bool)
+        kg, vg, gqa = kg.repeat_interleave(hq // hkv, 1), vg.repeat_interleave(hq // hkv, 1), False
+    o = F.scaled_dot_product_attention(q[:, :, None], kg, vg, attn_mask=mask, scale=scale, enable_gqa=gqa)
     h2 = _mm(o.reshape(B, hq * d), o_w) + res
     gu = _as(_mm(_norm(h2, ln2, eps), gu_w), dt)
     act = F.silu(gu[:, :inter]) * gu[:, inter:]
     return _mm(act, dn_w), h2, k, v
+
+
+def native_layer_step(x, residual, ln1, ln2, qkv_w: tuple, qkv_b, q_norm, k_norm, o_w: tuple, gu_w: tuple,
+                      dn_w: tuple, k_cache, v_cache, cos, sin, slots, gidx, lens, dims: tuple):
+    """``layer_step`` through our C glue (kernels/cpu_decode) and GGUF kernel, fp32 end to end:
+    ``residual`` is updated in place and returned; ``lens`` [B] the rows' context lengths."""
+    hq, hkv, d, inter, eps, scale, qk_eps = dims
+    qkv = _mm(cpu_decode.add_rms_norm(x, residual, ln1, eps), qkv_w)
+    if qkv_b is not None:
+        qkv += qkv_b
+    o = cpu_decode.decode_attention(qkv, q_norm, k_norm, qk_eps, cos, sin, k_cache, v_cache, slots, gidx, lens, hq,
+                                    hkv, d, scale)
+    gu = _mm(cpu_decode.add_rms_norm(_mm(o, o_w), residual, ln2, eps), gu_w)
+    return _mm(F.silu(gu[:, :inter]) * gu[:, inter:], dn_w), residual
 
 
 class CpuDecode:
@@ -155,6 +173,13 @@ class CpuDecode:
         dn = self.layers[0][8]
         self.out_dtype = {1: model.model.embed_tokens.weight.dtype, 2: torch.bfloat16}.get(len(dn), torch.float32)
         self.step_fn = layer_step
+        # fp32 end to end (fp32 embeddings and KV cache; GGUF blocks through our kernel or fp32
+        # weights) and eager: the C glue of kernels/cpu_decode in place of the torch ops
+        f32 = torch.float32
+        self.native = (not compiled and cpu_decode.available() and self.embed.weight.dtype == f32
+                       and all(k.dtype == f32 and v.dtype == f32 for k, v in kv_caches)
+                       and all(len(w) == 3 or w[0].dtype == f32 for layer in self.layers for w in
+                               (layer[2], layer[6], layer[7], layer[8])))
         if compiled:
             self.step_fn = torch.compile(layer_step, fullgraph=True, options=_COMPILE_OPTIONS)
         self.compile_s = 0.0
@@ -196,6 +221,8 @@ class CpuDecode:
                 torch._dynamo.mark_dynamic(mask, 3)
         cos, sin = rotary_tables(self.rotary.cos_sin_cache, pos_t)
         residual = self.embed(ids_t)
+        if self.native:
+            return self._run_native(residual, cos, sin, slots_t, gidx, torch.tensor(lens, dtype=torch.int64))
         # the first layer adds zeros of the dtype a layer returns (bf16 from a packed down_proj): the
         # same graph as the others
         x = torch.zeros(residual.shape, dtype=self.out_dtype)
@@ -211,6 +238,16 @@ class CpuDecode:
                 kc.view(-1, hkv, d).index_copy_(0, slots_t, k)
                 vc.view(-1, hkv, d).index_copy_(0, slots_t, v)
         h, _ = self.norm(_as(x, residual.dtype), residual)
+        return self.model.compute_logits(h)
+
+    def _run_native(self, residual, cos, sin, slots, gidx, lens) -> torch.Tensor:
+        B = residual.shape[0]
+        cos, sin = cos.reshape(B, -1).contiguous(), sin.reshape(B, -1).contiguous()
+        x = torch.zeros_like(residual)
+        for (ln1, ln2, qkv_w, qkv_b, qn, kn, o_w, gu_w, dn_w, dims), (kc, vc) in zip(self.layers, self.kv_caches):
+            x, residual = native_layer_step(x, residual, ln1, ln2, qkv_w, qkv_b, qn, kn, o_w, gu_w, dn_w, kc, vc, cos,
+                                            sin, slots, gidx, lens, dims)
+        h, _ = self.norm(x, residual)
         return self.model.compute_logits(h)
 
 

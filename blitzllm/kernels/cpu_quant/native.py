@@ -1,8 +1,6 @@
-"""Our AVX-512 kernels for GGUF blocks (``qgemm.c``): built on first use with the system C
-compiler into ``~/.cache/blitzllm/kernels`` (the file named by the source's hash, so a warm cache
-loads in milliseconds), called through ctypes, threaded with the OpenMP runtime torch already
-loaded. ``lib()`` is None where the CPU lacks AVX-512, no compiler builds the file, or
-``BLITZ_CPU_QGEMM=0``: ``pack.py`` then packs for torch's int4 kernel instead.
+"""Our AVX-512 kernels for GGUF blocks (``qgemm.c``, built and loaded by ``kernels/_cbuild.py``),
+called through ctypes. ``lib()`` is None where the CPU lacks AVX-512, no compiler builds the
+file, or ``BLITZ_CPU_QGEMM=0``: ``pack.py`` then packs for torch's int4 kernel instead.
 
 Why our own: torch's int4 CPU kernel is fast only with bf16 activations and bf16 scales, and
 those roundings flip near-tie greedy tokens against the fp32 model (issue 38: 5 of 12 chat
@@ -12,78 +10,27 @@ and compute in fp32: the fp32 matmul with the dequantized weight, up to summatio
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import subprocess
-import tempfile
-import threading
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-log = logging.getLogger(__name__)
+from .. import _cbuild
 
-_SRC = Path(__file__).with_name("qgemm.c")
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
-_CPU_FLAGS = ("avx512f", "avx512bw", "fma", "f16c")
-_lock = threading.Lock()
+_P, _I = ctypes.c_void_p, ctypes.c_int
+_SIGNATURES = {"blitz_q4_gemm": ([_P] * 5 + [_I] * 4, _I), "blitz_q8_gemm": ([_P] * 4 + [_I] * 4, _I),
+               "blitz_q4_dequant": ([_P] * 4 + [_I] * 3, None), "blitz_q8_dequant": ([_P] * 3 + [_I] * 3, None)}
+_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 _state: dict = {}
-
-
-def _cpu_supports() -> bool:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return set(_CPU_FLAGS) <= set(line.split())
-
-
-def _cache_dir() -> Path:
-    from ... import envs
-    root = envs.get("BLITZ_CACHE")
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "blitzllm"
-
-
-def _build() -> Optional[ctypes.CDLL]:
-    cc = os.environ.get("CC", "gcc")
-    source = _SRC.read_bytes()
-    key = hashlib.sha256(source + " ".join([cc] + _FLAGS).encode()).hexdigest()[:16]
-    out = _cache_dir() / "kernels" / f"qgemm-{key}.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-            so = Path(tmp) / out.name
-            r = subprocess.run([cc, *_FLAGS, str(_SRC), "-o", str(so)], capture_output=True, text=True)
-            if r.returncode != 0:
-                log.warning("the AVX-512 GGUF kernels did not build (%s): torch's int4 kernel instead\n%s",
-                            cc, r.stderr[-2000:])
-                return None
-            os.replace(so, out)  # (atomic: a concurrent process loads a whole file or builds its own)
-    lib = ctypes.CDLL(str(out))
-    p, i = ctypes.c_void_p, ctypes.c_int
-    lib.blitz_q4_gemm.argtypes = [p, p, p, p, p, i, i, i, i]
-    lib.blitz_q8_gemm.argtypes = [p, p, p, p, i, i, i, i]
-    lib.blitz_q4_dequant.argtypes = [p, p, p, p, i, i, i]
-    lib.blitz_q8_dequant.argtypes = [p, p, p, i, i, i]
-    lib.blitz_q4_dequant.restype = lib.blitz_q8_dequant.restype = None
-    return lib
 
 
 def lib() -> Optional[ctypes.CDLL]:
     """The loaded kernels, or None (see the module docstring)."""
     if "lib" not in _state:
-        with _lock:
-            if "lib" not in _state:
-                from ... import envs
-                ok = envs.get("BLITZ_CPU_QGEMM") and _cpu_supports()
-                try:
-                    _state["lib"] = _build() if ok else None
-                except OSError as e:  # (no compiler on PATH, an unwritable cache, ...)
-                    log.warning("the AVX-512 GGUF kernels are unavailable (%s): torch's int4 kernel instead", e)
-                    _state["lib"] = None
+        from ... import envs
+        src = Path(__file__).with_name("qgemm.c")
+        needs = ("avx512f", "avx512bw", "fma", "f16c")
+        _state["lib"] = _cbuild.load(src, _FLAGS, needs, _SIGNATURES) if envs.get("BLITZ_CPU_QGEMM") else None
     return _state["lib"]
 
 

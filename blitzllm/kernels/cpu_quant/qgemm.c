@@ -13,8 +13,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#ifndef RB
 #define RB 4
+#endif
+#ifndef NB
 #define NB 2
+#endif
 #define MAXG 1024 /* K up to 32768 */
 
 static inline void halves(const uint16_t* h, float* f, int n) {
@@ -59,6 +63,9 @@ static inline void pass(const float* x, const float* xs, int nr, int K, const ui
   }
   for (int g = 0; g < G; g++) {
     __m512 a[NB], b[NB];
+#ifdef PF
+    _mm_prefetch((const char*)(c + (size_t)g * (q8 ? 32 : 16) * NB + PF), _MM_HINT_T0);
+#endif
     for (int i = 0; i < nb; i++) unpack(c + (size_t)i * ldc, g, q8, &a[i], &b[i]);
     for (int r = 0; r < nr; r++) {
       const float* xr = x + (size_t)r * K + g * 32;

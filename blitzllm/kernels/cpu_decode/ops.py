@@ -1,0 +1,82 @@
+"""Launchers of ``decode.c`` (built and loaded by ``kernels/_cbuild.py``) and their torch
+references. Every tensor is fp32 and contiguous on the CPU; the KV caches are viewed as
+[rows, Hkv, D] (row = block * block_size + offset)."""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .. import _cbuild
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+_SIGNATURES = {"blitz_add_rms_norm": ([_P] * 4 + [_I, _I, _F], None),
+               "blitz_decode_attention": ([_P, _P, _P, _F] + [_P] * 7 + [_I] * 5 + [_F, _P, _P, _I], _I)}
+_FLAGS = ("-O3", "-march=x86-64-v2", "-fopenmp", "-shared", "-fPIC")
+_state: dict = {}
+
+
+def _lib():
+    if "lib" not in _state:
+        _state["lib"] = _cbuild.load(Path(__file__).with_name("decode.c"), _FLAGS, (), _SIGNATURES)
+    return _state["lib"]
+
+
+def available() -> bool:
+    return _lib() is not None
+
+
+def add_rms_norm(x: torch.Tensor, res: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """res += x (in place); returns rmsnorm(res) * w. x, res [B, H]."""
+    B, H = res.shape
+    out = torch.empty_like(res)
+    _state["lib"].blitz_add_rms_norm(x.data_ptr(), res.data_ptr(), w.data_ptr(), out.data_ptr(), B, H, eps)
+    return out
+
+
+def reference_add_rms_norm(x, res, w, eps):
+    res += x
+    return F.rms_norm(res, (res.shape[-1],), w, eps)
+
+
+def decode_attention(qkv: torch.Tensor, q_norm: Optional[torch.Tensor], k_norm: Optional[torch.Tensor], qk_eps: float,
+                     cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slots: torch.Tensor, gidx: torch.Tensor, lens: torch.Tensor, hq: int, hkv: int, d: int,
+                     scale: float) -> torch.Tensor:
+    """qkv [B, (hq + 2 hkv) d] (q and k normed and rotated in place); cos / sin [B, d]; the new
+    k / v written to cache rows ``slots`` [B]; row b attends to rows gidx[b, :lens[b]] ([B, L]
+    int64). Returns o [B, hq d]."""
+    B, L = gidx.shape
+    out = torch.empty(B, hq * d)
+    scratch = torch.empty(B * hq * L)
+    norm = q_norm is not None
+    rc = _state["lib"].blitz_decode_attention(
+        qkv.data_ptr(), q_norm.data_ptr() if norm else None, k_norm.data_ptr() if norm else None, qk_eps,
+        cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), gidx.data_ptr(),
+        lens.data_ptr(), L, B, hq, hkv, d, scale, out.data_ptr(), scratch.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise ValueError(f"CPU decode attention: head dim {d} must be even and at most 1024")
+    return out
+
+
+def reference_decode_attention(qkv, q_norm, k_norm, qk_eps, cos, sin, k_cache, v_cache, slots, gidx, lens, hq, hkv, d,
+                               scale):
+    B, L = gidx.shape
+    heads = qkv.view(B, hq + 2 * hkv, d)
+    qk, v = heads[:, :hq + hkv], heads[:, hq + hkv:]
+    if q_norm is not None:
+        qk[:, :hq] = F.rms_norm(qk[:, :hq], (d,), q_norm, qk_eps)
+        qk[:, hq:] = F.rms_norm(qk[:, hq:], (d,), k_norm, qk_eps)
+    half = d // 2
+    qk.copy_(qk * cos[:, None] + torch.cat([qk[..., half:], qk[..., :half]], -1) * sin[:, None])
+    kc, vc = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
+    kc.index_copy_(0, slots, qk[:, hq:])
+    vc.index_copy_(0, slots, v)
+    kg = kc.index_select(0, gidx.reshape(-1)).view(B, L, hkv, d).transpose(1, 2)
+    vg = vc.index_select(0, gidx.reshape(-1)).view(B, L, hkv, d).transpose(1, 2)
+    mask = (torch.arange(L)[None, :] < lens[:, None])[:, None, None, :]
+    o = F.scaled_dot_product_attention(qk[:, :hq, None], kg, vg, attn_mask=mask, scale=scale, enable_gqa=hq != hkv)
+    return o.reshape(B, hq * d)
