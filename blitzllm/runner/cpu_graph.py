@@ -180,6 +180,15 @@ class CpuDecode:
                        and all(k.dtype == f32 and v.dtype == f32 for k, v in kv_caches)
                        and all(len(w) == 3 or w[0].dtype == f32 for layer in self.layers for w in
                                (layer[2], layer[6], layer[7], layer[8])))
+        self.step_layers = None
+        if self.native and all(len(w) == 3 for layer in self.layers for w in (layer[2], layer[6], layer[7], layer[8])) \
+                and len({layer[9] for layer in self.layers}) == 1:
+            # every linear GGUF blocks: the whole step's layers in one C call
+            (hq, hkv, d, inter, eps, scale, qk_eps), hidden = self.layers[0][9], self.embed.weight.shape[1]
+            self.step_layers = cpu_decode.DecodeLayers(
+                [(ln1, ln2, qb, qn, kn, qkv, o, gu, dn, kc, vc)
+                 for (ln1, ln2, qkv, qb, qn, kn, o, gu, dn, _), (kc, vc) in zip(self.layers, kv_caches)],
+                hq, hkv, d, inter, eps, qk_eps, scale, hidden, native.gemm_addresses())
         if compiled:
             self.step_fn = torch.compile(layer_step, fullgraph=True, options=_COMPILE_OPTIONS)
         self.compile_s = 0.0
@@ -244,6 +253,10 @@ class CpuDecode:
         B = residual.shape[0]
         cos, sin = cos.reshape(B, -1).contiguous(), sin.reshape(B, -1).contiguous()
         x = torch.zeros_like(residual)
+        if self.step_layers is not None:
+            self.step_layers.run(x, residual, cos, sin, slots, gidx, lens)
+            h, _ = self.norm(x, residual)
+            return self.model.compute_logits(h)
         for (ln1, ln2, qkv_w, qkv_b, qn, kn, o_w, gu_w, dn_w, dims), (kc, vc) in zip(self.layers, self.kv_caches):
             x, residual = native_layer_step(x, residual, ln1, ln2, qkv_w, qkv_b, qn, kn, o_w, gu_w, dn_w, kc, vc, cos,
                                             sin, slots, gidx, lens, dims)

@@ -59,3 +59,34 @@ def test_gguf_blocks_decode_compiled_and_eager_equal_model_forward(monkeypatch):
         assert llm.engine.runner.cpu_decode.compiled == compiled
         for b in (1, 3):
             assert _run(llm, prompts[:b]) == want[b], (compiled, b)
+
+
+def test_one_call_step_equals_layer_by_layer():
+    """kernels/cpu_decode's DecodeLayers (every layer in one C call) against the same step layer
+    by layer (native_layer_step: the C glue and GGUF kernel through Python), logits of a batch
+    of 3 rows at different lengths on the same caches."""
+    llm = LLM("smollm2", device="cpu", num_layers=6)
+    dec = llm.engine.runner.cpu_decode
+    assert dec.native and dec.step_layers is not None
+    bs = dec.block_size
+    lens = [5, 2 * bs + 3, 3 * bs]
+    tables = [[0], [1, 2, 3], [4, 5, 6]]
+    slots = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lens)]
+    g = torch.Generator().manual_seed(0)
+    for kc, vc in dec.kv_caches:
+        kc.copy_(torch.randn(kc.shape, generator=g))
+        vc.copy_(torch.randn(vc.shape, generator=g))
+    saved = [(kc.clone(), vc.clone()) for kc, vc in dec.kv_caches]
+    args = ([11, 2000, 30000], [n - 1 for n in lens], slots, lens, tables)
+    one = dec.run(*args)
+    caches_one = [(kc.clone(), vc.clone()) for kc, vc in dec.kv_caches]
+    for (kc, vc), (k0, v0) in zip(dec.kv_caches, saved):
+        kc.copy_(k0)
+        vc.copy_(v0)
+    dec.step_layers = None
+    layered = dec.run(*args)
+    assert torch.allclose(one, layered, rtol=1e-5, atol=1e-4), (one - layered).abs().max()
+    for (a, b), (c, d) in zip(caches_one, dec.kv_caches):
+        # (fp32: silu and sums in another order, six layers deep)
+        assert torch.allclose(a, c, rtol=1e-5, atol=1e-4) and torch.allclose(b, d, rtol=1e-5, atol=1e-4), \
+            ((a - c).abs().max(), (b - d).abs().max())

@@ -92,3 +92,68 @@ int blitz_decode_attention(float* qkv, const float* q_norm, const float* k_norm,
   }
   return 0;
 }
+
+/* ---- a whole decode step of a dense pre-norm decoder, one call ---------------------------- */
+
+/* one GGUF-block linear: our qgemm.c's kernels (passed in: the two libraries build apart) */
+typedef int (*q4_gemm_fn)(const float*, const void*, const void*, const void*, float*, int, int, int, int);
+typedef int (*q8_gemm_fn)(const float*, const void*, const void*, float*, int, int, int, int);
+
+typedef struct {
+  const void* codes;
+  const void* d;
+  const void* m; /* NULL: q8 blocks */
+  int N, K;
+} Linear;
+
+typedef struct {
+  const float *ln1, *ln2, *qkv_bias, *q_norm, *k_norm;
+  Linear qkv, o, gate_up, down;
+  float *k_cache, *v_cache;
+} Layer;
+
+typedef struct {
+  int hq, hkv, d, inter, nthreads;
+  float eps, qk_eps, scale;
+  q4_gemm_fn q4;
+  q8_gemm_fn q8;
+} Dims;
+
+static int linear(const Dims* dm, const Linear* l, const float* x, float* y, int B) {
+  return l->m ? dm->q4(x, l->codes, l->d, l->m, y, B, l->N, l->K, dm->nthreads)
+              : dm->q8(x, l->codes, l->d, y, B, l->N, l->K, dm->nthreads);
+}
+
+/* x, res [B, H]: the last layer's output and the residual stream (updated in place; the caller
+   adds x and applies the final norm). scratch: at least B * (2 H + W + 2 I + Hq L) floats, W the
+   qkv width, I the intermediate size. */
+int blitz_decode_layers(const Layer* layers, int n_layers, const Dims* dm, float* x, float* res, int B, int H,
+                        const float* cos, const float* sin, const int64_t* slots, const int64_t* gidx,
+                        const int64_t* lens, int L, float* scratch) {
+  const int W = (dm->hq + 2 * dm->hkv) * dm->d, I = dm->inter;
+  float *h = scratch, *qkv = h + (size_t)B * H, *o = qkv + (size_t)B * W, *gu = o + (size_t)B * H,
+        *att = gu + (size_t)B * 2 * I;
+  int rc = 0;
+  for (int li = 0; li < n_layers && !rc; li++) {
+    const Layer* ly = &layers[li];
+    blitz_add_rms_norm(x, res, ly->ln1, h, B, H, dm->eps);
+    rc |= linear(dm, &ly->qkv, h, qkv, B);
+    if (ly->qkv_bias)
+      for (int b = 0; b < B; b++)
+        for (int i = 0; i < W; i++) qkv[(size_t)b * W + i] += ly->qkv_bias[i];
+    rc |= blitz_decode_attention(qkv, ly->q_norm, ly->k_norm, dm->qk_eps, cos, sin, ly->k_cache, ly->v_cache, slots,
+                                 gidx, lens, L, B, dm->hq, dm->hkv, dm->d, dm->scale, o, att, dm->nthreads);
+    rc |= linear(dm, &ly->o, o, x, B);
+    blitz_add_rms_norm(x, res, ly->ln2, h, B, H, dm->eps);
+    rc |= linear(dm, &ly->gate_up, h, gu, B);
+    for (int b = 0; b < B; b++) { /* silu(gate) * up, into gate's half */
+      float* g = gu + (size_t)b * 2 * I;
+      for (int i = 0; i < I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * g[I + i];
+    }
+    /* the down projection reads rows of 2 I floats: its first I columns */
+    for (int b = 0; b < B; b++)
+      if (b) for (int i = 0; i < I; i++) gu[(size_t)b * I + i] = gu[(size_t)b * 2 * I + i];
+    rc |= linear(dm, &ly->down, gu, x, B);
+  }
+  return rc;
+}

@@ -14,7 +14,8 @@ from .. import _cbuild
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {"blitz_add_rms_norm": ([_P] * 4 + [_I, _I, _F], None),
-               "blitz_decode_attention": ([_P, _P, _P, _F] + [_P] * 7 + [_I] * 5 + [_F, _P, _P, _I], _I)}
+               "blitz_decode_attention": ([_P, _P, _P, _F] + [_P] * 7 + [_I] * 5 + [_F, _P, _P, _I], _I),
+               "blitz_decode_layers": ([_P, _I, _P, _P, _P, _I, _I] + [_P] * 5 + [_I, _P], _I)}
 _FLAGS = ("-O3", "-march=x86-64-v2", "-fopenmp", "-shared", "-fPIC")
 _state: dict = {}
 
@@ -80,3 +81,55 @@ def reference_decode_attention(qkv, q_norm, k_norm, qk_eps, cos, sin, k_cache, v
     mask = (torch.arange(L)[None, :] < lens[:, None])[:, None, None, :]
     o = F.scaled_dot_product_attention(qk[:, :hq, None], kg, vg, attn_mask=mask, scale=scale, enable_gqa=hq != hkv)
     return o.reshape(B, hq * d)
+
+
+# ---- the whole step: decode.c's blitz_decode_layers ------------------------------------------
+class _Linear(ctypes.Structure):
+    _fields_ = [("codes", _P), ("d", _P), ("m", _P), ("N", _I), ("K", _I)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(n, _P) for n in ("ln1", "ln2", "qkv_bias", "q_norm", "k_norm")] + \
+               [(n, _Linear) for n in ("qkv", "o", "gate_up", "down")] + [("k_cache", _P), ("v_cache", _P)]
+
+
+class _Dims(ctypes.Structure):
+    _fields_ = [(n, _I) for n in ("hq", "hkv", "d", "inter", "nthreads")] + \
+               [(n, _F) for n in ("eps", "qk_eps", "scale")] + [("q4", _P), ("q8", _P)]
+
+
+def _ptr(t: Optional[torch.Tensor]):
+    return None if t is None else t.data_ptr()
+
+
+class DecodeLayers:
+    """Every layer of a decode step in one C call. ``layers``: per layer (ln1, ln2, qkv_bias,
+    q_norm, k_norm, qkv, o, gate_up, down, k_cache, v_cache), each linear (codes, d, m) of
+    kernels/cpu_quant (m None: q8); ``gemm``: the addresses of cpu_quant's blitz_q4_gemm and
+    blitz_q8_gemm. Holds the tensors it points to."""
+
+    def __init__(self, layers: list, hq: int, hkv: int, d: int, inter: int, eps: float, qk_eps: float, scale: float,
+                 hidden: int, gemm: tuple):
+        self.tensors = layers
+        self.hidden, self.width, self.inter, self.hq = hidden, (hq + 2 * hkv) * d, inter, hq
+        arr = (_Layer * len(layers))()
+        for c, (ln1, ln2, bias, qn, kn, qkv, o, gu, dn, kc, vc) in zip(arr, layers):
+            c.ln1, c.ln2, c.qkv_bias, c.q_norm, c.k_norm = map(_ptr, (ln1, ln2, bias, qn, kn))
+            for name, (codes, dd, m) in zip(("qkv", "o", "gate_up", "down"), (qkv, o, gu, dn)):
+                k = codes.shape[1] * (2 if m is not None else 1)
+                setattr(c, name, _Linear(codes.data_ptr(), dd.data_ptr(), _ptr(m), codes.shape[0], k))
+            c.k_cache, c.v_cache = kc.data_ptr(), vc.data_ptr()
+        self.arr = arr
+        self.dims = _Dims(hq, hkv, d, inter, 1, eps, qk_eps, scale, *gemm)
+
+    def run(self, x: torch.Tensor, res: torch.Tensor, cos, sin, slots, gidx, lens) -> None:
+        """x, res [B, H] fp32: x the last layer's output, res the residual stream, in place."""
+        B, L = gidx.shape
+        self.dims.nthreads = torch.get_num_threads()
+        scratch = torch.empty(B * (2 * self.hidden + self.width + 2 * self.inter + self.hq * L))
+        rc = _state["lib"].blitz_decode_layers(
+            ctypes.byref(self.arr), len(self.arr), ctypes.byref(self.dims), x.data_ptr(), res.data_ptr(), B,
+            self.hidden, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), gidx.data_ptr(), lens.data_ptr(), L,
+            scratch.data_ptr())
+        if rc:
+            raise ValueError("CPU decode step: an unsupported shape (head dim even and <= 1024, K % 32 == 0)")

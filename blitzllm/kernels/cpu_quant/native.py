@@ -74,3 +74,8 @@ def gguf_matmul_op(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: Opt
 @gguf_matmul_op.register_fake
 def _(x, codes, d, m):
     return x.new_empty(x.shape[0], codes.shape[0])
+
+
+def gemm_addresses() -> tuple:
+    """(blitz_q4_gemm, blitz_q8_gemm) as addresses, for C callers (kernels/cpu_decode)."""
+    return tuple(ctypes.cast(getattr(lib(), n), ctypes.c_void_p).value for n in ("blitz_q4_gemm", "blitz_q8_gemm"))
