@@ -12,9 +12,9 @@ from ..kernels.activation import silu_and_mul
 from ..kernels.gemv.gemv import linear as gemv_linear
 from ..kernels.fp8_weights import DEFAULT_BLOCK as DEFAULT_FP8_BLOCK
 from ..kernels.fp8_weights import fp8_linear, quantize_fp8_block
-from ..kernels.cpu_quant import quant_matmul
+from ..kernels.cpu_quant import native, quant_matmul
 
-_WEIGHT_ONLY_MAX_ROWS = 4  # up to this many rows, weight-only layers compute in the weight dtype
+_WEIGHT_ONLY_MAX_ROWS = 4  # up to this many rows weight-only layers read the stored weight (a GEMV), not a widened copy
 
 
 class Linear(nn.Module):
@@ -72,6 +72,11 @@ class Linear(nn.Module):
                 # widening the weight once costs only a read of it
                 bias = None if self.bias is None else self.bias.to(x.dtype)
                 return nn.functional.linear(x, w.to(x.dtype), bias)
+            if w.dtype == torch.bfloat16 and x.dtype == torch.float32 and native.lib() is not None:
+                # fp32 products from the bf16 weight (kernels/cpu_quant), not x rounded to bf16
+                y = native.matmul(x.reshape(-1, x.shape[-1]).contiguous(), w, None, None)
+                y = y.view(*x.shape[:-1], w.shape[0])
+                return y if self.bias is None else y + self.bias.to(y.dtype)
             return nn.functional.linear(x.to(w.dtype), w, self.bias).to(x.dtype)
         return nn.functional.linear(x, w, self.bias)
 

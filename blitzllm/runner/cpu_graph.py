@@ -46,19 +46,25 @@ def supports(model, kv_caches, backend, tp_size: int, states) -> bool:
         for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
             if not isinstance(lin, Linear) or lin.qweight is not None or lin.fp8_block is not None:
                 return False
-            if lin.quant is None and lin.weight.dtype != inner.embed_tokens.weight.dtype:
-                return False  # (weight-only bf16: Linear computes those in the weight's dtype)
+            if lin.quant is None and lin.weight.dtype != inner.embed_tokens.weight.dtype and not _bf16_native(lin):
+                return False  # (other weight-only forms: Linear computes those in the weight's dtype)
         if mlp.down_proj.bias is not None or mlp.gate_up_proj.bias is not None or attn.o_proj.bias is not None:
             return False
     return all(k.device.type == "cpu" for k, _ in kv_caches)
 
 
+def _bf16_native(lin: Linear) -> bool:
+    """A bf16 weight under fp32 activations (``--weight-dtype bfloat16``) that our kernel takes."""
+    return lin.quant is None and lin.weight.dtype == torch.bfloat16 and native.lib() is not None
+
+
 def _weights(lin: Linear) -> tuple:
-    """A linear as step arguments: (float weight,), (codes, d, m) of our GGUF kernel, or torch's
-    int4 packing (packed, scales_zeros) per 4-bit matrix (kernels/cpu_quant/pack.py)."""
+    """A linear as step arguments: (float weight,), (codes, d, m) of our GGUF kernel ((weight,
+    None, None) for a bf16 weight it widens), or torch's int4 packing (packed, scales_zeros) per
+    4-bit matrix (kernels/cpu_quant/pack.py)."""
     q = lin.quant
     if q is None:
-        return (lin.weight,)
+        return (lin.weight, None, None) if _bf16_native(lin) else (lin.weight,)
     if q.parts is None:
         return (q.codes, q.d, q.m)
     return tuple(t for part in q.parts for t in part)
@@ -183,7 +189,7 @@ class CpuDecode:
         self.step_layers = None
         if self.native and all(len(w) == 3 for layer in self.layers for w in (layer[2], layer[6], layer[7], layer[8])) \
                 and len({layer[9] for layer in self.layers}) == 1:
-            # every linear GGUF blocks: the whole step's layers in one C call
+            # every linear through our kernel: the whole step's layers in one C call
             (hq, hkv, d, inter, eps, scale, qk_eps), hidden = self.layers[0][9], self.embed.weight.shape[1]
             self.step_layers = cpu_decode.DecodeLayers(
                 [(ln1, ln2, qb, qn, kn, qkv, o, gu, dn, kc, vc)

@@ -90,3 +90,15 @@ def test_one_call_step_equals_layer_by_layer():
         # (fp32: silu and sums in another order, six layers deep)
         assert torch.allclose(a, c, rtol=1e-5, atol=1e-4) and torch.allclose(b, d, rtol=1e-5, atol=1e-4), \
             ((a - c).abs().max(), (b - d).abs().max())
+
+
+def test_bf16_weights_fp32_activations_one_call(tiny_llama, reference):
+    """``weight_dtype="bfloat16"`` under fp32 activations: the one-call step with our bf16
+    kernel gives the model forward's greedy tokens (the same engine, steps through the modules)."""
+    llm = LLM(str(tiny_llama[0]), weight_dtype="bfloat16", **KW)
+    dec = llm.engine.runner.cpu_decode
+    assert dec.step_layers is not None
+    prompts = _prompts()
+    got = {b: _run(llm, prompts[:b]) for b in (1, 3, 8)}
+    llm.engine.runner.cpu_decode = None
+    assert got == {b: _run(llm, prompts[:b]) for b in (1, 3, 8)}

@@ -74,3 +74,20 @@ def test_grid_codes_equal_gguf_dequantized(smollm2_gguf):
     floats = {n: t for n, t in iter_gguf_tensors(reader, cfg, skip=frozenset()) if n in names}
     for name, (kind, q, d, m) in grids.items():
         assert torch.equal(reference_dequantize(q, d, m, kind), floats[name]), name
+
+
+def test_bf16_weight_kernel_is_fp32_math():
+    """A dense bf16 weight under fp32 activations (``--weight-dtype bfloat16``): each weight
+    widened exactly, products and sums in fp32, through native.matmul and Linear."""
+    from blitzllm.layers.linear import Linear
+    assert native.lib() is not None
+    g = torch.Generator().manual_seed(1)
+    for n, k, rows in ((64, 32, 1), (96, 576, 3), (3, 64, 4)):
+        w = torch.randn(n, k, generator=g).bfloat16()
+        x = torch.randn(rows, k, generator=g)
+        ref = x.double() @ w.double().t()
+        got = native.matmul(x, w, None, None)
+        assert (got.double() - ref).abs().max() <= 1e-6 * ref.abs().max()
+        lin = Linear(k, n)
+        lin.weight = torch.nn.Parameter(w, requires_grad=False)
+        assert torch.equal(lin(x), got)

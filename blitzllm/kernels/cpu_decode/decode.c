@@ -95,12 +95,13 @@ int blitz_decode_attention(float* qkv, const float* q_norm, const float* k_norm,
 
 /* ---- a whole decode step of a dense pre-norm decoder, one call ---------------------------- */
 
-/* one GGUF-block linear: our qgemm.c's kernels (passed in: the two libraries build apart) */
+/* one linear: our qgemm.c's kernels (passed in: the two libraries build apart) */
 typedef int (*q4_gemm_fn)(const float*, const void*, const void*, const void*, float*, int, int, int, int);
 typedef int (*q8_gemm_fn)(const float*, const void*, const void*, float*, int, int, int, int);
+typedef int (*bf16_gemm_fn)(const float*, const void*, float*, int, int, int, int);
 
 typedef struct {
-  const void* codes;
+  const void* codes; /* or a dense bf16 weight [N, K] (d NULL) */
   const void* d;
   const void* m; /* NULL: q8 blocks */
   int N, K;
@@ -117,9 +118,11 @@ typedef struct {
   float eps, qk_eps, scale;
   q4_gemm_fn q4;
   q8_gemm_fn q8;
+  bf16_gemm_fn bf16;
 } Dims;
 
 static int linear(const Dims* dm, const Linear* l, const float* x, float* y, int B) {
+  if (!l->d) return dm->bf16(x, l->codes, y, B, l->N, l->K, dm->nthreads);
   return l->m ? dm->q4(x, l->codes, l->d, l->m, y, B, l->N, l->K, dm->nthreads)
               : dm->q8(x, l->codes, l->d, y, B, l->N, l->K, dm->nthreads);
 }

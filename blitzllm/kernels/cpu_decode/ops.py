@@ -95,7 +95,7 @@ class _Layer(ctypes.Structure):
 
 class _Dims(ctypes.Structure):
     _fields_ = [(n, _I) for n in ("hq", "hkv", "d", "inter", "nthreads")] + \
-               [(n, _F) for n in ("eps", "qk_eps", "scale")] + [("q4", _P), ("q8", _P)]
+               [(n, _F) for n in ("eps", "qk_eps", "scale")] + [("q4", _P), ("q8", _P), ("bf16", _P)]
 
 
 def _ptr(t: Optional[torch.Tensor]):
@@ -105,8 +105,8 @@ def _ptr(t: Optional[torch.Tensor]):
 class DecodeLayers:
     """Every layer of a decode step in one C call. ``layers``: per layer (ln1, ln2, qkv_bias,
     q_norm, k_norm, qkv, o, gate_up, down, k_cache, v_cache), each linear (codes, d, m) of
-    kernels/cpu_quant (m None: q8); ``gemm``: the addresses of cpu_quant's blitz_q4_gemm and
-    blitz_q8_gemm. Holds the tensors it points to."""
+    kernels/cpu_quant (m None: q8; d and m None: a dense bf16 weight); ``gemm``: the addresses of
+    cpu_quant's blitz_q4_gemm, blitz_q8_gemm and blitz_bf16_gemm. Holds the tensors it points to."""
 
     def __init__(self, layers: list, hq: int, hkv: int, d: int, inter: int, eps: float, qk_eps: float, scale: float,
                  hidden: int, gemm: tuple):
@@ -117,7 +117,7 @@ class DecodeLayers:
             c.ln1, c.ln2, c.qkv_bias, c.q_norm, c.k_norm = map(_ptr, (ln1, ln2, bias, qn, kn))
             for name, (codes, dd, m) in zip(("qkv", "o", "gate_up", "down"), (qkv, o, gu, dn)):
                 k = codes.shape[1] * (2 if m is not None else 1)
-                setattr(c, name, _Linear(codes.data_ptr(), dd.data_ptr(), _ptr(m), codes.shape[0], k))
+                setattr(c, name, _Linear(codes.data_ptr(), _ptr(dd), _ptr(m), codes.shape[0], k))
             c.k_cache, c.v_cache = kc.data_ptr(), vc.data_ptr()
         self.arr = arr
         self.dims = _Dims(hq, hkv, d, inter, 1, eps, qk_eps, scale, *gemm)

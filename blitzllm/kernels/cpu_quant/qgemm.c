@@ -4,6 +4,7 @@
    q4: codes [N, K/2] uint8, group g's 16 bytes hold its codes j (low nibble) and j + 16 (high);
        w = d q + m (Q4_1) or d (q - 8) (Q4_0, passed as m = -8 d); d, m fp16 [N, K/32].
    q8: codes [N, K] int8, w = d q (Q8_0); d fp16 [N, K/32].
+   bf16: a dense bf16 weight [N, K], each value widened to fp32 exactly (an HF checkpoint's).
 
    Every weight is its exact GGUF value and every product and sum is fp32, so the result is the
    fp32 matmul with the dequantized weight up to summation order. Each pass unpacks NB weight
@@ -37,9 +38,14 @@ static inline float dot(const float* a, const float* b, int n) {
 }
 
 /* the 32 weights' codes of group g of a row as two vectors of 16 floats: q4 (codes + g * 16:
-   low nibbles then high) or q8 (codes + g * 32) */
-static inline void unpack(const uint8_t* row, int g, int q8, __m512* a, __m512* b) {
-  if (q8) {
+   low nibbles then high), q8 (codes + g * 32) or bf16 (the weights themselves, 64 bytes) */
+enum { Q4 = 0, Q8 = 1, BF16 = 2 };
+static inline void unpack(const uint8_t* row, int g, int kind, __m512* a, __m512* b) {
+  if (kind == BF16) {
+    const __m256i* w = (const __m256i*)(row + g * 64);
+    *a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(w)), 16));
+    *b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(w + 1)), 16));
+  } else if (kind == Q8) {
     *a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(row + g * 32))));
     *b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(row + g * 32 + 16))));
   } else {
@@ -51,13 +57,13 @@ static inline void unpack(const uint8_t* row, int g, int q8, __m512* a, __m512* 
 
 /* weight rows [n, n + nb) (codes from ``c``, row stride ldc bytes) against activation rows
    [r, r + nr) -> y[r, n]; ``mh`` (q4): each row's zeros, times the group sums ``xs`` */
-static inline void pass(const float* x, const float* xs, int nr, int K, const uint8_t* c, size_t ldc, int q8,
+static inline void pass(const float* x, const float* xs, int nr, int K, const uint8_t* c, size_t ldc, int kind,
                         const uint16_t* dh, const uint16_t* mh, int nb, float* y, size_t ldy) {
   const int G = K / 32;
   float d[NB][MAXG], m[NB][MAXG];
   __m512 acc[NB][RB];
   for (int i = 0; i < nb; i++) {
-    halves(dh + (size_t)i * G, d[i], G);
+    if (dh) halves(dh + (size_t)i * G, d[i], G);
     if (mh) halves(mh + (size_t)i * G, m[i], G);
     for (int r = 0; r < RB; r++) acc[i][r] = _mm512_setzero_ps();
   }
@@ -66,13 +72,14 @@ static inline void pass(const float* x, const float* xs, int nr, int K, const ui
 #ifdef PF
     _mm_prefetch((const char*)(c + (size_t)g * (q8 ? 32 : 16) * NB + PF), _MM_HINT_T0);
 #endif
-    for (int i = 0; i < nb; i++) unpack(c + (size_t)i * ldc, g, q8, &a[i], &b[i]);
+    for (int i = 0; i < nb; i++) unpack(c + (size_t)i * ldc, g, kind, &a[i], &b[i]);
     for (int r = 0; r < nr; r++) {
       const float* xr = x + (size_t)r * K + g * 32;
       const __m512 x0 = _mm512_loadu_ps(xr), x1 = _mm512_loadu_ps(xr + 16);
       for (int i = 0; i < nb; i++)
-        acc[i][r] = _mm512_fmadd_ps(_mm512_set1_ps(d[i][g]), _mm512_fmadd_ps(b[i], x1, _mm512_mul_ps(a[i], x0)),
-                                    acc[i][r]);
+        acc[i][r] = kind == BF16 ? _mm512_fmadd_ps(b[i], x1, _mm512_fmadd_ps(a[i], x0, acc[i][r]))
+                                 : _mm512_fmadd_ps(_mm512_set1_ps(d[i][g]),
+                                                   _mm512_fmadd_ps(b[i], x1, _mm512_mul_ps(a[i], x0)), acc[i][r]);
     }
   }
   for (int i = 0; i < nb; i++)
@@ -97,7 +104,7 @@ int blitz_q4_gemm(const float* x, const uint8_t* codes, const uint16_t* d, const
     const int n = p * NB, nb = N - n < NB ? N - n : NB;
     for (int r = 0; r < M; r += RB)
       pass(x + (size_t)r * K, xs + (size_t)r * G, M - r < RB ? M - r : RB, K, codes + (size_t)n * (K / 2), K / 2,
-           0, d + (size_t)n * G, m + (size_t)n * G, nb, y + (size_t)r * N + n, N);
+           Q4, d + (size_t)n * G, m + (size_t)n * G, nb, y + (size_t)r * N + n, N);
   }
   free(xs);
   return 0;
@@ -112,8 +119,22 @@ int blitz_q8_gemm(const float* x, const int8_t* codes, const uint16_t* d, float*
   for (int p = 0; p < passes; p++) {
     const int n = p * NB, nb = N - n < NB ? N - n : NB;
     for (int r = 0; r < M; r += RB)
-      pass(x + (size_t)r * K, 0, M - r < RB ? M - r : RB, K, (const uint8_t*)codes + (size_t)n * K, K, 1,
+      pass(x + (size_t)r * K, 0, M - r < RB ? M - r : RB, K, (const uint8_t*)codes + (size_t)n * K, K, Q8,
            d + (size_t)n * G, 0, nb, y + (size_t)r * N + n, N);
+  }
+  return 0;
+}
+
+/* w bf16 [N, K] (no scales): y = x @ W.T in fp32, each weight widened exactly */
+int blitz_bf16_gemm(const float* x, const uint16_t* w, float* y, int M, int N, int K, int nthreads) {
+  if (K % 32 || K / 32 > MAXG) return 1;
+  const int passes = (N + NB - 1) / NB;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int p = 0; p < passes; p++) {
+    const int n = p * NB, nb = N - n < NB ? N - n : NB;
+    for (int r = 0; r < M; r += RB)
+      pass(x + (size_t)r * K, 0, M - r < RB ? M - r : RB, K, (const uint8_t*)(w + (size_t)n * K), (size_t)K * 2, BF16,
+           0, 0, nb, y + (size_t)r * N + n, N);
   }
   return 0;
 }
