@@ -28,7 +28,8 @@ def add_args(p, add_engine_args) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--compare", default=None,
                    help="comma list of peers timed in the same run: hf (transformers on the same weights), "
-                        "llamacpp (llama-cpp-python on the same .gguf, CPU), nospec (this engine with "
+                        "llamacpp (llama-cpp-python on the same .gguf, CPU), vllm (vLLM on the same HF folder, "
+                        "weights in the dtype ours are stored in; optional), nospec (this engine with "
                         "--speculative-config switched off)")
     p.add_argument("--long-prompt-len", type=int, default=1000,
                    help="with --compare llamacpp: TTFT of one prompt this long, both engines")
@@ -79,14 +80,17 @@ def run(a) -> int:
     kw["max_num_seqs"] = max(kw["max_num_seqs"], B)
     kw["enable_prefix_caching"] = False  # every run must compute its prompt
     peers = [x.strip() for x in (a.compare or "").split(",") if x.strip()]
-    bad = [x for x in peers if x not in ("hf", "llamacpp", "nospec")]
+    bad = [x for x in peers if x not in ("hf", "llamacpp", "vllm", "nospec")]
     if bad:
-        raise ValueError(f"--compare takes hf, llamacpp and/or nospec, got {', '.join(bad)}")
+        raise ValueError(f"--compare takes hf, llamacpp, vllm and/or nospec, got {', '.join(bad)}")
     if "nospec" in peers and not getattr(a, "speculative_config", None):
         raise ValueError("--compare nospec needs --speculative-config")
     tp = kw["tensor_parallel_size"]
     if tp > 1 and any(p != "nospec" for p in peers):
         raise ValueError("--compare hf/llamacpp runs the peers on one device: use it with --tensor-parallel-size 1")
+    if "vllm" in peers:
+        from .vllm_peer import require_vllm
+        require_vllm(a.model)
     long_len = a.long_prompt_len if "llamacpp" in peers else 0
     if kw["max_model_len"] is None:
         kw["max_model_len"] = max(I + max(O, 8), long_len + 8)
@@ -135,6 +139,13 @@ def run(a) -> int:
         res.update(_compare_nospec(eng, B, I, O, cfg, res["tokens_per_s"]))
     if "hf" in peers:
         res.update(_compare_hf(a, eng, cfg, B, I, O, dev, res["tokens_per_s"]))
+    if "vllm" in peers:
+        from .vllm_peer import vllm_decode_seconds_per_token
+        wd = eng.weight_dtype if isinstance(eng.weight_dtype, torch.dtype) else eng.dtype
+        per = vllm_decode_seconds_per_token(a.model, str(wd).replace("torch.", ""),
+                                            _prompts(B, I, cfg.vocab_size, 6).tolist(), O, I + O + 8,
+                                            CPU_REPEATS if dev.type == "cpu" else 1)
+        res.update({"vllm_tokens_per_s": B / per, "speedup_vs_vllm": res["tokens_per_s"] * per / B})
     if "llamacpp" in peers:
         res.update(_compare_llamacpp(a.model, cfg, B, I, O, res["tokens_per_s"], long_len, res["ttft_long_s"],
                                      a.llamacpp_no_extra_bufts))
