@@ -28,14 +28,6 @@ N = 48
 
 
 @pytest.fixture(scope="module")
-def hf_model(smollm2_gguf):
-    import transformers
-    m = transformers.AutoModelForCausalLM.from_pretrained(
-        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32)
-    return m.eval()
-
-
-@pytest.fixture(scope="module")
 def default_llm():
     return LLM("smollm2", device="cpu")
 
@@ -53,7 +45,8 @@ def test_default_keeps_the_gguf_grid(default_llm):
     assert LLM("smollm2", device="cpu", dtype="float32", num_layers=1).engine.runner.model.lm_head.quant is None
 
 
-def test_default_greedy_matches_transformers(default_llm, hf_model):
+def test_default_greedy_matches_transformers(default_llm, smollm2_hf):
+    hf_model = smollm2_hf  # (tests/conftest.py: transformers on the same GGUF, fp32)
     llm = default_llm
     prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in PROMPTS]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=N, ignore_eos=True))
