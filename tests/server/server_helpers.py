@@ -1,6 +1,8 @@
 """Assertions shared by the server tests."""
 from __future__ import annotations
 
+import json
+
 import httpx
 
 
@@ -15,3 +17,19 @@ def check_error(r: httpx.Response, status: int, param) -> dict:
     if param is not None:
         assert err["param"] == param, err
     return err
+
+
+def stream_chat(url: str, body: dict, timeout: float = 120) -> tuple:
+    """A streamed chat completion's deltas joined: ({"reasoning_content", "content"}, the tool
+    call deltas in order, the finish_reason)."""
+    parts, calls, reason = {"reasoning_content": "", "content": ""}, [], None
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=timeout) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for ch in json.loads(line[6:])["choices"]:
+                    for key in parts:
+                        parts[key] += ch["delta"].get(key) or ""
+                    calls += ch["delta"].get("tool_calls") or []
+                    reason = ch["finish_reason"] or reason
+    return parts, calls, reason

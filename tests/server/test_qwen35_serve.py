@@ -21,7 +21,7 @@ import pytest
 
 from tests.conftest import needs_xgrammar
 from tests.server.conftest import ServerProcess, running
-from tests.server.server_helpers import check_error
+from tests.server.server_helpers import check_error, stream_chat
 
 # Written for this test in the format of Qwen/Qwen3.5's published chat_template.jinja (the
 # Qwen3.5 tokenizer_config's template, also what vLLM's qwen3_coder parser reads): the tools
@@ -211,16 +211,7 @@ def _chat(srv, messages, stream=False, max_tokens=16, **extra):
     if not stream:
         choice = _post(srv, "/v1/chat/completions", body)["choices"][0]
         return choice["message"], choice["finish_reason"]
-    parts, calls, reason = {"reasoning_content": "", "content": ""}, [], None
-    with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=120) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                for ch in json.loads(line[6:])["choices"]:
-                    for key in parts:
-                        parts[key] += ch["delta"].get(key) or ""
-                    calls += ch["delta"].get("tool_calls") or []
-                    reason = ch["finish_reason"] or reason
+    parts, calls, reason = stream_chat(srv.url, body)
     return {**parts, "tool_calls": calls}, reason
 
 

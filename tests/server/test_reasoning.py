@@ -17,6 +17,7 @@ import pytest
 from blitzllm.server.reasoning import (AppendThink, ThinkSplitter, make_splitter, prompt_opens_thinking,
                                        split_reasoning)
 from tests.server.conftest import ServerProcess, _tiny_llama, running
+from tests.server.server_helpers import stream_chat
 
 CASES = [
     # (prompt left a <think> open, output, reasoning_content, content)
@@ -113,15 +114,7 @@ def _chat(srv, messages, stream=False, **extra):
         r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["message"]
-    parts = {"reasoning_content": "", "content": ""}
-    with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=60) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                for ch in json.loads(line[6:])["choices"]:
-                    for key in parts:
-                        parts[key] += ch["delta"].get(key) or ""
-    return parts
+    return stream_chat(srv.url, body, 60)[0]
 
 
 def test_thinking_on_comes_back_as_reasoning(thinking_server):
