@@ -6,7 +6,8 @@ shapes. The residual add + RMSNorm, rotary, the paged KV-cache write, attention 
 gathered cache rows and SiLU-and-mul fuse around the weight-only quantized matmuls
 (``kernels/cpu_quant``) or float ones. Runs eagerly (the same function, no compiler) when
 compiling is off. Numerics as the eager model's CPU path (HF's): fp32 statistics, the same
-rotary tables.
+rotary tables. An eager step that is fp32 end to end skips it: every layer in one C call
+(``kernels/cpu_decode`` ``DecodeLayers``, with ``kernels/cpu_quant``'s matmuls).
 
 Knows nothing of requests; the runner hands it one pure-decode step's host lists.
 """
@@ -141,20 +142,6 @@ def layer_step(x, residual, ln1, ln2, qkv_w: tuple, qkv_b, q_norm, k_norm, o_w: 
     return _mm(act, dn_w), h2, k, v
 
 
-def native_layer_step(x, residual, ln1, ln2, qkv_w: tuple, qkv_b, q_norm, k_norm, o_w: tuple, gu_w: tuple,
-                      dn_w: tuple, k_cache, v_cache, cos, sin, slots, gidx, lens, dims: tuple):
-    """``layer_step`` through our C glue (kernels/cpu_decode) and GGUF kernel, fp32 end to end:
-    ``residual`` is updated in place and returned; ``lens`` [B] the rows' context lengths."""
-    hq, hkv, d, inter, eps, scale, qk_eps = dims
-    qkv = _mm(cpu_decode.add_rms_norm(x, residual, ln1, eps), qkv_w)
-    if qkv_b is not None:
-        qkv += qkv_b
-    o = cpu_decode.decode_attention(qkv, q_norm, k_norm, qk_eps, cos, sin, k_cache, v_cache, slots, gidx, lens, hq,
-                                    hkv, d, scale)
-    gu = _mm(cpu_decode.add_rms_norm(_mm(o, o_w), residual, ln2, eps), gu_w)
-    return _mm(F.silu(gu[:, :inter]) * gu[:, inter:], dn_w), residual
-
-
 class CpuDecode:
     """Pure-decode steps of a supported model (``supports``); ``compiled``: through
     torch.compile (compiled on the first step of each shape class, or by ``warm_up``)."""
@@ -179,21 +166,21 @@ class CpuDecode:
         dn = self.layers[0][8]
         self.out_dtype = {1: model.model.embed_tokens.weight.dtype, 2: torch.bfloat16}.get(len(dn), torch.float32)
         self.step_fn = layer_step
-        # fp32 end to end (fp32 embeddings and KV cache; GGUF blocks through our kernel or fp32
-        # weights) and eager: the C glue of kernels/cpu_decode in place of the torch ops
+        # eager and fp32 end to end (fp32 embeddings and KV cache; every linear GGUF blocks or a
+        # bf16 weight through our kernel, or an fp32 weight): the whole step's layers in one C call
         f32 = torch.float32
-        self.native = (not compiled and cpu_decode.available() and self.embed.weight.dtype == f32
-                       and all(k.dtype == f32 and v.dtype == f32 for k, v in kv_caches)
-                       and all(len(w) == 3 or w[0].dtype == f32 for layer in self.layers for w in
-                               (layer[2], layer[6], layer[7], layer[8])))
+        linears = [[w if len(w) == 3 else (w[0], None, None) for w in (layer[2], layer[6], layer[7], layer[8])]
+                   for layer in self.layers]
         self.step_layers = None
-        if self.native and all(len(w) == 3 for layer in self.layers for w in (layer[2], layer[6], layer[7], layer[8])) \
-                and len({layer[9] for layer in self.layers}) == 1:
-            # every linear through our kernel: the whole step's layers in one C call
+        if (not compiled and cpu_decode.available() and native.lib() is not None and self.embed.weight.dtype == f32
+                and all(k.dtype == f32 and v.dtype == f32 for k, v in kv_caches)
+                and all(len(w) == 3 or w[0].dtype == f32 for layer in self.layers
+                        for w in (layer[2], layer[6], layer[7], layer[8]))
+                and len({layer[9] for layer in self.layers}) == 1):
             (hq, hkv, d, inter, eps, scale, qk_eps), hidden = self.layers[0][9], self.embed.weight.shape[1]
             self.step_layers = cpu_decode.DecodeLayers(
-                [(ln1, ln2, qb, qn, kn, qkv, o, gu, dn, kc, vc)
-                 for (ln1, ln2, qkv, qb, qn, kn, o, gu, dn, _), (kc, vc) in zip(self.layers, kv_caches)],
+                [(*layer[:2], *layer[3:6], *lins, kc, vc)  # (ln1, ln2, qkv bias, q norm, k norm)
+                 for layer, lins, (kc, vc) in zip(self.layers, linears, kv_caches)],
                 hq, hkv, d, inter, eps, qk_eps, scale, hidden, native.gemm_addresses())
         if compiled:
             self.step_fn = torch.compile(layer_step, fullgraph=True, options=_COMPILE_OPTIONS)
@@ -203,7 +190,6 @@ class CpuDecode:
         """Compile (or load from the cache) the step for these batch sizes now; returns seconds."""
         t = time.perf_counter()
         for b in batch_sizes:
-            bs = self.block_size
             with torch.inference_mode():
                 # a throw-away row writing into cache row 0 of block 0 (rewritten by any real step)
                 self.run([0] * b, [0] * b, [0] * b, [1] * b, [[0]] * b)
@@ -236,7 +222,7 @@ class CpuDecode:
                 torch._dynamo.mark_dynamic(mask, 3)
         cos, sin = rotary_tables(self.rotary.cos_sin_cache, pos_t)
         residual = self.embed(ids_t)
-        if self.native:
+        if self.step_layers is not None:
             return self._run_native(residual, cos, sin, slots_t, gidx, torch.tensor(lens, dtype=torch.int64))
         # the first layer adds zeros of the dtype a layer returns (bf16 from a packed down_proj): the
         # same graph as the others
@@ -257,15 +243,9 @@ class CpuDecode:
 
     def _run_native(self, residual, cos, sin, slots, gidx, lens) -> torch.Tensor:
         B = residual.shape[0]
-        cos, sin = cos.reshape(B, -1).contiguous(), sin.reshape(B, -1).contiguous()
         x = torch.zeros_like(residual)
-        if self.step_layers is not None:
-            self.step_layers.run(x, residual, cos, sin, slots, gidx, lens)
-            h, _ = self.norm(x, residual)
-            return self.model.compute_logits(h)
-        for (ln1, ln2, qkv_w, qkv_b, qn, kn, o_w, gu_w, dn_w, dims), (kc, vc) in zip(self.layers, self.kv_caches):
-            x, residual = native_layer_step(x, residual, ln1, ln2, qkv_w, qkv_b, qn, kn, o_w, gu_w, dn_w, kc, vc, cos,
-                                            sin, slots, gidx, lens, dims)
+        self.step_layers.run(x, residual, cos.reshape(B, -1).contiguous(), sin.reshape(B, -1).contiguous(), slots,
+                             gidx, lens)
         h, _ = self.norm(x, residual)
         return self.model.compute_logits(h)
 

@@ -63,11 +63,11 @@ def test_gguf_blocks_decode_compiled_and_eager_equal_model_forward(monkeypatch):
 
 def test_one_call_step_equals_layer_by_layer():
     """kernels/cpu_decode's DecodeLayers (every layer in one C call) against the same step layer
-    by layer (native_layer_step: the C glue and GGUF kernel through Python), logits of a batch
-    of 3 rows at different lengths on the same caches."""
+    by layer in torch ops (layer_step, the GGUF kernel through Python), logits of a batch of 3
+    rows at different lengths on the same caches."""
     llm = LLM("smollm2", device="cpu", num_layers=6)
     dec = llm.engine.runner.cpu_decode
-    assert dec.native and dec.step_layers is not None
+    assert dec.step_layers is not None
     bs = dec.block_size
     lens = [5, 2 * bs + 3, 3 * bs]
     tables = [[0], [1, 2, 3], [4, 5, 6]]
@@ -85,7 +85,9 @@ def test_one_call_step_equals_layer_by_layer():
         vc.copy_(v0)
     dec.step_layers = None
     layered = dec.run(*args)
-    assert torch.allclose(one, layered, rtol=1e-5, atol=1e-4), (one - layered).abs().max()
+    # fp32 noise: C and torch sum the norms, attention and matmuls in other orders, six layers deep
+    assert (one - layered).abs().max() <= 2e-5 * one.abs().max(), (one - layered).abs().max()
+    assert torch.equal(one.argmax(-1), layered.argmax(-1))
     for (a, b), (c, d) in zip(caches_one, dec.kv_caches):
         # (fp32: silu and sums in another order, six layers deep)
         assert torch.allclose(a, c, rtol=1e-5, atol=1e-4) and torch.allclose(b, d, rtol=1e-5, atol=1e-4), \

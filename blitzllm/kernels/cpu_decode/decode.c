@@ -98,13 +98,14 @@ int blitz_decode_attention(float* qkv, const float* q_norm, const float* k_norm,
 /* one linear: our qgemm.c's kernels (passed in: the two libraries build apart) */
 typedef int (*q4_gemm_fn)(const float*, const void*, const void*, const void*, float*, int, int, int, int);
 typedef int (*q8_gemm_fn)(const float*, const void*, const void*, float*, int, int, int, int);
-typedef int (*bf16_gemm_fn)(const float*, const void*, float*, int, int, int, int);
+typedef int (*dense_gemm_fn)(const float*, const void*, float*, int, int, int, int, int);
 
+enum { Q4 = 0, Q8 = 1, BF16 = 2, F32 = 3 };
 typedef struct {
-  const void* codes; /* or a dense bf16 weight [N, K] (d NULL) */
+  const void* codes; /* or a dense weight [N, K] (BF16, F32) */
   const void* d;
-  const void* m; /* NULL: q8 blocks */
-  int N, K;
+  const void* m;
+  int N, K, kind;
 } Linear;
 
 typedef struct {
@@ -118,13 +119,13 @@ typedef struct {
   float eps, qk_eps, scale;
   q4_gemm_fn q4;
   q8_gemm_fn q8;
-  bf16_gemm_fn bf16;
+  dense_gemm_fn dense;
 } Dims;
 
 static int linear(const Dims* dm, const Linear* l, const float* x, float* y, int B) {
-  if (!l->d) return dm->bf16(x, l->codes, y, B, l->N, l->K, dm->nthreads);
-  return l->m ? dm->q4(x, l->codes, l->d, l->m, y, B, l->N, l->K, dm->nthreads)
-              : dm->q8(x, l->codes, l->d, y, B, l->N, l->K, dm->nthreads);
+  if (l->kind >= BF16) return dm->dense(x, l->codes, y, B, l->N, l->K, l->kind == F32, dm->nthreads);
+  return l->kind == Q4 ? dm->q4(x, l->codes, l->d, l->m, y, B, l->N, l->K, dm->nthreads)
+                       : dm->q8(x, l->codes, l->d, y, B, l->N, l->K, dm->nthreads);
 }
 
 /* x, res [B, H]: the last layer's output and the residual stream (updated in place; the caller

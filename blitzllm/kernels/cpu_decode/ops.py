@@ -85,7 +85,10 @@ def reference_decode_attention(qkv, q_norm, k_norm, qk_eps, cos, sin, k_cache, v
 
 # ---- the whole step: decode.c's blitz_decode_layers ------------------------------------------
 class _Linear(ctypes.Structure):
-    _fields_ = [("codes", _P), ("d", _P), ("m", _P), ("N", _I), ("K", _I)]
+    _fields_ = [("codes", _P), ("d", _P), ("m", _P), ("N", _I), ("K", _I), ("kind", _I)]
+
+
+_KINDS = {torch.uint8: 0, torch.int8: 1, torch.bfloat16: 2, torch.float32: 3}  # (decode.c's Q4, Q8, BF16, F32)
 
 
 class _Layer(ctypes.Structure):
@@ -95,7 +98,7 @@ class _Layer(ctypes.Structure):
 
 class _Dims(ctypes.Structure):
     _fields_ = [(n, _I) for n in ("hq", "hkv", "d", "inter", "nthreads")] + \
-               [(n, _F) for n in ("eps", "qk_eps", "scale")] + [("q4", _P), ("q8", _P), ("bf16", _P)]
+               [(n, _F) for n in ("eps", "qk_eps", "scale")] + [("q4", _P), ("q8", _P), ("dense", _P)]
 
 
 def _ptr(t: Optional[torch.Tensor]):
@@ -105,8 +108,9 @@ def _ptr(t: Optional[torch.Tensor]):
 class DecodeLayers:
     """Every layer of a decode step in one C call. ``layers``: per layer (ln1, ln2, qkv_bias,
     q_norm, k_norm, qkv, o, gate_up, down, k_cache, v_cache), each linear (codes, d, m) of
-    kernels/cpu_quant (m None: q8; d and m None: a dense bf16 weight); ``gemm``: the addresses of
-    cpu_quant's blitz_q4_gemm, blitz_q8_gemm and blitz_bf16_gemm. Holds the tensors it points to."""
+    kernels/cpu_quant (a q4 / q8 block form by the codes' dtype; a dense bf16 or fp32 weight with d
+    and m None); ``gemm``: the addresses of cpu_quant's blitz_q4_gemm, blitz_q8_gemm and
+    blitz_dense_gemm. Holds the tensors it points to."""
 
     def __init__(self, layers: list, hq: int, hkv: int, d: int, inter: int, eps: float, qk_eps: float, scale: float,
                  hidden: int, gemm: tuple):
@@ -116,8 +120,8 @@ class DecodeLayers:
         for c, (ln1, ln2, bias, qn, kn, qkv, o, gu, dn, kc, vc) in zip(arr, layers):
             c.ln1, c.ln2, c.qkv_bias, c.q_norm, c.k_norm = map(_ptr, (ln1, ln2, bias, qn, kn))
             for name, (codes, dd, m) in zip(("qkv", "o", "gate_up", "down"), (qkv, o, gu, dn)):
-                k = codes.shape[1] * (2 if m is not None else 1)
-                setattr(c, name, _Linear(codes.data_ptr(), _ptr(dd), _ptr(m), codes.shape[0], k))
+                k = codes.shape[1] * (2 if codes.dtype == torch.uint8 else 1)
+                setattr(c, name, _Linear(codes.data_ptr(), _ptr(dd), _ptr(m), codes.shape[0], k, _KINDS[codes.dtype]))
             c.k_cache, c.v_cache = kc.data_ptr(), vc.data_ptr()
         self.arr = arr
         self.dims = _Dims(hq, hkv, d, inter, 1, eps, qk_eps, scale, *gemm)

@@ -19,7 +19,7 @@ from .. import _cbuild
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {"blitz_q4_gemm": ([_P] * 5 + [_I] * 4, _I), "blitz_q8_gemm": ([_P] * 4 + [_I] * 4, _I),
-               "blitz_bf16_gemm": ([_P] * 3 + [_I] * 4, _I),
+               "blitz_dense_gemm": ([_P] * 3 + [_I] * 5, _I),
                "blitz_q4_dequant": ([_P] * 4 + [_I] * 3, None), "blitz_q8_dequant": ([_P] * 3 + [_I] * 3, None)}
 _FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 _state: dict = {}
@@ -37,14 +37,15 @@ def lib() -> Optional[ctypes.CDLL]:
 
 def matmul(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: Optional[torch.Tensor]) -> torch.Tensor:
     """x [M, K] fp32 contiguous -> x @ W.T [M, N] fp32; q4 when ``codes`` is uint8 [N, K/2]
-    (with ``m``), q8 when int8 [N, K]; ``d`` / ``m`` fp16 [N, K/32]; a dense bf16 weight [N, K]
-    when ``codes`` is bfloat16 (``d``, ``m`` None)."""
+    (with ``m``), q8 when int8 [N, K]; ``d`` / ``m`` fp16 [N, K/32]; a dense weight [N, K] when
+    ``codes`` is bfloat16 or float32 (``d``, ``m`` None)."""
     M, K = x.shape
     N = codes.shape[0]
     y = torch.empty(M, N, dtype=torch.float32)
     threads = torch.get_num_threads()
-    if codes.dtype == torch.bfloat16:
-        rc = _state["lib"].blitz_bf16_gemm(x.data_ptr(), codes.data_ptr(), y.data_ptr(), M, N, K, threads)
+    if codes.dtype in (torch.bfloat16, torch.float32):
+        rc = _state["lib"].blitz_dense_gemm(x.data_ptr(), codes.data_ptr(), y.data_ptr(), M, N, K,
+                                            int(codes.dtype == torch.float32), threads)
     elif codes.dtype == torch.uint8:
         rc = _state["lib"].blitz_q4_gemm(x.data_ptr(), codes.data_ptr(), d.data_ptr(), m.data_ptr(), y.data_ptr(),
                                          M, N, K, threads)
@@ -82,6 +83,6 @@ def _(x, codes, d, m):
 
 
 def gemm_addresses() -> tuple:
-    """(blitz_q4_gemm, blitz_q8_gemm, blitz_bf16_gemm) as addresses, for C callers (kernels/cpu_decode)."""
+    """(blitz_q4_gemm, blitz_q8_gemm, blitz_dense_gemm) as addresses, for C callers (kernels/cpu_decode)."""
     return tuple(ctypes.cast(getattr(lib(), n), ctypes.c_void_p).value
-                 for n in ("blitz_q4_gemm", "blitz_q8_gemm", "blitz_bf16_gemm"))
+                 for n in ("blitz_q4_gemm", "blitz_q8_gemm", "blitz_dense_gemm"))

@@ -70,11 +70,7 @@ class QuantWeight:
         """The weight [N, K]: exact in fp32 (each code times its fp16 scale plus its fp16 zero)."""
         if self.parts is None:
             return native.dequantize(self.codes, self.d, self.m).to(dtype)
-        n, k = self.out_features, self.in_features
-        w = self.codes_int().float().view(n, k // GROUP, GROUP) * self.d.float()[..., None]
-        if self.m is not None:
-            w = w + self.m.float()[..., None]
-        return w.view(n, k).to(dtype)
+        return reference_dequantize(self.codes_int(), self.d, self.m, self.kind).to(dtype)
 
 
 def _nibbles(q: torch.Tensor) -> torch.Tensor:

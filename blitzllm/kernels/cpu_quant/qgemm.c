@@ -4,7 +4,7 @@
    q4: codes [N, K/2] uint8, group g's 16 bytes hold its codes j (low nibble) and j + 16 (high);
        w = d q + m (Q4_1) or d (q - 8) (Q4_0, passed as m = -8 d); d, m fp16 [N, K/32].
    q8: codes [N, K] int8, w = d q (Q8_0); d fp16 [N, K/32].
-   bf16: a dense bf16 weight [N, K], each value widened to fp32 exactly (an HF checkpoint's).
+   dense: a bf16 weight [N, K], each value widened to fp32 exactly (an HF checkpoint's), or fp32.
 
    Every weight is its exact GGUF value and every product and sum is fp32, so the result is the
    fp32 matmul with the dequantized weight up to summation order. Each pass unpacks NB weight
@@ -39,9 +39,12 @@ static inline float dot(const float* a, const float* b, int n) {
 
 /* the 32 weights' codes of group g of a row as two vectors of 16 floats: q4 (codes + g * 16:
    low nibbles then high), q8 (codes + g * 32) or bf16 (the weights themselves, 64 bytes) */
-enum { Q4 = 0, Q8 = 1, BF16 = 2 };
+enum { Q4 = 0, Q8 = 1, BF16 = 2, F32 = 3 };
 static inline void unpack(const uint8_t* row, int g, int kind, __m512* a, __m512* b) {
-  if (kind == BF16) {
+  if (kind == F32) {
+    *a = _mm512_loadu_ps(row + g * 128);
+    *b = _mm512_loadu_ps(row + g * 128 + 64);
+  } else if (kind == BF16) {
     const __m256i* w = (const __m256i*)(row + g * 64);
     *a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(w)), 16));
     *b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(w + 1)), 16));
@@ -77,7 +80,7 @@ static inline void pass(const float* x, const float* xs, int nr, int K, const ui
       const float* xr = x + (size_t)r * K + g * 32;
       const __m512 x0 = _mm512_loadu_ps(xr), x1 = _mm512_loadu_ps(xr + 16);
       for (int i = 0; i < nb; i++)
-        acc[i][r] = kind == BF16 ? _mm512_fmadd_ps(b[i], x1, _mm512_fmadd_ps(a[i], x0, acc[i][r]))
+        acc[i][r] = kind >= BF16 ? _mm512_fmadd_ps(b[i], x1, _mm512_fmadd_ps(a[i], x0, acc[i][r]))
                                  : _mm512_fmadd_ps(_mm512_set1_ps(d[i][g]),
                                                    _mm512_fmadd_ps(b[i], x1, _mm512_mul_ps(a[i], x0)), acc[i][r]);
     }
@@ -125,16 +128,18 @@ int blitz_q8_gemm(const float* x, const int8_t* codes, const uint16_t* d, float*
   return 0;
 }
 
-/* w bf16 [N, K] (no scales): y = x @ W.T in fp32, each weight widened exactly */
-int blitz_bf16_gemm(const float* x, const uint16_t* w, float* y, int M, int N, int K, int nthreads) {
+/* a dense weight [N, K] (no scales), bf16 (f32 = 0; each value widened exactly) or fp32:
+   y = x @ W.T in fp32 */
+int blitz_dense_gemm(const float* x, const void* w, float* y, int M, int N, int K, int f32, int nthreads) {
   if (K % 32 || K / 32 > MAXG) return 1;
+  const size_t ldw = (size_t)K * (f32 ? 4 : 2);
   const int passes = (N + NB - 1) / NB;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
   for (int p = 0; p < passes; p++) {
     const int n = p * NB, nb = N - n < NB ? N - n : NB;
     for (int r = 0; r < M; r += RB)
-      pass(x + (size_t)r * K, 0, M - r < RB ? M - r : RB, K, (const uint8_t*)(w + (size_t)n * K), (size_t)K * 2, BF16,
-           0, 0, nb, y + (size_t)r * N + n, N);
+      pass(x + (size_t)r * K, 0, M - r < RB ? M - r : RB, K, (const uint8_t*)w + n * ldw, ldw, f32 ? F32 : BF16, 0, 0,
+           nb, y + (size_t)r * N + n, N);
   }
   return 0;
 }
