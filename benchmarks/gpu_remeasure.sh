@@ -7,6 +7,7 @@
 #   variants  qwen3-30b-a3b batch 1 with each decode variant that was unmeasured until 2026-12-05 against
 #             the default (run on a checkout of ac88e42, which has them all; docs/perf-history.md)
 #   key       the acceptance rows (qwen3-30b-a3b, llama-3.1-8b batch 1); table then skips them
+#   retest    the hybrid / sparse-attention GPU tests and the e2e bf16 / fp8 parity tests, two groups at once
 #   tests     the whole GPU test suite (pytest -m gpu), log in $OUT/runs/gpu_tests.log
 #   table     the README's GPU table: qwen3-30b-a3b batch 1 and 32, llama-3.1-8b and qwen3-0.6b batch 1
 #             (256 tokens), minimax-m2 / deepseek-v3 (8 layers) batch 1, 10k-token TTFT, then
@@ -21,6 +22,10 @@ pytest_failed() { TESTS_RC=$1; echo "== pytest failed: rc=$1"; }
 . benchmarks/gpu_env.sh
 R="$OUT/runs"; mkdir -p "$R"
 DEADLINE=${DEADLINE:-560}
+# deepseek-v3 at 8 layers (3 dense + 5 MoE, about 120 GB of bf16 weights) fits an H200 only; an
+# H100 (80 GB) takes 5 layers (3 dense + 2 MoE). DS_LAYERS overrides.
+mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
+DS_LAYERS=${DS_LAYERS:-$([ "${mem_mib:-0}" -gt 100000 ] && echo 8 || echo 5)}
 M1="--batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
 D1="--batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
 run() {  # run TIMEOUT NAME ARGS...: one latency bench, skipped when the deadline is too near
@@ -41,7 +46,7 @@ for part in "$@"; do case $part in
     BLITZ_GEMV_TMA_NORM=1 run 100 q30b_tmanorm $Q
     BLITZ_MOE_SELECT=rank run 100 q30b_rank $Q
     run 100 q30b_def2 $Q
-    DS="--model preset:deepseek-v3 --num-layers 8 $M1"
+    DS="--model preset:deepseek-v3 --num-layers $DS_LAYERS $M1"
     run 120 dsv3_def $DS
     BLITZ_MLA_FUSED=1 run 100 dsv3_mlafused $DS
     L="--model preset:llama-3.1-8b $D1"
@@ -51,6 +56,13 @@ for part in "$@"; do case $part in
   key)  # the issue's acceptance rows first: qwen3-30b-a3b and llama-3.1-8b at batch 1
     run 150 q30b_b1 --model preset:qwen3-30b-a3b $M1
     run 100 llama_b1 --model preset:llama-3.1-8b $D1 ;;
+  retest)  # the tests that failed on the last GPU run, two groups side by side, each with its own log
+    P="python3 -m pytest -v -m gpu -p no:cacheprovider --tb=short -rf --timeout 150"
+    left=$((DEADLINE - SECONDS - 20)); t=${TESTS_S:-240}; [ $t -gt $left ] && t=$left
+    (timeout $t $P tests/kernels/test_kernel_gdn.py tests/models/test_qwen3_next_gpu.py \
+      tests/models/test_deepseek_v32_gpu.py > "$R/t_hybrid.log" 2>&1 || pytest_failed $?) &
+    (timeout $t $P tests/test_gpu_e2e.py -k "bf16_fast_path or fp8_weights" > "$R/t_e2e.log" 2>&1 || pytest_failed $?) &
+    wait; grep -hE "^FAILED|^E  .*(Error|diverged|assert)|passed|failed" "$R"/t_*.log | cut -c1-400 | tail -40 ;;
   tests)  # TESTS_S (default 260) seconds at most, within the deadline; the summary and the failures' lines kept
     t=${TESTS_S:-260}; left=$((DEADLINE - SECONDS - 20)); [ $t -gt $left ] && t=$left
     timeout $t python3 -m pytest -q -m gpu tests/kernels tests/models/test_deepseek_v32_gpu.py tests/models/test_qwen3_next_gpu.py tests/test_gpu_e2e.py -p no:cacheprovider \
@@ -62,16 +74,16 @@ for part in "$@"; do case $part in
     run 80 qwen06_b1 --model preset:qwen3-0.6b $D1
     run 150 q30b_b32 --model preset:qwen3-30b-a3b --batch-size 32 --input-len 128 --output-len 128 --max-num-seqs 32
     run 100 mm2_b1 --model preset:minimax-m2 --num-layers 8 $M1
-    run 100 dsv3_b1 --model preset:deepseek-v3 --num-layers 8 $M1
+    run 100 dsv3_b1 --model preset:deepseek-v3 --num-layers $DS_LAYERS $M1
     run 90 llama_ttft10k --model preset:llama-3.1-8b --batch-size 1 --input-len 10000 --output-len 4 --max-num-seqs 1 --enforce-eager
     run 240 llama_b1_hf --model preset:llama-3.1-8b $D1 --compare hf ;;
   fp8)
     run 120 q30b_fp8 --model preset:qwen3-30b-a3b $M1 --weight-dtype fp8
     run 100 mm2_fp8 --model preset:minimax-m2 --num-layers 8 $M1 --weight-dtype fp8
-    run 100 dsv3_fp8 --model preset:deepseek-v3 --num-layers 8 $M1 --weight-dtype fp8
+    run 100 dsv3_fp8 --model preset:deepseek-v3 --num-layers $DS_LAYERS $M1 --weight-dtype fp8
     run 80 qwen06_fp8 --model preset:qwen3-0.6b $D1 --weight-dtype fp8 ;;
   mtp)
-    D="--model preset:deepseek-v3 --num-layers 8 $M1 --compare nospec"
+    D="--model preset:deepseek-v3 --num-layers $DS_LAYERS $M1 --compare nospec"
     run 200 dsv3_mtp1 $D --speculative-config '{"method": "mtp", "num_speculative_tokens": 1, "synthetic_acceptance_rate": 0.9}'
     run 200 dsv3_mtp3 $D --speculative-config '{"method": "mtp", "num_speculative_tokens": 3, "synthetic_acceptance_rate": 0.9}' ;;
   serve)
