@@ -1,0 +1,56 @@
+"""Step-by-step parity of two engines' greedy runs on the same weights, one of them still alive
+to restart where the runs fork at a near tie (tests/test_gpu_e2e.py; tests/test_gpu_parity_helper.py
+checks it with a scripted engine). Imports nothing from blitzllm or torch."""
+from __future__ import annotations
+
+import dataclasses
+
+TOL = 0.05  # logprobs agree within this; two tokens within it of each other are a near tie
+
+
+def assert_runs_agree(llm, prompts, got, want, params, tol: float = TOL) -> list:
+    """``got``: ``llm``'s greedy outputs for ``prompts`` (token-id lists; each output with
+    ``token_ids`` and ``logprobs``, a {token id: logprob} dict per step); ``want``: another
+    engine's free runs of the same prompts with the same ``params``. Every step of ``want`` is
+    compared:
+
+    * the logprob ``llm`` gives ``want``'s token is within ``tol`` of ``want``'s own;
+    * the tokens are equal, or the step is a near tie in both runs (both tokens in both steps'
+      logprobs, within ``tol`` of each other). There ``llm`` restarts, teacher-forced on the
+      prompt plus ``want``'s tokens through that step, for ``want``'s remaining steps (``want``'s
+      free run is conditioned on its own tokens, so its later logprobs stay the targets);
+    * at most max(1, n // 4) such forks in a sequence of n tokens: more near ties than that
+      points at a wrong kernel rather than rounding.
+
+    ``got`` is compared as produced (its batch); only the restarts are new ``generate`` calls,
+    one prompt each. Returns the forks, (sequence index, step) pairs."""
+    assert len(prompts) == len(got) == len(want), (len(prompts), len(got), len(want))
+    forks = []
+    for k, (prompt, run, w) in enumerate(zip(prompts, got, want)):
+        n, start, seq_forks = len(w.token_ids), 0, []
+        limit = max(1, n // 4)
+        while True:
+            ids, lps = run.token_ids, run.logprobs
+            assert len(ids) == n - start, (f"sequence {k}: {len(ids)} tokens from step {start}, want {n - start}: "
+                                           f"{ids} vs {w.token_ids[start:]}; logprobs {lps} vs {w.logprobs[start:]}")
+            d = None
+            for i, t in enumerate(ids):
+                s = start + i
+                b, lg, lw = w.token_ids[s], lps[i], w.logprobs[s]
+                ctx = f"sequence {k} step {s} (forks at {seq_forks}): tokens {t} vs {b}; logprobs {lg} vs {lw}"
+                assert b in lg and abs(lg[b] - lw[b]) < tol, f"logprobs differ: {ctx}"
+                if t != b:
+                    assert t in lw and abs(lg[t] - lg[b]) < tol and abs(lw[t] - lw[b]) < tol, f"not a near tie: {ctx}"
+                    assert len(seq_forks) < limit, f"more than {limit} near-tie forks: {ctx}"
+                    d = s
+                    break
+            if d is None:
+                break
+            seq_forks.append(d)
+            start = d + 1
+            if start == n:
+                break
+            forced = list(prompt) + list(w.token_ids[:start])
+            run = llm.generate([forced], dataclasses.replace(params, max_tokens=n - start))[0]
+        forks += [(k, d) for d in seq_forks]
+    return forks
