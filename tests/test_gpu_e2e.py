@@ -170,38 +170,63 @@ def _assert_same_until_near_tie(got, want):
                 assert a in lp and b in lp and abs(lp[a] - lp[b]) < 0.05, (d, a, b, lp)
 
 
+def _fp8_round_trip_in_place(model, block) -> dict:
+    """Each module of ``model`` that weight_dtype='fp8' quantizes (``quantize_fp8_weights``: every
+    Linear with a weight but the output heads, every FusedMoE's experts) gets its weights
+    quantized in blocks of ``block`` by its own ``quantize_fp8`` and widened back to its dtype, one
+    module at a time: the quantizing is done on a deep copy of the module that shares its tensors
+    (``quantize_fp8`` only reads them, and replaces them in the copy), each matrix (each expert's)
+    is dequantized into the live weight, and the copy is freed. So the memory this takes beyond
+    the model is one module's float8 weights and one matrix in fp32 (a whole-model copy, or
+    deepseek-v3's experts dequantized at once, 28 GiB in fp32, did not fit an 80 GB card beside
+    the engine). Returns {module name: its fp8_block}."""
+    import copy
+
+    import blitzllm.kernels.fp8_weights as fw
+    from blitzllm.layers.linear import Linear
+    from blitzllm.layers.moe import FusedMoE
+    done = {}
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, Linear):
+            if mod.weight is None or name.rsplit(".", 1)[-1] in ("lm_head", "head"):
+                continue
+            pairs = [("weight", "weight_scale_inv")]
+        elif isinstance(mod, FusedMoE):
+            pairs = [("w13", "w13_scale_inv"), ("w2", "w2_scale_inv")]
+        else:
+            continue
+        twin = copy.deepcopy(mod, {id(t): t for t in (*mod.parameters(), *mod.buffers())})
+        twin.quantize_fp8(block)
+        with torch.no_grad():
+            for weight, scale in pairs:
+                live, q, s = (t.view(-1, *t.shape[-2:]) for t in (getattr(mod, weight), getattr(twin, weight),
+                                                                  getattr(twin, scale)))
+                for i in range(q.shape[0]):
+                    live[i].copy_(fw.dequantize(q[i], s[i], twin.fp8_block, live.dtype))
+        done[name] = twin.fp8_block
+        del twin
+    return done
+
+
 @pytest.mark.parametrize("preset,layers", [("qwen3-30b-a3b", 2), ("minimax-m2", 2), ("deepseek-v3", 4),
                                            ("qwen3-0.6b", 4)])
 def test_fp8_weights_match_their_dequantized_bf16_values(monkeypatch, preset, layers):
     """weight_dtype='fp8' on CUDA (the FP8 linear kernel, the MoE GEMMs with float8 experts, CUDA
     graphs; bf16 activations) against the default bf16 path on the same weights dequantized (each
-    quantized and widened back in place, graphs kept): the FP8 kernels ran, and the outputs agree
-    step by step (``tests/gpu_parity.py``)."""
-    import copy
-
+    quantized and widened back in place, module by module, graphs kept): the FP8 kernels ran on
+    exactly the modules widened back, and the outputs agree step by step (``tests/gpu_parity.py``)."""
     import blitzllm.kernels.fp8_weights as fw
     import blitzllm.kernels.moe.experts as fm
-    from blitzllm.layers.linear import Linear, quantize_fp8_weights
-    from blitzllm.layers.moe import FusedMoE
     kw = dict(num_layers=layers, device="cuda", dtype="bfloat16", kv_cache_blocks=256, max_num_seqs=8,
               max_model_len=1024)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
     ref = LLM(f"preset:{preset}", **kw)
-    model = ref.engine.runner.model
-    twin = copy.deepcopy(model)
-    quantize_fp8_weights(twin)
-    live = dict(model.named_modules())
-    with torch.no_grad():
-        for name, mod in twin.named_modules():
-            if isinstance(mod, Linear) and mod.fp8_block is not None:
-                live[name].weight.copy_(fw.dequantize(mod.weight, mod.weight_scale_inv, mod.fp8_block, torch.bfloat16))
-            elif isinstance(mod, FusedMoE) and mod.fp8_block is not None:
-                live[name].w13.copy_(fw.dequantize(mod.w13, mod.w13_scale_inv, mod.fp8_block, torch.bfloat16))
-                live[name].w2.copy_(fw.dequantize(mod.w2, mod.w2_scale_inv, mod.fp8_block, torch.bfloat16))
-    del twin
+    # the block runner/build.py quantizes a checkpoint with no quantization_config in (the presets:
+    # WEIGHT_BLOCK, scales not rounded to powers of two)
+    widened = _fp8_round_trip_in_place(ref.engine.runner.model, fw.WEIGHT_BLOCK)
     prompts = _prompts(2, ref.engine.model_config.vocab_size, seed=21)
     want = [o for p in (prompts, prompts[:1]) for o in ref.generate(p, params)]
-    del ref, model, live
+    del ref
     torch.cuda.empty_cache()
     linear_rows, moe_scaled = [], []
     orig_lin, orig_gg = fw.fp8_linear_triton, fm._grouped_gemm
@@ -212,6 +237,8 @@ def test_fp8_weights_match_their_dequantized_bf16_values(monkeypatch, preset, la
     assert fp8.engine.runner.graphs is not None
     got = [o for p in (prompts, prompts[:1]) for o in fp8.generate(p, params)]
     assert linear_rows and (preset == "qwen3-0.6b" or (moe_scaled and all(moe_scaled)))
+    assert {name: mod.fp8_block for name, mod in fp8.engine.runner.model.named_modules()
+            if getattr(mod, "fp8_block", None) is not None} == widened
     assert_runs_agree(fp8, prompts + prompts[:1], got, want, params)
 
 
