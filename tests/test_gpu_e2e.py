@@ -262,17 +262,28 @@ def test_mtp_speculation_matches_plain_greedy():
 
 def test_structured_output_on_cuda():
     """A json_schema structured output on CUDA (CUDA graphs on; the constrained row skips the
-    decode look-ahead) beside an unconstrained request, which keeps its tokens."""
+    decode look-ahead) beside an unconstrained request, which keeps its tokens and logprobs (up to
+    near ties, ``tests/gpu_parity.py``). The model is preset:qwen3-0.6b at 2 layers (dummy weights,
+    its character-level tokenizer: nothing to install or download). The grammar holds whatever
+    the weights, but a random model need not end its JSON: the schema bounds the string and the
+    integer, and the request biases away whitespace (which JSON allows without bound between
+    tokens), so the constrained output completes within ~30 tokens."""
     import json
     pytest.importorskip("xgrammar")
-    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
               "required": ["name", "age"], "additionalProperties": False}
-    llm = LLM("smollm2", device="cuda", dtype="bfloat16", kv_cache_blocks=256, max_num_seqs=8)
+    llm = LLM("preset:qwen3-0.6b", num_layers=2, device="cuda", dtype="bfloat16", kv_cache_blocks=256,
+              max_num_seqs=8, max_model_len=1024)
+    assert llm.engine.runner.graphs is not None
     prompt = llm.apply_chat_template([{"role": "user", "content": "Describe a person as JSON with name and age."}])
-    plain = SamplingParams(temperature=0, max_tokens=40)
+    plain = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=5)
     alone = llm.generate([prompt], plain)[0]
+    space = llm.engine.tokenizer.convert_tokens_to_ids([" ", "\n"])
     outs = llm.generate([prompt, prompt], [SamplingParams(temperature=0, max_tokens=60, structured_output={
-        "type": "json_schema", "schema": schema}), plain])
+        "type": "json_schema", "schema": schema}, logit_bias={t: -100 for t in space}), plain])
+    assert outs[0].finish_reason == "stop", outs[0].text   # (the grammar complete: only EOS was allowed)
     obj = json.loads(outs[0].text)
-    assert list(obj) == ["name", "age"] and isinstance(obj["age"], int)
-    assert outs[1].token_ids == alone.token_ids
+    assert list(obj) == ["name", "age"] and isinstance(obj["name"], str), obj
+    assert isinstance(obj["age"], int) and not isinstance(obj["age"], bool) and 0 <= obj["age"] <= 120, obj
+    assert_runs_agree(llm, [prompt], outs[1:], [alone], plain)
