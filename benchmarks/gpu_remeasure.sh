@@ -13,7 +13,8 @@
 #             (256 tokens), minimax-m2 / deepseek-v3 (8 layers) batch 1, 10k-token TTFT, then
 #             llama-3.1-8b batch 1 with --compare hf (transformers on the same weights)
 #   fp8       --weight-dtype fp8 against bf16 at batch 1 on the MoE presets and qwen3-0.6b
-#   mtp       MTP on deepseek-v3 (8 layers), k 1 and 3, synthetic acceptance 0.9, against no speculation
+#   mtp       MTP on deepseek-v3 (MTP_LAYERS layers: 8, or 4 on an 80 GB card), k 1 and 3, synthetic
+#             acceptance 0.9, against no speculation
 #   serve     blitz serve + blitz bench serve at concurrency 256 (1,000 in / 1,000 out, llama-3.1-8b)
 set -u
 set -o pipefail  # a pytest piped into tail / tee keeps its exit status
@@ -26,6 +27,10 @@ DEADLINE=${DEADLINE:-560}
 # H100 (80 GB) takes 5 layers (3 dense + 2 MoE). DS_LAYERS overrides.
 mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
 DS_LAYERS=${DS_LAYERS:-$([ "${mem_mib:-0}" -gt 100000 ] && echo 8 || echo 5)}
+# mtp: the dummy MTP layer is one more MoE layer (about 22 GB), which at 5 layers left an 80 GB
+# card a KV cache of 16 tokens (max_model_len 256 did not fit); so on such a card 4 layers (3 dense
+# + 1 MoE, then the MTP layer), 8 on a larger one. MTP_LAYERS overrides.
+MTP_LAYERS=${MTP_LAYERS:-$([ "${mem_mib:-0}" -gt 100000 ] && echo 8 || echo 4)}
 M1="--batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
 D1="--batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
 run() {  # run TIMEOUT NAME ARGS...: one latency bench, skipped when the deadline is too near
@@ -83,7 +88,7 @@ for part in "$@"; do case $part in
     run 100 dsv3_fp8 --model preset:deepseek-v3 --num-layers $DS_LAYERS $M1 --weight-dtype fp8
     run 80 qwen06_fp8 --model preset:qwen3-0.6b $D1 --weight-dtype fp8 ;;
   mtp)
-    D="--model preset:deepseek-v3 --num-layers $DS_LAYERS $M1 --compare nospec"
+    D="--model preset:deepseek-v3 --num-layers $MTP_LAYERS $M1 --compare nospec"
     run 200 dsv3_mtp1 $D --speculative-config '{"method": "mtp", "num_speculative_tokens": 1, "synthetic_acceptance_rate": 0.9}'
     run 200 dsv3_mtp3 $D --speculative-config '{"method": "mtp", "num_speculative_tokens": 3, "synthetic_acceptance_rate": 0.9}' ;;
   serve)
