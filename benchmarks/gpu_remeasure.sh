@@ -7,7 +7,8 @@
 #   variants  qwen3-30b-a3b batch 1 with each decode variant that was unmeasured until 2026-12-05 against
 #             the default (run on a checkout of ac88e42, which has them all; docs/perf-history.md)
 #   key       the acceptance rows (qwen3-30b-a3b, llama-3.1-8b batch 1); table then skips them
-#   retest    the hybrid / sparse-attention GPU tests and the e2e bf16 / fp8 parity tests, two groups at once
+#   retest    the hybrid / sparse-attention GPU tests and the e2e bf16 / fp8 parity and structured-output
+#             tests, two groups at once
 #   tests     the whole GPU test suite (pytest -m gpu), log in $OUT/runs/gpu_tests.log
 #   table     the README's GPU table: qwen3-30b-a3b batch 1 and 32, llama-3.1-8b and qwen3-0.6b batch 1
 #             (256 tokens), minimax-m2 / deepseek-v3 (8 layers) batch 1, 10k-token TTFT, then
@@ -66,7 +67,8 @@ for part in "$@"; do case $part in
     left=$((DEADLINE - SECONDS - 20)); t=${TESTS_S:-240}; [ $t -gt $left ] && t=$left
     (timeout $t $P tests/kernels/test_kernel_gdn.py tests/models/test_qwen3_next_gpu.py \
       tests/models/test_deepseek_v32_gpu.py > "$R/t_hybrid.log" 2>&1 || pytest_failed $?) &
-    (timeout $t $P tests/test_gpu_e2e.py -k "bf16_fast_path or fp8_weights" > "$R/t_e2e.log" 2>&1 || pytest_failed $?) &
+    (timeout $t $P tests/test_gpu_e2e.py -k "bf16_fast_path or fp8_weights or structured_output" > "$R/t_e2e.log" 2>&1 \
+      || pytest_failed $?) &
     wait; grep -hE "^FAILED|^E  .*(Error|diverged|assert)|passed|failed" "$R"/t_*.log | cut -c1-400 | tail -40 ;;
   tests)  # TESTS_S (default 260) seconds at most, within the deadline; the summary and the failures' lines kept
     t=${TESTS_S:-260}; left=$((DEADLINE - SECONDS - 20)); [ $t -gt $left ] && t=$left
