@@ -28,17 +28,8 @@ static inline void halves(const uint16_t* h, float* f, int n) {
   for (; i < n; i++) f[i] = _cvtsh_ss(h[i]);
 }
 
-static inline float dot(const float* a, const float* b, int n) {
-  __m512 s = _mm512_setzero_ps();
-  int i = 0;
-  for (; i + 16 <= n; i += 16) s = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s);
-  float r = _mm512_reduce_add_ps(s);
-  for (; i < n; i++) r += a[i] * b[i];
-  return r;
-}
-
-/* the 32 weights' codes of group g of a row as two vectors of 16 floats: q4 (codes + g * 16:
-   low nibbles then high), q8 (codes + g * 32) or bf16 (the weights themselves, 64 bytes) */
+/* the 32 weights of group g of a row as two vectors of 16 floats: q8 codes (codes + g * 32;
+   the scale applies to their sum), bf16 or fp32 (the weights themselves, 64 / 128 bytes) */
 enum { Q4 = 0, Q8 = 1, BF16 = 2, F32 = 3 };
 static inline void unpack(const uint8_t* row, int g, int kind, __m512* a, __m512* b) {
   if (kind == F32) {
@@ -48,19 +39,23 @@ static inline void unpack(const uint8_t* row, int g, int kind, __m512* a, __m512
     const __m256i* w = (const __m256i*)(row + g * 64);
     *a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(w)), 16));
     *b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(w + 1)), 16));
-  } else if (kind == Q8) {
+  } else {
     *a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(row + g * 32))));
     *b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(row + g * 32 + 16))));
-  } else {
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(row + g * 16)));
-    *a = _mm512_cvtepi32_ps(_mm512_and_epi32(v, _mm512_set1_epi32(15)));
-    *b = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
   }
 }
 
+/* q4: the 16 values a group's codes can take, d k + m for k = 0..15 (one rounding: the
+   weights of blitz_q4_dequant); each code then picks its weight by a lane permute (its low four
+   bits index the table), which costs less than widening it to fp32 and scaling the sum */
+static inline __m512 q4_table(float d, float m) {
+  const __m512 k = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return _mm512_fmadd_ps(_mm512_set1_ps(d), k, _mm512_set1_ps(m));
+}
+
 /* weight rows [n, n + nb) (codes from ``c``, row stride ldc bytes) against activation rows
-   [r, r + nr) -> y[r, n]; ``mh`` (q4): each row's zeros, times the group sums ``xs`` */
-static inline void pass(const float* x, const float* xs, int nr, int K, const uint8_t* c, size_t ldc, int kind,
+   [r, r + nr) -> y[r, n]; ``dh`` / ``mh``: the rows' fp16 scales (q4, q8) and offsets (q4) */
+static inline void pass(const float* x, int nr, int K, const uint8_t* c, size_t ldc, int kind,
                         const uint16_t* dh, const uint16_t* mh, int nb, float* y, size_t ldy) {
   const int G = K / 32;
   float d[NB][MAXG], m[NB][MAXG];
@@ -72,44 +67,41 @@ static inline void pass(const float* x, const float* xs, int nr, int K, const ui
   }
   for (int g = 0; g < G; g++) {
     __m512 a[NB], b[NB];
-#ifdef PF
-    _mm_prefetch((const char*)(c + (size_t)g * (q8 ? 32 : 16) * NB + PF), _MM_HINT_T0);
-#endif
-    for (int i = 0; i < nb; i++) unpack(c + (size_t)i * ldc, g, kind, &a[i], &b[i]);
+    if (kind == Q4) {
+      for (int i = 0; i < nb; i++) {
+        const __m512 t = q4_table(d[i][g], m[i][g]);
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(c + (size_t)i * ldc + g * 16)));
+        a[i] = _mm512_permutexvar_ps(v, t);  /* (the permute reads an index's low four bits only) */
+        b[i] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), t);
+      }
+    } else {
+      for (int i = 0; i < nb; i++) unpack(c + (size_t)i * ldc, g, kind, &a[i], &b[i]);
+    }
     for (int r = 0; r < nr; r++) {
       const float* xr = x + (size_t)r * K + g * 32;
       const __m512 x0 = _mm512_loadu_ps(xr), x1 = _mm512_loadu_ps(xr + 16);
       for (int i = 0; i < nb; i++)
-        acc[i][r] = kind >= BF16 ? _mm512_fmadd_ps(b[i], x1, _mm512_fmadd_ps(a[i], x0, acc[i][r]))
-                                 : _mm512_fmadd_ps(_mm512_set1_ps(d[i][g]),
-                                                   _mm512_fmadd_ps(b[i], x1, _mm512_mul_ps(a[i], x0)), acc[i][r]);
+        acc[i][r] = kind != Q8 ? _mm512_fmadd_ps(b[i], x1, _mm512_fmadd_ps(a[i], x0, acc[i][r]))
+                               : _mm512_fmadd_ps(_mm512_set1_ps(d[i][g]),
+                                                 _mm512_fmadd_ps(b[i], x1, _mm512_mul_ps(a[i], x0)), acc[i][r]);
     }
   }
   for (int i = 0; i < nb; i++)
-    for (int r = 0; r < nr; r++)
-      y[(size_t)r * ldy + i] = _mm512_reduce_add_ps(acc[i][r]) + (mh ? dot(m[i], xs + (size_t)r * G, G) : 0.0f);
+    for (int r = 0; r < nr; r++) y[(size_t)r * ldy + i] = _mm512_reduce_add_ps(acc[i][r]);
 }
 
 int blitz_q4_gemm(const float* x, const uint8_t* codes, const uint16_t* d, const uint16_t* m, float* y, int M,
                   int N, int K, int nthreads) {
   const int G = K / 32;
   if (K % 32 || G > MAXG) return 1;
-  float* xs = (float*)malloc(sizeof(float) * (size_t)M * G); /* the rows' group sums: the m term */
-  if (!xs) return 2;
-  for (int r = 0; r < M; r++)
-    for (int g = 0; g < G; g++) {
-      const float* xg = x + (size_t)r * K + g * 32;
-      xs[(size_t)r * G + g] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(xg), _mm512_loadu_ps(xg + 16)));
-    }
   const int passes = (N + NB - 1) / NB;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
   for (int p = 0; p < passes; p++) {
     const int n = p * NB, nb = N - n < NB ? N - n : NB;
     for (int r = 0; r < M; r += RB)
-      pass(x + (size_t)r * K, xs + (size_t)r * G, M - r < RB ? M - r : RB, K, codes + (size_t)n * (K / 2), K / 2,
-           Q4, d + (size_t)n * G, m + (size_t)n * G, nb, y + (size_t)r * N + n, N);
+      pass(x + (size_t)r * K, M - r < RB ? M - r : RB, K, codes + (size_t)n * (K / 2), K / 2, Q4,
+           d + (size_t)n * G, m + (size_t)n * G, nb, y + (size_t)r * N + n, N);
   }
-  free(xs);
   return 0;
 }
 
@@ -122,7 +114,7 @@ int blitz_q8_gemm(const float* x, const int8_t* codes, const uint16_t* d, float*
   for (int p = 0; p < passes; p++) {
     const int n = p * NB, nb = N - n < NB ? N - n : NB;
     for (int r = 0; r < M; r += RB)
-      pass(x + (size_t)r * K, 0, M - r < RB ? M - r : RB, K, (const uint8_t*)codes + (size_t)n * K, K, Q8,
+      pass(x + (size_t)r * K, M - r < RB ? M - r : RB, K, (const uint8_t*)codes + (size_t)n * K, K, Q8,
            d + (size_t)n * G, 0, nb, y + (size_t)r * N + n, N);
   }
   return 0;
@@ -138,7 +130,7 @@ int blitz_dense_gemm(const float* x, const void* w, float* y, int M, int N, int 
   for (int p = 0; p < passes; p++) {
     const int n = p * NB, nb = N - n < NB ? N - n : NB;
     for (int r = 0; r < M; r += RB)
-      pass(x + (size_t)r * K, 0, M - r < RB ? M - r : RB, K, (const uint8_t*)w + n * ldw, ldw, f32 ? F32 : BF16, 0, 0,
+      pass(x + (size_t)r * K, M - r < RB ? M - r : RB, K, (const uint8_t*)w + n * ldw, ldw, f32 ? F32 : BF16, 0, 0,
            nb, y + (size_t)r * N + n, N);
   }
   return 0;
