@@ -13,6 +13,7 @@ from ..kernels.gemv.gemv import linear as gemv_linear
 from ..kernels.fp8_weights import DEFAULT_BLOCK as DEFAULT_FP8_BLOCK
 from ..kernels.fp8_weights import fp8_linear, quantize_fp8_block
 from ..kernels.cpu_quant import native, quant_matmul
+from ..kernels.cpu_quant.pack import MANY_ROWS
 
 _WEIGHT_ONLY_MAX_ROWS = 4  # up to this many rows weight-only layers read the stored weight (a GEMV), not a widened copy
 
@@ -67,16 +68,19 @@ class Linear(nn.Module):
         if silu_mul_input:
             x = silu_and_mul(x)
         if x.dtype != w.dtype:  # weight-only lower precision (CPU bf16 weights, fp32 activations)
-            if x.numel() > _WEIGHT_ONLY_MAX_ROWS * x.shape[-1]:
+            rows = x.numel() // x.shape[-1]
+            if (rows < MANY_ROWS and w.dtype == torch.bfloat16 and x.dtype == torch.float32
+                    and native.lib() is not None):
+                # fp32 products from the bf16 weight (kernels/cpu_quant), not x rounded to bf16;
+                # a batch of decode rows too (widening a large lm_head costs more than its GEMM)
+                y = native.matmul(x.reshape(-1, x.shape[-1]).contiguous(), w, None, None)
+                y = y.view(*x.shape[:-1], w.shape[0])
+                return y if self.bias is None else y + self.bias.to(y.dtype)
+            if rows > _WEIGHT_ONLY_MAX_ROWS:
                 # many rows (prefill): a CPU low-precision GEMM is compute bound and slow;
                 # widening the weight once costs only a read of it
                 bias = None if self.bias is None else self.bias.to(x.dtype)
                 return nn.functional.linear(x, w.to(x.dtype), bias)
-            if w.dtype == torch.bfloat16 and x.dtype == torch.float32 and native.lib() is not None:
-                # fp32 products from the bf16 weight (kernels/cpu_quant), not x rounded to bf16
-                y = native.matmul(x.reshape(-1, x.shape[-1]).contiguous(), w, None, None)
-                y = y.view(*x.shape[:-1], w.shape[0])
-                return y if self.bias is None else y + self.bias.to(y.dtype)
             return nn.functional.linear(x.to(w.dtype), w, self.bias).to(x.dtype)
         return nn.functional.linear(x, w, self.bias)
 

@@ -82,7 +82,9 @@ def test_bf16_weight_kernel_is_fp32_math():
     from blitzllm.layers.linear import Linear
     assert native.lib() is not None
     g = torch.Generator().manual_seed(1)
-    for n, k, rows in ((64, 32, 1), (96, 576, 3), (3, 64, 4)):
+    # (a batch of decode rows, up to MANY_ROWS - 1, takes the kernel through Linear too: a large
+    # lm_head widened per step cost more than its GEMM)
+    for n, k, rows in ((64, 32, 1), (96, 576, 3), (3, 64, 4), (50, 64, 16), (50, 64, MANY_ROWS - 1)):
         w = torch.randn(n, k, generator=g).bfloat16()
         x = torch.randn(rows, k, generator=g)
         ref = x.double() @ w.double().t()
@@ -91,3 +93,5 @@ def test_bf16_weight_kernel_is_fp32_math():
         lin = Linear(k, n)
         lin.weight = torch.nn.Parameter(w, requires_grad=False)
         assert torch.equal(lin(x), got)
+    x = torch.randn(MANY_ROWS, 64, generator=g)  # prefill: the weight widened once, torch's fp32 GEMM
+    assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight.float()))
