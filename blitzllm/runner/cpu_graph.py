@@ -47,25 +47,28 @@ def supports(model, kv_caches, backend, tp_size: int, states) -> bool:
         for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
             if not isinstance(lin, Linear) or lin.qweight is not None or lin.fp8_block is not None:
                 return False
-            if lin.quant is None and lin.weight.dtype != inner.embed_tokens.weight.dtype and not _bf16_native(lin):
+            act = inner.embed_tokens.weight.dtype
+            if lin.quant is None and lin.weight.dtype != act and not _bf16_native(lin, act):
                 return False  # (other weight-only forms: Linear computes those in the weight's dtype)
         if mlp.down_proj.bias is not None or mlp.gate_up_proj.bias is not None or attn.o_proj.bias is not None:
             return False
     return all(k.device.type == "cpu" for k, _ in kv_caches)
 
 
-def _bf16_native(lin: Linear) -> bool:
-    """A bf16 weight under fp32 activations (``--weight-dtype bfloat16``) that our kernel takes."""
-    return lin.quant is None and lin.weight.dtype == torch.bfloat16 and native.lib() is not None
+def _bf16_native(lin: Linear, act_dtype: torch.dtype) -> bool:
+    """A bf16 weight under fp32 activations (``--weight-dtype bfloat16``) that our kernel takes;
+    under bf16 activations (``--dtype bfloat16``) torch's bf16 GEMM, as the model's own path."""
+    return (lin.quant is None and lin.weight.dtype == torch.bfloat16 and act_dtype == torch.float32
+            and native.lib() is not None)
 
 
-def _weights(lin: Linear) -> tuple:
+def _weights(lin: Linear, act_dtype: torch.dtype) -> tuple:
     """A linear as step arguments: (float weight,), (codes, d, m) of our GGUF kernel ((weight,
     None, None) for a bf16 weight it widens), or torch's int4 packing (packed, scales_zeros) per
     4-bit matrix (kernels/cpu_quant/pack.py)."""
     q = lin.quant
     if q is None:
-        return (lin.weight, None, None) if _bf16_native(lin) else (lin.weight,)
+        return (lin.weight, None, None) if _bf16_native(lin, act_dtype) else (lin.weight,)
     if q.parts is None:
         return (q.codes, q.d, q.m)
     return tuple(t for part in q.parts for t in part)
@@ -153,6 +156,7 @@ class CpuDecode:
         self.embed, self.norm, self.lm_head = inner.embed_tokens, inner.norm, model.lm_head
         self.rotary = inner.layers[0].self_attn.attn.rotary
         self.layers = []
+        act = inner.embed_tokens.weight.dtype
         for layer in inner.layers:
             sa, mlp = layer.self_attn, layer.mlp
             a = sa.attn
@@ -160,9 +164,9 @@ class CpuDecode:
             dims = (a.num_heads, a.num_kv_heads, a.head_dim, mlp.down_proj.in_features,
                     layer.input_layernorm.eps, a.scale, qn.eps if qn is not None else 1e-6)
             self.layers.append((layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                                _weights(sa.qkv_proj), sa.qkv_proj.bias,
+                                _weights(sa.qkv_proj, act), sa.qkv_proj.bias,
                                 qn.weight if qn is not None else None, kn.weight if kn is not None else None,
-                                _weights(sa.o_proj), _weights(mlp.gate_up_proj), _weights(mlp.down_proj), dims))
+                                _weights(sa.o_proj, act), _weights(mlp.gate_up_proj, act), _weights(mlp.down_proj, act), dims))
         dn = self.layers[0][8]
         self.out_dtype = {1: model.model.embed_tokens.weight.dtype, 2: torch.bfloat16}.get(len(dn), torch.float32)
         self.step_fn = layer_step
