@@ -7,8 +7,8 @@
 #   variants  qwen3-30b-a3b batch 1 with each decode variant that was unmeasured until 2026-12-05 against
 #             the default (run on a checkout of ac88e42, which has them all; docs/perf-history.md)
 #   key       the acceptance rows (qwen3-30b-a3b, llama-3.1-8b batch 1); table then skips them
-#   retest    the hybrid / sparse-attention GPU tests and the e2e bf16 / fp8 parity and structured-output
-#             tests, two groups at once
+#   retest    the hybrid / sparse-attention GPU tests, then the e2e bf16 / fp8 parity and
+#             structured-output tests
 #   tests     the whole GPU test suite (pytest -m gpu), log in $OUT/runs/gpu_tests.log
 #   table     the README's GPU table: qwen3-30b-a3b batch 1 and 32, llama-3.1-8b and qwen3-0.6b batch 1
 #             (256 tokens), minimax-m2 / deepseek-v3 (8 layers) batch 1, 10k-token TTFT, then
@@ -62,14 +62,16 @@ for part in "$@"; do case $part in
   key)  # the issue's acceptance rows first: qwen3-30b-a3b and llama-3.1-8b at batch 1
     run 150 q30b_b1 --model preset:qwen3-30b-a3b $M1
     run 100 llama_b1 --model preset:llama-3.1-8b $D1 ;;
-  retest)  # the tests that failed on the last GPU run, two groups side by side, each with its own log
-    P="python3 -m pytest -v -m gpu -p no:cacheprovider --tb=short -rf --timeout 150"
-    left=$((DEADLINE - SECONDS - 20)); t=${TESTS_S:-240}; [ $t -gt $left ] && t=$left
-    (timeout $t $P tests/kernels/test_kernel_gdn.py tests/models/test_qwen3_next_gpu.py \
-      tests/models/test_deepseek_v32_gpu.py > "$R/t_hybrid.log" 2>&1 || pytest_failed $?) &
-    (timeout $t $P tests/test_gpu_e2e.py -k "bf16_fast_path or fp8_weights or structured_output" > "$R/t_e2e.log" 2>&1 \
-      || pytest_failed $?) &
-    wait; grep -hE "^FAILED|^E  .*(Error|diverged|assert)|passed|failed" "$R"/t_*.log | cut -c1-400 | tail -40 ;;
+  retest)  # the tests that failed on the last GPU run: the hybrid / DSA group (TESTS_S, default 300 s; a
+    # test still running after 140 s dumps every thread's stack, to tell slow from hung), then e2e
+    P="python3 -m pytest -v -m gpu -p no:cacheprovider --tb=short -rf --timeout 200 --durations=15 -o faulthandler_timeout=140"
+    left=$((DEADLINE - SECONDS - 150)); t=${TESTS_S:-300}; [ $t -gt $left ] && t=$left
+    timeout $t $P tests/kernels/test_kernel_gdn.py tests/models/test_qwen3_next_gpu.py \
+      tests/models/test_deepseek_v32_gpu.py > "$R/t_hybrid.log" 2>&1 || pytest_failed $?
+    left=$((DEADLINE - SECONDS - 20))
+    timeout $left $P tests/test_gpu_e2e.py -k "bf16_fast_path or fp8_weights or structured_output" > "$R/t_e2e.log" 2>&1 \
+      || pytest_failed $?
+    grep -hE "^FAILED|^E  .*(Error|diverged|assert|differ|tie)|passed|failed|^[0-9.]+s call" "$R"/t_*.log | cut -c1-400 | tail -50 ;;
   tests)  # TESTS_S (default 260) seconds at most, within the deadline; the summary and the failures' lines kept
     t=${TESTS_S:-260}; left=$((DEADLINE - SECONDS - 20)); [ $t -gt $left ] && t=$left
     timeout $t python3 -m pytest -q -m gpu tests/kernels tests/models/test_deepseek_v32_gpu.py tests/models/test_qwen3_next_gpu.py tests/test_gpu_e2e.py -p no:cacheprovider \
