@@ -37,6 +37,7 @@ def supports(model, kv_caches, backend, tp_size: int, states) -> bool:
     layers = getattr(inner, "layers", None)
     if not layers or not isinstance(getattr(model, "lm_head", None), Linear):
         return False
+    act = inner.embed_tokens.weight.dtype  # the activations' dtype
     for layer in layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if attn is None or mlp is None or not hasattr(mlp, "gate_up_proj") or not hasattr(attn, "qkv_proj"):
@@ -47,7 +48,6 @@ def supports(model, kv_caches, backend, tp_size: int, states) -> bool:
         for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
             if not isinstance(lin, Linear) or lin.qweight is not None or lin.fp8_block is not None:
                 return False
-            act = inner.embed_tokens.weight.dtype
             if lin.quant is None and lin.weight.dtype != act and not _bf16_native(lin, act):
                 return False  # (other weight-only forms: Linear computes those in the weight's dtype)
         if mlp.down_proj.bias is not None or mlp.gate_up_proj.bias is not None or attn.o_proj.bias is not None:
@@ -166,7 +166,8 @@ class CpuDecode:
             self.layers.append((layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                                 _weights(sa.qkv_proj, act), sa.qkv_proj.bias,
                                 qn.weight if qn is not None else None, kn.weight if kn is not None else None,
-                                _weights(sa.o_proj, act), _weights(mlp.gate_up_proj, act), _weights(mlp.down_proj, act), dims))
+                                _weights(sa.o_proj, act), _weights(mlp.gate_up_proj, act),
+                                _weights(mlp.down_proj, act), dims))
         dn = self.layers[0][8]
         self.out_dtype = {1: model.model.embed_tokens.weight.dtype, 2: torch.bfloat16}.get(len(dn), torch.float32)
         self.step_fn = layer_step

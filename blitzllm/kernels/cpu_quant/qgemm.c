@@ -12,7 +12,6 @@
 #include <immintrin.h>
 #include <stddef.h>
 #include <stdint.h>
-#include <stdlib.h>
 
 #ifndef RB
 #define RB 4
