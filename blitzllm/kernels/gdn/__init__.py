@@ -86,9 +86,9 @@ def gated_delta_rule_prefill(q, k, v, g, beta, state: torch.Tensor, slots: torch
     init = state.index_select(0, idx) * has_initial[:, None, None, None].to(state.dtype)
     if _on_gpu(v, reference):
         chunk = fla_ops()[0]
-        o, final = chunk(q.contiguous()[None], k.contiguous()[None], v.contiguous()[None], g.contiguous()[None],
-                         beta.contiguous()[None], scale=scale, initial_state=init, output_final_state=True,
-                         use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens.long())
+        o, final = chunk(q=q.contiguous()[None], k=k.contiguous()[None], v=v.contiguous()[None],
+                         g=g.contiguous()[None], beta=beta.contiguous()[None], scale=scale, initial_state=init,
+                         output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens.long())
         o = o[0]
     else:
         o, final = reference_chunk_gated_delta_rule(q, k, v, g, beta, host_cu_seqlens, init, scale,
@@ -127,8 +127,9 @@ def gated_delta_rule_decode(q, k, v, g, beta, state: torch.Tensor, slots: torch.
     init = state.index_select(0, idx)
     if _on_gpu(v, reference):
         recurrent = fla_ops()[1]
-        o, final = recurrent(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], scale=scale,
-                             initial_state=init, output_final_state=True)
+        # by keyword: fla's fifth parameter is ``gk`` (a per-key decay), not ``beta``
+        o, final = recurrent(q=q[:, None], k=k[:, None], v=v[:, None], g=g[:, None], beta=beta[:, None],
+                             scale=scale, initial_state=init, output_final_state=True)
         o = o[:, 0]
     else:
         o, final = reference_recurrent_gated_delta_rule(q, k, v, g, beta, range(q.shape[0] + 1), init, scale)
