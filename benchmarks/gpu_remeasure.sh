@@ -9,7 +9,7 @@
 #   key       the acceptance rows (qwen3-30b-a3b, llama-3.1-8b batch 1); table then skips them
 #   retest    the hybrid / sparse-attention GPU tests, then the e2e bf16 / fp8 parity and
 #             structured-output tests
-#   tests     the whole GPU test suite (pytest -m gpu), log in $OUT/runs/gpu_tests.log
+#   tests     the GPU test suite (pytest -m gpu over TEST_PATHS, default all), log in $OUT/runs/$LOG.log
 #   table     the README's GPU table: qwen3-30b-a3b batch 1 and 32, llama-3.1-8b and qwen3-0.6b batch 1
 #             (256 tokens), minimax-m2 / deepseek-v3 (8 layers) batch 1, 10k-token TTFT, then
 #             llama-3.1-8b batch 1 with --compare hf (transformers on the same weights)
@@ -74,9 +74,11 @@ for part in "$@"; do case $part in
     grep -hE "^FAILED|^E  .*(Error|diverged|assert|differ|tie)|passed|failed|^[0-9.]+s call" "$R"/t_*.log | cut -c1-400 | tail -50 ;;
   tests)  # TESTS_S (default 260) seconds at most, within the deadline; the summary and the failures' lines kept
     t=${TESTS_S:-260}; left=$((DEADLINE - SECONDS - 20)); [ $t -gt $left ] && t=$left
-    timeout $t python3 -m pytest -q -m gpu tests/kernels tests/models/test_deepseek_v32_gpu.py tests/models/test_qwen3_next_gpu.py tests/test_gpu_e2e.py -p no:cacheprovider \
-      --timeout 120 -rf > "$R/gpu_tests.log" 2>&1 || pytest_failed $?
-    grep -E "passed|failed|^FAILED|^E  " "$R/gpu_tests.log" | tail -25 ;;
+    # TEST_PATHS (default: every file with GPU tests) splits the suite over calls; LOG names its log
+    log="$R/${LOG:-gpu_tests}.log"
+    timeout $t python3 -m pytest -q -m gpu ${TEST_PATHS:-tests/kernels tests/models tests/test_gpu_e2e.py} -p no:cacheprovider \
+      --timeout 200 -o faulthandler_timeout=150 --durations=25 -rfE > "$log" 2>&1 || pytest_failed $?
+    grep -E "passed|failed|^FAILED|^ERROR|^E  |^[0-9.]+s (call|setup)" "$log" | cut -c1-400 | tail -60 ;;
   table)
     run 150 q30b_b1 --model preset:qwen3-30b-a3b $M1
     run 100 llama_b1 --model preset:llama-3.1-8b $D1
