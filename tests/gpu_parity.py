@@ -6,6 +6,12 @@ from __future__ import annotations
 import dataclasses
 
 TOL = 0.05  # logprobs agree within this; two tokens within it of each other are a near tie
+# Two bf16 engines against each other (a fast path and the reference engine, each with its own
+# summation orders): five steps of a bf16 logit between 4 and 8, where the dummy presets' logits
+# lie (their logprobs come in steps of 1/32). Seen on an H100: 3 and 4 steps apart after 9 to 14
+# decode steps (deepseek-v3, deepseek-v3.2 past index_topk, qwen3.5-4b), which TOL failed; a wrong
+# kernel (the GDN decode that ran with beta 1) parted at the first decode step.
+BF16_TOL = 5 / 32
 
 
 def assert_runs_agree(llm, prompts, got, want, params, tol: float = TOL) -> list:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from blitzllm import LLM, SamplingParams
-from tests.gpu_parity import assert_runs_agree
+from tests.gpu_parity import BF16_TOL, assert_runs_agree
 
 pytestmark = pytest.mark.gpu
 
@@ -66,7 +66,7 @@ def test_bf16_fast_path_matches_the_reference(monkeypatch, preset, layers):
     ref_outs = [o for p in (prompts, prompts[:1]) for o in ref.generate(p, params)]
     # the reference is the engine still alive (deepseek-v3's two engines do not fit together): where
     # the runs fork at a near tie, it restarts teacher-forced on the fast path's tokens
-    assert_runs_agree(ref, prompts + prompts[:1], ref_outs, fast_outs, params)
+    assert_runs_agree(ref, prompts + prompts[:1], ref_outs, fast_outs, params, tol=BF16_TOL)
 
 
 def test_greedy_tokens_and_logprobs_match_transformers_on_cuda(tmp_path):

@@ -13,11 +13,13 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_cuda_graphs_and_kernels_match_transformers(tmp_path, arch):
+def test_cuda_graphs_and_kernels_match_transformers(tmp_path, arch, monkeypatch):
     """fp32 tiny checkpoints, every CUDA path (graphs captured, decode steps through them):
-    transformers' greedy tokens on the GPU and first-token logprobs within 2e-3 (fla's fp32
-    dots may take TF32), batched, in 8-token chunks and again from the prefix cache; the
-    post-conv kernel ran; nothing left allocated."""
+    transformers' greedy tokens on the GPU and first-token logprobs within 2e-3, batched, in
+    8-token chunks and again from the prefix cache; the post-conv kernel ran; nothing left
+    allocated. Triton's fp32 dots are IEEE here (TRITON_F32_DEFAULT, read when a kernel compiles):
+    fla's chunked rule takes TF32 by default, 2.2e-3 off on the Qwen3.5 checkpoints on an H100."""
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
     from blitzllm.kernels.gdn import post_conv
     calls = []
     orig = post_conv.post_conv_decode_triton
@@ -51,7 +53,7 @@ def test_cuda_graphs_and_kernels_match_transformers(tmp_path, arch):
 def test_bf16_presets_match_the_reference_engine(monkeypatch, preset, layers):
     """bf16 presets (dummy weights, a few layers), CUDA graphs at batches 3 and 1: the outputs
     agree with the forced-reference engine's step by step (tests/gpu_parity.py)."""
-    from tests.gpu_parity import assert_runs_agree
+    from tests.gpu_parity import BF16_TOL, assert_runs_agree
     from tests.test_gpu_e2e import _reference
     kw = dict(num_layers=layers, device="cuda", dtype="bfloat16", kv_cache_blocks=256, max_num_seqs=4,
               max_model_len=1024)
@@ -67,4 +69,4 @@ def test_bf16_presets_match_the_reference_engine(monkeypatch, preset, layers):
     ref = _reference(monkeypatch, f"preset:{preset}", **kw)
     want = [o for p in (prompts, prompts[:1]) for o in ref.generate(p, params)]
     # (the reference is the engine alive: at a near-tie fork it restarts on the fast path's tokens)
-    assert_runs_agree(ref, prompts + prompts[:1], want, got, params)
+    assert_runs_agree(ref, prompts + prompts[:1], want, got, params, tol=BF16_TOL)
