@@ -187,6 +187,15 @@ class CpuDecode:
                 [(*layer[:2], *layer[3:6], *lins, kc, vc)  # (ln1, ln2, qkv bias, q norm, k norm)
                  for layer, lins, (kc, vc) in zip(self.layers, linears, kv_caches)],
                 hq, hkv, d, inter, eps, qk_eps, scale, hidden, native.gemm_addresses())
+        # eager and bf16 end to end with plain bf16 weights (--dtype bfloat16): torch's bf16 GEMMs
+        # (the CPU's bf16 / AMX units) with our C glue between them, layer by layer
+        bf = torch.bfloat16
+        self.bf16_glue = (not compiled and cpu_decode.available() and self.embed.weight.dtype == bf
+                          and all(k.dtype == bf and v.dtype == bf for k, v in kv_caches)
+                          and all(len(w) == 1 and w[0].dtype == bf and (b is None or b.dtype == bf)
+                                  for layer in self.layers for w, b in ((layer[2], layer[3]), (layer[6], None),
+                                                                        (layer[7], None), (layer[8], None)))
+                          and all(n is None or n.dtype == bf for layer in self.layers for n in layer[:2] + layer[4:6]))
         if compiled:
             self.step_fn = torch.compile(layer_step, fullgraph=True, options=_COMPILE_OPTIONS)
         self.compile_s = 0.0
@@ -229,6 +238,8 @@ class CpuDecode:
         residual = self.embed(ids_t)
         if self.step_layers is not None:
             return self._run_native(residual, cos, sin, slots_t, gidx, torch.tensor(lens, dtype=torch.int64))
+        if self.bf16_glue:
+            return self._run_bf16(residual, cos, sin, slots_t, gidx, torch.tensor(lens, dtype=torch.int64))
         # the first layer adds zeros of the dtype a layer returns (bf16 from a packed down_proj): the
         # same graph as the others
         x = torch.zeros(residual.shape, dtype=self.out_dtype)
@@ -251,6 +262,22 @@ class CpuDecode:
         x = torch.zeros_like(residual)
         self.step_layers.run(x, residual, cos.reshape(B, -1).contiguous(), sin.reshape(B, -1).contiguous(), slots,
                              gidx, lens)
+        h, _ = self.norm(x, residual)
+        return self.model.compute_logits(h)
+
+
+    def _run_bf16(self, residual, cos, sin, slots, gidx, lens) -> torch.Tensor:
+        B = residual.shape[0]
+        cos, sin = cos.reshape(B, -1).contiguous(), sin.reshape(B, -1).contiguous()
+        x = torch.zeros_like(residual)
+        for (ln1, ln2, qkv_w, qkv_b, qn, kn, o_w, gu_w, dn_w, dims), (kc, vc) in zip(self.layers, self.kv_caches):
+            hq, hkv, d, inter, eps, scale, qk_eps = dims
+            qkv = F.linear(cpu_decode.add_rms_norm(x, residual, ln1, eps), qkv_w[0], qkv_b)
+            o = cpu_decode.decode_attention(qkv, qn, kn, qk_eps, cos, sin, kc, vc, slots, gidx, lens, hq, hkv, d,
+                                            scale)
+            x = F.linear(o, o_w[0])
+            gu = F.linear(cpu_decode.add_rms_norm(x, residual, ln2, eps), gu_w[0])
+            x = F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], dn_w[0])
         h, _ = self.norm(x, residual)
         return self.model.compute_logits(h)
 

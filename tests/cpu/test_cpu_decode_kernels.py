@@ -39,3 +39,54 @@ def test_decode_attention_matches_reference(qk_norm, B, hq, hkv, d, bs):
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (got - want).abs().max()
     assert torch.allclose(k1, k2, atol=1e-6) and torch.equal(v1, v2)   # the cache writes
     assert torch.allclose(q1, q2, atol=1e-6)                           # q, k normed and rotated in place
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance in bf16 steps between two bf16 tensors of one sign pattern."""
+    ai, bi = a.view(torch.int16).int(), b.view(torch.int16).int()
+    return int((ai - bi).abs().max())
+
+
+def test_bf16_glue_matches_the_models_roundings():
+    """The bf16 forms (the glue around torch's bf16 GEMMs under --dtype bfloat16): the residual
+    add rounds as torch's bf16 add (exactly), the norm's output is at most one bf16 step from
+    kernels/norm's reference roundings."""
+    g = torch.Generator().manual_seed(1)
+    for B, H in ((1, 576), (5, 64), (2, 4096)):
+        x, res = torch.randn(B, H, generator=g).bfloat16(), torch.randn(B, H, generator=g).bfloat16()
+        w = torch.rand(H, generator=g).bfloat16()
+        r1, r2 = res.clone(), res.clone()
+        got, want = cd.add_rms_norm(x, r1, w, 1e-5), cd.reference_add_rms_norm(x, r2, w, 1e-5)
+        assert got.dtype == torch.bfloat16 and torch.equal(r1, r2) and torch.equal(r1, x + res)
+        assert _ulps(got, want) <= 1 and (got != want).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("B,hq,hkv,d,bs", [(1, 9, 3, 64, 16), (3, 8, 2, 32, 4)])
+def test_bf16_decode_attention_matches_reference(qk_norm, B, hq, hkv, d, bs):
+    """bf16 qkv, caches and output (fp32 inside): the cache writes (k normed, rotated and rounded
+    as the reference does; v as given) and the attention output against the reference's bf16
+    ops (torch's bf16 SDPA rounds its probabilities; ours stay fp32: a few bf16 steps)."""
+    g = torch.Generator().manual_seed(B * hq + d + 1)
+    nblk = 12
+    kc = torch.randn(nblk, bs, hkv, d, generator=g).bfloat16()
+    vc = torch.randn(nblk, bs, hkv, d, generator=g).bfloat16()
+    lens = torch.tensor([1 + 9 * i for i in range(B)])
+    L = int(lens.max())
+    gidx = torch.stack([torch.randperm(nblk * bs, generator=g)[:L] for _ in range(B)])
+    slots = torch.stack([gidx[b, lens[b] - 1] for b in range(B)])
+    qkv = torch.randn(B, (hq + 2 * hkv) * d, generator=g).bfloat16()
+    ang = torch.rand(B, d // 2, generator=g) * 6
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([-ang.sin(), ang.sin()], -1)
+    qn, kn = (torch.rand(d, generator=g).bfloat16(), torch.rand(d, generator=g).bfloat16()) if qk_norm else (None, None)
+    args = (qn, kn, 1e-6, cos, sin)
+    k1, v1, k2, v2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    got = cd.decode_attention(qkv.clone(), *args, k1, v1, slots, gidx, lens, hq, hkv, d, d ** -0.5)
+    want = cd.reference_decode_attention(qkv.clone(), *args, k2, v2, slots, gidx, lens, hq, hkv, d, d ** -0.5)
+    assert got.dtype == torch.bfloat16 and torch.equal(v1, v2) and _ulps(k1, k2) <= 1
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    # and within fp32 rounding of the same math on the written caches (our probabilities are fp32)
+    f32 = cd.reference_decode_attention(qkv.float(), *(t.float() if t is not None else None for t in (qn, kn)),
+                                        1e-6, cos, sin, k2.float(), v2.float(), slots, gidx, lens, hq, hkv, d,
+                                        d ** -0.5)
+    torch.testing.assert_close(got.float(), f32, atol=8e-3, rtol=8e-3)

@@ -1,7 +1,8 @@
-"""The CPU decode layer's fp32 glue around its matmuls, in C (``decode.c``): the residual add +
+"""The CPU decode layer's glue around its matmuls, in C (``decode.c``): the residual add +
 RMSNorm and the attention block (q / k RMSNorm, rotary, paged KV-cache write, attention over
-the cache rows), and a whole step's layers in one call (``DecodeLayers``). ``ops.py``: the ctypes
-launchers beside their torch references."""
+the cache rows) in fp32 and in bf16 (the glue around torch's bf16 GEMMs),
+and a whole fp32 step's layers in one call (``DecodeLayers``). ``ops.py``: the ctypes launchers
+beside their torch references."""
 from .ops import (DecodeLayers, add_rms_norm, available, decode_attention, reference_add_rms_norm,
                   reference_decode_attention)
 

@@ -1,8 +1,10 @@
-/* The fp32 glue of a CPU decode layer around its matmuls (kernels/cpu_decode/ops.py builds and
+/* The glue of a CPU decode layer around its matmuls (kernels/cpu_decode/ops.py builds and
    loads this file; runner/cpu_graph.py calls it): the residual add + RMSNorm, and one call for
-   q / k RMSNorm, rotary, the paged KV-cache write and attention over the cache rows. Each is a
+   q / k RMSNorm, rotary, the paged KV-cache write and attention over the cache rows; fp32, and
+   a bf16 form of each around torch's bf16 GEMMs. Each is a
    handful of torch ops of a few microseconds' work on a decode row but 10-30 us of dispatch
    each; here one call. Plain C, vectorized by the compiler. */
+#include <immintrin.h>
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -89,6 +91,122 @@ int blitz_decode_attention(float* qkv, const float* q_norm, const float* k_norm,
       const float pl = p[l] / sum;
       for (int i = 0; i < D; i++) o[i] += pl * v[i];
     }
+  }
+  return 0;
+}
+
+/* ---- the bf16 glue: the model's bf16 roundings around torch's bf16 GEMMs ------------------- */
+/* Under --dtype bfloat16 a step's matmuls stay torch's (the CPU's bf16 / AMX units); these take
+   and give bf16 tensors and round where the model's bf16 forward rounds (kernels/norm's
+   reference_rms_norm: the normed values, then the weight's product; rotary in fp32, rounded),
+   computing in fp32 between. */
+static inline float bf(uint16_t h) {
+  union { uint32_t u; float f; } c = {(uint32_t)h << 16};
+  return c.f;
+}
+
+static inline uint16_t to_bf(float f) { /* round to nearest even; NaN stays NaN */
+  union { float f; uint32_t u; } c = {f};
+  if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40);
+  return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
+}
+
+static inline float rbf(float f) { return bf(to_bf(f)); }
+
+/* 16 bf16 values widened to fp32 (exactly: the bf16 bits are an fp32's upper half) */
+static inline __m512 load_bf16x16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+/* q . k over D (a multiple of 16), q fp32, k bf16 */
+static inline float dot_bf16(const float* q, const uint16_t* k, int D) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int i = 0; i < D; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load_bf16x16(k + i), acc);
+  return _mm512_reduce_add_ps(acc);
+}
+
+/* o += p v over D (a multiple of 16), v bf16 */
+static inline void axpy_bf16(float* o, float p, const uint16_t* v, int D) {
+  const __m512 pv = _mm512_set1_ps(p);
+  for (int i = 0; i < D; i += 16)
+    _mm512_storeu_ps(o + i, _mm512_fmadd_ps(pv, load_bf16x16(v + i), _mm512_loadu_ps(o + i)));
+}
+
+/* res[b] = bf16(x[b] + res[b]) (in place); out[b] = bf16(w * bf16(rmsnorm(res[b]))) */
+void blitz_add_rms_norm_bf16(const uint16_t* x, uint16_t* res, const uint16_t* w, uint16_t* out, int B, int H,
+                             float eps) {
+  for (int b = 0; b < B; b++) {
+    uint16_t* r = res + (size_t)b * H;
+    const uint16_t* xb = x + (size_t)b * H;
+    float ss = 0.0f;
+    for (int i = 0; i < H; i++) {
+      r[i] = to_bf(bf(r[i]) + bf(xb[i]));
+      const float v = bf(r[i]);
+      ss += v * v;
+    }
+    const float inv = 1.0f / sqrtf(ss / H + eps);
+    uint16_t* o = out + (size_t)b * H;
+    for (int i = 0; i < H; i++) o[i] = to_bf(bf(w[i]) * rbf(bf(r[i]) * inv));
+  }
+}
+
+/* blitz_decode_attention on bf16 tensors: qkv [B, (Hq + 2 Hkv) D], the caches [rows, Hkv, D]
+   and out [B, Hq D] bf16; norms bf16; cos / sin fp32. q / k normed (rounded as the norm above),
+   rotated in fp32 and rounded; scores, softmax and the weighted sum of values in fp32. */
+int blitz_decode_attention_bf16(uint16_t* qkv, const uint16_t* q_norm, const uint16_t* k_norm, float qk_eps,
+                                const float* cos, const float* sin, uint16_t* k_cache, uint16_t* v_cache,
+                                const int64_t* slots, const int64_t* gidx, const int64_t* lens, int L, int B, int Hq,
+                                int Hkv, int D, float scale, uint16_t* out, float* scratch, int nthreads) {
+  if (D > 1024 || D % 16) return 1;
+  const int W = (Hq + 2 * Hkv) * D, half = D / 2;
+  float* qf = scratch; /* [B, Hq, D]: the rotated queries, as fp32 */
+  float* p_all = scratch + (size_t)B * Hq * D;
+  for (int b = 0; b < B; b++) {
+    uint16_t* row = qkv + (size_t)b * W;
+    const float *c = cos + (size_t)b * D, *s = sin + (size_t)b * D;
+    for (int h = 0; h < Hq + Hkv; h++) {
+      uint16_t* v = row + (size_t)h * D;
+      float t[1024], r[1024];
+      for (int i = 0; i < D; i++) t[i] = bf(v[i]);
+      if (q_norm) {
+        const uint16_t* w = h < Hq ? q_norm : k_norm;
+        float ss = 0.0f;
+        for (int i = 0; i < D; i++) ss += t[i] * t[i];
+        const float inv = 1.0f / sqrtf(ss / D + qk_eps);
+        for (int i = 0; i < D; i++) t[i] = rbf(bf(w[i]) * rbf(t[i] * inv));
+      }
+      for (int i = 0; i < D; i++) r[i] = rbf(t[i] * c[i] + t[(i + half) % D] * s[i]);
+      if (h < Hq)
+        for (int i = 0; i < D; i++) qf[((size_t)b * Hq + h) * D + i] = r[i];
+      else
+        for (int i = 0; i < D; i++) k_cache[((size_t)slots[b] * Hkv + (h - Hq)) * D + i] = to_bf(r[i]);
+    }
+    for (int h = 0; h < Hkv; h++)
+      for (int i = 0; i < D; i++)
+        v_cache[((size_t)slots[b] * Hkv + h) * D + i] = row[(size_t)(Hq + Hkv + h) * D + i];
+  }
+  const int group = Hq / Hkv;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int bh = 0; bh < B * Hq; bh++) {
+    const int b = bh / Hq, h = bh % Hq, kvh = h / group, n = (int)lens[b];
+    const float* q = qf + (size_t)bh * D;
+    float* p = p_all + (size_t)bh * L;
+    float mx = -INFINITY;
+    for (int l = 0; l < n; l++) {
+      p[l] = dot_bf16(q, k_cache + ((size_t)gidx[(size_t)b * L + l] * Hkv + kvh) * D, D) * scale;
+      if (p[l] > mx) mx = p[l];
+    }
+    float sum = 0.0f;
+    for (int l = 0; l < n; l++) {
+      p[l] = expf(p[l] - mx);
+      sum += p[l];
+    }
+    float o[1024];
+    for (int i = 0; i < D; i++) o[i] = 0.0f;
+    for (int l = 0; l < n; l++)
+      axpy_bf16(o, p[l] / sum, v_cache + ((size_t)gidx[(size_t)b * L + l] * Hkv + kvh) * D, D);
+    uint16_t* ob = out + (size_t)b * Hq * D + (size_t)h * D;
+    for (int i = 0; i < D; i++) ob[i] = to_bf(o[i]);
   }
   return 0;
 }

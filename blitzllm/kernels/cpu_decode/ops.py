@@ -1,6 +1,6 @@
 """Launchers of ``decode.c`` (built and loaded by ``kernels/_cbuild.py``) and their torch
-references. Every tensor is fp32 and contiguous on the CPU; the KV caches are viewed as
-[rows, Hkv, D] (row = block * block_size + offset)."""
+references. Every tensor is contiguous on the CPU, fp32, or bf16 throughout (rotary tables
+fp32); the KV caches are viewed as [rows, Hkv, D] (row = block * block_size + offset)."""
 from __future__ import annotations
 
 import ctypes
@@ -11,18 +11,24 @@ import torch
 import torch.nn.functional as F
 
 from .. import _cbuild
+from ..norm.rmsnorm import reference_rms_norm
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+_ATTN = ([_P, _P, _P, _F] + [_P] * 7 + [_I] * 5 + [_F, _P, _P, _I], _I)
 _SIGNATURES = {"blitz_add_rms_norm": ([_P] * 4 + [_I, _I, _F], None),
-               "blitz_decode_attention": ([_P, _P, _P, _F] + [_P] * 7 + [_I] * 5 + [_F, _P, _P, _I], _I),
+               "blitz_add_rms_norm_bf16": ([_P] * 4 + [_I, _I, _F], None),
+               "blitz_decode_attention": _ATTN, "blitz_decode_attention_bf16": _ATTN,
                "blitz_decode_layers": ([_P, _I, _P, _P, _P, _I, _I] + [_P] * 5 + [_I, _P], _I)}
-_FLAGS = ("-O3", "-march=x86-64-v2", "-fopenmp", "-shared", "-fPIC")
+# AVX-512 as kernels/cpu_quant's (the one-call step needs those kernels anyway): the bf16 forms'
+# widening loads and the attention's dots vectorize 16 wide
+_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mfma", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC")
+_NEEDS = ("avx512f", "avx512bw", "fma")
 _state: dict = {}
 
 
 def _lib():
     if "lib" not in _state:
-        _state["lib"] = _cbuild.load(Path(__file__).with_name("decode.c"), _FLAGS, (), _SIGNATURES)
+        _state["lib"] = _cbuild.load(Path(__file__).with_name("decode.c"), _FLAGS, _NEEDS, _SIGNATURES)
     return _state["lib"]
 
 
@@ -30,15 +36,23 @@ def available() -> bool:
     return _lib() is not None
 
 
+def _bf16(t: torch.Tensor) -> bool:
+    return t.dtype == torch.bfloat16
+
+
 def add_rms_norm(x: torch.Tensor, res: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """res += x (in place); returns rmsnorm(res) * w. x, res [B, H]."""
+    """res += x (in place); returns rmsnorm(res) * w. x, res [B, H], all fp32 or all bf16."""
     B, H = res.shape
     out = torch.empty_like(res)
-    _state["lib"].blitz_add_rms_norm(x.data_ptr(), res.data_ptr(), w.data_ptr(), out.data_ptr(), B, H, eps)
+    fn = _state["lib"].blitz_add_rms_norm_bf16 if _bf16(res) else _state["lib"].blitz_add_rms_norm
+    fn(x.data_ptr(), res.data_ptr(), w.data_ptr(), out.data_ptr(), B, H, eps)
     return out
 
 
 def reference_add_rms_norm(x, res, w, eps):
+    if _bf16(res):  # the model's bf16 roundings (kernels/norm's reference forms)
+        res.copy_(x.float() + res.float())
+        return reference_rms_norm(res, w, eps)
     res += x
     return F.rms_norm(res, (res.shape[-1],), w, eps)
 
@@ -51,10 +65,12 @@ def decode_attention(qkv: torch.Tensor, q_norm: Optional[torch.Tensor], k_norm: 
     k / v written to cache rows ``slots`` [B]; row b attends to rows gidx[b, :lens[b]] ([B, L]
     int64). Returns o [B, hq d]."""
     B, L = gidx.shape
-    out = torch.empty(B, hq * d)
-    scratch = torch.empty(B * hq * L)
+    bf = _bf16(qkv)
+    out = qkv.new_empty(B, hq * d)
+    scratch = torch.empty(B * hq * (L + (d if bf else 0)))
     norm = q_norm is not None
-    rc = _state["lib"].blitz_decode_attention(
+    fn = _state["lib"].blitz_decode_attention_bf16 if bf else _state["lib"].blitz_decode_attention
+    rc = fn(
         qkv.data_ptr(), q_norm.data_ptr() if norm else None, k_norm.data_ptr() if norm else None, qk_eps,
         cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), gidx.data_ptr(),
         lens.data_ptr(), L, B, hq, hkv, d, scale, out.data_ptr(), scratch.data_ptr(), torch.get_num_threads())
@@ -69,10 +85,11 @@ def reference_decode_attention(qkv, q_norm, k_norm, qk_eps, cos, sin, k_cache, v
     heads = qkv.view(B, hq + 2 * hkv, d)
     qk, v = heads[:, :hq + hkv], heads[:, hq + hkv:]
     if q_norm is not None:
-        qk[:, :hq] = F.rms_norm(qk[:, :hq], (d,), q_norm, qk_eps)
-        qk[:, hq:] = F.rms_norm(qk[:, hq:], (d,), k_norm, qk_eps)
+        qk[:, :hq] = reference_rms_norm(qk[:, :hq], q_norm, qk_eps)
+        qk[:, hq:] = reference_rms_norm(qk[:, hq:], k_norm, qk_eps)
     half = d // 2
-    qk.copy_(qk * cos[:, None] + torch.cat([qk[..., half:], qk[..., :half]], -1) * sin[:, None])
+    qf = qk.float()
+    qk.copy_(qf * cos[:, None] + torch.cat([qf[..., half:], qf[..., :half]], -1) * sin[:, None])
     kc, vc = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
     kc.index_copy_(0, slots, qk[:, hq:])
     vc.index_copy_(0, slots, v)
