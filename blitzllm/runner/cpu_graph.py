@@ -195,7 +195,8 @@ class CpuDecode:
                           and all(len(w) == 1 and w[0].dtype == bf and (b is None or b.dtype == bf)
                                   for layer in self.layers for w, b in ((layer[2], layer[3]), (layer[6], None),
                                                                         (layer[7], None), (layer[8], None)))
-                          and all(n is None or n.dtype == bf for layer in self.layers for n in layer[:2] + layer[4:6]))
+                          and all(n is None or n.dtype == bf for layer in self.layers for n in layer[:2] + layer[4:6])
+                          and all(layer[9][2] % 16 == 0 and layer[9][2] <= 1024 for layer in self.layers))
         if compiled:
             self.step_fn = torch.compile(layer_step, fullgraph=True, options=_COMPILE_OPTIONS)
         self.compile_s = 0.0

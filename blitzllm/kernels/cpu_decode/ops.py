@@ -75,7 +75,8 @@ def decode_attention(qkv: torch.Tensor, q_norm: Optional[torch.Tensor], k_norm: 
         cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), gidx.data_ptr(),
         lens.data_ptr(), L, B, hq, hkv, d, scale, out.data_ptr(), scratch.data_ptr(), torch.get_num_threads())
     if rc:
-        raise ValueError(f"CPU decode attention: head dim {d} must be even and at most 1024")
+        raise ValueError(f"CPU decode attention: head dim {d} must be {'a multiple of 16' if bf else 'even'} "
+                         "and at most 1024")
     return out
 
 
