@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..kernels import cpu_gemm
 from ..kernels.activation import silu_and_mul
 from ..kernels.gemv.gemv import linear as gemv_linear
 from ..kernels.fp8_weights import DEFAULT_BLOCK as DEFAULT_FP8_BLOCK
@@ -41,6 +42,9 @@ class Linear(nn.Module):
         # ``tma_early``)
         self.tma_preload = False
         self.tma_early = True
+        # CPU bf16: oneDNN's packed copy of the weight (kernels/cpu_gemm), set by the runner's CPU
+        # decode path where memory allows
+        self.cpu_packed = None
 
     def tma_ok(self, x: torch.Tensor) -> bool:
         """Whether ``forward(x)`` (and ``forward_norm``) runs the TMA GEMV."""
@@ -67,6 +71,8 @@ class Linear(nn.Module):
             return gemv_linear(x, w, self.bias, silu_mul_input=silu_mul_input)
         if silu_mul_input:
             x = silu_and_mul(x)
+        if self.cpu_packed is not None and x.dtype == w.dtype and x.device.type == "cpu":
+            return cpu_gemm.linear(x, self.cpu_packed, self.bias)
         if x.dtype != w.dtype:  # weight-only lower precision (CPU bf16 weights, fp32 activations)
             rows = x.numel() // x.shape[-1]
             if (rows < MANY_ROWS and w.dtype == torch.bfloat16 and x.dtype == torch.float32

@@ -13,13 +13,14 @@ Knows nothing of requests; the runner hands it one pure-decode step's host lists
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from ..kernels import cpu_decode
+from ..kernels import cpu_decode, cpu_gemm
 from ..kernels.cpu_quant import native
 from ..kernels.norm.rmsnorm import reference_rms_norm
 from ..layers.linear import Linear
@@ -197,6 +198,9 @@ class CpuDecode:
                                                                         (layer[7], None), (layer[8], None)))
                           and all(n is None or n.dtype == bf for layer in self.layers for n in layer[:2] + layer[4:6])
                           and all(layer[9][2] % 16 == 0 and layer[9][2] <= 1024 for layer in self.layers))
+        self.packed = self.bf16_glue and _pack_all(model, inner.layers)
+        self.linears = [(sa.qkv_proj, sa.o_proj, mlp.gate_up_proj, mlp.down_proj)
+                        for sa, mlp in ((layer.self_attn, layer.mlp) for layer in inner.layers)]
         if compiled:
             self.step_fn = torch.compile(layer_step, fullgraph=True, options=_COMPILE_OPTIONS)
         self.compile_s = 0.0
@@ -271,16 +275,39 @@ class CpuDecode:
         B = residual.shape[0]
         cos, sin = cos.reshape(B, -1).contiguous(), sin.reshape(B, -1).contiguous()
         x = torch.zeros_like(residual)
-        for (ln1, ln2, qkv_w, qkv_b, qn, kn, o_w, gu_w, dn_w, dims), (kc, vc) in zip(self.layers, self.kv_caches):
+        for (ln1, ln2, _, _, qn, kn, _, _, _, dims), (kc, vc), (qkv_proj, o_proj, gate_up, down) in zip(
+                self.layers, self.kv_caches, self.linears):
             hq, hkv, d, inter, eps, scale, qk_eps = dims
-            qkv = F.linear(cpu_decode.add_rms_norm(x, residual, ln1, eps), qkv_w[0], qkv_b)
+            qkv = qkv_proj(cpu_decode.add_rms_norm(x, residual, ln1, eps))
             o = cpu_decode.decode_attention(qkv, qn, kn, qk_eps, cos, sin, kc, vc, slots, gidx, lens, hq, hkv, d,
                                             scale)
-            x = F.linear(o, o_w[0])
-            gu = F.linear(cpu_decode.add_rms_norm(x, residual, ln2, eps), gu_w[0])
-            x = F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], dn_w[0])
+            x = o_proj(o)
+            gu = gate_up(cpu_decode.add_rms_norm(x, residual, ln2, eps))
+            x = down(F.silu(gu[:, :inter]) * gu[:, inter:])
         h, _ = self.norm(x, residual)
         return self.model.compute_logits(h)
+
+
+def _pack_all(model, layers) -> bool:
+    """oneDNN-packed copies of the decoder's bf16 linears and the lm_head (kernels/cpu_gemm), set
+    on the modules (their forward takes them, prefill too); only while the copies take at most a
+    quarter of the memory available now, and all or none."""
+    inner = model.model
+    lins = [m for layer in inner.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                  layer.mlp.gate_up_proj, layer.mlp.down_proj)] + [model.lm_head]
+    need = sum(m.weight.numel() * m.weight.element_size() for m in lins)
+    try:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        avail = 0
+    if need * 4 > avail:
+        return False
+    packed = [cpu_gemm.pack(m.weight) for m in lins]
+    if any(p is None for p in packed):
+        return False
+    for m, p in zip(lins, packed):
+        m.cpu_packed = p
+    return True
 
 
 def compile_enabled() -> bool:

@@ -108,14 +108,14 @@ def test_bf16_weights_fp32_activations_one_call(tiny_llama, reference):
 
 def test_bf16_decode_equals_model_forward(tiny_llama):
     """``dtype="bfloat16"``: the decode step computes as the model's own forward does in bf16
-    (torch's bf16 GEMMs, not our fp32 kernel; our C glue rounding where the model's ops round),
-    so their greedy tokens agree at batch 1, 3 and 8."""
+    (torch's bf16 GEMMs, not our fp32 kernel, on oneDNN-packed copies of the weights; our C glue
+    rounding where the model's ops round), so their greedy tokens agree at batch 1, 3 and 8."""
     kw = {**KW, "dtype": "bfloat16"}
     ref = LLM(str(tiny_llama[0]), **kw)
     ref.engine.runner.cpu_decode = None
     llm = LLM(str(tiny_llama[0]), **kw)
     dec = llm.engine.runner.cpu_decode
-    assert dec is not None and dec.step_layers is None and dec.bf16_glue
+    assert dec is not None and dec.step_layers is None and dec.bf16_glue and dec.packed is not None
     assert all(len(w) == 1 for layer in dec.layers for w in (layer[2], layer[6], layer[7], layer[8]))
     prompts = _prompts()
     for b in (1, 3, 8):
