@@ -26,6 +26,15 @@ class RMSNorm(nn.Module):
             return all_reduce_add_rms_norm(x, residual, self.weight, self.eps, self.tp)
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
+        if x.device.type == "cpu" and x.dtype == residual.dtype == self.weight.dtype == torch.bfloat16:
+            # our C form (kernels/cpu_decode): the reference's bf16 roundings, one pass, where a
+            # CPU's torch ops take eight passes over the rows
+            from ..kernels import cpu_decode
+            if cpu_decode.available():
+                H = x.shape[-1]
+                new = residual.reshape(-1, H).clone()  # (the C add writes its residual in place)
+                h = cpu_decode.add_rms_norm(x.reshape(-1, H).contiguous(), new, self.weight, self.eps)
+                return h.view(x.shape), new.view(x.shape)
         return fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 

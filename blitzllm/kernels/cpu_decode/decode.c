@@ -132,21 +132,46 @@ static inline void axpy_bf16(float* o, float p, const uint16_t* v, int D) {
     _mm512_storeu_ps(o + i, _mm512_fmadd_ps(pv, load_bf16x16(v + i), _mm512_loadu_ps(o + i)));
 }
 
+/* fp32 -> bf16 bits in the low half of each lane: round to nearest even, NaN kept quiet */
+static inline __m512i bf16_bits(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+}
+
+static inline __m512 round_bf16x16(__m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16)); }
+
+static inline void store_bf16x16(uint16_t* p, __m512 v) {
+  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(bf16_bits(v)));
+}
+
 /* res[b] = bf16(x[b] + res[b]) (in place); out[b] = bf16(w * bf16(rmsnorm(res[b]))) */
 void blitz_add_rms_norm_bf16(const uint16_t* x, uint16_t* res, const uint16_t* w, uint16_t* out, int B, int H,
                              float eps) {
+  const int H16 = H - H % 16;
+#pragma omp parallel for schedule(static) if (B >= 64)
   for (int b = 0; b < B; b++) {
     uint16_t* r = res + (size_t)b * H;
     const uint16_t* xb = x + (size_t)b * H;
-    float ss = 0.0f;
-    for (int i = 0; i < H; i++) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int i = 0; i < H16; i += 16) {
+      const __m512 v = round_bf16x16(_mm512_add_ps(load_bf16x16(r + i), load_bf16x16(xb + i)));
+      store_bf16x16(r + i, v);
+      acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    float ss = _mm512_reduce_add_ps(acc);
+    for (int i = H16; i < H; i++) {
       r[i] = to_bf(bf(r[i]) + bf(xb[i]));
-      const float v = bf(r[i]);
-      ss += v * v;
+      ss += bf(r[i]) * bf(r[i]);
     }
     const float inv = 1.0f / sqrtf(ss / H + eps);
+    const __m512 vinv = _mm512_set1_ps(inv);
     uint16_t* o = out + (size_t)b * H;
-    for (int i = 0; i < H; i++) o[i] = to_bf(bf(w[i]) * rbf(bf(r[i]) * inv));
+    for (int i = 0; i < H16; i += 16)
+      store_bf16x16(o + i, _mm512_mul_ps(load_bf16x16(w + i), round_bf16x16(_mm512_mul_ps(load_bf16x16(r + i), vinv))));
+    for (int i = H16; i < H; i++) o[i] = to_bf(bf(w[i]) * rbf(bf(r[i]) * inv));
   }
 }
 
