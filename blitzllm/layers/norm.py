@@ -32,8 +32,9 @@ class RMSNorm(nn.Module):
             from ..kernels import cpu_decode
             if cpu_decode.available():
                 H = x.shape[-1]
-                new = residual.reshape(-1, H).clone()  # (the C add writes its residual in place)
-                h = cpu_decode.add_rms_norm(x.reshape(-1, H).contiguous(), new, self.weight, self.eps)
+                res = residual.reshape(-1, H).contiguous()
+                new = torch.empty_like(res)
+                h = cpu_decode.add_rms_norm(x.reshape(-1, H).contiguous(), res, self.weight, self.eps, res_out=new)
                 return h.view(x.shape), new.view(x.shape)
         return fused_add_rms_norm(x, residual, self.weight, self.eps)
 

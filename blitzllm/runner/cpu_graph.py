@@ -198,7 +198,7 @@ class CpuDecode:
                                                                         (layer[7], None), (layer[8], None)))
                           and all(n is None or n.dtype == bf for layer in self.layers for n in layer[:2] + layer[4:6])
                           and all(layer[9][2] % 16 == 0 and layer[9][2] <= 1024 for layer in self.layers))
-        self.packed = self.bf16_glue and _pack_all(model, inner.layers)
+        self.packed = self.bf16_glue and _pack_all(model)
         # the bf16 form's linears: the packed GEMM called directly (a module call's checks cost
         # about 20 us each, 3 ms a SmolLM2 step), else the modules
         self.linears = [tuple(_direct(m) for m in (sa.qkv_proj, sa.o_proj, mlp.gate_up_proj, mlp.down_proj))
@@ -272,7 +272,6 @@ class CpuDecode:
         h, _ = self.norm(x, residual)
         return self.model.compute_logits(h)
 
-
     def _run_bf16(self, residual, cos, sin, slots, gidx, lens) -> torch.Tensor:
         B = residual.shape[0]
         cos, sin = cos.reshape(B, -1).contiguous(), sin.reshape(B, -1).contiguous()
@@ -298,7 +297,7 @@ def _direct(lin: Linear):
     return lambda x: cpu_gemm.linear(x, packed, bias)
 
 
-def _pack_all(model, layers) -> bool:
+def _pack_all(model) -> bool:
     """oneDNN-packed copies of the decoder's bf16 linears and the lm_head (kernels/cpu_gemm), set
     on the modules (their forward takes them, prefill too); only while the copies take at most a
     quarter of the memory available now, and all or none."""

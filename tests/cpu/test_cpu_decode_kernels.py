@@ -59,6 +59,9 @@ def test_bf16_glue_matches_the_models_roundings():
         got, want = cd.add_rms_norm(x, r1, w, 1e-5), cd.reference_add_rms_norm(x, r2, w, 1e-5)
         assert got.dtype == torch.bfloat16 and torch.equal(r1, r2) and torch.equal(r1, x + res)
         assert _ulps(got, want) <= 1 and (got != want).float().mean() < 0.01
+        r3, new = res.clone(), torch.empty_like(res)  # out of place: res kept, the sum in new
+        assert torch.equal(cd.add_rms_norm(x, r3, w, 1e-5, res_out=new), got)
+        assert torch.equal(r3, res) and torch.equal(new, r1)
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])

@@ -16,7 +16,7 @@ from ..norm.rmsnorm import reference_rms_norm
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _ATTN = ([_P, _P, _P, _F] + [_P] * 7 + [_I] * 5 + [_F, _P, _P, _I], _I)
 _SIGNATURES = {"blitz_add_rms_norm": ([_P] * 4 + [_I, _I, _F], None),
-               "blitz_add_rms_norm_bf16": ([_P] * 4 + [_I, _I, _F], None),
+               "blitz_add_rms_norm_bf16": ([_P] * 5 + [_I, _I, _F], None),
                "blitz_decode_attention": _ATTN, "blitz_decode_attention_bf16": _ATTN,
                "blitz_decode_layers": ([_P, _I, _P, _P, _P, _I, _I] + [_P] * 5 + [_I, _P], _I)}
 # AVX-512 as kernels/cpu_quant's (the one-call step needs those kernels anyway): the bf16 forms'
@@ -40,12 +40,18 @@ def _bf16(t: torch.Tensor) -> bool:
     return t.dtype == torch.bfloat16
 
 
-def add_rms_norm(x: torch.Tensor, res: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """res += x (in place); returns rmsnorm(res) * w. x, res [B, H], all fp32 or all bf16."""
+def add_rms_norm(x: torch.Tensor, res: torch.Tensor, w: torch.Tensor, eps: float,
+                 res_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """res += x (in place; bf16: into ``res_out`` instead where given); returns rmsnorm(res + x) * w.
+    x, res [B, H], all fp32 or all bf16."""
     B, H = res.shape
     out = torch.empty_like(res)
-    fn = _state["lib"].blitz_add_rms_norm_bf16 if _bf16(res) else _state["lib"].blitz_add_rms_norm
-    fn(x.data_ptr(), res.data_ptr(), w.data_ptr(), out.data_ptr(), B, H, eps)
+    if _bf16(res):
+        r = res if res_out is None else res_out
+        _state["lib"].blitz_add_rms_norm_bf16(x.data_ptr(), res.data_ptr(), r.data_ptr(), w.data_ptr(),
+                                              out.data_ptr(), B, H, eps)
+    else:
+        _state["lib"].blitz_add_rms_norm(x.data_ptr(), res.data_ptr(), w.data_ptr(), out.data_ptr(), B, H, eps)
     return out
 
 
