@@ -21,8 +21,10 @@ def assert_runs_agree(llm, prompts, got, want, params, tol: float = TOL) -> list
     compared:
 
     * the logprob ``llm`` gives ``want``'s token is within ``tol`` of ``want``'s own;
-    * the tokens are equal, or the step is a near tie in both runs (both tokens in both steps'
-      logprobs, within ``tol`` of each other). There ``llm`` restarts, teacher-forced on the
+    * the tokens are equal, or the step is a near tie: both tokens in both steps' logprobs, each
+      token's logprob within ``tol`` across the runs, and ``want``'s two within ``tol`` of each
+      other (``llm``'s two may then be up to 2 * ``tol`` apart: each moved by up to ``tol``, in
+      opposite directions). There ``llm`` restarts, teacher-forced on the
       prompt plus ``want``'s tokens through that step, for ``want``'s remaining steps (``want``'s
       free run is conditioned on its own tokens, so its later logprobs stay the targets);
     * at most max(1, n // 4) such forks in a sequence of n tokens: more near ties than that
@@ -46,7 +48,7 @@ def assert_runs_agree(llm, prompts, got, want, params, tol: float = TOL) -> list
                 ctx = f"sequence {k} step {s} (forks at {seq_forks}): tokens {t} vs {b}; logprobs {lg} vs {lw}"
                 assert b in lg and abs(lg[b] - lw[b]) < tol, f"logprobs differ: {ctx}"
                 if t != b:
-                    assert t in lw and abs(lg[t] - lg[b]) < tol and abs(lw[t] - lw[b]) < tol, f"not a near tie: {ctx}"
+                    assert t in lw and abs(lg[t] - lw[t]) < tol and abs(lw[t] - lw[b]) < tol, f"not a near tie: {ctx}"
                     assert len(seq_forks) < limit, f"more than {limit} near-tie forks: {ctx}"
                     d = s
                     break
