@@ -17,7 +17,7 @@ from ..cli_args import engine_kwargs
 from ..sampling_params import SamplingParams
 from .roofline import copy_bandwidth, count_kernels, kv_bytes_per_step, state_bytes_per_step, weight_bytes_per_step
 
-CPU_REPEATS = 3  # CPU runs (ours and llama.cpp's decode): the median of 3
+CPU_REPEATS = 3  # CPU rounds of ours and each peer back to back (paired_rounds): medians of 3
 HF_COMPILED_REPEATS = 3  # --compare hf: the compiled peer's decode time is the median of 3 estimates
 
 
@@ -102,13 +102,14 @@ def run(a) -> int:
     _timed_run(eng, _prompts(B, I, cfg.vocab_size, 1), min(O, 8), "warm")
     if eng.spec is not None:
         eng.spec.reset_counters()
-    # per generated token after the first (a speculative step may emit several); on a CPU the
-    # median of CPU_REPEATS runs (a shared CPU's speed wanders between seconds; peers alike)
-    runs = []
-    for r in range(CPU_REPEATS if dev.type == "cpu" else 1):
-        ttft, steps = _timed_run(eng, _prompts(B, I, cfg.vocab_size, 2), O, f"run{r}")
-        runs.append((sum(steps) / (O - 1), ttft))
-    step_s, ttft = sorted(runs)[len(runs) // 2]
+    peer_timers, llama = _peer_timers(a, eng, cfg, peers, B, I, O, dev)
+
+    def ours():  # seconds per generated token after the first (a speculative step may emit several)
+        ttft, steps = _timed_run(eng, _prompts(B, I, cfg.vocab_size, 2), O, "timed")
+        return sum(steps) / (O - 1), ttft
+
+    runs, peer_runs = paired_rounds(ours, peer_timers, CPU_REPEATS if dev.type == "cpu" else 1)
+    step_s, ttft = _median(runs)
     dtype_bytes = torch.finfo(eng.dtype).bits // 8
     w_bytes = weight_bytes_per_step(eng.runner.model, B)
     kv_bytes = kv_bytes_per_step(cfg, [I + O // 2] * B, dtype_bytes, tp)  # per rank, like the weights
@@ -137,18 +138,12 @@ def run(a) -> int:
         res.update(_kernel_counts(eng, cfg, B, I))
     if "nospec" in peers:
         res.update(_compare_nospec(eng, B, I, O, cfg, res["tokens_per_s"]))
-    if "hf" in peers:
-        res.update(_compare_hf(a, eng, cfg, B, I, O, dev, res["tokens_per_s"]))
-    if "vllm" in peers:
-        from .vllm_peer import vllm_decode_seconds_per_token
-        wd = eng.weight_dtype if isinstance(eng.weight_dtype, torch.dtype) else eng.dtype
-        per = vllm_decode_seconds_per_token(a.model, str(wd).replace("torch.", ""),
-                                            _prompts(B, I, cfg.vocab_size, 6).tolist(), O, I + O + 8,
-                                            CPU_REPEATS if dev.type == "cpu" else 1)
-        res.update({"vllm_tokens_per_s": B / per, "speedup_vs_vllm": res["tokens_per_s"] * per / B})
-    if "llamacpp" in peers:
-        res.update(_compare_llamacpp(a.model, cfg, B, I, O, res["tokens_per_s"], long_len, res["ttft_long_s"],
-                                     a.llamacpp_no_extra_bufts))
+    for name, times in peer_runs.items():
+        res[f"{name}_tokens_per_s"] = B / _median(times)
+        res[f"speedup_vs_{name}"] = _median([t / o for t, (o, _) in zip(times, runs)])
+    if long_len:
+        res["llamacpp_ttft_long_s"] = llama.long_ttft(long_len, cfg.vocab_size)
+        res["ttft_long_vs_llamacpp"] = res["ttft_long_s"] / res["llamacpp_ttft_long_s"]
     llm.close()
     _print(res)
     if a.json:
@@ -203,25 +198,53 @@ def _kernel_counts(eng, cfg, B, I) -> dict:
             "kernel_sequence": [[k, round(s, 2), round(e, 2)] for k, s, e in timeline["sequence"]]}
 
 
-def _compare_hf(a, eng, cfg, B, I, O, dev, ours_tps) -> dict:
-    from .hf_peer import build_hf_peer, hf_decode_seconds_per_token
-    model = eng.runner.model
-    if eng.weight_dtype != eng.dtype:
-        # our weights are stored in another dtype: the peer runs the model in its plain dtype
-        from ..loader.source import resolve_model
-        from ..runner.build import build_model
-        model = build_model(resolve_model(a.model, a.load_format), cfg, dev, eng.dtype, a.seed)
-    hf = build_hf_peer(model, cfg)
-    prompts = _prompts(B, I, cfg.vocab_size, 4).to(dev)
-    out = {}
-    eager = hf_decode_seconds_per_token(hf, prompts, O, compiled=False)
-    out["hf_eager_tokens_per_s"] = B / eager
-    out["speedup_vs_hf_eager"] = ours_tps / out["hf_eager_tokens_per_s"]
-    if dev.type == "cuda":
-        comp = hf_decode_seconds_per_token(hf, prompts, O, compiled=True, repeats=HF_COMPILED_REPEATS)
-        out["hf_compiled_tokens_per_s"] = B / comp
-        out["speedup_vs_hf_compiled"] = ours_tps / out["hf_compiled_tokens_per_s"]
-    return out
+def _median(xs):
+    return sorted(xs)[len(xs) // 2]
+
+
+def paired_rounds(ours, peers: dict, rounds: int):
+    """``rounds`` rounds, each calling ``ours`` (-> (seconds per token, ttft)) and every peer's
+    timer (-> seconds per token) back to back, the order reversed every other round. On a CPU
+    whose bandwidth wanders over minutes (a shared VM) the speedups are then taken within a round
+    (the median of the rounds' ratios), not as a ratio of medians timed minutes apart. Returns
+    (ours' results, {peer: its times})."""
+    runs, peer_runs = [], {name: [] for name in peers}
+    for r in range(rounds):
+        order = [lambda: runs.append(ours())] + [lambda n=n: peer_runs[n].append(peers[n]()) for n in peers]
+        for f in (order if r % 2 == 0 else order[::-1]):
+            f()
+    return runs, peer_runs
+
+
+def _peer_timers(a, eng, cfg, peers, B, I, O, dev):
+    """({peer name: a function that times one decode estimate, seconds per generated token}, the
+    llama.cpp peer or None), the peers built and warmed: hf_eager (and on CUDA hf_compiled), vllm,
+    llamacpp."""
+    timers, llama = {}, None
+    if "hf" in peers:
+        from .hf_peer import build_hf_peer, hf_decode_seconds_per_token
+        model = eng.runner.model
+        if eng.weight_dtype != eng.dtype:
+            # our weights are stored in another dtype: the peer runs the model in its plain dtype
+            from ..loader.source import resolve_model
+            from ..runner.build import build_model
+            model = build_model(resolve_model(a.model, a.load_format), cfg, dev, eng.dtype, a.seed)
+        hf = build_hf_peer(model, cfg)
+        prompts = _prompts(B, I, cfg.vocab_size, 4).to(dev)
+        timers["hf_eager"] = lambda: hf_decode_seconds_per_token(hf, prompts, O, compiled=False)
+        if dev.type == "cuda":
+            timers["hf_compiled"] = lambda: hf_decode_seconds_per_token(hf, prompts, O, compiled=True,
+                                                                        repeats=HF_COMPILED_REPEATS)
+    if "vllm" in peers:
+        from .vllm_peer import VllmPeer
+        wd = eng.weight_dtype if isinstance(eng.weight_dtype, torch.dtype) else eng.dtype
+        timers["vllm"] = VllmPeer(a.model, str(wd).replace("torch.", ""), _prompts(B, I, cfg.vocab_size, 6).tolist(),
+                                  O, I + O + 8).decode_seconds_per_token
+    if "llamacpp" in peers:
+        llama = _LlamaPeer(a.model, B, I, O, max(I + O, a.long_prompt_len) + 8, cfg.vocab_size,
+                           a.llamacpp_no_extra_bufts)
+        timers["llamacpp"] = llama.decode_seconds_per_token
+    return timers, llama
 
 
 def _weight_format(eng) -> str:
@@ -264,45 +287,46 @@ def _llama(path, n_ctx, no_extra_bufts: bool):
         low.llama_model_default_params = default
 
 
-def _compare_llamacpp(model, cfg, B, I, O, ours_tps, long_len=0, ours_long_ttft=None,
-                      no_extra_bufts: bool = False) -> dict:
+class _LlamaPeer:
     """llama.cpp through llama-cpp-python on the same GGUF file (its own quantized kernels)."""
-    from pathlib import Path
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        raise ValueError("--compare llamacpp needs llama-cpp-python: pip install llama-cpp-python") from None
-    from ..loader.source import smollm2_path
-    path = smollm2_path() if model == "smollm2" else Path(model)
-    if path.suffix != ".gguf" or B != 1:
-        raise ValueError("--compare llamacpp needs a .gguf model (or smollm2) and --batch-size 1")
-    lm = _llama(path, max(I + O, long_len) + 8, no_extra_bufts)
-    prompt = _prompts(1, I, cfg.vocab_size, 5)[0].tolist()
 
-    def decode_time(n):
-        lm.reset()
+    def __init__(self, model, B, I, O, n_ctx, vocab, no_extra_bufts: bool):
+        from pathlib import Path
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            raise ValueError("--compare llamacpp needs llama-cpp-python: pip install llama-cpp-python") from None
+        from ..loader.source import smollm2_path
+        path = smollm2_path() if model == "smollm2" else Path(model)
+        if path.suffix != ".gguf" or B != 1:
+            raise ValueError("--compare llamacpp needs a .gguf model (or smollm2) and --batch-size 1")
+        self.lm, self.O = _llama(path, n_ctx, no_extra_bufts), O
+        self.prompt = _prompts(1, I, vocab, 5)[0].tolist()
+        self._decode_time(8)
+
+    def _decode_time(self, n) -> float:
+        self.lm.reset()
         first = None
-        for i, _ in enumerate(lm.generate(prompt, temp=0.0, reset=True)):
+        for i, _ in enumerate(self.lm.generate(self.prompt, temp=0.0, reset=True)):
             if i == 0:
                 first = time.perf_counter()
             if i + 1 >= n:
                 break
         return time.perf_counter() - first
 
-    decode_time(8)
-    per_tok = sorted(decode_time(O) for _ in range(CPU_REPEATS))[CPU_REPEATS // 2] / (O - 1)
-    out = {"llamacpp_tokens_per_s": 1.0 / per_tok, "speedup_vs_llamacpp": ours_tps * per_tok}
-    if long_len:
+    def decode_seconds_per_token(self) -> float:
+        return self._decode_time(self.O) / (self.O - 1)
+
+    def long_ttft(self, n, vocab) -> float:
+        """Seconds to the first token of an n-token prompt (the median of 3, as ours)."""
         times = []
         for r in range(3):
-            long_prompt = _prompts(1, long_len, cfg.vocab_size, 10 + r)[0].tolist()
-            lm.reset()
+            long_prompt = _prompts(1, n, vocab, 10 + r)[0].tolist()
+            self.lm.reset()
             t = time.perf_counter()
-            next(iter(lm.generate(long_prompt, temp=0.0, reset=True)))
+            next(iter(self.lm.generate(long_prompt, temp=0.0, reset=True)))
             times.append(time.perf_counter() - t)
-        out["llamacpp_ttft_long_s"] = sorted(times)[1]
-        out["ttft_long_vs_llamacpp"] = ours_long_ttft / out["llamacpp_ttft_long_s"]
-    return out
+        return sorted(times)[1]
 
 
 def _print(res: dict) -> None:

