@@ -72,7 +72,7 @@ class Linear(nn.Module):
         if silu_mul_input:
             x = silu_and_mul(x)
         if self.cpu_packed is not None and x.dtype == w.dtype and x.device.type == "cpu":
-            return cpu_gemm.linear(x, self.cpu_packed, self.bias)
+            return cpu_gemm.matmul(x, w, self.cpu_packed, self.bias)
         if x.dtype != w.dtype:  # weight-only lower precision (CPU bf16 weights, fp32 activations)
             rows = x.numel() // x.shape[-1]
             if (rows < MANY_ROWS and w.dtype == torch.bfloat16 and x.dtype == torch.float32

@@ -290,11 +290,12 @@ class CpuDecode:
 
 
 def _direct(lin: Linear):
-    """``lin`` as a function of x: its packed bf16 GEMM where it has one, else the module."""
+    """``lin`` as a function of x: its bf16 GEMM (kernels/cpu_gemm) where it has a packed copy,
+    else the module."""
     if lin.cpu_packed is None:
         return lin
-    packed, bias = lin.cpu_packed, lin.bias
-    return lambda x: cpu_gemm.linear(x, packed, bias)
+    w, packed, bias = lin.weight, lin.cpu_packed, lin.bias
+    return lambda x: cpu_gemm.matmul(x, w, packed, bias)
 
 
 def _pack_all(model) -> bool:
