@@ -199,6 +199,15 @@ class CpuDecode:
                           and all(n is None or n.dtype == bf for layer in self.layers for n in layer[:2] + layer[4:6])
                           and all(layer[9][2] % 16 == 0 and layer[9][2] <= 1024 for layer in self.layers))
         self.packed = self.bf16_glue and _pack_all(model)
+        # one row of it (batch 1): every layer in one C call, the linears on our one-row bf16 loop
+        self.step_bf16 = None
+        if (self.bf16_glue and cpu_gemm.gemv_lib() is not None and len({layer[9] for layer in self.layers}) == 1
+                and all(w[0].is_contiguous() for layer in self.layers for w in (layer[2], layer[6], layer[7], layer[8]))):
+            (hq, hkv, d, inter, eps, scale, qk_eps), hidden = self.layers[0][9], self.embed.weight.shape[1]
+            self.step_bf16 = cpu_decode.DecodeLayersBf16(
+                [(*layer[:2], layer[3], *layer[4:6], layer[2][0], layer[6][0], layer[7][0], layer[8][0], kc, vc)
+                 for layer, (kc, vc) in zip(self.layers, kv_caches)],
+                hq, hkv, d, inter, eps, qk_eps, scale, hidden, cpu_gemm.gemv_address())
         # the bf16 form's linears: the packed GEMM called directly (a module call's checks cost
         # about 20 us each, 3 ms a SmolLM2 step), else the modules
         self.linears = [tuple(_direct(m) for m in (sa.qkv_proj, sa.o_proj, mlp.gate_up_proj, mlp.down_proj))
@@ -245,6 +254,9 @@ class CpuDecode:
         residual = self.embed(ids_t)
         if self.step_layers is not None:
             return self._run_native(residual, cos, sin, slots_t, gidx, torch.tensor(lens, dtype=torch.int64))
+        if self.step_bf16 is not None and len(ids) == 1:
+            return self._run_native(residual, cos, sin, slots_t, gidx, torch.tensor(lens, dtype=torch.int64),
+                                    self.step_bf16)
         if self.bf16_glue:
             return self._run_bf16(residual, cos, sin, slots_t, gidx, torch.tensor(lens, dtype=torch.int64))
         # the first layer adds zeros of the dtype a layer returns (bf16 from a packed down_proj): the
@@ -264,10 +276,10 @@ class CpuDecode:
         h, _ = self.norm(_as(x, residual.dtype), residual)
         return self.model.compute_logits(h)
 
-    def _run_native(self, residual, cos, sin, slots, gidx, lens) -> torch.Tensor:
+    def _run_native(self, residual, cos, sin, slots, gidx, lens, step=None) -> torch.Tensor:
         B = residual.shape[0]
         x = torch.zeros_like(residual)
-        self.step_layers.run(x, residual, cos.reshape(B, -1).contiguous(), sin.reshape(B, -1).contiguous(), slots,
+        (step or self.step_layers).run(x, residual, cos.reshape(B, -1).contiguous(), sin.reshape(B, -1).contiguous(), slots,
                              gidx, lens)
         h, _ = self.norm(x, residual)
         return self.model.compute_logits(h)

@@ -117,6 +117,30 @@ def test_bf16_decode_equals_model_forward(tiny_llama):
     dec = llm.engine.runner.cpu_decode
     assert dec is not None and dec.step_layers is None and dec.bf16_glue and dec.packed is not None
     assert all(len(w) == 1 for layer in dec.layers for w in (layer[2], layer[6], layer[7], layer[8]))
+    from blitzllm.kernels import cpu_gemm
+    assert (dec.step_bf16 is not None) == (cpu_gemm.gemv_lib() is not None)  # batch 1: the one-call step
     prompts = _prompts()
     for b in (1, 3, 8):
         assert _run(llm, prompts[:b]) == _run(ref, prompts[:b]), b
+
+
+def test_bf16_one_call_step_equals_the_layer_by_layer_form(tiny_llama):
+    """The one-row bf16 step in one C call (``DecodeLayersBf16``) gives the layer-by-layer bf16
+    form's logits (the same C glue and one-row GEMV, Python between them): equal but where our
+    expf and torch's silu round a bf16 value differently, a few bf16 steps of one logit at most."""
+    from blitzllm.kernels import cpu_gemm
+    if cpu_gemm.gemv_lib() is None:
+        pytest.skip("no AVX512-BF16 here")
+    llm = LLM(str(tiny_llama[0]), **{**KW, "dtype": "bfloat16"})
+    dec = llm.engine.runner.cpu_decode
+    _run(llm, _prompts()[:1])   # (a cache with rows in it: block 0 holds the prompt)
+    one_call = dec.step_bf16
+    for n in (1, 9, 17):   # context lengths, past one block
+        args = ([5 + n], [n - 1], [n - 1], [n], [[0, 1]])
+        got = dec.run(*args)
+        dec.step_bf16 = None
+        want = dec.run(*args)
+        dec.step_bf16 = one_call
+        assert got.shape == want.shape == (1, 320)
+        assert (got - want).abs().max().item() <= 0.05 * want.abs().max().item(), n
+        assert (got == want).float().mean().item() > 0.9, n

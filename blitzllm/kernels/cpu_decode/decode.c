@@ -305,3 +305,43 @@ int blitz_decode_layers(const Layer* layers, int n_layers, const Dims* dm, float
   }
   return rc;
 }
+
+/* ---- a batch-1 bf16 decode step, one call (--dtype bfloat16) ------------------------------- */
+
+/* kernels/cpu_gemm's blitz_gemv_bf16 (passed in: it builds with AVX512-BF16, apart) */
+typedef void (*gemv_bf16_fn)(const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*, int, int, int);
+
+typedef struct {
+  const uint16_t *ln1, *ln2, *qkv_bias, *q_norm, *k_norm;
+  const uint16_t *qkv, *o, *gate_up, *down; /* weights [N, K] */
+  uint16_t *k_cache, *v_cache;
+} LayerBf16;
+
+/* The layer-by-layer bf16 form (runner/cpu_graph.py _run_bf16) for one row without Python between
+   the ops, rounding where it rounds: x, res [H] bf16 (the last layer's output and the residual
+   stream, in place); buf: at least H + W + Hq D + 3 I bf16; scratch: Hq (L + D) floats. */
+int blitz_decode_layers_bf16(const LayerBf16* layers, int n_layers, const Dims* dm, const void* gemv_fn,
+                             uint16_t* x, uint16_t* res, int H, const float* cos, const float* sin,
+                             const int64_t* slots, const int64_t* gidx, const int64_t* lens, int L, uint16_t* buf,
+                             float* scratch) {
+  const gemv_bf16_fn gemv = (gemv_bf16_fn)gemv_fn;
+  const int hq = dm->hq, HD = hq * dm->d, W = (hq + 2 * dm->hkv) * dm->d, I = dm->inter, nt = dm->nthreads;
+  uint16_t *h = buf, *qkv = h + H, *o = qkv + W, *gu = o + HD, *a = gu + 2 * I;
+  int rc = 0;
+  for (int li = 0; li < n_layers && !rc; li++) {
+    const LayerBf16* ly = &layers[li];
+    blitz_add_rms_norm_bf16(x, res, res, ly->ln1, h, 1, H, dm->eps);
+    gemv(h, ly->qkv, ly->qkv_bias, qkv, W, H, nt);
+    rc |= blitz_decode_attention_bf16(qkv, ly->q_norm, ly->k_norm, dm->qk_eps, cos, sin, ly->k_cache, ly->v_cache,
+                                      slots, gidx, lens, L, 1, hq, dm->hkv, dm->d, dm->scale, o, scratch, nt);
+    gemv(o, ly->o, 0, x, H, HD, nt);
+    blitz_add_rms_norm_bf16(x, res, res, ly->ln2, h, 1, H, dm->eps);
+    gemv(h, ly->gate_up, 0, gu, 2 * I, H, nt);
+    for (int i = 0; i < I; i++) { /* silu(gate) rounded, times up rounded: F.silu(g) * u in bf16 */
+      const float g = bf(gu[i]);
+      a[i] = to_bf(rbf(g / (1.0f + expf(-g))) * bf(gu[I + i]));
+    }
+    gemv(a, ly->down, 0, x, H, I, nt);
+  }
+  return rc;
+}

@@ -18,7 +18,8 @@ _ATTN = ([_P, _P, _P, _F] + [_P] * 7 + [_I] * 5 + [_F, _P, _P, _I], _I)
 _SIGNATURES = {"blitz_add_rms_norm": ([_P] * 4 + [_I, _I, _F], None),
                "blitz_add_rms_norm_bf16": ([_P] * 5 + [_I, _I, _F], None),
                "blitz_decode_attention": _ATTN, "blitz_decode_attention_bf16": _ATTN,
-               "blitz_decode_layers": ([_P, _I, _P, _P, _P, _I, _I] + [_P] * 5 + [_I, _P], _I)}
+               "blitz_decode_layers": ([_P, _I, _P, _P, _P, _I, _I] + [_P] * 5 + [_I, _P], _I),
+               "blitz_decode_layers_bf16": ([_P, _I, _P, _P, _P, _P, _I] + [_P] * 5 + [_I, _P, _P], _I)}
 # AVX-512 as kernels/cpu_quant's (the one-call step needs those kernels anyway): the bf16 forms'
 # widening loads and the attention's dots vectorize 16 wide
 _FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mfma", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC")
@@ -161,3 +162,40 @@ class DecodeLayers:
             scratch.data_ptr())
         if rc:
             raise ValueError("CPU decode step: an unsupported shape (head dim even and <= 1024, K % 32 == 0)")
+
+
+# ---- a batch-1 bf16 step: decode.c's blitz_decode_layers_bf16 --------------------------------
+class _LayerBf16(ctypes.Structure):
+    _fields_ = [(n, _P) for n in ("ln1", "ln2", "qkv_bias", "q_norm", "k_norm", "qkv", "o", "gate_up", "down",
+                                  "k_cache", "v_cache")]
+
+
+class DecodeLayersBf16:
+    """Every layer of a one-row bf16 decode step in one C call: the layer-by-layer bf16 form
+    without Python between its ops. ``layers``: per layer (ln1, ln2, qkv_bias, q_norm, k_norm,
+    qkv, o, gate_up, down, k_cache, v_cache), bf16, weights [N, K] contiguous; ``gemv``: the
+    address of kernels/cpu_gemm's blitz_gemv_bf16. Holds the tensors it points to."""
+
+    def __init__(self, layers: list, hq: int, hkv: int, d: int, inter: int, eps: float, qk_eps: float, scale: float,
+                 hidden: int, gemv: int):
+        self.tensors, self.gemv = layers, gemv
+        self.hidden, self.hq, self.d = hidden, hq, d
+        self.buf = torch.empty(hidden + (hq + 2 * hkv) * d + hq * d + 3 * inter, dtype=torch.bfloat16)
+        arr = (_LayerBf16 * len(layers))()
+        for c, ts in zip(arr, layers):
+            for (name, _), t in zip(_LayerBf16._fields_, ts):
+                setattr(c, name, _ptr(t))
+        self.arr = arr
+        self.dims = _Dims(hq, hkv, d, inter, 1, eps, qk_eps, scale, None, None, None)
+
+    def run(self, x: torch.Tensor, res: torch.Tensor, cos, sin, slots, gidx, lens) -> None:
+        """x, res [1, H] bf16: x the last layer's output, res the residual stream, in place."""
+        L = gidx.shape[1]
+        self.dims.nthreads = torch.get_num_threads()
+        scratch = torch.empty(self.hq * (L + self.d))
+        rc = _state["lib"].blitz_decode_layers_bf16(
+            ctypes.byref(self.arr), len(self.arr), ctypes.byref(self.dims), self.gemv, x.data_ptr(), res.data_ptr(),
+            self.hidden, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), gidx.data_ptr(), lens.data_ptr(), L,
+            self.buf.data_ptr(), scratch.data_ptr())
+        if rc:
+            raise ValueError("CPU bf16 decode step: an unsupported shape (head dim a multiple of 16, <= 1024)")

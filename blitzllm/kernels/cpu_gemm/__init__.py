@@ -31,6 +31,11 @@ def gemv_lib() -> Optional[ctypes.CDLL]:
     return _state["lib"]
 
 
+def gemv_address() -> int:
+    """blitz_gemv_bf16's address, for C callers (kernels/cpu_decode); ``gemv_lib`` must be loaded."""
+    return ctypes.cast(gemv_lib().blitz_gemv_bf16, ctypes.c_void_p).value
+
+
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [1, K] (or [K]) bf16 @ W.T (+ bias) -> [1, N] bf16 with W [N, K] bf16 contiguous, by
     ``gemv_lib`` (which must be loaded): fp32 sums rounded once, as ``reference_linear``'s."""
