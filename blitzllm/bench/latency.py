@@ -104,8 +104,10 @@ def run(a) -> int:
         eng.spec.reset_counters()
     peer_timers, llama = _peer_timers(a, eng, cfg, peers, B, I, O, dev)
 
+    rounds = iter(range(CPU_REPEATS))
+
     def ours():  # seconds per generated token after the first (a speculative step may emit several)
-        ttft, steps = _timed_run(eng, _prompts(B, I, cfg.vocab_size, 2), O, "timed")
+        ttft, steps = _timed_run(eng, _prompts(B, I, cfg.vocab_size, 2), O, f"run{next(rounds)}")
         return sum(steps) / (O - 1), ttft
 
     runs, peer_runs = paired_rounds(ours, peer_timers, CPU_REPEATS if dev.type == "cpu" else 1)

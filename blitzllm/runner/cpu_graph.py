@@ -252,11 +252,9 @@ class CpuDecode:
                 torch._dynamo.mark_dynamic(mask, 3)
         cos, sin = rotary_tables(self.rotary.cos_sin_cache, pos_t)
         residual = self.embed(ids_t)
-        if self.step_layers is not None:
-            return self._run_native(residual, cos, sin, slots_t, gidx, torch.tensor(lens, dtype=torch.int64))
-        if self.step_bf16 is not None and len(ids) == 1:
-            return self._run_native(residual, cos, sin, slots_t, gidx, torch.tensor(lens, dtype=torch.int64),
-                                    self.step_bf16)
+        one_call = self.step_layers or (self.step_bf16 if len(ids) == 1 else None)
+        if one_call is not None:
+            return self._run_native(one_call, residual, cos, sin, slots_t, gidx, torch.tensor(lens, dtype=torch.int64))
         if self.bf16_glue:
             return self._run_bf16(residual, cos, sin, slots_t, gidx, torch.tensor(lens, dtype=torch.int64))
         # the first layer adds zeros of the dtype a layer returns (bf16 from a packed down_proj): the
@@ -276,11 +274,12 @@ class CpuDecode:
         h, _ = self.norm(_as(x, residual.dtype), residual)
         return self.model.compute_logits(h)
 
-    def _run_native(self, residual, cos, sin, slots, gidx, lens, step=None) -> torch.Tensor:
+    def _run_native(self, step, residual, cos, sin, slots, gidx, lens) -> torch.Tensor:
+        """Every layer in one C call (``step``: DecodeLayers or DecodeLayersBf16), then the final
+        norm and the logits."""
         B = residual.shape[0]
         x = torch.zeros_like(residual)
-        (step or self.step_layers).run(x, residual, cos.reshape(B, -1).contiguous(), sin.reshape(B, -1).contiguous(), slots,
-                             gidx, lens)
+        step.run(x, residual, cos.reshape(B, -1).contiguous(), sin.reshape(B, -1).contiguous(), slots, gidx, lens)
         h, _ = self.norm(x, residual)
         return self.model.compute_logits(h)
 

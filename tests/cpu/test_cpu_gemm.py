@@ -49,3 +49,6 @@ def test_one_row_gemv_is_the_fp32_dot_rounded_once():
         assert torch.equal(cpu_gemm.matmul(x, w, wp, b), cpu_gemm.gemv(x, w, b))
         x3 = torch.randn(3, K, generator=g).bfloat16()
         assert torch.equal(cpu_gemm.matmul(x3, w, wp, b), cpu_gemm.reference_linear(x3, w, b))
+    w[2, 3] = float("nan")   # a NaN sum stays NaN, as F.linear's (not rounded into another value)
+    got = cpu_gemm.gemv(x, w)
+    assert got[0, 2].isnan() and not got[0, 1].isnan()

@@ -11,9 +11,10 @@
 
 #define NB 4 /* weight rows per block: four independent sums cover vdpbf16ps' latency */
 
-static inline uint16_t to_bf16(float s) { /* round to nearest even (finite values) */
+static inline uint16_t to_bf16(float s) { /* round to nearest even; NaN stays NaN (as decode.c's to_bf) */
   uint32_t u;
   __builtin_memcpy(&u, &s, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
   u += 0x7fff + ((u >> 16) & 1);
   return (uint16_t)(u >> 16);
 }
