@@ -18,7 +18,11 @@ def test_add_rms_norm_matches_reference():
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])
-@pytest.mark.parametrize("B,hq,hkv,d,bs", [(1, 9, 3, 64, 16), (3, 8, 2, 32, 4), (4, 4, 4, 128, 8)])
+# (the attention core's forms: one head per task, or a kv head's 2 / 3 query heads sharing each
+# widened key (8 x 9 / 3 at 64, 3 x 8 / 2 at 32, on 2 threads); a tail of lanes (40); a head size
+# without a register form (96, two heads a task); the softmax's 16-key tail at every length)
+@pytest.mark.parametrize("B,hq,hkv,d,bs", [(1, 9, 3, 64, 16), (3, 8, 2, 32, 4), (4, 4, 4, 128, 8), (8, 9, 3, 64, 16),
+                                          (2, 4, 2, 40, 8), (6, 8, 2, 96, 8)])
 def test_decode_attention_matches_reference(qk_norm, B, hq, hkv, d, bs):
     g = torch.Generator().manual_seed(B * hq + d)
     nblk = 12
@@ -65,7 +69,7 @@ def test_bf16_glue_matches_the_models_roundings():
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])
-@pytest.mark.parametrize("B,hq,hkv,d,bs", [(1, 9, 3, 64, 16), (3, 8, 2, 32, 4)])
+@pytest.mark.parametrize("B,hq,hkv,d,bs", [(1, 9, 3, 64, 16), (3, 8, 2, 32, 4), (8, 9, 3, 64, 16), (6, 8, 2, 96, 8)])
 def test_bf16_decode_attention_matches_reference(qk_norm, B, hq, hkv, d, bs):
     """bf16 qkv, caches and output (fp32 inside): the cache writes (k normed, rotated and rounded
     as the reference does; v as given) and the attention output against the reference's bf16

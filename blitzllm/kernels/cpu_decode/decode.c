@@ -3,11 +3,168 @@
    q / k RMSNorm, rotary, the paged KV-cache write and attention over the cache rows; fp32, and
    a bf16 form of each around torch's bf16 GEMMs. Each is a
    handful of torch ops of a few microseconds' work on a decode row but 10-30 us of dispatch
-   each; here one call. Plain C vectorized by the compiler, AVX-512 intrinsics in the bf16 forms. */
+   each; here one call. Plain C vectorized by the compiler, AVX-512 intrinsics in the bf16 forms
+   and the attention (one core for both forms, its sums in registers). */
 #include <immintrin.h>
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+
+/* ---- bf16 <-> fp32 ------------------------------------------------------------------------ */
+static inline float bf(uint16_t h) {
+  union { uint32_t u; float f; } c = {(uint32_t)h << 16};
+  return c.f;
+}
+
+static inline uint16_t to_bf(float f) { /* round to nearest even; NaN stays NaN */
+  union { float f; uint32_t u; } c = {f};
+  if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40);
+  return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
+}
+
+static inline float rbf(float f) { return bf(to_bf(f)); }
+
+/* 16 bf16 values widened to fp32 (exactly: the bf16 bits are an fp32's upper half) */
+static inline __m512 load_bf16x16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+/* fp32 -> bf16 bits in the low half of each lane: round to nearest even, NaN kept quiet */
+static inline __m512i bf16_bits(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+}
+
+static inline __m512 round_bf16x16(__m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16)); }
+
+static inline void store_bf16x16(uint16_t* p, __m512 v) {
+  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(bf16_bits(v)));
+}
+
+/* ---- attention of one query row over its cache rows (both forms) -------------------------- */
+
+/* 16 elements of a cache row, fp32 or bf16 (widened exactly), from i on; ``m`` masks a row's tail */
+static inline __m512 ld16(const void* p, size_t i, int bf16, __mmask16 m) {
+  if (bf16)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm512_castsi512_si256(_mm512_maskz_loadu_epi16((__mmask32)m, (const uint16_t*)p + i))), 16));
+  return _mm512_maskz_loadu_ps(m, (const float*)p + i);
+}
+
+/* e^x for x <= 0, 16 lanes (softmax after its max): x = n ln2 + r with |r| <= ln2 / 2, e^r by
+   its Taylor series to r^7 (relative error under 6e-9, below fp32's rounding), 2^n by vscalefps */
+static inline __m512 exp_le0(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f)); /* e^-104 is 0 in fp32; keeps n finite */
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 e = _mm512_set1_ps(1.0f / 5040);
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f / 720));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f / 120));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f / 24));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f / 6));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(0.5f));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f));
+  e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(e, n);
+}
+
+#define ND_MAX 64 /* D up to 1024 */
+#define HG_MAX 4
+/* out[g][0..D) = softmax(scale q_g . k_l) v_l for the HG query heads g of one kv head, over the n
+   cache rows gi[0..n) (row r's head at element r * rs + off of kc / vc, bf16 or fp32): each key
+   and value is widened once for the HG heads. q_g at q + g D (fp32), out likewise; p: HG n floats.
+   Inlined with ND = ceil(D / 16) and HG constants where D is a common head size, so that the
+   queries and the output's sums stay in registers (the sums run over the keys, not through
+   memory); fp32 throughout. */
+static inline __attribute__((always_inline)) void attend(const float* q, const void* kc, const void* vc, int bf16,
+                                                         const int64_t* gi, int n, size_t rs, size_t off, int D,
+                                                         const int ND, const int HG, float scale, float* p,
+                                                         float* out) {
+  const __mmask16 tail = D % 16 ? (__mmask16)((1u << (D % 16)) - 1) : (__mmask16)0xFFFF;
+#define MASK(j) ((j) < ND - 1 ? (__mmask16)0xFFFF : tail)
+  __m512 qv[HG_MAX][ND_MAX], o[HG_MAX][ND_MAX], kv[ND_MAX];
+  for (int g = 0; g < HG; g++)
+    for (int j = 0; j < ND; j++) qv[g][j] = _mm512_maskz_loadu_ps(MASK(j), q + (size_t)g * D + 16 * j);
+  for (int l = 0; l < n; l++) {
+    const size_t row = (size_t)gi[l] * rs + off;
+    for (int j = 0; j < ND; j++) kv[j] = ld16(kc, row + 16 * j, bf16, MASK(j));
+    for (int g = 0; g < HG; g++) {
+      __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
+      for (int j = 1; j < ND; j++) acc = _mm512_fmadd_ps(qv[g][j], kv[j], acc);
+      p[(size_t)g * n + l] = _mm512_reduce_add_ps(acc) * scale;
+    }
+  }
+  float inv[HG_MAX];
+  for (int g = 0; g < HG; g++) { /* the max, then e^(s - max) in place and their sum */
+    float* pg = p + (size_t)g * n;
+    __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+    for (int l = 0; l < n; l += 16) {
+      const __mmask16 m = n - l >= 16 ? 0xFFFF : (__mmask16)((1u << (n - l)) - 1);
+      mx = _mm512_mask_max_ps(mx, m, mx, _mm512_maskz_loadu_ps(m, pg + l));
+    }
+    const __m512 vmx = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    for (int l = 0; l < n; l += 16) {
+      const __mmask16 m = n - l >= 16 ? 0xFFFF : (__mmask16)((1u << (n - l)) - 1);
+      const __m512 e = exp_le0(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, pg + l), vmx));
+      _mm512_mask_storeu_ps(pg + l, m, e);
+      sum = _mm512_mask_add_ps(sum, m, sum, e);
+    }
+    inv[g] = 1.0f / _mm512_reduce_add_ps(sum);
+    for (int j = 0; j < ND; j++) o[g][j] = _mm512_setzero_ps();
+  }
+  for (int l = 0; l < n; l++) {
+    const size_t row = (size_t)gi[l] * rs + off;
+    for (int j = 0; j < ND; j++) kv[j] = ld16(vc, row + 16 * j, bf16, MASK(j));
+    for (int g = 0; g < HG; g++) {
+      const __m512 pl = _mm512_set1_ps(p[(size_t)g * n + l]);
+      for (int j = 0; j < ND; j++) o[g][j] = _mm512_fmadd_ps(pl, kv[j], o[g][j]);
+    }
+  }
+  for (int g = 0; g < HG; g++)
+    for (int j = 0; j < ND; j++)
+      _mm512_mask_storeu_ps(out + (size_t)g * D + 16 * j, MASK(j), _mm512_mul_ps(o[g][j], _mm512_set1_ps(inv[g])));
+#undef MASK
+}
+
+/* the attention of rows [B] x heads [Hq] (GQA: head h reads kv head h / (Hq / Hkv)): q row b head h
+   at q + (b * qs + h) * D, its output (fp32) at out + (b * Hq + h) * D; scratch: B Hq L floats.
+   One task per HG heads of a kv head, HG the largest of 4, 3, 2 that divides the group, keeps 12
+   query and sum vectors or fewer per head and leaves each thread 4 tasks or more; else 1. */
+static void attend_all(const float* q, size_t qs, const void* kc, const void* vc, int bf16, const int64_t* gidx,
+                       const int64_t* lens, int L, int B, int Hq, int Hkv, int D, float scale, float* out,
+                       float* scratch, int nthreads) {
+  const int group = Hq / Hkv, nd = (D + 15) / 16;
+  int hg = 1;
+  for (int c = HG_MAX; c > 1 && hg == 1; c--)
+    if (group % c == 0 && c * nd <= 12 && B * Hq / c >= 4 * nthreads) hg = c;
+  const int tasks = B * Hq / hg;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int t = 0; t < tasks; t++) {
+    const int b = t / (Hq / hg), h = t % (Hq / hg) * hg, n = (int)lens[b];
+    const float* qh = q + ((size_t)b * qs + h) * D;
+    const int64_t* gi = gidx + (size_t)b * L;
+    float *p = scratch + ((size_t)b * Hq + h) * L, *o = out + ((size_t)b * Hq + h) * D;
+    const size_t rs = (size_t)Hkv * D, off = (size_t)(h / group) * D;
+#define ATTEND(ND, HG) attend(qh, kc, vc, bf16, gi, n, rs, off, D, ND, HG, scale, p, o)
+    if (D == 64 && hg == 3) ATTEND(4, 3); /* the common head sizes: their vectors in registers */
+    else if (D == 64 && hg == 2) ATTEND(4, 2);
+    else if (D == 64) ATTEND(4, 1);
+    else if (D == 128 && hg == 1) ATTEND(8, 1);
+    else if (D == 32 && hg == 4) ATTEND(2, 4);
+    else if (D == 32 && hg == 3) ATTEND(2, 3);
+    else if (D == 32 && hg == 2) ATTEND(2, 2);
+    else if (hg == 1) ATTEND(nd, 1); /* others through memory */
+    else for (int g = 0; g < hg; g++) attend(qh + (size_t)g * D, kc, vc, bf16, gi, n, rs, off, D, nd, 1, scale,
+                                             p + (size_t)g * L, o + (size_t)g * D);
+#undef ATTEND
+  }
+}
+
+/* ---- the fp32 forms ----------------------------------------------------------------------- */
 
 /* res[b] = x[b] + res[b] (in place); out[b] = rmsnorm(res[b]) * w */
 void blitz_add_rms_norm(const float* x, float* res, const float* w, float* out, int B, int H, float eps) {
@@ -38,7 +195,8 @@ static void head_rms_norm(float* v, const float* w, int D, float eps) {
 static void rope(float* v, const float* cos, const float* sin, int D) {
   float t[1024];
   const int half = D / 2;
-  for (int i = 0; i < D; i++) t[i] = v[i] * cos[i] + v[(i + half) % D] * sin[i];
+  for (int i = 0; i < half; i++) t[i] = v[i] * cos[i] + v[i + half] * sin[i];
+  for (int i = half; i < D; i++) t[i] = v[i] * cos[i] + v[i - half] * sin[i];
   for (int i = 0; i < D; i++) v[i] = t[i];
 }
 
@@ -51,6 +209,7 @@ int blitz_decode_attention(float* qkv, const float* q_norm, const float* k_norm,
                            int Hkv, int D, float scale, float* out, float* scratch, int nthreads) {
   if (D > 1024 || D % 2) return 1;
   const int W = (Hq + 2 * Hkv) * D;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (B >= 4)
   for (int b = 0; b < B; b++) {
     float* row = qkv + (size_t)b * W;
     for (int h = 0; h < Hq + Hkv; h++) {
@@ -64,34 +223,7 @@ int blitz_decode_attention(float* qkv, const float* q_norm, const float* k_norm,
         v_cache[((size_t)slots[b] * Hkv + h) * D + i] = row[(size_t)(Hq + Hkv + h) * D + i];
       }
   }
-  const int group = Hq / Hkv;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-  for (int bh = 0; bh < B * Hq; bh++) {
-    const int b = bh / Hq, h = bh % Hq, kvh = h / group, n = (int)lens[b];
-    const float* q = qkv + (size_t)b * W + (size_t)h * D;
-    float* p = scratch + (size_t)bh * L;
-    float mx = -INFINITY;
-    for (int l = 0; l < n; l++) {
-      const float* k = k_cache + ((size_t)gidx[(size_t)b * L + l] * Hkv + kvh) * D;
-      float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-      for (int i = 0; i < D; i++) s += q[i] * k[i];
-      p[l] = s * scale;
-      if (p[l] > mx) mx = p[l];
-    }
-    float sum = 0.0f;
-    for (int l = 0; l < n; l++) {
-      p[l] = expf(p[l] - mx);
-      sum += p[l];
-    }
-    float* o = out + (size_t)b * Hq * D + (size_t)h * D;
-    for (int i = 0; i < D; i++) o[i] = 0.0f;
-    for (int l = 0; l < n; l++) {
-      const float* v = v_cache + ((size_t)gidx[(size_t)b * L + l] * Hkv + kvh) * D;
-      const float pl = p[l] / sum;
-      for (int i = 0; i < D; i++) o[i] += pl * v[i];
-    }
-  }
+  attend_all(qkv, Hq + 2 * Hkv, k_cache, v_cache, 0, gidx, lens, L, B, Hq, Hkv, D, scale, out, scratch, nthreads);
   return 0;
 }
 
@@ -100,52 +232,6 @@ int blitz_decode_attention(float* qkv, const float* q_norm, const float* k_norm,
    and give bf16 tensors and round where the model's bf16 forward rounds (kernels/norm's
    reference_rms_norm: the normed values, then the weight's product; rotary in fp32, rounded),
    computing in fp32 between. */
-static inline float bf(uint16_t h) {
-  union { uint32_t u; float f; } c = {(uint32_t)h << 16};
-  return c.f;
-}
-
-static inline uint16_t to_bf(float f) { /* round to nearest even; NaN stays NaN */
-  union { float f; uint32_t u; } c = {f};
-  if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40);
-  return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
-}
-
-static inline float rbf(float f) { return bf(to_bf(f)); }
-
-/* 16 bf16 values widened to fp32 (exactly: the bf16 bits are an fp32's upper half) */
-static inline __m512 load_bf16x16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-
-/* q . k over D (a multiple of 16), q fp32, k bf16 */
-static inline float dot_bf16(const float* q, const uint16_t* k, int D) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int i = 0; i < D; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load_bf16x16(k + i), acc);
-  return _mm512_reduce_add_ps(acc);
-}
-
-/* o += p v over D (a multiple of 16), v bf16 */
-static inline void axpy_bf16(float* o, float p, const uint16_t* v, int D) {
-  const __m512 pv = _mm512_set1_ps(p);
-  for (int i = 0; i < D; i += 16)
-    _mm512_storeu_ps(o + i, _mm512_fmadd_ps(pv, load_bf16x16(v + i), _mm512_loadu_ps(o + i)));
-}
-
-/* fp32 -> bf16 bits in the low half of each lane: round to nearest even, NaN kept quiet */
-static inline __m512i bf16_bits(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-}
-
-static inline __m512 round_bf16x16(__m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16)); }
-
-static inline void store_bf16x16(uint16_t* p, __m512 v) {
-  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(bf16_bits(v)));
-}
 
 /* r[b] = bf16(x[b] + res[b]) (r: res_out, which may be res); out[b] = bf16(w * bf16(rmsnorm(r[b]))) */
 void blitz_add_rms_norm_bf16(const uint16_t* x, const uint16_t* res, uint16_t* res_out, const uint16_t* w,
@@ -187,6 +273,7 @@ int blitz_decode_attention_bf16(uint16_t* qkv, const uint16_t* q_norm, const uin
   const int W = (Hq + 2 * Hkv) * D, half = D / 2;
   float* qf = scratch; /* [B, Hq, D]: the rotated queries, as fp32 */
   float* p_all = scratch + (size_t)B * Hq * D;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (B >= 4)
   for (int b = 0; b < B; b++) {
     uint16_t* row = qkv + (size_t)b * W;
     const float *c = cos + (size_t)b * D, *s = sin + (size_t)b * D;
@@ -201,7 +288,8 @@ int blitz_decode_attention_bf16(uint16_t* qkv, const uint16_t* q_norm, const uin
         const float inv = 1.0f / sqrtf(ss / D + qk_eps);
         for (int i = 0; i < D; i++) t[i] = rbf(bf(w[i]) * rbf(t[i] * inv));
       }
-      for (int i = 0; i < D; i++) r[i] = rbf(t[i] * c[i] + t[(i + half) % D] * s[i]);
+      for (int i = 0; i < half; i++) r[i] = rbf(t[i] * c[i] + t[i + half] * s[i]);
+      for (int i = half; i < D; i++) r[i] = rbf(t[i] * c[i] + t[i - half] * s[i]);
       if (h < Hq)
         for (int i = 0; i < D; i++) qf[((size_t)b * Hq + h) * D + i] = r[i];
       else
@@ -211,29 +299,9 @@ int blitz_decode_attention_bf16(uint16_t* qkv, const uint16_t* q_norm, const uin
       for (int i = 0; i < D; i++)
         v_cache[((size_t)slots[b] * Hkv + h) * D + i] = row[(size_t)(Hq + Hkv + h) * D + i];
   }
-  const int group = Hq / Hkv;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-  for (int bh = 0; bh < B * Hq; bh++) {
-    const int b = bh / Hq, h = bh % Hq, kvh = h / group, n = (int)lens[b];
-    const float* q = qf + (size_t)bh * D;
-    float* p = p_all + (size_t)bh * L;
-    float mx = -INFINITY;
-    for (int l = 0; l < n; l++) {
-      p[l] = dot_bf16(q, k_cache + ((size_t)gidx[(size_t)b * L + l] * Hkv + kvh) * D, D) * scale;
-      if (p[l] > mx) mx = p[l];
-    }
-    float sum = 0.0f;
-    for (int l = 0; l < n; l++) {
-      p[l] = expf(p[l] - mx);
-      sum += p[l];
-    }
-    float o[1024];
-    for (int i = 0; i < D; i++) o[i] = 0.0f;
-    for (int l = 0; l < n; l++)
-      axpy_bf16(o, p[l] / sum, v_cache + ((size_t)gidx[(size_t)b * L + l] * Hkv + kvh) * D, D);
-    uint16_t* ob = out + (size_t)b * Hq * D + (size_t)h * D;
-    for (int i = 0; i < D; i++) ob[i] = to_bf(o[i]);
-  }
+  /* the outputs in fp32 over the queries (each task reads its query before it writes), then rounded */
+  attend_all(qf, Hq, k_cache, v_cache, 1, gidx, lens, L, B, Hq, Hkv, D, scale, qf, p_all, nthreads);
+  for (size_t i = 0; i < (size_t)B * Hq * D; i += 16) store_bf16x16(out + i, _mm512_loadu_ps(qf + i));
   return 0;
 }
 
