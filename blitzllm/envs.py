@@ -66,7 +66,8 @@ _SWITCHES = (
     Switch("BLITZ_MOE_DECODE_CONFIG", KNOB, "json", None,
            "tile override of the decode MoE launches, e.g. `{\"up\": {\"BLOCK_N\": 32}, \"down\": {...}}`"),
     Switch("BLITZ_GREEDY_KERNEL", KNOB, "bool", True,
-           "all-greedy steps pick their tokens in one Triton launch (0: torch argmax + log-softmax)"),
+           "all-greedy steps pick their tokens in one launch: Triton on CUDA, C on an AVX-512 CPU "
+           "(0: torch argmax + log-softmax)"),
 )
 SWITCHES: Mapping[str, Switch] = {s.name: s for s in _SWITCHES}
 

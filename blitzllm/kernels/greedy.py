@@ -8,6 +8,7 @@ import functools
 
 import torch
 
+from . import cpu_decode
 from ._common import device_sms, next_pow2, tl, triton, use_triton
 
 _BLOCK = 1024
@@ -97,7 +98,12 @@ def reference_greedy_sample(logits: torch.Tensor) -> tuple:
 
 def greedy_sample(logits: torch.Tensor, kernel: bool = True) -> tuple:
     """(argmax token, its log-softmax) per row: Triton on CUDA (rows up to 4096 slices'
-    workspace; ``kernel=False``: the torch ops, knob ``BLITZ_GREEDY_KERNEL``), torch elsewhere."""
+    workspace), one C call on an AVX-512 CPU (kernels/cpu_decode; ``kernel=False``: the torch
+    ops, knob ``BLITZ_GREEDY_KERNEL``), torch elsewhere."""
     if kernel and use_triton(logits) and logits.dim() == 2 and logits.stride(1) == 1 and 0 < logits.shape[0] <= 1024:
         return greedy_sample_triton(logits)
+    if kernel and logits.device.type == "cpu" and logits.dim() == 2 and logits.numel() and cpu_decode.available():
+        out = cpu_decode.greedy(logits)  # (None where a row holds a NaN)
+        if out is not None:
+            return out
     return reference_greedy_sample(logits)

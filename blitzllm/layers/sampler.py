@@ -188,7 +188,8 @@ def _top_k_top_p(x: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
 
 class Sampler(torch.nn.Module):
     """Stateless: everything per-step comes in through ``SamplingMetadata``. ``greedy_kernel``:
-    all-greedy steps pick their tokens in one Triton launch on CUDA (knob ``BLITZ_GREEDY_KERNEL``)."""
+    all-greedy steps pick their tokens in one launch, Triton on CUDA and C on an AVX-512 CPU (knob
+    ``BLITZ_GREEDY_KERNEL``)."""
 
     def __init__(self, greedy_kernel: bool = True):
         super().__init__()

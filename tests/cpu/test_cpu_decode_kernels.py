@@ -97,3 +97,24 @@ def test_bf16_decode_attention_matches_reference(qk_norm, B, hq, hkv, d, bs):
                                         1e-6, cos, sin, k2.float(), v2.float(), slots, gidx, lens, hq, hkv, d,
                                         d ** -0.5)
     torch.testing.assert_close(got.float(), f32, atol=8e-3, rtol=8e-3)
+
+
+def test_greedy_matches_torch_argmax_and_log_softmax():
+    """kernels/cpu_decode's greedy against kernels/greedy's torch reference: the same tokens
+    (ties to the first maximum, as torch.argmax), log-softmax within fp32 rounding; a row with a
+    NaN goes back to the reference (None)."""
+    from blitzllm.kernels.greedy import greedy_sample, reference_greedy_sample
+    g = torch.Generator().manual_seed(3)
+    for B, V in ((1, 49152), (3, 1000), (5, 17), (2, 16)):  # (tails of 8, 1 and 0 lanes)
+        x = torch.randn(B, V, generator=g) * 4
+        x[0, V // 3] = x[0, V - 1] = x.max() + 1  # a tie: the first one wins
+        tok, lp = cd.greedy(x)
+        rt, rl = reference_greedy_sample(x)
+        assert torch.equal(tok, rt) and tok[0] == V // 3
+        torch.testing.assert_close(lp, rl, atol=2e-6, rtol=1e-5)
+    bf = torch.randn(2, 300, generator=g).bfloat16()  # bf16 logits: widened first
+    assert torch.equal(cd.greedy(bf)[0], reference_greedy_sample(bf)[0])
+    x = torch.randn(2, 100, generator=g)
+    x[1, 7] = float("nan")
+    assert cd.greedy(x) is None
+    assert torch.equal(greedy_sample(x)[0], reference_greedy_sample(x)[0])  # the dispatcher falls back

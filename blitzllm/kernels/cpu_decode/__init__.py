@@ -1,10 +1,11 @@
 """The CPU decode layer's glue around its matmuls, in C (``decode.c``): the residual add +
 RMSNorm and the attention block (q / k RMSNorm, rotary, paged KV-cache write, attention over
 the cache rows) in fp32 and in bf16 (the glue around torch's bf16 GEMMs), a whole fp32 step's
-layers in one call (``DecodeLayers``) and a one-row bf16 step's (``DecodeLayersBf16``).
+layers in one call (``DecodeLayers``) and a one-row bf16 step's (``DecodeLayersBf16``), and
+greedy sampling's argmax + log-softmax in one call (``greedy``).
 ``ops.py``: the ctypes launchers beside their torch references."""
-from .ops import (DecodeLayers, DecodeLayersBf16, add_rms_norm, available, decode_attention, reference_add_rms_norm,
-                  reference_decode_attention)
+from .ops import (DecodeLayers, DecodeLayersBf16, add_rms_norm, available, decode_attention, greedy,
+                  reference_add_rms_norm, reference_decode_attention)
 
-__all__ = ["DecodeLayers", "DecodeLayersBf16", "add_rms_norm", "available", "decode_attention",
+__all__ = ["DecodeLayers", "DecodeLayersBf16", "add_rms_norm", "available", "decode_attention", "greedy",
            "reference_add_rms_norm", "reference_decode_attention"]

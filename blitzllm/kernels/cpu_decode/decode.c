@@ -164,6 +164,42 @@ static void attend_all(const float* q, size_t qs, const void* kc, const void* vc
   }
 }
 
+/* ---- greedy sampling -------------------------------------------------------------------- */
+/* Each row of x [B, V] (fp32): its argmax (the first maximum, as torch.argmax) and that token's
+   log-softmax, max - (max + log sum e^(x - max)) (as x[tok] - logsumexp(x)), in three passes of
+   16 lanes; torch's argmax and logsumexp are two passes each plus their dispatch. Returns 1
+   where a row holds a NaN (the caller then takes torch's ops, which order NaN their own way). */
+int blitz_greedy(const float* x, int B, int V, int64_t* tok, float* lp) {
+  for (int b = 0; b < B; b++) {
+    const float* r = x + (size_t)b * V;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    __mmask16 nan = 0;
+    for (int i = 0; i < V; i += 16) {
+      const __mmask16 m = V - i >= 16 ? 0xFFFF : (__mmask16)((1u << (V - i)) - 1);
+      const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, r + i);
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      mx = _mm512_max_ps(mx, v);
+    }
+    if (nan) return 1;
+    const float top = _mm512_reduce_max_ps(mx);
+    const __m512 vt = _mm512_set1_ps(top);
+    int64_t t = 0;
+    for (int i = 0; i < V; i += 16) {
+      const __mmask16 m = V - i >= 16 ? 0xFFFF : (__mmask16)((1u << (V - i)) - 1);
+      const __mmask16 eq = _mm512_mask_cmp_ps_mask(m, _mm512_loadu_ps(r + i), vt, _CMP_EQ_OQ);
+      if (eq) { t = i + __builtin_ctz(eq); break; }
+    }
+    __m512 sum = _mm512_setzero_ps();
+    for (int i = 0; i < V; i += 16) {
+      const __mmask16 m = V - i >= 16 ? 0xFFFF : (__mmask16)((1u << (V - i)) - 1);
+      sum = _mm512_mask_add_ps(sum, m, sum, exp_le0(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, r + i), vt)));
+    }
+    tok[b] = t;
+    lp[b] = top - (top + logf(_mm512_reduce_add_ps(sum)));
+  }
+  return 0;
+}
+
 /* ---- the fp32 forms ----------------------------------------------------------------------- */
 
 /* res[b] = x[b] + res[b] (in place); out[b] = rmsnorm(res[b]) * w */

@@ -18,6 +18,7 @@ _ATTN = ([_P, _P, _P, _F] + [_P] * 7 + [_I] * 5 + [_F, _P, _P, _I], _I)
 _SIGNATURES = {"blitz_add_rms_norm": ([_P] * 4 + [_I, _I, _F], None),
                "blitz_add_rms_norm_bf16": ([_P] * 5 + [_I, _I, _F], None),
                "blitz_decode_attention": _ATTN, "blitz_decode_attention_bf16": _ATTN,
+               "blitz_greedy": ([_P, _I, _I, _P, _P], _I),
                "blitz_decode_layers": ([_P, _I, _P, _P, _P, _I, _I] + [_P] * 5 + [_I, _P], _I),
                "blitz_decode_layers_bf16": ([_P, _I, _P, _P, _P, _P, _I] + [_P] * 5 + [_I, _P, _P], _I)}
 # AVX-512 as kernels/cpu_quant's (the one-call step needs those kernels anyway): the bf16 forms'
@@ -106,6 +107,15 @@ def reference_decode_attention(qkv, q_norm, k_norm, qk_eps, cos, sin, k_cache, v
     mask = (torch.arange(L)[None, :] < lens[:, None])[:, None, None, :]
     o = F.scaled_dot_product_attention(qk[:, :hq, None], kg, vg, attn_mask=mask, scale=scale, enable_gqa=hq != hkv)
     return o.reshape(B, hq * d)
+
+
+def greedy(logits: torch.Tensor) -> Optional[tuple]:
+    """(argmax token [B] int64, its log-softmax [B] fp32) of logits [B, V], as
+    kernels/greedy's reference_greedy_sample; None where a row holds a NaN (take the reference)."""
+    x = logits.float().contiguous()
+    B, V = x.shape
+    tok, lp = torch.empty(B, dtype=torch.int64), torch.empty(B)
+    return None if _state["lib"].blitz_greedy(x.data_ptr(), B, V, tok.data_ptr(), lp.data_ptr()) else (tok, lp)
 
 
 # ---- the whole step: decode.c's blitz_decode_layers ------------------------------------------
