@@ -58,6 +58,31 @@ def test_our_kernel_odd_shapes(n):
             assert ((quant_matmul(x, w).double() - ref).abs().max() <= 2e-6 * ref.abs().max()), (kind, n, rows)
 
 
+def test_q4_rows_get_the_same_bits_in_every_build_and_batch():
+    """The q4 kernel's two forms (AVX512-VBMI: two groups a byte permute; without: a group at a
+    time) add in one order, and a row's result does not depend on the rows beside it: bit-equal
+    outputs, for even and odd group counts, 1 to 6 activation rows, 1 to 5 weight rows."""
+    from pathlib import Path
+
+    from blitzllm.kernels import _cbuild
+    if "avx512vbmi" not in _cbuild.cpu_flags():
+        pytest.skip("this CPU has no AVX512-VBMI: one form only")
+    src = Path(native.__file__).with_name("qgemm.c")
+    libs = [_cbuild.load(src, native._FLAGS + extra, (), native._SIGNATURES) for extra in ((), ("-mavx512vbmi",))]
+    assert all(lib is not None for lib in libs)
+    for n, k in ((5, 576), (3, 96), (1, 1536), (4, 32)):   # (18, 3, 48 and 1 groups a row)
+        _, w, _ = _case("q4_1", n, k, n * k)
+        outs = []
+        for lib in libs:
+            for rows in (1, 2, 6):
+                x = torch.randn(6, k, generator=torch.Generator().manual_seed(k))[:rows].contiguous()
+                y = torch.empty(rows, n)
+                assert lib.blitz_q4_gemm(x.data_ptr(), w.codes.data_ptr(), w.d.data_ptr(), w.m.data_ptr(),
+                                         y.data_ptr(), rows, n, k, 2) == 0
+                outs.append(y[:1])
+        assert all(torch.equal(o, outs[0]) for o in outs[1:]), (n, k)
+
+
 def test_scales_must_be_fp16_values():
     with pytest.raises(ValueError, match="fp16"):
         pack_q4(torch.zeros(16, 32, dtype=torch.long), torch.full((16, 1), 0.1), None)

@@ -31,7 +31,9 @@ def lib() -> Optional[ctypes.CDLL]:
         from ... import envs
         src = Path(__file__).with_name("qgemm.c")
         needs = ("avx512f", "avx512bw", "fma", "f16c")
-        _state["lib"] = _cbuild.load(src, _FLAGS, needs, _SIGNATURES) if envs.get("BLITZ_CPU_QGEMM") else None
+        # (AVX512-VBMI where the CPU has it: the q4 kernel spreads two groups' codes in one permute)
+        flags = _FLAGS + (("-mavx512vbmi",) if "avx512vbmi" in _cbuild.cpu_flags() else ())
+        _state["lib"] = _cbuild.load(src, flags, needs, _SIGNATURES) if envs.get("BLITZ_CPU_QGEMM") else None
     return _state["lib"]
 
 

@@ -52,30 +52,79 @@ static inline __m512 q4_table(float d, float m) {
   return _mm512_fmadd_ps(_mm512_set1_ps(d), k, _mm512_set1_ps(m));
 }
 
-/* weight rows [n, n + nb) (codes from ``c``, row stride ldc bytes) against activation rows
-   [r, r + nr) -> y[r, n]; ``dh`` / ``mh``: the rows' fp16 scales (q4, q8) and offsets (q4) */
-static inline void pass(const float* x, int nr, int K, const uint8_t* c, size_t ldc, int kind,
-                        const uint16_t* dh, const uint16_t* mh, int nb, float* y, size_t ldy) {
+/* pass() for q4 codes: each row's sums in two chains, the groups' low-nibble halves in one and
+   high in the other (half the latency a group waits on); with AVX512-VBMI two groups' 32 bytes
+   are spread to the lanes by one byte permute (one shuffle less a group). Both forms add in the
+   same order, so every build and batch size gives a row the same bits. */
+static inline __attribute__((always_inline)) void pass_q4(const float* x, int nr, int K, const uint8_t* c, size_t ldc, const uint16_t* dh,
+                           const uint16_t* mh, int nb, float* y, size_t ldy) {
   const int G = K / 32;
   float d[NB][MAXG], m[NB][MAXG];
+  __m512 lo[NB][RB], hi[NB][RB];
+  for (int i = 0; i < nb; i++) {
+    halves(dh + (size_t)i * G, d[i], G);
+    halves(mh + (size_t)i * G, m[i], G);
+    for (int r = 0; r < RB; r++) lo[i][r] = hi[i][r] = _mm512_setzero_ps();
+  }
+  int g = 0;
+#ifdef __AVX512VBMI__
+  /* lane j: byte 0 <- byte j (group g's codes j, j + 16), byte 2 <- byte 16 + j (group g + 1's) */
+  const __m512i pick = _mm512_set_epi32(0x1f000f, 0x1e000e, 0x1d000d, 0x1c000c, 0x1b000b, 0x1a000a, 0x190009, 0x180008,
+                                        0x170007, 0x160006, 0x150005, 0x140004, 0x130003, 0x120002, 0x110001, 0x100000);
+  for (; g + 2 <= G; g += 2) {
+    __m512 w[NB][4];
+    for (int i = 0; i < nb; i++) {
+      const __m512i v = _mm512_permutexvar_epi8(
+          pick, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(c + (size_t)i * ldc + g * 16))));
+      const __m512 ta = q4_table(d[i][g], m[i][g]), tb = q4_table(d[i][g + 1], m[i][g + 1]);
+      w[i][0] = _mm512_permutexvar_ps(v, ta);
+      w[i][1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), ta);
+      w[i][2] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 16), tb);
+      w[i][3] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 20), tb);
+    }
+    for (int r = 0; r < nr; r++) {
+      const float* xr = x + (size_t)r * K + g * 32;
+      for (int i = 0; i < nb; i++) {
+        lo[i][r] = _mm512_fmadd_ps(w[i][2], _mm512_loadu_ps(xr + 32), _mm512_fmadd_ps(w[i][0], _mm512_loadu_ps(xr), lo[i][r]));
+        hi[i][r] = _mm512_fmadd_ps(w[i][3], _mm512_loadu_ps(xr + 48), _mm512_fmadd_ps(w[i][1], _mm512_loadu_ps(xr + 16), hi[i][r]));
+      }
+    }
+  }
+#endif
+  for (; g < G; g++) {
+    __m512 a[NB], b[NB];
+    for (int i = 0; i < nb; i++) {
+      const __m512 t = q4_table(d[i][g], m[i][g]);
+      const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(c + (size_t)i * ldc + g * 16)));
+      a[i] = _mm512_permutexvar_ps(v, t);  /* (the permute reads an index's low four bits only) */
+      b[i] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), t);
+    }
+    for (int r = 0; r < nr; r++) {
+      const float* xr = x + (size_t)r * K + g * 32;
+      for (int i = 0; i < nb; i++) {
+        lo[i][r] = _mm512_fmadd_ps(a[i], _mm512_loadu_ps(xr), lo[i][r]);
+        hi[i][r] = _mm512_fmadd_ps(b[i], _mm512_loadu_ps(xr + 16), hi[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < nb; i++)
+    for (int r = 0; r < nr; r++) y[(size_t)r * ldy + i] = _mm512_reduce_add_ps(_mm512_add_ps(lo[i][r], hi[i][r]));
+}
+
+/* weight rows [n, n + nb) (codes from ``c``, row stride ldc bytes) against activation rows
+   [r, r + nr) -> y[r, n], q8 or dense (q4: pass_q4 above); ``dh``: the q8 rows' fp16 scales */
+static inline __attribute__((always_inline)) void pass(const float* x, int nr, int K, const uint8_t* c, size_t ldc, int kind,
+                        const uint16_t* dh, int nb, float* y, size_t ldy) {
+  const int G = K / 32;
+  float d[NB][MAXG];
   __m512 acc[NB][RB];
   for (int i = 0; i < nb; i++) {
     if (dh) halves(dh + (size_t)i * G, d[i], G);
-    if (mh) halves(mh + (size_t)i * G, m[i], G);
     for (int r = 0; r < RB; r++) acc[i][r] = _mm512_setzero_ps();
   }
   for (int g = 0; g < G; g++) {
     __m512 a[NB], b[NB];
-    if (kind == Q4) {
-      for (int i = 0; i < nb; i++) {
-        const __m512 t = q4_table(d[i][g], m[i][g]);
-        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(c + (size_t)i * ldc + g * 16)));
-        a[i] = _mm512_permutexvar_ps(v, t);  /* (the permute reads an index's low four bits only) */
-        b[i] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), t);
-      }
-    } else {
-      for (int i = 0; i < nb; i++) unpack(c + (size_t)i * ldc, g, kind, &a[i], &b[i]);
-    }
+    for (int i = 0; i < nb; i++) unpack(c + (size_t)i * ldc, g, kind, &a[i], &b[i]);
     for (int r = 0; r < nr; r++) {
       const float* xr = x + (size_t)r * K + g * 32;
       const __m512 x0 = _mm512_loadu_ps(xr), x1 = _mm512_loadu_ps(xr + 16);
@@ -98,8 +147,14 @@ int blitz_q4_gemm(const float* x, const uint8_t* codes, const uint16_t* d, const
   for (int p = 0; p < passes; p++) {
     const int n = p * NB, nb = N - n < NB ? N - n : NB;
     for (int r = 0; r < M; r += RB)
-      pass(x + (size_t)r * K, M - r < RB ? M - r : RB, K, codes + (size_t)n * (K / 2), K / 2, Q4,
-           d + (size_t)n * G, m + (size_t)n * G, nb, y + (size_t)r * N + n, N);
+    {
+      const int nr = M - r < RB ? M - r : RB;
+      const uint8_t* c = codes + (size_t)n * (K / 2);
+      if (nr == 1 && nb == NB) /* (decode's one row: its sums in registers, the loops unrolled for it) */
+        pass_q4(x + (size_t)r * K, 1, K, c, K / 2, d + (size_t)n * G, m + (size_t)n * G, NB, y + (size_t)r * N + n, N);
+      else
+        pass_q4(x + (size_t)r * K, nr, K, c, K / 2, d + (size_t)n * G, m + (size_t)n * G, nb, y + (size_t)r * N + n, N);
+    }
   }
   return 0;
 }
@@ -112,9 +167,14 @@ int blitz_q8_gemm(const float* x, const int8_t* codes, const uint16_t* d, float*
 #pragma omp parallel for num_threads(nthreads) schedule(static)
   for (int p = 0; p < passes; p++) {
     const int n = p * NB, nb = N - n < NB ? N - n : NB;
-    for (int r = 0; r < M; r += RB)
-      pass(x + (size_t)r * K, M - r < RB ? M - r : RB, K, (const uint8_t*)codes + (size_t)n * K, K, Q8,
-           d + (size_t)n * G, 0, nb, y + (size_t)r * N + n, N);
+    for (int r = 0; r < M; r += RB) {
+      const int nr = M - r < RB ? M - r : RB;
+      const uint8_t* c = (const uint8_t*)codes + (size_t)n * K;
+      if (nr == 1 && nb == NB) /* (as blitz_q4_gemm's) */
+        pass(x + (size_t)r * K, 1, K, c, K, Q8, d + (size_t)n * G, NB, y + (size_t)r * N + n, N);
+      else
+        pass(x + (size_t)r * K, nr, K, c, K, Q8, d + (size_t)n * G, nb, y + (size_t)r * N + n, N);
+    }
   }
   return 0;
 }
@@ -128,9 +188,14 @@ int blitz_dense_gemm(const float* x, const void* w, float* y, int M, int N, int 
 #pragma omp parallel for num_threads(nthreads) schedule(static)
   for (int p = 0; p < passes; p++) {
     const int n = p * NB, nb = N - n < NB ? N - n : NB;
-    for (int r = 0; r < M; r += RB)
-      pass(x + (size_t)r * K, M - r < RB ? M - r : RB, K, (const uint8_t*)w + n * ldw, ldw, f32 ? F32 : BF16, 0, 0,
-           nb, y + (size_t)r * N + n, N);
+    for (int r = 0; r < M; r += RB) {
+      const int nr = M - r < RB ? M - r : RB;
+      const uint8_t* c = (const uint8_t*)w + n * ldw;
+      if (nr == 1 && nb == NB) /* (as blitz_q4_gemm's) */
+        pass(x + (size_t)r * K, 1, K, c, ldw, f32 ? F32 : BF16, 0, NB, y + (size_t)r * N + n, N);
+      else
+        pass(x + (size_t)r * K, nr, K, c, ldw, f32 ? F32 : BF16, 0, nb, y + (size_t)r * N + n, N);
+    }
   }
   return 0;
 }
