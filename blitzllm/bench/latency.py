@@ -110,7 +110,7 @@ def run(a) -> int:
         ttft, steps = _timed_run(eng, _prompts(B, I, cfg.vocab_size, 2), O, f"run{next(rounds)}")
         return sum(steps) / (O - 1), ttft
 
-    if dev.type == "cuda":
+    if dev.type != "cpu":
         # ours, then everything that steps our engine (TTFT, kernel counts, no-speculation), then each
         # peer once: our engine's CUDA graphs failed to launch in a step after transformers' compiled
         # peer had run (its own CUDA graphs over the weights it shares with ours)
