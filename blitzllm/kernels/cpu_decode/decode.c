@@ -132,8 +132,9 @@ static inline __attribute__((always_inline)) void attend(const float* q, const v
 
 /* the attention of rows [B] x heads [Hq] (GQA: head h reads kv head h / (Hq / Hkv)): q row b head h
    at q + (b * qs + h) * D, its output (fp32) at out + (b * Hq + h) * D; scratch: B Hq L floats.
-   One task per HG heads of a kv head, HG the largest of 4, 3, 2 that divides the group, keeps 12
-   query and sum vectors or fewer per head and leaves each thread 4 tasks or more; else 1. */
+   One task per HG heads of a kv head: HG the largest of 4, 3, 2 that divides the group, keeps a
+   task's query vectors (and as many sums) at 12 or fewer and leaves each thread 4 tasks or more;
+   else 1. */
 static void attend_all(const float* q, size_t qs, const void* kc, const void* vc, int bf16, const int64_t* gidx,
                        const int64_t* lens, int L, int B, int Hq, int Hkv, int D, float scale, float* out,
                        float* scratch, int nthreads) {
