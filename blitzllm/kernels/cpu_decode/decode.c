@@ -46,6 +46,9 @@ static inline void store_bf16x16(uint16_t* p, __m512 v) {
 
 /* ---- attention of one query row over its cache rows (both forms) -------------------------- */
 
+/* the lanes of a 16-wide step with ``left`` elements to go: all 16, or the first ``left`` */
+static inline __mmask16 lanes(int left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
+
 /* 16 elements of a cache row, fp32 or bf16 (widened exactly), from i on; ``m`` masks a row's tail */
 static inline __m512 ld16(const void* p, size_t i, int bf16, __mmask16 m) {
   if (bf16)
@@ -84,7 +87,7 @@ static inline __attribute__((always_inline)) void attend(const float* q, const v
                                                          const int64_t* gi, int n, size_t rs, size_t off, int D,
                                                          const int ND, const int HG, float scale, float* p,
                                                          float* out) {
-  const __mmask16 tail = D % 16 ? (__mmask16)((1u << (D % 16)) - 1) : (__mmask16)0xFFFF;
+  const __mmask16 tail = lanes(D % 16 ? D % 16 : 16);
 #define MASK(j) ((j) < ND - 1 ? (__mmask16)0xFFFF : tail)
   __m512 qv[HG_MAX][ND_MAX], o[HG_MAX][ND_MAX], kv[ND_MAX];
   for (int g = 0; g < HG; g++)
@@ -103,12 +106,12 @@ static inline __attribute__((always_inline)) void attend(const float* q, const v
     float* pg = p + (size_t)g * n;
     __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
     for (int l = 0; l < n; l += 16) {
-      const __mmask16 m = n - l >= 16 ? 0xFFFF : (__mmask16)((1u << (n - l)) - 1);
+      const __mmask16 m = lanes(n - l);
       mx = _mm512_mask_max_ps(mx, m, mx, _mm512_maskz_loadu_ps(m, pg + l));
     }
     const __m512 vmx = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
     for (int l = 0; l < n; l += 16) {
-      const __mmask16 m = n - l >= 16 ? 0xFFFF : (__mmask16)((1u << (n - l)) - 1);
+      const __mmask16 m = lanes(n - l);
       const __m512 e = exp_le0(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, pg + l), vmx));
       _mm512_mask_storeu_ps(pg + l, m, e);
       sum = _mm512_mask_add_ps(sum, m, sum, e);
@@ -176,7 +179,7 @@ int blitz_greedy(const float* x, int B, int V, int64_t* tok, float* lp) {
     __m512 mx = _mm512_set1_ps(-INFINITY);
     __mmask16 nan = 0;
     for (int i = 0; i < V; i += 16) {
-      const __mmask16 m = V - i >= 16 ? 0xFFFF : (__mmask16)((1u << (V - i)) - 1);
+      const __mmask16 m = lanes(V - i);
       const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, r + i);
       nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
       mx = _mm512_max_ps(mx, v);
@@ -186,13 +189,13 @@ int blitz_greedy(const float* x, int B, int V, int64_t* tok, float* lp) {
     const __m512 vt = _mm512_set1_ps(top);
     int64_t t = 0;
     for (int i = 0; i < V; i += 16) {
-      const __mmask16 m = V - i >= 16 ? 0xFFFF : (__mmask16)((1u << (V - i)) - 1);
+      const __mmask16 m = lanes(V - i);
       const __mmask16 eq = _mm512_mask_cmp_ps_mask(m, _mm512_loadu_ps(r + i), vt, _CMP_EQ_OQ);
       if (eq) { t = i + __builtin_ctz(eq); break; }
     }
     __m512 sum = _mm512_setzero_ps();
     for (int i = 0; i < V; i += 16) {
-      const __mmask16 m = V - i >= 16 ? 0xFFFF : (__mmask16)((1u << (V - i)) - 1);
+      const __mmask16 m = lanes(V - i);
       sum = _mm512_mask_add_ps(sum, m, sum, exp_le0(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, r + i), vt)));
     }
     tok[b] = t;
