@@ -3,7 +3,7 @@ values are applied lives in ``layers/sampler.py``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 _MAX_SEED = 2**63 - 1

@@ -6,8 +6,9 @@ shapes. The residual add + RMSNorm, rotary, the paged KV-cache write, attention 
 gathered cache rows and SiLU-and-mul fuse around the weight-only quantized matmuls
 (``kernels/cpu_quant``) or float ones. Runs eagerly (the same function, no compiler) when
 compiling is off. Numerics as the eager model's CPU path (HF's): fp32 statistics, the same
-rotary tables. An eager step that is fp32 end to end skips it: every layer in one C call
-(``kernels/cpu_decode`` ``DecodeLayers``, with ``kernels/cpu_quant``'s matmuls).
+rotary tables. An eager step that is fp32 end to end skips it: the whole step, token ids to
+logits, in one C call (``kernels/cpu_decode`` ``DecodeLayers``, with ``kernels/cpu_quant``'s
+matmuls).
 
 Knows nothing of requests; the runner hands it one pure-decode step's host lists.
 """
@@ -179,15 +180,16 @@ class CpuDecode:
                    for layer in self.layers]
         self.step_layers = None
         if (not compiled and cpu_decode.available() and native.lib() is not None and self.embed.weight.dtype == f32
+                and self.embed.weight.is_contiguous() and self.norm.weight.dtype == f32
                 and all(k.dtype == f32 and v.dtype == f32 for k, v in kv_caches)
                 and all(len(w) == 3 or w[0].dtype == f32 for layer in self.layers
                         for w in (layer[2], layer[6], layer[7], layer[8]))
                 and len({layer[9] for layer in self.layers}) == 1):
-            (hq, hkv, d, inter, eps, scale, qk_eps), hidden = self.layers[0][9], self.embed.weight.shape[1]
+            hq, hkv, d, inter, eps, scale, qk_eps = self.layers[0][9]
             self.step_layers = cpu_decode.DecodeLayers(
                 [(*layer[:2], *layer[3:6], *lins, kc, vc)  # (ln1, ln2, qkv bias, q norm, k norm)
                  for layer, lins, (kc, vc) in zip(self.layers, linears, kv_caches)],
-                hq, hkv, d, inter, eps, qk_eps, scale, hidden, native.gemm_addresses())
+                hq, hkv, d, inter, eps, qk_eps, scale, self._ends(act), native.gemm_addresses())
         # eager and bf16 end to end with plain bf16 weights (--dtype bfloat16): torch's bf16 GEMMs
         # (the CPU's bf16 / AMX units) with our C glue between them, layer by layer
         bf = torch.bfloat16
@@ -216,6 +218,19 @@ class CpuDecode:
             self.step_fn = torch.compile(layer_step, fullgraph=True, options=_COMPILE_OPTIONS)
         self.compile_s = 0.0
 
+    def _ends(self, act: torch.dtype) -> tuple:
+        """The one-call step's ends (cpu_decode.DecodeLayers): the embedding, the rotary cache,
+        the final norm, and the lm_head where our kernels take its form (else the step returns
+        the normed hidden state and compute_logits runs here)."""
+        head = self.lm_head
+        w = _weights(head, act)
+        lin = w if len(w) == 3 else (w[0], None, None) if w[0].dtype == torch.float32 else None
+        if head.bias is not None or not w[0].is_contiguous():
+            lin = None
+        self.head_in_step = lin is not None
+        return (self.embed.weight, self.rotary.cos_sin_cache.float().contiguous(), self.norm.weight, self.norm.eps,
+                lin, self.block_size)
+
     def warm_up(self, batch_sizes=(1,)) -> float:
         """Compile (or load from the cache) the step for these batch sizes now; returns seconds."""
         t = time.perf_counter()
@@ -241,6 +256,9 @@ class CpuDecode:
 
     def run(self, ids, pos, slots, lens, block_tables) -> torch.Tensor:
         """One decode step: host lists per row -> fp32 logits [B, V]."""
+        if self.step_layers is not None:
+            out = self.step_layers.step(ids, pos, lens, block_tables)
+            return out if self.head_in_step else self.model.compute_logits(out)
         ids_t = torch.tensor(ids, dtype=torch.int64)
         pos_t = torch.tensor(pos, dtype=torch.int64)
         slots_t = torch.tensor(slots, dtype=torch.int64)
@@ -252,9 +270,9 @@ class CpuDecode:
                 torch._dynamo.mark_dynamic(mask, 3)
         cos, sin = rotary_tables(self.rotary.cos_sin_cache, pos_t)
         residual = self.embed(ids_t)
-        one_call = self.step_layers or (self.step_bf16 if len(ids) == 1 else None)
-        if one_call is not None:
-            return self._run_native(one_call, residual, cos, sin, slots_t, gidx, torch.tensor(lens, dtype=torch.int64))
+        if self.step_bf16 is not None and len(ids) == 1:
+            return self._run_native(self.step_bf16, residual, cos, sin, slots_t, gidx,
+                                    torch.tensor(lens, dtype=torch.int64))
         if self.bf16_glue:
             return self._run_bf16(residual, cos, sin, slots_t, gidx, torch.tensor(lens, dtype=torch.int64))
         # the first layer adds zeros of the dtype a layer returns (bf16 from a packed down_proj): the
@@ -275,8 +293,8 @@ class CpuDecode:
         return self.model.compute_logits(h)
 
     def _run_native(self, step, residual, cos, sin, slots, gidx, lens) -> torch.Tensor:
-        """Every layer in one C call (``step``: DecodeLayers or DecodeLayersBf16), then the final
-        norm and the logits."""
+        """Every layer in one C call (``step``: DecodeLayersBf16), then the final norm and the
+        logits."""
         B = residual.shape[0]
         x = torch.zeros_like(residual)
         step.run(x, residual, cos.reshape(B, -1).contiguous(), sin.reshape(B, -1).contiguous(), slots, gidx, lens)

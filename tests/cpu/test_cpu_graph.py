@@ -94,6 +94,36 @@ def test_one_call_step_equals_layer_by_layer():
             ((a - c).abs().max(), (b - d).abs().max())
 
 
+def test_one_call_step_without_its_head_and_out_of_range_rows():
+    """The one-call step without an lm_head returns the final norm's output, which the model's
+    compute_logits (the same GGUF kernel through Python) turns into the one-call step's logits;
+    a token id, position or length out of range is a ValueError, not a read past a table."""
+    from blitzllm.kernels import cpu_decode
+    from blitzllm.kernels.cpu_quant import native
+    llm = LLM("smollm2", device="cpu", num_layers=2)
+    dec = llm.engine.runner.cpu_decode
+    assert dec.head_in_step
+    layers, ends = dec.step_layers.tensors
+    hq, hkv, d, inter, eps, scale, qk_eps = dec.layers[0][9]
+    bare = cpu_decode.DecodeLayers(layers, hq, hkv, d, inter, eps, qk_eps, scale, ends[:4] + (None,) + ends[5:],
+                                   native.gemm_addresses())
+    saved = [(kc.clone(), vc.clone()) for kc, vc in dec.kv_caches]
+    args = ([11, 2000], [4, 20], [5, 21], [[0], [1, 2]])
+    logits = dec.step_layers.step(*args).clone()
+    for (kc, vc), (k0, v0) in zip(dec.kv_caches, saved):
+        kc.copy_(k0)
+        vc.copy_(v0)
+    hidden = bare.step(*args)
+    assert hidden.shape == (2, ends[0].shape[1]) and logits.shape == (2, ends[0].shape[0])
+    assert torch.equal(dec.model.compute_logits(hidden), logits)
+    V, P, bs, nblocks = ends[0].shape[0], ends[1].shape[0], dec.block_size, dec.kv_caches[0][0].shape[0]
+    for bad in (([V], [4], [5], [[0]]), ([-1], [4], [5], [[0]]), ([1], [P], [P + 1], [list(range(P // bs + 1))]),
+                ([1], [5], [5], [[0]]), ([1], [4], [bs + 1], [[0]]), ([1], [4], [5], [[nblocks]]),
+                ([1, 1], [4, 4], [5, 5], [[0], [-1]])):
+        with pytest.raises(ValueError, match="out of range"):
+            dec.step_layers.step(*bad)
+
+
 def test_bf16_weights_fp32_activations_one_call(tiny_llama, reference):
     """``weight_dtype="bfloat16"`` under fp32 activations: the one-call step with our bf16
     kernel gives the model forward's greedy tokens (the same engine, steps through the modules)."""

@@ -1,7 +1,8 @@
 """The CPU decode layer's glue around its matmuls, in C (``decode.c``): the residual add +
 RMSNorm and the attention block (q / k RMSNorm, rotary, paged KV-cache write, attention over
-the cache rows) in fp32 and in bf16 (the glue around torch's bf16 GEMMs), a whole fp32 step's
-layers in one call (``DecodeLayers``) and a one-row bf16 step's (``DecodeLayersBf16``), and
+the cache rows) in fp32 and in bf16 (the glue around torch's bf16 GEMMs), a whole fp32 step in
+one call, token ids to logits (``DecodeLayers``), a one-row bf16 step's layers
+(``DecodeLayersBf16``), and
 greedy sampling's argmax + log-softmax in one call (``greedy``).
 ``ops.py``: the ctypes launchers beside their torch references."""
 from .ops import (DecodeLayers, DecodeLayersBf16, add_rms_norm, available, decode_attention, greedy,

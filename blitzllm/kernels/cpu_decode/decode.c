@@ -383,7 +383,7 @@ static int linear(const Dims* dm, const Linear* l, const float* x, float* y, int
 /* x, res [B, H]: the last layer's output and the residual stream (updated in place; the caller
    adds x and applies the final norm). scratch: at least B * (2 H + W + 2 I + Hq L) floats, W the
    qkv width, I the intermediate size. */
-int blitz_decode_layers(const Layer* layers, int n_layers, const Dims* dm, float* x, float* res, int B, int H,
+static int decode_layers(const Layer* layers, int n_layers, const Dims* dm, float* x, float* res, int B, int H,
                         const float* cos, const float* sin, const int64_t* slots, const int64_t* gidx,
                         const int64_t* lens, int L, float* scratch) {
   const int W = (dm->hq + 2 * dm->hkv) * dm->d, I = dm->inter;
@@ -452,4 +452,75 @@ int blitz_decode_layers_bf16(const LayerBf16* layers, int n_layers, const Dims* 
     gemv(a, ly->down, 0, x, H, I, nt);
   }
   return rc;
+}
+
+/* ---- a whole fp32 decode step, token ids to logits ----------------------------------------- */
+/* Between the layers' C call and the sampler, torch ran about 25 small ops a step (the embedding
+   row, rotary tables, the cache rows' index, the final norm, the lm_head's launch), each paying
+   10-20 us on caches the layers' weights had just swept out; here they are loops of a few
+   microseconds. */
+typedef struct {
+  const float* embed;   /* [vocab, H] */
+  const float* cos_sin; /* [max_pos, D]: cos of the first half, then sin (layers/rotary.py's cache) */
+  const float* norm;    /* the final RMSNorm's weight */
+  float norm_eps;
+  Linear head;          /* the lm_head; codes NULL: the output is the normed hidden state [B, H] */
+  int vocab, max_pos, block_size, num_blocks;
+} Ends;
+
+static float* carve(float** p, size_t n) { /* n floats from *p, each piece 64-byte aligned */
+  float* r = *p;
+  *p += (n + 15) & ~(size_t)15;
+  return r;
+}
+
+/* rows [3, B]: each row's token id, position and context length (its new token included);
+   tables [B, nblk]: the KV-cache blocks of each row (block b of row r holds positions
+   b * block_size ...; -1 past a row's table); out [B, vocab] logits (or [B, H]); scratch: blitz_decode_step_scratch
+   floats, 64-byte aligned. Returns 2 on an id, position or length out of range, 1 on a shape
+   the kernels do not take. */
+size_t blitz_decode_step_scratch(const Dims* dm, int B, int H, int L) {
+  const size_t W = (size_t)(dm->hq + 2 * dm->hkv) * dm->d;
+  return (size_t)B * (2 * H + W + 2 * (size_t)dm->inter + (size_t)dm->hq * L) + (size_t)B * (2 * H + 2 * dm->d + 2)
+         + 2 * (size_t)B * L + 16 * 8;
+}
+
+int blitz_decode_step(const Layer* layers, int n_layers, const Dims* dm, const Ends* e, int B, int H,
+                      const int64_t* rows, const int32_t* tables, int nblk, float* out, float* scratch) {
+  const int64_t *ids = rows, *pos = rows + B, *lens = rows + 2 * B;
+  const int D = dm->d, half = D / 2, bs = e->block_size;
+  int L = 1;
+  for (int b = 0; b < B; b++) {
+    if (ids[b] < 0 || ids[b] >= e->vocab || pos[b] < 0 || pos[b] >= e->max_pos || pos[b] >= lens[b]
+        || lens[b] > (int64_t)nblk * bs)
+      return 2;
+    if (lens[b] > L) L = (int)lens[b];
+    for (int j = 0; j < (lens[b] + bs - 1) / bs; j++)
+      if (tables[(size_t)b * nblk + j] < 0 || tables[(size_t)b * nblk + j] >= e->num_blocks) return 2;
+  }
+  float* p = scratch;
+  float *x = carve(&p, (size_t)B * H), *res = carve(&p, (size_t)B * H);
+  float *cos = carve(&p, (size_t)B * D), *sin = carve(&p, (size_t)B * D);
+  int64_t* slots = (int64_t*)carve(&p, 2 * (size_t)B);
+  int64_t* gidx = (int64_t*)carve(&p, 2 * (size_t)B * L);
+  for (int b = 0; b < B; b++) {
+    const float* er = e->embed + (size_t)ids[b] * H;
+    for (int i = 0; i < H; i++) { x[(size_t)b * H + i] = 0.0f; res[(size_t)b * H + i] = er[i]; }
+    /* rotate-half tables as rotary_tables builds them: cos twice, sin with its first half negated */
+    const float* cs = e->cos_sin + (size_t)pos[b] * D;
+    for (int i = 0; i < half; i++) {
+      cos[(size_t)b * D + i] = cos[(size_t)b * D + half + i] = cs[i];
+      sin[(size_t)b * D + i] = -cs[half + i];
+      sin[(size_t)b * D + half + i] = cs[half + i];
+    }
+    const int32_t* tb = tables + (size_t)b * nblk;
+    slots[b] = (int64_t)tb[pos[b] / bs] * bs + pos[b] % bs;
+    for (int t = 0; t < L; t++) /* (rows past lens[b] are never read) */
+      gidx[(size_t)b * L + t] = t < lens[b] ? (int64_t)tb[t / bs] * bs + t % bs : 0;
+  }
+  int rc = decode_layers(layers, n_layers, dm, x, res, B, H, cos, sin, slots, gidx, lens, L, p);
+  if (rc) return rc;
+  float* h = e->head.codes ? p : out; /* (the layers' scratch is free again) */
+  blitz_add_rms_norm(x, res, e->norm, h, B, H, e->norm_eps);
+  return e->head.codes ? linear(dm, &e->head, h, out, B) : 0;
 }

@@ -19,7 +19,8 @@ _SIGNATURES = {"blitz_add_rms_norm": ([_P] * 4 + [_I, _I, _F], None),
                "blitz_add_rms_norm_bf16": ([_P] * 5 + [_I, _I, _F], None),
                "blitz_decode_attention": _ATTN, "blitz_decode_attention_bf16": _ATTN,
                "blitz_greedy": ([_P, _I, _I, _P, _P], _I),
-               "blitz_decode_layers": ([_P, _I, _P, _P, _P, _I, _I] + [_P] * 5 + [_I, _P], _I),
+               "blitz_decode_step": ([_P, _I, _P, _P, _I, _I, _P, _P, _I, _P, _P], _I),
+               "blitz_decode_step_scratch": ([_P, _I, _I, _I], ctypes.c_size_t),
                "blitz_decode_layers_bf16": ([_P, _I, _P, _P, _P, _P, _I] + [_P] * 5 + [_I, _P, _P], _I)}
 # AVX-512 as kernels/cpu_quant's (the one-call step needs those kernels anyway): the bf16 forms'
 # widening loads and the attention's dots vectorize 16 wide
@@ -118,12 +119,17 @@ def greedy(logits: torch.Tensor) -> Optional[tuple]:
     return None if _state["lib"].blitz_greedy(x.data_ptr(), B, V, tok.data_ptr(), lp.data_ptr()) else (tok, lp)
 
 
-# ---- the whole step: decode.c's blitz_decode_layers ------------------------------------------
+# ---- the whole step: decode.c's blitz_decode_step ---------------------------------------------
 class _Linear(ctypes.Structure):
     _fields_ = [("codes", _P), ("d", _P), ("m", _P), ("N", _I), ("K", _I), ("kind", _I)]
 
 
 _KINDS = {torch.uint8: 0, torch.int8: 1, torch.bfloat16: 2, torch.float32: 3}  # (decode.c's Q4, Q8, BF16, F32)
+
+
+def _linear(codes: torch.Tensor, d: Optional[torch.Tensor], m: Optional[torch.Tensor]) -> _Linear:
+    k = codes.shape[1] * (2 if codes.dtype == torch.uint8 else 1)
+    return _Linear(codes.data_ptr(), _ptr(d), _ptr(m), codes.shape[0], k, _KINDS[codes.dtype])
 
 
 class _Layer(ctypes.Structure):
@@ -136,42 +142,71 @@ class _Dims(ctypes.Structure):
                [(n, _F) for n in ("eps", "qk_eps", "scale")] + [("q4", _P), ("q8", _P), ("dense", _P)]
 
 
+class _Ends(ctypes.Structure):
+    _fields_ = [("embed", _P), ("cos_sin", _P), ("norm", _P), ("norm_eps", _F), ("head", _Linear),
+                ("vocab", _I), ("max_pos", _I), ("block_size", _I), ("num_blocks", _I)]
+
+
 def _ptr(t: Optional[torch.Tensor]):
     return None if t is None else t.data_ptr()
 
 
 class DecodeLayers:
-    """Every layer of a decode step in one C call. ``layers``: per layer (ln1, ln2, qkv_bias,
-    q_norm, k_norm, qkv, o, gate_up, down, k_cache, v_cache), each linear (codes, d, m) of
-    kernels/cpu_quant (a q4 / q8 block form by the codes' dtype; a dense bf16 or fp32 weight with d
-    and m None); ``gemm``: the addresses of cpu_quant's blitz_q4_gemm, blitz_q8_gemm and
-    blitz_dense_gemm. Holds the tensors it points to."""
+    """A whole fp32 decode step in one C call: token ids, positions and block tables in, logits
+    out. ``layers``: per layer (ln1, ln2, qkv_bias, q_norm, k_norm, qkv, o, gate_up, down,
+    k_cache, v_cache), each linear (codes, d, m) of kernels/cpu_quant (a q4 / q8 block form by the
+    codes' dtype; a dense bf16 or fp32 weight with d and m None); ``ends``: (embedding [V, H],
+    the rotary cos_sin cache [P, D], the final norm's weight and eps, the lm_head as a linear
+    above or None, the KV cache's block size); ``gemm``: the addresses of cpu_quant's
+    blitz_q4_gemm, blitz_q8_gemm and blitz_dense_gemm. Holds the tensors it points to."""
 
     def __init__(self, layers: list, hq: int, hkv: int, d: int, inter: int, eps: float, qk_eps: float, scale: float,
-                 hidden: int, gemm: tuple):
-        self.tensors = layers
-        self.hidden, self.width, self.inter, self.hq = hidden, (hq + 2 * hkv) * d, inter, hq
+                 ends: tuple, gemm: tuple):
+        self.tensors = (layers, ends)
+        embed, cos_sin, norm, norm_eps, head, self.block_size = ends
+        self.hidden = embed.shape[1]
         arr = (_Layer * len(layers))()
         for c, (ln1, ln2, bias, qn, kn, qkv, o, gu, dn, kc, vc) in zip(arr, layers):
             c.ln1, c.ln2, c.qkv_bias, c.q_norm, c.k_norm = map(_ptr, (ln1, ln2, bias, qn, kn))
-            for name, (codes, dd, m) in zip(("qkv", "o", "gate_up", "down"), (qkv, o, gu, dn)):
-                k = codes.shape[1] * (2 if codes.dtype == torch.uint8 else 1)
-                setattr(c, name, _Linear(codes.data_ptr(), _ptr(dd), _ptr(m), codes.shape[0], k, _KINDS[codes.dtype]))
+            for name, lin in zip(("qkv", "o", "gate_up", "down"), (qkv, o, gu, dn)):
+                setattr(c, name, _linear(*lin))
             c.k_cache, c.v_cache = kc.data_ptr(), vc.data_ptr()
         self.arr = arr
         self.dims = _Dims(hq, hkv, d, inter, 1, eps, qk_eps, scale, *gemm)
+        self.ends = _Ends(embed.data_ptr(), cos_sin.data_ptr(), norm.data_ptr(), norm_eps,
+                          _Linear() if head is None else _linear(*head), embed.shape[0], cos_sin.shape[0],
+                          self.block_size, layers[0][9].shape[0])
+        self.width = self.hidden if head is None else head[0].shape[0]  # the output's row
+        self.scratch = torch.empty(0)
+        self.out: dict = {}
 
-    def run(self, x: torch.Tensor, res: torch.Tensor, cos, sin, slots, gidx, lens) -> None:
-        """x, res [B, H] fp32: x the last layer's output, res the residual stream, in place."""
-        B, L = gidx.shape
+    def step(self, ids: list, pos: list, lens: list, tables: list) -> torch.Tensor:
+        """Host lists per row (token id, position, context length with the new token, block
+        table) -> logits [B, V] fp32 (the normed hidden state [B, H] without a head). The
+        tensor is this object's and is rewritten by the next step of the same batch size."""
+        B, bs, L = len(ids), self.block_size, max(lens)
+        nblk = -(-L // bs)
+        flat = []
+        for t in tables:
+            flat += t[:nblk] if len(t) >= nblk else t + [-1] * (nblk - len(t))
+        lib = _state["lib"]
+        need = lib.blitz_decode_step_scratch(ctypes.byref(self.dims), B, self.hidden, L)
+        if self.scratch.numel() < need:
+            self.scratch = torch.empty(need + need // 2 + 16)  # (room to grow; a 64-byte aligned start)
+        off = (-self.scratch.data_ptr() // 4) % 16
+        out = self.out.get(B)
+        if out is None:
+            out = self.out[B] = torch.empty(B, self.width)
         self.dims.nthreads = torch.get_num_threads()
-        scratch = torch.empty(B * (2 * self.hidden + self.width + 2 * self.inter + self.hq * L))
-        rc = _state["lib"].blitz_decode_layers(
-            ctypes.byref(self.arr), len(self.arr), ctypes.byref(self.dims), x.data_ptr(), res.data_ptr(), B,
-            self.hidden, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), gidx.data_ptr(), lens.data_ptr(), L,
-            scratch.data_ptr())
+        rc = lib.blitz_decode_step(
+            ctypes.byref(self.arr), len(self.arr), ctypes.byref(self.dims), ctypes.byref(self.ends), B, self.hidden,
+            (ctypes.c_int64 * (3 * B))(*ids, *pos, *lens), (ctypes.c_int32 * len(flat))(*flat), nblk,
+            out.data_ptr(), self.scratch.data_ptr() + 4 * off)
+        if rc == 2:
+            raise ValueError("CPU decode step: a token id, position or context length out of range")
         if rc:
             raise ValueError("CPU decode step: an unsupported shape (head dim even and <= 1024, K % 32 == 0)")
+        return out
 
 
 # ---- a batch-1 bf16 step: decode.c's blitz_decode_layers_bf16 --------------------------------
