@@ -10,6 +10,9 @@
 #include <stdint.h>
 
 #define NB 4 /* weight rows per block: four independent sums cover vdpbf16ps' latency */
+#ifndef PFD
+#define PFD 2 /* blocks ahead whose rows a thread prefetches (as kernels/cpu_quant/qgemm.c, which says why) */
+#endif
 
 static inline uint16_t to_bf16(float s) { /* round to nearest even; NaN stays NaN (as decode.c's to_bf) */
   uint32_t u;
@@ -50,6 +53,10 @@ static inline void block(const uint16_t* x, const uint16_t* w, size_t K, int nb,
 void blitz_gemv_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int N, int K,
                      int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-  for (int n = 0; n < N; n += NB)
+  for (int n = 0; n < N; n += NB) {
+    if (n + PFD * NB < N) /* (rows past the end: a prefetch reads nothing and cannot fault) */
+      for (size_t o = 0; o < (size_t)NB * K * 2; o += 64)
+        _mm_prefetch((const char*)(w + (size_t)(n + PFD * NB) * K) + o, _MM_HINT_T0);
     block(x, w + (size_t)n * K, (size_t)K, N - n < NB ? N - n : NB, bias ? bias + n : 0, y + n);
+  }
 }
