@@ -474,17 +474,18 @@ static float* carve(float** p, size_t n) { /* n floats from *p, each piece 64-by
   return r;
 }
 
-/* rows [3, B]: each row's token id, position and context length (its new token included);
-   tables [B, nblk]: the KV-cache blocks of each row (block b of row r holds positions
-   b * block_size ...; -1 past a row's table); out [B, vocab] logits (or [B, H]); scratch: blitz_decode_step_scratch
-   floats, 64-byte aligned. Returns 2 on an id, position or length out of range, 1 on a shape
-   the kernels do not take. */
+/* the floats of blitz_decode_step's scratch for B rows of contexts up to L */
 size_t blitz_decode_step_scratch(const Dims* dm, int B, int H, int L) {
   const size_t W = (size_t)(dm->hq + 2 * dm->hkv) * dm->d;
   return (size_t)B * (2 * H + W + 2 * (size_t)dm->inter + (size_t)dm->hq * L) + (size_t)B * (2 * H + 2 * dm->d + 2)
          + 2 * (size_t)B * L + 16 * 8;
 }
 
+/* rows [3, B]: each row's token id, position and context length (its new token included);
+   tables [B, nblk]: the KV-cache blocks of each row (block b of row r holds positions
+   b * block_size ...; -1 past a row's table); out [B, vocab] logits (or [B, H]); scratch
+   64-byte aligned. Returns 2 on an id, position, length or block out of range, 1 on a shape
+   the kernels do not take. */
 int blitz_decode_step(const Layer* layers, int n_layers, const Dims* dm, const Ends* e, int B, int H,
                       const int64_t* rows, const int32_t* tables, int nblk, float* out, float* scratch) {
   const int64_t *ids = rows, *pos = rows + B, *lens = rows + 2 * B;

@@ -191,8 +191,8 @@ class DecodeLayers:
             flat += t[:nblk] if len(t) >= nblk else t + [-1] * (nblk - len(t))
         lib = _state["lib"]
         need = lib.blitz_decode_step_scratch(ctypes.byref(self.dims), B, self.hidden, L)
-        if self.scratch.numel() < need:
-            self.scratch = torch.empty(need + need // 2 + 16)  # (room to grow; a 64-byte aligned start)
+        if self.scratch.numel() < need + 16:  # (need floats from a 64-byte aligned start; room to grow)
+            self.scratch = torch.empty(need + need // 2 + 16)
         off = (-self.scratch.data_ptr() // 4) % 16
         out = self.out.get(B)
         if out is None:
