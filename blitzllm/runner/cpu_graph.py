@@ -358,7 +358,11 @@ def compile_enabled() -> bool:
 def maybe_cpu_decode(model, kv_caches, backend, block_size: int, tp_size: int, states,
                      enforce_eager: bool) -> Optional[CpuDecode]:
     """The CPU decode path, or None: unsupported, or ``enforce_eager`` (every step through the
-    model's modules, whose hooks EAGLE-3 and MTP read)."""
+    model's modules, whose hooks EAGLE-3 and MTP read). Compiled, its two graphs (batch 1; 2 and
+    more) are compiled or loaded from inductor's cache here, at start-up, not in a first request."""
     if enforce_eager or not supports(model, kv_caches, backend, tp_size, states):
         return None
-    return CpuDecode(model, kv_caches, block_size, compiled=compile_enabled())
+    dec = CpuDecode(model, kv_caches, block_size, compiled=compile_enabled())
+    if dec.compiled:
+        dec.warm_up((1, 2))
+    return dec

@@ -36,6 +36,7 @@ def test_cpu_decode_greedy_equals_model_forward(tiny_llama, reference, compiled,
     llm = LLM(str(tiny_llama[0]), **KW)
     dec = llm.engine.runner.cpu_decode
     assert dec is not None and dec.compiled == compiled
+    assert (dec.compile_s > 0) == compiled  # (compiled at start-up, not in the first request)
     prompts = _prompts()
     for b in (1, 3, 8):
         assert _run(llm, prompts[:b]) == reference[b], b
