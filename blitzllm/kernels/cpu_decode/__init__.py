@@ -2,8 +2,7 @@
 RMSNorm and the attention block (q / k RMSNorm, rotary, paged KV-cache write, attention over
 the cache rows) in fp32 and in bf16 (the glue around torch's bf16 GEMMs), a whole fp32 step in
 one call, token ids to logits (``DecodeLayers``), a one-row bf16 step's layers
-(``DecodeLayersBf16``), and
-greedy sampling's argmax + log-softmax in one call (``greedy``).
+(``DecodeLayersBf16``), and greedy sampling's argmax + log-softmax in one call (``greedy``).
 ``ops.py``: the ctypes launchers beside their torch references."""
 from .ops import (DecodeLayers, DecodeLayersBf16, add_rms_norm, available, decode_attention, greedy,
                   reference_add_rms_norm, reference_decode_attention)
