@@ -23,9 +23,8 @@
 /* Each thread prefetches the weights PFD passes ahead of the one it computes. Streaming from
    DRAM (the model larger than the last-level cache, or that cache shared with a busy
    neighbour), the hardware prefetcher alone stops at each 4 KB page and a pass waits on its
-   loads: a one-row q4 GEMV over SmolLM2-shaped matrices, 395 MB of them, read 12.5 GB/s without
-   and 16.8 with (2 cores); from cache it changes nothing. (A prefetch past an array's end, of
-   the last pass's missing rows, reads nothing and cannot fault.) */
+   loads; from cache the prefetches cost nothing (docs/cpu.md has the figures). (A prefetch past
+   an array's end, of the last pass's missing rows, reads nothing and cannot fault.) */
 #ifndef PFD
 #define PFD 4
 #endif
