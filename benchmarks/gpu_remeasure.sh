@@ -17,6 +17,10 @@
 #   mtp       MTP on deepseek-v3 (MTP_LAYERS layers: 8, or 4 on an 80 GB card), k 1 and 3, synthetic
 #             acceptance 0.9, against no speculation
 #   serve     blitz serve + blitz bench serve at concurrency 256 (1,000 in / 1,000 out, llama-3.1-8b)
+#   hybrid    qwen3-next-80b-a3b (8 layers) and qwen3.5-397b-a17b (Q35_LAYERS: 8, or 4 on an 80 GB card)
+#             at batch 1 and 32, then benchmarks/hybrid_sparse_kernels.py gdn (post-conv, recurrent rule)
+#   sparse    deepseek-v3.2 against deepseek-v3 (DS_LAYERS) at batch 1 with 128- and 32K-token
+#             prompts, then benchmarks/hybrid_sparse_kernels.py topk
 set -u
 set -o pipefail  # a pytest piped into tail / tee keeps its exit status
 TESTS_RC=0  # the last failing pytest run's status: the script exits with it
@@ -31,6 +35,8 @@ DS_LAYERS=${DS_LAYERS:-$([ "${mem_mib:-0}" -gt 100000 ] && echo 8 || echo 5)}
 # mtp: the dummy MTP layer is one more MoE layer (about 22 GB), which at 5 layers left an 80 GB
 # card a KV cache of 16 tokens (max_model_len 256 did not fit); so on such a card 4 layers (3 dense
 # + 1 MoE, then the MTP layer), 8 on a larger one. MTP_LAYERS overrides.
+# qwen3.5-397b-a17b: 512 experts of 4096 x 1024 are about 13 GB of bf16 a layer
+Q35_LAYERS=${Q35_LAYERS:-$([ "${mem_mib:-0}" -gt 100000 ] && echo 8 || echo 4)}
 MTP_LAYERS=${MTP_LAYERS:-$([ "${mem_mib:-0}" -gt 100000 ] && echo 8 || echo 4)}
 M1="--batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
 D1="--batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
@@ -100,6 +106,21 @@ for part in "$@"; do case $part in
   serve)
     left=$((DEADLINE - SECONDS - 10)); [ $left -gt 60 ] && timeout $left bash benchmarks/gpu_serve.sh 2>&1 | tail -30 > "$R/serve.log"
     cp "$OUT"/serve_c*.json "$OUT"/serve.log "$R/" 2>/dev/null; grep -E "==|req/s|throughput|TPOT|tok/s" "$R/serve.log" | head -20 ;;
+  hybrid)
+    run 150 qnext_b1 --model preset:qwen3-next-80b-a3b --num-layers 8 $M1
+    run 150 qnext_b32 --model preset:qwen3-next-80b-a3b --num-layers 8 --batch-size 32 --input-len 128 --output-len 128 --max-num-seqs 32
+    run 150 q35_b1 --model preset:qwen3.5-397b-a17b --num-layers $Q35_LAYERS $M1
+    run 150 q35_b32 --model preset:qwen3.5-397b-a17b --num-layers $Q35_LAYERS --batch-size 32 --input-len 128 --output-len 128 --max-num-seqs 32
+    left=$((DEADLINE - SECONDS - 10)); [ $left -gt 30 ] && timeout $left python3 benchmarks/hybrid_sparse_kernels.py gdn \
+      > "$R/gdn_kernels.log" 2>&1; cp "$OUT"/hybrid_sparse_kernels.json "$R/k_gdn.json.txt" 2>/dev/null; tail -14 "$R/gdn_kernels.log" ;;
+  sparse)
+    L32="--batch-size 1 --input-len 32768 --output-len 64 --max-num-seqs 1"
+    run 150 dsv32_b1 --model preset:deepseek-v3.2 --num-layers $DS_LAYERS $M1
+    run 150 dsv3_b1 --model preset:deepseek-v3 --num-layers $DS_LAYERS $M1
+    run 200 dsv32_32k --model preset:deepseek-v3.2 --num-layers $DS_LAYERS $L32
+    run 200 dsv3_32k --model preset:deepseek-v3 --num-layers $DS_LAYERS $L32
+    left=$((DEADLINE - SECONDS - 10)); [ $left -gt 30 ] && timeout $left python3 benchmarks/hybrid_sparse_kernels.py topk \
+      > "$R/topk_kernels.log" 2>&1; cp "$OUT"/hybrid_sparse_kernels.json "$R/k_topk.json.txt" 2>/dev/null; tail -8 "$R/topk_kernels.log" ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac; done
 python3 - "$R" <<'PY'
