@@ -8,9 +8,10 @@ gdn: at Qwen3-Next-80B and Qwen3.5-397B GDN shapes, per layer and batch size,
   - post-conv: our one-launch ``post_conv_decode_triton`` against the launches it replaces:
     (a) the torch reference ops (``reference_post_conv_decode``) and (b) fla-core's
     ``causal_conv1d_update`` + its ``l2norm`` of q and k + the torch gates;
-  - recurrent: ``kernels.gdn.gated_delta_rule_decode`` (fla-core's fused recurrent rule between
-    our slot gather and scatter) against fla's kernel alone on states already in place, and the
-    time to read + write the states once at the measured copy bandwidth.
+  - recurrent: ``kernels.gdn.gated_delta_rule_decode`` (our in-place kernel on pool slots)
+    against fla-core's fused recurrent kernel between a slot gather and scatter (the form the
+    engine ran before) and on dense states alone, and the time to read + write the states once
+    at the measured copy bandwidth.
 topk: ``topk_triton`` against ``torch.topk`` on the masked row (k = 2048, fp32 logits) at rows of
   4K, 32K and 128K, one row (batch-1 decode) and 8.
 Prints a line per timing and writes $OUT/hybrid_sparse_kernels.json when OUT is set.
@@ -47,6 +48,7 @@ def copy_bandwidth():
 def bench_gdn(batches, rows, bw):
     from fla.modules.causal_conv1d.ops import causal_conv1d_update
     from fla.modules.norm.l2norm import l2norm
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_recurrent
 
     from blitzllm.kernels import gdn as ops
     from blitzllm.kernels.gdn.post_conv import post_conv_decode_triton
@@ -90,20 +92,27 @@ def bench_gdn(batches, rows, bw):
                                                        hk, dk, hv, dv)
             state = torch.randn(slots_n, hv, dk, dv, device=dev) * 0.01
             gathered = state.index_select(0, slots.long())
-            rec = ops.fla_ops()[1]
 
             def engine_decode():
                 ops.gated_delta_rule_decode(q, k, v, g, beta, state, slots)
 
             def fla_alone():
-                rec(q=q[:, None], k=k[:, None], v=v[:, None], g=g[:, None], beta=beta[:, None],
+                fla_recurrent(q=q[:, None], k=k[:, None], v=v[:, None], g=g[:, None], beta=beta[:, None],
                     initial_state=gathered, output_final_state=True)
+
+            def gather_fla_scatter():  # fla on pool slots: the form the engine ran before recurrent.py
+                idx = slots.long()
+                _, fin = fla_recurrent(q=q[:, None], k=k[:, None], v=v[:, None], g=g[:, None], beta=beta[:, None],
+                                       initial_state=state.index_select(0, idx), output_final_state=True)
+                state.index_copy_(0, idx, fin)
 
             state_bytes = 2 * B * hv * dk * dv * 4
             r = dict(part="recurrent", shape=name, batch=B, us_engine=time_graph(engine_decode),
-                     us_fla_in_place=time_graph(fla_alone), us_state_floor=state_bytes / bw * 1e6)
+                     us_fla_dense=time_graph(fla_alone), us_gather_fla_scatter=time_graph(gather_fla_scatter),
+                     us_state_floor=state_bytes / bw * 1e6)
             r["engine_vs_floor"] = r["us_state_floor"] / r["us_engine"]
-            r["fla_vs_floor"] = r["us_state_floor"] / r["us_fla_in_place"]
+            r["fla_dense_vs_floor"] = r["us_state_floor"] / r["us_fla_dense"]
+            r["speedup_vs_gather_fla_scatter"] = r["us_gather_fla_scatter"] / r["us_engine"]
             rows.append(r)
             print(json.dumps(r), flush=True)
 

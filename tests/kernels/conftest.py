@@ -224,3 +224,14 @@ def sm90_compile(call: str) -> str:
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout
+
+
+def assert_gdn_sm90_no_spills(printer: str, names: set) -> None:
+    """``tests/kernels/gdn_sm90.py``'s ``printer`` run through ``sm90_compile`` (from a module
+    that does not import this conftest, which would turn the interpreter on): one ptxas report
+    per name in ``names``, each without spills."""
+    out = sm90_compile(f"ptxas_report\nfrom tests.kernels.gdn_sm90 import {printer}\n{printer}(pc)")
+    rows = dict(ln.split(" ", 1) for ln in out.strip().splitlines())
+    assert set(rows) == set(names), out
+    for name, report in rows.items():
+        assert "registers" in report and "0 bytes spill stores" in report, (name, report)

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from blitzllm.kernels import gdn
-from blitzllm.kernels.gdn import post_conv
+from blitzllm.kernels.gdn import post_conv, recurrent
 from blitzllm.kernels.gdn.reference import (
     reference_causal_conv1d, reference_causal_conv1d_update, reference_chunk_gated_delta_rule,
     reference_post_conv_decode, reference_recurrent_gated_delta_rule,
 )
-from tests.kernels.conftest import HAS_CUDA, assert_close_ulps, sm90_compile
+from tests.kernels.conftest import HAS_CUDA, assert_close_ulps, assert_gdn_sm90_no_spills
 
 
 def _cu(lengths):
@@ -164,6 +164,42 @@ def test_post_conv_decode_kernel_matches_reference(device, B, hk, dk, hv, dv, K,
     assert torch.equal(state, ref_state)
 
 
+@pytest.mark.parametrize("B,hk,dk,hv,dv", [
+    (3, 2, 16, 4, 8),
+    (1, 1, 24, 3, 20),       # not powers of two, one row
+    (4, 2, 32, 8, 40),       # four value heads a key head; dv over several column blocks
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_recurrent_decode_kernel_matches_reference(device, B, hk, dk, hv, dv, dtype):
+    """The in-place recurrent rule: each row's state read and written in its slot of a larger
+    pool (the other slots untouched), value head j on key head j // (Hv / Hk): the reference's
+    outputs and states."""
+    q, k, v, decay, beta, _ = _rule_inputs([1] * B, hk, hv, dk, dv, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    pool = torch.randn(B + 4, hv, dk, dv, generator=gen)
+    slots = torch.randperm(B + 4, generator=gen)[:B].to(torch.int32)
+    qn, kn = gdn.reference_l2norm(q).to(dtype), gdn.reference_l2norm(k).to(dtype)
+    args = [t.to(device) for t in (qn, kn, v.to(dtype), decay, beta)]
+    state, ref_state = pool.to(device), pool.clone()
+    o = recurrent.recurrent_decode_triton(*args, state, slots.to(device))
+    ref = gdn.gated_delta_rule_decode(qn, kn, v.to(dtype), decay, beta, ref_state, slots, reference=True)
+    assert o.dtype == dtype and o.shape == (B, hv, dv)
+    if dtype == torch.float32:
+        torch.testing.assert_close(o.cpu(), ref, atol=1e-5, rtol=1e-5)
+    else:
+        assert_close_ulps(o, ref, ulps=1, mean_ulps=0.25, what="o")
+    torch.testing.assert_close(state.cpu(), ref_state, atol=1e-5, rtol=1e-5)
+    others = torch.ones(B + 4, dtype=torch.bool)
+    others[slots.long()] = False
+    assert torch.equal(state.cpu()[others], pool[others])
+
+
+def test_recurrent_decode_kernel_compiles_for_sm90():
+    """The recurrent kernel compiles for sm_90 at the published models' head sizes without
+    spills (its state tile lives in registers)."""
+    assert_gdn_sm90_no_spills("print_recurrent_sm90", {"qwen3_next", "qwen3_5_397b"})
+
+
 def test_decode_entry_points_equal_prefill_of_one_token():
     """Through the package entry points on this device's path: a pure-decode step (post-conv +
     recurrent rule) gives what the prefill path (varlen conv + chunked rule) gives for the same
@@ -215,12 +251,6 @@ def _fla_on_cpu(monkeypatch):
         return naive(q, k, v, beta=p["beta"][:, s:e], g=p["g"][:, s:e], scale=p["scale"], initial_state=h0,
                      output_final_state=True)
 
-    def recurrent(*args, **kwargs):
-        p = bound(fla_gdr.fused_recurrent_gated_delta_rule, args, kwargs)
-        assert p["cu_seqlens"] is None and p["output_final_state"]
-        o, h = rule(p, 0, p["q"].shape[1], p["initial_state"])
-        return o.to(p["v"].dtype), h
-
     def chunk(*args, **kwargs):
         p = bound(fla_gdr.chunk_gated_delta_rule, args, kwargs)
         cu = p["cu_seqlens"].tolist()
@@ -232,14 +262,14 @@ def _fla_on_cpu(monkeypatch):
         return torch.cat(outs, 1).to(p["v"].dtype), torch.cat(finals)
 
     monkeypatch.setattr(gdn, "_on_gpu", lambda t, reference: not reference)
-    monkeypatch.setattr(gdn, "fla_ops", lambda: (chunk, recurrent, None))
+    monkeypatch.setattr(gdn, "fla_ops", lambda: (chunk, None))
 
 
 def test_fla_rule_calls_bind_to_fla_signatures(monkeypatch):
-    """Our calls of fla-core's chunked and recurrent rules (the CUDA path, not run on this
-    machine) pass each tensor to the parameter that means it and give what our torch references
-    give: fp32 inputs, GVA (2 key heads, 4 value heads), varlen with and without initial states.
-    (The decode call once passed beta fifth, where fla takes ``gk``: a per-key decay.)"""
+    """Our call of fla-core's chunked rule (the CUDA prefill path, not run on this machine) passes
+    each tensor to the parameter that means it and gives what our torch reference gives: fp32
+    inputs, GVA (2 key heads, 4 value heads), varlen with and without initial states; the decode
+    step after it (our recurrent kernel, interpreted) continues from the states it wrote."""
     _fla_on_cpu(monkeypatch)
     hk, hv, dk, dv = 2, 4, 16, 8
     lengths = [5, 1, 9]
@@ -314,11 +344,4 @@ def test_post_conv_kernel_compiles_for_sm90():
     """The decode post-conv kernel compiles for sm_90 (the stand-in driver of
     tools/ptxas_check.py) at the published models' head sizes, without spills, and where dk != dv
     (a CUDA compile error once that the interpreter does not raise)."""
-    # (sm90_compile runs ``pc.<call>``: a harmless attribute, then our printer, from a module
-    # that does not import the conftest, which would turn the interpreter on)
-    out = sm90_compile("ptxas_report\nfrom tests.kernels.gdn_sm90 import print_post_conv_sm90\n"
-                       "print_post_conv_sm90(pc)")
-    rows = dict(ln.split(" ", 1) for ln in out.strip().splitlines())
-    assert set(rows) == {"qwen3_next", "qwen3_5_397b", "dk_ne_dv"}, out
-    for name, report in rows.items():
-        assert "registers" in report and "0 bytes spill stores" in report, (name, report)
+    assert_gdn_sm90_no_spills("print_post_conv_sm90", {"qwen3_next", "qwen3_5_397b", "dk_ne_dv"})

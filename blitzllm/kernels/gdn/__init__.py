@@ -9,9 +9,11 @@ the ``BLITZ_REFERENCE`` knob, or with ``reference=True`` every op takes its refe
 - ``post_conv_decode``: decode's conv-state update + conv + SiLU + q/k/v split + q/k L2
   norm + g and beta, one launch per layer (our Triton kernel, ``post_conv.py``).
 - ``gated_delta_rule_decode``: one token per sequence, reading and writing the recurrent
-  states of its slots. CUDA: fla-core's ``fused_recurrent_gated_delta_rule``.
-- ``gdn_gates`` (prefill's g and beta) and ``rms_norm_gated`` (the output norm): torch on
-  every device for now.
+  states of its slots in place (our Triton kernel, ``recurrent.py``: fla-core's recurrent
+  kernel takes dense states, which would cost a gather and a scatter around it).
+- ``gdn_gates`` (prefill's g and beta): torch on every device for now.
+- ``rms_norm_gated`` (the output norm, w * rmsnorm(o) * silu(z) per value head). CUDA: one
+  launch (our Triton kernel, ``norm_gated.py``).
 
 fla-core (a well-kept library, ``pip install fla-core``) is imported on first use on a CUDA
 device; its absence there is an ImportError that says so. Recurrent states are fp32
@@ -45,13 +47,13 @@ def _on_gpu(t: torch.Tensor, reference: bool) -> bool:
 
 
 def fla_ops():
-    """fla-core's (chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, causal_conv1d)."""
+    """fla-core's (chunk_gated_delta_rule, causal_conv1d): the prefill kernels."""
     try:
         from fla.modules.causal_conv1d import causal_conv1d
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except ImportError as e:
         raise ImportError(f"gated delta net layers on CUDA need fla-core's kernels ({FLA_HINT}): {e}") from e
-    return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, causal_conv1d
+    return chunk_gated_delta_rule, causal_conv1d
 
 
 def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -63,7 +65,7 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     ``host``: (slots, has_initial, cu_seqlens) as host lists (the torch path loops on them)."""
     if not _on_gpu(x, reference):
         return reference_causal_conv1d(x, weight, bias, conv_state, *host)
-    causal_conv1d = fla_ops()[2]
+    causal_conv1d = fla_ops()[1]
     idx = slots.long()
     K = weight.shape[1]
     # fla's states are [N, C, K] (the last K inputs); ours keep the last K - 1
@@ -103,8 +105,13 @@ def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: to
     return reference_gdn_gates(a, b, A_log, dt_bias)
 
 
-def rms_norm_gated(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """w * rmsnorm(x) * silu(z) per value head (``RMSNormGated``); torch on every device."""
+def rms_norm_gated(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                   reference: bool = False) -> torch.Tensor:
+    """w * rmsnorm(x) * silu(z) per value head (``RMSNormGated``), in x's dtype; z may be a
+    row-strided view of the projection output. See ``norm_gated.py``."""
+    if _on_gpu(x, reference):
+        from .norm_gated import rms_norm_gated_triton
+        return rms_norm_gated_triton(x, z, weight, eps)
     return reference_rms_norm_gated(x, z, weight, eps)
 
 
@@ -123,15 +130,11 @@ def gated_delta_rule_decode(q, k, v, g, beta, state: torch.Tensor, slots: torch.
                             scale: Optional[float] = None, reference: bool = False) -> torch.Tensor:
     """One token per row (q, k [B, Hk, dk] already L2-normalized, v [B, Hv, dv], g / beta
     [B, Hv]) continuing each row's slot state, written back. Returns o [B, Hv, dv]."""
-    idx = slots.long()
-    init = state.index_select(0, idx)
     if _on_gpu(v, reference):
-        recurrent = fla_ops()[1]
-        # by keyword: fla's fifth parameter is ``gk`` (a per-key decay), not ``beta``
-        o, final = recurrent(q=q[:, None], k=k[:, None], v=v[:, None], g=g[:, None], beta=beta[:, None],
-                             scale=scale, initial_state=init, output_final_state=True)
-        o = o[:, 0]
-    else:
-        o, final = reference_recurrent_gated_delta_rule(q, k, v, g, beta, range(q.shape[0] + 1), init, scale)
+        from .recurrent import recurrent_decode_triton
+        return recurrent_decode_triton(q, k, v, g, beta, state, slots, scale)
+    idx = slots.long()
+    o, final = reference_recurrent_gated_delta_rule(q, k, v, g, beta, range(q.shape[0] + 1), state.index_select(0, idx),
+                                                    scale)
     state.index_copy_(0, idx, final.to(state.dtype))
     return o
