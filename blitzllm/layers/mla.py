@@ -22,6 +22,7 @@ from .rotary import apply_rotary_tables, rotary_tables, yarn_mscale
 # the dispatcher (Triton on CUDA) when kernels/attention/mla_decode.py has one, else the torch reference
 _mla_decode = getattr(mla_ops, "mla_decode", mla_ops.reference_mla_decode)
 
+_SCORE_ELEMS = 1 << 26  # the most attention scores the expanded (prefill) path holds at once
 _LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers builds them with the default eps
 
 
@@ -173,11 +174,17 @@ class MLAttention(nn.Module):
         0..L-1, causal, latents expanded per head -> [Q, H, V] (before o_proj)."""
         d = self.d
         k_nope, v = self.kv_b_proj.expand(kv[:, :d.kv_lora_rank])
-        k = torch.cat([k_nope, kv[:, None, d.kv_lora_rank:].expand(-1, d.num_heads, -1)], -1)
-        s = torch.matmul(q.transpose(0, 1), k.permute(1, 2, 0)).float() * self.scale
-        s = s.masked_fill(torch.arange(kv.shape[0], device=q.device)[None, :] > qpos[:, None], float("-inf"))
-        p = torch.softmax(s, dim=-1).to(v.dtype)  # [H, Q, L]
-        return torch.matmul(p, v.transpose(0, 1)).transpose(0, 1)
+        k = torch.cat([k_nope, kv[:, None, d.kv_lora_rank:].expand(-1, d.num_heads, -1)], -1).permute(1, 2, 0)
+        v, cols = v.transpose(0, 1), torch.arange(kv.shape[0], device=q.device)
+        # query rows in chunks: the scores [H, rows, L] of a whole long prompt would not fit (a
+        # 32K-token prompt's at 128 heads: 256 GB in bf16)
+        step = max(1, _SCORE_ELEMS // (d.num_heads * kv.shape[0]))
+        out = []
+        for r0 in range(0, q.shape[0], step):
+            s = torch.matmul(q[r0:r0 + step].transpose(0, 1), k).float() * self.scale
+            s = s.masked_fill(cols[None, :] > qpos[r0:r0 + step, None], float("-inf"))
+            out.append(torch.matmul(torch.softmax(s, dim=-1).to(v.dtype), v).transpose(0, 1))
+        return out[0] if len(out) == 1 else torch.cat(out)
 
     # what an MTP draft layer (spec/mtp.py) runs over its own dense entries
     draft_entries = latent_qkv

@@ -68,6 +68,22 @@ def test_tiny_deepseek_matches_transformers(variant, tmp_path):
     assert llm.stats()["kv_blocks_free"] == 64
 
 
+def test_long_prompt_attention_in_row_chunks_matches_transformers(tmp_path, monkeypatch):
+    """The prefill attention over expanded latents holds at most ``_SCORE_ELEMS`` scores at once
+    (a long prompt's whole [H, Q, L] would not fit a GPU): with a bound of a few rows per chunk
+    (and a 40-token prompt's last chunk short), greedy tokens and logprobs still match
+    transformers."""
+    from blitzllm.layers import mla
+    monkeypatch.setattr(mla, "_SCORE_ELEMS", 4 * 40 * 3)  # 4 heads: 3 query rows a chunk at 40 keys
+    calls = []
+    real = torch.matmul
+    monkeypatch.setattr(torch, "matmul", lambda a, b: calls.append(a.shape) or real(a, b))
+    hf = make_tiny_deepseek(tmp_path, seed=1)
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", kv_cache_blocks=64)
+    _check_matches(llm, hf, _prompts((40, 9)), 6)
+    assert (4, 3, 24) in calls and not any(len(c) == 3 and c[0] == 4 and c[1] > 13 for c in calls)
+
+
 def test_chunked_prefill_and_prefix_cache_keep_greedy_output(tmp_path):
     hf = make_tiny_deepseek(tmp_path, seed=2)
     llm = LLM(str(tmp_path), device="cpu", dtype="float32", kv_cache_blocks=64, block_size=4,
