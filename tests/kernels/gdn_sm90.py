@@ -35,7 +35,7 @@ def print_recurrent_sm90(pc):
         g, state, slots = torch.zeros(1, hv), torch.zeros(2, hv, 128, 128), torch.zeros(1, dtype=torch.int32)
         kern = recurrent._recurrent_decode_kernel.warmup(
             q, q, v, g, g, state, slots, v, q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0),
-            state.stride(0), 0.088, hk, hv, 128, 128, BLOCK_K=128, BLOCK_V=8, num_warps=1, grid=(hv, 16))
+            state.stride(0), 0.088, hk, hv, 128, 128, BLOCK_K=128, BLOCK_V=8, num_warps=1, grid=(hv * 16,))
         print(f"{name} {pc.ptxas_report(kern)}")
 
 

@@ -1,5 +1,5 @@
 """Qwen3-Next / Qwen3.5 on CUDA (skipped without a GPU): fla-core's prefill conv and chunked
-rule, our decode post-conv kernel with fla's recurrent rule, and the decode CUDA graphs that
+rule, our decode kernels (post-conv, in-place recurrent rule, output norm), and the decode CUDA graphs that
 read the state rows from their buffer, against transformers on tiny checkpoints and against
 the forced-reference engine (BLITZ_REFERENCE=1: every op on its torch reference, no graphs)
 on bf16 presets."""

@@ -6,8 +6,8 @@ returns new ones, so calling it on pool slots costs a gather and a scatter aroun
 launches and three reads + writes of every state (2 MB per sequence and layer for Qwen3-Next),
 where the rule itself needs one. This kernel addresses the slots directly.
 
-Grid (rows * Hv, dv / BLOCK_V): program (r, j, c) holds columns c * BLOCK_V.. of value head j's
-state [dk, dv] of row r in registers (fp32): decay by exp(g), the delta update with beta, the
+One program per (row r, value head j, column block c), c fastest: it holds columns
+c * BLOCK_V.. of value head j's state [dk, dv] of row r in registers (fp32): decay by exp(g), the delta update with beta, the
 output o = S^T (q * scale). q and k come L2-normalized (``post_conv_decode``); value head j reads
 key head j // (Hv / Hk). Reference: ``reference.reference_recurrent_gated_delta_rule``.
 """
@@ -25,11 +25,15 @@ def _recurrent_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, sl
                              stride_qr, stride_qh, stride_vr, stride_vh, stride_gr, stride_s, scale,
                              HK, HV, DK, DV,
                              BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    # column blocks fastest: neighbouring programs read neighbouring 32-byte pieces of the same
+    # state rows, so each DRAM page is read whole by programs that run together
     pid = tl.program_id(0)
-    r, j = pid // HV, pid % HV
+    nv = tl.cdiv(DV, BLOCK_V)
+    c, rj = pid % nv, pid // nv
+    r, j = rj // HV, rj % HV
     i = j // (HV // HK)
     kk = tl.arange(0, BLOCK_K)
-    vv = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    vv = c * BLOCK_V + tl.arange(0, BLOCK_V)
     mk, mv = kk < DK, vv < DV
     slot = tl.load(slot_ptr + r).to(tl.int64)
     tile = state_ptr + slot * stride_s + j * DK * DV + kk[:, None] * DV + vv[None, :]
@@ -63,7 +67,7 @@ def recurrent_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         return o
     v = v if v.stride() == o.stride() else v.contiguous()
     block_v = min(8, next_pow2(dv))  # 8 columns x 128 keys: 32 fp32 registers a thread at one warp
-    _recurrent_decode_kernel[(B * hv, triton.cdiv(dv, block_v))](
+    _recurrent_decode_kernel[(B * hv * triton.cdiv(dv, block_v),)](
         q, k, v, g, beta, state, slots, o,
         q.stride(0), q.stride(1), o.stride(0), o.stride(1), g.stride(0), state.stride(0),
         dk ** -0.5 if scale is None else scale, hk, hv, dk, dv,
