@@ -14,6 +14,6 @@ def register_bench_commands(sub, add_engine_args) -> None:
             if e.name != f"{__name__}.{name}":
                 raise
             continue  # this benchmark is not written yet
-        p = sub.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0] if mod.__doc__ else None)
+        p = sub.add_parser(name, help=mod.__doc__.strip().splitlines()[0] if mod.__doc__ else None)
         mod.add_args(p, add_engine_args)
         p.set_defaults(bench_func=mod.run)

@@ -8,6 +8,7 @@ import time
 import torch
 
 from ..loader.weights import export_hf_state_dict
+from .roofline import sync
 
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 
@@ -20,10 +21,9 @@ def build_hf_peer(model, cfg):
         hf_cfg.pop(k, None)
     hf_cfg["num_hidden_layers"] = cfg.num_layers
     conf = transformers.AutoConfig.for_model(mt, **hf_cfg)
-    dtype = next(model.parameters()).dtype
     device = next(model.parameters()).device
     with torch.device("meta"):
-        hf = transformers.AutoModelForCausalLM.from_config(conf, dtype=dtype)
+        hf = transformers.AutoModelForCausalLM.from_config(conf, dtype=next(model.parameters()).dtype)
     sd = export_hf_state_dict(model)
     missing, unexpected = hf.load_state_dict(sd, strict=False, assign=True)
     missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
@@ -38,15 +38,9 @@ def build_hf_peer(model, cfg):
                 fresh = type(mod)(config=mod.config)
             for name, buf in fresh.named_buffers(recurse=False):
                 setattr(mod, name, buf)
-            for attr in ("attention_scaling",):
-                if hasattr(fresh, attr):
-                    setattr(mod, attr, getattr(fresh, attr))
+            if hasattr(fresh, "attention_scaling"):
+                mod.attention_scaling = fresh.attention_scaling
     return hf.eval()
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def hf_decode_seconds_per_token(hf, prompts: torch.Tensor, output_len: int, compiled: bool,
@@ -65,11 +59,11 @@ def hf_decode_seconds_per_token(hf, prompts: torch.Tensor, output_len: int, comp
         kw.update(disable_compile=True)
 
     def timed(n):
-        _sync(device)
+        sync(device)
         t = time.perf_counter()
         with torch.inference_mode():
             hf.generate(prompts, max_new_tokens=n, min_new_tokens=n, **kw)
-        _sync(device)
+        sync(device)
         return time.perf_counter() - t
 
     timed(min(output_len, 8))  # warm-up (and compilation)

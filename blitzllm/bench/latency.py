@@ -15,7 +15,8 @@ import torch
 
 from ..cli_args import engine_kwargs
 from ..sampling_params import SamplingParams
-from .roofline import copy_bandwidth, count_kernels, kv_bytes_per_step, state_bytes_per_step, weight_bytes_per_step
+from .roofline import (copy_bandwidth, count_kernels, kv_bytes_per_step, state_bytes_per_step, sync,
+                       weight_bytes_per_step)
 
 CPU_REPEATS = 3  # CPU rounds of ours and each peer back to back (paired_rounds): medians of 3
 HF_COMPILED_REPEATS = 3  # --compare hf: the compiled peer's decode time is the median of 3 estimates
@@ -39,11 +40,6 @@ def add_args(p, add_engine_args) -> None:
     p.add_argument("--json", default=None, help="write the results to this file")
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _prompts(B, I, vocab, seed):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(100, vocab - 100, (B, I), generator=g)
@@ -53,7 +49,7 @@ def _timed_run(eng, prompts, output_len, tag):
     """Runs B requests to completion; returns (ttft_s, per-decode-step seconds)."""
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     dev = eng.device
-    _sync(dev)
+    sync(dev)
     t0 = time.perf_counter()
     for i, p in enumerate(prompts.tolist()):
         eng.add_request(f"{tag}-{i}", p, params)
@@ -267,11 +263,8 @@ def _weight_format(eng) -> str:
 
 def _long_ttft(eng, n, cfg) -> float:
     """Seconds from adding one uncached n-token prompt to its first token (the median of 3)."""
-    times = []
-    for r in range(3):
-        t, _ = _timed_run(eng, _prompts(1, n, cfg.vocab_size, 10 + r), 2, f"long{r}")
-        times.append(t)
-    return sorted(times)[1]
+    runs = [_timed_run(eng, _prompts(1, n, cfg.vocab_size, 10 + r), 2, f"long{r}") for r in range(3)]
+    return _median([ttft for ttft, _ in runs])
 
 
 def _llama(path, n_ctx, no_extra_bufts: bool):
@@ -336,7 +329,7 @@ class _LlamaPeer:
             t = time.perf_counter()
             next(iter(self.lm.generate(long_prompt, temp=0.0, reset=True)))
             times.append(time.perf_counter() - t)
-        return sorted(times)[1]
+        return _median(times)
 
 
 def _print(res: dict) -> None:

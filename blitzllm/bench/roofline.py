@@ -2,9 +2,15 @@
 move (weights + KV cache + recurrent states), and the profiler's kernel-launch count."""
 from __future__ import annotations
 
+import math
 import time
 
 import torch
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: int = 10) -> float:
@@ -16,7 +22,6 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: int = 10)
     a = torch.empty(n, dtype=torch.float32, device=device).fill_(1.0)
     b = torch.empty_like(a)
     b.copy_(a)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
     sync(device)
     t = time.perf_counter()
     for _ in range(iters):
@@ -142,24 +147,20 @@ def kernel_exposed(named) -> dict:
     after the one before it ends (its critical-path share), where the plain durations count
     the waits too. Launch gaps (a kernel starting after the previous end) are not charged."""
     out: dict = {}
-    prev = None
+    prev = -math.inf
     for name, s, e in sorted(named, key=lambda x: x[2]):
-        out[name] = out.get(name, 0.0) + (e - (s if prev is None else max(s, prev)))
+        out[name] = out.get(name, 0.0) + (e - max(s, prev))
         prev = e
     return out
 
 
 def _union(spans) -> float:
-    """Length of the union of intervals."""
-    total, cur_s, cur_e = 0.0, None, None
+    """Length of the union of intervals: taken by start, each adds its part past the ends so far."""
+    total, end = 0.0, -math.inf
     for s, e in sorted(spans):
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    return total + (cur_e - cur_s if cur_e is not None else 0.0)
+        total += max(0.0, e - max(s, end))
+        end = max(end, e)
+    return total
 
 
 def kernel_timeline(spans, copies=()) -> dict:

@@ -81,12 +81,13 @@ def _read_jsonl(path: Path) -> list:
 
 
 def _row_to_request(row, output_len: int, where: str) -> BenchRequest:
-    out = int(row.get("output_len") or row.get("max_tokens") or output_len) if isinstance(row, dict) else output_len
-    if isinstance(row, dict) and isinstance(row.get("messages"), list):
+    row = row if isinstance(row, dict) else {}
+    out = int(row.get("output_len") or row.get("max_tokens") or output_len)
+    if isinstance(row.get("messages"), list):
         return BenchRequest(row["messages"], True, out)
-    if isinstance(row, dict) and isinstance(row.get("turns"), list) and row["turns"]:
+    if isinstance(row.get("turns"), list) and row["turns"]:
         return BenchRequest([{"role": "user", "content": str(row["turns"][0])}], True, out)
-    if isinstance(row, dict) and isinstance(row.get("prompt"), (str, list)):
+    if isinstance(row.get("prompt"), (str, list)):
         p = row["prompt"]
         return BenchRequest(p, False, out, len(p) if isinstance(p, list) else None)
     raise ValueError(f"{where}: each line needs 'messages', 'turns' or 'prompt'")
@@ -252,8 +253,8 @@ def format_summary(s: dict) -> str:
                               ("tpot_ms", "Time per Output Token (excl. 1st token)", "TPOT"),
                               ("itl_ms", "Inter-token Latency", "ITL"), ("e2el_ms", "End-to-end Latency", "E2EL")):
         lines.append(f" {title} ".center(w, "-"))
-        for stat in ("mean", "median", "p99"):
-            row(f"{stat.capitalize() if stat != 'p99' else 'P99'} {short} (ms):", f"{s[key][stat]:.2f}")
+        for stat, name in (("mean", "Mean"), ("median", "Median"), ("p99", "P99")):
+            row(f"{name} {short} (ms):", f"{s[key][stat]:.2f}")
     lines.append("=" * w)
     for e in s["errors"]:
         lines.append(f"error: {e}")

@@ -32,7 +32,6 @@ def evaluate_head(model: str, head_dir: str, prompts: list, k: int, max_tokens: 
     return res
 
 
-
 # ---- CLI ----------------------------------------------------------------------------
 def add_train_draft_args(p) -> None:
     p.add_argument("--model", required=True, help="target model (path, HF name or preset)")
@@ -98,13 +97,10 @@ def cmd_train_draft(a) -> int:
         raise ValueError(f"--eval-max-tokens must be integers separated by commas, got {a.eval_max_tokens!r}") from None
     if min(eval_lens) < 1:
         raise ValueError(f"--eval-max-tokens must be >= 1, got {a.eval_max_tokens}")
-    for name in ("epochs", "max_tokens", "steps", "batch", "samples_per_prompt", "eval_k"):
-        if getattr(a, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
-    if a.copy_spans < 0:
-        raise ValueError(f"--copy-spans must be >= 0, got {a.copy_spans}")
-    if a.loop_spans < 0:
-        raise ValueError(f"--loop-spans must be >= 0, got {a.loop_spans}")
+    for name, lo in (("epochs", 1), ("max_tokens", 1), ("steps", 1), ("batch", 1), ("samples_per_prompt", 1),
+                     ("eval_k", 1), ("copy_spans", 0), ("loop_spans", 0)):
+        if getattr(a, name) < lo:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {lo}, got {getattr(a, name)}")
     if a.draft_vocab < 0:
         raise ValueError(f"--draft-vocab must be >= 0 (0: the target's whole vocabulary), got {a.draft_vocab}")
     if not a.lr > 0:

@@ -2,7 +2,6 @@
 lookup's n-gram match (the n-gram proposer's rule, which EAGLE-3's copy input reuses)."""
 from __future__ import annotations
 
-from array import array
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -28,6 +27,15 @@ class Proposer:
         return {}
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading items ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
 def ngram_match(tokens: Sequence[int], n_min: int, n_max: int) -> tuple:
     """Prompt lookup's match: the longest suffix n-gram (n_max down to n_min) that occurred
     earlier in ``tokens``, as (start of its latest earlier occurrence, n), or (-1, 0)."""
@@ -48,6 +56,3 @@ def ngram_lookup(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list:
         return []
     i, n = ngram_match(tokens, n_min, n_max)
     return list(tokens[i + n:i + n + k]) if n else []
-
-
-assert array("I").itemsize == 4, "TokenBytes packs token ids as 4-byte words"

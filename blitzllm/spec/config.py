@@ -3,12 +3,10 @@ name the field and the allowed values."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional, Union
 
 METHODS = ("ngram", "draft_model", "eagle3", "mtp")
-KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
-        "synthetic_acceptance_rate")
 MAX_K = 16
 
 
@@ -28,6 +26,9 @@ class SpeculativeConfig:
     @property
     def synthetic(self) -> bool:
         return self.synthetic_acceptance_rate is not None
+
+
+KEYS = tuple(f.name for f in fields(SpeculativeConfig))
 
 
 def _int(d: dict, key: str, lo: int, hi: int, default=None) -> int:
@@ -63,7 +64,7 @@ def parse_speculative_config(spec: Union[None, str, dict, SpeculativeConfig]) ->
                          f"[1, {MAX_K}])")
     k = _int(spec, "num_speculative_tokens", 1, MAX_K)
     lmax = _int(spec, "prompt_lookup_max", 1, 64, 4)
-    lmin = _int(spec, "prompt_lookup_min", 1, 64, min(1, lmax))
+    lmin = _int(spec, "prompt_lookup_min", 1, 64, 1)
     if lmin > lmax:
         raise ValueError(f"speculative_config.prompt_lookup_min ({lmin}) must be <= prompt_lookup_max ({lmax})")
     model = spec.get("model")

@@ -82,8 +82,7 @@ class SpecDecoder:
                 if not d:
                     continue
                 if p is None or p.shape[0] != len(d):   # point drafts: q is one-hot
-                    p = torch.zeros(len(d), vocab_size, device=device)
-                    p[torch.arange(len(d)), torch.tensor(d)] = 1.0
+                    p = torch.nn.functional.one_hot(torch.tensor(d, device=device), vocab_size)
                 parts.append(p.to(device, torch.float32))
             dp = torch.cat(parts)
         out = verify(sampler, logits, rows, drafts, vocab_size, device,

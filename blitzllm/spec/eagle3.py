@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.rotary import apply_rotary_torch, build_cos_sin_cache
+from .base import Proposal, ngram_match
 from .hidden import HiddenCapture, HiddenStateProposer
 
 WEIGHTS = "model.safetensors"
@@ -48,7 +49,6 @@ def copy_candidates(tokens: list, max_n: int = COPY_MAX_N) -> tuple:
 def copy_candidate_at(tokens: list, max_n: int = COPY_MAX_N) -> tuple:
     """``copy_candidates`` of the last position alone: prompt lookup's match (a scan back
     from the end; the reference the proposer's ``CopyIndex`` is tested against)."""
-    from .base import ngram_match
     i, n = ngram_match(tokens, 1, max_n)
     return (tokens[i + n], n) if n else (0, 0)
 
@@ -440,4 +440,4 @@ class Eagle3Proposer(HiddenStateProposer):
                                         self._copy(index, d, dev))
                 d.append(int(head.draft_tokens(head.logits(out))))
             drafts.append(d)
-        return self._proposal(drafts)
+        return Proposal(drafts)

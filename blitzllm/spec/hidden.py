@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from .base import Proposer, common_prefix
+
+
 class HiddenCapture:
     """Forward hooks on the target's decoder layers ``layer_ids`` (a context manager): every eager
     forward appends features [T, 3 * hidden] (the three layers' x + residual, in the step's flat
@@ -64,14 +67,12 @@ class HiddenCapture:
         return (feats, pos, torch.cat(finals)) if self.keep_final else (feats, pos)
 
 
-class HiddenStateProposer:
+class HiddenStateProposer(Proposer):
     """The part of a head's proposer that follows the target: its hidden states, filed per request
     as the features and token of every verified position (``toks`` / ``feats``). Subclasses keep
     their own per-request state in ``cache`` and implement ``propose``."""
 
     def __init__(self, capture: HiddenCapture, runner, kv):
-        from .base import Proposal
-        self._proposal = Proposal
         self.runner, self.kv = runner, kv
         self.cap = capture.__enter__()
         self._segments = []   # per eager forward: [(toks, start, end, block at start)]
@@ -90,32 +91,25 @@ class HiddenStateProposer:
         self.cache: dict = {}   # rid -> the head's own state of those positions
         self.copy_index: dict = {}   # rid -> CopyIndex of its tokens (heads with the copy input)
 
-    def features(self, rid: str, all_ids: list):
-        """The features of positions 0..n-1 of a request with tokens ``all_ids`` (n + 1 of
+    def features(self, rid: str, all_ids: list, m: int = 0):
+        """The features of positions m..n-1 of a request with tokens ``all_ids`` (n + 1 of
         them: the last has not been through the target yet), or None where they are not all
-        held (then it drafts nothing)."""
+        held for its tokens (then it drafts nothing)."""
         n = len(all_ids) - 1
         have = self.toks.get(rid, [])
-        c = 0
-        while c < min(len(have), n) and have[c] == all_ids[c]:
-            c += 1
-        return self.feats[rid][:n] if n >= 1 and c >= n else None
+        if n < 1 or len(have) < n or have[m:n] != list(all_ids[m:n]):
+            return None
+        return self.feats[rid][m:n]
 
     def reusable(self, rid: str, all_ids: list, n: int) -> int:
         """How many leading positions of the request's ``cache`` entry (its first item: the
         tokens it used, token t + 1 for position t) still agree with ``all_ids``."""
         used = self.cache[rid][0] if rid in self.cache else []
-        m = 0
-        while m < min(len(used), n) and used[m] == all_ids[m + 1]:
-            m += 1
-        return m
+        return common_prefix(used[:n], all_ids[1:n + 1])
 
     def finish(self, rid: str) -> None:
         for d in (self.toks, self.feats, self.cache, self.copy_index):
             d.pop(rid, None)
-
-    def stats(self) -> dict:
-        return {}
 
     def _ingest(self) -> None:
         """File the features of the forwards since the last call under their requests."""

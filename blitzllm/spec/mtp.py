@@ -8,18 +8,19 @@ from __future__ import annotations
 
 import torch
 
+from .base import Proposal
 from .hidden import HiddenCapture, HiddenStateProposer
 
 
 class MTPDraft:
-    """One MTP module of a DeepSeek-V3 model as a step-by-step draft."""
+    """The first MTP module of a DeepSeek-V3 model as a step-by-step draft."""
 
-    def __init__(self, model, index: int = 0):
+    def __init__(self, model):
         mtp = getattr(model, "mtp", None)
-        if mtp is None or len(mtp.layers) <= index:
+        if mtp is None or not mtp.layers:
             raise ValueError("speculative_config method 'mtp' needs a model with MTP layers (DeepSeek-V3 with "
                              "num_nextn_predict_layers > 0 and their weights in the checkpoint)")
-        self.layer = mtp.layers[index]
+        self.layer = mtp.layers[0]
         self.embed = model.model.embed_tokens
 
     def inputs(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -86,7 +87,7 @@ class MTPProposer(HiddenStateProposer):
                 out = D.finish(xj, qj, kv, pj)
                 d.append(D.draft(out))
             drafts.append(d)
-        return self._proposal(drafts)
+        return Proposal(drafts)
 
 
 class PagedMTPProposer(HiddenStateProposer):
@@ -126,7 +127,7 @@ class PagedMTPProposer(HiddenStateProposer):
         from ..kernels._common import reference_ops
         self._ingest()
         with reference_ops(self.runner.knobs.reference):
-            return self._proposal(self._draft(reqs, limits))
+            return Proposal(self._draft(reqs, limits))
 
     def _draft(self, reqs, limits) -> list:
         drafts = [[] for _ in reqs]
@@ -135,7 +136,7 @@ class PagedMTPProposer(HiddenStateProposer):
             rid, ids = r.request_id, r.all_token_ids
             n = len(ids) - 1          # entries of positions 0..n-1 (the target's hidden states there)
             m = min(self.reusable(rid, ids, n) if rid in self.cache else self._in_pages(rid), n - 1)
-            h = self._held(rid, ids, m, n) if lim > 0 else None
+            h = self.features(rid, ids, m) if lim > 0 else None
             if h is None:
                 continue
             lim = min(lim, self._reserve(rid, n + lim - 1) - n + 1)   # step j writes position n - 1 + j
@@ -168,14 +169,6 @@ class PagedMTPProposer(HiddenStateProposer):
         with forward_context(ForwardContext(md, self.kv_caches, runner.backend)):
             out = self.mtp(pos, x)
         return out.index_select(0, torch.tensor(qsl[1:], device=out.device) - 1)
-
-    def _held(self, rid: str, ids, m: int, n: int):
-        """The target's hidden states of positions m..n-1 of the request, or None where they are
-        not all held for its tokens."""
-        have = self.toks.get(rid, [])
-        if n < 1 or len(have) < n or have[m:n] != list(ids[m:n]):
-            return None
-        return self.feats[rid][m:n]
 
     def _append(self, rid, start, toks, feats) -> None:
         have = self.toks.get(rid, [])

@@ -10,8 +10,10 @@ import torch
 
 from ..config import CacheConfig, ModelConfig
 from ..layers.sampler import SamplingMetadata, SamplingRow, exponential_noise
-from .base import Proposal, Proposer
+from .base import Proposal, Proposer, common_prefix
 from .config import SpeculativeConfig
+
+assert array("I").itemsize == 4, "TokenBytes packs token ids as 4-byte words"
 
 
 class TokenBytes:
@@ -73,14 +75,6 @@ class NgramProposer(Proposer):
 _DRAFT_SALT = 0x5DEECE66D  # the draft's noise must be independent of the target's draws
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 class DraftModelProposer(Proposer):
     """A smaller model with the target's vocabulary, its own ModelRunner and paged KV pool (no
     prefix caching), drafting greedily after catching its cache up with each request."""
@@ -140,13 +134,13 @@ class DraftModelProposer(Proposer):
     def propose(self, reqs, limits) -> Proposal:
         drafts = [[] for _ in reqs]
         probs = [[] for _ in reqs]
-        active = []   # (index, request id, tokens, limit)
+        active = []   # (index, request id, tokens, limit, tokens the draft cache keeps)
         for i, (r, lim) in enumerate(zip(reqs, limits)):
             if lim <= 0:
                 continue
             rid, toks = r.request_id, r.all_token_ids
             n = len(toks)
-            keep = min(_common_prefix(self.tokens.get(rid, ()), toks), n - 1)
+            keep = min(common_prefix(self.tokens.get(rid, ()), toks), n - 1)
             if rid in self.kv.tables:
                 self.kv.trim(rid, keep)
             else:
@@ -166,28 +160,18 @@ class DraftModelProposer(Proposer):
             active.append((i, rid, toks, lim, keep))
         if not active:
             return Proposal(drafts)
-        # step 1: catch up (one chunk per request) and draft the first token
-        batch = [(toks[keep:], keep, len(toks)) for _, _, toks, _, keep in active]
-        tables = [self.kv.block_table(rid) for _, rid, _, _, _ in active]
-        toks_out, qs = self._draw([reqs[a[0]] for a in active], [[] for _ in active], batch, tables)
-        for (i, rid, toks, _, _), t, q in zip(active, toks_out, qs):
-            drafts[i].append(t)
-            probs[i].append(q)
-            self.tokens[rid] = list(toks)
-        # steps 2..k: one token per still-drafting request
-        step = 1
-        while True:
+        for step in range(max(a[3] for a in active)):
             live = [a for a in active if a[3] > step]
-            if not live:
-                break
-            batch = [([drafts[i][-1]], len(toks) + step - 1, len(toks) + step) for i, _, toks, _, _ in live]
+            if step == 0:   # catch up (one chunk per request) and draft the first token
+                batch = [(toks[keep:], keep, len(toks)) for _, _, toks, _, keep in live]
+            else:   # one token per still-drafting request
+                batch = [([drafts[i][-1]], len(toks) + step - 1, len(toks) + step) for i, _, toks, _, _ in live]
             tables = [self.kv.block_table(rid) for _, rid, _, _, _ in live]
             toks_out, qs = self._draw([reqs[a[0]] for a in live], [list(drafts[a[0]]) for a in live], batch, tables)
-            for (i, rid, _, _, _), t, q in zip(live, toks_out, qs):
-                self.tokens[rid].append(drafts[i][-1])
+            for (i, rid, toks, _, _), t, q in zip(live, toks_out, qs):
+                self.tokens[rid] = list(toks) + drafts[i]
                 drafts[i].append(t)
                 probs[i].append(q)
-            step += 1
         # blocks reserved beyond what the cache now holds go back to the pool
         for i, rid, _, _, _ in active:
             self.kv.trim(rid, len(self.tokens[rid]))

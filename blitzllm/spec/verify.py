@@ -10,9 +10,8 @@ from typing import Optional
 import torch
 
 from ..kernels.greedy import greedy_sample
-from ..layers.sampler import Sampler, SamplingMetadata, SamplingRow
-
 from ..layers import rejection_sampler as _rs
+from ..layers.sampler import Sampler, SamplingMetadata, SamplingRow
 
 
 @dataclass
@@ -80,7 +79,6 @@ def _greedy_verify(logits, rows, drafts, synthetic_rate) -> list:
     (or, in synthetic mode, while the seeded acceptance uniform is below the rate, as
     ``rejection_sample`` draws it); the emitted logprobs are of the raw distribution."""
     tokens, chosen = greedy_sample(logits)
-    lp_draft = None
     if synthetic_rate is not None:  # accepted drafts may differ from the argmax
         dtok = torch.tensor([t for d in drafts for t in list(d) + [0]], dtype=torch.int64)
         g = logits.gather(1, torch.stack([tokens, dtok.to(logits.device, non_blocking=True)], 1)).float()
@@ -89,15 +87,14 @@ def _greedy_verify(logits, rows, drafts, synthetic_rate) -> list:
         steps = torch.tensor([len(r.output_ids) + i for r, d in zip(rows, drafts) for i in range(len(d) + 1)],
                              dtype=torch.int64)
         synth = (_rs.accept_uniform(seeds, steps) < synthetic_rate).tolist()
-    toks, lps = tokens.tolist(), chosen.tolist()
-    if lp_draft is not None:
         accept = lambda b, j, row: synth[row]  # noqa: E731
-    else:
+    toks, lps = tokens.tolist(), chosen.tolist()
+    if synthetic_rate is None:   # accepted drafts are the argmax: their logprobs are the chosen ones
+        lp_draft = lps
         accept = lambda b, j, row: drafts[b][j] == toks[row]  # noqa: E731
     res = []
     for d, (base, m) in zip(drafts, _accepted_prefixes(drafts, accept)):
-        lp = lp_draft[base:base + m] if lp_draft is not None else lps[base:base + m]
-        res.append(Verified(list(d[:m]) + [toks[base + m]], lp + [lps[base + m]], None, m))
+        res.append(Verified(list(d[:m]) + [toks[base + m]], lp_draft[base:base + m] + [lps[base + m]], None, m))
     return res
 
 
