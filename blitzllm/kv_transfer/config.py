@@ -5,7 +5,7 @@ engines, tensors or HTTP.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Optional, Union
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -37,12 +37,10 @@ class KVTransferConfig:
 
     def with_address(self, host: str, port: int) -> "KVTransferConfig":
         """The address consumers use, unless the config names one (0.0.0.0 means loopback)."""
-        from dataclasses import replace
         ip = self.kv_ip if self.kv_ip != "127.0.0.1" else ("127.0.0.1" if host in ("0.0.0.0", "::", "") else host)
         return replace(self, kv_ip=ip, kv_port=self.kv_port or port)
 
     def to_dict(self) -> dict:
-        from dataclasses import asdict
         return asdict(self)
 
 

@@ -53,16 +53,13 @@ class LeaseTable:
     def sweep(self) -> list[str]:
         """Ids of the leases to free now (released, or past their deadline), removed from the table."""
         now = time.monotonic()
-        out = []
         with self._lock:
-            for lid, lease in list(self._leases.items()):
-                if lease.state == "released" or now > lease.deadline:
-                    if lease.state == "released":
-                        self.completed += 1
-                    else:
-                        self.expired += 1
-                    del self._leases[lid]
-                    out.append(lid)
+            out = [lid for lid, lease in self._leases.items() if lease.state == "released" or now > lease.deadline]
+            for lid in out:
+                if self._leases.pop(lid).state == "released":
+                    self.completed += 1
+                else:
+                    self.expired += 1
         return out
 
     def __len__(self) -> int:

@@ -11,7 +11,6 @@ import json
 import logging
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Optional
 
 import httpx
 from fastapi import FastAPI, Request
@@ -44,11 +43,8 @@ class RouterConfig:
 def prompt_text(body: dict) -> str:
     """The text a conversation's prefix key is made of: chat messages in order, or the prompt."""
     if isinstance(body.get("messages"), list):
-        parts = []
-        for m in body["messages"]:
-            if isinstance(m, dict):
-                parts.append(f"{m.get('role')}\x1f{json.dumps(m.get('content'), sort_keys=True)}\x1e")
-        return "".join(parts)
+        return "".join(f"{m.get('role')}\x1f{json.dumps(m.get('content'), sort_keys=True)}\x1e"
+                       for m in body["messages"] if isinstance(m, dict))
     p = body.get("prompt")
     return p if isinstance(p, str) else json.dumps(p)
 
@@ -86,17 +82,11 @@ def build_router_app(cfg: RouterConfig) -> FastAPI:
 
     app = FastAPI(title="blitz router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
-    def ready() -> Optional[str]:
-        for p in pools:
-            if not p.healthy():
-                return f"no {p.kind} backend is up"
-        return None
-
     @app.get("/health")
     async def health():
-        why = ready()
-        if why is not None:
-            return error(503, why, code="no_backend")
+        down = [p.kind for p in pools if not p.healthy()]
+        if down:
+            return error(503, f"no {down[0]} backend is up", code="no_backend")
         return JSONResponse({"status": "ok", "backends": {b.url: b.kind for p in pools for b in p.healthy()}})
 
     @app.get("/metrics")
@@ -182,5 +172,4 @@ def build_router_app(cfg: RouterConfig) -> FastAPI:
     async def completions(request: Request):
         return await handle(request, "/v1/completions")
 
-    app.state.pools = pools
     return app

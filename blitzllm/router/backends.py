@@ -36,12 +36,7 @@ class Backend:
 
     def match(self, keys: list) -> int:
         """How many leading prefix chunks of a prompt this backend has seen."""
-        n = 0
-        for k in keys:
-            if k not in self.prefixes:
-                break
-            n += 1
-        return n
+        return next((i for i, k in enumerate(keys) if k not in self.prefixes), len(keys))
 
 
 def prefix_keys(text: str) -> list:

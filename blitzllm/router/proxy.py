@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Callable, Optional
+from typing import Awaitable, Callable, Optional
 
 import httpx
 from fastapi import Request
@@ -59,85 +59,70 @@ class Proxy:
         self.client = client
         self.on_result = on_result   # (backend, status label) for the metrics
 
-    async def post_json(self, pool: Pool, path: str, body: dict, headers: dict,
-                        request: Request) -> tuple[Optional[Backend], Optional[httpx.Response]]:
-        """POST ``body`` to a healthy backend of ``pool`` (least outstanding), the next one when
-        the connection fails; (None, None) when none is left or the client went away."""
+    async def _send(self, pool: Pool, keys: Optional[list], request: Request,
+                    send: Callable[[Backend], Awaitable[httpx.Response]]) -> tuple:
+        """``send`` to a healthy backend of ``pool`` (``pool.pick``), the next one when the connection
+        fails: (backend, response), its outstanding count still raised; (backend, None) when the
+        client went away first; (None, None) when no backend is left."""
         tried = []
         while True:
-            b = pool.pick(exclude=tried)
+            b = pool.pick(keys, exclude=tried)
             if b is None:
                 return None, None
             tried.append(b)
+            if keys:
+                b.remember(keys)
             b.outstanding += 1
             b.served += 1
             try:
-                r = await until_done_or_gone(request, self.client.post(b.url + path, json=body, headers=headers))
+                r = await until_done_or_gone(request, send(b))
             except httpx.TransportError as e:
+                b.outstanding -= 1
                 b.up = False
                 self.on_result(b, "unreachable")
                 log.warning("backend %s failed: %s", b.url, e)
                 continue
-            finally:
+            except BaseException:
                 b.outstanding -= 1
+                raise
             if r is None:
-                self.on_result(b, "client_gone")
-                return b, None
-            self.on_result(b, str(r.status_code))
+                b.outstanding -= 1
+            self.on_result(b, "client_gone" if r is None else str(r.status_code))
             return b, r
+
+    async def post_json(self, pool: Pool, path: str, body: dict, headers: dict,
+                        request: Request) -> tuple[Optional[Backend], Optional[httpx.Response]]:
+        """POST ``body`` to a healthy backend of ``pool`` (least outstanding), the next one when
+        the connection fails; (None, None) when none is left, (backend, None) when the client went away."""
+        b, r = await self._send(pool, None, request,
+                                lambda b: self.client.post(b.url + path, json=body, headers=headers))
+        if r is not None:
+            b.outstanding -= 1
+        return b, r
 
     async def forward(self, pool: Pool, path: str, content: bytes, headers: dict, stream: bool, request: Request,
                       keys: Optional[list] = None, after: Optional[Callable[[], None]] = None) -> Response:
         """Send the body to one backend and relay its answer (SSE chunks as they come). ``after``
         runs once the backend has answered its headers, or failed, or the client left."""
-        tried = []
-        done = [False]
-
-        def finish():
-            if not done[0]:
-                done[0] = True
-                if after is not None:
-                    after()
         try:
-            while True:
-                b = pool.pick(keys, exclude=tried)
-                if b is None:
-                    finish()
-                    return error(503, f"no {pool.kind} backend is up; retry shortly", code="no_backend")
-                tried.append(b)
-                if keys:
-                    b.remember(keys)
-                b.outstanding += 1
-                b.served += 1
-                req = self.client.build_request("POST", b.url + path, content=content, headers=headers)
-                try:
-                    r = await until_done_or_gone(request, self.client.send(req, stream=True))
-                except httpx.TransportError as e:
-                    b.outstanding -= 1
-                    b.up = False
-                    self.on_result(b, "unreachable")
-                    log.warning("backend %s failed: %s", b.url, e)
-                    continue
-                if r is None:  # the client left before the backend answered
-                    b.outstanding -= 1
-                    self.on_result(b, "client_gone")
-                    finish()
-                    return Response(status_code=499)
-                finish()
-                self.on_result(b, str(r.status_code))
-                if not stream or r.status_code != 200:
-                    try:
-                        data = await until_done_or_gone(request, r.aread())
-                    finally:
-                        await r.aclose()
-                        b.outstanding -= 1
-                    return _reply(r, data or b"")
-                return StreamingResponse(self._relay(r, b), status_code=200, media_type="text/event-stream",
-                                         headers={k: v for k, v in r.headers.items()
-                                                  if k.lower() in ("x-request-id",)})
-        except BaseException:
-            finish()
-            raise
+            b, r = await self._send(pool, keys, request, lambda b: self.client.send(
+                self.client.build_request("POST", b.url + path, content=content, headers=headers), stream=True))
+        finally:
+            if after is not None:
+                after()
+        if b is None:
+            return error(503, f"no {pool.kind} backend is up; retry shortly", code="no_backend")
+        if r is None:  # the client left before the backend answered
+            return Response(status_code=499)
+        if not stream or r.status_code != 200:
+            try:
+                data = await until_done_or_gone(request, r.aread())
+            finally:
+                await r.aclose()
+                b.outstanding -= 1
+            return _reply(r, data or b"")
+        return StreamingResponse(self._relay(r, b), status_code=200, media_type="text/event-stream",
+                                 headers={k: v for k, v in r.headers.items() if k.lower() in ("x-request-id",)})
 
     @staticmethod
     async def _relay(r: httpx.Response, b: Backend):

@@ -40,13 +40,8 @@ class RequestIdMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        rid = None
-        for k, v in scope.get("headers", ()):
-            if k == b"x-request-id":
-                text = v.decode("latin-1")
-                rid = text if _CLIENT_ID.fullmatch(text) else None
-                break
-        rid = rid or uuid.uuid4().hex
+        text = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"x-request-id"), "")
+        rid = text if _CLIENT_ID.fullmatch(text) else uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = rid
         header = (b"x-request-id", rid.encode())
 
@@ -116,7 +111,7 @@ def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
         return app.openapi_schema
 
     app.openapi = openapi
-    app.state.aengine, app.state.serving, app.state.metrics = aengine, serving, metrics
+    app.state.aengine = aengine
     install_error_handlers(app)
     app.add_middleware(RequestIdMiddleware)
 
@@ -136,9 +131,14 @@ def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
         raw = await read_body(request, cfg.max_request_bytes)
         return await serving.cpu(lambda: parse_body(model, decode_json(raw)))
 
-    def counted(status_exc: APIError):
-        metrics.rejected(status_exc.status)
-        return status_exc
+    async def openai(request: Request, model, create):
+        """A generation endpoint: refusals before the engine are counted in the metrics."""
+        try:
+            guard(request)
+            return await create(serving, await body(request, model), request)
+        except APIError as e:
+            metrics.rejected(e.status)
+            raise
 
     @app.get("/health")
     async def health():
@@ -165,19 +165,11 @@ def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        try:
-            guard(request)
-            return await create_chat_completion(serving, await body(request, ChatCompletionRequest), request)
-        except APIError as e:
-            raise counted(e)
+        return await openai(request, ChatCompletionRequest, create_chat_completion)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        try:
-            guard(request)
-            return await create_completion(serving, await body(request, CompletionRequest), request)
-        except APIError as e:
-            raise counted(e)
+        return await openai(request, CompletionRequest, create_completion)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

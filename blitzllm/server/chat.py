@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from ..engine.async_engine import EngineStepError
 from .errors import bad_request
 from .protocol import ChatCompletionRequest
-from .reasoning import END, THINK_PARSERS, make_splitter, prompt_opens_thinking, split_reasoning
+from .reasoning import END, THINK_PARSERS, fed, make_splitter, prompt_opens_thinking, split_reasoning
 from .tools import FORMATS, Forced, ToolCallSplitter, check_tools, split_tool_calls
 from .serving import SSE_DONE, Serving, SSEResponse, kv_field, lp_value, pick, request_id, sse, usage
 
@@ -132,16 +132,10 @@ class _ChoiceParser:
             return {"content": text} if text or not final else {}
         reasoning, content = "", text
         if self.reasoning is not None:
-            reasoning, content = self.reasoning.feed(text)
-            if final:
-                r2, c2 = self.reasoning.finish()
-                reasoning, content = reasoning + r2, content + c2
+            reasoning, content = fed(self.reasoning, text, final)
         calls = []
         if self.tools is not None:
-            content, calls = self.tools.feed(content)
-            if final:
-                c2, calls2 = self.tools.finish()
-                content, calls = content + c2, calls + calls2
+            content, calls = fed(self.tools, content, final)
             calls = [c for c in calls if not (self.one_call and c["index"] > 0)]
             self.called = self.called or (bool(calls) and not self.forced)
         return {**({"reasoning_content": reasoning} if reasoning else {}), **({"content": content} if content else {}),

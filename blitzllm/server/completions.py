@@ -45,12 +45,12 @@ def _completion_prompts(s: Serving, prompt, echo: bool) -> list:
     return out
 
 
-def _prompt_logprobs(s: Serving, ids, plp, k) -> dict:
-    """The echoed prompt's part of the legacy logprobs: its first token has none (null), each
-    later one its logprob and top k (as vLLM and OpenAI's legacy API return them)."""
-    tokens, token_lps, tops, offsets, offset = [], [], [], [], 0
-    plp = plp or [None] * len(ids)
-    for tid, d in zip(ids, plp):
+def _legacy_logprobs(s: Serving, token_ids, lps, k, offset: int = 0) -> dict:
+    """The legacy completions logprobs: parallel lists, top-k as {token text: logprob}. A token
+    whose entry in ``lps`` is None (an echoed prompt's first) has null ones, as vLLM and OpenAI's
+    legacy API return it."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for tid, d in zip(token_ids, lps):
         text = s.tok_str(tid)
         tokens.append(text)
         offsets.append(offset)
@@ -65,22 +65,9 @@ def _prompt_logprobs(s: Serving, ids, plp, k) -> dict:
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def _joined(a: dict, b: dict) -> dict:
-    return {key: a[key] + b[key] for key in a}
-
-
-def _cmpl_logprobs(s: Serving, token_ids, lps, k, offset) -> dict:
-    """The legacy completions logprobs: parallel lists, top-k as {token text: logprob}."""
-    tokens, token_lps, tops, offsets = [], [], [], []
-    for tid, d in zip(token_ids, lps or []):
-        text = s.tok_str(tid)
-        tokens.append(text)
-        token_lps.append(lp_value(d.get(tid, -9999.0)))
-        top = sorted(d.items(), key=lambda kv: -kv[1])[:k] if k else [(tid, d.get(tid, -9999.0))]
-        tops.append({s.tok_str(t): lp_value(v) for t, v in top})
-        offsets.append(offset)
-        offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+def _prompt_logprobs(s: Serving, ids, plp, k) -> dict:
+    """The echoed prompt's part of the legacy logprobs (its first token has none)."""
+    return _legacy_logprobs(s, ids, plp or [None] * len(ids), k)
 
 
 async def create_completion(s: Serving, req: CompletionRequest, raw: Request) -> Response:
@@ -136,9 +123,10 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
         echo = echoes[i // n]
         lp = None
         if k is not None:
-            lp = _cmpl_logprobs(s, c["ids"], c["lps"], k, len(echo))
+            lp = _legacy_logprobs(s, c["ids"], c["lps"], k, len(echo))
             if req.echo:  # (the prompt's logprobs come with each prompt's first choice)
-                lp = _joined(_prompt_logprobs(s, prompts[i // n][0], result[i - i % n]["plp"], k), lp)
+                plp = _prompt_logprobs(s, prompts[i // n][0], result[i - i % n]["plp"], k)
+                lp = {key: plp[key] + lp[key] for key in lp}
         choices.append({"index": i, "text": echo + "".join(c["text"]), "logprobs": lp,
                         "finish_reason": c["reason"], "stop_reason": c["stop"]})
     ntok = sum(len(c["ids"]) for c in result)
@@ -168,21 +156,21 @@ async def _cmpl_sse(s: Serving, base, created, streams, n, k, echoes, echo_ids, 
                     yield sse({**head, "choices": [{"index": j * n + i, "text": echo, "logprobs": None,
                                                     "finish_reason": None}]})
         async for j, ev in merge(streams):
+            idx = j * n + ev.index
             if ev.prompt_logprobs is not None:
                 plps[j] = ev.prompt_logprobs
-            if j * n + ev.index in pending:
-                pending.discard(j * n + ev.index)
-                yield sse({**head, "choices": [{"index": j * n + ev.index, "text": echoes[j], "finish_reason": None,
+            if idx in pending:
+                pending.discard(idx)
+                yield sse({**head, "choices": [{"index": idx, "text": echoes[j], "finish_reason": None,
                                                 "logprobs": _prompt_logprobs(s, echo_ids[j], plps.get(j), k)}]})
             ntok += len(ev.new_token_ids)
             # skip empty deltas (text held back for stop strings or partial UTF-8); a model
             # without a tokenizer streams one empty chunk per token so clients see progress
             if not ev.text and ev.finish_reason is None and k is None and s.tokenizer is not None:
                 continue
-            idx = j * n + ev.index
             lp = None
             if k is not None:
-                lp = _cmpl_logprobs(s, ev.new_token_ids, ev.logprobs, k, offsets[idx])
+                lp = _legacy_logprobs(s, ev.new_token_ids, ev.logprobs or [], k, offsets[idx])
             offsets[idx] += len(ev.text)
             choice = {"index": idx, "text": ev.text, "logprobs": lp, "finish_reason": ev.finish_reason}
             if ev.finish_reason is not None:

@@ -117,18 +117,13 @@ def _surrogate_path(obj, path: tuple) -> Optional[tuple]:
     """The path of the first string (or key) in ``obj`` holding a lone surrogate, else None."""
     if isinstance(obj, str):
         return path if _SURROGATE.search(obj) else None
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            if _SURROGATE.search(k):
-                return path
-            found = _surrogate_path(v, path + (k,))
-            if found is not None:
-                return found
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            found = _surrogate_path(v, path + (i,))
-            if found is not None:
-                return found
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for k, v in items:
+        if isinstance(k, str) and _SURROGATE.search(k):
+            return path
+        found = _surrogate_path(v, path + (k,))
+        if found is not None:
+            return found
     return None
 
 
@@ -161,11 +156,6 @@ def decode_json(raw: bytes) -> dict:
                               "\\uD800-\\uDFFF escape), which is not a Unicode character", param=param,
                               code="invalid_unicode")
     return obj
-
-
-async def read_json(request: Request, limit: int) -> dict:
-    """The request body as a JSON object (``read_body`` + ``decode_json``)."""
-    return decode_json(await read_body(request, limit))
 
 
 def parse_body(model: type[BaseModel], obj: dict) -> BaseModel:

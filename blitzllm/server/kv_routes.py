@@ -21,9 +21,10 @@ def install_kv_routes(app: FastAPI, aengine, guard, read) -> None:
             raise APIError(404, "this server has no --kv-transfer-config", code="kv_transfer_off")
         return conn
 
-    async def lease_of(request: Request) -> dict:
+    async def guarded_lease(request: Request) -> dict:
+        guard(request)
         body = decode_json(await read(request))
-        if not isinstance(body, dict) or not isinstance(body.get("lease"), str):
+        if not isinstance(body.get("lease"), str):  # (decode_json gives an object)
             raise APIError(400, "the body must be an object with a string 'lease'", param="lease")
         return body
 
@@ -34,8 +35,7 @@ def install_kv_routes(app: FastAPI, aengine, guard, read) -> None:
 
     @app.post("/kv_transfer/claim", include_in_schema=False)
     async def kv_claim(request: Request):
-        guard(request)
-        body = await lease_of(request)
+        body = await guarded_lease(request)
         out = connector().claim(body["lease"], bool(body.get("agent_metadata")))
         if out is None:
             raise APIError(404, f"no KV lease {body['lease']!r} to claim (expired, released or claimed)",
@@ -44,6 +44,5 @@ def install_kv_routes(app: FastAPI, aengine, guard, read) -> None:
 
     @app.post("/kv_transfer/release", include_in_schema=False)
     async def kv_release(request: Request):
-        guard(request)
-        body = await lease_of(request)
+        body = await guarded_lease(request)
         return JSONResponse({"released": connector().release(body["lease"])})

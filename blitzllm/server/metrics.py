@@ -29,15 +29,13 @@ class _EngineCollector:
         s = self._stats() or {}
         lab = [self._model]
 
-        def gauge(name, doc, value):
-            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+        def gauge(name, doc, value, family=GaugeMetricFamily):
+            g = family(name, doc, labels=["model_name"])
             g.add_metric(lab, float(value))
             return g
 
         def counter(name, doc, value):
-            c = CounterMetricFamily(name, doc, labels=["model_name"])
-            c.add_metric(lab, float(value))
-            return c
+            return gauge(name, doc, value, CounterMetricFamily)
 
         yield gauge("blitz_num_requests_running", "Sequences in the running batch.", s.get("num_running", 0))
         yield gauge("blitz_num_requests_waiting", "Sequences waiting to be scheduled.", s.get("num_waiting", 0))

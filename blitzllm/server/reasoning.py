@@ -92,11 +92,19 @@ def make_splitter(parser: Optional[str], prompt_text: str):
     return AppendThink(opened) if parser == "minimax_m2_append_think" else ThinkSplitter(opened)
 
 
+def fed(splitter, text: str, final: bool = True) -> tuple:
+    """``splitter.feed(text)`` (a reasoning or tool-call splitter), with what it still held back
+    when ``final`` (the sequence has ended)."""
+    a, b = splitter.feed(text)
+    if final:
+        a2, b2 = splitter.finish()
+        a, b = a + a2, b + b2
+    return a, b
+
+
 def split_reasoning(splitter, text: str) -> tuple[Optional[str], Optional[str]]:
     """(reasoning_content, content) of a whole output: None for a part it does not have
     (reasoning where no block was open; content where nothing followed the block)."""
-    r1, c1 = splitter.feed(text)
-    r2, c2 = splitter.finish()
-    reasoning, content = r1 + r2, c1 + c2
+    reasoning, content = fed(splitter, text)
     return (reasoning if splitter.saw_reasoning else None), (content if content or not splitter.saw_reasoning
                                                               else None)

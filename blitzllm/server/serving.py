@@ -100,8 +100,7 @@ def json_with_ids(head: dict, key: str, ids: list) -> bytes:
 def request_id(raw: Request) -> str:
     """The request's id: its X-Request-Id (echoed on the response by ``api.RequestIdMiddleware``)
     or the one the middleware generated; the engine request ids and response ids carry it."""
-    rid = getattr(raw.state, "request_id", None)
-    return rid if rid else uuid.uuid4().hex
+    return getattr(raw.state, "request_id", None) or uuid.uuid4().hex
 
 
 class SSEResponse(StreamingResponse):
@@ -191,14 +190,12 @@ class Serving:
         tok = self.worker_tokenizer("nothing to tokenize with")
         backend = getattr(tok, "backend_tokenizer", None)
         if backend is None:  # a Python tokenizer
-            ids = tok.encode(text, add_special_tokens=add_special_tokens)
-            n = len(ids)
-        else:
+            enc = tok.encode(text, add_special_tokens=add_special_tokens)
+        else:  # (len(enc) counts the tokens without building their list)
             enc = backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
-            n, ids = len(enc), None
         if param is not None:
-            self.check_prompt_len(n, param)
-        return list(enc.ids) if ids is None else list(ids)
+            self.check_prompt_len(len(enc), param)
+        return list(enc if backend is None else enc.ids)
 
     def check_prompt_chars(self, text: str, param: str) -> None:
         """A 400 (context_length_exceeded) for a text too long to fit, before tokenizing it."""
@@ -228,10 +225,9 @@ class Serving:
             card.update(max_model_len=self.max_model_len, vocab_size=self.vocab_size)
         return card
 
-    def need_tokenizer(self, what: str):
+    def need_tokenizer(self, what: str) -> None:
         if self.tokenizer is None:
             raise bad_request(f"this model has no tokenizer: {what}")
-        return self.tokenizer
 
     def tok_str(self, tid: int) -> str:
         s = self._tok_str.get(tid)
@@ -300,9 +296,8 @@ class Serving:
         first = msg.split(" ", 1)[0]
         rename = {"max_tokens": max_tokens_field, "logprobs": logprobs_field}
         if first in _FIELDS:
-            if first in rename and rename[first] != first:
-                msg = rename[first] + msg[len(first):]
-            return bad_request(msg, param=rename.get(first, first))
+            param = rename.get(first, first)
+            return bad_request(param + msg[len(first):], param=param)
         if first == "structured_output" or msg == STRUCTURED_INSTALL:
             return bad_request(msg, param=structured_field or "structured_outputs")
         if "max_tokens" in msg:  # prompt + max_tokens over the context length

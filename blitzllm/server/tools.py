@@ -8,10 +8,11 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from functools import partial
 from typing import Optional
 
 from .errors import bad_request
-from .reasoning import _held_tail
+from .reasoning import _held_tail, fed
 
 TOOL_PARSERS = ("hermes", "deepseek_v3", "deepseek_v31", "minimax_m2", "qwen3_coder")
 START, END = "<tool_call>", "</tool_call>"
@@ -167,12 +168,17 @@ def _deepseek_v31_call(inner: str, tools=None) -> Optional[dict]:
     return _tool_call(name.strip(), args.strip()) if sep else None
 
 
+# MiniMax-M2: one or more <invoke name="NAME"><parameter name="KEY">VALUE</parameter>...</invoke>
 _INVOKE = re.compile(r'<invoke name="([^"]+)">(.*?)</invoke>', re.S)
 _PARAM = re.compile(r'<parameter name="([^"]+)">(.*?)</parameter>', re.S)
+# Qwen3.5 / Qwen3-Coder: <function=NAME> with <parameter=KEY> newline VALUE newline </parameter>
+# elements (a value may span lines)
+_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
+_QPARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
 
 
 def _typed(value: str, schema) -> object:
-    """A MiniMax parameter's text as its schema's type: JSON for non-string types where it parses,
+    """An XML-style parameter's text as its schema's type: JSON for non-string types where it parses,
     else the text."""
     kind = schema.get("type") if isinstance(schema, dict) else None
     text = value.strip()
@@ -197,22 +203,6 @@ def _xml_calls(inner: str, tools, invoke: re.Pattern, param: re.Pattern) -> Opti
     return calls if calls and all(calls) else None
 
 
-def _minimax_m2_calls(inner: str, tools=None) -> Optional[list]:
-    """MiniMax-M2: one or more ``<invoke name="NAME"><parameter name="KEY">VALUE</parameter>...
-    </invoke>`` (values typed by the request's tool schemas)."""
-    return _xml_calls(inner, tools, _INVOKE, _PARAM)
-
-
-_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
-_QPARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
-
-
-def _qwen3_coder_calls(inner: str, tools=None) -> Optional[list]:
-    """Qwen3.5 / Qwen3-Coder: ``<function=NAME>`` with ``<parameter=KEY>`` newline VALUE newline
-    ``</parameter>`` elements (a value may span lines), typed by the request's tool schemas."""
-    return _xml_calls(inner, tools, _FUNCTION, _QPARAM)
-
-
 class ToolFormat:
     """A model's tool-call blocks: ``start`` ... ``end`` around each call (or several: ``parse``
     returns a list then), whose inner text ``parse`` reads with the request's tools; ``drop``:
@@ -228,8 +218,9 @@ FORMATS = {
     "hermes": ToolFormat(START, END, _hermes_call),
     "deepseek_v3": ToolFormat(_DS_BEGIN, _DS_END, _deepseek_v3_call, _DS_DROP),
     "deepseek_v31": ToolFormat(_DS_BEGIN, _DS_END, _deepseek_v31_call, _DS_DROP),
-    "minimax_m2": ToolFormat("<minimax:tool_call>", "</minimax:tool_call>", _minimax_m2_calls),
-    "qwen3_coder": ToolFormat(START, END, _qwen3_coder_calls),
+    "minimax_m2": ToolFormat("<minimax:tool_call>", "</minimax:tool_call>",
+                             partial(_xml_calls, invoke=_INVOKE, param=_PARAM)),
+    "qwen3_coder": ToolFormat(START, END, partial(_xml_calls, invoke=_FUNCTION, param=_QPARAM)),
 }
 
 
@@ -285,10 +276,7 @@ def split_tool_calls(text: Optional[str], parser: str = "hermes", tools=None) ->
     is left beside calls."""
     if text is None:
         return None, []
-    sp = ToolCallSplitter(FORMATS[parser], tools)
-    c1, calls = sp.feed(text)
-    c2, _ = sp.finish()
-    content = c1 + c2
+    content, calls = fed(ToolCallSplitter(FORMATS[parser], tools), text)
     if calls and not content.strip():
         content = None
     return content, [{k: v for k, v in c.items() if k != "index"} for c in calls]
