@@ -120,8 +120,7 @@ class LLM:
         """One conversation (a list of {role, content}) or a list of conversations."""
         single = bool(messages) and isinstance(messages[0], dict)
         convs = [messages] if single else list(messages)
-        outs = self.generate([self.apply_chat_template(c) for c in convs], params)
-        return outs
+        return self.generate([self.apply_chat_template(c) for c in convs], params)
 
     def stats(self) -> dict:
         return self.engine.stats()

@@ -3,7 +3,7 @@ values are applied lives in ``layers/sampler.py``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence, Union
 
 _MAX_SEED = 2**63 - 1
@@ -80,11 +80,10 @@ class SamplingParams:
             raise _err("min_tokens", "an integer >= 0", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise _err("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
-        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
-            raise _err("logprobs", "an integer in [0, 20]", self.logprobs)
-        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs)
-                                                 or not 0 <= self.prompt_logprobs <= 20):
-            raise _err("prompt_logprobs", "an integer in [0, 20]", self.prompt_logprobs)
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not is_int(v) or not 0 <= v <= 20):
+                raise _err(name, "an integer in [0, 20]", v)
         if self.logit_bias is not None:
             bias = self.logit_bias
             if not isinstance(bias, dict) or not all(is_int(t) and t >= 0 for t in bias):
@@ -126,7 +125,4 @@ class SamplingParams:
                 or self.repetition_penalty != 1.0)
 
     def clone(self, **changes) -> "SamplingParams":
-        from dataclasses import asdict
-        d = asdict(self)
-        d.update(changes)
-        return SamplingParams(**d)
+        return replace(self, **changes)

@@ -55,13 +55,7 @@ class RequestStream:
         self._remaining = n
         self._queue: asyncio.Queue = asyncio.Queue()
 
-    def _put(self, item) -> None:
-        self._queue.put_nowait(item)
-
-    def __aiter__(self):
-        return self._iterate()
-
-    async def _iterate(self):
+    async def __aiter__(self):
         done = 0
         while done < self.n:
             item = await self._queue.get()
@@ -128,10 +122,6 @@ class AsyncEngine:
         """The engine's counters as of the end of its last step (None while loading)."""
         return self._stats
 
-    @property
-    def num_pending(self) -> int:
-        return len(self._streams)
-
     async def add_request(self, request_id: str, prompt, params: SamplingParams,
                           kv_transfer_params: Optional[dict] = None) -> RequestStream:
         """Queue a request; returns its stream once the engine accepted it. Raises
@@ -195,7 +185,7 @@ class AsyncEngine:
             if s.first_token_time is None:
                 s.first_token_time = t
             s._last_token_time[ev.index] = t
-            s._put(ev)
+            s._queue.put_nowait(ev)
             if ev.finish_reason is not None:
                 s._remaining -= 1
                 if s._remaining == 0:
@@ -217,20 +207,14 @@ class AsyncEngine:
 
     def _fail_all(self, exc: BaseException) -> None:
         for rid, s in list(self._streams.items()):
-            s._put(exc)
+            s._queue.put_nowait(exc)
             s.finished = True
             del self._streams[rid]
 
-    def _died(self, error: BaseException) -> None:
-        self.ready = False
-        self.load_error = error
-        if self._on_load_error is not None:
-            self._on_load_error(error)
-
     def _loaded(self, error: Optional[BaseException]) -> None:
-        if error is None:
-            self.ready = True
-        else:
+        """The engine can serve (``error`` None), or it cannot: it failed to load or died."""
+        self.ready = error is None
+        if error is not None:
             self.load_error = error
             if self._on_load_error is not None:
                 self._on_load_error(error)
@@ -269,7 +253,7 @@ class AsyncEngine:
                     log.error("engine failed: %s", e)
                     self.fatal_error = e
                     self._loop.call_soon_threadsafe(self._fail_all, EngineStepError(f"the engine failed: {e}"))
-                    self._loop.call_soon_threadsafe(self._died, e)
+                    self._loop.call_soon_threadsafe(self._loaded, e)
                     return
                 except Exception as e:  # an engine bug: fail what is in flight, keep serving
                     log.error("engine step failed:\n%s", traceback.format_exc())

@@ -4,6 +4,7 @@ requests or the scheduler (docs/design.md#streaming-text-the-detokenizer).
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Iterable, Optional, Sequence, Union
 
 _REPLACEMENT = "\ufffd"
@@ -16,16 +17,9 @@ def _make_decoder(tokenizer, skip_special_tokens: bool) -> Callable[[list[int]],
     """Return ``ids -> text`` without tokenization-space cleanup (which is not incremental)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)  # fast (Rust) tokenizers
     if backend is not None and callable(getattr(backend, "decode", None)):
-        decode = backend.decode
-
-        def fast(ids: list[int]) -> str:
-            return decode(ids, skip_special_tokens=skip_special_tokens)
-        return fast
-
-    def slow(ids: list[int]) -> str:
-        return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
-                                clean_up_tokenization_spaces=False)
-    return slow
+        return functools.partial(backend.decode, skip_special_tokens=skip_special_tokens)
+    return functools.partial(tokenizer.decode, skip_special_tokens=skip_special_tokens,
+                             clean_up_tokenization_spaces=False)
 
 
 class IncrementalDetokenizer:
@@ -40,11 +34,9 @@ class IncrementalDetokenizer:
                  include_stop_str_in_output: bool = False):
         self.tokenizer = tokenizer
         self.skip_special_tokens = bool(skip_special_tokens)
-        if stop is None:
-            stop = ()
-        elif isinstance(stop, str):
+        if isinstance(stop, str):
             stop = (stop,)
-        self.stop: list[str] = list(dict.fromkeys(s for s in stop if s))
+        self.stop: list[str] = list(dict.fromkeys(s for s in stop or () if s))
         self.include_stop_str_in_output = bool(include_stop_str_in_output)
 
         self.stopped: bool = False
@@ -148,15 +140,9 @@ class IncrementalDetokenizer:
         if not pending:
             return ""
         if self.stop:
-            best = None  # (end, start, stop string)
-            for s in self.stop:
-                i = pending.find(s)
-                if i >= 0:
-                    key = (i + len(s), i, s)
-                    if best is None or key[:2] < best[:2]:
-                        best = key
-            if best is not None:
-                end, begin, s = best
+            hits = [(i + len(s), i, s) for s in self.stop if (i := pending.find(s)) >= 0]
+            if hits:  # the stop string that completes first (the earlier start on a tie)
+                end, begin, s = min(hits, key=lambda h: h[:2])
                 delta = pending[:end if self.include_stop_str_in_output else begin]
                 self._pending = ""
                 self.stopped = True

@@ -16,12 +16,10 @@ import torch
 
 from ..config import CacheConfig, ModelConfig, SchedulerConfig
 from ..distributed.parallel_state import SINGLE
-from ..kernels._common import reference_ops
-from ..layers.sampler import SamplingMetadata, SamplingRow
+from ..layers.sampler import SamplingRow
 from ..loader.source import resolve_model
 from ..envs import Knobs
 from ..runner.build import build_runner
-from ..runner.model_runner import StepResult
 from ..sampling_params import SamplingParams
 from ..spec.config import parse_speculative_config
 from .args import (EngineArgs, check_tp_size, plan_kv_blocks, resolve_device, resolve_dtype, resolve_weight_dtype,
@@ -306,16 +304,13 @@ class Engine:
         sample_idx = [i for i, s in enumerate(seqs) if s.samples]
         if any(s.req.prompt_logprobs_from is not None for s in seqs):
             logits = self._score(seqs, batch, tables, {i: 1 for i in sample_idx}, self._plan_states(seqs))
-            result = self._sample(logits, rows)
+            result = self.runner.sample(logits, rows)
         else:
             result = self.runner.execute(batch, tables, sample_idx, rows, self._plan_states(seqs))
         self.scheduler.step_done(seqs)
-        events = []
-        now = time.monotonic()
-        for j, s in enumerate(sampling):
-            top = result.top[j] if result.top is not None else None
-            events.append(self._append_token(s.req, result.token_ids[j], result.logprobs[j], top, now))
-        return events
+        tops = result.top or [None] * len(sampling)
+        return [self._append_token(s.req, tok, lp, top)
+                for s, tok, lp, top in zip(sampling, result.token_ids, result.logprobs, tops)]
 
     def _spec_step(self, seqs, drafts) -> list[StepEvent]:
         """A step where some decodes carry drafts: the target scores every draft position
@@ -331,13 +326,13 @@ class Engine:
         verified = self.spec.verify(self.runner.sampler, logits, rows, [drafts[i] for i in sample_idx],
                                     self.model_config.vocab_size, self.device)
         self.scheduler.step_done([s for s, d in zip(seqs, drafts) if not d])
-        events, now = [], time.monotonic()
+        events = []
         for i, v in zip(sample_idx, verified):
             s = seqs[i]
             evs = []
             for j, tok in enumerate(v.tokens):
                 top = v.top[j] if v.top is not None else None
-                evs.append(self._append_token(s.req, tok, v.logprobs[j], top, now))
+                evs.append(self._append_token(s.req, tok, v.logprobs[j], top))
                 if s.req.finished:
                     break
             if drafts[i] and not s.req.finished:
@@ -398,17 +393,6 @@ class Engine:
                     d.setdefault(j, v)
                 req.prompt_logprobs.append(d)
 
-    def _sample(self, logits: Optional[torch.Tensor], rows: list) -> StepResult:
-        """The sampler on the sampling rows' logits (what ``runner.execute`` does after its forward)."""
-        if not rows:
-            return StepResult([], [], None)
-        with reference_ops(self.knobs.reference), torch.inference_mode():
-            out = self.runner.sampler(logits, SamplingMetadata.build(rows, self.model_config.vocab_size, self.device))
-            top = None
-            if out.top_ids is not None:
-                top = [list(zip(a, b)) for a, b in zip(out.top_ids.tolist(), out.top_logprobs.tolist())]
-            return StepResult(out.token_ids.tolist(), out.logprobs.tolist(), top)
-
     def _plan_states(self, seqs, drafts=None):
         """A hybrid model's state rows for the step (engine/state_cache.py); None for others."""
         return self.kv.plan_states(seqs, drafts) if isinstance(self.kv, HybridKVCacheManager) else None
@@ -422,7 +406,7 @@ class Engine:
                            output_ids=req.output_token_ids,
                            eos_token_id=req.eos_token_ids[0] if req.eos_token_ids else None, matcher=req.matcher)
 
-    def _append_token(self, req: Request, tok: int, lp: float, top, now: float) -> StepEvent:
+    def _append_token(self, req: Request, tok: int, lp: float, top) -> StepEvent:
         p = req.params
         rid, index = req.request_id.rsplit("#", 1)
         plp = None if req.output_token_ids or req.prompt_logprobs is None else [None] + req.prompt_logprobs
@@ -433,8 +417,6 @@ class Engine:
         req.output_token_ids.append(tok)
         if req.matcher is not None:
             req.matcher.accept_token(tok)
-        if req.first_token_time is None:
-            req.first_token_time = now
         self.counters["generation_tokens"] += 1
         lps = None
         if p.logprobs is not None:

@@ -127,11 +127,7 @@ class KVCacheManager:
             return
         keep = -(-num_tokens // self.block_size)
         while len(table) > keep:
-            blk = self.blocks[table.pop()]
-            blk.ref -= 1
-            assert blk.ref >= 0
-            if blk.ref == 0:
-                self.free[blk.id] = None
+            self._release(table.pop())
         hashes = self.hashes.get(rid)
         if hashes is not None:
             del hashes[num_tokens // self.block_size:]
@@ -143,11 +139,15 @@ class KVCacheManager:
             return
         # tail blocks first, so they are evicted before the shared prefix
         for bid in reversed(table):
-            blk = self.blocks[bid]
-            blk.ref -= 1
-            assert blk.ref >= 0
-            if blk.ref == 0:
-                self.free[bid] = None
+            self._release(bid)
+
+    def _release(self, bid: int) -> None:
+        """Drop one reference to block ``bid``; it joins the free queue (its hash kept) at none."""
+        blk = self.blocks[bid]
+        blk.ref -= 1
+        assert blk.ref >= 0
+        if blk.ref == 0:
+            self.free[bid] = None
 
     def reset_prefix_cache(self) -> None:
         for blk in self.blocks:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -28,13 +27,10 @@ class Request:
     output_token_ids: list = field(default_factory=list)
     output_logprobs: list = field(default_factory=list)   # per token {id: logprob} or None
     num_computed_tokens: int = 0
-    num_preemptions: int = 0
     status: Status = Status.WAITING
     finish_reason: Optional[str] = None
     stop_reason: object = None
     detok: object = None
-    arrival_time: float = field(default_factory=time.monotonic)
-    first_token_time: Optional[float] = None
     num_cached_tokens: int = 0
     matcher: object = None        # structured output: its grammar matcher (blitzllm/structured.py)
     # with params.prompt_logprobs (the first of n sequences): per prompt token from the second on,

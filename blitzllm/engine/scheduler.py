@@ -66,7 +66,6 @@ class Scheduler:
         self.kv.free_request(req.request_id)
         req.num_computed_tokens = 0
         req.status = Status.WAITING
-        req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 

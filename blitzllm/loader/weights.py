@@ -128,16 +128,10 @@ def _check_complete(model, params, modules, loaded):
     for n, p in params.items():
         mod = modules[n.rsplit(".", 1)[0]] if "." in n else model
         need = required(n) if required is not None else None
-        if need is not None:
-            if all(k in loaded for k in need):
-                continue
-        elif isinstance(mod, PackedLinear) and n.endswith(("weight", "bias")):
+        if need is None and isinstance(mod, PackedLinear) and n.endswith(("weight", "bias")):
             need = [f"{n}#{i}" for i in range(len(mod.shard_sizes))]
-            if all(k in loaded for k in need):
-                continue
-        elif n in loaded or id(p) in tied:
-            continue
-        missing.append(n)
+        if not (all(k in loaded for k in need) if need is not None else n in loaded or id(p) in tied):
+            missing.append(n)
     if missing:
         raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:6])}"
                          + (" ..." if len(missing) > 6 else ""))

@@ -270,9 +270,6 @@ class CpuDecode:
                 torch._dynamo.mark_dynamic(mask, 3)
         cos, sin = rotary_tables(self.rotary.cos_sin_cache, pos_t)
         residual = self.embed(ids_t)
-        if self.step_bf16 is not None and len(ids) == 1:
-            return self._run_native(self.step_bf16, residual, cos, sin, slots_t, gidx,
-                                    torch.tensor(lens, dtype=torch.int64))
         if self.bf16_glue:
             return self._run_bf16(residual, cos, sin, slots_t, gidx, torch.tensor(lens, dtype=torch.int64))
         # the first layer adds zeros of the dtype a layer returns (bf16 from a packed down_proj): the
@@ -292,28 +289,24 @@ class CpuDecode:
         h, _ = self.norm(_as(x, residual.dtype), residual)
         return self.model.compute_logits(h)
 
-    def _run_native(self, step, residual, cos, sin, slots, gidx, lens) -> torch.Tensor:
-        """Every layer in one C call (``step``: DecodeLayersBf16), then the final norm and the
-        logits."""
-        B = residual.shape[0]
-        x = torch.zeros_like(residual)
-        step.run(x, residual, cos.reshape(B, -1).contiguous(), sin.reshape(B, -1).contiguous(), slots, gidx, lens)
-        h, _ = self.norm(x, residual)
-        return self.model.compute_logits(h)
-
     def _run_bf16(self, residual, cos, sin, slots, gidx, lens) -> torch.Tensor:
+        """The bf16 forms: one row in one C call (``step_bf16``: DecodeLayersBf16), else our C glue
+        between torch's bf16 GEMMs, layer by layer; then the final norm and the logits."""
         B = residual.shape[0]
         cos, sin = cos.reshape(B, -1).contiguous(), sin.reshape(B, -1).contiguous()
         x = torch.zeros_like(residual)
-        for (ln1, ln2, _, _, qn, kn, _, _, _, dims), (kc, vc), (qkv_proj, o_proj, gate_up, down) in zip(
-                self.layers, self.kv_caches, self.linears):
-            hq, hkv, d, inter, eps, scale, qk_eps = dims
-            qkv = qkv_proj(cpu_decode.add_rms_norm(x, residual, ln1, eps))
-            o = cpu_decode.decode_attention(qkv, qn, kn, qk_eps, cos, sin, kc, vc, slots, gidx, lens, hq, hkv, d,
-                                            scale)
-            x = o_proj(o)
-            gu = gate_up(cpu_decode.add_rms_norm(x, residual, ln2, eps))
-            x = down(F.silu(gu[:, :inter]) * gu[:, inter:])
+        if self.step_bf16 is not None and B == 1:
+            self.step_bf16.run(x, residual, cos, sin, slots, gidx, lens)
+        else:
+            layers = zip(self.layers, self.kv_caches, self.linears)
+            for (ln1, ln2, _, _, qn, kn, _, _, _, dims), (kc, vc), (qkv_proj, o_proj, gate_up, down) in layers:
+                hq, hkv, d, inter, eps, scale, qk_eps = dims
+                qkv = qkv_proj(cpu_decode.add_rms_norm(x, residual, ln1, eps))
+                o = cpu_decode.decode_attention(qkv, qn, kn, qk_eps, cos, sin, kc, vc, slots, gidx, lens, hq, hkv,
+                                                d, scale)
+                x = o_proj(o)
+                gu = gate_up(cpu_decode.add_rms_norm(x, residual, ln2, eps))
+                x = down(F.silu(gu[:, :inter]) * gu[:, inter:])
         h, _ = self.norm(x, residual)
         return self.model.compute_logits(h)
 

@@ -202,11 +202,14 @@ class ModelRunner:
                 and all(e - s == 1 for _, s, e in seqs) and not body._forward_hooks and not body._forward_pre_hooks):
             self._ahead = None
             cur = self._decode_inputs(seqs, block_tables)
-            logits = self.cpu_decode.run([t[0] for t, _, _ in seqs], *cur, block_tables)
-            smd = SamplingMetadata.build(rows, self.cfg.vocab_size, self.device)
-            return _host_result(_to_host_async(self.sampler(logits, smd)))
-        logits = self.score(seqs, block_tables, sample_idx, [1] * len(sample_idx), states)
-        if not sample_idx:
+            return self.sample(self.cpu_decode.run([t[0] for t, _, _ in seqs], *cur, block_tables), rows)
+        return self.sample(self.score(seqs, block_tables, sample_idx, [1] * len(sample_idx), states), rows)
+
+    @torch.inference_mode()
+    @_kernel_mode
+    def sample(self, logits: Optional[torch.Tensor], rows: list[SamplingRow]) -> StepResult:
+        """The sampler on the sampling rows' logits (one row each), its output on the host."""
+        if not rows:
             return StepResult([], [], None)
         smd = SamplingMetadata.build(rows, self.cfg.vocab_size, self.device)
         return _host_result(_to_host_async(self.sampler(logits, smd)))
@@ -245,7 +248,6 @@ class ModelRunner:
             return None
         idx = [p for i, c in zip(sample_idx, counts) for p in range(qsl[i + 1] - c, qsl[i + 1])]
         return self.model.compute_logits(hidden.index_select(0, torch.tensor(idx, device=self.device)))
-
 
     def _score_as_decode_rows(self, seqs, block_tables) -> torch.Tensor:
         """A verify step where every position is scored: each position becomes a decode row
