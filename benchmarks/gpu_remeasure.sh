@@ -40,6 +40,7 @@ Q35_LAYERS=${Q35_LAYERS:-$([ "${mem_mib:-0}" -gt 100000 ] && echo 8 || echo 4)}
 MTP_LAYERS=${MTP_LAYERS:-$([ "${mem_mib:-0}" -gt 100000 ] && echo 8 || echo 4)}
 M1="--batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
 D1="--batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
+M32="--batch-size 32 --input-len 128 --output-len 128 --max-num-seqs 32"
 run() {  # run TIMEOUT NAME ARGS...: one latency bench, skipped when the deadline is too near
   t=$1; name=$2; shift 2; left=$((DEADLINE - SECONDS))
   if [ $left -lt 45 ]; then echo "== $name skipped (${left}s left)"; return; fi
@@ -47,6 +48,10 @@ run() {  # run TIMEOUT NAME ARGS...: one latency bench, skipped when the deadlin
   [ $t -gt $left ] && t=$left
   s0=$SECONDS; timeout $t $B "$@" --json "$R/$name.json" > "$R/$name.log" 2>&1
   echo "== $name rc=$? wall=$((SECONDS-s0))s $(env | grep -o '^BLITZ_[A-Z_]*=[^ ]*' | grep -v NO_PROGRESS | tr '\n' ' ')"; }
+kernels() {  # kernels PART: benchmarks/hybrid_sparse_kernels.py PART within the deadline, its JSON kept
+  left=$((DEADLINE - SECONDS - 10)); [ $left -gt 30 ] || return
+  timeout $left python3 benchmarks/hybrid_sparse_kernels.py "$1" > "$R/${1}_kernels.log" 2>&1
+  cp "$OUT"/hybrid_sparse_kernels.json "$R/k_$1.json.txt" 2>/dev/null; grep -v '^{' "$R/${1}_kernels.log" | tail -4; }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 for part in "$@"; do case $part in
   variants)
@@ -89,7 +94,7 @@ for part in "$@"; do case $part in
     run 150 q30b_b1 --model preset:qwen3-30b-a3b $M1
     run 100 llama_b1 --model preset:llama-3.1-8b $D1
     run 80 qwen06_b1 --model preset:qwen3-0.6b $D1
-    run 150 q30b_b32 --model preset:qwen3-30b-a3b --batch-size 32 --input-len 128 --output-len 128 --max-num-seqs 32
+    run 150 q30b_b32 --model preset:qwen3-30b-a3b $M32
     run 100 mm2_b1 --model preset:minimax-m2 --num-layers 8 $M1
     run 100 dsv3_b1 --model preset:deepseek-v3 --num-layers $DS_LAYERS $M1
     run 90 llama_ttft10k --model preset:llama-3.1-8b --batch-size 1 --input-len 10000 --output-len 4 --max-num-seqs 1 --enforce-eager
@@ -108,19 +113,17 @@ for part in "$@"; do case $part in
     cp "$OUT"/serve_c*.json "$OUT"/serve.log "$R/" 2>/dev/null; grep -E "==|req/s|throughput|TPOT|tok/s" "$R/serve.log" | head -20 ;;
   hybrid)
     run 150 qnext_b1 --model preset:qwen3-next-80b-a3b --num-layers 8 $M1
-    run 150 qnext_b32 --model preset:qwen3-next-80b-a3b --num-layers 8 --batch-size 32 --input-len 128 --output-len 128 --max-num-seqs 32
+    run 150 qnext_b32 --model preset:qwen3-next-80b-a3b --num-layers 8 $M32
     run 150 q35_b1 --model preset:qwen3.5-397b-a17b --num-layers $Q35_LAYERS $M1
-    run 150 q35_b32 --model preset:qwen3.5-397b-a17b --num-layers $Q35_LAYERS --batch-size 32 --input-len 128 --output-len 128 --max-num-seqs 32
-    left=$((DEADLINE - SECONDS - 10)); [ $left -gt 30 ] && timeout $left python3 benchmarks/hybrid_sparse_kernels.py gdn \
-      > "$R/gdn_kernels.log" 2>&1; cp "$OUT"/hybrid_sparse_kernels.json "$R/k_gdn.json.txt" 2>/dev/null; tail -14 "$R/gdn_kernels.log" ;;
+    run 150 q35_b32 --model preset:qwen3.5-397b-a17b --num-layers $Q35_LAYERS $M32
+    kernels gdn ;;
   sparse)
     L32="--batch-size 1 --input-len 32768 --output-len 64 --max-num-seqs 1"
     run 150 dsv32_b1 --model preset:deepseek-v3.2 --num-layers $DS_LAYERS $M1
     run 150 dsv3_b1 --model preset:deepseek-v3 --num-layers $DS_LAYERS $M1
     run 200 dsv32_32k --model preset:deepseek-v3.2 --num-layers $DS_LAYERS $L32
     run 200 dsv3_32k --model preset:deepseek-v3 --num-layers $DS_LAYERS $L32
-    left=$((DEADLINE - SECONDS - 10)); [ $left -gt 30 ] && timeout $left python3 benchmarks/hybrid_sparse_kernels.py topk \
-      > "$R/topk_kernels.log" 2>&1; cp "$OUT"/hybrid_sparse_kernels.json "$R/k_topk.json.txt" 2>/dev/null; tail -8 "$R/topk_kernels.log" ;;
+    kernels topk ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac; done
 python3 - "$R" <<'PY'

@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import torch  # noqa: E402
 
 import gemv_sweep  # noqa: E402
+from blitzllm.bench.roofline import copy_bandwidth  # noqa: E402
 
 # (name, Hk, Hv, dk, dv, conv kernel): the presets' linear-attention shapes
 GDN_SHAPES = [("qwen3-next-80b", 16, 32, 128, 128, 4), ("qwen3.5-397b", 16, 64, 128, 128, 4)]
@@ -37,12 +38,6 @@ GDN_SHAPES = [("qwen3-next-80b", 16, 32, 128, 128, 4), ("qwen3.5-397b", 16, 64, 
 def time_graph(fn):
     """us per call of ``fn`` (no arguments): gemv_sweep.py's replays of a graph of 20 calls."""
     return gemv_sweep.time_graph(lambda _w: fn(), [None], torch)
-
-
-def copy_bandwidth():
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    return 2 * x.numel() / (time_graph(lambda: y.copy_(x)) * 1e-6)
 
 
 def bench_gdn(batches, rows, bw):
@@ -147,7 +142,7 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("hybrid_sparse_kernels.py times CUDA kernels: no CUDA device here")
     rows = []
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(torch.device("cuda"))
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s on {torch.cuda.get_device_name()}", flush=True)
     if "gdn" in args.parts:
         bench_gdn([int(b) for b in args.batches.split(",")], rows, bw)

@@ -7,9 +7,10 @@ launches and three reads + writes of every state (2 MB per sequence and layer fo
 where the rule itself needs one. This kernel addresses the slots directly.
 
 One program per (row r, value head j, column block c), c fastest: it holds columns
-c * BLOCK_V.. of value head j's state [dk, dv] of row r in registers (fp32): decay by exp(g), the delta update with beta, the
-output o = S^T (q * scale). q and k come L2-normalized (``post_conv_decode``); value head j reads
-key head j // (Hv / Hk). Reference: ``reference.reference_recurrent_gated_delta_rule``.
+c * BLOCK_V.. of value head j's state [dk, dv] of row r in registers (fp32): decay by exp(g),
+the delta update with beta, the output o = S^T (q * scale). q and k come L2-normalized
+(``post_conv_decode``); value head j reads key head j // (Hv / Hk). Reference:
+``reference.reference_recurrent_gated_delta_rule``.
 """
 from __future__ import annotations
 
