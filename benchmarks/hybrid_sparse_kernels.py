@@ -13,7 +13,7 @@ gdn: at Qwen3-Next-80B and Qwen3.5-397B GDN shapes, per layer and batch size,
     engine ran before) and on dense states alone, and the time to read + write the states once
     at the measured copy bandwidth.
 topk: ``topk_triton`` against ``torch.topk`` on the masked row (k = 2048, fp32 logits) at rows of
-  4K, 32K and 128K, one row (batch-1 decode) and 8.
+  4K, 32K and 128K, and 4K in a 128K-wide graph; one row (batch-1 decode) and 8.
 Prints a line per timing and writes $OUT/hybrid_sparse_kernels.json when OUT is set.
 """
 import argparse
@@ -115,20 +115,26 @@ def bench_gdn(batches, rows, bw):
 def bench_topk(rows):
     from blitzllm.kernels.attention.topk import topk_triton
     k = 2048
-    for n in (4096, 32768, 131072):
+    # (row length, logits width): the width is what a CUDA graph captured (the longest context);
+    # the last case is a short row in a 128K-wide graph.
+    for n, width in ((4096, 4096), (32768, 32768), (131072, 131072), (4096, 131072)):
         for T in (1, 8):
-            logits = torch.randn(T, n, device="cuda")
+            logits = torch.randn(T, width, device="cuda")
             lens = torch.full((T,), n, dtype=torch.int32, device="cuda")
-            cols = torch.arange(n, device="cuda")
+            cols = torch.arange(width, device="cuda")
 
             def ours():
                 topk_triton(logits, lens, k)
+
+            def ours_bits():  # the one-program rows' k-th key bit by bit (32 reductions)
+                topk_triton(logits, lens, k, short_radix=False)
 
             def torch_topk():  # the masked row, as an engine without its own kernel would do it
                 x = logits.masked_fill(cols[None, :] >= lens[:, None], float("-inf"))
                 torch.topk(x, k, dim=-1, sorted=False)
 
-            r = dict(part="topk", row=n, rows=T, k=k, us_triton=time_graph(ours), us_torch=time_graph(torch_topk))
+            r = dict(part="topk", row=n, width=width, rows=T, k=k, us_triton=time_graph(ours),
+                     us_triton_bits=time_graph(ours_bits), us_torch=time_graph(torch_topk))
             r["speedup_vs_torch"] = r["us_torch"] / r["us_triton"]
             rows.append(r)
             print(json.dumps(r), flush=True)

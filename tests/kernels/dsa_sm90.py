@@ -31,9 +31,18 @@ def print_dsa_sm90(pc):
     print(f"indexer_logits {pc.ptxas_report(kern)}")
     cfg = topk.topk_config(k)
     idx = torch.zeros(1, k, dtype=i32)
-    kern = topk._topk_kernel.warmup(out, lens, idx, out.stride(0), idx.stride(0), K=k, K_TILE=cfg["K_TILE"],
-                                    BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"], grid=(1,))
-    print(f"topk {pc.ptxas_report(kern)}")
+    hist, counts = torch.zeros(1, 4, 256, dtype=i32), torch.zeros(1, 32, 2, dtype=i32)
+    B, C = cfg["BLOCK"], cfg["CHUNK"]
+    kern = topk._chunk_hist_kernel.warmup(out, lens, hist, out.stride(0), k, DIGIT=3, BLOCK=B, CHUNK=C,
+                                          num_warps=4, grid=(1, 32))
+    print(f"topk_hist {pc.ptxas_report(kern)}")
+    kern = topk._chunk_count_kernel.warmup(out, lens, hist, counts, out.stride(0), k, BLOCK=B, CHUNK=C,
+                                           P_PAD=32, num_warps=4, grid=(1, 32))
+    print(f"topk_count {pc.ptxas_report(kern)}")
+    kern = topk._topk_write_kernel.warmup(out, lens, hist, counts, idx, out.stride(0), idx.stride(0), K=k,
+                                          K_TILE=cfg["K_TILE"], BLOCK=B, CHUNK=C, P_PAD=32,
+                                          num_warps=cfg["num_warps"], grid=(1, 32))
+    print(f"topk_write {pc.ptxas_report(kern)}")
     h, r = 128, 512
     mc = mla_config(1, h, r, k, 132)
     ql, qr = torch.zeros(1, h, r, dtype=bf), torch.zeros(1, h, p, dtype=bf)

@@ -68,31 +68,36 @@ def test_indexer_logits(dtype, lens, heads, dim, bs, splits, device):
 
 # ---- top-k ------------------------------------------------------------------------------------------
 
-def _check_topk(x, lens, k, block=0):
-    got = tk.topk_triton(x, lens, k, block)
+def _check_topk(x, lens, k, block=0, chunk=0):
+    got = tk.topk_triton(x, lens, k, block, chunk)
     ref = tk.reference_topk(x, lens, k)
     assert torch.equal(got.cpu(), ref.cpu()), (got, ref)
     return ref
 
 
-@pytest.mark.parametrize("block", [32, 0])
-def test_topk_every_method_and_padding(block, device):
-    """k = 8 with 32-wide tiles: rows shorter than k, exactly k (all, in order, then -1), k + 1, one
-    tile, exactly one tile, one past it and many tiles; ``block`` 0: the default tile, where all
-    of these rows fit one tile."""
+# (block, chunk): rows past a 32-wide tile spread over 32- or 16-wide chunks; 0: the defaults,
+# where every row of these tests fits one program.
+TILES = [(32, 32), (32, 16), (0, 0)]
+
+
+@pytest.mark.parametrize("block,chunk", TILES)
+def test_topk_every_method_and_padding(block, chunk, device):
+    """k = 8: rows shorter than k, exactly k (all, in order, then -1), k + 1, one tile, exactly
+    one tile, one past it (a second chunk of one key) and many chunks."""
     k = 8
     lens = [1, 5, 8, 9, 20, 32, 33, 64, 65, 150]
     x = torch.randn(len(lens), 160, device=device)
     L = torch.tensor(lens, dtype=torch.int32, device=device)
-    ref = _check_topk(x, L, k, block)
+    ref = _check_topk(x, L, k, block, chunk)
     assert ref[1].tolist() == [0, 1, 2, 3, 4, -1, -1, -1] and ref[2].tolist() == list(range(8))
     assert (ref[3:] >= 0).all()
 
 
-@pytest.mark.parametrize("block", [16, 0])
-def test_topk_ties_go_to_the_lower_position(block, device):
+@pytest.mark.parametrize("block,chunk", [(16, 16), (16, 32), (16, 8), (0, 0)])
+def test_topk_ties_go_to_the_lower_position(block, chunk, device):
     """Exact ties (the ReLU zeros of the indexer: +0 and -0 alike, the k-th value among them),
-    a row all equal, negative values, and k not a power of two."""
+    a row all equal, negative values, and k not a power of two; with small chunks the tied keys
+    spread over several chunks, and the ones taken must be the first in the row."""
     k = 6
     x = torch.randn(6, 100, device=device)
     x[0] = torch.where(torch.rand(100, device=device) < 0.5, 0.0, -0.0)       # +0 / -0 only
@@ -102,14 +107,15 @@ def test_topk_ties_go_to_the_lower_position(block, device):
     x[4, 40:] = x[4, :60].clone()                                              # duplicated values
     x[5, :] = torch.randint(-2, 3, (100,), device=device).float()             # few distinct values
     L = torch.tensor([100, 77, 50, 99, 100, 33], dtype=torch.int32, device=device)
-    ref = _check_topk(x, L, k, block)
+    ref = _check_topk(x, L, k, block, chunk)
     assert ref[0].tolist() == list(range(6)) and ref[2].tolist() == list(range(6))
 
 
 def test_topk_long_rows(device):
-    """DeepSeek-V3.2's k = 2048 over rows up to 128K (the radix passes) and one just past k."""
+    """DeepSeek-V3.2's k = 2048 over rows up to 128K (32 chunks of the default 4096) and one just
+    past k; row 0's wide tie straddles the k-th value and three chunks."""
     x = torch.randn(3, 131072, device=device)
-    x[0, 1000:9000] = 2.5  # a wide tie straddling the k-th value
+    x[0, 1000:9000] = 2.5
     _check_topk(x, torch.tensor([131072, 50000, 2049], dtype=torch.int32, device=device), 2048)
 
 
@@ -162,7 +168,8 @@ def test_dsa_kernels_compile_for_sm90():
     (the stand-in driver of tools/ptxas_check.py) at DeepSeek-V3.2's sizes, without spills."""
     out = sm90_compile("ptxas_report\nfrom tests.kernels.dsa_sm90 import print_dsa_sm90\nprint_dsa_sm90(pc)")
     rows = dict(ln.split(" ", 1) for ln in out.strip().splitlines())
-    assert set(rows) == {"indexer_prep", "indexer_logits", "topk", "sparse_mla"}, out
+    assert set(rows) == {"indexer_prep", "indexer_logits", "topk_hist", "topk_count", "topk_write",
+                         "sparse_mla"}, out
     for name, report in rows.items():
         assert "registers" in report and "0 bytes spill stores" in report, (name, report)
 

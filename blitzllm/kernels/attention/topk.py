@@ -1,7 +1,7 @@
 """Top-k selection over rows of indexer logits (DeepSeek-V3.2's sparse attention): per row, the
 ``k`` highest of its first ``lens[t]`` entries, as int32 positions in ascending order with -1
 padding. Ties go to the lower position, so a selection never depends on the row's width or the
-method. The Triton kernel picks its method per row by length, inside one fixed launch.
+method. The Triton kernels pick their method per row by length, in a fixed sequence of launches.
 """
 from __future__ import annotations
 
@@ -35,16 +35,18 @@ def topk(logits: torch.Tensor, lens: torch.Tensor, k: int) -> torch.Tensor:
 
 
 # ---- Triton -------------------------------------------------------------------------------------
-# Per row one program, one launch; the method by the row's length (read on the device):
-#   len <= k:          every position, then -1;
-#   k < len <= BLOCK:  the row stays in registers; the k-th largest key found bit by bit
-#                      (32 counts over the tile), no sort;
-#   len > BLOCK:       radix select over tiles: four passes of a 256-bin histogram of the next
-#                      8 bits among the keys that match the bits chosen so far, then a pass
-#                      that writes the selection in position order.
 # Keys: fp32 bits mapped to uint32 in the same order (+0 and -0 one key, so they tie as equal
-# floats do). The selection is every key above the k-th largest, then the equal ones in
-# position order until k: the reference's tie rule.
+# floats do). The k-th largest key is found one 8-bit digit at a time (a 256-bin histogram of
+# the keys that match the digits chosen so far); the selection is every key above it, then the
+# equal ones in position order until k: the reference's tie rule.
+#   len <= k:          every position, then -1 (one program);
+#   k < len <= BLOCK:  the row stays in one program's registers;
+#   len > BLOCK:       CHUNK-wide programs per row, so a long row spreads over the SMs (one
+#                      program over a 128K row took 8x torch.topk's time): four launches add
+#                      their chunks' histograms of one digit each into [T, 4, 256] counts, one
+#                      counts each chunk's picks, one writes them at the offsets the earlier
+#                      chunks' counts give.
+# A launch's grid covers the logits' width; programs past their row's length return at once.
 
 @triton.jit
 def _order_key(x):
@@ -53,17 +55,9 @@ def _order_key(x):
 
 
 @triton.jit
-def _radix_pass(row, n, prefix, remaining, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
-    """One 8-bit digit (bits SHIFT..SHIFT+7) of the k-th largest key: (prefix with it set,
-    how many keys equal to the final key remain to be taken)."""
-    HIGH: tl.constexpr = (0xFFFFFFFF << (SHIFT + 8)) & 0xFFFFFFFF  # the bits decided already
-    hist = tl.zeros([256], dtype=tl.int32)
-    for s0 in range(0, n, BLOCK):
-        offs = s0 + tl.arange(0, BLOCK)
-        valid = offs < n
-        key = _order_key(tl.load(row + offs, mask=valid, other=0.0))
-        match = valid & ((key & HIGH) == prefix)
-        hist += tl.histogram(((key >> SHIFT) & 0xFF).to(tl.int32), 256, mask=match)
+def _pick(hist, prefix, remaining, SHIFT: tl.constexpr):
+    """Given the histogram of digit SHIFT..SHIFT+7 among the keys matching ``prefix``: (prefix
+    with the k-th largest key's digit set, how many keys equal to the final key remain to take)."""
     at_or_above = tl.cumsum(hist, 0, reverse=True)  # [b]: keys of the group with digit >= b
     bins = tl.arange(0, 256)
     b = tl.max(tl.where(at_or_above >= remaining, bins, -1), 0)
@@ -72,65 +66,135 @@ def _radix_pass(row, n, prefix, remaining, SHIFT: tl.constexpr, BLOCK: tl.conste
 
 
 @triton.jit
-def _topk_kernel(x_ptr, lens_ptr, out_ptr, stride_x, stride_o,
-                 K: tl.constexpr, K_TILE: tl.constexpr, BLOCK: tl.constexpr):
+def _digit_hist(key, valid, prefix, SHIFT: tl.constexpr):
+    HIGH: tl.constexpr = (0xFFFFFFFF << (SHIFT + 8)) & 0xFFFFFFFF  # the bits decided already
+    match = valid & ((key & HIGH) == prefix)
+    return tl.histogram(((key >> SHIFT) & 0xFF).to(tl.int32), 256, mask=match)
+
+
+@triton.jit
+def _decided(hist_row, K, DIGITS: tl.constexpr):
+    """(prefix, remaining) after the first DIGITS digits, from the row's summed histograms."""
+    prefix = tl.full([], 0, tl.uint32)
+    remaining = tl.full([], K, tl.int32)
+    for d in tl.static_range(DIGITS):
+        prefix, remaining = _pick(tl.load(hist_row + d * 256 + tl.arange(0, 256)), prefix, remaining, 24 - 8 * d)
+    return prefix, remaining
+
+
+@triton.jit
+def _chunk_keys(x_ptr, lens_ptr, stride_x, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    """This program's chunk of a long row: (go, keys, valid, offsets, row length); go is false for a
+    row that fits one program or a chunk past the row's end."""
     t = tl.program_id(0).to(tl.int64)
     n = tl.load(lens_ptr + t)
-    row = x_ptr + t * stride_x
+    offs = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+    go = (n > BLOCK) & (tl.program_id(1) * CHUNK < n)
+    valid = go & (offs < n)
+    key = _order_key(tl.load(x_ptr + t * stride_x + offs, mask=valid, other=0.0))
+    return go, key, valid, offs, n
+
+
+@triton.jit
+def _chunk_hist_kernel(x_ptr, lens_ptr, hist_ptr, stride_x, K,
+                       DIGIT: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    go, key, valid, offs, n = _chunk_keys(x_ptr, lens_ptr, stride_x, BLOCK, CHUNK)
+    if go:
+        hist_row = hist_ptr + tl.program_id(0).to(tl.int64) * 1024
+        prefix, remaining = _decided(hist_row, K, DIGIT)
+        hist = _digit_hist(key, valid, prefix, 24 - 8 * DIGIT)
+        bins = tl.arange(0, 256)
+        tl.atomic_add(hist_row + DIGIT * 256 + bins, hist, mask=hist > 0, sem="relaxed")
+
+
+@triton.jit
+def _chunk_count_kernel(x_ptr, lens_ptr, hist_ptr, counts_ptr, stride_x, K,
+                        BLOCK: tl.constexpr, CHUNK: tl.constexpr, P_PAD: tl.constexpr):
+    go, key, valid, offs, n = _chunk_keys(x_ptr, lens_ptr, stride_x, BLOCK, CHUNK)
+    if go:
+        t = tl.program_id(0).to(tl.int64)
+        prefix, remaining = _decided(hist_ptr + t * 1024, K, 4)
+        at = counts_ptr + (t * P_PAD + tl.program_id(1)) * 2
+        tl.store(at, tl.sum((valid & (key > prefix)).to(tl.int32), 0))
+        tl.store(at + 1, tl.sum((valid & (key == prefix)).to(tl.int32), 0))
+
+
+@triton.jit
+def _topk_write_kernel(x_ptr, lens_ptr, hist_ptr, counts_ptr, out_ptr, stride_x, stride_o,
+                       K: tl.constexpr, K_TILE: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+                       P_PAD: tl.constexpr, SHORT_RADIX: tl.constexpr = True):
+    t = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1)
+    n = tl.load(lens_ptr + t)
     out = out_ptr + t * stride_o
-    if n <= K:
-        for j0 in range(0, K, K_TILE):
-            j = j0 + tl.arange(0, K_TILE)
-            tl.store(out + j, tl.where(j < n, j, -1), mask=j < K)
-    elif n <= BLOCK:
-        offs = tl.arange(0, BLOCK)
-        valid = offs < n
-        key = _order_key(tl.load(row + offs, mask=valid, other=0.0))
-        thr = tl.full([], 0, tl.uint32)
-        for i in tl.static_range(32):
-            cand = thr | (tl.full([], 1, tl.uint32) << (31 - i))
-            count = tl.sum((valid & (key >= cand)).to(tl.int32), 0)
-            thr = tl.where(count >= K, cand, thr)
-        gt = valid & (key > thr)
-        eq = valid & (key == thr)
-        need = K - tl.sum(gt.to(tl.int32), 0)
-        take = gt | (eq & (tl.cumsum(eq.to(tl.int32), 0) <= need))
-        tl.store(out + tl.cumsum(take.to(tl.int32), 0) - 1, offs, mask=take)
+    if n <= BLOCK:
+        if p == 0:
+            if n <= K:
+                for j0 in range(0, K, K_TILE):
+                    j = j0 + tl.arange(0, K_TILE)
+                    tl.store(out + j, tl.where(j < n, j, -1), mask=j < K)
+            else:
+                offs = tl.arange(0, BLOCK)
+                valid = offs < n
+                key = _order_key(tl.load(x_ptr + t * stride_x + offs, mask=valid, other=0.0))
+                prefix = tl.full([], 0, tl.uint32)
+                remaining = tl.full([], K, tl.int32)
+                if SHORT_RADIX:
+                    for d in tl.static_range(4):
+                        prefix, remaining = _pick(_digit_hist(key, valid, prefix, 24 - 8 * d), prefix, remaining,
+                                                  24 - 8 * d)
+                else:
+                    for i in tl.static_range(32):
+                        cand = prefix | (tl.full([], 1, tl.uint32) << (31 - i))
+                        count = tl.sum((valid & (key >= cand)).to(tl.int32), 0)
+                        prefix = tl.where(count >= K, cand, prefix)
+                    remaining = K - tl.sum((valid & (key > prefix)).to(tl.int32), 0)
+                eq = valid & (key == prefix)
+                take = (valid & (key > prefix)) | (eq & (tl.cumsum(eq.to(tl.int32), 0) <= remaining))
+                tl.store(out + tl.cumsum(take.to(tl.int32), 0) - 1, offs, mask=take)
     else:
-        prefix = tl.full([], 0, tl.uint32)
-        remaining = tl.full([], K, tl.int32)
-        prefix, remaining = _radix_pass(row, n, prefix, remaining, 24, BLOCK)
-        prefix, remaining = _radix_pass(row, n, prefix, remaining, 16, BLOCK)
-        prefix, remaining = _radix_pass(row, n, prefix, remaining, 8, BLOCK)
-        prefix, remaining = _radix_pass(row, n, prefix, remaining, 0, BLOCK)
-        written = tl.full([], 0, tl.int32)
-        ties = tl.full([], 0, tl.int32)
-        for s0 in range(0, n, BLOCK):
-            offs = s0 + tl.arange(0, BLOCK)
-            valid = offs < n
-            key = _order_key(tl.load(row + offs, mask=valid, other=0.0))
+        go, key, valid, offs, n = _chunk_keys(x_ptr, lens_ptr, stride_x, BLOCK, CHUNK)
+        if go:
+            prefix, remaining = _decided(hist_ptr + t * 1024, K, 4)
+            q = tl.arange(0, P_PAD)
+            before = q < p
+            gt_before = tl.sum(tl.load(counts_ptr + (t * P_PAD + q) * 2, mask=before, other=0), 0)
+            eq_before = tl.sum(tl.load(counts_ptr + (t * P_PAD + q) * 2 + 1, mask=before, other=0), 0)
+            taken_eq_before = tl.minimum(eq_before, remaining)
             eq = (valid & (key == prefix)).to(tl.int32)
-            take = (valid & (key > prefix)) | ((eq != 0) & (ties + tl.cumsum(eq, 0) <= remaining))
-            tl.store(out + written + tl.cumsum(take.to(tl.int32), 0) - 1, offs, mask=take)
-            written += tl.sum(take.to(tl.int32), 0)
-            ties += tl.sum(eq, 0)
+            take = (valid & (key > prefix)) | ((eq != 0) & (eq_before + tl.cumsum(eq, 0) <= remaining))
+            tl.store(out + gt_before + taken_eq_before + tl.cumsum(take.to(tl.int32), 0) - 1, offs, mask=take)
 
 
-def topk_config(k: int, block: int = 0) -> dict:
-    """Tile of the one-tile path and of the radix passes: rows up to 2k (at least 1024) stay in
-    registers; ``block`` overrides (tests reach every path with small rows)."""
+def topk_config(k: int, block: int = 0, chunk: int = 0) -> dict:
+    """BLOCK: rows up to 2k (at least 1024) stay in one program's registers; CHUNK: the span of
+    each program over a longer row. ``block`` / ``chunk`` override (tests reach every path with
+    small rows)."""
     block = block or min(8192, max(1024, next_pow2(2 * k)))
-    return dict(BLOCK=block, K_TILE=min(next_pow2(k), 1024), num_warps=8 if block >= 4096 else 4)
+    chunk = chunk or 4096
+    return dict(BLOCK=block, CHUNK=chunk, K_TILE=min(next_pow2(k), 1024), num_warps=8 if block >= 4096 else 4)
 
 
-def topk_triton(logits: torch.Tensor, lens: torch.Tensor, k: int, block: int = 0) -> torch.Tensor:
-    """Same contract as reference_topk; one launch of one program per row, CUDA-graph safe."""
-    T = logits.shape[0]
+def topk_triton(logits: torch.Tensor, lens: torch.Tensor, k: int, block: int = 0, chunk: int = 0,
+                short_radix: bool = True) -> torch.Tensor:
+    """Same contract as reference_topk; a fixed sequence of launches, no host sync: CUDA-graph safe."""
+    T, N = logits.shape
     out = torch.empty((T, k), dtype=torch.int32, device=logits.device)
     if T == 0:
         return out
     assert logits.dtype == torch.float32 and logits.stride(-1) == 1
-    cfg = topk_config(k, block)
-    _topk_kernel[(T,)](logits, lens, out, logits.stride(0), out.stride(0), K=k, K_TILE=cfg["K_TILE"],
-                       BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"])
+    cfg = topk_config(k, block, chunk)
+    B, C = cfg["BLOCK"], cfg["CHUNK"]
+    P = triton.cdiv(N, C) if N > B else 1
+    P_PAD = next_pow2(P)
+    hist = torch.zeros((T, 4, 256), dtype=torch.int32, device=logits.device)
+    counts = torch.empty((T, P_PAD, 2), dtype=torch.int32, device=logits.device)
+    if N > B:
+        for d in range(4):
+            _chunk_hist_kernel[(T, P)](logits, lens, hist, logits.stride(0), k, DIGIT=d, BLOCK=B, CHUNK=C,
+                                       num_warps=4)
+        _chunk_count_kernel[(T, P)](logits, lens, hist, counts, logits.stride(0), k, BLOCK=B, CHUNK=C,
+                                    P_PAD=P_PAD, num_warps=4)
+    _topk_write_kernel[(T, P)](logits, lens, hist, counts, out, logits.stride(0), out.stride(0), K=k,
+                               K_TILE=cfg["K_TILE"], BLOCK=B, CHUNK=C, P_PAD=P_PAD, SHORT_RADIX=short_radix, num_warps=cfg["num_warps"])
     return out
