@@ -152,6 +152,7 @@ class CacheConfig:
     num_blocks: int = 0
     enable_prefix_caching: bool = True
     num_state_rows: int = 0   # hybrid models: rows of the recurrent-state pool (engine/state_cache.py)
+    num_state_spare: int = 0  # of those, the runner's decode look-ahead rows (just before the last)
 
 
 @dataclass(frozen=True)

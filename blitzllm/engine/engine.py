@@ -108,8 +108,7 @@ class Engine:
         if tp is not None:
             self.runner.driver = tp
             tp.workers_waiting = True
-        # (a look-ahead step would advance a hybrid model's recurrent states before it is kept)
-        self.scheduler.lookahead = self.runner.graphs is not None and tp is None and self.runner.states is None
+        self.scheduler.lookahead = self.runner.graphs is not None and tp is None
         self.spec = None
         if spec_cfg is not None:
             from ..spec.decoder import SpecDecoder
@@ -151,7 +150,7 @@ class Engine:
         self.sched_config = SchedulerConfig(args.max_num_seqs, budget, self.max_model_len)
         layout = engine_state_layout(args, cfg)  # hybrid models: their recurrent-state rows
         self.cache_config = CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching,
-                                        layout.total if layout else 0)
+                                        layout.total if layout else 0, layout.spare if layout else 0)
         if layout is None:
             self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         else:

@@ -2,7 +2,7 @@
 cache: bookkeeping only (rows), no tensors; the runner holds per GDN layer a conv state and
 an fp32 recurrent state for every row (``runner/state_pool.py``).
 
-Rows: ``[slots | snapshots | spec | scratch]``.
+Rows: ``[slots | snapshots | spec | spare | scratch]``.
 
 - a slot per running request, taken when the request is admitted (``match_prefix``) and
   given back with its blocks (finish, abort, preemption), so a request without a free slot
@@ -13,6 +13,10 @@ Rows: ``[slots | snapshots | spec | scratch]``.
   at the last block boundary its tokens reach (decodes as they complete a block);
 - spec: per slot ``k`` rows where a verify step keeps the state after each of its drafts,
   so that a rejection rolls the state back to the last accepted token (``trim``);
+- spare rows, never handed out here: the runner's decode look-ahead writes a step's states
+  there, so that a look-ahead it drops leaves the sequences' states intact
+  (``runner/state_pool.py``); where the runner looks ahead (CUDA graphs on one rank), one a
+  sequence up to ``LOOKAHEAD_ROWS``;
 - one scratch row that padded rows of a CUDA-graph batch write to.
 """
 from __future__ import annotations
@@ -26,15 +30,21 @@ from ..layers.state import StatePlan
 from .kv_cache import KVCacheManager
 
 
+# Batches of up to this many sequences look ahead (each spare row costs one state row of every
+# GDN layer; a batch of 32 is past where the host's time per step matters most).
+LOOKAHEAD_ROWS = 32
+
+
 @dataclass(frozen=True)
 class StateLayout:
     slots: int
     snapshots: int
     spec: int = 0     # rows per slot for a verify step's drafts
+    spare: int = 0    # the runner's look-ahead rows
 
     @property
     def total(self) -> int:
-        return self.slots + self.snapshots + self.slots * self.spec + 1
+        return self.slots + self.snapshots + self.slots * self.spec + self.spare + 1
 
     @property
     def scratch(self) -> int:
@@ -47,20 +57,33 @@ class StateLayout:
         return self.slots + self.snapshots + slot * self.spec + j
 
 
-def state_layout(cfg: ModelConfig, max_num_seqs: int, prefix_caching: bool, spec_k: int = 0) -> Optional[StateLayout]:
+def state_layout(cfg: ModelConfig, max_num_seqs: int, prefix_caching: bool, spec_k: int = 0,
+                 spare: int = 0) -> Optional[StateLayout]:
     """The pool of a model with state layers (None without): a slot per sequence that may
-    run, snapshots for prefix caching (twice the slots, 8 to 64), k spec rows per slot."""
+    run, snapshots for prefix caching (twice the slots, 8 to 64), k spec rows per slot, then
+    ``spare`` look-ahead rows."""
     if not cfg.state_layers:
         return None
     snaps = min(64, max(8, 2 * max_num_seqs)) if prefix_caching else 0
-    return StateLayout(max_num_seqs, snaps, spec_k)
+    return StateLayout(max_num_seqs, snaps, spec_k, spare)
+
+
+def lookahead_rows(args) -> int:
+    """Spare rows for the runner's decode look-ahead: only where it looks ahead (CUDA graphs,
+    one rank; ``ModelRunner`` and ``speculation_runner_kwargs`` decide the same way)."""
+    from .args import resolve_device, speculation_runner_kwargs
+    if (args.tensor_parallel_size != 1 or args.attention_backend == "torch"
+            or speculation_runner_kwargs(args)["enforce_eager"] or resolve_device(args.device).type != "cuda"):
+        return 0
+    return min(args.max_num_seqs, LOOKAHEAD_ROWS)
 
 
 def engine_state_layout(args, cfg: ModelConfig) -> Optional[StateLayout]:
     """``state_layout`` of an engine's arguments (EngineArgs): the same on every rank."""
     from ..spec.config import parse_speculative_config
     spec = parse_speculative_config(args.speculative_config)
-    return state_layout(cfg, args.max_num_seqs, args.enable_prefix_caching, spec.k if spec is not None else 0)
+    return state_layout(cfg, args.max_num_seqs, args.enable_prefix_caching, spec.k if spec is not None else 0,
+                        lookahead_rows(args))
 
 
 def state_bytes_per_row(cfg: ModelConfig, dtype_bytes: int, tp_size: int = 1) -> int:

@@ -295,7 +295,7 @@ def _build(args, group, device):
             raise _Stopped
         layout = engine_state_layout(args, cfg)  # (a hybrid model's state rows, as rank 0's)
         return CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching,
-                           layout.total if layout else 0), msg[1]
+                           layout.total if layout else 0, layout.spare if layout else 0), msg[1]
 
     try:
         return build_runner(src, cfg, device=device, dtype=dtype, plan_cache=plan_cache, seed=args.seed, tp=group,

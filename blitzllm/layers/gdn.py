@@ -126,8 +126,8 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight.squeeze(1)
         if rnd.pure_decode:
             q, k, v, g, beta = ops.post_conv_decode(mixed, a, b, conv_state, rnd.slots, weight, None, self.A_log,
-                                                    self.dt_bias, hk, dk, hv, dv)
-            return ops.gated_delta_rule_decode(q, k, v, g, beta, ssm_state, rnd.slots)
+                                                    self.dt_bias, hk, dk, hv, dv, dst_slots=rnd.dst)
+            return ops.gated_delta_rule_decode(q, k, v, g, beta, ssm_state, rnd.slots, dst_slots=rnd.dst)
         y = ops.causal_conv1d_prefill(mixed, weight, None, conv_state, rnd.slots, rnd.has_initial, rnd.cu_seqlens,
                                       rnd.host)
         q, k, v = ops.split_qkv(y, hk, dk, hv, dv)

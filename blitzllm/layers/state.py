@@ -5,7 +5,8 @@ is always cleared). Nothing here knows about requests or how rows are handed out
 
 A row holds one sequence's state after the tokens it has consumed; a sequence whose
 ``has_initial`` is false starts from zeros (its first tokens), and every layer writes the
-state after its tokens back into the row.
+state after its tokens back into the row (a pure-decode round may write another row instead:
+the runner's look-ahead step, which leaves the states it read as they were).
 
 A step runs in one round, or in several when the state must be kept at points inside a
 sequence's tokens (a prefix-cache snapshot at a block boundary, a verify step's every
@@ -30,6 +31,7 @@ class StateRound:
     host: Optional[tuple] = None  # (slots, has_initial, cu_seqlens) as host lists: the torch prefill path
     rows: Optional[torch.Tensor] = None   # [T_r] int64: the step's token rows of this round (None: all, in order)
     saves: Optional[tuple] = None         # (src rows, dst rows) int64: state copies after this round
+    dst: Optional[torch.Tensor] = None    # [N] int32: the rows a pure-decode round writes (None: ``slots``)
 
 
 @dataclass
@@ -38,9 +40,10 @@ class StateMetadata:
     rounds: list = field(default_factory=list)
 
     @classmethod
-    def single(cls, caches: dict, slots, has_initial, cu_seqlens, pure_decode: bool, host=None) -> "StateMetadata":
+    def single(cls, caches: dict, slots, has_initial, cu_seqlens, pure_decode: bool, host=None,
+               dst=None) -> "StateMetadata":
         """One round over every token of the step."""
-        return cls(caches, [StateRound(slots, has_initial, cu_seqlens, pure_decode, host)])
+        return cls(caches, [StateRound(slots, has_initial, cu_seqlens, pure_decode, host, dst=dst)])
 
 
 @dataclass

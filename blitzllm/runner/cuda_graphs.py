@@ -3,7 +3,7 @@ captured at start-up, largest first, from one shared memory pool. A step's batch
 to the next bucket (padding rows write nothing and read one cached token).
 
 Each graph covers the model forward and the lm_head; sampling runs after it. A hybrid model's
-state layers read their rows from a device buffer of the graphs (padding rows: the pool's
+state layers read and write the rows in a device buffer of the graphs (padding rows: the pool's
 scratch row).
 """
 from __future__ import annotations
@@ -51,7 +51,8 @@ class DecodeGraphs:
         self._next_slot = 0
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         if states is not None:
-            self.state_rows = torch.full((n,), states.scratch, dtype=torch.int32, device=device)
+            # [rows read; rows written]: the same but in a look-ahead step (state_pool.py)
+            self.state_rows = torch.full((2, n), states.scratch, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.capture_time_s = 0.0
@@ -67,7 +68,7 @@ class DecodeGraphs:
     def _forward(self, b: int) -> torch.Tensor:
         smd = None
         if self.states is not None:
-            smd = self.states.decode_metadata(self.state_rows[:b], self.query_start_loc[:b + 1])
+            smd = self.states.decode_metadata(self.state_rows[0, :b], self.state_rows[1, :b], self.query_start_loc[:b + 1])
         with forward_context(ForwardContext(self._metadata(b), self.kv_caches, self.backend)), state_context(smd):
             hidden = self.model(self.input_ids[:b], self.positions[:b])
         return self.model.compute_logits(hidden, fp32=False)   # the samplers upcast
@@ -111,12 +112,14 @@ class DecodeGraphs:
         slot[4].synchronize()
         return slot
 
-    def run(self, ids, pos: list, slots: list, lens: list, block_tables: list, state_rows: list = None) -> torch.Tensor:
+    def run(self, ids, pos: list, slots: list, lens: list, block_tables: list, state_rows: list = None,
+            state_dst: list = None) -> torch.Tensor:
         """One decode step of ``len(pos)`` rows: ``ids`` a host list or a device tensor (the
         previous step's sampled tokens), the other inputs host lists. The host data goes
         through a pinned slot with two copies (and one device copy for device ids); rows
         past n up to the bucket are padding (slot -1: they write nothing; state row: scratch).
-        Returns logits [n, V]."""
+        A hybrid model's state layers read ``state_rows`` and write ``state_dst`` (default: the
+        same rows). Returns logits [n, V]."""
         n = len(pos)
         b = next(x for x in self.buckets if x >= n)
         N, w = self._in64.shape[1], self.block_tables.shape[1]
@@ -133,7 +136,9 @@ class DecodeGraphs:
         if isinstance(ids, torch.Tensor):
             self.input_ids[:n].copy_(ids)
         if self.states is not None:
-            rows = torch.tensor(list(state_rows) + [self.states.scratch] * (b - n), dtype=torch.int32)
-            self.state_rows[:b].copy_(rows.pin_memory(), non_blocking=True)
+            pad = [self.states.scratch] * (b - n)
+            dst = state_rows if state_dst is None else state_dst
+            rows = torch.tensor([list(state_rows) + pad, list(dst) + pad], dtype=torch.int32)
+            self.state_rows[:, :b].copy_(rows.pin_memory(), non_blocking=True)
         self.graphs[b].replay()
         return self.logits[b][:n]

@@ -90,10 +90,11 @@ class ModelRunner:
         self.sampler = Sampler(greedy_kernel=knobs.greedy_kernel)
         self.kv_caches = allocate_kv_caches(cfg, cache, dtype, device, tp.world_size)
         # hybrid models: the recurrent states of their GDN layers (runner/state_pool.py)
-        self.states = StatePool(model, cache.num_state_rows, dtype, device) if cache.num_state_rows else None
+        self.states = (StatePool(model, cache.num_state_rows, dtype, device, cache.num_state_spare)
+                       if cache.num_state_rows else None)
         self.driver = None  # rank 0 of several: sends each forward's inputs to the other ranks
         self.graphs = None
-        self._ahead = None  # (key, SamplerOutput) of a launched look-ahead decode step
+        self._ahead = None  # (key, SamplerOutput, state rows it wrote) of a launched look-ahead decode step
         if device.type == "cuda" and not enforce_eager and self.backend.name == "triton":
             from .cuda_graphs import DecodeGraphs
             width = -(-max_model_len // cache.block_size)
@@ -145,23 +146,35 @@ class ModelRunner:
             lens.append(end + ahead)
         return pos, slots, lens
 
-    def launch_decode_graph(self, ids, pos, slots, lens, block_tables, states: Optional[StatePlan] = None):
+    def launch_decode_graph(self, ids, pos, slots, lens, block_tables, states: Optional[StatePlan] = None,
+                            ahead_rows: Optional[list] = None):
         """ids: host list or a device tensor (the previous step's sampled tokens). ``states``:
-        a hybrid model's state plan (copies before and after the graph, its rows)."""
+        a hybrid model's state plan (copies before and after the graph, its rows). A look-ahead
+        step gives ``ahead_rows``: the spare rows it writes the states into, none of the plan's
+        copies made."""
         if self.states is None:
             return self.graphs.run(ids, pos, slots, lens, block_tables)
+        rows = self.states.rows_of(states.slots)
+        if ahead_rows is not None:
+            return self.graphs.run(ids, pos, slots, lens, block_tables, rows, ahead_rows)
         self.states.copy(states.restores)
         self.states.zero([row for row, p in zip(states.slots, pos) if p == 0])
-        logits = self.graphs.run(ids, pos, slots, lens, block_tables, states.slots)
+        logits = self.graphs.run(ids, pos, slots, lens, block_tables, rows)
         self.states.finish(states)
         return logits
+
+    def _drop_ahead(self) -> None:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[2] is not None:
+            self.states.drop(ahead[2])
 
     def _decode_step(self, seqs, block_tables, rows, states: Optional[StatePlan] = None):
         """Pure decode through the CUDA graphs, one step pipelined: right after sampling
         step N, step N+1 is launched on the sampled tokens (still on the device), so the
         host's bookkeeping overlaps the GPU. The look-ahead is used only if the next call
-        asks for exactly that step; otherwise it is dropped (its KV writes are rewritten).
-        Tensor parallel: no look-ahead (the other ranks need the tokens on their host)."""
+        asks for exactly that step; otherwise it is dropped (its KV writes are rewritten; a
+        hybrid model's states it wrote into spare rows, see state_pool.py). Tensor parallel:
+        no look-ahead (the other ranks need the tokens on their host)."""
         cur = self._decode_inputs(seqs, block_tables)
         if self.driver is not None:
             ids = [t[0] for t, _, _ in seqs]
@@ -169,21 +182,33 @@ class ModelRunner:
                 self.driver.send(("graph", ids, *cur, block_tables, states))
                 logits = self.launch_decode_graph(ids, *cur, block_tables, states)
             return _to_host_async(self.sampler(logits, SamplingMetadata.build(rows, self.cfg.vocab_size, self.device)))
-        key = (tuple(cur[0]), tuple(cur[1]), tuple((r.seed, len(r.output_ids), id(r.params)) for r in rows))
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead[0] == key:
+        slots = tuple(states.slots) if states is not None else None
+        key = (tuple(cur[0]), tuple(cur[1]), tuple((r.seed, len(r.output_ids), id(r.params)) for r in rows), slots)
+        ahead = self._ahead
+        # (a restore into a sequence of the batch would change the state the look-ahead read)
+        if ahead is not None and ahead[0] == key and not (states and set(slots) & {d for _, d in states.restores}):
+            self._ahead = None
             out = ahead[1]
+            if states is not None:
+                self.states.take(states.slots, ahead[2])
+                self.states.copy(states.restores)
+                self.states.finish(states)
         else:
+            self._drop_ahead()
             logits = self.launch_decode_graph([t[0] for t, _, _ in seqs], *cur, block_tables, states)
             out = self.sampler(logits, SamplingMetadata.build(rows, self.cfg.vocab_size, self.device))
         host = _to_host_async(out)
         nxt = self._decode_inputs(seqs, block_tables, ahead=1)
-        # (no look-ahead for state layers: a dropped look-ahead would have advanced their states)
-        if nxt is not None and self.states is None and not any(r.params.needs_previous_token for r in rows):
-            logits = self.launch_decode_graph(out.token_ids, *nxt, block_tables)
+        spare = self.states.ahead_rows(len(seqs)) if self.states is not None and nxt is not None else None
+        if nxt is not None and (self.states is None or spare is not None) and not any(
+                r.params.needs_previous_token for r in rows):
+            logits = self.launch_decode_graph(out.token_ids, *nxt, block_tables, states, ahead_rows=spare)
             nout = self.sampler(logits, SamplingMetadata.build(rows, self.cfg.vocab_size, self.device, extra_steps=1))
-            nkey = (tuple(nxt[0]), tuple(nxt[1]), tuple((r.seed, len(r.output_ids) + 1, id(r.params)) for r in rows))
-            self._ahead = (nkey, nout)
+            nkey = (tuple(nxt[0]), tuple(nxt[1]), tuple((r.seed, len(r.output_ids) + 1, id(r.params)) for r in rows),
+                    slots)
+            self._ahead = (nkey, nout, spare)
+        elif spare is not None:
+            self.states.drop(spare)
         return host
 
     @torch.inference_mode()
@@ -200,7 +225,7 @@ class ModelRunner:
         body = getattr(self.model, "model", self.model)
         if (self.cpu_decode is not None and self.driver is None and len(sample_idx) == len(seqs)
                 and all(e - s == 1 for _, s, e in seqs) and not body._forward_hooks and not body._forward_pre_hooks):
-            self._ahead = None
+            self._drop_ahead()
             cur = self._decode_inputs(seqs, block_tables)
             return self.sample(self.cpu_decode.run([t[0] for t, _, _ in seqs], *cur, block_tables), rows)
         return self.sample(self.score(seqs, block_tables, sample_idx, [1] * len(sample_idx), states), rows)
@@ -222,7 +247,7 @@ class ModelRunner:
         batch row ``sample_idx[j]`` (a speculative verify step: each drafting row scores
         its k drafts plus the bonus position), stacked in row order: [sum(counts), V];
         None when no row asks for logits."""
-        self._ahead = None
+        self._drop_ahead()
         # (state layers run a sequence's rows in order: its verify rows cannot be decode rows)
         if (self.graphs is not None and self.states is None and len(sample_idx) == len(seqs)
                 and all(c == e - s for c, (_, s, e) in zip(counts, seqs)) and self.graphs.can_run(sum(counts))):

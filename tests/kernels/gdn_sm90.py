@@ -20,7 +20,7 @@ def print_post_conv_sm90(pc):
         slots, p = torch.zeros(1, dtype=torch.int32), torch.zeros(hv)
         q, v, g = torch.zeros(1, hk, dk, dtype=bf), torch.zeros(1, hv, dv, dtype=bf), torch.zeros(1, hv)
         kern = post_conv._post_conv_decode_kernel.warmup(
-            x, x.stride(0), ab, ab.stride(0), ab, ab.stride(0), state, state.stride(0), state.stride(1), slots,
+            x, x.stride(0), ab, ab.stride(0), ab, ab.stride(0), state, state.stride(0), state.stride(1), slots, slots,
             w, w, p, p, q, q, v, g, g, hk, hv, dk, dv, 1e-6, KW=4, BLOCK_DK=dk, BLOCK_DV=dv, HAS_BIAS=False,
             num_warps=2, grid=(1, hk + hv))
         print(f"{name} {pc.ptxas_report(kern)}")
@@ -34,7 +34,7 @@ def print_recurrent_sm90(pc):
         q, v = torch.zeros(1, hk, 128, dtype=bf), torch.zeros(1, hv, 128, dtype=bf)
         g, state, slots = torch.zeros(1, hv), torch.zeros(2, hv, 128, 128), torch.zeros(1, dtype=torch.int32)
         kern = recurrent._recurrent_decode_kernel.warmup(
-            q, q, v, g, g, state, slots, v, q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0),
+            q, q, v, g, g, state, slots, slots, v, q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0),
             state.stride(0), 0.088, hk, hv, 128, 128, BLOCK_K=128, BLOCK_V=8, num_warps=1, grid=(hv * 16,))
         print(f"{name} {pc.ptxas_report(kern)}")
 

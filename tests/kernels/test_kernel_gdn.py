@@ -128,8 +128,8 @@ def _post_conv_inputs(B, hk, dk, hv, dv, K, dtype, bias, device, seed=0):
     mixed = wide[:, :C].to(dtype)
     ab = torch.randn(B, 2 * hv + 3, generator=g).to(dtype)
     b, a = ab[:, :hv], ab[:, hv:2 * hv]
-    state = torch.randn(B + 3, K - 1, C, generator=g).to(dtype)
-    slots = torch.randperm(B + 3, generator=g)[:B].to(torch.int32)
+    state = torch.randn(2 * B + 3, K - 1, C, generator=g).to(dtype)
+    slots = torch.randperm(2 * B + 3, generator=g)[:B].to(torch.int32)
     w = (torch.randn(C, K, generator=g) * 0.5).to(dtype)
     cb = torch.randn(C, generator=g).to(dtype) if bias else None
     A_log = torch.randn(hv, generator=g).to(dtype)
@@ -146,15 +146,23 @@ def _post_conv_inputs(B, hk, dk, hv, dv, K, dtype, bias, device, seed=0):
     (5, 4, 32, 8, 32, 4, True),
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_post_conv_decode_kernel_matches_reference(device, B, hk, dk, hv, dv, K, bias, dtype):
+@pytest.mark.parametrize("elsewhere", [False, True])
+def test_post_conv_decode_kernel_matches_reference(device, B, hk, dk, hv, dv, K, bias, dtype, elsewhere):
     """The one-launch decode path (conv-state shift + conv + SiLU + split + L2 norm + g, beta)
     on row-strided views of a packed projection output, slots scattered over a larger pool:
-    the same q, k, v, g, beta and conv states as the reference, other slots untouched."""
+    the same q, k, v, g, beta and conv states as the reference, other slots untouched; with
+    ``elsewhere`` the shifted states go to other rows (the runner's look-ahead) and the rows
+    read stay as they were."""
     args, _ = _post_conv_inputs(B, hk, dk, hv, dv, K, dtype, bias, device)
     mixed, b, a, state, slots, w, cb, A_log, dt_bias = args
-    ref_state = state.clone()
-    out = post_conv.post_conv_decode_triton(mixed, a, b, state, slots, w, cb, A_log, dt_bias, hk, dk, hv, dv)
-    ref = reference_post_conv_decode(mixed, a, b, ref_state, slots, w, cb, A_log, dt_bias, hk, dk, hv, dv)
+    ref_state, before = state.clone(), state.clone()
+    free = [r for r in range(state.shape[0]) if r not in slots.tolist()]
+    dst = torch.tensor(free[:B], dtype=torch.int32, device=state.device) if elsewhere else None
+    out = post_conv.post_conv_decode_triton(mixed, a, b, state, slots, w, cb, A_log, dt_bias, hk, dk, hv, dv, dst)
+    ref = reference_post_conv_decode(mixed, a, b, ref_state, slots, w, cb, A_log, dt_bias, hk, dk, hv, dv, dst)
+    if elsewhere:
+        assert torch.equal(state[slots.long()], before[slots.long()])
+        assert not torch.equal(state[dst.long()], before[dst.long()])
     for name, o, r in zip(("q", "k", "v", "g", "beta"), out, ref):
         assert o.dtype == r.dtype and o.shape == r.shape, name
         if o.dtype == torch.float32:
@@ -170,28 +178,33 @@ def test_post_conv_decode_kernel_matches_reference(device, B, hk, dk, hv, dv, K,
     (4, 2, 32, 8, 40),       # four value heads a key head; dv over several column blocks
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_recurrent_decode_kernel_matches_reference(device, B, hk, dk, hv, dv, dtype):
+@pytest.mark.parametrize("elsewhere", [False, True])
+def test_recurrent_decode_kernel_matches_reference(device, B, hk, dk, hv, dv, dtype, elsewhere):
     """The in-place recurrent rule: each row's state read and written in its slot of a larger
     pool (the other slots untouched), value head j on key head j // (Hv / Hk): the reference's
-    outputs and states."""
+    outputs and states. ``elsewhere``: the new states written to other rows (the runner's
+    look-ahead), the rows read left as they were."""
     q, k, v, decay, beta, _ = _rule_inputs([1] * B, hk, hv, dk, dv, seed=5)
     gen = torch.Generator().manual_seed(6)
-    pool = torch.randn(B + 4, hv, dk, dv, generator=gen)
-    slots = torch.randperm(B + 4, generator=gen)[:B].to(torch.int32)
+    pool = torch.randn(2 * B + 4, hv, dk, dv, generator=gen)
+    perm = torch.randperm(2 * B + 4, generator=gen).to(torch.int32)
+    slots = perm[:B]
+    dst = perm[B:2 * B] if elsewhere else slots
     qn, kn = gdn.reference_l2norm(q).to(dtype), gdn.reference_l2norm(k).to(dtype)
     args = [t.to(device) for t in (qn, kn, v.to(dtype), decay, beta)]
     state, ref_state = pool.to(device), pool.clone()
-    o = recurrent.recurrent_decode_triton(*args, state, slots.to(device))
-    ref = gdn.gated_delta_rule_decode(qn, kn, v.to(dtype), decay, beta, ref_state, slots, reference=True)
+    o = recurrent.recurrent_decode_triton(*args, state, slots.to(device), None, dst.to(device))
+    ref = gdn.gated_delta_rule_decode(qn, kn, v.to(dtype), decay, beta, ref_state, slots, dst_slots=dst,
+                                      reference=True)
     assert o.dtype == dtype and o.shape == (B, hv, dv)
     if dtype == torch.float32:
         torch.testing.assert_close(o.cpu(), ref, atol=1e-5, rtol=1e-5)
     else:
         assert_close_ulps(o, ref, ulps=1, mean_ulps=0.25, what="o")
     torch.testing.assert_close(state.cpu(), ref_state, atol=1e-5, rtol=1e-5)
-    others = torch.ones(B + 4, dtype=torch.bool)
-    others[slots.long()] = False
-    assert torch.equal(state.cpu()[others], pool[others])
+    others = torch.ones(2 * B + 4, dtype=torch.bool)
+    others[dst.long()] = False
+    assert torch.equal(state.cpu()[others], pool[others])   # (with ``elsewhere``: the rows read too)
 
 
 def test_recurrent_decode_kernel_compiles_for_sm90():
@@ -207,7 +220,7 @@ def test_decode_entry_points_equal_prefill_of_one_token():
     hk, dk, hv, dv, K, B = 2, 16, 4, 8, 4, 3
     (mixed, b, a, cstate, slots, w, cb, A_log, dt_bias), _ = _post_conv_inputs(B, hk, dk, hv, dv, K, torch.float32,
                                                                                 True, "cpu")
-    rstate = torch.randn(B + 3, hv, dk, dv)
+    rstate = torch.randn(cstate.shape[0], hv, dk, dv)
     c2, r2 = cstate.clone(), rstate.clone()
     q, k, v, g, beta = gdn.post_conv_decode(mixed, a, b, cstate, slots, w, cb, A_log, dt_bias, hk, dk, hv, dv)
     o = gdn.gated_delta_rule_decode(q, k, v, g, beta, rstate, slots)

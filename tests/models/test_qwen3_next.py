@@ -301,3 +301,82 @@ def test_abort_and_no_prefix_caching_free_everything(tmp_path):
     check_generate(llm, hf, _prompts((17, 40)))
     st = llm.stats()
     assert st["state_snapshots_total"] == st["state_snapshots_cached"] == st["prefix_cache_hit_tokens"] == 0
+
+
+# ---- the decode look-ahead (CUDA graphs) on the CPU ----------------------------------------------
+
+class EagerGraphs:
+    """``DecodeGraphs`` with its captured forward run eagerly (no CUDA): the runner's pipelined
+    decode, its look-ahead and the state rows it reads and writes take their real paths here;
+    its buffers are filled as ``DecodeGraphs.run`` fills them, padding rows included."""
+
+    def __new__(cls, runner, max_num_seqs: int, width: int):
+        from blitzllm.runner.cuda_graphs import DecodeGraphs
+
+        class _Eager(DecodeGraphs):
+            def capture(self):
+                self.graphs = {b: None for b in self.buckets}
+
+            def run(self, ids, pos, slots, lens, block_tables, state_rows=None, state_dst=None):
+                n = len(pos)
+                b = next(x for x in self.buckets if x >= n)
+                pad = b - n
+                ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+                self.input_ids[:b] = torch.tensor(ids + [0] * pad)
+                self.positions[:b] = torch.tensor(list(pos) + [0] * pad)
+                self.slot_mapping[:b] = torch.tensor(list(slots) + [-1] * pad)
+                self.seq_lens[:b] = torch.tensor(list(lens) + [1] * pad, dtype=torch.int32)
+                self.block_tables.zero_()
+                for i, t in enumerate(block_tables):
+                    self.block_tables[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+                dst = state_rows if state_dst is None else state_dst
+                scratch = [self.states.scratch] * pad
+                self.state_rows[:, :b] = torch.tensor([list(state_rows) + scratch, list(dst) + scratch])
+                return self._forward(b)[:n]
+
+        g = _Eager(runner.model, runner.kv_caches, runner.backend, runner.device, max_num_seqs, width, runner.states)
+        g.capture()
+        return g
+
+
+@pytest.mark.parametrize("spare", [4, 2])
+def test_decode_look_ahead_keeps_the_states(checkpoint, monkeypatch, spare):
+    """The pipelined decode of the CUDA-graph path on a hybrid model (graphs replaced by an
+    eager stand-in): each step's successor runs ahead into spare state rows and is kept (its
+    rows become the sequences') or dropped (the states it read untouched). Requests of 4 to 30
+    new tokens, so the batch shrinks and look-aheads are dropped; decode steps that complete a
+    block take prefix-cache snapshots, which a second round of the same prompts restores; with
+    2 spare rows a batch of 4 runs without look-ahead until 2 are left. Tokens and logprobs are
+    transformers'; every spare row is free once the engine is idle."""
+    from blitzllm import SamplingParams
+    from blitzllm.engine import state_cache
+    from tests.conftest import hf_greedy, hf_logprobs
+    _, path, hf = checkpoint
+    monkeypatch.setattr(state_cache, "lookahead_rows", lambda args: min(spare, args.max_num_seqs))
+    llm = _llm(path, max_num_seqs=4)
+    eng, runner = llm.engine, llm.engine.runner
+    runner.graphs = EagerGraphs(runner, 4, -(-eng.max_model_len // eng.cache_config.block_size))
+    eng.scheduler.lookahead = True
+    pool = runner.states
+    assert len(pool.spare) == spare
+    kept = []
+    take = pool.take
+    monkeypatch.setattr(pool, "take", lambda slots, rows: (kept.append(len(slots)), take(slots, rows)))
+    prompts = _prompts((17, 40, 33, 6))
+    lengths = [30, 4, 21, 12]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0) for n in lengths]
+    for round_ in range(2):
+        before = llm.stats()
+        outs = llm.generate(prompts, params)
+        for prompt, n, out in zip(prompts, lengths, outs):
+            assert out.token_ids == hf_greedy(hf, prompt, n)
+            ours = torch.tensor([lp[t] for lp, t in zip(out.logprobs, out.token_ids)])
+            torch.testing.assert_close(ours, hf_logprobs(hf, prompt, out.token_ids), atol=1e-3, rtol=0)
+        st = assert_no_leaks(llm)
+        runner._drop_ahead()   # the last step's look-ahead, launched for a step that never came
+        rows = pool.spare + [pool.phys[s] for s in range(4)]
+        assert len(pool.spare) == spare and len(set(rows)) == len(rows)   # no row both spare and a slot's
+    # decode steps took snapshots (40 + 4 crosses no block end; 17 + 30 crosses 32) which round 2 used
+    assert st["state_snapshot_hit_tokens"] - before["state_snapshot_hit_tokens"] > 0
+    assert kept and (max(kept) == 4 if spare == 4 else max(kept) <= 2)
+    assert any(pool.phys[s] != s for s in range(4))   # kept look-aheads moved states to spare rows

@@ -116,25 +116,27 @@ def rms_norm_gated(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
 
 
 def post_conv_decode(mixed_qkv, a, b, conv_state, slots, conv_weight, conv_bias, A_log, dt_bias,
-                     hk: int, dk: int, hv: int, dv: int, reference: bool = False):
-    """See ``post_conv.py``; returns (q, k, v, g, beta) with q and k L2-normalized."""
+                     hk: int, dk: int, hv: int, dv: int, dst_slots=None, reference: bool = False):
+    """See ``post_conv.py``; returns (q, k, v, g, beta) with q and k L2-normalized. The conv
+    states are read at ``slots`` and written at ``dst_slots`` (default: the same rows)."""
     if _on_gpu(mixed_qkv, reference):
         from .post_conv import post_conv_decode_triton
         return post_conv_decode_triton(mixed_qkv, a, b, conv_state, slots, conv_weight, conv_bias, A_log, dt_bias,
-                                       hk, dk, hv, dv)
+                                       hk, dk, hv, dv, dst_slots)
     return reference_post_conv_decode(mixed_qkv, a, b, conv_state, slots, conv_weight, conv_bias, A_log, dt_bias,
-                                      hk, dk, hv, dv)
+                                      hk, dk, hv, dv, dst_slots)
 
 
 def gated_delta_rule_decode(q, k, v, g, beta, state: torch.Tensor, slots: torch.Tensor,
-                            scale: Optional[float] = None, reference: bool = False) -> torch.Tensor:
+                            scale: Optional[float] = None, dst_slots: Optional[torch.Tensor] = None,
+                            reference: bool = False) -> torch.Tensor:
     """One token per row (q, k [B, Hk, dk] already L2-normalized, v [B, Hv, dv], g / beta
-    [B, Hv]) continuing each row's slot state, written back. Returns o [B, Hv, dv]."""
+    [B, Hv]) continuing each row's slot state, the new one written at ``dst_slots`` (default:
+    back into ``slots``). Returns o [B, Hv, dv]."""
     if _on_gpu(v, reference):
         from .recurrent import recurrent_decode_triton
-        return recurrent_decode_triton(q, k, v, g, beta, state, slots, scale)
-    idx = slots.long()
-    o, final = reference_recurrent_gated_delta_rule(q, k, v, g, beta, range(q.shape[0] + 1), state.index_select(0, idx),
-                                                    scale)
-    state.index_copy_(0, idx, final.to(state.dtype))
+        return recurrent_decode_triton(q, k, v, g, beta, state, slots, scale, dst_slots)
+    o, final = reference_recurrent_gated_delta_rule(q, k, v, g, beta, range(q.shape[0] + 1),
+                                                    state.index_select(0, slots.long()), scale)
+    state.index_copy_(0, (slots if dst_slots is None else dst_slots).long(), final.to(state.dtype))
     return o

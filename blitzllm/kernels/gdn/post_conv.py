@@ -5,7 +5,8 @@ the gates g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b) in fp32.
 
 Grid (rows, Hk + Hv): program (r, h < Hk) does key head h's q and k channels, program
 (r, Hk + j) value head j's v channels and its g and beta. The conv runs in fp32 over the
-slot's K - 1 saved inputs and the new one; the state then shifts by one. Reference:
+slot's K - 1 saved inputs and the new one; the state then shifts by one (into the row's
+destination slot, its own unless the runner's look-ahead asks for another). Reference:
 ``reference.reference_post_conv_decode``.
 """
 from __future__ import annotations
@@ -17,17 +18,18 @@ from .reference import L2_EPS
 
 
 @triton.jit
-def _conv_silu(x_row, state_row, stride_st, w_ptr, bias_ptr, chans, mask,
+def _conv_silu(x_row, state_row, dst_row, stride_st, w_ptr, bias_ptr, chans, mask,
                KW: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """fp32 silu(conv) of ``chans`` for one token, shifting the token into the state."""
+    """fp32 silu(conv) of ``chans`` for one token over the state at ``state_row``; the state
+    shifted by one with the token at the end written at ``dst_row`` (the same row: in place)."""
     xt = tl.load(x_row + chans, mask=mask, other=0.0)
     acc = xt.to(tl.float32) * tl.load(w_ptr + chans * KW + (KW - 1), mask=mask, other=0.0).to(tl.float32)
     for j in tl.static_range(KW - 1):
         s = tl.load(state_row + j * stride_st + chans, mask=mask, other=0.0)
         acc += s.to(tl.float32) * tl.load(w_ptr + chans * KW + j, mask=mask, other=0.0).to(tl.float32)
         if j > 0:
-            tl.store(state_row + (j - 1) * stride_st + chans, s, mask=mask)
-    tl.store(state_row + (KW - 2) * stride_st + chans, xt.to(state_row.dtype.element_ty), mask=mask)
+            tl.store(dst_row + (j - 1) * stride_st + chans, s, mask=mask)
+    tl.store(dst_row + (KW - 2) * stride_st + chans, xt.to(dst_row.dtype.element_ty), mask=mask)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + chans, mask=mask, other=0.0).to(tl.float32)
     return acc * tl.sigmoid(acc)
@@ -36,7 +38,7 @@ def _conv_silu(x_row, state_row, stride_st, w_ptr, bias_ptr, chans, mask,
 @triton.jit
 def _post_conv_decode_kernel(
     x_ptr, stride_x, a_ptr, stride_a, b_ptr, stride_b,
-    state_ptr, stride_ss, stride_st, slot_ptr,
+    state_ptr, stride_ss, stride_st, slot_ptr, dst_ptr,
     w_ptr, bias_ptr, alog_ptr, dtb_ptr,
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,
     HK, HV, DK, DV, eps,
@@ -47,12 +49,13 @@ def _post_conv_decode_kernel(
     slot = tl.load(slot_ptr + row).to(tl.int64)
     x_row = x_ptr + row * stride_x
     state_row = state_ptr + slot * stride_ss
+    dst_row = state_ptr + tl.load(dst_ptr + row).to(tl.int64) * stride_ss
     if h < HK:
         offs_k = tl.arange(0, BLOCK_DK)
         mk = offs_k < DK
         qc = h * DK + offs_k
-        q = _conv_silu(x_row, state_row, stride_st, w_ptr, bias_ptr, qc, mk, KW, HAS_BIAS)
-        k = _conv_silu(x_row, state_row, stride_st, w_ptr, bias_ptr, qc + HK * DK, mk, KW, HAS_BIAS)
+        q = _conv_silu(x_row, state_row, dst_row, stride_st, w_ptr, bias_ptr, qc, mk, KW, HAS_BIAS)
+        k = _conv_silu(x_row, state_row, dst_row, stride_st, w_ptr, bias_ptr, qc + HK * DK, mk, KW, HAS_BIAS)
         q = tl.where(mk, q, 0.0)
         k = tl.where(mk, k, 0.0)
         q = q * tl.rsqrt(tl.sum(q * q, axis=0) + eps)
@@ -64,7 +67,7 @@ def _post_conv_decode_kernel(
         j = h - HK
         offs_v = tl.arange(0, BLOCK_DV)
         mv = offs_v < DV
-        v = _conv_silu(x_row, state_row, stride_st, w_ptr, bias_ptr, 2 * HK * DK + j * DV + offs_v, mv, KW, HAS_BIAS)
+        v = _conv_silu(x_row, state_row, dst_row, stride_st, w_ptr, bias_ptr, 2 * HK * DK + j * DV + offs_v, mv, KW, HAS_BIAS)
         tl.store(v_ptr + (row * HV + j) * DV + offs_v, v.to(v_ptr.dtype.element_ty), mask=mv)
         a = tl.load(a_ptr + row * stride_a + j).to(tl.float32) + tl.load(dtb_ptr + j).to(tl.float32)
         # softplus as torch's (threshold 20), exp(a) where 1 + exp(a) rounds to 1
@@ -77,9 +80,10 @@ def _post_conv_decode_kernel(
 
 def post_conv_decode_triton(mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_state: torch.Tensor,
                             slots: torch.Tensor, conv_weight: torch.Tensor, conv_bias, A_log: torch.Tensor,
-                            dt_bias: torch.Tensor, hk: int, dk: int, hv: int, dv: int):
+                            dt_bias: torch.Tensor, hk: int, dk: int, hv: int, dv: int, dst_slots=None):
     """See the module docstring. mixed_qkv [B, C] and a, b [B, Hv] may be row-strided views
-    (columns contiguous); conv_state [slots, K - 1, C] with contiguous channels; conv_weight
+    (columns contiguous); conv_state [slots, K - 1, C] with contiguous channels, read at rows
+    ``slots`` and written at ``dst_slots`` (default: the same rows, in place); conv_weight
     [C, K] contiguous. Returns q, k [B, Hk, dk], v [B, Hv, dv] in mixed_qkv's dtype, g and
     beta [B, Hv] fp32."""
     B, C = mixed_qkv.shape
@@ -98,7 +102,7 @@ def post_conv_decode_triton(mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.T
     bias = conv_bias if conv_bias is not None else conv_weight
     _post_conv_decode_kernel[(B, hk + hv)](
         mixed_qkv, mixed_qkv.stride(0), a, a.stride(0), b, b.stride(0),
-        conv_state, conv_state.stride(0), conv_state.stride(1), slots,
+        conv_state, conv_state.stride(0), conv_state.stride(1), slots, slots if dst_slots is None else dst_slots,
         conv_weight, bias, A_log, dt_bias, q, k, v, g, beta,
         hk, hv, dk, dv, L2_EPS,
         KW=kw, BLOCK_DK=next_pow2(dk), BLOCK_DV=next_pow2(dv), HAS_BIAS=conv_bias is not None,

@@ -163,16 +163,18 @@ def reference_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optiona
 
 def reference_causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                                    conv_state: torch.Tensor, slots: torch.Tensor,
-                                   activation: bool = True, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+                                   activation: bool = True, out_dtype: Optional[torch.dtype] = None,
+                                   dst_slots: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One new token per row of x [B, C]: the conv over its slot's state and itself (SiLU when
-    ``activation``), the state shifted by one; fp32 inside, ``out_dtype`` (default x's) out."""
+    ``activation``), the state shifted by one into ``dst_slots`` (default: the same slots); fp32
+    inside, ``out_dtype`` (default x's) out."""
     idx = slots.long()
     prev = conv_state.index_select(0, idx).float()            # [B, K - 1, C]
     ext = torch.cat([prev, x.float()[:, None]], 1)            # [B, K, C]
     y = (ext * weight.float().t()[None]).sum(1)
     if bias is not None:
         y = y + bias.float()
-    conv_state.index_copy_(0, idx, ext[:, 1:].to(conv_state.dtype))
+    conv_state.index_copy_(0, (slots if dst_slots is None else dst_slots).long(), ext[:, 1:].to(conv_state.dtype))
     return (F.silu(y) if activation else y).to(out_dtype or x.dtype)
 
 
@@ -184,12 +186,13 @@ def split_qkv(mixed: torch.Tensor, hk: int, dk: int, hv: int, dv: int):
 
 
 def reference_post_conv_decode(mixed_qkv, a, b, conv_state, slots, conv_weight, conv_bias, A_log, dt_bias,
-                               hk: int, dk: int, hv: int, dv: int):
+                               hk: int, dk: int, hv: int, dv: int, dst_slots=None):
     """Decode's post-projection path, one token per row: conv-state update + conv + SiLU,
     split into q / k / v, per-head L2 norm of q and k, g and beta. Returns q, k [B, Hk, dk]
     (normalized from the fp32 conv output, then rounded to x's dtype), v [B, Hv, dv], g and
     beta [B, Hv] fp32."""
-    y = reference_causal_conv1d_update(mixed_qkv, conv_weight, conv_bias, conv_state, slots, out_dtype=torch.float32)
+    y = reference_causal_conv1d_update(mixed_qkv, conv_weight, conv_bias, conv_state, slots, out_dtype=torch.float32,
+                                       dst_slots=dst_slots)
     B, dt = y.shape[0], mixed_qkv.dtype
     q, k, v = y.split([hk * dk, hk * dk, hv * dv], dim=-1)
     q = reference_l2norm(q.reshape(B, hk, dk)).to(dt)
