@@ -9,7 +9,7 @@ import torch
 
 from ..config import ModelConfig
 from ..spec.config import parse_speculative_config
-from .state_cache import engine_state_layout, state_bytes_per_row
+from .state_cache import LOOKAHEAD_ROWS, StateLayout, state_bytes_per_row, state_layout
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -110,6 +110,22 @@ def plan_kv_blocks(a: EngineArgs, cfg: ModelConfig, dtype: torch.dtype, device: 
         budget -= layout.total * state_bytes_per_row(cfg, torch.finfo(dtype).bits // 8, tp_size)
     want = -(-cfg.max_position_embeddings // a.block_size) * max(1, min(a.max_num_seqs, 64))
     return max(1, min(budget // per_block, want))
+
+
+def lookahead_rows(args) -> int:
+    """Spare rows for the runner's decode look-ahead: only where it looks ahead (CUDA graphs,
+    one rank; ``ModelRunner`` and ``speculation_runner_kwargs`` decide the same way)."""
+    if (args.tensor_parallel_size != 1 or args.attention_backend == "torch"
+            or speculation_runner_kwargs(args)["enforce_eager"] or resolve_device(args.device).type != "cuda"):
+        return 0
+    return min(args.max_num_seqs, LOOKAHEAD_ROWS)
+
+
+def engine_state_layout(args, cfg: ModelConfig) -> Optional[StateLayout]:
+    """``state_layout`` of an engine's arguments (EngineArgs): the same on every rank."""
+    spec = parse_speculative_config(args.speculative_config)
+    return state_layout(cfg, args.max_num_seqs, args.enable_prefix_caching, spec.k if spec is not None else 0,
+                        lookahead_rows(args))
 
 
 def check_tp_size(n) -> int:

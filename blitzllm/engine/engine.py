@@ -22,13 +22,13 @@ from ..envs import Knobs
 from ..runner.build import build_runner
 from ..sampling_params import SamplingParams
 from ..spec.config import parse_speculative_config
-from .args import (EngineArgs, check_tp_size, plan_kv_blocks, resolve_device, resolve_dtype, resolve_weight_dtype,
-                   speculation_runner_kwargs)
+from .args import (EngineArgs, check_tp_size, engine_state_layout, plan_kv_blocks, resolve_device, resolve_dtype,
+                   resolve_weight_dtype, speculation_runner_kwargs)
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache import KVCacheManager
 from .request import Request, Status
 from .scheduler import Scheduler
-from .state_cache import HybridKVCacheManager, engine_state_layout
+from .state_cache import HybridKVCacheManager
 
 
 

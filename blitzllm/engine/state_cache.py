@@ -68,24 +68,6 @@ def state_layout(cfg: ModelConfig, max_num_seqs: int, prefix_caching: bool, spec
     return StateLayout(max_num_seqs, snaps, spec_k, spare)
 
 
-def lookahead_rows(args) -> int:
-    """Spare rows for the runner's decode look-ahead: only where it looks ahead (CUDA graphs,
-    one rank; ``ModelRunner`` and ``speculation_runner_kwargs`` decide the same way)."""
-    from .args import resolve_device, speculation_runner_kwargs
-    if (args.tensor_parallel_size != 1 or args.attention_backend == "torch"
-            or speculation_runner_kwargs(args)["enforce_eager"] or resolve_device(args.device).type != "cuda"):
-        return 0
-    return min(args.max_num_seqs, LOOKAHEAD_ROWS)
-
-
-def engine_state_layout(args, cfg: ModelConfig) -> Optional[StateLayout]:
-    """``state_layout`` of an engine's arguments (EngineArgs): the same on every rank."""
-    from ..spec.config import parse_speculative_config
-    spec = parse_speculative_config(args.speculative_config)
-    return state_layout(cfg, args.max_num_seqs, args.enable_prefix_caching, spec.k if spec is not None else 0,
-                        lookahead_rows(args))
-
-
 def state_bytes_per_row(cfg: ModelConfig, dtype_bytes: int, tp_size: int = 1) -> int:
     """One row of every GDN layer of one tensor-parallel rank: the conv state (K - 1 inputs
     of its channels, model dtype) and the recurrent state [Hv, dk, dv] in fp32."""

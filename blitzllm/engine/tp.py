@@ -283,7 +283,7 @@ def _build(args, group, device):
     from ..loader.source import resolve_model
     from ..runner.build import build_runner
     from .args import plan_kv_blocks, resolve_dtype, resolve_weight_dtype, speculation_runner_kwargs
-    from .state_cache import engine_state_layout
+    from .args import engine_state_layout
     src = resolve_model(args.model, args.load_format)
     cfg = ModelConfig.from_hf(src.hf_config, args.num_layers)
     dtype = resolve_dtype(args.dtype, device, src.torch_dtype)

@@ -349,10 +349,10 @@ def test_decode_look_ahead_keeps_the_states(checkpoint, monkeypatch, spare):
     2 spare rows a batch of 4 runs without look-ahead until 2 are left. Tokens and logprobs are
     transformers'; every spare row is free once the engine is idle."""
     from blitzllm import SamplingParams
-    from blitzllm.engine import state_cache
+    from blitzllm.engine import args as engine_args
     from tests.conftest import hf_greedy, hf_logprobs
     _, path, hf = checkpoint
-    monkeypatch.setattr(state_cache, "lookahead_rows", lambda args: min(spare, args.max_num_seqs))
+    monkeypatch.setattr(engine_args, "lookahead_rows", lambda args: min(spare, args.max_num_seqs))
     llm = _llm(path, max_num_seqs=4)
     eng, runner = llm.engine, llm.engine.runner
     runner.graphs = EagerGraphs(runner, 4, -(-eng.max_model_len // eng.cache_config.block_size))

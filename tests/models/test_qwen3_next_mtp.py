@@ -190,7 +190,8 @@ def test_mtp_preemption_abort_and_kv_budget(mtp_checkpoint, monkeypatch):
     from blitzllm.config import ModelConfig
     from blitzllm.engine import args as args_mod
     from blitzllm.engine.args import EngineArgs, plan_kv_blocks
-    from blitzllm.engine.state_cache import engine_state_layout, state_bytes_per_row
+    from blitzllm.engine.args import engine_state_layout
+    from blitzllm.engine.state_cache import state_bytes_per_row
     from blitzllm.loader.source import resolve_model
     spec = {"method": "mtp", "num_speculative_tokens": 3}
     seen = _record(monkeypatch)
