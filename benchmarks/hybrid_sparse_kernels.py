@@ -112,7 +112,7 @@ def bench_gdn(batches, rows, bw):
             print(json.dumps(r), flush=True)
 
 
-def bench_topk(rows):
+def bench_topk(rows, chunks=()):
     from blitzllm.kernels.attention.topk import topk_triton
     k = 2048
     # (row length, logits width): the width is what a CUDA graph captured (the longest context);
@@ -126,15 +126,14 @@ def bench_topk(rows):
             def ours():
                 topk_triton(logits, lens, k)
 
-            def ours_bits():  # the one-program rows' k-th key bit by bit (32 reductions)
-                topk_triton(logits, lens, k, short_radix=False)
-
             def torch_topk():  # the masked row, as an engine without its own kernel would do it
                 x = logits.masked_fill(cols[None, :] >= lens[:, None], float("-inf"))
                 torch.topk(x, k, dim=-1, sorted=False)
 
             r = dict(part="topk", row=n, width=width, rows=T, k=k, us_triton=time_graph(ours),
-                     us_triton_bits=time_graph(ours_bits), us_torch=time_graph(torch_topk))
+                     us_torch=time_graph(torch_topk))
+            for c in chunks:  # other spans of the long rows' programs
+                r[f"us_triton_chunk{c}"] = time_graph(lambda: topk_triton(logits, lens, k, chunk=c))
             r["speedup_vs_torch"] = r["us_torch"] / r["us_triton"]
             rows.append(r)
             print(json.dumps(r), flush=True)
@@ -144,6 +143,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("parts", nargs="*", default=["gdn", "topk"], choices=["gdn", "topk"])
     ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--topk-chunks", default="", help="also time top-k with these chunk widths, e.g. 1024,2048")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("hybrid_sparse_kernels.py times CUDA kernels: no CUDA device here")
@@ -153,7 +153,7 @@ def main():
     if "gdn" in args.parts:
         bench_gdn([int(b) for b in args.batches.split(",")], rows, bw)
     if "topk" in args.parts:
-        bench_topk(rows)
+        bench_topk(rows, [int(c) for c in args.topk_chunks.split(",") if c])
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "hybrid_sparse_kernels.json"), "w") as f:
             json.dump(dict(copy_bandwidth_Bps=bw, device=torch.cuda.get_device_name(), rows=rows), f, indent=1)

@@ -12,7 +12,7 @@ from blitzllm.kernels.attention import sparse_mla as sm  # noqa: E402
 from blitzllm.kernels.attention import topk as tk  # noqa: E402
 from blitzllm.kernels.attention.mla_decode import reference_mla_decode  # noqa: E402
 from blitzllm.layers.rotary import build_cos_sin_cache  # noqa: E402
-from tests.kernels.conftest import sm90_compile  # noqa: E402
+from tests.kernels.conftest import INTERPRET, sm90_compile  # noqa: E402
 from tests.kernels.test_kernel_mla_decode import make_mla  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2.5e-2}
@@ -174,6 +174,8 @@ def test_dsa_kernels_compile_for_sm90():
         assert "registers" in report and "0 bytes spill stores" in report, (name, report)
 
 
+@pytest.mark.skipif(not INTERPRET, reason="runs the Triton kernels on CPU tensors (the interpreter's test); on a "
+                    "GPU tests/models/test_deepseek_v32_gpu.py runs them in the engine")
 def test_model_attention_on_the_triton_kernels(tmp_path, monkeypatch):
     """A tiny DeepSeek-V3.2 whose attention runs every Triton kernel of the CUDA path (MLA prep and
     decode, indexer prep and logits, top-k, sparse MLA) under the interpreter, prefill and decode
