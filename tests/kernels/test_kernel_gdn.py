@@ -278,19 +278,20 @@ def _fla_on_cpu(monkeypatch):
     monkeypatch.setattr(gdn, "fla_ops", lambda: (chunk, None))
 
 
-def test_fla_rule_calls_bind_to_fla_signatures(monkeypatch):
-    """Our call of fla-core's chunked rule (the CUDA prefill path, not run on this machine) passes
-    each tensor to the parameter that means it and gives what our torch reference gives: fp32
-    inputs, GVA (2 key heads, 4 value heads), varlen with and without initial states; the decode
-    step after it (our recurrent kernel, interpreted) continues from the states it wrote."""
+def test_fla_rule_calls_bind_to_fla_signatures(monkeypatch, device):
+    """Our call of fla-core's chunked rule (the CUDA prefill path, here fla's torch definition in
+    its place) passes each tensor to the parameter that means it and gives what our torch
+    reference gives: fp32 inputs, GVA (2 key heads, 4 value heads), varlen with and without
+    initial states; the decode step after it (our recurrent kernel: interpreted on a CPU,
+    compiled on a GPU) continues from the states it wrote."""
     _fla_on_cpu(monkeypatch)
     hk, hv, dk, dv = 2, 4, 16, 8
     lengths = [5, 1, 9]
-    q, k, v, g, beta, h0 = _rule_inputs(lengths, hk, hv, dk, dv, seed=3)
+    q, k, v, g, beta, h0 = (t.to(device) for t in _rule_inputs(lengths, hk, hv, dk, dv, seed=3))
     cu_host, N = _cu(lengths), len(lengths)
-    cu = torch.tensor(cu_host, dtype=torch.int32)
-    slots = torch.tensor([2, 0, 3], dtype=torch.int32)
-    has = torch.tensor([True, False, True])
+    cu = torch.tensor(cu_host, dtype=torch.int32, device=device)
+    slots = torch.tensor([2, 0, 3], dtype=torch.int32, device=device)
+    has = torch.tensor([True, False, True], device=device)
     state = torch.cat([h0, h0[:1]])
     outs = []
     for reference in (False, True):
