@@ -47,6 +47,11 @@ class ModelConfig:
         return self.kv_lora_rank > 0
 
     @property
+    def text_config(self) -> dict:
+        """The HF config's ``text_config`` (a multimodal folder's text model), else the config itself."""
+        return self.hf_config.get("text_config") or self.hf_config
+
+    @property
     def kv_cache_entry(self) -> tuple[int, int, int]:
         """(tensors per layer, heads, dim) of one cached token: (2, Hkv, D) for k and v,
         (1, 1, kv_lora_rank + qk_rope_head_dim) for MLA's latent cache."""
@@ -69,21 +74,20 @@ class ModelConfig:
     def index_head_dim(self) -> int:
         """Values per token and layer of a sparse-attention indexer's key cache, the second paged
         tensor of an MLA layer (DeepSeek-V3.2: ``index_head_dim`` with ``index_topk``); 0: none."""
-        text = self.hf_config.get("text_config") or self.hf_config
+        text = self.text_config
         return int(text.get("index_head_dim") or 0) if self.is_mla and text.get("index_topk") else 0
 
     @property
     def index_topk(self) -> int:
         """Cached tokens a query of a sparse-attention layer attends to (0: all, no indexer)."""
-        text = self.hf_config.get("text_config") or self.hf_config
-        return int(text.get("index_topk") or 0) if self.index_head_dim else 0
+        return int(self.text_config.get("index_topk") or 0) if self.index_head_dim else 0
 
     @property
     def state_layers(self) -> tuple:
         """Indices of the layers that keep a recurrent state instead of a KV cache (the gated
         delta net layers of hybrid models: ``layer_types`` "linear_attention", or all but every
         ``full_attention_interval``-th layer)."""
-        text = self.hf_config.get("text_config") or self.hf_config
+        text = self.text_config
         types = text.get("layer_types")
         if types is None and text.get("full_attention_interval"):
             every = int(text["full_attention_interval"])
@@ -162,7 +166,6 @@ class SchedulerConfig:
     max_model_len: int = 4096
 
     def __post_init__(self):
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

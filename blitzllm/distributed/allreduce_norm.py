@@ -18,8 +18,6 @@ from .parallel_state import HeadSplit, TPGroup
 
 log = logging.getLogger("blitzllm.distributed")
 
-# a one-shot barrier still waiting after this long traps (a dead peer cannot hang the GPU)
-
 
 def all_reduce_add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
                             tp: TPGroup) -> tuple:
@@ -40,6 +38,7 @@ class OneShotWorkspace:
 
     def __init__(self, buf: torch.Tensor, handle, ptrs: torch.Tensor):
         self.buf, self.handle, self.ptrs = buf, handle, ptrs
+        # a one-shot barrier still waiting after this long traps (a dead peer cannot hang the GPU)
         self.barrier_ms = int(envs.get("BLITZ_TP_BARRIER_TIMEOUT") * 1000)
 
     @classmethod
@@ -123,15 +122,3 @@ def full_width_qk_norm(qkv: torch.Tensor, q_norm, k_norm, heads: HeadSplit, head
         return (norm.weight.float() * normed.float()).to(x.dtype)
 
     return torch.cat([scale(q, sums[:, 0], q_width, q_norm), scale(k, sums[:, 1], k_width, k_norm), v], 1)
-
-
-class FullWidthQKNorm:
-    """The full-width q/k RMSNorm of a tensor-parallel attention layer as a plain callable (the
-    norms stay registered on the attention module under their checkpoint names)."""
-
-    def __init__(self, q_norm, k_norm, heads: HeadSplit, head_dim: int, tp: TPGroup):
-        self.norms, self.heads, self.head_dim, self.tp = (q_norm, k_norm), heads, head_dim, tp
-
-    def __call__(self, qkv: torch.Tensor) -> torch.Tensor:
-        return full_width_qk_norm(qkv, *self.norms, self.heads, self.head_dim, self.tp)
-

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 from torch import nn
@@ -92,12 +91,7 @@ class TorchAttentionBackend(AttentionBackend):
             qk = torch.cat([layer.q_norm(heads[:, :hq]), layer.k_norm(heads[:, hq:hq + hkv])], 1)
         else:
             qk = heads[:, :hq + hkv]
-        # q and k rotate together, with cos/sin gathered once per step for all layers
-        scratch = get_forward_context().scratch if _CURRENT else {}
-        key = ("rope", id(layer.rotary))
-        if key not in scratch:
-            scratch[key] = rotary_tables(layer.rotary.cos_sin_cache, positions)
-        qk = apply_rotary_tables(qk, *scratch[key])
+        qk = apply_rotary_tables(qk, *step_rotary_tables(layer.rotary, positions))  # q and k together
         q, k = qk[:, :hq], qk[:, hq:]
         write_kv_torch(k, v, k_cache, v_cache, md.slot_mapping, md.padded)
         return self.attend(q, k_cache, v_cache, md, layer.scale)
@@ -120,7 +114,7 @@ class TorchAttentionBackend(AttentionBackend):
                 qb = q[start:start + ql].transpose(0, 1)[None]  # [1, Hq, Q, D]
                 causal = sl == ql
                 mask = None if causal else (torch.arange(sl)[None, :] <= torch.arange(sl - ql, sl)[:, None])
-                o = torch.nn.functional.scaled_dot_product_attention(
+                o = nn.functional.scaled_dot_product_attention(
                     qb, kb[None], vb[None], attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=group > 1)
                 out[start:start + ql] = o[0].transpose(0, 1)
                 start += ql
@@ -179,6 +173,16 @@ def get_forward_context() -> ForwardContext:
     return _CURRENT[0]
 
 
+def step_rotary_tables(rotary, positions: torch.Tensor) -> tuple:
+    """``rotary_tables`` of ``rotary`` at this step's positions, gathered once per step for all
+    layers (in the step's scratch; outside a forward context, every call)."""
+    scratch = get_forward_context().scratch if _CURRENT else {}
+    key = ("rope", id(rotary))
+    if key not in scratch:
+        scratch[key] = rotary_tables(rotary.cos_sin_cache, positions)
+    return scratch[key]
+
+
 class TritonAttentionBackend(AttentionBackend):
     """CUDA: one fused kernel for q/k norm + rotary + cache write, then paged attention
     (split-K flash decoding for pure decode steps, varlen causal prefill otherwise)."""
@@ -194,17 +198,13 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(self, layer, positions, qkv, k_cache, v_cache, md):
         from ..kernels.attention.paged import paged_decode_attention_triton, paged_prefill_attention_triton
         from ..kernels.attention.qk_norm_rope_cache import fused_qk_norm_rope_cache_triton
-        qn, kn = layer.q_norm, layer.k_norm
         if self._fused_decode_ok(layer, md):
             return self._fused_decode(layer, positions, qkv, k_cache, v_cache, md,
                                       early_dependents=_next_streams_early(layer, qkv))
         q = fused_qk_norm_rope_cache_triton(
             qkv, positions, layer.rotary.cos_sin_cache, layer.num_heads, layer.num_kv_heads, layer.head_dim,
-            k_cache, v_cache, md.slot_mapping,
-            q_norm_weight=qn.weight if qn is not None else None,
-            k_norm_weight=kn.weight if kn is not None else None,
-            eps=qn.eps if qn is not None else 1e-6, rotary_dim=layer.rotary.rotary_dim,
-            full_width_norm=getattr(layer, "full_width_qk_norm", False))
+            k_cache, v_cache, md.slot_mapping, full_width_norm=getattr(layer, "full_width_qk_norm", False),
+            **_norm_rope_kwargs(layer))
         if md.is_pure_decode:
             return paged_decode_attention_triton(q, k_cache, v_cache, md.block_tables, md.seq_lens, layer.scale)
         if md.num_seqs == 1 and md.q_lens_host[0] == md.seq_lens_host[0] >= _SDPA_MIN_LEN:
@@ -220,13 +220,17 @@ class TritonAttentionBackend(AttentionBackend):
     def _fused_decode(layer, positions, qkv, k_cache, v_cache, md, **kw):
         """``fused_decode_attention_triton`` for ``layer`` (its heads, norms, rotary) with ``kw``."""
         from ..kernels.attention.paged import fused_decode_attention_triton
-        qn, kn = layer.q_norm, layer.k_norm
         return fused_decode_attention_triton(
             qkv, positions, layer.rotary.cos_sin_cache, layer.num_heads, layer.num_kv_heads, layer.head_dim,
-            k_cache, v_cache, md.slot_mapping, md.block_tables, md.seq_lens, layer.scale,
-            q_norm_weight=qn.weight if qn is not None else None,
-            k_norm_weight=kn.weight if kn is not None else None,
-            eps=qn.eps if qn is not None else 1e-6, rotary_dim=layer.rotary.rotary_dim, **kw)
+            k_cache, v_cache, md.slot_mapping, md.block_tables, md.seq_lens, layer.scale, **_norm_rope_kwargs(layer),
+            **kw)
+
+
+def _norm_rope_kwargs(layer) -> dict:
+    """The q/k norm and rotary arguments of the fused Triton kernels for ``layer``."""
+    qn, kn = layer.q_norm, layer.k_norm
+    return {"q_norm_weight": None if qn is None else qn.weight, "k_norm_weight": None if kn is None else kn.weight,
+            "eps": 1e-6 if qn is None else qn.eps, "rotary_dim": layer.rotary.rotary_dim}
 
 
 def _next_streams_early(layer, qkv) -> bool:
@@ -247,7 +251,6 @@ _SDPA_MIN_LEN = 2048
 def _single_decode_sdpa(q, k_cache, v_cache, md, scale):
     """One sequence, one new token: no mask needed, so torch's fused attention (one op on
     the CPU path, where per-op overhead dominates a batch-1 decode)."""
-    import torch.nn.functional as F
     n = md.seq_lens_host[0]
     hq, hkv = q.shape[1], k_cache.shape[2]
     scratch = get_forward_context().scratch if _CURRENT else {}
@@ -255,22 +258,22 @@ def _single_decode_sdpa(q, k_cache, v_cache, md, scale):
         scratch["blocks"] = _block_index(md.block_tables[0], n, k_cache.shape[1])
     k = _gather(k_cache, None, n, scratch["blocks"]).transpose(0, 1).to(q.dtype)  # [Hkv, L, D]
     v = _gather(v_cache, None, n, scratch["blocks"]).transpose(0, 1).to(q.dtype)
-    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], scale=scale,
-                                       enable_gqa=hq != hkv)
+    o = nn.functional.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], scale=scale,
+                                                   enable_gqa=hq != hkv)
     return o[0].transpose(0, 1)
 
 
 def _long_prompt_sdpa(q, k_cache, v_cache, md, scale):
     """A single uncached long prompt: its k/v sit in the cache contiguous per block; gather them
     once and use torch's flash attention."""
-    import torch.nn.functional as F
     n = md.seq_lens_host[0]
     g = q.shape[1] // k_cache.shape[2]
     k = _gather(k_cache, md.block_tables[0], n).transpose(0, 1)
     v = _gather(v_cache, md.block_tables[0], n).transpose(0, 1)
     if g > 1:
         k, v = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)
-    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], is_causal=True, scale=scale)
+    o = nn.functional.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], is_causal=True,
+                                                   scale=scale)
     return o[0].transpose(0, 1)
 
 
@@ -292,8 +295,7 @@ class Attention(nn.Module):
     runs before the backend: the tensor-parallel full-width q/k norm, whose heads span the ranks."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int, rotary,
-                 q_norm=None, k_norm=None, scale: Optional[float] = None, full_width_qk_norm: bool = False,
-                 pre_norm=None):
+                 q_norm=None, k_norm=None, full_width_qk_norm: bool = False, pre_norm=None):
         super().__init__()
         self.full_width_qk_norm = full_width_qk_norm
         self.pre_norm = pre_norm
@@ -301,7 +303,7 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.rotary = rotary
         self._norms = (q_norm, k_norm)  # a tuple: owned (and named) by the caller, not registered here
-        self.scale = scale if scale is not None else head_dim ** -0.5
+        self.scale = head_dim ** -0.5
         # set by the runner's decode plan: the projection after this attention, when it streams
         # its weights before its wait (the TMA GEMV) so decode attention lets it launch at once
         self.preload_next: tuple = ()

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .parallel import Part, packed_column_linear, read_block, row_linear, shape_of
+from .parallel import Part, check_shape, packed_column_linear, read_block, row_linear
 from ..distributed.parallel_state import get_tp_group, split_heads
 from .attention import Attention
 from .norm import OffsetRMSNorm
@@ -56,9 +56,7 @@ class GatedAttention(nn.Module):
         if sub not in ("q_proj.weight", "q_proj.bias"):
             return None
         dst, d = getattr(self.qkv_proj, leaf), self.head_dim
-        expect = (self.q_rows, *dst.shape[1:])
-        if shape_of(tensor) != expect:
-            raise ValueError(f"shape mismatch for {name}: checkpoint {shape_of(tensor)}, model {expect}")
+        check_shape(tensor, (self.q_rows, *dst.shape[1:]), name)
         with torch.no_grad():
             for j in range(self.num_heads):
                 src = (self.q_start + j) * 2 * d

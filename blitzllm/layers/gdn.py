@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .parallel import Part, read_block, row_linear, shape_of, shard_rows
+from .parallel import Part, check_shape, read_block, row_linear, shard_rows
 from ..distributed.parallel_state import get_tp_group
 from ..kernels import gdn as ops
 from .linear import Linear
@@ -170,9 +170,7 @@ class GatedDeltaNet(nn.Module):
             return None
         rows, segments = maps[sub]
         dst = self.conv1d.weight if sub == "conv1d.weight" else self.in_proj.weight
-        expect = (rows, *dst.shape[1:])
-        if shape_of(tensor) != expect:
-            raise ValueError(f"shape mismatch for {name}: checkpoint {shape_of(tensor)}, model {expect}")
+        check_shape(tensor, (rows, *dst.shape[1:]), name)
         with torch.no_grad():
             for src, at, n in segments:
                 dst[at:at + n].copy_(read_block(tensor, [slice(src, src + n)]))

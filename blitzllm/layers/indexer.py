@@ -12,6 +12,7 @@ from torch import nn
 
 from ..kernels.attention.indexer import indexer_logits, indexer_prep, reference_indexer_qk
 from ..kernels.attention.topk import topk
+from .norm import Fp32Params
 
 _KEY_NORM_EPS = 1e-6  # the key LayerNorm: transformers and DeepSeek build it with this eps
 
@@ -28,17 +29,6 @@ class IndexerDims:
     def weight_scale(self) -> float:
         """The head weights' factor: index_n_heads^-0.5 times the softmax scale index_head_dim^-0.5."""
         return self.n_heads ** -0.5 * self.head_dim ** -0.5
-
-
-class Fp32Params(nn.Module):
-    """A module whose own parameters stay float32 through a model-wide cast (``model.to(bf16)``)."""
-
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        for p in self.parameters(recurse=False):
-            if p.dtype != torch.float32:
-                p.data = p.data.float()
-        return self
 
 
 class KeyNorm(Fp32Params):

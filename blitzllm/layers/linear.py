@@ -90,7 +90,6 @@ class Linear(nn.Module):
             return nn.functional.linear(x.to(w.dtype), w, self.bias).to(x.dtype)
         return nn.functional.linear(x, w, self.bias)
 
-
     def forward_norm(self, x: torch.Tensor, residual, norm) -> tuple:
         """Pre-norm block entry, ``(self(norm(x + residual)), x + residual)`` for the RMSNorm module
         ``norm``; on the TMA GEMV's path the norm lets the GEMV launch as it starts."""

@@ -15,7 +15,7 @@ from .parallel import Part, column_linear, packed_column_linear, row_linear, sha
 from ..distributed.parallel_state import get_tp_group
 from ..kernels.attention import mla_decode as mla_ops
 from ..kernels._common import use_triton
-from .attention import _gather, get_forward_context
+from .attention import _gather, get_forward_context, step_rotary_tables
 from .norm import RMSNorm
 from .rotary import apply_rotary_tables, rotary_tables, yarn_mscale
 
@@ -208,7 +208,7 @@ class MLAttention(nn.Module):
             norm = self.kv_a_layernorm
             return mla_prep_triton(q, kv_a, positions, self.rotary.cos_sin_cache, norm.weight, norm.eps, cache,
                                    md.slot_mapping, d.qk_nope_head_dim, d.rope_interleave)
-        q_pe, entry = self._rope_latent(q, kv_a, self._tables(positions))
+        q_pe, entry = self._rope_latent(q, kv_a, step_rotary_tables(self.rotary, positions))
         write_latent_cache(entry, cache, md.slot_mapping, md.padded)
         return q_pe
 
@@ -221,14 +221,6 @@ class MLAttention(nn.Module):
         o_latent = _mla_decode(q_latent.contiguous(), q_pe.contiguous(), cache, md.block_tables,
                                md.seq_lens, self.scale)
         return self.kv_b_proj.values(o_latent)
-
-    def _tables(self, positions: torch.Tensor):
-        """This step's rotary tables (made once per step: the same for every layer)."""
-        scratch = get_forward_context().scratch
-        key = ("rope", id(self.rotary))
-        if key not in scratch:
-            scratch[key] = rotary_tables(self.rotary.cos_sin_cache, positions)
-        return scratch[key]
 
     def _prefill(self, q: torch.Tensor, cache: torch.Tensor, md) -> torch.Tensor:
         """q [T, H, N + P] -> [T, H, V]: causal attention per sequence over its whole cached

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .. import envs
-from .parallel import Part, copy_part, read_block, shape_of
+from .parallel import Part, check_shape, copy_part, read_block
 from ..distributed.parallel_state import TPGroup, get_tp_group
 
 SCORINGS = ("softmax", "sigmoid")
@@ -195,7 +195,7 @@ def load_expert_weight(model: nn.Module, name: str, tensor: torch.Tensor) -> Opt
     if m is None:
         return None
     block = m["block"]
-    moe = _find_module(model, block)
+    moe = find_module(model, block)
     if not isinstance(moe, FusedMoE):
         return None
     proj = m["proj"]
@@ -218,8 +218,7 @@ def load_expert_weight(model: nn.Module, name: str, tensor: torch.Tensor) -> Opt
     leaf = "w13" if proj == "gate_up_proj" else "w2"
     dst = getattr(moe, leaf)
     full_shape = (moe.num_experts, 2 * full, moe.hidden) if leaf == "w13" else (moe.num_experts, moe.hidden, full)
-    if shape_of(tensor) != full_shape:
-        raise ValueError(f"shape mismatch for {name}: checkpoint {shape_of(tensor)}, model {full_shape}")
+    check_shape(tensor, full_shape, name)
     experts = slice(e0, e0 + ne)
     with torch.no_grad():
         if leaf == "w13":  # this rank's rows of the gate half, then of the up half
@@ -237,7 +236,7 @@ def expert_load_keys(model: nn.Module, param_name: str) -> Optional[list]:
     block, _, leaf = param_name.rpartition(".")
     if leaf not in HF_FUSED_NAMES:
         return None
-    moe = _find_module(model, block)
+    moe = find_module(model, block)
     return _stacked_keys(block, moe, leaf) if isinstance(moe, FusedMoE) else None
 
 
@@ -258,9 +257,9 @@ def hf_expert_tensors(block: str, moe: FusedMoE, leaf: str, param: torch.Tensor,
     return out
 
 
-def _find_module(model: nn.Module, path: str) -> Optional[nn.Module]:
+def find_module(model: nn.Module, path: str) -> Optional[nn.Module]:
+    """``model.get_submodule(path)``, or None where there is no such module."""
     try:
         return model.get_submodule(path)
     except AttributeError:
         return None
-

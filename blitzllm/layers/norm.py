@@ -11,6 +11,17 @@ from torch import nn
 from ..kernels.norm.rmsnorm import fused_add_rms_norm, rms_norm
 
 
+class Fp32Params(nn.Module):
+    """A module whose own parameters stay float32 through a model-wide cast (``model.to(bf16)``)."""
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        for p in self.parameters(recurse=False):
+            if p.dtype != torch.float32:
+                p.data = p.data.float()
+        return self
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float = 1e-6, tp=None):
         super().__init__()
@@ -39,25 +50,18 @@ class RMSNorm(nn.Module):
         return fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
-class OffsetRMSNorm(RMSNorm):
+class OffsetRMSNorm(Fp32Params, RMSNorm):
     """RMSNorm scaling by (1 + w) (Qwen3-Next, Qwen3.5): ``weight`` holds 1 + the checkpoint's w in
-    fp32 (``load_checkpoint`` adds the 1), so every RMSNorm kernel takes it and 1 + w is exact.
-    Below fp32 the normalized x is rounded before the multiply (transformers rounds once)."""
-
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        if self.weight.dtype != torch.float32:  # (a model-wide cast leaves this weight fp32)
-            self.weight.data = self.weight.data.float()
-        return self
+    fp32 (``load_checkpoint`` adds the 1; a model-wide cast leaves it fp32), so every RMSNorm kernel
+    takes it and 1 + w is exact. Below fp32 the normalized x is rounded before the multiply
+    (transformers rounds once)."""
 
     def load_checkpoint(self, sub: str, tensor, name: str):
         """Checkpoint tensor ``name`` (``sub`` relative to this norm) -> weight = 1 + it."""
         if sub != "weight":
             return None
-        from .parallel import read_full, shape_of
-        if shape_of(tensor) != tuple(self.weight.shape):
-            raise ValueError(f"shape mismatch for {name}: checkpoint {shape_of(tensor)}, model "
-                             f"{tuple(self.weight.shape)}")
+        from .parallel import check_shape, read_full
+        check_shape(tensor, self.weight.shape, name)
         with torch.no_grad():
             self.weight.copy_(read_full(tensor).float() + 1.0)
         return [name]

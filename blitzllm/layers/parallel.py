@@ -32,6 +32,12 @@ def shape_of(t) -> tuple:
     return tuple(t.shape) if isinstance(t, torch.Tensor) else tuple(t.get_shape())
 
 
+def check_shape(t, expect: Sequence[int], name: str) -> None:
+    """Raise ValueError unless checkpoint tensor ``name`` (``t``) has the shape ``expect``."""
+    if shape_of(t) != tuple(expect):
+        raise ValueError(f"shape mismatch for {name}: checkpoint {shape_of(t)}, model {tuple(expect)}")
+
+
 def read_full(t) -> torch.Tensor:
     return t if isinstance(t, torch.Tensor) else t[:]
 
@@ -44,12 +50,10 @@ def read_block(t, index: Sequence[slice]) -> torch.Tensor:
 def copy_part(dst: torch.Tensor, src, part: Optional[Part], name: str) -> None:
     """Copy this rank's ``part`` of checkpoint tensor ``src`` into ``dst`` (all of it when
     ``part`` is None), checking the checkpoint's full shape."""
-    shape = shape_of(src)
     expect = list(dst.shape)
     if part is not None:
         expect[part.dim] = part.full
-    if shape != tuple(expect):
-        raise ValueError(f"shape mismatch for {name}: checkpoint {shape}, model {tuple(expect)}")
+    check_shape(src, expect, name)
     with torch.no_grad():
         if part is None:
             dst.copy_(read_full(src))
@@ -58,7 +62,7 @@ def copy_part(dst: torch.Tensor, src, part: Optional[Part], name: str) -> None:
             dst.zero_()
             return
         n = max(0, min(part.size, part.full - part.start))
-        index = [slice(None)] * len(shape)
+        index = [slice(None)] * dst.dim()
         index[part.dim] = slice(part.start, part.start + n)
         dst.narrow(part.dim, 0, n).copy_(read_block(src, index))
         if n < dst.shape[part.dim]:

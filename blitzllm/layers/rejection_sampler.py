@@ -160,19 +160,15 @@ def rejection_sample(target_logits: Tensor, drafts: Sequence[Sequence[int]],
     emitted = torch.where(pos < n_acc, draft_tok, token)
     keep = pos <= n_acc
 
+    def padded(values: Tensor, fill) -> Tensor:
+        """Per verified row [N, ...] -> [B, K+1, ...], ``fill`` in the slots not emitted."""
+        buf = values.new_full((B * (K + 1), *values.shape[1:]), fill)
+        buf[slot] = torch.where(keep if values.dim() == 1 else keep[:, None], values, fill)
+        return buf.view(B, K + 1, *values.shape[1:])
+
     out = Sampler._output(raw, emitted, md)
-    tokens = torch.full((B * (K + 1),), -1, dtype=torch.int64, device=dev)
-    tokens[slot] = torch.where(keep, emitted, -1)
-    logprobs = torch.full((B * (K + 1),), float("nan"), device=dev)
-    logprobs[slot] = torch.where(keep, out.logprobs, float("nan"))
-    top_ids = top_lp = None
-    if out.top_ids is not None:
-        n = out.top_ids.shape[1]
-        top_ids = torch.full((B * (K + 1), n), -1, dtype=torch.int64, device=dev)
-        top_ids[slot] = torch.where(keep[:, None], out.top_ids, -1)
-        top_lp = torch.full((B * (K + 1), n), float("nan"), device=dev)
-        top_lp[slot] = torch.where(keep[:, None], out.top_logprobs, float("nan"))
-        top_ids, top_lp = top_ids.view(B, K + 1, n), top_lp.view(B, K + 1, n)
-    return RejectionOutput(output_tokens=tokens.view(B, K + 1), num_accepted=num_accepted,
-                           logprobs=logprobs.view(B, K + 1), top_ids=top_ids,
-                           top_logprobs=top_lp)
+    top = out.top_ids is not None
+    return RejectionOutput(output_tokens=padded(emitted, -1), num_accepted=num_accepted,
+                           logprobs=padded(out.logprobs, float("nan")),
+                           top_ids=padded(out.top_ids, -1) if top else None,
+                           top_logprobs=padded(out.top_logprobs, float("nan")) if top else None)

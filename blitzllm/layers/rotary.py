@@ -50,13 +50,12 @@ def _yarn(rotary_dim: int, base: float, scaling: dict, max_positions: int) -> tu
     return inv.double(), float(attn)
 
 
-def _inv_freq(rotary_dim: int, base: float, scaling: dict | None, max_positions: int = 0) -> torch.Tensor:
+def _inv_freq(rotary_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
+    """Default, linear or llama3 frequencies (YaRN's: ``_yarn``)."""
     inv = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
     if not scaling:
         return inv
     kind = _rope_kind(scaling)
-    if kind == "yarn":
-        return _yarn(rotary_dim, base, scaling, max_positions)[0]
     if kind == "linear":
         return inv / scaling["factor"]
     if kind == "llama3":

@@ -59,12 +59,12 @@ class SamplingRow:
     matcher: object = None  # a structured output's grammar matcher (blitzllm/structured.py)
 
 
-def _pad(lists: list[list[int]], pad: int, device) -> Tensor:
+def _pad(lists: list[list], pad, device, dtype: torch.dtype = torch.int64) -> Tensor:
     width = max(1, max(len(x) for x in lists))
-    out = torch.full((len(lists), width), pad, dtype=torch.int64)
+    out = torch.full((len(lists), width), pad, dtype=dtype)
     for i, ids in enumerate(lists):
         if ids:
-            out[i, :len(ids)] = torch.as_tensor(ids, dtype=torch.int64)
+            out[i, :len(ids)] = torch.as_tensor(ids, dtype=dtype)
     return out.to(device, non_blocking=True)
 
 
@@ -132,11 +132,7 @@ class SamplingMetadata:
         if any(p.logit_bias for p in ps):
             biases = [list((p.logit_bias or {}).items()) for p in ps]
             bias_ids = _pad([[t for t, _ in b] for b in biases], 0, device)
-            vals = torch.zeros(bias_ids.shape, dtype=torch.float32)
-            for i, b in enumerate(biases):
-                if b:
-                    vals[i, :len(b)] = torch.tensor([v for _, v in b], dtype=torch.float32)
-            bias_values = vals.to(device, non_blocking=True)
+            bias_values = _pad([[v for _, v in b] for b in biases], 0.0, device, torch.float32)
         allowed = None
         if any(r.matcher is not None for r in rows):
             from ..structured import allowed_mask

@@ -16,10 +16,11 @@ from ..layers.parallel import copy_part, lm_head, module_part
 from ..distributed.parallel_state import get_tp_group
 from ..layers.linear import Linear
 from ..layers.mla import MLADims, MLAttention
-from ..layers.moe import FusedMoE, expert_load_keys, load_expert_weight
+from ..layers.moe import FusedMoE, load_expert_weight
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
-from .llama import DenseMLP, LlamaForCausalLM, mlp_forward_norm
+from .llama import DenseMLP, build_in_dtype, mlp_forward_norm
+from .qwen3_moe import MoECausalLM
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class DeepseekV3Args:
 
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> "DeepseekV3Args":
-        t = cfg.hf_config.get("text_config") or cfg.hf_config
+        t = cfg.text_config
         # V3's routing (sigmoid scores, selection by score + correction bias); V2's softmax or
         # greedy selection would run wrongly here rather than fail
         for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
@@ -128,7 +129,7 @@ class MTPModules(nn.Module):
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
-class DeepseekV3ForCausalLM(LlamaForCausalLM):
+class DeepseekV3ForCausalLM(MoECausalLM):
     args_class = DeepseekV3Args
 
     def __init__(self, cfg: ModelConfig):
@@ -153,10 +154,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         m = _LAYER.match(name)
         if m is not None and 0 <= int(m[1]) - self.args.checkpoint_layers < self.args.num_mtp_layers:
             return self._load_mtp(int(m[1]) - self.args.checkpoint_layers, m[2], tensor)
-        return load_expert_weight(self, name, tensor)
-
-    def required_load_keys(self, param_name: str) -> Optional[list]:
-        return expert_load_keys(self, param_name)
+        return super().load_custom_weight(name, tensor)
 
     def _load_mtp(self, i: int, rest: str, tensor: torch.Tensor) -> list:
         if rest.startswith("embed_tokens."):
@@ -178,16 +176,9 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
             init_dummy_weights(self.mtp, seed + 1)
 
     def _new_mtp(self) -> MTPModules:
-        ref = self.model.norm.weight
-        # allocated in the model's dtype (not float32 then cast: DeepSeek-V3's MoE MTP layer alone
-        # is 42 GiB in float32); not .to(): the rotary tables it shares stay float32
-        prev = torch.get_default_dtype()
-        torch.set_default_dtype(ref.dtype)
-        try:
-            with torch.device(ref.device):
-                return MTPModules(self.config, self.args, self.model.layers[0].self_attn.rotary)
-        finally:
-            torch.set_default_dtype(prev)
+        # in the model's dtype (DeepSeek-V3's MoE MTP layer alone is 42 GiB in float32)
+        return build_in_dtype(self.model.norm.weight,
+                              lambda: MTPModules(self.config, self.args, self.model.layers[0].self_attn.rotary))
 
 
 def _copy_packed(root: nn.Module, packed: dict, name: str, tensor: torch.Tensor) -> str:

@@ -12,10 +12,10 @@ from typing import Optional
 from torch import nn
 
 from ..config import ModelConfig
-from ..layers.indexer import Fp32Params, IndexerDims
+from ..layers.indexer import IndexerDims
 from ..layers.rotary import RotaryEmbedding
 from ..layers.sparse_mla import SparseMLAttention
-from .deepseek_v3 import DeepseekV3Args, DeepseekV3ForCausalLM, MTPModules
+from .deepseek_v3 import DeepseekV3Args, DeepseekV3ForCausalLM
 
 # checkpoint names of the indexer's projections -> the attention's packed GEMMs they are shards of
 _INDEXER_GEMMS = {".self_attn.indexer.wq_b.": ".self_attn.wq_b.", ".self_attn.indexer.wk.": ".self_attn.wk."}
@@ -29,7 +29,7 @@ class DeepseekV32Args(DeepseekV3Args):
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> "DeepseekV32Args":
         base = DeepseekV3Args.from_config(cfg)
-        t = cfg.hf_config.get("text_config") or cfg.hf_config
+        t = cfg.text_config
         missing = [k for k in ("index_n_heads", "index_head_dim", "index_topk") if not t.get(k)]
         if missing:
             raise ValueError(f"{cfg.architecture} needs {', '.join(missing)} in config.json")
@@ -77,13 +77,6 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
             if theirs in name:
                 return name.replace(theirs, ours)
         return name
-
-    def _new_mtp(self) -> MTPModules:
-        mtp = super()._new_mtp()
-        for mod in mtp.modules():  # (the base casts every parameter to the model dtype)
-            if isinstance(mod, Fp32Params):
-                mod.float()
-        return mtp
 
 
 class GlmMoeDsaForCausalLM(DeepseekV32ForCausalLM):

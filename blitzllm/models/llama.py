@@ -6,17 +6,18 @@ runner's decode plan, and the tensor-parallel shards are ``layers/parallel.py``'
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..distributed.allreduce_norm import FullWidthQKNorm
+from ..distributed.allreduce_norm import full_width_qk_norm
 from ..layers.parallel import Part, lm_head, packed_column_linear, row_linear, shard_rows, vocab_embedding
 from ..distributed.parallel_state import get_tp_group, split_heads
 from ..kernels.gemv.gemv import glu_linear, glu_ok
 from ..layers.attention import Attention
-from ..layers.norm import RMSNorm
+from ..layers.norm import Fp32Params, RMSNorm
 from ..layers.rotary import RotaryEmbedding
 
 
@@ -48,7 +49,8 @@ class DecoderAttention(nn.Module):
                                      kv_part if full and tp.world_size > 1 else None)
         pre_norm = None
         if full and tp.world_size > 1:  # all ranks' heads together: the norm runs before the backend
-            pre_norm = FullWidthQKNorm(self.q_norm, self.k_norm, h, d, tp)
+            # (a plain callable: the norms stay registered here under their checkpoint names)
+            pre_norm = partial(full_width_qk_norm, q_norm=self.q_norm, k_norm=self.k_norm, heads=h, head_dim=d, tp=tp)
         self.attn = Attention(h.num_heads, h.num_kv_heads, d, layer_idx, rotary,
                               None if pre_norm else self.q_norm, None if pre_norm else self.k_norm,
                               full_width_qk_norm=full and pre_norm is None, pre_norm=pre_norm)
@@ -134,6 +136,24 @@ class DecoderModel(nn.Module):
             x, residual = layer(positions, x, residual)
         x, _ = self.norm(x, residual)
         return x
+
+
+def build_in_dtype(ref: torch.Tensor, build):
+    """``build()`` with new tensors made in ``ref``'s dtype and on its device: not in float32 and
+    then cast (an MoE MTP layer is tens of GB in float32), and without a cast of what it shares
+    (rotary tables stay float32). ``Fp32Params`` modules, which only a cast keeps in float32, are
+    widened back after."""
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(ref.dtype)
+    try:
+        with torch.device(ref.device):
+            module = build()
+    finally:
+        torch.set_default_dtype(prev)
+    for mod in module.modules():
+        if isinstance(mod, Fp32Params):
+            mod.float()
+    return module
 
 
 class LlamaForCausalLM(nn.Module):

@@ -8,7 +8,7 @@ from ..config import ModelConfig
 from ..layers.moe import FusedMoE
 from ..layers.rotary import RotaryEmbedding
 from .llama import DecoderLayer
-from .qwen3_moe import MoECausalLM, hf_text_config, num_routed_experts
+from .qwen3_moe import MoECausalLM, num_routed_experts, partial_rotary_dim
 
 
 class MiniMaxM2ForCausalLM(MoECausalLM):
@@ -17,7 +17,7 @@ class MiniMaxM2ForCausalLM(MoECausalLM):
     hf_module_renames = {"mlp": "block_sparse_moe"}
 
     def make_layer(self, cfg: ModelConfig, idx: int, rotary: RotaryEmbedding):
-        hf = hf_text_config(cfg)
+        hf = cfg.text_config
         scoring = hf.get("scoring_func", "sigmoid")
         if scoring != "sigmoid":
             raise ValueError(f"MiniMax-M2 scoring_func must be 'sigmoid', got {scoring!r}")
@@ -25,15 +25,10 @@ class MiniMaxM2ForCausalLM(MoECausalLM):
             raise ValueError("MiniMax-M2 with shared experts (shared_intermediate_size > 0) is not supported")
         moe = FusedMoE(cfg.hidden_size, hf["intermediate_size"], num_routed_experts(hf), hf["num_experts_per_tok"],
                        scoring="sigmoid", correction_bias="block" if hf.get("use_routing_bias", True) else None,
-                       renormalize=True,
-                       expert_names=("w1", "w3", "w2"))
+                       renormalize=True, expert_names=("w1", "w3", "w2"))
         return DecoderLayer(cfg, idx, rotary, moe, qk_norm="full", mlp_name="block_sparse_moe")
 
     @staticmethod
     def rotary_dim(cfg: ModelConfig) -> int:
-        hf = hf_text_config(cfg)
-        if hf.get("rotary_dim"):
-            return int(hf["rotary_dim"])
-        rp = hf.get("rope_parameters") or {}
-        factor = rp.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-        return int(cfg.head_dim * factor)
+        hf = cfg.text_config
+        return int(hf["rotary_dim"]) if hf.get("rotary_dim") else partial_rotary_dim(cfg, 1.0)

@@ -10,16 +10,19 @@ from ..layers.rotary import RotaryEmbedding
 from .llama import DecoderLayer, LlamaForCausalLM
 
 
-def hf_text_config(cfg: ModelConfig) -> dict:
-    return cfg.hf_config.get("text_config") or cfg.hf_config
-
-
 def num_routed_experts(hf: dict) -> int:
     """The routed expert count under its several spellings (Qwen, Mixtral/MiniMax, DeepSeek)."""
     for key in ("num_experts", "num_local_experts", "n_routed_experts"):
         if hf.get(key):
             return int(hf[key])
     return 0
+
+
+def partial_rotary_dim(cfg: ModelConfig, default_factor: float) -> int:
+    """head_dim times ``partial_rotary_factor`` (in ``rope_parameters`` from transformers 5 on)."""
+    hf = cfg.text_config
+    rp = hf.get("rope_parameters") or {}
+    return int(cfg.head_dim * rp.get("partial_rotary_factor", hf.get("partial_rotary_factor", default_factor)))
 
 
 class MoECausalLM(LlamaForCausalLM):
@@ -41,7 +44,7 @@ class Qwen3MoeForCausalLM(MoECausalLM):
                 and (idx + 1) % step == 0)
 
     def make_layer(self, cfg: ModelConfig, idx: int, rotary: RotaryEmbedding):
-        hf = hf_text_config(cfg)
+        hf = cfg.text_config
         if not self.is_sparse_layer(hf, idx):
             return DecoderLayer(cfg, idx, rotary)
         moe = FusedMoE(cfg.hidden_size, hf["moe_intermediate_size"], num_routed_experts(hf),

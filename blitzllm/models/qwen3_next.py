@@ -23,11 +23,11 @@ from ..distributed.parallel_state import get_tp_group
 from ..layers.gated_attention import GatedAttention
 from ..layers.gdn import GatedDeltaNet
 from ..layers.linear import Linear
-from ..layers.moe import FusedMoE
+from ..layers.moe import FusedMoE, find_module
 from ..layers.norm import OffsetRMSNorm
 from ..layers.rotary import RotaryEmbedding
 from .llama import DenseMLP, mlp_forward_norm
-from .qwen3_moe import MoECausalLM, Qwen3MoeForCausalLM, hf_text_config, num_routed_experts
+from .qwen3_moe import MoECausalLM, Qwen3MoeForCausalLM, num_routed_experts, partial_rotary_dim
 from .qwen3_next_mtp import MTPLoading
 
 
@@ -53,7 +53,7 @@ class HybridLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, idx: int, rotary: RotaryEmbedding, mlp: nn.Module, layout: str):
         super().__init__()
-        hf = hf_text_config(cfg)
+        hf = cfg.text_config
         eps, tp = cfg.rms_norm_eps, get_tp_group()
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act must be 'silu', got {hf.get('hidden_act')!r}")
@@ -89,7 +89,7 @@ class Qwen3NextForCausalLM(MTPLoading, MoECausalLM):
         self.mtp, self._mtp_keys = None, None   # the MTP layers, when the checkpoint has them
 
     def make_mlp(self, cfg: ModelConfig, idx: int) -> nn.Module:
-        hf = hf_text_config(cfg)
+        hf = cfg.text_config
         if not Qwen3MoeForCausalLM.is_sparse_layer(hf, idx):
             return DenseMLP(cfg.hidden_size, cfg.intermediate_size)
         return SharedExpertMoE(cfg.hidden_size, int(hf.get("shared_expert_intermediate_size") or 0),
@@ -113,10 +113,7 @@ class Qwen3NextForCausalLM(MTPLoading, MoECausalLM):
 
     @staticmethod
     def rotary_dim(cfg: ModelConfig) -> int:
-        hf = hf_text_config(cfg)
-        rp = hf.get("rope_parameters") or {}
-        factor = rp.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
-        return int(cfg.head_dim * factor)
+        return partial_rotary_dim(cfg, 0.25)
 
     def state_layers(self) -> list:
         """The GDN layers, whose per-sequence states the runner keeps in its state pool."""
@@ -133,7 +130,7 @@ class Qwen3NextForCausalLM(MTPLoading, MoECausalLM):
         """A tensor its module loads itself (``load_checkpoint``), or None."""
         parts = name.split(".")
         for cut in (1, 2):
-            owner = _submodule(self, ".".join(parts[:-cut]))
+            owner = find_module(self, ".".join(parts[:-cut]))
             if hasattr(owner, "load_checkpoint"):
                 return owner.load_checkpoint(".".join(parts[-cut:]), tensor, name)
         return None
@@ -142,17 +139,10 @@ class Qwen3NextForCausalLM(MTPLoading, MoECausalLM):
         keys = super().required_load_keys(param_name)
         if keys is None and param_name.endswith(".in_proj.weight"):
             prefix = param_name[:-len(".in_proj.weight")]
-            owner = _submodule(self, prefix)
+            owner = find_module(self, prefix)
             if isinstance(owner, GatedDeltaNet):
                 return owner.required_keys(prefix)
         return keys
-
-
-def _submodule(model: nn.Module, path: str):
-    try:
-        return model.get_submodule(path) if path else None
-    except AttributeError:
-        return None
 
 
 class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):

@@ -23,6 +23,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..layers.linear import Linear
 from ..layers.norm import OffsetRMSNorm
+from .llama import build_in_dtype
 
 _MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 
@@ -70,20 +71,10 @@ class MTPLoading:
         raise NotImplementedError
 
     def _new_mtp(self, count: int) -> HybridMTP:
-        ref = self.model.embed_tokens.weight
-        # allocated in the model's dtype, not float32 then cast (a Qwen3.5-397B MoE MTP layer is
-        # about 26 GB in float32); the (1 + w) norms are widened back to fp32 after
-        prev = torch.get_default_dtype()
-        torch.set_default_dtype(ref.dtype)
-        try:
-            with torch.device(ref.device):
-                mtp = HybridMTP(self.config, [self.make_mtp_layer(self.config, i) for i in range(count)])
-        finally:
-            torch.set_default_dtype(prev)
-        for mod in mtp.modules():  # (the rotary tables it shares stay as they are)
-            if isinstance(mod, OffsetRMSNorm):
-                for p in mod.parameters(recurse=False):
-                    p.data = p.data.float()
+        # in the model's dtype (a Qwen3.5-397B MoE MTP layer is about 26 GB in float32), the (1 + w)
+        # norms in fp32 as the model's
+        mtp = build_in_dtype(self.model.embed_tokens.weight, lambda: HybridMTP(
+            self.config, [self.make_mtp_layer(self.config, i) for i in range(count)]))
         self._mtp_keys = set()
         return mtp
 
@@ -95,8 +86,7 @@ class MTPLoading:
             return []  # (the model's embedding serves)
         m = _MTP_LAYER.match(name)
         if self.mtp is None:
-            hf = self.config.hf_config.get("text_config") or self.config.hf_config
-            self.mtp = self._new_mtp(max(1, num_mtp_layers(hf)))
+            self.mtp = self._new_mtp(max(1, num_mtp_layers(self.config.text_config)))
         if m is not None and int(m[1]) >= len(self.mtp.layers):
             raise ValueError(f"checkpoint tensor {name!r}: the config declares {len(self.mtp.layers)} MTP layer(s)")
         keys = load_expert_weight(self, name, tensor)
@@ -130,9 +120,8 @@ class MTPLoading:
     def dummy_mtp(self, seed: int) -> None:
         """Random MTP layers beside dummy weights (MTP speculation on a preset measures speed):
         the config's count, else one (the published checkpoints have one; vLLM's default too)."""
-        hf = self.config.hf_config.get("text_config") or self.config.hf_config
         if self.mtp is None:
             from ..loader.weights import init_dummy_weights
-            self.mtp = self._new_mtp(max(1, num_mtp_layers(hf)))
+            self.mtp = self._new_mtp(max(1, num_mtp_layers(self.config.text_config)))
             self._mtp_keys = None
             init_dummy_weights(self.mtp, seed + 1)
