@@ -65,13 +65,14 @@ class StatePool:
         self.spare.extend(rows)
 
     def copy(self, pairs: list) -> None:
-        """(src row, dst row) copies in every layer, in order of the list."""
+        """(src row, dst row) copies in every layer, in order of the list (engine rows)."""
         if pairs:
             src, dst = zip(*pairs)
             copy_rows(self.caches, self._dev(self.rows_of(src), torch.int64), self._dev(self.rows_of(dst), torch.int64))
 
     def zero(self, rows: list) -> None:
-        """Rows of sequences that start now: zero states (the decode kernels read them as they are)."""
+        """Engine rows of sequences that start now: zero states (the decode kernels read them as
+        they are)."""
         if rows:
             idx = self._dev(self.rows_of(rows), torch.int64)
             for tensors in self.caches.values():
@@ -86,7 +87,7 @@ class StatePool:
         self.copy(plan.restores)
         slots = self.rows_of(plan.slots)
         firsts = [start > 0 for _, start, _ in seqs]
-        self.zero([row for row, has in zip(slots, firsts) if not has])
+        self.zero([row for row, has in zip(plan.slots, firsts) if not has])
         if not any(plan.splits):
             return StateMetadata.single(self.caches, self._dev(slots, torch.int32), self._dev(firsts, torch.bool),
                                         cu_seqlens, pure_decode, (slots, firsts, qsl))

@@ -343,8 +343,9 @@ class EagerGraphs:
 def test_decode_look_ahead_keeps_the_states(checkpoint, monkeypatch, spare):
     """The pipelined decode of the CUDA-graph path on a hybrid model (graphs replaced by an
     eager stand-in): each step's successor runs ahead into spare state rows and is kept (its
-    rows become the sequences') or dropped (the states it read untouched). Requests of 4 to 30
-    new tokens, so the batch shrinks and look-aheads are dropped; decode steps that complete a
+    rows become the sequences') or dropped (the states it read untouched). Five requests of 4 to
+    30 new tokens on 4 slots, so the batch shrinks and look-aheads are dropped, and the last
+    starts (an eager prefill beside decodes) in a slot whose state row has moved; decode steps that complete a
     block take prefix-cache snapshots, which a second round of the same prompts restores; with
     2 spare rows a batch of 4 runs without look-ahead until 2 are left. Tokens and logprobs are
     transformers'; every spare row is free once the engine is idle."""
@@ -362,8 +363,8 @@ def test_decode_look_ahead_keeps_the_states(checkpoint, monkeypatch, spare):
     kept = []
     take = pool.take
     monkeypatch.setattr(pool, "take", lambda slots, rows: (kept.append(len(slots)), take(slots, rows)))
-    prompts = _prompts((17, 40, 33, 6))
-    lengths = [30, 4, 21, 12]
+    prompts = _prompts((17, 40, 33, 6, 9))   # the fifth waits for a slot that look-aheads moved
+    lengths = [30, 4, 21, 12, 10]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0) for n in lengths]
     for round_ in range(2):
         before = llm.stats()
