@@ -52,11 +52,9 @@ def hf_decode_seconds_per_token(hf, prompts: torch.Tensor, output_len: int, comp
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     device = prompts.device
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0,
-              attention_mask=torch.ones_like(prompts))
+              attention_mask=torch.ones_like(prompts), disable_compile=not compiled)
     if compiled:
-        kw.update(cache_implementation="static", disable_compile=False)
-    else:
-        kw.update(disable_compile=True)
+        kw["cache_implementation"] = "static"
 
     def timed(n):
         sync(device)

@@ -129,14 +129,14 @@ def count_kernels(fn, device: torch.device, steps: int = 1):
         named.append((key, *span))
     n = sum(names.values())
     per = lambda d: {k: v / steps for k, v in d.items()}
+    ranked = lambda d: dict(sorted(per(d).items(), key=lambda kv: -kv[1]))  # per call, largest first
     timeline = per(kernel_timeline(spans, copies))
-    timeline["exposed_us"] = dict(sorted(per(kernel_exposed(named)).items(), key=lambda kv: -kv[1]))
+    timeline["exposed_us"] = ranked(kernel_exposed(named))
     named.sort(key=lambda x: x[2])
     first = named[: len(named) // steps] if named else []
     t0 = first[0][1] if first else 0.0
     timeline["sequence"] = [(k, s - t0, e - t0) for k, s, e in first]
-    return (n / steps, dict(sorted(per(names).items(), key=lambda kv: -kv[1])),
-            dict(sorted(per(micros).items(), key=lambda kv: -kv[1])), timeline)
+    return n / steps, ranked(names), ranked(micros), timeline
 
 
 def kernel_exposed(named) -> dict:

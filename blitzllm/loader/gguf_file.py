@@ -19,35 +19,34 @@ _LAYER_NAMES = {
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def _reader(path):
+def open_gguf(path):
+    """(the file's reader, its HF-style config)."""
     try:
         import gguf  # noqa: F401  (its codecs dequantize)
     except ImportError:  # pragma: no cover - gguf is a declared dependency
         raise ValueError("reading .gguf files needs the 'gguf' package: pip install gguf") from None
     from .gguf_reader import GGUFFile
     try:
-        return GGUFFile(path)
+        reader = GGUFFile(path)
     except ValueError:
         raise
     except Exception as e:
         raise ValueError(f"cannot read GGUF file {path}: {e}") from None
-
-
-def _field(reader, key, default=None):
-    return reader.fields.get(key, default)
+    return reader, gguf_config(reader)
 
 
 def gguf_config(reader) -> dict:
-    arch = _field(reader, "general.architecture")
+    fields = reader.fields
+    arch = fields.get("general.architecture")
     if arch not in _ARCH:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(sorted(_ARCH))}")
-    g = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
+    g = lambda k, d=None: fields.get(f"{arch}.{k}", d)  # noqa: E731
     heads = int(g("attention.head_count"))
     hidden = int(g("embedding_length"))
     names = {t.name for t in reader.tensors}
-    tokens = reader.fields.get("tokenizer.ggml.tokens", 0)
+    tokens = fields.get("tokenizer.ggml.tokens", 0)
     vocab = g("vocab_size") or (tokens if isinstance(tokens, int) else len(tokens))
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    eos = fields.get("tokenizer.ggml.eos_token_id")
     return {
         "architectures": [_ARCH[arch]],
         "vocab_size": int(vocab),
@@ -62,7 +61,7 @@ def gguf_config(reader) -> dict:
         "max_position_embeddings": int(g("context_length", 4096)),
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "bos_token_id": fields.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": int(eos) if eos is not None else None,
     }
 
@@ -82,25 +81,24 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _rope_heads(name: str, config: dict) -> int | None:
+    """The heads of a Llama q / k projection tensor (rows ``_unpermute`` restores), else None."""
+    key = {"q_proj": "num_attention_heads", "k_proj": "num_key_value_heads"}.get(name.split(".")[-2])
+    return config[key] if key and config["architectures"][0] == "LlamaForCausalLM" else None
+
+
 def iter_gguf_tensors(reader, config: dict, skip=frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     """``skip``: HF names not to read (weights the model already holds in another form)."""
     import gguf
-    is_llama = config["architectures"][0] == "LlamaForCausalLM"
     for t in reader.tensors:
         name = _hf_name(t.name)
         if name is None or name in skip:
             continue
         shape = tuple(int(s) for s in reversed(t.shape))
         arr = gguf.quants.dequantize(reader.tensor_data(t), t.tensor_type).reshape(shape)
-        if is_llama and name.endswith(("q_proj.weight", "q_proj.bias")):
-            arr = _unpermute(arr, config["num_attention_heads"])
-        elif is_llama and name.endswith(("k_proj.weight", "k_proj.bias")):
-            arr = _unpermute(arr, config["num_key_value_heads"])
+        heads = _rope_heads(name, config)
+        if heads is not None:
+            arr = _unpermute(arr, heads)
         if not arr.flags.writeable or arr.dtype != np.float32:
             arr = np.array(arr, dtype=np.float32)
         yield name, torch.from_numpy(np.ascontiguousarray(arr))
-
-
-def open_gguf(path):
-    reader = _reader(path)
-    return reader, gguf_config(reader)

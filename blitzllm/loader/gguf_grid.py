@@ -11,9 +11,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..kernels.cpu_quant import QuantWeight, pack_q4, pack_q8_blocks
+from ..kernels.cpu_quant import pack_q4, pack_q8_blocks
 from ..layers.linear import Linear, PackedLinear
-from .gguf_file import _hf_name, _unpermute
+from .gguf_file import _hf_name, _rope_heads, _unpermute
 
 Q4_0, Q4_1, Q8_0 = 2, 3, 8
 GRID_TYPES = (Q4_0, Q4_1, Q8_0)
@@ -21,10 +21,10 @@ _BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
 
 
 def _blocks(reader, t) -> tuple:
-    """(kind, q [N, K], d [N, K/32], m [N, K/32] or None) as torch tensors from raw bytes."""
+    """(kind, q [N, K], d [N, K/32], m [N, K/32] or None) as numpy arrays from the raw bytes."""
     k = int(t.shape[0])
     n = int(np.prod(t.shape[1:]))
-    raw = np.asarray(reader._mm[t.offset:t.offset + t.nbytes]).reshape(n, k // 32, _BLOCK_BYTES[t.tensor_type])
+    raw = np.asarray(reader.tensor_data(t)).reshape(n, k // 32, _BLOCK_BYTES[t.tensor_type])
     d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     if t.tensor_type == Q8_0:
         q = raw[..., 2:].copy().view(np.int8).reshape(n, k)
@@ -38,7 +38,6 @@ def _blocks(reader, t) -> tuple:
 
 def read_grids(reader, config: dict, names=None) -> dict:
     """HF name -> (kind, q, d, m) for every Q4_0 / Q4_1 / Q8_0 2-D tensor (``names``: only those)."""
-    is_llama = config["architectures"][0] == "LlamaForCausalLM"
     out = {}
     for t in reader.tensors:
         name = _hf_name(t.name)
@@ -46,17 +45,10 @@ def read_grids(reader, config: dict, names=None) -> dict:
             continue
         if names is not None and name not in names:
             continue
-        kind, q, d, m = _blocks(reader, t)
-        heads = None
-        if is_llama and name.endswith("q_proj.weight"):
-            heads = config["num_attention_heads"]
-        elif is_llama and name.endswith("k_proj.weight"):
-            heads = config["num_key_value_heads"]
-        if heads is not None:
-            q, d = _unpermute(q, heads), _unpermute(d, heads)
-            m = None if m is None else _unpermute(m, heads)
-        out[name] = (kind, torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(np.ascontiguousarray(d)),
-                     None if m is None else torch.from_numpy(np.ascontiguousarray(m)))
+        kind, *arrays = _blocks(reader, t)
+        heads = _rope_heads(name, config)
+        arrays = [a if heads is None or a is None else _unpermute(a, heads) for a in arrays]
+        out[name] = (kind, *(None if a is None else torch.from_numpy(np.ascontiguousarray(a)) for a in arrays))
     return out
 
 
@@ -100,16 +92,10 @@ def apply_gguf_grids(model: nn.Module, reader, config: dict) -> set:
         if tuple(q.shape) != (mod.out_features, mod.in_features) or mod.out_features % 16:
             continue  # (torch's int4 CPU packing takes N % 16 == 0)
         if kind == "q8":
-            qw = pack_q8_blocks(q, d)
+            mod.quant = pack_q8_blocks(q, d)
         else:
-            qw = pack_q4(q, d, None if parts[0][3] is None else torch.cat([p[3] for p in parts]))
-        set_quant(mod, qw)
+            mod.quant = pack_q4(q, d, None if parts[0][3] is None else torch.cat([p[3] for p in parts]))
+        mod.weight = None  # (the Linear computes through ``quant``; a tied lm_head unties)
         done.update(names)
     still = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     return {n for n in done if n not in still}  # (a tied table stays: the embedding reads it)
-
-
-def set_quant(mod: Linear, qw: QuantWeight) -> None:
-    """The Linear computes through ``qw``; its float weight is dropped (a tied lm_head unties)."""
-    mod.quant = qw
-    mod.weight = None

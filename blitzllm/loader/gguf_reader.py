@@ -1,7 +1,7 @@
 """A lean GGUF (v2/v3) reader: metadata and tensor locations in one pass over the header,
 tensor bytes memory-mapped. gguf-py's reader builds a numpy view per array element (seconds
-for a 49k-token vocabulary); here string arrays are skipped by their length prefixes unless
-asked for. Dequantization still uses gguf-py's codecs.
+for a 49k-token vocabulary); here the tokenizer's arrays (``tokenizer.ggml.*``) are skipped by
+their length prefixes, only their counts kept. Dequantization still uses gguf-py's codecs.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ class GGUFTensor:
 
 
 class GGUFFile:
-    def __init__(self, path, keep_arrays: tuple = ()):
+    def __init__(self, path):
         self.path = str(path)
         self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
         buf = self._mm
@@ -39,8 +39,7 @@ class GGUFFile:
         for _ in range(n_kv):
             key, pos = self._str(pos)
             (vtype,), pos = struct.unpack_from("<I", self._buf, pos), pos + 4
-            val, pos = self._value(vtype, pos, keep=key in keep_arrays or not key.startswith("tokenizer.ggml."))
-            self.fields[key] = val
+            self.fields[key], pos = self._value(vtype, pos, keep=not key.startswith("tokenizer.ggml."))
         infos = []
         for _ in range(n_tensors):
             name, pos = self._str(pos)

@@ -21,17 +21,13 @@ def load_hf_tokenizer(folder: Path):
     return AutoTokenizer.from_pretrained(str(folder))
 
 
-def _cache_dir() -> Path:
-    root = envs.get("BLITZ_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "blitzllm")
-    return Path(root) / "tokenizers"
-
-
 def load_gguf_tokenizer(path: Path):
     _quiet_transformers()
     from transformers import AutoTokenizer
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    cached = _cache_dir() / key
+    root = envs.get("BLITZ_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "blitzllm")
+    cached = Path(root) / "tokenizers" / key
     if (cached / "tokenizer.json").exists():
         try:
             return AutoTokenizer.from_pretrained(str(cached))

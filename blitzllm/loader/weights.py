@@ -36,18 +36,9 @@ def iter_safetensors(folder: Path, lazy: bool = False) -> Iterator[tuple[str, to
                 yield key, (f.get_slice(key) if lazy else f.get_tensor(key))
 
 
-def _progress(total: int, desc: str):
-    if envs.get("BLITZ_NO_PROGRESS"):  # (tensor-parallel workers set it: rank 0 shows the bar)
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover
-        return None
-    return tqdm(total=total, desc=desc, unit="tensor", leave=False)
-
-
 def load_weights(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
                  total: int | None = None) -> None:
+    from tqdm import tqdm
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
     packed = getattr(model, "packed_modules", {})
@@ -60,10 +51,11 @@ def load_weights(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tens
     # the tensor (the text model of a multimodal folder: its vision tower, its MTP layers)
     checkpoint_name = getattr(model, "checkpoint_name", None)
     loaded: set[str] = set()
-    bar = _progress(total or 0, "loading weights")
+    # (tensor-parallel workers set BLITZ_NO_PROGRESS: rank 0 shows the bar)
+    bar = tqdm(total=total or 0, desc="loading weights", unit="tensor", leave=False,
+               disable=bool(envs.get("BLITZ_NO_PROGRESS")))
     for name, tensor in tensors:
-        if bar is not None:
-            bar.update(1)
+        bar.update(1)
         if "rotary_emb.inv_freq" in name:
             continue
         if checkpoint_name is not None:
@@ -103,8 +95,7 @@ def load_weights(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tens
             copy_part(param[mod.shard_slice(shard)], tensor, module_part(mod, leaf, shard), name)
             loaded.add(f"{target}#{shard}")
         del tensor
-    if bar is not None:
-        bar.close()
+    bar.close()
     _check_complete(model, params, modules, loaded)
 
 
@@ -193,9 +184,8 @@ def export_hf_state_dict(model: torch.nn.Module, per_expert: bool = False) -> di
     for name, p in model.named_parameters(remove_duplicate=False):
         mod_name, _, leaf = name.rpartition(".")
         mod = modules[mod_name]
-        short = mod_name.rpartition(".")[2]
+        prefix, _, short = mod_name.rpartition(".")
         if isinstance(mod, PackedLinear) and short in inverse:
-            prefix = mod_name.rpartition(".")[0]
             for idx, ck in inverse[short].items():
                 out[f"{prefix}.{ck}.{leaf}"] = p.data[mod.shard_slice(idx)]
         elif isinstance(mod, FusedMoE) and leaf in HF_FUSED_NAMES:

@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .. import envs
 from ..kernels import cpu_decode, cpu_gemm
 from ..kernels.cpu_quant import native
 from ..kernels.norm.rmsnorm import reference_rms_norm
@@ -170,45 +171,40 @@ class CpuDecode:
                                 qn.weight if qn is not None else None, kn.weight if kn is not None else None,
                                 _weights(sa.o_proj, act), _weights(mlp.gate_up_proj, act),
                                 _weights(mlp.down_proj, act), dims))
-        dn = self.layers[0][8]
-        self.out_dtype = {1: model.model.embed_tokens.weight.dtype, 2: torch.bfloat16}.get(len(dn), torch.float32)
+        self.out_dtype = {1: act, 2: torch.bfloat16}.get(len(self.layers[0][8]), torch.float32)
         self.step_fn = layer_step
+        lin_ws = [(layer[2], layer[6], layer[7], layer[8]) for layer in self.layers]  # qkv, o, gate_up, down
+        one_dims = len({layer[9] for layer in self.layers}) == 1
         # eager and fp32 end to end (fp32 embeddings and KV cache; every linear GGUF blocks or a
         # bf16 weight through our kernel, or an fp32 weight): the whole step's layers in one C call
         f32 = torch.float32
-        linears = [[w if len(w) == 3 else (w[0], None, None) for w in (layer[2], layer[6], layer[7], layer[8])]
-                   for layer in self.layers]
         self.step_layers = None
         if (not compiled and cpu_decode.available() and native.lib() is not None and self.embed.weight.dtype == f32
                 and self.embed.weight.is_contiguous() and self.norm.weight.dtype == f32
                 and all(k.dtype == f32 and v.dtype == f32 for k, v in kv_caches)
-                and all(len(w) == 3 or w[0].dtype == f32 for layer in self.layers
-                        for w in (layer[2], layer[6], layer[7], layer[8]))
-                and len({layer[9] for layer in self.layers}) == 1):
+                and all(len(w) == 3 or w[0].dtype == f32 for ws in lin_ws for w in ws) and one_dims):
             hq, hkv, d, inter, eps, scale, qk_eps = self.layers[0][9]
             self.step_layers = cpu_decode.DecodeLayers(
-                [(*layer[:2], *layer[3:6], *lins, kc, vc)  # (ln1, ln2, qkv bias, q norm, k norm)
-                 for layer, lins, (kc, vc) in zip(self.layers, linears, kv_caches)],
+                [(*layer[:2], *layer[3:6], *(w if len(w) == 3 else (w[0], None, None) for w in ws), kc, vc)
+                 for layer, ws, (kc, vc) in zip(self.layers, lin_ws, kv_caches)],  # (ln1, ln2, qkv bias, q/k norm)
                 hq, hkv, d, inter, eps, qk_eps, scale, self._ends(act), native.gemm_addresses())
         # eager and bf16 end to end with plain bf16 weights (--dtype bfloat16): torch's bf16 GEMMs
         # (the CPU's bf16 / AMX units) with our C glue between them, layer by layer
         bf = torch.bfloat16
         self.bf16_glue = (not compiled and cpu_decode.available() and self.embed.weight.dtype == bf
                           and all(k.dtype == bf and v.dtype == bf for k, v in kv_caches)
-                          and all(len(w) == 1 and w[0].dtype == bf and (b is None or b.dtype == bf)
-                                  for layer in self.layers for w, b in ((layer[2], layer[3]), (layer[6], None),
-                                                                        (layer[7], None), (layer[8], None)))
-                          and all(n is None or n.dtype == bf for layer in self.layers for n in layer[:2] + layer[4:6])
+                          and all(len(w) == 1 and w[0].dtype == bf for ws in lin_ws for w in ws)
+                          and all(t is None or t.dtype == bf for layer in self.layers for t in layer[:2] + layer[3:6])
                           and all(layer[9][2] % 16 == 0 and layer[9][2] <= 1024 for layer in self.layers))
         self.packed = self.bf16_glue and _pack_all(model)
         # one row of it (batch 1): every layer in one C call, the linears on our one-row bf16 loop
         self.step_bf16 = None
-        if (self.bf16_glue and cpu_gemm.gemv_lib() is not None and len({layer[9] for layer in self.layers}) == 1
-                and all(w[0].is_contiguous() for layer in self.layers for w in (layer[2], layer[6], layer[7], layer[8]))):
+        if (self.bf16_glue and cpu_gemm.gemv_lib() is not None and one_dims
+                and all(w[0].is_contiguous() for ws in lin_ws for w in ws)):
             (hq, hkv, d, inter, eps, scale, qk_eps), hidden = self.layers[0][9], self.embed.weight.shape[1]
             self.step_bf16 = cpu_decode.DecodeLayersBf16(
-                [(*layer[:2], layer[3], *layer[4:6], layer[2][0], layer[6][0], layer[7][0], layer[8][0], kc, vc)
-                 for layer, (kc, vc) in zip(self.layers, kv_caches)],
+                [(*layer[:2], *layer[3:6], *(w[0] for w in ws), kc, vc)
+                 for layer, ws, (kc, vc) in zip(self.layers, lin_ws, kv_caches)],
                 hq, hkv, d, inter, eps, qk_eps, scale, hidden, cpu_gemm.gemv_address())
         # the bf16 form's linears: the packed GEMM called directly (a module call's checks cost
         # about 20 us each, 3 ms a SmolLM2 step), else the modules
@@ -259,9 +255,7 @@ class CpuDecode:
         if self.step_layers is not None:
             out = self.step_layers.step(ids, pos, lens, block_tables)
             return out if self.head_in_step else self.model.compute_logits(out)
-        ids_t = torch.tensor(ids, dtype=torch.int64)
-        pos_t = torch.tensor(pos, dtype=torch.int64)
-        slots_t = torch.tensor(slots, dtype=torch.int64)
+        ids_t, pos_t, slots_t = (torch.tensor(v, dtype=torch.int64) for v in (ids, pos, slots))
         gidx, is_new, mask = self._gather_index(lens, block_tables)
         if self.compiled:
             torch._dynamo.mark_dynamic(gidx, 1)
@@ -342,12 +336,6 @@ def _pack_all(model) -> bool:
     return True
 
 
-def compile_enabled() -> bool:
-    """BLITZ_CPU_COMPILE (envs.py): off by default (docs/cpu.md says why)."""
-    from .. import envs
-    return bool(envs.get("BLITZ_CPU_COMPILE"))
-
-
 def maybe_cpu_decode(model, kv_caches, backend, block_size: int, tp_size: int, states,
                      enforce_eager: bool) -> Optional[CpuDecode]:
     """The CPU decode path, or None: unsupported, or ``enforce_eager`` (every step through the
@@ -355,7 +343,8 @@ def maybe_cpu_decode(model, kv_caches, backend, block_size: int, tp_size: int, s
     more) are compiled or loaded from inductor's cache here, at start-up, not in a first request."""
     if enforce_eager or not supports(model, kv_caches, backend, tp_size, states):
         return None
-    dec = CpuDecode(model, kv_caches, block_size, compiled=compile_enabled())
+    # BLITZ_CPU_COMPILE (envs.py): off by default (docs/cpu.md says why)
+    dec = CpuDecode(model, kv_caches, block_size, compiled=bool(envs.get("BLITZ_CPU_COMPILE")))
     if dec.compiled:
         dec.warm_up((1, 2))
     return dec

@@ -43,6 +43,10 @@ def _bf16(t: torch.Tensor) -> bool:
     return t.dtype == torch.bfloat16
 
 
+def _ptr(t: Optional[torch.Tensor]):
+    return None if t is None else t.data_ptr()
+
+
 def add_rms_norm(x: torch.Tensor, res: torch.Tensor, w: torch.Tensor, eps: float,
                  res_out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """res += x (in place; bf16: into ``res_out`` instead where given); returns rmsnorm(res + x) * w.
@@ -77,12 +81,10 @@ def decode_attention(qkv: torch.Tensor, q_norm: Optional[torch.Tensor], k_norm: 
     bf = _bf16(qkv)
     out = qkv.new_empty(B, hq * d)
     scratch = torch.empty(B * hq * (L + (d if bf else 0)))
-    norm = q_norm is not None
     fn = _state["lib"].blitz_decode_attention_bf16 if bf else _state["lib"].blitz_decode_attention
-    rc = fn(
-        qkv.data_ptr(), q_norm.data_ptr() if norm else None, k_norm.data_ptr() if norm else None, qk_eps,
-        cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), gidx.data_ptr(),
-        lens.data_ptr(), L, B, hq, hkv, d, scale, out.data_ptr(), scratch.data_ptr(), torch.get_num_threads())
+    rc = fn(qkv.data_ptr(), _ptr(q_norm), _ptr(k_norm), qk_eps, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
+            v_cache.data_ptr(), slots.data_ptr(), gidx.data_ptr(), lens.data_ptr(), L, B, hq, hkv, d, scale,
+            out.data_ptr(), scratch.data_ptr(), torch.get_num_threads())
     if rc:
         raise ValueError(f"CPU decode attention: head dim {d} must be {'a multiple of 16' if bf else 'even'} "
                          "and at most 1024")
@@ -145,10 +147,6 @@ class _Dims(ctypes.Structure):
 class _Ends(ctypes.Structure):
     _fields_ = [("embed", _P), ("cos_sin", _P), ("norm", _P), ("norm_eps", _F), ("head", _Linear),
                 ("vocab", _I), ("max_pos", _I), ("block_size", _I), ("num_blocks", _I)]
-
-
-def _ptr(t: Optional[torch.Tensor]):
-    return None if t is None else t.data_ptr()
 
 
 class DecodeLayers:

@@ -2,8 +2,6 @@
 Q8_0): our AVX-512 fp32 kernels (``native.py``, ``qgemm.c``) or, where they do not build, torch's
 int4 CPU kernel. ``pack.py`` holds the weight form, the dispatch and the plain-torch
 ``reference_*``."""
-from .pack import (QuantWeight, pack_q4, pack_q8_blocks, quant_matmul, reference_dequantize,
-                   reference_matmul)
+from .pack import QuantWeight, pack_q4, pack_q8_blocks, quant_matmul, reference_dequantize
 
-__all__ = ["QuantWeight", "pack_q4", "pack_q8_blocks", "quant_matmul", "reference_dequantize",
-           "reference_matmul"]
+__all__ = ["QuantWeight", "pack_q4", "pack_q8_blocks", "quant_matmul", "reference_dequantize"]

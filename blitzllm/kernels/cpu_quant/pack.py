@@ -48,10 +48,6 @@ class QuantWeight:
     def out_features(self) -> int:
         return self.codes.shape[0]
 
-    @property
-    def in_features(self) -> int:
-        return self.codes.shape[1] * (2 if self.kind == "q4" else 1)
-
     def nbytes(self) -> int:
         """Bytes a decode step reads."""
         if self.parts is not None:
@@ -143,7 +139,3 @@ def reference_dequantize(q: torch.Tensor, d: torch.Tensor, m: Optional[torch.Ten
     else:
         w = qf * d.float()[..., None] + m.float()[..., None]
     return w.view(n, k)
-
-
-def reference_matmul(x: torch.Tensor, w_dequantized: torch.Tensor) -> torch.Tensor:
-    return x @ w_dequantized.to(x.dtype).t()
