@@ -158,8 +158,6 @@ def main():
     ap.add_argument("--no-l2", action="store_true", help="skip the L2 residency check")
     ap.add_argument("--splits-sweep", action="store_true", help="SPLIT_VARIANTS instead of VARIANTS")
     a = ap.parse_args()
-    from blitzllm.kernels._common import l2_prefetch_supported
-    print("l2 prefetch supported:", l2_prefetch_supported(torch.empty(1, device="cuda")))
     if not a.no_l2:
         l2_residency()
     if a.only_l2:

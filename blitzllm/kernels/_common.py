@@ -1,6 +1,6 @@
 """What the kernel families share: the Triton import (optional), the dispatch rule of the
 public ops (``use_triton``, and ``reference_ops`` to force the torch references), device facts,
-and the programmatic-dependent-launch helpers."""
+the launchers' operand layout and config checks, and the programmatic-dependent-launch helpers."""
 from __future__ import annotations
 
 import contextlib
@@ -51,6 +51,21 @@ def reference_ops(on: bool = True):
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
+
+
+def unit_stride(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself where its last dim is contiguous, else a contiguous copy: the layout of the
+    launchers' operands (their kernels take row strides, and unit steps along a row)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def checked_config(config, keys: tuple, what: str) -> dict:
+    """A copy of the launch overrides ``config`` (None: none); KeyError on a key not in ``keys``."""
+    config = dict(config or {})
+    unknown = set(config) - set(keys)
+    if unknown:
+        raise KeyError(f"unknown {what} config keys {sorted(unknown)}; expected {keys}")
+    return config
 
 
 @functools.lru_cache(maxsize=None)

@@ -4,7 +4,7 @@ rounded to the input dtype, then times ``up`` (the product rounded to the input 
 import torch
 import torch.nn.functional as F
 
-from ._common import next_pow2, tl, triton, use_triton
+from ._common import next_pow2, tl, triton, unit_stride, use_triton
 
 
 @triton.jit
@@ -24,9 +24,7 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     two_i = x.shape[-1]
     assert two_i % 2 == 0, "last dim must be 2 * intermediate_size"
     inter = two_i // 2
-    x2 = x.reshape(-1, two_i)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = unit_stride(x.reshape(-1, two_i))
     out = torch.empty(x.shape[:-1] + (inter,), dtype=x.dtype, device=x.device)
     o2 = out.view(-1, inter)
     rows = x2.shape[0]
@@ -45,6 +43,5 @@ def reference_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``x [..., 2I] -> [..., I]``: first half gate, second half up."""
-    if use_triton(x):
-        return silu_and_mul_triton(x)
-    return reference_silu_and_mul(x)
+    fn = silu_and_mul_triton if use_triton(x) else reference_silu_and_mul
+    return fn(x)

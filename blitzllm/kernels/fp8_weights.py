@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ._common import device_sms, tl, triton, use_triton
+from ._common import device_sms, tl, triton, unit_stride, use_triton
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value
@@ -120,11 +120,7 @@ def _fp8_linear_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, st
 def fp8_block_k(block: tuple) -> Optional[int]:
     """The K tile the kernels take for scale blocks ``block`` (a divisor of bk, at most 128,
     at least 16), or None where bk has none (those layers dequantize and use torch)."""
-    bk = block[1]
-    for t in (128, 64, 32, 16):
-        if bk % t == 0:
-            return t
-    return None
+    return next((t for t in (128, 64, 32, 16) if block[1] % t == 0), None)
 
 
 def fp8_linear_ok(x: torch.Tensor, q: torch.Tensor, block: tuple) -> bool:
@@ -140,9 +136,7 @@ def fp8_linear_triton(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, blo
     """x [..., K] -> [..., N] in x's dtype through ``_fp8_linear_kernel``."""
     K = x.shape[-1]
     N = q.shape[0]
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = unit_stride(x.reshape(-1, K))
     M = x2.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
@@ -166,7 +160,6 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tup
                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x . dequantize(q, scale)^T (+ bias) in x's dtype: the Triton kernel where
     ``fp8_linear_ok``, else the weight dequantized once and ``F.linear``."""
-    if fp8_linear_ok(x, q, block):
-        return fp8_linear_triton(x, q, scale, block, bias)
-    return reference_fp8_linear(x, q, scale, block, bias)
+    fn = fp8_linear_triton if fp8_linear_ok(x, q, block) else reference_fp8_linear
+    return fn(x, q, scale, block, bias)
 

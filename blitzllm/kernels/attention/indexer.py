@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .._common import device_sms, next_pow2, tl, triton, use_triton
+from .._common import device_sms, next_pow2, tl, triton, unit_stride, use_triton
 from .mla_prep import _rotate as _rope_rows
 
 ROW_CHUNK = 64  # query rows per step of the torch references (bounds their gathered keys)
@@ -196,10 +196,7 @@ def indexer_logits_triton(q, weights, cache, block_tables, lens, width: int, spl
     if T == 0:
         return out
     assert cache.shape[-1] == D and cache.stride(-1) == 1 and weights.dtype == torch.float32
-    if q.dtype != cache.dtype:
-        q = q.to(cache.dtype)
-    if q.stride(2) != 1:
-        q = q.contiguous()
+    q = unit_stride(q.to(cache.dtype))
     tiles = triton.cdiv(max(1, width), LOGITS_BLOCK_N)
     splits = splits or max(1, min(tiles, 4 * device_sms(q) // T))
     _indexer_logits_kernel[(T, splits)](
@@ -217,16 +214,12 @@ def indexer_logits_triton(q, weights, cache, block_tables, lens, width: int, spl
 def indexer_prep(q, k, positions, cos_sin_cache, ln_weight, ln_bias, eps, cache, slot_mapping,
                  interleave: bool = False):
     """See ``reference_indexer_prep``; one Triton launch on CUDA (no host sync)."""
-    if use_triton(q):
-        return indexer_prep_triton(q, k, positions, cos_sin_cache, ln_weight, ln_bias, eps, cache,
-                                   slot_mapping, interleave)
-    return reference_indexer_prep(q, k, positions, cos_sin_cache, ln_weight, ln_bias, eps, cache, slot_mapping,
-                                  interleave)
+    fn = indexer_prep_triton if use_triton(q) else reference_indexer_prep
+    return fn(q, k, positions, cos_sin_cache, ln_weight, ln_bias, eps, cache, slot_mapping, interleave)
 
 
 def indexer_logits(q, weights, cache, block_tables, lens, width: int) -> torch.Tensor:
     """See ``reference_indexer_logits``; the Triton kernel on CUDA (fixed grid, no host sync), which
     leaves the entries at or past ``lens[t]`` unwritten."""
-    if use_triton(q):
-        return indexer_logits_triton(q, weights, cache, block_tables, lens, width)
-    return reference_indexer_logits(q, weights, cache, block_tables, lens, width)
+    fn = indexer_logits_triton if use_triton(q) else reference_indexer_logits
+    return fn(q, weights, cache, block_tables, lens, width)

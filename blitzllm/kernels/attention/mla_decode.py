@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from .._common import device_sms, next_pow2, tl, triton, use_triton
+from .._common import device_sms, next_pow2, tl, triton, unit_stride, use_triton
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 128
@@ -176,32 +176,34 @@ def mla_decode_triton(q_latent, q_rope, cache, block_tables, seq_lens, scale,
     out = torch.empty_like(q_latent)
     if B == 0 or H == 0:
         return out
-    if q_latent.dtype != cache.dtype:  # the products run in the cache's precision
-        q_latent = q_latent.to(cache.dtype)
-    if q_rope.dtype != cache.dtype:
-        q_rope = q_rope.to(cache.dtype)
-    if q_latent.stride(2) != 1:
-        q_latent = q_latent.contiguous()
-    if q_rope.stride(2) != 1:
-        q_rope = q_rope.contiguous()
-    bs = cache.shape[1]
-    cfg = mla_config(B, H, R, block_tables.shape[1] * bs, device_sms(q_latent), config,
-                     fp32=cache.dtype == torch.float32)
+    return _launch(q_latent, q_rope, cache, block_tables, seq_lens, scale, out,
+                   block_tables.shape[1] * cache.shape[1], config)
+
+
+def _launch(q_latent, q_rope, cache, block_tables, seq_lens, scale, out, max_ctx: int, config: Optional[dict],
+            **sparse) -> torch.Tensor:
+    """The launches of ``mla_decode_triton`` and ``sparse_mla_triton`` (``sparse``: the split
+    kernel's SPARSE arguments; ``seq_lens`` then receives each row's count) into ``out``: the
+    split kernel, then with several splits the combine."""
+    B, H, R = q_latent.shape
+    P = q_rope.shape[2]
+    # the products run in the cache's precision
+    q_latent, q_rope = unit_stride(q_latent.to(cache.dtype)), unit_stride(q_rope.to(cache.dtype))
+    cfg = mla_config(B, H, R, max_ctx, device_sms(q_latent), config, fp32=cache.dtype == torch.float32)
     s, r_pad, p_pad = cfg["SPLITS"], max(16, next_pow2(R)), max(16, next_pow2(P))
     if s > 1:
         part = torch.empty((B, H, s, r_pad), dtype=torch.float32, device=out.device)
         lse = torch.empty((B, H, s), dtype=torch.float32, device=out.device)
     else:  # never touched (every sequence has one split); fp32 keeps one compiled variant
         part = lse = torch.empty(1, dtype=torch.float32, device=out.device)
-    grid = (triton.cdiv(H, cfg["BLOCK_H"]), s, B)
-    _mla_split_kernel[grid](
+    _mla_split_kernel[(triton.cdiv(H, cfg["BLOCK_H"]), s, B)](
         q_latent, q_rope, cache, block_tables, seq_lens, out, part, lse,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
         cache.stride(0), cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1), H, float(scale) * _LOG2E,
         R=R, P=P, R_PAD=r_pad, P_PAD=p_pad, BLOCK_H=cfg["BLOCK_H"],
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_SIZE=bs, IEEE=cache.dtype == torch.float32,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_SIZE=cache.shape[1], IEEE=cache.dtype == torch.float32,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **sparse,
     )
     if s > 1:
         block_r = min(r_pad, 128)
@@ -235,6 +237,5 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
                block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """Absorbed MLA decode (see reference_mla_decode for shapes): the Triton kernels for
     CUDA tensors (no host sync: CUDA-graph safe), the torch reference otherwise."""
-    if use_triton(q_latent):
-        return mla_decode_triton(q_latent, q_rope, cache, block_tables, seq_lens, scale)
-    return reference_mla_decode(q_latent, q_rope, cache, block_tables, seq_lens, scale)
+    fn = mla_decode_triton if use_triton(q_latent) else reference_mla_decode
+    return fn(q_latent, q_rope, cache, block_tables, seq_lens, scale)

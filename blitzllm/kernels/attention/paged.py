@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from .._common import device_sms, next_pow2, pdl_enabled, pdl_launch_kwargs, triton, use_triton
+from .._common import device_sms, next_pow2, pdl_enabled, pdl_launch_kwargs, triton, unit_stride, use_triton
 from .paged_kernels import _decode_kernel, _decode_reduce_kernel, _prefill_kernel
 from .qk_norm_rope_cache import _check as _check_qk
 
@@ -64,8 +64,7 @@ def paged_decode_attention_triton(
     kernel may launch as this one starts (the TMA GEMV)."""
     hq, hkv, d = _check_cache(q, k_cache, v_cache)
     B = q.shape[0]
-    if q.stride(2) != 1:
-        q = q.contiguous()
+    q = unit_stride(q)
     out = q if _fuse is not None else torch.empty_like(q)  # fused: q is the (empty) output buffer
     if B == 0:
         return out
@@ -100,8 +99,7 @@ def paged_decode_attention_triton(
     _decode_kernel[(B, hkv, s)](
         q_arg, k_cache, v_cache, block_tables, seq_lens, out, m, l_, acc, cnt,
         stride_qb, stride_qh, out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
         float(scale) * _LOG2E, g,
         NUM_SPLITS=s, G_PAD=g_pad, D=d, D_PAD=d_pad, BLOCK_N=bn,
         BLOCK_SIZE=k_cache.shape[1], IEEE=ieee, EARLY_V=early_v, FUSED_REDUCE=fused,
@@ -130,8 +128,7 @@ def fused_decode_attention_triton(
                     q_norm_weight, k_norm_weight, False)
     assert (q_norm_weight is None) == (k_norm_weight is None)
     assert cos_sin_cache.shape[-1] == rot and cos_sin_cache.stride(-1) == 1
-    if qkv.stride(-1) != 1:
-        qkv = qkv.contiguous()
+    qkv = unit_stride(qkv)
     B = qkv.shape[0]
     out = qkv.new_empty((B, num_heads, head_dim))  # the launcher's q argument: shape, dtype, output
     return paged_decode_attention_triton(
@@ -146,8 +143,7 @@ def paged_prefill_attention_triton(
     num_warps: Optional[int] = None, num_stages: int = 3,
 ):
     hq, hkv, d = _check_cache(q, k_cache, v_cache)
-    if q.stride(2) != 1:
-        q = q.contiguous()
+    q = unit_stride(q)
     out = torch.empty_like(q)
     B = seq_lens.shape[0]
     if q.shape[0] == 0 or B == 0 or max_q_len <= 0:
@@ -161,8 +157,7 @@ def paged_prefill_attention_triton(
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
         float(scale) * _LOG2E, g,
         G_PAD=g_pad, BLOCK_Q=block_q, D=d, D_PAD=d_pad, BLOCK_N=bn,
         BLOCK_SIZE=k_cache.shape[1], IEEE=q.dtype == torch.float32,
@@ -220,9 +215,8 @@ def reference_paged_prefill_attention(
 # ------------------------------------------------------------------- public
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale):
     """q [B, Hq, D], one query per sequence at position seq_len - 1 -> [B, Hq, D]."""
-    if use_triton(q):
-        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale)
-    return reference_paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    fn = paged_decode_attention_triton if use_triton(q) else reference_paged_decode_attention
+    return fn(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
 
 def paged_prefill_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,

@@ -7,7 +7,8 @@ from typing import Optional
 
 import torch
 
-from .._common import next_pow2, tl, triton, use_triton
+from .._common import next_pow2, tl, triton, unit_stride, use_triton
+from ..norm.rmsnorm import reference_rms_norm
 
 
 @triton.jit
@@ -163,8 +164,7 @@ def fused_qk_norm_rope_cache_triton(
                  q_norm_weight, k_norm_weight, full_width_norm)
     assert cos_sin_cache.shape[-1] == rot and cos_sin_cache.stride(-1) == 1
     assert (q_norm_weight is None) == (k_norm_weight is None)
-    if qkv.stride(-1) != 1:
-        qkv = qkv.contiguous()
+    qkv = unit_stride(qkv)
     T = qkv.shape[0]
     q = torch.empty((T, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if T == 0:
@@ -188,12 +188,6 @@ def fused_qk_norm_rope_cache_triton(
     return q
 
 
-def _ref_head_norm(x, w, eps):
-    xf = x.float()
-    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return (normed.float() * w.float()).to(x.dtype)
-
-
 def _ref_rope(x, cos, sin, rot):
     """x [T, H, D] (model dtype); cos/sin [T, rot/2] fp32 -> fp32 rotated x."""
     xf = x.float()
@@ -213,11 +207,11 @@ def reference_qk_norm_rope_cache(
     T = qkv.shape[0]
     q, k, v = qkv.view(T, -1, head_dim).split([num_heads, num_kv_heads, num_kv_heads], dim=1)
     if q_norm_weight is not None and full_width_norm:
-        q = _ref_head_norm(q.reshape(T, -1), q_norm_weight, eps).view(T, num_heads, head_dim)
-        k = _ref_head_norm(k.reshape(T, -1), k_norm_weight, eps).view(T, num_kv_heads, head_dim)
+        q = reference_rms_norm(q.reshape(T, -1), q_norm_weight, eps).view(T, num_heads, head_dim)
+        k = reference_rms_norm(k.reshape(T, -1), k_norm_weight, eps).view(T, num_kv_heads, head_dim)
     elif q_norm_weight is not None:
-        q = _ref_head_norm(q, q_norm_weight, eps)
-        k = _ref_head_norm(k, k_norm_weight, eps)
+        q = reference_rms_norm(q, q_norm_weight, eps)
+        k = reference_rms_norm(k, k_norm_weight, eps)
     cs = cos_sin_cache.index_select(0, positions.long()).float()
     cos, sin = cs[:, : rot // 2], cs[:, rot // 2:]
     q = _ref_rope(q, cos, sin, rot).to(qkv.dtype)

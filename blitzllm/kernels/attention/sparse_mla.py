@@ -10,8 +10,8 @@ from typing import Optional
 
 import torch
 
-from .._common import device_sms, next_pow2, triton, use_triton
-from .mla_decode import _LOG2E, _mla_combine_kernel, _mla_split_kernel, mla_config
+from .._common import next_pow2, use_triton
+from .mla_decode import _launch
 
 
 ROW_CHUNK = 32  # query rows per step of the torch reference (bounds its gathered latents)
@@ -52,41 +52,13 @@ def sparse_mla_triton(q_latent, q_rope, cache, block_tables, indices, scale, con
     out = torch.empty_like(q_latent)
     if T == 0 or H == 0:
         return out
-    q_latent, q_rope = q_latent.to(cache.dtype), q_rope.to(cache.dtype)  # the products in the cache's precision
-    if q_latent.stride(2) != 1:
-        q_latent = q_latent.contiguous()
-    if q_rope.stride(2) != 1:
-        q_rope = q_rope.contiguous()
-    cfg = mla_config(T, H, R, K, device_sms(q_latent), config, fp32=cache.dtype == torch.float32)
-    s, r_pad, p_pad = cfg["SPLITS"], max(16, next_pow2(R)), max(16, next_pow2(P))
     counts = torch.empty(T, dtype=torch.int32, device=out.device)
-    if s > 1:
-        part = torch.empty((T, H, s, r_pad), dtype=torch.float32, device=out.device)
-        lse = torch.empty((T, H, s), dtype=torch.float32, device=out.device)
-    else:
-        part = lse = torch.empty(1, dtype=torch.float32, device=out.device)
-    _mla_split_kernel[(triton.cdiv(H, cfg["BLOCK_H"]), s, T)](
-        q_latent, q_rope, cache, block_tables, counts, out, part, lse,
-        q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
-        cache.stride(0), cache.stride(1), block_tables.stride(0),
-        out.stride(0), out.stride(1), H, float(scale) * _LOG2E,
-        R=R, P=P, R_PAD=r_pad, P_PAD=p_pad, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_SIZE=cache.shape[1], IEEE=cache.dtype == torch.float32,
-        idx_ptr=indices, stride_idx=indices.stride(0), K=K, K_PAD=next_pow2(K), SPARSE=True,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
-    if s > 1:
-        block_r = min(r_pad, 128)
-        _mla_combine_kernel[(H, r_pad // block_r, T)](
-            part, lse, counts, out, out.stride(0), out.stride(1), H, s,
-            R=R, R_PAD=r_pad, BLOCK_R=block_r, BLOCK_N=cfg["BLOCK_N"], S_CHUNK=8 if s <= 8 else 32, num_warps=4,
-        )
-    return out
+    return _launch(q_latent, q_rope, cache, block_tables, counts, scale, out, K, config,
+                   idx_ptr=indices, stride_idx=indices.stride(0), K=K, K_PAD=next_pow2(K), SPARSE=True)
 
 
 def sparse_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                indices: torch.Tensor, scale: float) -> torch.Tensor:
     """See ``reference_sparse_mla``; the Triton split + combine kernels on CUDA (no host sync)."""
-    if use_triton(q_latent):
-        return sparse_mla_triton(q_latent, q_rope, cache, block_tables, indices, scale)
-    return reference_sparse_mla(q_latent, q_rope, cache, block_tables, indices, scale)
+    fn = sparse_mla_triton if use_triton(q_latent) else reference_sparse_mla
+    return fn(q_latent, q_rope, cache, block_tables, indices, scale)

@@ -29,9 +29,8 @@ def reference_topk(logits: torch.Tensor, lens: torch.Tensor, k: int) -> torch.Te
 
 def topk(logits: torch.Tensor, lens: torch.Tensor, k: int) -> torch.Tensor:
     """See ``reference_topk``; the Triton kernel on CUDA (one launch, no host sync)."""
-    if use_triton(logits):
-        return topk_triton(logits, lens, k)
-    return reference_topk(logits, lens, k)
+    fn = topk_triton if use_triton(logits) else reference_topk
+    return fn(logits, lens, k)
 
 
 # ---- Triton -------------------------------------------------------------------------------------

@@ -21,8 +21,9 @@ L2_EPS = 1e-6
 CHUNK = 64
 
 
-def _bounds(cu_seqlens) -> list:
-    return cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+def _as_list(values) -> list:
+    """A host list of ``values`` (a tensor or a sequence)."""
+    return values.tolist() if isinstance(values, torch.Tensor) else list(values)
 
 
 def reference_l2norm(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
@@ -68,7 +69,7 @@ def reference_recurrent_gated_delta_rule(q, k, v, g, beta, cu_seqlens, initial_s
                                          keep_states: bool = False):
     """The rule token by token. Returns (o [T, Hv, dv] in v's dtype, final states [N, Hv, dk, dv]
     fp32); with ``keep_states`` also the state after every token [T, Hv, dk, dv]."""
-    bounds = _bounds(cu_seqlens)
+    bounds = _as_list(cu_seqlens)
     qf, kf, vf, gf, bf = _prep(q, k, v, g, beta, scale, use_qk_l2norm)
     T, hv, dv = vf.shape
     dk = kf.shape[-1]
@@ -122,7 +123,7 @@ def reference_chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, initial_state
     """The rule over chunks of ``chunk`` tokens (the prefill form); the same results as
     ``reference_recurrent_gated_delta_rule`` up to fp32 rounding. Returns (o [T, Hv, dv] in
     v's dtype, final states [N, Hv, dk, dv] fp32)."""
-    bounds = _bounds(cu_seqlens)
+    bounds = _as_list(cu_seqlens)
     qf, kf, vf, gf, bf = _prep(q, k, v, g, beta, scale, use_qk_l2norm)
     T, hv, dv = vf.shape
     dk = kf.shape[-1]
@@ -146,9 +147,7 @@ def reference_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optiona
     conv state (zeros where ``has_initial`` is false), SiLU when ``activation``; accumulates
     in fp32 and rounds once to x's dtype. Writes each sequence's last K - 1 inputs back into
     ``conv_state[slots[n]]``."""
-    bounds = _bounds(cu_seqlens)
-    slots = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
-    has_initial = has_initial.tolist() if isinstance(has_initial, torch.Tensor) else list(has_initial)
+    bounds, slots, has_initial = _as_list(cu_seqlens), _as_list(slots), _as_list(has_initial)
     K = weight.shape[1]
     w = weight.float()[:, None, :]
     out = torch.empty(x.shape, dtype=torch.float32, device=x.device)

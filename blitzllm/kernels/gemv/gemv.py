@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from ... import envs
-from .._common import (device_sms, next_pow2, pdl_enabled,
-                      pdl_launch_dependents, pdl_launch_kwargs, pdl_wait, tl, triton, use_triton)
+from .._common import (checked_config, device_sms, next_pow2, pdl_enabled, pdl_launch_dependents, pdl_launch_kwargs,
+                      pdl_wait, tl, triton, unit_stride, use_triton)
 from ..activation import reference_silu_and_mul, silu_and_mul
 
 GEMV_MAX_ROWS = 16
@@ -211,10 +211,7 @@ def gemv_config(M: int, N: int, K: int, dtype: torch.dtype, sms: int, config: Op
                 silu_mul_input: bool = False) -> dict:
     """Launch parameters: the heuristic, overridden by the keys given in ``config`` (a config
     without SPLIT_K gets the heuristic split for its BLOCK_N / BLOCK_K)."""
-    config = dict(config or {})
-    unknown = set(config) - set(_CONFIG_KEYS)
-    if unknown:
-        raise KeyError(f"unknown gemv config keys {sorted(unknown)}; expected {_CONFIG_KEYS}")
+    config = checked_config(config, _CONFIG_KEYS, "gemv")
     vec_k = 32 * 16 // dtype.itemsize  # a warp-wide row of 16-byte vectors: 256 bf16, 128 fp32
     dot = bool(config.get("DOT", M > 2))
     if dot and silu_mul_input:  # every warp evaluates the silu of its whole x tile:
@@ -262,8 +259,7 @@ def _launch_operands(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tens
     M = x.shape[0]
     assert M <= GEMV_MAX_ROWS, f"gemv handles at most {GEMV_MAX_ROWS} rows"
     assert w.stride(1) == 1, "w must be row-major (contiguous along K)"
-    if x.stride(1) != 1:
-        x = x.contiguous()
+    x = unit_stride(x)
     if bias is not None:
         assert bias.shape == (w.shape[0],)
         bias = bias.contiguous()
@@ -271,6 +267,20 @@ def _launch_operands(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tens
         out = torch.empty((M, n_out), dtype=x.dtype, device=x.device)
     assert out.shape == (M, n_out) and out.stride(1) == 1
     return x, bias, out
+
+
+def _launch(x, w, bias, out, ws, cnt, cfg: dict, grid: tuple, k_per_split: int, **flags) -> None:
+    """One ``_gemv_kernel`` launch over operands checked by ``_launch_operands`` (out [M, N]; grid
+    (n-tiles, splits)); ``flags``: SPLIT, SILU_MUL and GLU."""
+    M, N, K = x.shape[0], out.shape[1], w.shape[1]
+    pdl = pdl_enabled(x)
+    _gemv_kernel[grid](
+        x, w, bias if bias is not None else w, out, ws, cnt,
+        M, N, K, x.stride(0), w.stride(0), out.stride(0), k_per_split, grid[1],
+        M_PAD=next_pow2(M), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], DOT=cfg["DOT"],  # (tl.dot pads small M)
+        IEEE=x.dtype == torch.float32, HAS_BIAS=bias is not None, USE_PDL=pdl,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags, **pdl_launch_kwargs(pdl),
+    )
 
 
 def gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
@@ -294,14 +304,7 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
     split = n_splits > 1
     ws = _zeros(x.device, torch.float32, next_pow2(M * N)) if split else out
     cnt = _zeros(x.device, torch.int32, next_pow2(n_tiles)) if split else out
-    pdl = pdl_enabled(x)
-    _gemv_kernel[(n_tiles, n_splits)](
-        x, w, bias if bias is not None else w, out, ws, cnt,
-        M, N, K, x.stride(0), w.stride(0), out.stride(0), k_per_split, n_splits,
-        M_PAD=next_pow2(M), BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, DOT=cfg["DOT"],  # (tl.dot pads small M)
-        IEEE=x.dtype == torch.float32, SILU_MUL=silu_mul_input, HAS_BIAS=bias is not None, USE_PDL=pdl,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch_kwargs(pdl),
-    )
+    _launch(x, w, bias, out, ws, cnt, cfg, (n_tiles, n_splits), k_per_split, SPLIT=split, SILU_MUL=silu_mul_input)
     return out
 
 
@@ -324,14 +327,8 @@ def gemv_glu_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tenso
     cfg = _cached_config(M, N2, K, x.dtype, device_sms(x), tuple(sorted(items.items())), False)
     bn = cfg["BLOCK_N"]
     assert bn >= 2, "a GLU tile holds gate and up rows: BLOCK_N >= 2"
-    pdl = pdl_enabled(x)
-    _gemv_kernel[(triton.cdiv(N, bn // 2), 1)](
-        x, w, bias if bias is not None else w, out, out, out,
-        M, N, K, x.stride(0), w.stride(0), out.stride(0), triton.cdiv(K, cfg["BLOCK_K"]) * cfg["BLOCK_K"], 1,
-        M_PAD=next_pow2(M), BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], SPLIT=False, DOT=cfg["DOT"],
-        IEEE=x.dtype == torch.float32, SILU_MUL=False, HAS_BIAS=bias is not None, USE_PDL=pdl, GLU=True,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch_kwargs(pdl),
-    )
+    _launch(x, w, bias, out, out, out, cfg, (triton.cdiv(N, bn // 2), 1),
+            triton.cdiv(K, cfg["BLOCK_K"]) * cfg["BLOCK_K"], SPLIT=False, SILU_MUL=False, GLU=True)
     return out
 
 

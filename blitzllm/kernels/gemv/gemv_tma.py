@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from .._common import HAS_TRITON, capability, device_sms, next_pow2, pdl_enabled, triton
+from .gemv import reference_linear
 
 try:  # Gluon ships with Triton >= 3.5
     from triton.experimental import gluon
@@ -239,7 +240,4 @@ def _descriptor(w: torch.Tensor, bn: int, bk: int, g: int, grouped: bool):
 
 def reference_gemv_tma(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The torch form: fp32 products and sums, the output rounded once to x's dtype."""
-    y = x.float() @ w.float().t()
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype)
+    return reference_linear(x, w, bias)

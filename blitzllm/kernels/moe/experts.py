@@ -11,8 +11,8 @@ from typing import Optional
 import torch
 
 from ... import envs
-from .._common import (device_sms, next_pow2, pdl_enabled, pdl_launch_dependents, pdl_launch_kwargs, pdl_wait,
-                      tl, triton)
+from .._common import (checked_config, device_sms, next_pow2, pdl_enabled, pdl_launch_dependents, pdl_launch_kwargs,
+                      pdl_wait, tl, triton, unit_stride)
 from ..fp8_weights import FP8_DTYPE, fp8_block_k
 
 MOE_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
@@ -125,9 +125,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     (``sorted_ids`` [S] int32, entry t*K + k, each expert's run block-aligned and padded with the
     sentinel T*K; ``block_expert`` [S / block_m] int32, -1 past the end; ``total`` [1] int32, the
     padded length). S = T*K + min(E, T*K) * (block_m - 1) in whole blocks: sizes from shapes."""
-    ids = topk_ids.reshape(-1)
-    if ids.dtype != torch.int32 or not ids.is_contiguous():
-        ids = ids.to(torch.int32).contiguous()
+    ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
     n = ids.numel()
     n_blocks = triton.cdiv(n + min(num_experts, n) * (block_m - 1), block_m)
     n_sorted = n_blocks * block_m
@@ -304,10 +302,7 @@ def moe_config(tokens: int, top_k: int, num_experts: int, hidden: int, inter: in
     Few rows per expert (decode): BLOCK_M 16, 64-wide N tiles (narrowed towards 16 only while
     the chosen experts' tiles would leave more than half the SMs idle), 256-byte K tiles, 4
     stages. Many rows (prefill): 64 x 128 tiles (64 x 64 gated), BLOCK_M 128 from 256 rows on."""
-    config = dict(config or {})
-    unknown = set(config) - set(MOE_CONFIG_KEYS)
-    if unknown:
-        raise KeyError(f"unknown fused-moe config keys {sorted(unknown)}; expected {MOE_CONFIG_KEYS}")
+    config = checked_config(config, MOE_CONFIG_KEYS, "fused-moe")
     rows = expected_rows_per_expert(tokens, top_k, num_experts)
     chosen = tokens * top_k / rows
     bm = 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows < 256 else 128
@@ -384,13 +379,9 @@ def _direct(x, w13, w2, tw, ids, out, K, up_cfg, down_cfg, s13=None, s2=None) ->
     atomic = out.dtype == torch.float32 and x.dtype != torch.float32
     _grouped_gemm(x, w13, act, ids, ids, ids, n, K, inter, True, dict(up_cfg, BLOCK_M=16), direct=True,
                   zero=out if atomic else None, scale=s13)
-    if atomic:
-        _grouped_gemm(act, w2, act, ids, ids, ids, n, 1, H, False, dict(down_cfg, BLOCK_M=16), direct=True,
-                      combine=(tw, out, K), atomic=True, scale=s2)
-        return out
-    y = torch.empty(n, H, dtype=x.dtype, device=x.device)
+    y = act if atomic else torch.empty(n, H, dtype=x.dtype, device=x.device)  # (atomic: y unwritten)
     _grouped_gemm(act, w2, y, ids, ids, ids, n, 1, H, False, dict(down_cfg, BLOCK_M=16), direct=True,
-                  combine=(tw, out, K), scale=s2)
+                  combine=(tw, out, K), atomic=atomic, scale=s2)
     return out
 
 
@@ -425,8 +416,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     # (scale, block) of each GEMM's float8 weights
     s13, s2 = ((scales[0], scales[2]), (scales[1], scales[2])) if scales is not None else (None, None)
     assert w13.stride(2) == 1 and w2.stride(2) == 1, "expert weights must be contiguous along their last dim"
-    if x.stride(1) != 1:
-        x = x.contiguous()
+    x = unit_stride(x)
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     if T == 0 or H == 0:
         return out

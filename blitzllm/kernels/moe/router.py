@@ -11,11 +11,12 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .._common import (device_sms, next_pow2, pdl_enabled,
-                      pdl_launch_dependents, pdl_launch_kwargs, pdl_wait, tl, triton, use_triton)
+from .._common import (checked_config, device_sms, next_pow2, pdl_enabled, pdl_launch_dependents, pdl_launch_kwargs,
+                      pdl_wait, tl, triton, unit_stride, use_triton)
+from ..fp8_weights import dequantize
 from .experts import fused_moe_triton
 from .routing import _select_row, check_routing
-from ..norm.rmsnorm import rms_normalize
+from ..norm.rmsnorm import fused_add_rms_norm, rms_normalize
 
 
 def reference_router_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -75,7 +76,6 @@ def reference_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         tok = rows // topk_ids.shape[1]
         w_up, w_down = w13[e], w2[e]
         if scales is not None:
-            from ..fp8_weights import dequantize
             w_up = dequantize(w_up, scales[0][e], scales[2], x.dtype)
             w_down = dequantize(w_down, scales[1][e], scales[2], x.dtype)
         h = x[tok] @ w_up.t()
@@ -159,10 +159,7 @@ def router_config(T: int, E: int, H: int, x_dtype: torch.dtype, w_dtype: torch.d
                   config: Optional[dict] = None) -> dict:
     """Launch parameters: the heuristic (docs/gpu-performance.md), overridden by the keys given in
     ``config``."""
-    config = dict(config or {})
-    unknown = set(config) - set(ROUTER_CONFIG_KEYS)
-    if unknown:
-        raise KeyError(f"unknown router config keys {sorted(unknown)}; expected {ROUTER_CONFIG_KEYS}")
+    config = checked_config(config, ROUTER_CONFIG_KEYS, "router")
     dot = bool(config.get("DOT", T > 2))
     wide = x_dtype == torch.float32 or x_dtype != w_dtype
     warp_row = 32 * 16 // w_dtype.itemsize  # a warp's row of 16-byte vectors: 256 bf16, 128 fp32
@@ -202,10 +199,7 @@ def router_gemm_triton(x: torch.Tensor, weight: torch.Tensor, *, config: Optiona
     assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], "x [T, H] and weight [E, H]"
     T, H = x.shape
     E = weight.shape[0]
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if weight.stride(1) != 1:
-        weight = weight.contiguous()
+    x, weight = unit_stride(x), unit_stride(weight)
     out = torch.empty(T, E, dtype=torch.float32, device=x.device)
     if T == 0 or E == 0:
         return out
@@ -248,9 +242,7 @@ def select_experts_triton(logits: torch.Tensor, top_k: int, scoring: str = "soft
     """``reference_select_experts`` in one kernel: (weights [T, K] fp32, ids [T, K] int32)."""
     T, E = logits.shape
     check_routing(E, top_k, scoring, bias, n_group, topk_group)
-    logits = logits.float()
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
+    logits = unit_stride(logits.float())
     weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
     if T == 0:
@@ -315,11 +307,9 @@ def norm_route_experts_triton(x: torch.Tensor, residual: Optional[torch.Tensor],
     E = weight.shape[0]
     check_routing(E, top_k, scoring, bias, n_group, topk_group)
     assert 0 < T <= NORM_ROUTE_MAX_T and weight.shape[1] == H and norm_weight.shape == (H,)
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if residual is not None and residual.stride(1) != 1:
-        residual = residual.contiguous()
-    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    x, weight = unit_stride(x), unit_stride(weight)
+    if residual is not None:
+        residual = unit_stride(residual)
     h = torch.empty_like(x if residual is None else residual)  # (x may be an fp32 sum: see rmsnorm.fused_add_rms_norm)
     res_out = torch.empty_like(residual) if residual is not None else x
     logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
@@ -335,7 +325,7 @@ def norm_route_experts_triton(x: torch.Tensor, residual: Optional[torch.Tensor],
         BLOCK_E=block_e, BLOCK_H=block_h, HAS_RESIDUAL=residual is not None, USE_PDL=pdl,
         num_warps=warps, **pdl_launch_kwargs(pdl))
     weights, ids = select_experts_triton(logits, top_k, scoring, bias, n_group, topk_group, renormalize, scaling)
-    return h, (res_out if residual is not None else x), weights, ids
+    return h, res_out, weights, ids
 
 
 def reference_norm_route_experts(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
@@ -345,7 +335,6 @@ def reference_norm_route_experts(x: torch.Tensor, residual: Optional[torch.Tenso
     """The post-attention half's routing: (h = rms_norm(x + residual), x + residual, topk
     weights, topk ids) with h routed by ``route_experts`` (the norm and routing dispatchers).
     residual None: h = rms_norm(x) and x is returned as the residual."""
-    from ..norm.rmsnorm import fused_add_rms_norm
     h, res = fused_add_rms_norm(x, residual, norm_weight, eps)
     return (h, res, *route_experts(h, weight, top_k, scoring, bias, n_group, topk_group, renormalize, scaling))
 
@@ -395,10 +384,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     """``reference_fused_moe``'s result: grouped GEMMs in Triton for CUDA tensors, torch otherwise.
     ``dropped_ids``, ``fp32_sum`` (the torch path then always returns the fp32 sum) and
     ``scales`` as there."""
-    if use_triton(x):
-        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, dropped_ids=dropped_ids, fp32_sum=fp32_sum,
-                                scales=scales)
-    return reference_fused_moe(x, w13, w2, topk_weights, topk_ids, dropped_ids, fp32_sum=fp32_sum, scales=scales)
+    fn = fused_moe_triton if use_triton(x) else reference_fused_moe
+    return fn(x, w13, w2, topk_weights, topk_ids, dropped_ids=dropped_ids, fp32_sum=fp32_sum, scales=scales)
 
 
 # MoE decode layers of up to NORM_ROUTE_MAX_T tokens run the residual add + RMSNorm and the
@@ -418,8 +405,5 @@ def norm_route_experts(x: torch.Tensor, residual: Optional[torch.Tensor], norm_w
     """(rms_norm(x + residual), x + residual, topk weights [T, K] fp32, topk ids [T, K] int32):
     where ``norm_route_ok(x)`` the norm and the router GEMM in one Triton launch and the
     selection in another, else the norm and ``route_experts``."""
-    if norm_route_ok(x):
-        return norm_route_experts_triton(x, residual, norm_weight, eps, weight, top_k, scoring, bias, n_group,
-                                         topk_group, renormalize, scaling)
-    return reference_norm_route_experts(x, residual, norm_weight, eps, weight, top_k, scoring, bias, n_group,
-                                        topk_group, renormalize, scaling)
+    fn = norm_route_experts_triton if norm_route_ok(x) else reference_norm_route_experts
+    return fn(x, residual, norm_weight, eps, weight, top_k, scoring, bias, n_group, topk_group, renormalize, scaling)

@@ -7,7 +7,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from .._common import next_pow2, tl, triton
+from .._common import next_pow2, tl, triton, unit_stride
 from .rmsnorm import reference_fused_add_rms_norm, reference_rms_norm, rms_normalize
 
 
@@ -46,12 +46,7 @@ def oneshot_allreduce_rms_norm_triton(
     dev = ptrs.device
     res_out = torch.empty(rows, n, dtype=dtype, device=dev)
     out = torch.empty(rows, n, dtype=dtype, device=dev)
-    if residual is not None:
-        r2 = residual.reshape(rows, n)
-        if r2.stride(-1) != 1:
-            r2 = r2.contiguous()
-    else:
-        r2 = res_out
+    r2 = unit_stride(residual.reshape(rows, n)) if residual is not None else res_out
     if rows > 0:
         block = next_pow2(n)
         num_warps = 4 if block <= 2048 else (8 if block <= 8192 else 16)

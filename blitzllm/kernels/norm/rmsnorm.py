@@ -6,7 +6,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from .._common import next_pow2, pdl_enabled, pdl_launch_dependents, pdl_launch_kwargs, pdl_wait, tl, triton, use_triton
+from .._common import (next_pow2, pdl_enabled, pdl_launch_dependents, pdl_launch_kwargs, pdl_wait, tl, triton,
+                       unit_stride, use_triton)
 
 
 @triton.jit
@@ -45,22 +46,15 @@ def rms_normalize(x, N, eps):
     return (xf * tl.rsqrt(var + eps)).to(x.dtype)
 
 
-def _as_rows(t: torch.Tensor) -> torch.Tensor:
-    t2 = t.reshape(-1, t.shape[-1])
-    if t2.stride(-1) != 1:
-        t2 = t2.contiguous()
-    return t2
-
-
 def _launch(x, residual, weight, eps, early_dependents: bool = False):
     n = x.shape[-1]
-    x2 = _as_rows(x)
+    x2 = unit_stride(x.reshape(-1, n))
     rows = x2.shape[0]
     dt = x.dtype if residual is None else residual.dtype
     out = torch.empty(x.shape, dtype=dt, device=x.device)
     out2 = out.view(-1, n)
     if residual is not None:
-        r2 = _as_rows(residual)
+        r2 = unit_stride(residual.reshape(-1, n))
         res_out = torch.empty(x.shape, dtype=dt, device=x.device)
         ro2 = res_out.view(-1, n)
     else:
