@@ -28,7 +28,7 @@ def reference_topk(logits: torch.Tensor, lens: torch.Tensor, k: int) -> torch.Te
 
 
 def topk(logits: torch.Tensor, lens: torch.Tensor, k: int) -> torch.Tensor:
-    """See ``reference_topk``; the Triton kernel on CUDA (one launch, no host sync)."""
+    """See ``reference_topk``; the Triton kernels on CUDA (a fixed launch sequence, no host sync)."""
     fn = topk_triton if use_triton(logits) else reference_topk
     return fn(logits, lens, k)
 
