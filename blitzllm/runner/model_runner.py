@@ -199,16 +199,14 @@ class ModelRunner:
             out = self.sampler(logits, SamplingMetadata.build(rows, self.cfg.vocab_size, self.device))
         host = _to_host_async(out)
         nxt = self._decode_inputs(seqs, block_tables, ahead=1)
-        spare = self.states.ahead_rows(len(seqs)) if self.states is not None and nxt is not None else None
-        if nxt is not None and (self.states is None or spare is not None) and not any(
-                r.params.needs_previous_token for r in rows):
+        go = nxt is not None and not any(r.params.needs_previous_token for r in rows)
+        spare = self.states.ahead_rows(len(seqs)) if go and self.states is not None else None
+        if go and (self.states is None or spare is not None):
             logits = self.launch_decode_graph(out.token_ids, *nxt, block_tables, states, ahead_rows=spare)
             nout = self.sampler(logits, SamplingMetadata.build(rows, self.cfg.vocab_size, self.device, extra_steps=1))
             nkey = (tuple(nxt[0]), tuple(nxt[1]), tuple((r.seed, len(r.output_ids) + 1, id(r.params)) for r in rows),
                     slots)
             self._ahead = (nkey, nout, spare)
-        elif spare is not None:
-            self.states.drop(spare)
         return host
 
     @torch.inference_mode()
