@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from .parallel import Part, column_linear, packed_column_linear, row_linear, shard_rows
 from ..distributed.parallel_state import get_tp_group
@@ -169,22 +170,37 @@ class MLAttention(nn.Module):
         q_pe, entry = self._rope_latent(q, kv_a, rotary_tables(self.rotary.cos_sin_cache, positions))
         return torch.cat([q[..., :self.d.qk_nope_head_dim], q_pe], -1), entry
 
-    def attend_latents(self, q: torch.Tensor, kv: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
-        """q [Q, H, N + P] at positions ``qpos`` over the entries kv [L, R + P] of positions
-        0..L-1, causal, latents expanded per head -> [Q, H, V] (before o_proj)."""
+    def _expand(self, kv: torch.Tensor) -> tuple:
+        """Entries kv [L, R + P] -> (keys [L, H, N + P], values [L, H, V]) per head."""
         d = self.d
         k_nope, v = self.kv_b_proj.expand(kv[:, :d.kv_lora_rank])
-        k = torch.cat([k_nope, kv[:, None, d.kv_lora_rank:].expand(-1, d.num_heads, -1)], -1).permute(1, 2, 0)
-        v, cols = v.transpose(0, 1), torch.arange(kv.shape[0], device=q.device)
+        return torch.cat([k_nope, kv[:, None, d.kv_lora_rank:].expand(-1, d.num_heads, -1)], -1), v
+
+    def attend_latents(self, q: torch.Tensor, kv: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
+        """q [Q, H, N + P] at positions ``qpos`` over the entries kv [L, R + P] of positions
+        0..L-1, causal, latents expanded per head -> [Q, H, V] (before o_proj). The torch
+        reference: scores materialised, in query-row chunks."""
+        k, v = self._expand(kv)
+        k, v, cols = k.permute(1, 2, 0), v.transpose(0, 1), torch.arange(kv.shape[0], device=q.device)
         # query rows in chunks: the scores [H, rows, L] of a whole long prompt would not fit (a
         # 32K-token prompt's at 128 heads: 256 GB in bf16)
-        step = max(1, _SCORE_ELEMS // (d.num_heads * kv.shape[0]))
+        step = max(1, _SCORE_ELEMS // (self.d.num_heads * kv.shape[0]))
         out = []
         for r0 in range(0, q.shape[0], step):
             s = torch.matmul(q[r0:r0 + step].transpose(0, 1), k).float() * self.scale
             s = s.masked_fill(cols[None, :] > qpos[r0:r0 + step, None], float("-inf"))
             out.append(torch.matmul(torch.softmax(s, dim=-1).to(v.dtype), v).transpose(0, 1))
         return out[0] if len(out) == 1 else torch.cat(out)
+
+    def attend_fused(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """``attend_latents`` for the last Q positions of the L entries (a prefill chunk), in one
+        fused attention call (torch's flash / memory-efficient SDPA): the scores are never
+        materialised, which the row chunks above pay for at every long prompt."""
+        k, v = self._expand(kv)
+        o = nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            attn_mask=causal_lower_right(q.shape[0], kv.shape[0]), scale=self.scale)
+        return o[0].transpose(0, 1)
 
     # what an MTP draft layer (spec/mtp.py) runs over its own dense entries
     draft_entries = latent_qkv
@@ -230,7 +246,8 @@ class MLAttention(nn.Module):
         start = 0
         for b, (ql, sl) in enumerate(zip(md.q_lens_host, md.seq_lens_host)):
             kv = _gather(cache, md.block_tables[b], sl)[:, 0].to(q.dtype)  # [L, R + P]
-            out[start:start + ql] = self.attend_latents(q[start:start + ql], kv,
-                                                        torch.arange(sl - ql, sl, device=q.device))
+            rows = q[start:start + ql]
+            out[start:start + ql] = self.attend_fused(rows, kv) if use_triton(q) else \
+                self.attend_latents(rows, kv, torch.arange(sl - ql, sl, device=q.device))
             start += ql
         return out

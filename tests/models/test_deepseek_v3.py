@@ -101,6 +101,29 @@ def test_chunked_prefill_and_prefix_cache_keep_greedy_output(tmp_path):
     assert s["kv_blocks_free"] == s["kv_blocks_total"] == 64
 
 
+def test_fused_prefill_attention_matches_transformers(tmp_path, monkeypatch):
+    """``attend_fused`` (CUDA's prefill: one SDPA call, causal mask aligned to the last query
+    row) in place of the row-chunked reference, here on CPU: whole prompts, 5-token chunks over
+    earlier chunks and prefix-cache hits give transformers' greedy tokens and logprobs."""
+    from blitzllm.layers.mla import MLAttention
+    shapes = []
+
+    def fused(self, q, kv, qpos):
+        assert qpos.tolist() == list(range(kv.shape[0] - q.shape[0], kv.shape[0]))
+        shapes.append((q.shape[0], kv.shape[0]))
+        return self.attend_fused(q, kv)
+    monkeypatch.setattr(MLAttention, "attend_latents", fused)
+    hf = make_tiny_deepseek(tmp_path, seed=2)
+    shared = _prompts((21,), seed=3)[0]
+    prompts = [shared, shared[:13] + [5, 6, 7], _prompts((9,), seed=4)[0]]
+    for chunk in (None, 5):
+        llm = LLM(str(tmp_path), device="cpu", dtype="float32", kv_cache_blocks=64, block_size=4,
+                  max_num_batched_tokens=chunk or 256)
+        _check_matches(llm, hf, prompts, 8)
+        assert llm.stats()["kv_blocks_free"] == 64
+    assert (21, 21) in shapes and any(q < L for q, L in shapes)
+
+
 def test_cache_holds_only_the_latent(tmp_path):
     make_tiny_deepseek(tmp_path, seed=3, num_hidden_layers=2)
     llm = LLM(str(tmp_path), device="cpu", dtype="float32", kv_cache_blocks=8)
