@@ -18,9 +18,6 @@ run() { t=$1; name=$2; shift 2; echo "== $name: $*"; timeout $t $B "$@" --json "
 for part in "$@"; do case $part in
   stash) cp .xa/part /tmp/xa_part && ls -la /tmp/xa_part ;;
   gputests) timeout 300 python3 -m pytest -q -m gpu tests/kernels tests/test_gpu_e2e.py -p no:cacheprovider 2>&1 | tail -8 | tee "$OUT/gpu_tests.log" || pytest_failed $? ;;
-  lat) Q="--model preset:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
-       run 90 qwen_fused $Q; BLITZ_FUSED_DECODE=0 run 90 qwen_unfused $Q
-       run 120 llama_fused $L --batch-size 1 --max-num-seqs 8; BLITZ_FUSED_DECODE=0 run 120 llama_unfused $L --batch-size 1 --max-num-seqs 8 ;;
   post) timeout 200 python3 -m pytest -q -m gpu tests/test_gpu_e2e.py tests/distributed tests/kernels/test_kernel_allreduce_rmsnorm.py -p no:cacheprovider 2>&1 | tail -6 | tee "$OUT/gpu_post.log" || pytest_failed $?
         run 100 llama_post $L --batch-size 1 --max-num-seqs 8 ;;
   latcmp) run 240 llama_cmp $L --batch-size 1 --max-num-seqs 8 --compare hf ;;
