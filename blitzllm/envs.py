@@ -45,7 +45,8 @@ _SWITCHES = (
     Switch("BLITZ_TP_ONESHOT_BYTES", SETTING, "int", 512 << 10,
            "largest all-reduce (bytes) that takes the one-shot peer-memory kernel; 0: NCCL always"),
     Switch("BLITZ_MOE_SPLIT", SETTING, "choice", "auto",
-           "tensor-parallel MoE split: by expert or by intermediate dim (auto: by expert where it divides)",
+           "tensor-parallel MoE split: by expert or by intermediate dim (auto: by expert where the experts "
+           "divide over the ranks and an intermediate slice would be thin or uneven)",
            ("auto", "expert", "tensor")),
     Switch("BLITZ_PDL", SETTING, "bool", True,
            "programmatic dependent launch on Hopper (a kernel starts its independent loads while the one "
