@@ -7,8 +7,9 @@ layer:
 
 - ``fused``: ``MLAttention.attend_fused`` (CUDA's prefill: one SDPA call with the causal mask
   aligned to the last query row; torch picks the backend, v's head dim differing from q's);
-- ``fused_pad_v``: the same call with v zero-padded to q's head dim (the flash backend's
-  condition), the output sliced back;
+- ``fused_pad_v``: the same call with v always zero-padded to q's head dim (the flash backend's
+  condition), the output sliced back (``fused`` pads only chunks after earlier context, where
+  the unpadded call took the memory-efficient kernel at half flash's rate);
 - ``rows``: ``attend_latents``, the torch reference (scores materialised in query-row chunks);
   only at L <= 8192, where it takes seconds, not minutes;
 - with ``--chunk C``: the last C query rows over all L entries (a chunked prefill's last chunk).

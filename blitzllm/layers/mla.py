@@ -197,10 +197,16 @@ class MLAttention(nn.Module):
         fused attention call (torch's flash / memory-efficient SDPA): the scores are never
         materialised, which the row chunks above pay for at every long prompt."""
         k, v = self._expand(kv)
+        Q, L = q.shape[0], kv.shape[0]
+        if Q < L:
+            # a chunk after earlier context: flash attention aligns its causal mask to the last
+            # row itself but wants v's head dim equal to q's; unpadded, the shifted mask goes to
+            # the memory-efficient kernel, about half as fast here (benchmarks/mla_prefill.py)
+            v = nn.functional.pad(v, (0, k.shape[-1] - v.shape[-1]))
         o = nn.functional.scaled_dot_product_attention(
             q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            attn_mask=causal_lower_right(q.shape[0], kv.shape[0]), scale=self.scale)
-        return o[0].transpose(0, 1)
+            attn_mask=causal_lower_right(Q, L), scale=self.scale)
+        return o[0].transpose(0, 1)[..., :self.d.v_head_dim]
 
     # what an MTP draft layer (spec/mtp.py) runs over its own dense entries
     draft_entries = latent_qkv
