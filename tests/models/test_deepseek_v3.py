@@ -124,6 +124,31 @@ def test_fused_prefill_attention_matches_transformers(tmp_path, monkeypatch):
     assert (21, 21) in shapes and any(q < L for q, L in shapes)
 
 
+@pytest.mark.gpu
+def test_fused_prefill_on_cuda_matches_transformers(tmp_path, monkeypatch):
+    """On CUDA (Triton kernels, CUDA graphs) the prefill takes ``attend_fused`` by itself: whole
+    prompts and 5-token chunks over earlier chunks and prefix-cache hits give transformers' (CPU)
+    greedy tokens, logprobs within 2e-3."""
+    from blitzllm.layers.mla import MLAttention
+    shapes, real = [], MLAttention.attend_fused
+    monkeypatch.setattr(MLAttention, "attend_fused", lambda self, q, kv: shapes.append((q.shape[0], kv.shape[0]))
+                        or real(self, q, kv))
+    hf = make_tiny_deepseek(tmp_path, seed=2)
+    shared = _prompts((21,), seed=3)[0]
+    prompts = [shared, shared[:13] + [5, 6, 7], _prompts((9,), seed=4)[0]]
+    for chunk in (None, 5):
+        llm = LLM(str(tmp_path), device="cuda", dtype="float32", kv_cache_blocks=64, block_size=4,
+                  max_num_batched_tokens=chunk or 256)
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0))
+        for prompt, out in zip(prompts, outs):
+            assert out.token_ids == hf_greedy(hf, prompt, 8)
+            ours = torch.tensor([lp[t] for lp, t in zip(out.logprobs, out.token_ids)])
+            torch.testing.assert_close(ours, hf_logprobs(hf, prompt, out.token_ids), atol=2e-3, rtol=0)
+        assert llm.stats()["kv_blocks_free"] == 64
+        del llm
+    assert (21, 21) in shapes and any(q < L for q, L in shapes)
+
+
 def test_cache_holds_only_the_latent(tmp_path):
     make_tiny_deepseek(tmp_path, seed=3, num_hidden_layers=2)
     llm = LLM(str(tmp_path), device="cpu", dtype="float32", kv_cache_blocks=8)
