@@ -28,14 +28,18 @@ def assert_runs_agree(llm, prompts, got, want, params, tol: float = TOL) -> list
       prompt plus ``want``'s tokens through that step, for ``want``'s remaining steps (``want``'s
       free run is conditioned on its own tokens, so its later logprobs stay the targets);
     * at most max(1, n // 4) such forks in a sequence of n tokens: more near ties than that
-      points at a wrong kernel rather than rounding.
+      points at a wrong kernel rather than rounding. A fork where ``llm`` gave both tokens the very
+      same logprob is not counted: there its argmax broke an exact tie by token id, as any
+      greedy sampler must (seen on an H100: qwen3.5-397b-a17b's dummy preset, a 248K vocabulary of
+      flat bf16 logits, with three tokens tied at the top, failed one run in four on the fifth
+      such fork, the two engines' logprobs there within 1/32).
 
     ``got`` is compared as produced (its batch); only the restarts are new ``generate`` calls,
     one prompt each. Returns the forks, (sequence index, step) pairs."""
     assert len(prompts) == len(got) == len(want), (len(prompts), len(got), len(want))
     forks = []
     for k, (prompt, run, w) in enumerate(zip(prompts, got, want)):
-        n, start, seq_forks = len(w.token_ids), 0, []
+        n, start, seq_forks, counted = len(w.token_ids), 0, [], 0
         limit = max(1, n // 4)
         while True:
             ids, lps = run.token_ids, run.logprobs
@@ -49,7 +53,9 @@ def assert_runs_agree(llm, prompts, got, want, params, tol: float = TOL) -> list
                 assert b in lg and abs(lg[b] - lw[b]) < tol, f"logprobs differ: {ctx}"
                 if t != b:
                     assert t in lw and abs(lg[t] - lw[t]) < tol and abs(lw[t] - lw[b]) < tol, f"not a near tie: {ctx}"
-                    assert len(seq_forks) < limit, f"more than {limit} near-tie forks: {ctx}"
+                    if lg[t] != lg[b]:
+                        assert counted < limit, f"more than {limit} near-tie forks: {ctx}"
+                        counted += 1
                     d = s
                     break
             if d is None:

@@ -96,3 +96,15 @@ def test_at_most_a_quarter_of_the_steps_fork():
     assert _check(two, want)[0] == [(0, 0), (0, 2)]   # 8 tokens: 2 forks allowed
     with pytest.raises(AssertionError, match=r"more than 2 near-tie forks: sequence 0 step 4 \(forks at \[0, 2\]\)"):
         _check(got, want)
+
+
+def test_forks_at_exact_ties_of_the_run_under_test_are_not_counted():
+    # the run under test gives both tokens the same logprob at every fork (its argmax took the
+    # lower id): four forks in 8 tokens pass; with one of them 0.01 apart, the limit holds again
+    tie = {(10, 11): 12, (10, 11, 12, 13): 14, (10, 11, 12, 13, 14, 15): 16, (10, 11, 12, 13, 14, 15, 16, 17): 18}
+    want = {c: {t: -1.00, 3: -1.01} for c, t in tie.items()}
+    got = {c: {3: -1.00, t: -1.00} for c, t in tie.items()}
+    assert _check(got, want)[0] == [(0, 0), (0, 2), (0, 4), (0, 6)]
+    got.update({c: {3: -1.00, t: -1.01} for c, t in list(tie.items())[:3]})
+    with pytest.raises(AssertionError, match=r"more than 2 near-tie forks: sequence 0 step 4"):
+        _check(got, want)
