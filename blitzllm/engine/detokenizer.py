@@ -44,10 +44,6 @@ class IncrementalDetokenizer:
         self.finished: bool = False
         self.num_generated_tokens: int = 0
 
-        # Proper prefixes of the stop strings, for the hold-back lookahead.
-        self._stop_prefixes = frozenset(s[:i] for s in self.stop for i in range(1, len(s)))
-        self._max_stop_prefix = max((len(s) for s in self.stop), default=1) - 1
-
         self._decode = _make_decoder(tokenizer, self.skip_special_tokens)
 
         context, context_text = self._prompt_context(prompt_ids)
@@ -157,12 +153,22 @@ class IncrementalDetokenizer:
         return self._append(pending)
 
     def _held_back(self, text: str) -> int:
-        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
-        prefixes = self._stop_prefixes
-        for k in range(min(self._max_stop_prefix, len(text)), 0, -1):
-            if text[-k:] in prefixes:
-                return k
-        return 0
+        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string. Each
+        suffix that starts with the stop's first character is compared: memory and set-up stay
+        linear in a stop string's length (a set of all its prefixes grew with its square, which a
+        client's 60,000-character stop string turned into gigabytes on the engine thread)."""
+        n, best = len(text), 0
+        for s in self.stop:
+            i = max(n - len(s) + 1, 0)  # a proper prefix: at most len(s) - 1 characters
+            while n - i > best:
+                i = text.find(s[0], i)
+                if i < 0 or n - i <= best:
+                    break
+                if s.startswith(text[i:]):
+                    best = n - i
+                    break
+                i += 1
+        return best
 
     def _append(self, delta: str) -> str:
         if delta:

@@ -296,6 +296,33 @@ def test_stop_at_first_token(tok):
         assert d.add(ids[1:]) == "" and d.finish() == "" and d.output_text == expected
 
 
+def test_long_stop_strings_hold_back_only_what_could_become_them(tok):
+    """Stop strings of 100,000 characters (a client may send them): the output that could still
+    grow into one is held back, released at finish; one that completes stops the output."""
+    ids = enc(tok, ASCII)
+    full = tok.decode(ids)
+    d = IncrementalDetokenizer(tok, [], stop=[full[20:] + "x" * 100_000, "y" * 100_000])
+    deltas, snaps = stream(d, ids, finish=False)
+    assert d.output_text == full[:20] and not d.stopped
+    assert d.finish() == full[20:] and d.output_text == full
+    long_stop = full[20:] + "x" * 100_000
+    d = IncrementalDetokenizer(tok, [], stop=[long_stop])
+    stream(d, ids + enc(tok, "x" * 100_000), chunks=[3, 500, 20_000])
+    assert d.stopped and d.stop_reason == long_stop and d.output_text == full[:20]
+
+
+def test_held_back_length_is_the_longest_stop_prefix_ending_the_text(tok):
+    """Against its definition, on random short texts and stop strings over a small alphabet."""
+    r = random.Random(3)
+    for _ in range(3000):
+        stops = ["".join(r.choice("ab") for _ in range(r.randint(1, 6))) for _ in range(r.randint(1, 3))]
+        text = "".join(r.choice("abc") for _ in range(r.randint(0, 10)))
+        d = IncrementalDetokenizer(tok, [], stop=stops)
+        want = max((k for s in stops for k in range(1, min(len(s) - 1, len(text)) + 1)
+                    if text.endswith(s[:k])), default=0)
+        assert d._held_back(text) == want, (stops, text)
+
+
 def test_multiple_stop_strings_earliest_wins(tok):
     text = "alpha beta gamma delta epsilon"
     # List order does not matter: the stop string appearing first in the text wins.
