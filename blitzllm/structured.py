@@ -57,7 +57,7 @@ def _check_kind(spec) -> dict:
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
-        except json.JSONDecodeError as e:
+        except (ValueError, RecursionError) as e:  # (RecursionError: nested too deeply)
             raise ValueError(f"structured_output schema is not valid JSON: {e}") from None
     if not isinstance(schema, dict):
         raise ValueError(f"structured_output json_schema needs a 'schema' object, got {schema!r}")
@@ -97,9 +97,14 @@ class GrammarCompiler:
             what = {"json_schema": "schema", "regex": "pattern", "grammar": "grammar"}.get(kind, kind)
             raise ValueError(f"structured_output {what} not supported: {e}") from None
 
-    def matcher(self, spec: dict):
+    def compile(self, spec: dict):
+        """The compiled grammar of a spec (``parse_spec``'s form), cached: ValueError when
+        xgrammar cannot take it. Safe from several threads (xgrammar compiles in parallel)."""
         key = KINDS[spec["type"]]
-        m = self.xgr.GrammarMatcher(self._compiled(spec["type"], spec.get(key) if key else None))
+        return self._compiled(spec["type"], spec.get(key) if key else None)
+
+    def matcher(self, spec: dict):
+        m = self.xgr.GrammarMatcher(self.compile(spec))
         if spec.get("start_after"):
             if self._vocab is None:   # (each token's bytes, read once)
                 self._vocab = self.info.decoded_vocab

@@ -142,6 +142,8 @@ class AsyncEngine:
         self._pending_adds += 1
         try:
             kv = await self._kv_extras(prompt, kv_transfer_params)
+            if params.structured_output is not None:   # compiled here, off the engine thread
+                await asyncio.to_thread(lambda: self.engine.grammar_compiler().compile(params.structured_output))
             self._cmds.put(("add", request_id, prompt, params, fut, kv))
             await fut
         except BaseException:  # rejected, or the caller went away before the engine saw it

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import random
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -120,7 +121,7 @@ class Engine:
                                       runner=self.runner, kv=self.kv, new_kv=KVCacheManager, knobs=self.knobs)
             self.spec = SpecDecoder(spec_cfg, proposer, self.kv, self.sched_config.max_num_batched_tokens)
         self.requests: dict[str, list[Request]] = {}   # parent id -> its n sequences
-        self.grammars = None  # structured outputs' compiler, made on first use
+        self.grammars, self._grammar_lock = None, threading.Lock()  # (see grammar_compiler)
         self._arrival = itertools.count()
         self._rng = random.Random(args.seed)
         self.eos_token_ids = self._eos_ids()
@@ -243,9 +244,6 @@ class Engine:
             kv_transfer_params = kv_payload = None
         elif kv_transfer_params and kv_transfer_params.get("do_remote_decode") and params.n != 1:
             raise ValueError("n must be 1 with kv_transfer_params do_remote_decode")
-        if params.structured_output is not None and self.grammars is None:
-            from ..structured import GrammarCompiler
-            self.grammars = GrammarCompiler(self.tokenizer, V)
         seqs = []
         for i in range(params.n):
             if params.seed is not None:
@@ -257,7 +255,7 @@ class Engine:
                           max_total_tokens=self.max_model_len,
                           prompt=prompt if isinstance(prompt, str) else None)
             if params.structured_output is not None:
-                req.matcher = self.grammars.matcher(params.structured_output)
+                req.matcher = self.grammar_compiler().matcher(params.structured_output)
             req.kv_transfer_params, req.kv_payload = kv_transfer_params, kv_payload
             if params.prompt_logprobs is not None and i == 0:
                 req.prompt_logprobs = []
@@ -270,6 +268,16 @@ class Engine:
         for r in seqs:
             self.scheduler.add(r)
         self.counters["prompt_tokens"] += len(ids)
+
+    def grammar_compiler(self):
+        """The structured outputs' compiler, made on first use (from any thread: the async front
+        compiles a request's grammar in a worker thread before the engine sees the request, so a
+        slow compile does not stall the steps of the others)."""
+        with self._grammar_lock:
+            if self.grammars is None:
+                from ..structured import GrammarCompiler
+                self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+        return self.grammars
 
     def abort_request(self, request_id: str) -> bool:
         seqs = self.requests.pop(request_id, None)

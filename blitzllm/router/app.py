@@ -113,7 +113,7 @@ def build_router_app(cfg: RouterConfig) -> FastAPI:
         raw = await request.body()
         try:
             body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (ValueError, RecursionError) as e:  # (not UTF-8 JSON, a number past int's digit limit, too deep)
             return error(400, f"the request body is not valid JSON: {e}", code="invalid_json")
         if not isinstance(body, dict):
             return error(400, "the request body must be a JSON object", code="invalid_json")

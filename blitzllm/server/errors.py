@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 log = logging.getLogger("blitzllm.server")
 
@@ -100,11 +101,15 @@ async def read_body(request: Request, limit: int) -> bytes:
         except ValueError:
             raise bad_request("invalid Content-Length header") from None
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"the request body exceeds the limit of {limit} bytes", code="request_too_large")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"the request body exceeds the limit of {limit} bytes", code="request_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone while sending: a 400 no one reads, not a logged 500
+        raise bad_request("the client disconnected before the request body ended", code="client_disconnected") \
+            from None
     return b"".join(chunks)
 
 
@@ -146,6 +151,8 @@ def decode_json(raw: bytes) -> dict:
                           code="invalid_json") from None
     except RecursionError:
         raise bad_request("the request body is nested too deeply", code="invalid_json") from None
+    except ValueError as e:  # an integer literal past Python's digit limit for int()
+        raise bad_request(f"the request body holds a number that cannot be read: {e}", code="invalid_json") from None
     if not isinstance(obj, dict):
         raise bad_request("the request body must be a JSON object", code="invalid_json")
     if _SURROGATE_ESCAPE.search(raw):
@@ -185,5 +192,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _internal(request: Request, exc: Exception):
         rid = getattr(request.state, "request_id", None)
         log.exception("unhandled error on %s %s (request %s)", request.method, request.url.path, rid)
+        # Connection: close, as Starlette re-raises the error after this response and the server
+        # then drops the connection: a client reusing it would meet a reset on its next request
+        headers = {"Connection": "close", **({"X-Request-Id": rid} if rid else {})}
         return APIError(500, f"internal server error: {type(exc).__name__}", type="server_error",
-                        headers={"X-Request-Id": rid} if rid else None).response()
+                        headers=headers).response()

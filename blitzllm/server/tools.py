@@ -37,7 +37,8 @@ def check_tools(tools, tool_choice, parser: Optional[str]):
     if choice == "required":
         return Forced(None, tools)
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        fn = choice.get("function") if choice.get("type") == "function" else None
+        name = fn.get("name") if isinstance(fn, dict) else None
         match = [t for t in tools if t["function"]["name"] == name]
         if not match:
             raise bad_request("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': "
@@ -75,7 +76,7 @@ class Forced:
         """The tool calls of a whole answer (empty when it is not complete JSON)."""
         try:
             obj = json.loads(text)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # (not JSON, a number past int's digit limit, too deep)
             return []
         if self.name is not None:
             pairs = [(self.name, obj)]
@@ -116,7 +117,7 @@ def template_messages(conv: list) -> list:
             if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
                 try:
                     args = json.loads(fn["arguments"])
-                except json.JSONDecodeError:
+                except (ValueError, RecursionError):
                     continue
                 if isinstance(args, dict):
                     fn["arguments"] = args
@@ -130,7 +131,7 @@ def _tool_call(name, args) -> Optional[dict]:
     if isinstance(args, str):
         try:
             json.loads(args)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             return None
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": name, "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}}
@@ -140,7 +141,7 @@ def _hermes_call(inner: str, tools=None) -> Optional[dict]:
     """``{"name": ..., "arguments": {...}}`` (or "parameters")."""
     try:
         obj = json.loads(inner.strip())
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(obj, dict):
         return None
@@ -186,7 +187,7 @@ def _typed(value: str, schema) -> object:
         return text
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         return text
 
 

@@ -23,10 +23,13 @@ class FakeEngine:
         self.batch_sizes: list = []
         self.fail_next = False
         self.thread_ids: set = set()
+        self.compiled: dict = {}
 
     def add_request(self, rid, prompt, params):
         if not prompt:
             raise ValueError("the prompt is empty")
+        if params.structured_output is not None:
+            self.grammar_compiler().compile(params.structured_output)   # (the real engine's matcher)
         self.requests[rid] = {"left": params.max_tokens, "n": params.n, "done": 0}
 
     def abort_request(self, rid):
@@ -60,6 +63,18 @@ class FakeEngine:
 
     def close(self):
         self.closed = True
+
+    def grammar_compiler(self):
+        return self
+
+    def compile(self, spec):
+        """The grammar cache: a spec compiles once (0.2 s, recording its thread); a regex "(" fails."""
+        if spec.get("pattern") == "(":
+            raise ValueError("structured_output pattern not supported")
+        key = repr(spec)
+        if key not in self.compiled:
+            time.sleep(0.2)
+            self.compiled[key] = threading.get_ident()
 
 
 def run(coro_fn, engine, **kw):
@@ -116,6 +131,30 @@ def test_add_error_is_raised_to_the_caller_and_serving_goes_on():
         return await collect(ae, "good", max_tokens=2)
 
     assert run(go, FakeEngine())[0][-1][1] == "length"
+
+
+def test_grammars_compile_off_the_engine_thread():
+    """A request's grammar compiles in a worker thread before the engine sees it: another
+    request's steps go on meanwhile; a spec that cannot compile is the caller's ValueError."""
+    eng = FakeEngine(step_s=0.01)
+
+    async def go(ae):
+        other = asyncio.create_task(collect(ae, "other", max_tokens=60))
+        await until(lambda: len(eng.batch_sizes) > 2)
+        steps = len(eng.batch_sizes)
+        stream = await ae.add_request("json", [1], SamplingParams(max_tokens=2, structured_output={"type": "regex", "pattern": "[ab]+"}))
+        during = len(eng.batch_sizes) - steps
+        async for _ in stream:
+            pass
+        with pytest.raises(ValueError, match="not supported"):
+            await ae.add_request("bad", [1], SamplingParams(max_tokens=2, structured_output={"type": "regex", "pattern": "("}))
+        await other
+        return during
+
+    during = run(go, eng)
+    assert during >= 5   # the other request's steps during the 0.2 s compile (0.01 s each)
+    (compiled_on,) = eng.compiled.values()
+    assert compiled_on not in eng.thread_ids and compiled_on != threading.get_ident()
 
 
 def test_abort_mid_stream_frees_the_request():

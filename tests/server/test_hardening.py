@@ -145,3 +145,54 @@ def test_malformed_tools_message(smol_server):
     msg = err["message"]
     assert msg.count("{") == msg.count("}"), msg
     assert "'type': 'function'" in msg and "'name'" in msg
+
+
+@pytest.mark.parametrize("arguments", ['{"a": ' + "1" * 5000 + "}", '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"],
+                         ids=["integer_past_the_digit_limit", "nested_too_deep"])
+def test_earlier_tool_call_arguments_that_json_cannot_read_stay_text(smol_server, arguments):
+    """An assistant turn's tool-call ``arguments`` that Python's json cannot read (an integer past
+    int's digit limit, nesting past the recursion limit) go to the template as the string they
+    are, on chat and /tokenize: 200, not a 500."""
+    messages = [{"role": "assistant", "tool_calls": [{"id": "1", "type": "function",
+                                                      "function": {"name": "f", "arguments": arguments}}]},
+                {"role": "user", "content": "Hi"}]
+    for path, body in ((CHAT, {"messages": messages, "max_tokens": 2}), ("/tokenize", {"messages": messages})):
+        r = httpx.post(smol_server.url + path, json=body, timeout=120)
+        assert r.status_code == 200, r.text
+    ok(smol_server)
+
+
+def test_an_internal_error_is_a_json_500_that_closes_the_connection():
+    """A handler's unexpected exception: an OpenAI-style 500 with ``Connection: close`` (the server
+    drops the connection after it, so a client must not reuse it) and the request id."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from blitzllm.server.errors import install_error_handlers
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.get("/boom")
+    async def boom():
+        raise RuntimeError("boom")
+    r = TestClient(app, raise_server_exceptions=False).get("/boom")
+    assert r.status_code == 500 and r.headers["connection"] == "close"
+    assert r.json()["error"]["type"] == "server_error" and "RuntimeError" in r.json()["error"]["message"]
+
+
+def test_a_client_gone_while_sending_its_body_is_a_quiet_400():
+    import asyncio
+
+    from starlette.requests import ClientDisconnect
+
+    from blitzllm.server.errors import APIError, read_body
+
+    class Gone:
+        headers: dict = {}
+
+        async def stream(self):
+            yield b'{"prompt": '
+            raise ClientDisconnect()
+    with pytest.raises(APIError) as e:
+        asyncio.run(read_body(Gone(), 1 << 20))
+    assert e.value.status == 400 and e.value.code == "client_disconnected"
