@@ -51,3 +51,20 @@ def test_command_line_errors(argv, word):
     add_router_args(p)
     with pytest.raises(ValueError, match=word):
         config_from_args(p.parse_args(argv))
+
+
+@pytest.mark.parametrize("body", [b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}",
+                                  b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+                                  b'{"prompt": "\xff"}', b'{"prompt": '],
+                         ids=["integer_past_the_digit_limit", "nested_too_deep", "not_utf8", "truncated"])
+def test_router_answers_unreadable_bodies_with_a_400(body):
+    """Bodies Python's json cannot read are the client's error (a 400 OpenAI error), never a 500,
+    decided before any backend is asked (here none answers)."""
+    from fastapi.testclient import TestClient
+
+    from blitzllm.router.app import RouterConfig, build_router_app
+    app = build_router_app(RouterConfig(backends=("http://127.0.0.1:9",)))
+    r = TestClient(app, raise_server_exceptions=False).post("/v1/completions", content=body,
+                                                            headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "invalid_json"
