@@ -29,6 +29,7 @@ from ..sampling_params import SamplingParams
 from .errors import APIError, bad_request
 from .protocol import MAX_N, MAX_STOP, DetokenizeRequest, TokenizeRequest
 from .chat_template import conversation, render
+from .tools import check_tools
 
 log = logging.getLogger("blitzllm.server")
 
@@ -404,6 +405,7 @@ class Serving:
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of 'prompt' or 'messages'", param="prompt")
         if req.messages is not None:
+            check_tools(req.tools, "none", None)   # (their shape, as chat checks it; no tool choice here)
             ids, _ = await self.chat_prompt(req.messages, pick(req.add_generation_prompt, True),
                                             req.chat_template_kwargs, req.tools, check_length=False)
         else:

@@ -77,6 +77,7 @@ CASES = [
     ("unknown_model_completions", CMPL, cmpl(model="gpt-17"), 404, "model"),
     ("detokenize_bad_ids", "/detokenize", {"tokens": [10_000_000]}, 400, "tokens"),
     ("tokenize_nothing", "/tokenize", {}, 400, "prompt"),
+    ("tokenize_malformed_tools", "/tokenize", {"messages": MSG, "tools": [{"function": 5}]}, 400, "tools.0"),
 ]
 
 
