@@ -47,6 +47,9 @@ class LLM:
                  use_tqdm: bool = False) -> list[RequestOutput]:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError("prompts must be a string, a list of token ids, or a list of those, "
+                             f"got {type(prompts).__name__}")
         prompts = list(prompts)
         if params is None:
             params = SamplingParams()
@@ -118,7 +121,9 @@ class LLM:
 
     def chat(self, messages, params: Optional[SamplingParams] = None) -> Union[RequestOutput, list]:
         """One conversation (a list of {role, content}) or a list of conversations."""
-        single = bool(messages) and isinstance(messages[0], dict)
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts, or a list of such lists")
+        single = isinstance(messages[0], dict)
         convs = [messages] if single else list(messages)
         return self.generate([self.apply_chat_template(c) for c in convs], params)
 

@@ -74,6 +74,9 @@ def test_prompt_longer_than_max_model_len(capsys):
     ("logprobs", 50, "logprobs must be an integer in [0, 20]"),
     ("seed", -1, "seed must be an integer"),
     ("stop", [1], "stop must be a string or a list of strings"),
+    ("stop", 5, "stop must be a string or a list of strings"),
+    ("stop", {"a": 1}, "stop must be a string or a list of strings"),
+    ("stop_token_ids", 5, "stop_token_ids must be a list of non-negative integers"),
     ("temperature", "hot", "temperature must be a number"),
 ])
 def test_invalid_sampling_values(field, value, msg):
@@ -121,6 +124,37 @@ def test_bad_engine_options():
         LLM("preset:qwen3-0.6b", num_layers=1, device="cpu", dtype="int3")
     with pytest.raises(ValueError, match="device must be"):
         LLM("preset:qwen3-0.6b", num_layers=1, device="tpu")
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be an integer >= 1"),
+    (dict(max_num_seqs="4"), "max_num_seqs must be an integer >= 1"),
+    (dict(num_layers=1.5), "num_layers must be an integer >= 1"),
+    (dict(seed=-1), "seed must be an integer >= 0"),
+    (dict(seed=2**70), "seed must be an integer >= 0"),
+    (dict(dtype=["bfloat16"]), "dtype must be one of"),
+    (dict(enforce_eager="yes"), "enforce_eager must be true or false"),
+    (dict(gpu_memory_utilization=5), "gpu_memory_utilization must be a number in (0, 1]"),
+    # one block larger than the whole KV budget: a ValueError, not a 48 GB allocation
+    (dict(block_size=2**20), "one KV block of 1048576 tokens takes"),
+])
+def test_bad_engine_argument_values(kw, msg):
+    kw = dict(dict(num_layers=1, device="cpu"), **kw)
+    with pytest.raises(ValueError) as e:
+        LLM("preset:qwen3-0.6b", **kw)
+    assert msg in str(e.value)
+
+
+def test_bad_prompt_and_message_containers(tiny_llama):
+    llm = LLM(str(tiny_llama[0]), device="cpu", kv_cache_blocks=16)
+    for bad in ({"prompt": [1, 2]}, None, 5):
+        with pytest.raises(ValueError, match="prompts must be a string, a list of token ids"):
+            llm.generate(bad)
+    for bad in ({"role": "user", "content": "hi"}, None, []):
+        with pytest.raises(ValueError, match="messages must be a non-empty list"):
+            llm.chat(bad)
+    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+    assert llm.stats()["kv_blocks_free"] == 16 and llm.stats()["num_waiting"] == 0
 
 
 def test_bad_prompts(tiny_llama):

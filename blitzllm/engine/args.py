@@ -108,8 +108,11 @@ def plan_kv_blocks(a: EngineArgs, cfg: ModelConfig, dtype: torch.dtype, device: 
     layout = engine_state_layout(a, cfg)  # a hybrid model's recurrent states come out of the same budget
     if layout is not None:
         budget -= layout.total * state_bytes_per_row(cfg, torch.finfo(dtype).bits // 8, tp_size)
+    if budget < per_block:
+        raise ValueError(f"one KV block of {a.block_size} tokens takes {per_block} bytes, more than the KV cache "
+                         f"budget of {max(budget, 0)} bytes: lower block_size (or give kv_cache_blocks)")
     want = -(-cfg.max_position_embeddings // a.block_size) * max(1, min(a.max_num_seqs, 64))
-    return max(1, min(budget // per_block, want))
+    return min(budget // per_block, want)
 
 
 def lookahead_rows(args) -> int:
@@ -126,6 +129,30 @@ def engine_state_layout(args, cfg: ModelConfig) -> Optional[StateLayout]:
     spec = parse_speculative_config(args.speculative_config)
     return state_layout(cfg, args.max_num_seqs, args.enable_prefix_caching, spec.k if spec is not None else 0,
                         lookahead_rows(args))
+
+
+def check_engine_args(a: EngineArgs) -> None:
+    """Types and ranges of the plain arguments, before anything loads (a ValueError naming one)."""
+    def integer(name: str, lo: int, hi: Optional[int] = None, optional: bool = False) -> None:
+        v = getattr(a, name)
+        if not (v is None and optional) and (not isinstance(v, int) or isinstance(v, bool) or v < lo
+                                             or hi is not None and v > hi):
+            raise ValueError(f"{name} must be an integer >= {lo}{f' and <= {hi}' if hi else ''}, got {v!r}")
+    integer("max_num_seqs", 1)
+    integer("max_num_batched_tokens", 1, optional=True)
+    integer("num_layers", 1, optional=True)
+    integer("seed", 0, 2**63 - 1)
+    integer("block_size", 1)
+    if a.block_size & (a.block_size - 1):
+        raise ValueError(f"block_size must be a power of two >= 1, got {a.block_size}")
+    for name in ("enable_prefix_caching", "enforce_eager", "warmup"):
+        if not isinstance(getattr(a, name), bool):
+            raise ValueError(f"{name} must be true or false, got {getattr(a, name)!r}")
+    g = a.gpu_memory_utilization
+    if not isinstance(g, (int, float)) or isinstance(g, bool) or not 0 < g <= 1:
+        raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {g!r}")
+    if a.dtype is not None and not isinstance(a.dtype, (str, torch.dtype)):
+        raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {a.dtype!r}")
 
 
 def check_tp_size(n) -> int:

@@ -23,8 +23,8 @@ from ..envs import Knobs
 from ..runner.build import build_runner
 from ..sampling_params import SamplingParams
 from ..spec.config import parse_speculative_config
-from .args import (EngineArgs, check_tp_size, engine_state_layout, plan_kv_blocks, resolve_device, resolve_dtype,
-                   resolve_weight_dtype, speculation_runner_kwargs)
+from .args import (EngineArgs, check_engine_args, check_tp_size, engine_state_layout, plan_kv_blocks, resolve_device,
+                   resolve_dtype, resolve_weight_dtype, speculation_runner_kwargs)
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache import KVCacheManager
 from .request import Request, Status
@@ -56,8 +56,7 @@ class Engine:
         t0 = time.perf_counter()
         self.args = args
         self.tp = None
-        if not isinstance(args.block_size, int) or args.block_size < 1 or args.block_size & (args.block_size - 1):
-            raise ValueError(f"block_size must be a power of two >= 1, got {args.block_size}")
+        check_engine_args(args)
         tp_size = check_tp_size(args.tensor_parallel_size)
         self.device = resolve_device(args.device)
         spec_cfg = parse_speculative_config(args.speculative_config)
@@ -147,7 +146,9 @@ class Engine:
             raise ValueError(f"max_model_len {max_len} exceeds the KV cache capacity of {capacity} tokens "
                              f"({num_blocks} blocks of {args.block_size}); raise kv_cache_blocks")
         self.max_model_len = max_len or min(cfg.max_position_embeddings, capacity)
-        budget = args.max_num_batched_tokens or max(2048 if self.device.type == "cpu" else 8192, args.max_num_seqs)
+        budget = args.max_num_batched_tokens
+        if budget is None:
+            budget = max(2048 if self.device.type == "cpu" else 8192, args.max_num_seqs)
         self.sched_config = SchedulerConfig(args.max_num_seqs, budget, self.max_model_len)
         layout = engine_state_layout(args, cfg)  # hybrid models: their recurrent-state rows
         self.cache_config = CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching,
