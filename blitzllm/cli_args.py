@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+from typing import Optional
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -40,3 +42,11 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, seed=a.seed,
                 enforce_eager=a.enforce_eager, weight_dtype=a.weight_dtype,
                 speculative_config=a.speculative_config, tensor_parallel_size=a.tensor_parallel_size)
+
+
+def check_output_file(path: Optional[str], flag: str) -> None:
+    """Fail before a long run, not after it: the folder of ``path`` (a results file) must exist."""
+    if path is not None:
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise ValueError(f"{flag}: the folder {folder} does not exist")

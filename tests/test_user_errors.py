@@ -173,3 +173,17 @@ def test_console_script_exit_code():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["bench", "latency", *TINY_PRESET, "--input-len", "4", "--output-len", "2", "--json", "/no/such/dir/r.json"],
+     "--json: the folder /no/such/dir does not exist"),
+    (["bench", "serve", "--base-url", "http://127.0.0.1:9", "--save-json", "/no/such/dir/r.json"],
+     "--save-json: the folder /no/such/dir does not exist"),
+    (["serve", "--served-model-name", " "], "--served-model-name must not be empty"),
+])
+def test_output_paths_and_names_fail_before_the_run(capsys, argv, msg):
+    """A results file in a missing folder fails at once (it used to end a finished benchmark with a
+    traceback); an empty served model name is refused."""
+    code, err = _cli(capsys, *argv)
+    assert code == 2 and len(err) == 1 and msg in err[0], err

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from ..cli_args import engine_kwargs
+from ..cli_args import check_output_file, engine_kwargs
 from ..sampling_params import SamplingParams
 from .roofline import (copy_bandwidth, count_kernels, kv_bytes_per_step, state_bytes_per_step, sync,
                        weight_bytes_per_step)
@@ -71,6 +71,7 @@ def run(a) -> int:
     B, I, O = a.batch_size, a.input_len, a.output_len
     if B < 1 or I < 1 or O < 2:
         raise ValueError("--batch-size and --input-len must be >= 1 and --output-len >= 2")
+    check_output_file(a.json, "--json")
     kw = engine_kwargs(a)
     kw["max_num_batched_tokens"] = kw["max_num_batched_tokens"] or max(B * I, 2048)
     kw["max_num_seqs"] = max(kw["max_num_seqs"], B)

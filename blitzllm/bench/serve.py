@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 from .. import envs
+from ..cli_args import check_output_file
 
 MT_BENCH_REL = Path("shared") / "data" / "mt_bench_questions.jsonl"
 # a copy shipped with the package (MT-bench is Apache-2.0), used when no shared/ is found
@@ -325,6 +326,8 @@ def run(args) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {lo}, got {getattr(args, name)}")
     if not args.request_rate > 0:
         raise ValueError(f"--request-rate must be > 0, got {args.request_rate}")
+    for flag in ("save_json", "plot"):
+        check_output_file(getattr(args, flag, None), "--" + flag.replace("_", "-"))
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # fail before the run, not after
         raise ValueError("--plot needs matplotlib: pip install matplotlib")
     model, vocab = _server_model(args)

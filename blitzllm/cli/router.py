@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
+from urllib.parse import urlsplit
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
@@ -25,8 +27,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
 
 def _urls(urls: list, flag: str) -> tuple:
     for u in urls:
-        if not u.startswith(("http://", "https://")):
-            raise ValueError(f"{flag} takes http(s):// URLs, got {u!r}")
+        if not u.startswith(("http://", "https://")) or not urlsplit(u).hostname:
+            raise ValueError(f"{flag} takes http(s)://HOST[:PORT] URLs, got {u!r}")
     return tuple(urls)
 
 
@@ -42,8 +44,8 @@ def config_from_args(a: argparse.Namespace):
         raise ValueError("--prefix-aware goes with --backend")
     if not 0 <= a.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {a.port}")
-    if a.health_interval <= 0 or a.request_timeout <= 0:
-        raise ValueError("--health-interval and --request-timeout must be > 0")
+    if not all(math.isfinite(x) and x > 0 for x in (a.health_interval, a.request_timeout)):
+        raise ValueError("--health-interval and --request-timeout must be finite numbers > 0")
     return RouterConfig(prefill=_urls(a.prefill, "--prefill"), decode=_urls(a.decode, "--decode"),
                         backends=_urls(a.backend, "--backend"), prefix_aware=a.prefix_aware,
                         health_interval_s=a.health_interval, request_timeout_s=a.request_timeout,

@@ -55,6 +55,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         raise ValueError(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
     if args.max_request_bytes < 1024:
         raise ValueError(f"--max-request-bytes must be >= 1024, got {args.max_request_bytes}")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise ValueError("--served-model-name must not be empty")
     if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
         raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together")
     kwargs = engine_kwargs(args)

@@ -45,6 +45,9 @@ def test_prompt_text_keeps_turn_order():
     ([], "give --prefill"),
     (["--prefill", "http://a", "--decode", "http://b", "--prefix-aware"], "goes with --backend"),
     (["--backend", "a:8000"], "http"),
+    (["--backend", "http://"], "HOST"),
+    (["--backend", "http://a", "--health-interval", "nan"], "finite"),
+    (["--backend", "http://a", "--request-timeout", "inf"], "finite"),
 ])
 def test_command_line_errors(argv, word):
     p = argparse.ArgumentParser()
