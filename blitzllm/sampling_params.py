@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Optional, Sequence, Union
 
 _MAX_SEED = 2**63 - 1
+_GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (vLLM's bound too)
 
 
 def _err(name: str, allowed: str, value) -> ValueError:
@@ -55,6 +56,11 @@ class SamplingParams:
             raise _err("n", "an integer >= 1", self.n)
         if self.temperature < 0.0:
             raise _err("temperature", ">= 0", self.temperature)
+        if self.temperature == float("inf"):
+            raise _err("temperature", "finite", self.temperature)
+        if self.temperature < _GREEDY_BELOW:
+            # as greedy: logits over a tiny temperature overflow to inf (NaN probabilities)
+            self.temperature = 0.0
         if not 0.0 < self.top_p <= 1.0:
             raise _err("top_p", "in (0, 1]", self.top_p)
         if not is_int(self.top_k) or self.top_k < -1:

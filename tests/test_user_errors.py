@@ -78,6 +78,7 @@ def test_prompt_longer_than_max_model_len(capsys):
     ("stop", {"a": 1}, "stop must be a string or a list of strings"),
     ("stop_token_ids", 5, "stop_token_ids must be a list of non-negative integers"),
     ("temperature", "hot", "temperature must be a number"),
+    ("temperature", float("inf"), "temperature must be finite"),
 ])
 def test_invalid_sampling_values(field, value, msg):
     with pytest.raises(ValueError) as e:

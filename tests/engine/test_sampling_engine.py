@@ -80,3 +80,16 @@ def test_min_tokens_and_max_tokens(smollm2_llm):
     assert len(longer.token_ids) >= len(short.token_ids) + 5
     capped = smollm2_llm.chat(q, SamplingParams(temperature=0, max_tokens=3))[0]
     assert len(capped.token_ids) == 3 and capped.finish_reason == "length"
+
+
+def test_tiny_temperatures_sample_greedily(tiny_llama):
+    """A temperature under 1e-5 is greedy (1e-40 divided the logits into inf, NaN probabilities and
+    token 0 at every step); 1e-5 itself still samples, here as greedy as makes no difference."""
+    llm = LLM(str(tiny_llama[0]), device="cpu", kv_cache_blocks=64)
+    prompts = _prompts(3)
+    greedy = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))]
+    for t in (1e-40, 1e-9, 1e-5):
+        p = SamplingParams(temperature=t, max_tokens=12, ignore_eos=True, seed=7)
+        assert p.greedy == (t < 1e-5)
+        assert [o.token_ids for o in llm.generate(prompts, p)] == greedy
+    assert llm.stats()["kv_blocks_free"] == 64
