@@ -44,12 +44,12 @@ def _prompts(lengths, seed=7):
     return [torch.randint(1, 320, (n,), generator=g).tolist() for n in lengths]
 
 
-def _check_matches(llm, hf, prompts, n):
+def _check_matches(llm, hf, prompts, n, atol=1e-4, rtol=1e-4):
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0))
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(hf, prompt, n)
         ours = torch.tensor([lp[t] for lp, t in zip(out.logprobs, out.token_ids)])
-        torch.testing.assert_close(ours, hf_logprobs(hf, prompt, out.token_ids), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(ours, hf_logprobs(hf, prompt, out.token_ids), atol=atol, rtol=rtol)
     return outs
 
 
@@ -101,6 +101,20 @@ def test_chunked_prefill_and_prefix_cache_keep_greedy_output(tmp_path):
     assert s["kv_blocks_free"] == s["kv_blocks_total"] == 64
 
 
+def _check_fused_prefill(tmp_path, device, atol, rtol):
+    """Whole prompts, then 5-token chunks over earlier chunks and prefix-cache hits: transformers'
+    greedy tokens and logprobs (within ``atol`` + ``rtol``); no KV block left behind."""
+    hf = make_tiny_deepseek(tmp_path, seed=2)
+    shared = _prompts((21,), seed=3)[0]
+    prompts = [shared, shared[:13] + [5, 6, 7], _prompts((9,), seed=4)[0]]
+    for chunk in (None, 5):
+        llm = LLM(str(tmp_path), device=device, dtype="float32", kv_cache_blocks=64, block_size=4,
+                  max_num_batched_tokens=chunk or 256)
+        _check_matches(llm, hf, prompts, 8, atol, rtol)
+        assert llm.stats()["kv_blocks_free"] == 64
+        del llm
+
+
 def test_fused_prefill_attention_matches_transformers(tmp_path, monkeypatch):
     """``attend_fused`` (CUDA's prefill: one SDPA call, causal mask aligned to the last query
     row) in place of the row-chunked reference, here on CPU: whole prompts, 5-token chunks over
@@ -113,14 +127,7 @@ def test_fused_prefill_attention_matches_transformers(tmp_path, monkeypatch):
         shapes.append((q.shape[0], kv.shape[0]))
         return self.attend_fused(q, kv)
     monkeypatch.setattr(MLAttention, "attend_latents", fused)
-    hf = make_tiny_deepseek(tmp_path, seed=2)
-    shared = _prompts((21,), seed=3)[0]
-    prompts = [shared, shared[:13] + [5, 6, 7], _prompts((9,), seed=4)[0]]
-    for chunk in (None, 5):
-        llm = LLM(str(tmp_path), device="cpu", dtype="float32", kv_cache_blocks=64, block_size=4,
-                  max_num_batched_tokens=chunk or 256)
-        _check_matches(llm, hf, prompts, 8)
-        assert llm.stats()["kv_blocks_free"] == 64
+    _check_fused_prefill(tmp_path, "cpu", 1e-4, 1e-4)
     assert (21, 21) in shapes and any(q < L for q, L in shapes)
 
 
@@ -133,19 +140,7 @@ def test_fused_prefill_on_cuda_matches_transformers(tmp_path, monkeypatch):
     shapes, real = [], MLAttention.attend_fused
     monkeypatch.setattr(MLAttention, "attend_fused", lambda self, q, kv: shapes.append((q.shape[0], kv.shape[0]))
                         or real(self, q, kv))
-    hf = make_tiny_deepseek(tmp_path, seed=2)
-    shared = _prompts((21,), seed=3)[0]
-    prompts = [shared, shared[:13] + [5, 6, 7], _prompts((9,), seed=4)[0]]
-    for chunk in (None, 5):
-        llm = LLM(str(tmp_path), device="cuda", dtype="float32", kv_cache_blocks=64, block_size=4,
-                  max_num_batched_tokens=chunk or 256)
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0))
-        for prompt, out in zip(prompts, outs):
-            assert out.token_ids == hf_greedy(hf, prompt, 8)
-            ours = torch.tensor([lp[t] for lp, t in zip(out.logprobs, out.token_ids)])
-            torch.testing.assert_close(ours, hf_logprobs(hf, prompt, out.token_ids), atol=2e-3, rtol=0)
-        assert llm.stats()["kv_blocks_free"] == 64
-        del llm
+    _check_fused_prefill(tmp_path, "cuda", 2e-3, 0)
     assert (21, 21) in shapes and any(q < L for q, L in shapes)
 
 
