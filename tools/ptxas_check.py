@@ -5,8 +5,8 @@ register / spill report and whether the PTX holds given instructions. The kernel
 compile checks run its functions (tests/kernels/conftest.py ``sm90_compile``).
 
     python3 tools/ptxas_check.py   # the fused decode attention, the decode GEMV at its heuristic
-                                   # configs, the direct MoE gate/up GEMM, the norm + router launch
-                                   # and the FP8 weight kernels
+                                   # configs, the direct MoE gate/up GEMM, the norm + router launch,
+                                   # the expert selection and the FP8 weight kernels
 """
 import os
 import subprocess
@@ -128,6 +128,24 @@ def norm_route():
           f"{ptxas_report(kern)}")
 
 
+def select_experts():
+    """The expert selection launch with a stacked shared expert's entry: Qwen3-Next's 512 experts
+    (softmax top-10, the sigmoid-gated shared entry) and DeepSeek-V3's 256 (grouped sigmoid
+    top-8 with a bias, the shared entry of weight 1), one token. One line each."""
+    from blitzllm.kernels.moe import router as moe
+    for name, e, k, ng, tg, sigmoid, bias, shared in (("qwen3-next", 512, 10, 1, 1, False, False, 1),
+                                                      ("deepseek-v3", 256, 8, 8, 4, True, True, 2)):
+        logits = torch.zeros(1, e + (shared == 1))
+        w, ids = torch.zeros(1, k + 1), torch.zeros(1, k + 1, dtype=torch.int32)
+        group = e // ng
+        kern = moe._select_experts_kernel.warmup(
+            logits, torch.zeros(e) if bias else logits, w, ids, logits.stride(0), 1.0, GROUP=group, N_GROUP=ng,
+            NG_PAD=triton.next_power_of_2(ng), G_PAD=triton.next_power_of_2(group), TOPK_GROUP=tg, TOP_K=k,
+            K_PAD=triton.next_power_of_2(k), SIGMOID=sigmoid, HAS_BIAS=bias, RENORM=True, SHARED=shared,
+            USE_PDL=True, num_warps=1 if e <= 512 else 4, grid=(1,))
+        print(f"select_experts {name} shared={shared}: {ptxas_report(kern)}")
+
+
 def fp8_weights():
     """weight_dtype='fp8' at Qwen3-30B-A3B sizes, one token, 128 x 128 blocks: the FP8 linear
     (o_proj) and the direct MoE gate/up and down GEMMs with float8 experts. One line each:
@@ -164,4 +182,5 @@ if __name__ == "__main__":
     gemv()
     moe_direct()
     norm_route()
+    select_experts()
     fp8_weights()

@@ -2,6 +2,10 @@
 [E, H, I], their tensor-parallel split and the checkpoint mapping of per-expert tensors onto
 them. Shared by Qwen3-MoE, MiniMax-M2, DeepSeek-V3 and Qwen3-Next; the routing ops come from
 ``kernels/moe/router.py``. Knows nothing about attention or models (docs/models.md).
+
+A shared expert as wide as a routed one may be stacked as expert E (``stack_shared_expert``, the
+runner's choice): decode batches then route to it as one more entry of the grouped GEMMs, its
+weight from the routing launch, instead of running it and its gate as five or six launches.
 """
 from __future__ import annotations
 
@@ -12,11 +16,15 @@ import torch
 from torch import nn
 
 from .. import envs
+from .linear import Linear
 from .parallel import Part, check_shape, copy_part, read_block
 from ..distributed.parallel_state import TPGroup, get_tp_group
 
 SCORINGS = ("softmax", "sigmoid")
 MIN_EXPERT_SLICE = 128  # split by expert when a rank's slice of I would be thinner
+# Batches of up to this many tokens take a stacked shared expert as an entry of the grouped
+# GEMMs (decode); larger ones (prefill) run it as its own dense MLP, on many rows a cuBLAS GEMM.
+STACKED_SHARED_MAX_T = 64
 
 
 def moe_split(num_experts: int, intermediate: int, tp: TPGroup) -> str:
@@ -106,6 +114,10 @@ class FusedMoE(nn.Module):
         # an fp32 input itself (``rmsnorm.fused_add_rms_norm``): then decode may return the
         # routed experts' fp32 sum before its rounding (``fused_moe_triton(fp32_sum=True)``)
         self.fp32_sum = False
+        # (w13, w2, router weight or None) with the shared expert stacked as expert E, and how
+        # its entry is weighted (``kernels.moe.routing.SHARED_MODES``): ``stack_shared_expert``
+        self.stacks: Optional[tuple] = None
+        self.shared_mode: Optional[str] = None
 
     def quantize_fp8(self, block: tuple, pow2: bool = False) -> None:
         """w13 and w2 as float8 e4m3 with fp32 scales per ``block`` of each expert's matrix
@@ -128,13 +140,64 @@ class FusedMoE(nn.Module):
         b = self.e_score_correction_bias
         return self.gate.e_score_correction_bias if b is None else b
 
-    def route(self, x: torch.Tensor):
-        """x [T, H] -> (topk weights [T, K] fp32, topk ids [T, K] int32)."""
-        return _op("route_experts")(x, self.gate.weight, self.top_k, self.scoring, self.correction_bias,
-                                     self.n_group, self.topk_group, self.renormalize, self.scaling)
+    # ---- the shared expert stacked as expert E ----------------------------------------------
+    def shared_parts(self) -> Optional[tuple]:
+        """(shared expert MLP, its gate ``Linear`` [1, H] or None, SHARED_MODES name) of a block
+        whose shared expert ``stack_shared_expert`` could stack, else None."""
+        return None if self.shared_experts is None else (self.shared_experts, None, "one")
+
+    def stack_shared_expert(self) -> bool:
+        """Stack the shared expert's weights as expert E of w13 / w2 (and its gate as router row
+        E) for decode batches (STACKED_SHARED_MAX_T). The block's, the router's and the shared
+        expert's parameters become views of the stacks, so their names, shapes and values are
+        as before (exports, the roofline, batches past the limit). Returns False and changes
+        nothing where the shared expert does not fit: none, another width or dtype than a routed
+        expert, quantized, biased, or the block split over ranks."""
+        parts = self.shared_parts()
+        if parts is None or self.stacks is not None or self.fp8_block is not None or self.expert_start is not None \
+                or self.local_intermediate != self.intermediate:
+            return False
+        mlp, gate, mode = parts
+        gu, down = getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)
+        ok = all(isinstance(m, Linear) and m.bias is None and m.qweight is None and m.quant is None
+                 and m.fp8_block is None for m in (gu, down) + ((gate,) if gate is not None else ()))
+        E, I, H = self.num_experts, self.intermediate, self.hidden
+        if not ok or gu.weight.shape != (2 * I, H) or down.weight.shape != (H, I) \
+                or not gu.weight.dtype == down.weight.dtype == self.w13.dtype \
+                or (gate is not None and (gate.weight.shape != (1, H) or gate.weight.dtype != self.gate.weight.dtype)):
+            return False
+        with torch.no_grad():
+            w13 = torch.cat([self.w13.detach(), gu.weight.detach()[None]])
+            w2 = torch.cat([self.w2.detach(), down.weight.detach()[None]])
+            router = torch.cat([self.gate.weight.detach(), gate.weight.detach()]) if gate is not None else None
+        views = [(self, "w13", w13[:E]), (gu, "weight", w13[E]), (self, "w2", w2[:E]), (down, "weight", w2[E])]
+        if router is not None:
+            views += [(self.gate, "weight", router[:E]), (gate, "weight", router[E:])]
+        for mod, name, view in views:
+            setattr(mod, name, nn.Parameter(view, requires_grad=getattr(mod, name).requires_grad))
+        self.stacks, self.shared_mode = (w13, w2, router), mode
+        return True
+
+    def _stacked(self, x: torch.Tensor) -> bool:
+        return self.stacks is not None and x.shape[0] <= STACKED_SHARED_MAX_T
+
+    def _router(self, stacked: bool) -> tuple:
+        """(router weight, shared mode) of a batch that does (not) take the stacked shared expert."""
+        if not stacked:
+            return self.gate.weight, None
+        return (self.gate.weight if self.stacks[2] is None else self.stacks[2]), self.shared_mode
+
+    # ---- forward ---------------------------------------------------------------------------
+    def route(self, x: torch.Tensor, stacked: bool = False):
+        """x [T, H] -> (topk weights [T, K] fp32, topk ids [T, K] int32); ``stacked``: K + 1
+        entries, the shared expert's last."""
+        weight, shared = self._router(stacked)
+        return _op("route_experts")(x, weight, self.top_k, self.scoring, self.correction_bias,
+                                     self.n_group, self.topk_group, self.renormalize, self.scaling, shared)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._experts(x, self.route)
+        stacked = self._stacked(x)
+        return self._experts(x, lambda h: self.route(h, stacked), stacked)
 
     def norm_route_ok(self, x: torch.Tensor, residual: Optional[torch.Tensor], norm: nn.Module) -> bool:
         """Whether ``forward_norm`` fuses the norm with the routing (decode; see
@@ -147,15 +210,19 @@ class FusedMoE(nn.Module):
         """(self(norm(x + residual)), x + residual) for an RMSNorm ``norm``: where
         ``norm_route_ok`` the residual add, the norm and the router GEMM in one launch, the
         selection in the next."""
+        stacked = self._stacked(x)
+        weight, shared = self._router(stacked)
         h, residual, weights, ids = _op("norm_route_experts")(
-            x, residual, norm.weight, norm.eps, self.gate.weight, self.top_k, self.scoring, self.correction_bias,
-            self.n_group, self.topk_group, self.renormalize, self.scaling)
-        return self._experts(h, lambda _: (weights, ids)), residual
+            x, residual, norm.weight, norm.eps, weight, self.top_k, self.scoring, self.correction_bias,
+            self.n_group, self.topk_group, self.renormalize, self.scaling, shared)
+        return self._experts(h, lambda _: (weights, ids), stacked), residual
 
-    def _experts(self, x: torch.Tensor, route) -> torch.Tensor:
+    def _experts(self, x: torch.Tensor, route, stacked: bool = False) -> torch.Tensor:
         """Routed (``route(x)`` -> topk weights, ids) plus shared experts of x [T, H], all on the
-        current stream."""
+        current stream; ``stacked``: the shared expert is the routing's last entry."""
         weights, ids = route(x)
+        if stacked:
+            return _op("fused_moe")(x, self.stacks[0], self.stacks[1], weights, ids, fp32_sum=self.fp32_sum)
         if self.expert_start is None:
             # (an fp32 sum only where nothing is added to it here and no rank sums it after)
             fp32 = self.fp32_sum and self.shared_experts is None and self.local_intermediate == self.intermediate

@@ -40,7 +40,12 @@ class SharedExpertMoE(FusedMoE):
         self.shared_expert = DenseMLP(hidden, shared_intermediate) if shared_intermediate else None
         self.shared_expert_gate = Linear(hidden, 1) if shared_intermediate else None
 
-    def _experts(self, x: torch.Tensor, route) -> torch.Tensor:
+    def shared_parts(self):
+        return None if self.shared_expert is None else (self.shared_expert, self.shared_expert_gate, "sigmoid")
+
+    def _experts(self, x: torch.Tensor, route, stacked: bool = False) -> torch.Tensor:
+        if stacked:  # (the shared expert is the routing's last entry)
+            return super()._experts(x, route, True)
         out = super()._experts(x, route).to(x.dtype)
         if self.shared_expert is None:
             return out

@@ -5,11 +5,13 @@ a form the module dispatches to at run time). Models know nothing of it
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ..envs import Knobs
 from ..layers.attention import Attention
 from ..layers.linear import Linear
+from ..layers.moe import FusedMoE
 from ..layers.norm import RMSNorm
 
 
@@ -48,6 +50,7 @@ def apply_decode_plan(model: nn.Module, knobs: Knobs) -> None:
             qkv.tma_preload = True
             qkv.tma_early = tma != "nodeps"
     _plan_fp32_sums(model)
+    _stack_shared_experts(model)
     head = getattr(model, "lm_head", None)
     if tma == "lm_head" and _plain(head):
         head.tma_preload = True
@@ -67,3 +70,12 @@ def _plan_fp32_sums(model: nn.Module) -> None:
         norm = inner.norm if nxt is None else getattr(nxt, "input_layernorm", None)
         takes = nxt is None or (hasattr(nxt, "mlp_name") and isinstance(nxt.self_attn.qkv_proj, Linear))
         mlp.fp32_sum = takes and isinstance(norm, RMSNorm) and norm.tp is None
+
+
+def _stack_shared_experts(model: nn.Module) -> None:
+    """On CUDA, stack each MoE block's shared expert as its expert E where it fits
+    (``FusedMoE.stack_shared_expert``): decode runs it inside the grouped GEMMs. The stacks are
+    copies; the memory of the weights they replace goes back before the KV cache is planned."""
+    stacked = [m.stack_shared_expert() for m in model.modules() if isinstance(m, FusedMoE) and m.w13.is_cuda]
+    if any(stacked):
+        torch.cuda.empty_cache()

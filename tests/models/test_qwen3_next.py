@@ -39,7 +39,7 @@ def make_hybrid_checkpoint(arch: str, path, seed: int = 0, **overrides):
     elif arch == "qwen3_5_text":
         model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(intermediate_size=96, **text))
     elif arch == "qwen3_5_moe_text":
-        model = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**MOE, **text))
+        model = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**dict(MOE, **text)))
     elif arch == "qwen3_5_moe":
         cfg = transformers.Qwen3_5MoeConfig(text_config=dict(MOE, **text), vision_config=VISION)
         model = transformers.Qwen3_5MoeForConditionalGeneration(cfg)
@@ -201,6 +201,42 @@ def test_llm_matches_transformers(checkpoint):
     logprobs; every KV block and state slot back in its pool."""
     _, path, hf = checkpoint
     check_generate(_llm(path), hf, _prompts())
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe_text"])
+def test_stacked_shared_expert_matches_transformers(arch, tmp_path):
+    """The shared expert stacked as expert E of each MoE block (what the runner's decode plan
+    does on CUDA; here the torch ops): batches of up to STACKED_SHARED_MAX_T tokens route to it
+    as entry K weighted by sigmoid(shared_expert_gate), a longer prompt runs it as its own MLP.
+    Transformers' greedy tokens and logprobs either way; the checkpoint's parameters keep their
+    names, shapes and values, and the roofline's byte count is unchanged."""
+    from blitzllm.bench.roofline import weight_bytes_per_step
+    from blitzllm.layers.moe import STACKED_SHARED_MAX_T
+    from blitzllm.loader.weights import export_hf_state_dict
+    from blitzllm.models.qwen3_next import SharedExpertMoE
+    hf = make_hybrid_checkpoint(arch, tmp_path, seed=4, shared_expert_intermediate_size=MOE["moe_intermediate_size"])
+    llm = _llm(tmp_path)
+    model = llm.engine.runner.model
+    before = {k: v.clone() for k, v in export_hf_state_dict(model).items()}
+    nbytes = weight_bytes_per_step(model, 1)
+    blocks = [m for m in model.modules() if isinstance(m, SharedExpertMoE)]
+    assert blocks and all(m.stack_shared_expert() for m in blocks)
+    assert all(m.stacks[0].shape[0] == m.stacks[2].shape[0] == MOE["num_experts"] + 1 for m in blocks)
+    after = export_hf_state_dict(model)
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert weight_bytes_per_step(model, 1) == nbytes
+    check_generate(llm, hf, _prompts((1, 5, 17, 40, STACKED_SHARED_MAX_T + 6)), n=8)
+
+
+def test_shared_expert_of_another_width_is_not_stacked(tmp_path):
+    """A shared expert wider than a routed one (the hybrid checkpoints' 48 against 32) stays
+    its own MLP: ``stack_shared_expert`` changes nothing."""
+    from blitzllm.models.qwen3_next import SharedExpertMoE
+    make_hybrid_checkpoint("qwen3_next", tmp_path)
+    model = _llm(tmp_path).engine.runner.model
+    blocks = [m for m in model.modules() if isinstance(m, SharedExpertMoE)]
+    assert blocks and not any(m.stack_shared_expert() for m in blocks)
+    assert all(m.stacks is None and m.w13.shape[0] == MOE["num_experts"] for m in blocks)
 
 
 def test_chunked_prefill_and_preemption(checkpoint):
