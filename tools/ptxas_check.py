@@ -129,21 +129,17 @@ def norm_route():
 
 
 def select_experts():
-    """The expert selection launch with a stacked shared expert's entry: Qwen3-Next's 512 experts
-    (softmax top-10, the sigmoid-gated shared entry) and DeepSeek-V3's 256 (grouped sigmoid
-    top-8 with a bias, the shared entry of weight 1), one token. One line each."""
+    """The expert selection launch at Qwen3-Next's routing (512 experts, softmax top-10) with
+    the entry of its stacked, gated shared expert, one token."""
     from blitzllm.kernels.moe import router as moe
-    for name, e, k, ng, tg, sigmoid, bias, shared in (("qwen3-next", 512, 10, 1, 1, False, False, 1),
-                                                      ("deepseek-v3", 256, 8, 8, 4, True, True, 2)):
-        logits = torch.zeros(1, e + (shared == 1))
-        w, ids = torch.zeros(1, k + 1), torch.zeros(1, k + 1, dtype=torch.int32)
-        group = e // ng
-        kern = moe._select_experts_kernel.warmup(
-            logits, torch.zeros(e) if bias else logits, w, ids, logits.stride(0), 1.0, GROUP=group, N_GROUP=ng,
-            NG_PAD=triton.next_power_of_2(ng), G_PAD=triton.next_power_of_2(group), TOPK_GROUP=tg, TOP_K=k,
-            K_PAD=triton.next_power_of_2(k), SIGMOID=sigmoid, HAS_BIAS=bias, RENORM=True, SHARED=shared,
-            USE_PDL=True, num_warps=1 if e <= 512 else 4, grid=(1,))
-        print(f"select_experts {name} shared={shared}: {ptxas_report(kern)}")
+    e, k = 512, 10
+    logits = torch.zeros(1, e + 1)
+    w, ids = torch.zeros(1, k + 1), torch.zeros(1, k + 1, dtype=torch.int32)
+    kern = moe._select_experts_kernel.warmup(
+        logits, logits, w, ids, logits.stride(0), 1.0, GROUP=e, N_GROUP=1, NG_PAD=1, G_PAD=e, TOPK_GROUP=1,
+        TOP_K=k, K_PAD=16, SIGMOID=False, HAS_BIAS=False, RENORM=True, SHARED_GATE=True, USE_PDL=True,
+        num_warps=1, grid=(1,))
+    print(f"select_experts shared_gate=True: {ptxas_report(kern)}")
 
 
 def fp8_weights():

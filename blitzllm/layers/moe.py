@@ -3,9 +3,9 @@
 them. Shared by Qwen3-MoE, MiniMax-M2, DeepSeek-V3 and Qwen3-Next; the routing ops come from
 ``kernels/moe/router.py``. Knows nothing about attention or models (docs/models.md).
 
-A shared expert as wide as a routed one may be stacked as expert E (``stack_shared_expert``, the
-runner's choice): decode batches then route to it as one more entry of the grouped GEMMs, its
-weight from the routing launch, instead of running it and its gate as five or six launches.
+A gated shared expert as wide as a routed one may be stacked as expert E (``stack_shared_expert``,
+the runner's choice): a one-token decode step then routes to it as one more entry of the grouped
+GEMMs, its gate a router row, instead of running it and its gate as six launches of their own.
 """
 from __future__ import annotations
 
@@ -22,9 +22,6 @@ from ..distributed.parallel_state import TPGroup, get_tp_group
 
 SCORINGS = ("softmax", "sigmoid")
 MIN_EXPERT_SLICE = 128  # split by expert when a rank's slice of I would be thinner
-# Batches of up to this many tokens take a stacked shared expert as an entry of the grouped
-# GEMMs (decode); larger ones (prefill) run it as its own dense MLP, on many rows a cuBLAS GEMM.
-STACKED_SHARED_MAX_T = 64
 
 
 def moe_split(num_experts: int, intermediate: int, tp: TPGroup) -> str:
@@ -114,10 +111,8 @@ class FusedMoE(nn.Module):
         # an fp32 input itself (``rmsnorm.fused_add_rms_norm``): then decode may return the
         # routed experts' fp32 sum before its rounding (``fused_moe_triton(fp32_sum=True)``)
         self.fp32_sum = False
-        # (w13, w2, router weight or None) with the shared expert stacked as expert E, and how
-        # its entry is weighted (``kernels.moe.routing.SHARED_MODES``): ``stack_shared_expert``
+        # (w13, w2, router weight) with the shared expert stacked as expert E: ``stack_shared_expert``
         self.stacks: Optional[tuple] = None
-        self.shared_mode: Optional[str] = None
 
     def quantize_fp8(self, block: tuple, pow2: bool = False) -> None:
         """w13 and w2 as float8 e4m3 with fp32 scales per ``block`` of each expert's matrix
@@ -142,58 +137,60 @@ class FusedMoE(nn.Module):
 
     # ---- the shared expert stacked as expert E ----------------------------------------------
     def shared_parts(self) -> Optional[tuple]:
-        """(shared expert MLP, its gate ``Linear`` [1, H] or None, SHARED_MODES name) of a block
-        whose shared expert ``stack_shared_expert`` could stack, else None."""
-        return None if self.shared_experts is None else (self.shared_experts, None, "one")
+        """(shared expert MLP, its gate ``Linear`` [1, H] (weight sigmoid(gate(x)))) of a block
+        with a gated shared expert, else None. (An ungated one, DeepSeek-V3's, stacked with
+        weight 1 measured no faster: docs/perf-history.md.)"""
+        return None
 
     def stack_shared_expert(self) -> bool:
-        """Stack the shared expert's weights as expert E of w13 / w2 (and its gate as router row
-        E) for decode batches (STACKED_SHARED_MAX_T). The block's, the router's and the shared
+        """Stack the gated shared expert's weights as expert E of w13 / w2 and its gate as router
+        row E, for one-token steps (``_stacked``). The block's, the router's and the shared
         expert's parameters become views of the stacks, so their names, shapes and values are
-        as before (exports, the roofline, batches past the limit). Returns False and changes
-        nothing where the shared expert does not fit: none, another width or dtype than a routed
+        as before (exports, the roofline, larger batches). Returns False and changes nothing
+        where the shared expert does not fit: none, another width or dtype than a routed
         expert, quantized, biased, or the block split over ranks."""
         parts = self.shared_parts()
         if parts is None or self.stacks is not None or self.fp8_block is not None or self.expert_start is not None \
                 or self.local_intermediate != self.intermediate:
             return False
-        mlp, gate, mode = parts
+        mlp, gate = parts
         gu, down = getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)
         ok = all(isinstance(m, Linear) and m.bias is None and m.qweight is None and m.quant is None
-                 and m.fp8_block is None for m in (gu, down) + ((gate,) if gate is not None else ()))
+                 and m.fp8_block is None for m in (gu, down, gate))
         E, I, H = self.num_experts, self.intermediate, self.hidden
-        if not ok or gu.weight.shape != (2 * I, H) or down.weight.shape != (H, I) \
-                or not gu.weight.dtype == down.weight.dtype == self.w13.dtype \
-                or (gate is not None and (gate.weight.shape != (1, H) or gate.weight.dtype != self.gate.weight.dtype)):
+        if not ok or gu.weight.shape != (2 * I, H) or down.weight.shape != (H, I) or gate.weight.shape != (1, H) \
+                or not gu.weight.dtype == down.weight.dtype == self.w13.dtype == gate.weight.dtype:
             return False
         with torch.no_grad():
             w13 = torch.cat([self.w13.detach(), gu.weight.detach()[None]])
             w2 = torch.cat([self.w2.detach(), down.weight.detach()[None]])
-            router = torch.cat([self.gate.weight.detach(), gate.weight.detach()]) if gate is not None else None
-        views = [(self, "w13", w13[:E]), (gu, "weight", w13[E]), (self, "w2", w2[:E]), (down, "weight", w2[E])]
-        if router is not None:
-            views += [(self.gate, "weight", router[:E]), (gate, "weight", router[E:])]
-        for mod, name, view in views:
+            router = torch.cat([self.gate.weight.detach(), gate.weight.detach()])
+        for mod, name, view in ((self, "w13", w13[:E]), (gu, "weight", w13[E]), (self, "w2", w2[:E]),
+                                (down, "weight", w2[E]), (self.gate, "weight", router[:E]), (gate, "weight", router[E:])):
             setattr(mod, name, nn.Parameter(view, requires_grad=getattr(mod, name).requires_grad))
-        self.stacks, self.shared_mode = (w13, w2, router), mode
+        self.stacks = (w13, w2, router)
         return True
 
     def _stacked(self, x: torch.Tensor) -> bool:
-        return self.stacks is not None and x.shape[0] <= STACKED_SHARED_MAX_T
+        """Whether x's batch takes the stacked shared expert: where its entries fit the experts'
+        direct (decode) path. On larger batches it measured slower than the shared expert's own
+        launches (qwen3-next, batch 32: docs/perf-history.md)."""
+        if self.stacks is None:
+            return False
+        from ..kernels.moe.experts import MOE_DIRECT_MAX_ENTRIES
+        return x.shape[0] * (self.top_k + 1) <= MOE_DIRECT_MAX_ENTRIES
 
     def _router(self, stacked: bool) -> tuple:
-        """(router weight, shared mode) of a batch that does (not) take the stacked shared expert."""
-        if not stacked:
-            return self.gate.weight, None
-        return (self.gate.weight if self.stacks[2] is None else self.stacks[2]), self.shared_mode
+        """(router weight, shared_gate) of a batch that does (not) take the stacked shared expert."""
+        return (self.stacks[2], True) if stacked else (self.gate.weight, False)
 
     # ---- forward ---------------------------------------------------------------------------
     def route(self, x: torch.Tensor, stacked: bool = False):
         """x [T, H] -> (topk weights [T, K] fp32, topk ids [T, K] int32); ``stacked``: K + 1
         entries, the shared expert's last."""
-        weight, shared = self._router(stacked)
+        weight, gated = self._router(stacked)
         return _op("route_experts")(x, weight, self.top_k, self.scoring, self.correction_bias,
-                                     self.n_group, self.topk_group, self.renormalize, self.scaling, shared)
+                                     self.n_group, self.topk_group, self.renormalize, self.scaling, gated)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         stacked = self._stacked(x)
@@ -211,10 +208,10 @@ class FusedMoE(nn.Module):
         ``norm_route_ok`` the residual add, the norm and the router GEMM in one launch, the
         selection in the next."""
         stacked = self._stacked(x)
-        weight, shared = self._router(stacked)
+        weight, gated = self._router(stacked)
         h, residual, weights, ids = _op("norm_route_experts")(
             x, residual, norm.weight, norm.eps, weight, self.top_k, self.scoring, self.correction_bias,
-            self.n_group, self.topk_group, self.renormalize, self.scaling, shared)
+            self.n_group, self.topk_group, self.renormalize, self.scaling, gated)
         return self._experts(h, lambda _: (weights, ids), stacked), residual
 
     def _experts(self, x: torch.Tensor, route, stacked: bool = False) -> torch.Tensor:

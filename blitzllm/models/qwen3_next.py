@@ -41,7 +41,7 @@ class SharedExpertMoE(FusedMoE):
         self.shared_expert_gate = Linear(hidden, 1) if shared_intermediate else None
 
     def shared_parts(self):
-        return None if self.shared_expert is None else (self.shared_expert, self.shared_expert_gate, "sigmoid")
+        return None if self.shared_expert is None else (self.shared_expert, self.shared_expert_gate)
 
     def _experts(self, x: torch.Tensor, route, stacked: bool = False) -> torch.Tensor:
         if stacked:  # (the shared expert is the routing's last entry)

@@ -73,9 +73,10 @@ def _plan_fp32_sums(model: nn.Module) -> None:
 
 
 def _stack_shared_experts(model: nn.Module) -> None:
-    """On CUDA, stack each MoE block's shared expert as its expert E where it fits
-    (``FusedMoE.stack_shared_expert``): decode runs it inside the grouped GEMMs. The stacks are
-    copies; the memory of the weights they replace goes back before the KV cache is planned."""
+    """On CUDA, stack each MoE block's gated shared expert as its expert E where it fits
+    (``FusedMoE.stack_shared_expert``): one-token steps run it inside the grouped GEMMs. The
+    stacks are copies; the memory of the weights they replace goes back before the KV cache is
+    planned."""
     stacked = [m.stack_shared_expert() for m in model.modules() if isinstance(m, FusedMoE) and m.w13.is_cuda]
     if any(stacked):
         torch.cuda.empty_cache()

@@ -150,30 +150,28 @@ def test_select_experts(t, name, device):
     torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("shared", ["sigmoid", "one"])
 @pytest.mark.parametrize("name", ["qwen3", "deepseek-v3", "tiny"])
 @pytest.mark.parametrize("t", [1, 5])
-def test_select_experts_with_a_stacked_shared_expert(t, name, shared, device):
-    """A shared expert stacked as expert E is entry K of every row: id E, weight sigmoid of
-    logit E ("sigmoid": the logits carry that column) or 1 ("one"); the K routed entries as
-    without it (never expert E, the shared weight outside renormalisation and scaling)."""
+def test_select_experts_with_a_stacked_shared_expert(t, name, device):
+    """``shared_gate``: the logits' last column gates a shared expert stacked as expert E, entry
+    K of every row: id E, weight sigmoid(logit E); the K routed entries as without it (never
+    expert E, the shared weight outside renormalisation and scaling); the torch form alike."""
     e, k, scoring, with_bias, ng, tg, renorm, scaling = ROUTINGS[name]
     logits, bias = routing_inputs(t, e, scoring, with_bias, ng, seed=t + 11)
     gate = torch.randn(t, 1, generator=torch.Generator().manual_seed(t))
-    if shared == "sigmoid":
-        logits = torch.cat([logits, gate], 1)
+    logits = torch.cat([logits, gate], 1)
     args = (k, scoring, bias, ng, tg, renorm, scaling)
     w, ids = select_experts_triton(logits.to(device), *args[:2], bias.to(device) if with_bias else None, *args[3:],
-                                   shared=shared)
+                                   shared_gate=True)
     assert w.shape == ids.shape == (t, k + 1)
     w, ids = w.cpu(), ids.cpu()
-    routed_w, routed_ids = reference_select_experts(logits[:, :e], *args)
-    assert torch.equal(by_id(w[:, :k], ids[:, :k])[1], by_id(routed_w, routed_ids)[1])
-    torch.testing.assert_close(by_id(w[:, :k], ids[:, :k])[0], by_id(routed_w, routed_ids)[0], rtol=1e-5, atol=1e-6)
+    routed_w, routed_ids = by_id(*reference_select_experts(logits[:, :e], *args))
+    got_w, got_ids = by_id(w[:, :k], ids[:, :k])
+    assert torch.equal(got_ids, routed_ids)
+    torch.testing.assert_close(got_w, routed_w, rtol=1e-5, atol=1e-6)
     assert ids[:, k].tolist() == [e] * t
-    want = torch.sigmoid(gate[:, 0]) if shared == "sigmoid" else torch.ones(t)
-    torch.testing.assert_close(w[:, k], want, rtol=1e-6, atol=1e-7)
-    ref_w, ref_ids = by_id(*reference_select_experts(logits, *args, shared=shared))  # the torch form alike
+    torch.testing.assert_close(w[:, k], torch.sigmoid(gate[:, 0]), rtol=1e-6, atol=1e-7)
+    ref_w, ref_ids = by_id(*reference_select_experts(logits, *args, shared_gate=True))
     got_w, got_ids = by_id(w, ids)
     assert torch.equal(got_ids, ref_ids)
     torch.testing.assert_close(got_w, ref_w, rtol=1e-5, atol=1e-6)
@@ -383,19 +381,17 @@ def test_norm_route_experts(t, h, resid, name, dtype, device):
         torch.testing.assert_close(got_w, want_w, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("shared", ["sigmoid", "one"])
-def test_norm_route_with_a_stacked_shared_expert(shared, device):
-    """The norm + router launch over a router with the shared gate as row E ("sigmoid") routes
-    the E experts as the plain router does and adds entry K: expert E, weighted by the sigmoid of
-    the normed row's logit on row E, or 1."""
+def test_norm_route_with_a_stacked_shared_expert(device):
+    """The norm + router launch over a router with a shared expert's gate as row E routes the E
+    experts as the plain router does and adds entry K: expert E, weighted by the sigmoid of the
+    normed row's logit on row E."""
     e, k, scoring, with_bias, ng, tg, renorm, scaling = ROUTINGS["qwen3"]
     g = torch.Generator().manual_seed(5)
     x, r = (torch.randn(2, 96, generator=g).to(device) for _ in range(2))
     nw = (1 + 0.2 * torch.randn(96, generator=g)).to(device)
     w = (torch.randn(e + 1, 96, generator=g) / 96 ** 0.5).to(device)
     args = (k, scoring, None, ng, tg, renorm, scaling)
-    router = w if shared == "sigmoid" else w[:e]
-    h_out, r_out, wts, ids = moe.norm_route_experts_triton(x, r, nw, 1e-6, router, *args, shared=shared)
+    h_out, r_out, wts, ids = moe.norm_route_experts_triton(x, r, nw, 1e-6, w, *args, shared_gate=True)
     plain = moe.norm_route_experts_triton(x, r, nw, 1e-6, w[:e], *args)
     assert torch.equal(h_out, plain[0]) and torch.equal(r_out, plain[1])
     got_w, got_ids = by_id(wts[:, :k].cpu(), ids[:, :k].cpu())
@@ -403,7 +399,7 @@ def test_norm_route_with_a_stacked_shared_expert(shared, device):
     assert torch.equal(got_ids, want_ids)
     torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=1e-7)
     assert ids[:, k].tolist() == [e, e]
-    gate = torch.sigmoid(reference_router_gemm(h_out, w[e:])[:, 0]) if shared == "sigmoid" else torch.ones(2)
+    gate = torch.sigmoid(reference_router_gemm(h_out, w[e:])[:, 0])
     torch.testing.assert_close(wts[:, k].cpu(), gate.cpu(), rtol=1e-5, atol=1e-6)
 
 
@@ -456,7 +452,7 @@ def test_gpu_norm_route():
             # a shared gate stacked as router row E: the same routing, then entry K
             gate_row = (torch.randn(1, h, device=dev, generator=g) / h ** 0.5).to(dt)
             _, _, wts, ids = moe.norm_route_experts_triton(x, r, nw, 1e-6, torch.cat([w, gate_row]), *args,
-                                                           shared="sigmoid")
+                                                           shared_gate=True)
             got_w, got_ids = by_id(wts[:, :k], ids[:, :k])
             assert torch.equal(got_ids, want_ids) and ids[:, k].tolist() == [e] * t
             torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
@@ -594,8 +590,8 @@ def test_decode_env_config_reaches_direct_launches_only(device, monkeypatch):
 
 
 def test_selection_with_a_shared_entry_compiles_for_sm90():
-    """The selection launch with a stacked shared expert's entry (Qwen3-Next's gated one,
-    DeepSeek-V3's of weight 1) compiles for sm_90 without spills."""
+    """The selection launch with a stacked shared expert's entry at Qwen3-Next's routing
+    compiles for sm_90 without spills."""
     from tests.kernels.conftest import sm90_compile
     out = sm90_compile("select_experts()")
-    assert out.count("0 bytes spill stores") == 2, out
+    assert "shared_gate=True" in out and "0 bytes spill stores" in out, out

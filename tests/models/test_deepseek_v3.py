@@ -68,22 +68,6 @@ def test_tiny_deepseek_matches_transformers(variant, tmp_path):
     assert llm.stats()["kv_blocks_free"] == 64
 
 
-def test_stacked_shared_expert_matches_transformers(tmp_path):
-    """One shared expert as wide as a routed one stacked as expert E (the runner's decode plan on
-    CUDA; here the torch ops): decode batches route to it as entry K with weight 1 beside the
-    scaled routed weights, a prompt past STACKED_SHARED_MAX_T runs it as its own MLP; transformers'
-    tokens and logprobs. Two shared experts (twice as wide) are not stacked."""
-    from blitzllm.layers.moe import STACKED_SHARED_MAX_T, FusedMoE
-    hf = make_tiny_deepseek(tmp_path, seed=2, n_shared_experts=1)
-    llm = LLM(str(tmp_path), device="cpu", dtype="float32", kv_cache_blocks=64)
-    blocks = [m for m in llm.engine.runner.model.modules() if isinstance(m, FusedMoE)]
-    assert blocks and all(m.stack_shared_expert() and m.shared_mode == "one" for m in blocks)
-    _check_matches(llm, hf, _prompts((1, 5, 17, STACKED_SHARED_MAX_T + 6)), 8)
-    make_tiny_deepseek(tmp_path / "wide", seed=2)  # (TINY_DS: two shared experts)
-    wide = LLM(str(tmp_path / "wide"), device="cpu", dtype="float32", kv_cache_blocks=16)
-    assert not any(m.stack_shared_expert() for m in wide.engine.runner.model.modules() if isinstance(m, FusedMoE))
-
-
 def test_long_prompt_attention_in_row_chunks_matches_transformers(tmp_path, monkeypatch):
     """The prefill attention over expanded latents holds at most ``_SCORE_ELEMS`` scores at once
     (a long prompt's whole [H, Q, L] would not fit a GPU): with a bound of a few rows per chunk

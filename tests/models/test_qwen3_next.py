@@ -204,14 +204,13 @@ def test_llm_matches_transformers(checkpoint):
 
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe_text"])
-def test_stacked_shared_expert_matches_transformers(arch, tmp_path):
-    """The shared expert stacked as expert E of each MoE block (what the runner's decode plan
-    does on CUDA; here the torch ops): batches of up to STACKED_SHARED_MAX_T tokens route to it
-    as entry K weighted by sigmoid(shared_expert_gate), a longer prompt runs it as its own MLP.
-    Transformers' greedy tokens and logprobs either way; the checkpoint's parameters keep their
-    names, shapes and values, and the roofline's byte count is unchanged."""
+def test_stacked_shared_expert_matches_transformers(arch, tmp_path, monkeypatch):
+    """The gated shared expert stacked as expert E of each MoE block (what the runner's decode
+    plan does on CUDA; here the torch ops): batches on the experts' direct path route to it as
+    entry K weighted by sigmoid(shared_expert_gate), larger ones run it as its own MLP. Transformers' greedy
+    tokens and logprobs, one sequence at a time and batched; the checkpoint's parameters keep
+    their names, shapes and values, and the roofline's byte count is unchanged."""
     from blitzllm.bench.roofline import weight_bytes_per_step
-    from blitzllm.layers.moe import STACKED_SHARED_MAX_T
     from blitzllm.loader.weights import export_hf_state_dict
     from blitzllm.models.qwen3_next import SharedExpertMoE
     hf = make_hybrid_checkpoint(arch, tmp_path, seed=4, shared_expert_intermediate_size=MOE["moe_intermediate_size"])
@@ -225,7 +224,18 @@ def test_stacked_shared_expert_matches_transformers(arch, tmp_path):
     after = export_hf_state_dict(model)
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     assert weight_bytes_per_step(model, 1) == nbytes
-    check_generate(llm, hf, _prompts((1, 5, 17, 40, STACKED_SHARED_MAX_T + 6)), n=8)
+    calls = []
+    run = SharedExpertMoE._experts
+    monkeypatch.setattr(SharedExpertMoE, "_experts", lambda self, x, route, stacked=False:
+                        calls.append((x.shape[0], stacked)) or run(self, x, route, stacked))
+    prompts = _prompts((1, 5, 17, 40))
+    for prompt in prompts:
+        check_generate(llm, hf, [prompt], n=8)
+    check_generate(llm, hf, prompts, n=8)
+    from blitzllm.kernels.moe.experts import MOE_DIRECT_MAX_ENTRIES
+    limit = MOE_DIRECT_MAX_ENTRIES // (MOE["num_experts_per_tok"] + 1)  # batches on the experts' direct path
+    assert all(stacked == (t <= limit) for t, stacked in calls)
+    assert {stacked for _, stacked in calls} == {True, False}
 
 
 def test_shared_expert_of_another_width_is_not_stacked(tmp_path):

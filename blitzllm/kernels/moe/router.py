@@ -1,9 +1,9 @@
 """Mixture-of-experts ops, each a torch reference and a Triton path behind one public function:
 router GEMM (fp32 logits), expert selection (softmax or sigmoid + bias, grouped top-k,
 renormalise, scale), the norm + router launch and ``fused_moe`` (GEMMs in ``experts.py``).
-x [T, H], router weight [E, H], topk weights / ids [T, K] fp32 / int32. ``shared`` (the routing
-ops): a shared expert stacked as expert E gets entry K, weighted by ``routing.SHARED_MODES``'
-rule ("sigmoid": the router weight has a gate row E under the E routed rows). Knows no models.
+x [T, H], router weight [E, H], topk weights / ids [T, K] fp32 / int32. ``shared_gate`` (the
+routing ops): the router's row E (the logits' column E) is the gate of a shared expert stacked as
+expert E, which every token gets as entry K, weighted sigmoid(logit E). Knows no models.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from .._common import (checked_config, device_sms, next_pow2, pdl_enabled, pdl_l
                       pdl_wait, tl, triton, unit_stride, use_triton)
 from ..fp8_weights import dequantize
 from .experts import fused_moe_triton
-from .routing import SHARED_MODES, _select_row, check_routing
+from .routing import _select_row, check_routing
 from ..norm.rmsnorm import fused_add_rms_norm, rms_normalize
 
 
@@ -28,19 +28,19 @@ def reference_router_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
 
 def reference_select_experts(logits: torch.Tensor, top_k: int, scoring: str = "softmax",
                              bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: int = 1,
-                             renormalize: bool = True, scaling: float = 1.0, shared: Optional[str] = None):
+                             renormalize: bool = True, scaling: float = 1.0, shared_gate: bool = False):
     """logits [T, E] (fp32) -> (weights [T, K] fp32, ids [T, K] int32). ``scoring``: "softmax" or
     "sigmoid"; ``bias`` (e_score_correction_bias) shifts the scores for selection only. With
     n_group > 1 a group scores the sum of its top-2 biased scores (its max without a bias) and
     only the best topk_group groups are eligible. ``renormalize`` divides the K weights by their
-    sum; ``scaling`` (routed_scaling_factor) multiplies them. ``shared``: then [T, K + 1], the
-    last entry expert E (logits [T, E + 1] for "sigmoid", its weight sigmoid(logits[:, E]))."""
-    if shared is not None:
-        e = routed_experts(logits.shape[-1], shared)
+    sum; ``scaling`` (routed_scaling_factor) multiplies them. ``shared_gate``: logits [T, E + 1],
+    then [T, K + 1], the last entry expert E with weight sigmoid(logits[:, E])."""
+    if shared_gate:
+        e = logits.shape[-1] - 1
         weights, ids = reference_select_experts(logits[:, :e], top_k, scoring, bias, n_group, topk_group,
                                                 renormalize, scaling)
-        w = torch.sigmoid(logits[:, e:].float()) if shared == "sigmoid" else torch.ones_like(weights[:, :1])
-        return torch.cat([weights, w], 1), torch.cat([ids, torch.full_like(ids[:, :1], e)], 1)
+        return (torch.cat([weights, torch.sigmoid(logits[:, e:].float())], 1),
+                torch.cat([ids, torch.full_like(ids[:, :1], e)], 1))
     if scoring == "softmax":
         scores = torch.softmax(logits.float(), dim=-1)
     elif scoring == "sigmoid":
@@ -65,13 +65,6 @@ def reference_select_experts(logits: torch.Tensor, top_k: int, scoring: str = "s
     if scaling != 1.0:
         weights = weights * scaling
     return weights, ids.to(torch.int32)
-
-
-def routed_experts(rows: int, shared: Optional[str]) -> int:
-    """The routed experts E of a router (or logits) with ``rows`` rows under ``shared``."""
-    if shared not in SHARED_MODES:
-        raise ValueError(f"shared must be one of {SHARED_MODES}, got {shared!r}")
-    return rows - (shared == "sigmoid")
 
 
 def reference_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -244,24 +237,23 @@ def _select_experts_kernel(logits_ptr, bias_ptr, w_out_ptr, id_out_ptr, stride_l
                            GROUP: tl.constexpr, N_GROUP: tl.constexpr, NG_PAD: tl.constexpr,
                            G_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
                            K_PAD: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           RENORM: tl.constexpr, SHARED: tl.constexpr, USE_PDL: tl.constexpr):
+                           RENORM: tl.constexpr, SHARED_GATE: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     pdl_launch_dependents(USE_PDL)
     _select_row(logits_ptr + row * stride_l, bias_ptr, w_out_ptr, id_out_ptr, row, scaling, GROUP, N_GROUP,
-                NG_PAD, G_PAD, TOPK_GROUP, TOP_K, K_PAD, SIGMOID, HAS_BIAS, RENORM, SHARED)
+                NG_PAD, G_PAD, TOPK_GROUP, TOP_K, K_PAD, SIGMOID, HAS_BIAS, RENORM, SHARED_GATE)
 
 
 def select_experts_triton(logits: torch.Tensor, top_k: int, scoring: str = "softmax",
                           bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: int = 1,
-                          renormalize: bool = True, scaling: float = 1.0, shared: Optional[str] = None):
+                          renormalize: bool = True, scaling: float = 1.0, shared_gate: bool = False):
     """``reference_select_experts`` in one kernel: (weights [T, K] fp32, ids [T, K] int32), K + 1
-    columns with ``shared``."""
-    T = logits.shape[0]
-    E = routed_experts(logits.shape[1], shared)
-    check_routing(E, top_k, scoring, bias, n_group, topk_group, shared)
+    columns with ``shared_gate``."""
+    T, E = logits.shape[0], logits.shape[1] - shared_gate
+    check_routing(E, top_k, scoring, bias, n_group, topk_group)
     logits = unit_stride(logits.float())
-    out_k = top_k + (shared is not None)
+    out_k = top_k + shared_gate
     weights = torch.empty(T, out_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(T, out_k, dtype=torch.int32, device=logits.device)
     if T == 0:
@@ -273,7 +265,7 @@ def select_experts_triton(logits: torch.Tensor, top_k: int, scoring: str = "soft
         logits, bias.contiguous() if bias is not None else logits, weights, ids, logits.stride(0), float(scaling),
         GROUP=group, N_GROUP=n_group, NG_PAD=ng_pad, G_PAD=g_pad, TOPK_GROUP=topk_group if n_group > 1 else 1,
         TOP_K=top_k, K_PAD=next_pow2(top_k), SIGMOID=scoring == "sigmoid", HAS_BIAS=bias is not None,
-        RENORM=bool(renormalize), SHARED=SHARED_MODES.index(shared), USE_PDL=pdl,
+        RENORM=bool(renormalize), SHARED_GATE=bool(shared_gate), USE_PDL=pdl,
         num_warps=1 if ng_pad * g_pad <= 512 else 4, **pdl_launch_kwargs(pdl))
     return weights, ids
 
@@ -319,13 +311,13 @@ NORM_ROUTE_MAX_T = 4  # tokens per launch: each program loops over them
 def norm_route_experts_triton(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
                               eps: float, weight: torch.Tensor, top_k: int, scoring: str = "softmax",
                               bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: int = 1,
-                              renormalize: bool = True, scaling: float = 1.0, shared: Optional[str] = None):
+                              renormalize: bool = True, scaling: float = 1.0, shared_gate: bool = False):
     """``reference_norm_route_experts`` in two launches for up to NORM_ROUTE_MAX_T tokens: the
     residual add, the RMSNorm and the router GEMM in one (``_norm_route_kernel``), the selection
     (``select_experts_triton``) in the next."""
     T, H = x.shape
     E = weight.shape[0]  # (the logits of every router row, a shared gate row included)
-    check_routing(routed_experts(E, shared), top_k, scoring, bias, n_group, topk_group, shared)
+    check_routing(E - shared_gate, top_k, scoring, bias, n_group, topk_group)
     assert 0 < T <= NORM_ROUTE_MAX_T and weight.shape[1] == H and norm_weight.shape == (H,)
     x, weight = unit_stride(x), unit_stride(weight)
     if residual is not None:
@@ -345,20 +337,20 @@ def norm_route_experts_triton(x: torch.Tensor, residual: Optional[torch.Tensor],
         BLOCK_E=block_e, BLOCK_H=block_h, HAS_RESIDUAL=residual is not None, USE_PDL=pdl,
         num_warps=warps, **pdl_launch_kwargs(pdl))
     weights, ids = select_experts_triton(logits, top_k, scoring, bias, n_group, topk_group, renormalize, scaling,
-                                         shared)
+                                         shared_gate)
     return h, res_out, weights, ids
 
 
 def reference_norm_route_experts(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
                                  eps: float, weight: torch.Tensor, top_k: int, scoring: str = "softmax",
                                  bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: int = 1,
-                                 renormalize: bool = True, scaling: float = 1.0, shared: Optional[str] = None):
+                                 renormalize: bool = True, scaling: float = 1.0, shared_gate: bool = False):
     """The post-attention half's routing: (h = rms_norm(x + residual), x + residual, topk
     weights, topk ids) with h routed by ``route_experts`` (the norm and routing dispatchers).
     residual None: h = rms_norm(x) and x is returned as the residual."""
     h, res = fused_add_rms_norm(x, residual, norm_weight, eps)
     return (h, res, *route_experts(h, weight, top_k, scoring, bias, n_group, topk_group, renormalize, scaling,
-                                   shared))
+                                   shared_gate))
 
 
 # ---- public ops -----------------------------------------------------------------------
@@ -384,21 +376,21 @@ def router_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def select_experts(logits: torch.Tensor, top_k: int, scoring: str = "softmax",
                    bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: int = 1,
-                   renormalize: bool = True, scaling: float = 1.0, shared: Optional[str] = None):
+                   renormalize: bool = True, scaling: float = 1.0, shared_gate: bool = False):
     """(weights [T, K] fp32, ids [T, K] int32) of the experts each token goes to; see
     ``reference_select_experts``. One Triton kernel for CUDA tensors, torch otherwise."""
-    check_routing(routed_experts(logits.shape[-1], shared), top_k, scoring, bias, n_group, topk_group, shared)
+    check_routing(logits.shape[-1] - shared_gate, top_k, scoring, bias, n_group, topk_group)
     fn = select_experts_triton if use_triton(logits) else reference_select_experts
-    return fn(logits, top_k, scoring, bias, n_group, topk_group, renormalize, scaling, shared)
+    return fn(logits, top_k, scoring, bias, n_group, topk_group, renormalize, scaling, shared_gate)
 
 
 def route_experts(x: torch.Tensor, weight: torch.Tensor, top_k: int, scoring: str = "softmax",
                   bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: int = 1,
-                  renormalize: bool = True, scaling: float = 1.0, shared: Optional[str] = None):
+                  renormalize: bool = True, scaling: float = 1.0, shared_gate: bool = False):
     """``select_experts(router_gemm(x, weight), ...)``: (weights [T, K] fp32, ids [T, K] int32),
     two launches on CUDA."""
     return select_experts(router_gemm(x, weight), top_k, scoring, bias, n_group, topk_group, renormalize, scaling,
-                          shared)
+                          shared_gate)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -424,10 +416,10 @@ def norm_route_ok(x: torch.Tensor) -> bool:
 def norm_route_experts(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
                        weight: torch.Tensor, top_k: int, scoring: str = "softmax",
                        bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: int = 1,
-                       renormalize: bool = True, scaling: float = 1.0, shared: Optional[str] = None):
+                       renormalize: bool = True, scaling: float = 1.0, shared_gate: bool = False):
     """(rms_norm(x + residual), x + residual, topk weights [T, K] fp32, topk ids [T, K] int32):
     where ``norm_route_ok(x)`` the norm and the router GEMM in one Triton launch and the
     selection in another, else the norm and ``route_experts``."""
     fn = norm_route_experts_triton if norm_route_ok(x) else reference_norm_route_experts
     return fn(x, residual, norm_weight, eps, weight, top_k, scoring, bias, n_group, topk_group, renormalize, scaling,
-              shared)
+              shared_gate)

@@ -1,8 +1,8 @@
 """Expert selection inside a Triton program: a token's routing scores from its fp32 router
 logits (softmax, or sigmoid with a correction bias steering the choice; grouped top-k over
 n_group groups keeping topk_group), its top-k as TOP_K argmax rounds (``_select_row``: the
-selection launches of kernels/moe/router.py), the weights renormalised and scaled, and a shared
-expert as one more entry where the block holds it as expert E (``SHARED_MODES``). The torch form
+selection launches of kernels/moe/router.py), the weights renormalised and scaled, and with
+SHARED_GATE a gated shared expert stacked as expert E as one more entry. The torch form
 is ``moe.reference_select_experts``."""
 from __future__ import annotations
 
@@ -11,11 +11,6 @@ from typing import Optional
 import torch
 
 from .._common import tl, triton
-
-# How a shared expert stacked as expert E is weighted, by a mode's index (0: no shared entry):
-# "sigmoid": sigmoid of the router's logit E (a gate row stacked under the router's E rows;
-# Qwen3-Next / Qwen3.5), "one": weight 1 (DeepSeek-V3). Its entry follows the K routed ones.
-SHARED_MODES = (None, "sigmoid", "one")
 
 
 @triton.jit
@@ -69,11 +64,12 @@ def _select_row(row_ptr, bias_ptr, w_out_ptr, id_out_ptr, row, scaling,
                 GROUP: tl.constexpr, N_GROUP: tl.constexpr, NG_PAD: tl.constexpr,
                 G_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
                 K_PAD: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
-                RENORM: tl.constexpr, SHARED: tl.constexpr = 0):
+                RENORM: tl.constexpr, SHARED_GATE: tl.constexpr = False):
     """Routing of one token from its fp32 logits at row_ptr: writes its TOP_K weights and
     expert ids to row ``row`` of the outputs (TOP_K argmax rounds, best first; the lowest
-    expert id among equals), then with SHARED (an index of SHARED_MODES) the shared expert's
-    entry: rows of TOP_K + 1."""
+    expert id among equals). SHARED_GATE: the logits have a column E more, the gate of a shared
+    expert stacked as expert E, whose entry (id E, weight sigmoid(logit E)) follows: rows of
+    TOP_K + 1."""
     flat, sflat, eid = _route_scores(row_ptr, bias_ptr, GROUP, N_GROUP, NG_PAD, G_PAD, TOPK_GROUP, SIGMOID, HAS_BIAS)
     pos = tl.arange(0, NG_PAD * G_PAD)
     k = tl.arange(0, K_PAD)
@@ -88,24 +84,18 @@ def _select_row(row_ptr, bias_ptr, w_out_ptr, id_out_ptr, row, scaling,
     # the chosen experts' scores gathered from registers (no second read of the logits)
     w = tl.sum(tl.where(pos[None, :] == picks[:, None], sflat[None, :], 0.0), axis=1)
     w = _route_weights(w, scaling, RENORM)
-    out_k: tl.constexpr = TOP_K + (SHARED > 0)
+    out_k: tl.constexpr = TOP_K + SHARED_GATE
     tl.store(w_out_ptr + row * out_k + k, w, mask=kmask)
     tl.store(id_out_ptr + row * out_k + k, ids, mask=kmask)
-    if SHARED > 0:
+    if SHARED_GATE:
         e: tl.constexpr = N_GROUP * GROUP
-        if SHARED == 1:
-            w_shared = 1.0 / (1.0 + tl.exp(-tl.load(row_ptr + e)))
-        else:
-            w_shared = 1.0
-        tl.store(w_out_ptr + row * out_k + TOP_K, w_shared)
+        tl.store(w_out_ptr + row * out_k + TOP_K, 1.0 / (1.0 + tl.exp(-tl.load(row_ptr + e))))
         tl.store(id_out_ptr + row * out_k + TOP_K, e)
 
 
 def check_routing(num_experts: int, top_k: int, scoring: str, bias: Optional[torch.Tensor],
-                  n_group: int, topk_group: int, shared: Optional[str] = None) -> None:
+                  n_group: int, topk_group: int) -> None:
     """ValueError naming the argument when the routing settings do not fit E experts."""
-    if shared not in SHARED_MODES:
-        raise ValueError(f"shared must be one of {SHARED_MODES}, got {shared!r}")
     if scoring not in ("softmax", "sigmoid"):
         raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
     if not 1 <= top_k <= num_experts:
