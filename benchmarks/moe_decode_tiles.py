@@ -4,6 +4,7 @@ the fused weighted combine), each over a grid of tiles, beside the dense GEMV st
 same bytes.
 
     python3 benchmarks/moe_decode_tiles.py [--models qwen3-30b-a3b,...] [--t 1] [--budget-s 240]
+                                           [--launches up,down]
     python3 benchmarks/moe_decode_tiles.py --smoke     # CPU: tiny shapes under TRITON_INTERPRET=1
 
 Per model (expert sizes of Qwen3-30B-A3B, DeepSeek-V3, MiniMax-M2; bf16): T tokens with 8
@@ -28,7 +29,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 MODELS = {"qwen3-30b-a3b": (128, 8, 2048, 768), "deepseek-v3": (256, 8, 7168, 2048),
-          "minimax-m2": (256, 8, 3072, 1536)}  # E, K, H, I
+          "minimax-m2": (256, 8, 3072, 1536),
+          # the hybrids with their shared expert stacked as expert 512: top-10 + 1 entries
+          "qwen3-next-80b-a3b": (513, 11, 2048, 512), "qwen3.5-397b-a17b": (513, 11, 4096, 1024)}  # E, K, H, I
 ROUTINGS = 8
 SMEM = 200 * 1024
 
@@ -113,6 +116,8 @@ def run(args):
 
         for launch, fn, ref, gated, wbytes in (("up", up, ref_up, True, 2 * inter * h * 2),
                                                ("down", down, ref_down, False, h * inter * 2)):
+            if launch not in args.launches.split(","):
+                continue
             want = ref(calls[0])
             nbytes = chosen * wbytes
             variants = [("heuristic", heur[0] if gated else heur[1])]
@@ -161,7 +166,7 @@ def run(args):
                 json.dump(results, fh, indent=1)
     print(f"\n== summary ({time.time() - t0:.0f} s; us per launch, CUDA-graph replay; GB/s of the chosen experts' weights)")
     for model in args.models.split(","):
-        for launch in ("up", "down"):
+        for launch in args.launches.split(","):
             rs = [r for r in results if r["model"] == model and r["launch"] == launch and "us" in r
                   and r.get("err", 0) < tol]
             bad = [r for r in results if r["model"] == model and r["launch"] == launch
@@ -184,6 +189,7 @@ def main():
     ap.add_argument("--models", default="qwen3-30b-a3b")
     ap.add_argument("--t", type=int, default=1, help="tokens")
     ap.add_argument("--budget-s", type=float, default=240.0, help="past this, only the heuristics are timed")
+    ap.add_argument("--launches", default="up,down", help="which launches to time: up, down or both")
     args = ap.parse_args()
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
