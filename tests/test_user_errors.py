@@ -182,9 +182,12 @@ def test_console_script_exit_code():
     (["bench", "serve", "--base-url", "http://127.0.0.1:9", "--save-json", "/no/such/dir/r.json"],
      "--save-json: the folder /no/such/dir does not exist"),
     (["serve", "--served-model-name", " "], "--served-model-name must not be empty"),
+    (["bench", "latency", *TINY_PRESET, "--max-num-batched-tokens", "0"], "max_num_batched_tokens must be"),
+    (["bench", "latency", *TINY_PRESET, "--max-num-seqs", "0"], "max_num_seqs must be"),
 ])
 def test_output_paths_and_names_fail_before_the_run(capsys, argv, msg):
     """A results file in a missing folder fails at once (it used to end a finished benchmark with a
-    traceback); an empty served model name is refused."""
+    traceback); an empty served model name is refused; bench latency's engine sizes below 1 are
+    refused (they silently became its defaults)."""
     code, err = _cli(capsys, *argv)
     assert code == 2 and len(err) == 1 and msg in err[0], err

@@ -73,8 +73,10 @@ def run(a) -> int:
         raise ValueError("--batch-size and --input-len must be >= 1 and --output-len >= 2")
     check_output_file(a.json, "--json")
     kw = engine_kwargs(a)
-    kw["max_num_batched_tokens"] = kw["max_num_batched_tokens"] or max(B * I, 2048)
-    kw["max_num_seqs"] = max(kw["max_num_seqs"], B)
+    if kw["max_num_batched_tokens"] is None:
+        kw["max_num_batched_tokens"] = max(B * I, 2048)
+    if kw["max_num_seqs"] >= 1:  # (a value below 1 reaches the engine's argument check)
+        kw["max_num_seqs"] = max(kw["max_num_seqs"], B)
     kw["enable_prefix_caching"] = False  # every run must compute its prompt
     peers = [x.strip() for x in (a.compare or "").split(",") if x.strip()]
     bad = [x for x in peers if x not in ("hf", "llamacpp", "vllm", "nospec")]
