@@ -50,3 +50,15 @@ def check_output_file(path: Optional[str], flag: str) -> None:
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder):
             raise ValueError(f"{flag}: the folder {folder} does not exist")
+
+
+def check_listen_address(host: str, port: int) -> None:
+    """A ValueError naming --host / --port where the server could not listen there, before it starts
+    (uvicorn would log its own error lines first, and exit 3 for a host it cannot resolve)."""
+    import socket
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {port}")
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ValueError(f"--host {host!r} is not an address to listen on ({e})") from None

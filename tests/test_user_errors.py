@@ -191,3 +191,18 @@ def test_output_paths_and_names_fail_before_the_run(capsys, argv, msg):
     refused (they silently became its defaults)."""
     code, err = _cli(capsys, *argv)
     assert code == 2 and len(err) == 1 and msg in err[0], err
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["serve", "--model", "/no/such/model"], "model not found: /no/such/model"),
+    (["serve", *TINY_PRESET, "--block-size", "12"], "block_size must be a power of two"),
+    (["serve", *TINY_PRESET, "--host", "999.1.1.1"], "--host '999.1.1.1' is not an address to listen on"),
+    (["router", "--host", "999.1.1.1", "--backend", "http://127.0.0.1:9"],
+     "--host '999.1.1.1' is not an address to listen on"),
+])
+def test_serve_and_router_refuse_bad_arguments_before_listening(capsys, argv, msg):
+    """A missing local model, a bad engine argument or an address nobody can listen on is one
+    error line and exit 2 before the server starts (serve printed uvicorn's start-up and shutdown
+    lines first; the router exited 3 after uvicorn's own error)."""
+    code, err = _cli(capsys, *argv)
+    assert code == 2 and len(err) == 1 and msg in err[0], err

@@ -8,6 +8,8 @@ import math
 import sys
 from urllib.parse import urlsplit
 
+from ..cli_args import check_listen_address
+
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", nargs="+", default=[], metavar="URL",
@@ -42,8 +44,7 @@ def config_from_args(a: argparse.Namespace):
         raise ValueError("give --prefill URL.. --decode URL.., or --backend URL..")
     if a.prefix_aware and not a.backend:
         raise ValueError("--prefix-aware goes with --backend")
-    if not 0 <= a.port <= 65535:
-        raise ValueError(f"--port must be in [0, 65535], got {a.port}")
+    check_listen_address(a.host, a.port)
     if not all(math.isfinite(x) and x > 0 for x in (a.health_interval, a.request_timeout)):
         raise ValueError("--health-interval and --request-timeout must be finite numbers > 0")
     return RouterConfig(prefill=_urls(a.prefill, "--prefill"), decode=_urls(a.decode, "--decode"),
@@ -64,7 +65,10 @@ def run_router(a: argparse.Namespace) -> int:
     print(f"blitz router: http://{cfg.host}:{cfg.port} ({mode})", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(build_router_app(cfg), host=cfg.host, port=cfg.port,
                                            log_level=a.log_level, access_log=False, timeout_graceful_shutdown=5))
-    server.run()
+    try:
+        server.run()
+    except SystemExit:  # (uvicorn exits when it cannot bind; it logged why)
+        pass
     if not server.started:
         raise ValueError(f"the router could not start on {cfg.host}:{cfg.port} (is the port in use?)")
     return 0

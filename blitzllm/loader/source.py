@@ -103,6 +103,13 @@ def _hub_source(repo_id: str) -> ModelSource:
     return _hf_source(Path(folder))
 
 
+def is_hub_id(model: str) -> bool:
+    """Whether ``resolve_model`` fetches ``model`` from the hub: "owner/name" and no local path."""
+    path = Path(os.path.expanduser(model))
+    return (model.count("/") == 1 and not model.startswith((".", "/", "~")) and not path.exists()
+            and not model.startswith("preset:"))
+
+
 def resolve_model(model: str, load_format: str = "auto") -> ModelSource:
     if not isinstance(model, str) or not model:
         raise ValueError(f"model must be a non-empty string, got {model!r}")
@@ -120,7 +127,7 @@ def resolve_model(model: str, load_format: str = "auto") -> ModelSource:
             src = _gguf_source(path)
         elif path.is_file():
             raise ValueError(f"model file {model} is not a .gguf file or a model folder")
-        elif model.count("/") == 1 and not model.startswith((".", "/", "~")):
+        elif is_hub_id(model):
             src = _hub_source(model)
         else:
             raise ValueError(f"model not found: {model} (not a file, folder, preset or hub id)")

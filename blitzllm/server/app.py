@@ -48,9 +48,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
-    from ..cli_args import engine_kwargs
-    if not 0 <= args.port <= 65535:
-        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    from ..cli_args import check_listen_address, engine_kwargs
+    check_listen_address(args.host, args.port)
     if args.max_waiting_requests < 1:
         raise ValueError(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
     if args.max_request_bytes < 1024:
@@ -60,6 +59,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
         raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together")
     kwargs = engine_kwargs(args)
+    _check_engine(kwargs)
     if args.kv_transfer_config is not None:
         from ..kv_transfer import parse_kv_transfer_config
         kv = parse_kv_transfer_config(args.kv_transfer_config).with_address(args.host, args.port)
@@ -68,6 +68,17 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                        served_model_name=args.served_model_name, max_waiting_requests=args.max_waiting_requests,
                        max_request_bytes=args.max_request_bytes, reasoning_parser=args.reasoning_parser,
                        tool_call_parser=args.tool_call_parser)
+
+
+def _check_engine(kwargs: dict) -> None:
+    """The engine arguments' types and ranges, and a local model's presence, before the server
+    listens (a hub model downloads afterwards, while /health answers 503)."""
+    from ..engine.args import check_engine_args
+    from ..engine.engine import EngineArgs
+    from ..loader.source import is_hub_id, resolve_model
+    check_engine_args(EngineArgs(**kwargs))
+    if not is_hub_id(kwargs["model"]):
+        resolve_model(kwargs["model"], kwargs["load_format"])
 
 
 def run_server(args: argparse.Namespace) -> int:
