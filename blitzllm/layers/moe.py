@@ -222,7 +222,8 @@ class FusedMoE(nn.Module):
             return _op("fused_moe")(x, self.stacks[0], self.stacks[1], weights, ids, fp32_sum=self.fp32_sum)
         if self.expert_start is None:
             # (an fp32 sum only where nothing is added to it here and no rank sums it after)
-            fp32 = self.fp32_sum and self.shared_experts is None and self.local_intermediate == self.intermediate
+            fp32 = (self.fp32_sum and self.shared_experts is None and self.shared_parts() is None
+                    and self.local_intermediate == self.intermediate)
             out = _op("fused_moe")(x, self.w13, self.w2, weights, ids, fp32_sum=fp32, scales=self.fp8_scales)
         else:  # split by expert: the other ranks' experts become id -1 with weight 0
             local = ids - self.expert_start

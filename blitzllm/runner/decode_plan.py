@@ -56,19 +56,28 @@ def apply_decode_plan(model: nn.Module, knobs: Knobs) -> None:
         head.tma_preload = True
 
 
+def _entry_projection(layer: nn.Module):
+    """The ``Linear`` whose ``forward_norm`` takes a pre-norm layer's input (and its input norm):
+    the qkv of models/llama.py's decoder layers, the qkv or GDN input projection of the hybrid
+    layers (models/qwen3_next.py); None for other layers."""
+    gdn = getattr(layer, "linear_attn", None)
+    proj = gdn.in_proj if gdn is not None else getattr(getattr(layer, "self_attn", None), "qkv_proj", None)
+    return proj if isinstance(proj, Linear) and (hasattr(layer, "mlp_name") or gdn is not None) else None
+
+
 def _plan_fp32_sums(model: nn.Module) -> None:
     """Let an MoE block return its fp32 sum (``FusedMoE.fp32_sum``) where the next op is a
-    residual add + RMSNorm that rounds it: the next decoder layer's input norm (through
+    residual add + RMSNorm that rounds it: the next layer's input norm (through
     ``Linear.forward_norm``) or the final norm, none of them summing over ranks."""
     inner = getattr(model, "model", None)
     layers = list(getattr(inner, "layers", None) or [])
     for i, layer in enumerate(layers):
         mlp = getattr(layer, getattr(layer, "mlp_name", "mlp"), None)
-        if not hasattr(layer, "mlp_name") or not hasattr(mlp, "fp32_sum"):
+        if _entry_projection(layer) is None or not hasattr(mlp, "fp32_sum"):
             continue
         nxt = layers[i + 1] if i + 1 < len(layers) else None
         norm = inner.norm if nxt is None else getattr(nxt, "input_layernorm", None)
-        takes = nxt is None or (hasattr(nxt, "mlp_name") and isinstance(nxt.self_attn.qkv_proj, Linear))
+        takes = nxt is None or _entry_projection(nxt) is not None
         mlp.fp32_sum = takes and isinstance(norm, RMSNorm) and norm.tp is None
 
 

@@ -64,14 +64,16 @@ def test_fused_add_rms_norm(shape, dtype, device):
     close(out, hf, dtype)
 
 
+@pytest.mark.parametrize("fp32_weight", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_fused_add_rms_norm_fp32_input(dtype, device):
+def test_fused_add_rms_norm_fp32_input(dtype, fp32_weight, device):
     """An fp32 x beside a lower-precision residual (an MoE block's unrounded sum) is rounded
     to the residual's dtype first: the Triton kernel and the dispatcher on any device give
-    the results of the rounded x, in the residual's dtype."""
+    the results of the rounded x, in the residual's dtype; also with an fp32 weight (the
+    hybrid models' (1 + w) norms, ``OffsetRMSNorm``)."""
     x = (torch.randn(3, 96) * 2).to(device)
     r = (torch.randn(3, 96) * 4).to(device, dtype)
-    w = (1 + 0.5 * torch.randn(96)).to(device, dtype)
+    w = (1 + 0.5 * torch.randn(96)).to(device, torch.float32 if fp32_weight else dtype)
     ref_out, ref_res = reference_fused_add_rms_norm(x.to(dtype), r, w, 1e-5)
     for fn in (fused_add_rms_norm_triton, fused_add_rms_norm):
         out, res = fn(x, r, w, 1e-5)

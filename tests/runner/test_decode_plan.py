@@ -91,3 +91,17 @@ def test_moe_fp32_sums_go_where_a_norm_rounds_them(moe_dir):
             m.fp32_sum = False
     apply_decode_plan(model, Knobs())
     assert all(m.fp32_sum for m in model.modules() if hasattr(m, "fp32_sum"))
+
+
+def test_hybrid_moe_blocks_return_fp32_sums(tmp_path):
+    """The hybrid models' MoE blocks (Qwen3-Next) return their fp32 sums too: whether a gated
+    delta net or an attention layer follows (both enter through ``Linear.forward_norm``, whose
+    (1 + w) norm rounds the sum) or the final norm; the dense-MLP layer has none; greedy output
+    unchanged against transformers (tests/models/test_qwen3_next.py's check)."""
+    from blitzllm.models.qwen3_next import SharedExpertMoE
+    from tests.models.test_qwen3_next import _llm, _prompts, check_generate, make_hybrid_checkpoint
+    hf = make_hybrid_checkpoint("qwen3_next", tmp_path)
+    llm = _llm(tmp_path)
+    moes = [layer.mlp for layer in llm.engine.runner.model.model.layers if isinstance(layer.mlp, SharedExpertMoE)]
+    assert len(moes) == 3 and all(m.fp32_sum for m in moes)
+    check_generate(llm, hf, _prompts((1, 5, 17)), n=6)
