@@ -6,6 +6,7 @@ streams in one ``call_soon_threadsafe``. Knows nothing about HTTP.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
@@ -45,8 +46,9 @@ class RequestStream:
     """The events of one request (all n completions), in order. Iterate with ``async for``;
     iteration ends once every completion has finished."""
 
-    def __init__(self, request_id: str, n: int, arrival: float):
+    def __init__(self, request_id: str, n: int, arrival: float, engine_id: Optional[str] = None):
         self.request_id = request_id
+        self.engine_id = engine_id or request_id   # the id the engine knows it by (unique per add)
         self.n = n
         self.arrival = arrival
         self.first_token_time: Optional[float] = None
@@ -83,7 +85,12 @@ class AsyncEngine:
         self.load_error: Optional[BaseException] = None
         self.fatal_error: Optional[BaseException] = None
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, RequestStream] = {}   # touched on the event loop thread only
+        # touched on the event loop thread only: the streams in flight by the caller's id, and by
+        # the engine's, which adds a counter so that a finished or aborted request's late events
+        # and aborts never reach a later request that reuses the caller's id
+        self._streams: dict[str, RequestStream] = {}
+        self._by_engine_id: dict[str, RequestStream] = {}
+        self._adds = itertools.count()
         self._pending_adds = 0
         self._stats: Optional[dict] = None
         self._stop = False
@@ -136,18 +143,18 @@ class AsyncEngine:
             raise QueueFullError(f"{waiting} requests are waiting (bound {self.max_waiting}); retry later")
         if request_id in self._streams:
             raise DuplicateRequestError(f"request id {request_id!r} is already in use")
-        stream = RequestStream(request_id, params.n, time.monotonic())
-        self._streams[request_id] = stream
+        stream = RequestStream(request_id, params.n, time.monotonic(), f"{request_id}#{next(self._adds)}")
+        self._streams[request_id] = self._by_engine_id[stream.engine_id] = stream
         fut = self._loop.create_future()
         self._pending_adds += 1
         try:
             kv = await self._kv_extras(prompt, kv_transfer_params)
             if params.structured_output is not None:   # compiled here, off the engine thread
                 await asyncio.to_thread(lambda: self.engine.grammar_compiler().compile(params.structured_output))
-            self._cmds.put(("add", request_id, prompt, params, fut, kv))
+            self._cmds.put(("add", stream.engine_id, prompt, params, fut, kv))
             await fut
         except BaseException:  # rejected, or the caller went away before the engine saw it
-            self.abort(request_id)
+            self.abort(request_id, stream)
             raise
         finally:
             self._pending_adds -= 1
@@ -165,17 +172,25 @@ class AsyncEngine:
             out["kv_payload"] = await asyncio.to_thread(conn.load, kv_transfer_params, ids)
         return out
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request and free its KV blocks (no-op once it finished)."""
-        stream = self._streams.pop(request_id, None)
-        if stream is not None and not stream.finished:
-            self._cmds.put(("abort", request_id))
+    def abort(self, request_id: str, stream: Optional[RequestStream] = None) -> None:
+        """Stop a request and free its KV blocks (no-op once it finished). ``stream``: only while
+        ``request_id`` still names that stream (once it finished, the id may name a new request)."""
+        current = self._streams.get(request_id)
+        if current is None or (stream is not None and current is not stream):
+            return
+        self._forget(current)
+        if not current.finished:
+            self._cmds.put(("abort", current.engine_id))
+
+    def _forget(self, stream: RequestStream) -> None:
+        self._streams.pop(stream.request_id, None)
+        self._by_engine_id.pop(stream.engine_id, None)
 
     # ---- delivery (event loop thread, scheduled by the engine thread) --------------
     def _deliver(self, events: list, t: float) -> None:
         obs = self.observer
         for ev in events:
-            s = self._streams.get(ev.request_id)
+            s = self._by_engine_id.get(ev.request_id)
             if s is None:
                 continue  # aborted while this step ran
             last = s._last_token_time[ev.index]
@@ -192,10 +207,10 @@ class AsyncEngine:
                 s._remaining -= 1
                 if s._remaining == 0:
                     s.finished = True
-                    del self._streams[ev.request_id]
+                    self._forget(s)
                     if obs is not None:
                         obs.finished(t - s.arrival, ev.finish_reason)
-                    log.debug("request %s finished (%s) after %.3fs", ev.request_id, ev.finish_reason,
+                    log.debug("request %s finished (%s) after %.3fs", s.request_id, ev.finish_reason,
                               t - s.arrival)
 
     def _resolve(self, results: list) -> None:
@@ -208,10 +223,10 @@ class AsyncEngine:
                 fut.set_exception(exc)
 
     def _fail_all(self, exc: BaseException) -> None:
-        for rid, s in list(self._streams.items()):
+        for s in list(self._streams.values()):
             s._queue.put_nowait(exc)
             s.finished = True
-            del self._streams[rid]
+            self._forget(s)
 
     def _loaded(self, error: Optional[BaseException]) -> None:
         """The engine can serve (``error`` None), or it cannot: it failed to load or died."""

@@ -74,8 +74,8 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
         return SSEResponse(_chat_sse(s, rid, created, stream, params.n, len(ids), k,
                                       bool(opts and opts.include_usage),
                                       bool(opts and opts.continuous_usage_stats), parsers),
-                           on_close=lambda: s.aengine.abort(rid))
-    result = await s.until_done_or_gone(raw, s.collect([stream], params.n), [rid])
+                           on_close=lambda: s.aengine.abort(rid, stream))
+    result = await s.until_done_or_gone(raw, s.collect([stream], params.n), [stream])
     if result is None:
         return Response(status_code=499)
     choices = []

@@ -97,8 +97,8 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
             streams.append(await s.submit(rid, ids, params, "prompt", structured_field=structured_field,
                                           kv_transfer_params=req.kv_transfer_params))
     except BaseException:  # (only the ones submitted: an id in use may be another request's)
-        for rid in rids[:len(streams)]:
-            s.aengine.abort(rid)
+        for st in streams:
+            s.aengine.abort(st.request_id, st)
         raise
     created = int(time.time())
     n, k = params.n, req.logprobs
@@ -108,14 +108,14 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
         opts = req.stream_options
 
         def close():
-            for rid in rids:
-                s.aengine.abort(rid)
+            for st in streams:
+                s.aengine.abort(st.request_id, st)
 
         echo_ids = [ids for ids, _ in prompts] if req.echo and k is not None else None
         return SSEResponse(_cmpl_sse(s, base, created, streams, n, k, echoes, echo_ids, prompt_tokens,
                                      bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats)),
                            on_close=close)
-    result = await s.until_done_or_gone(raw, s.collect(streams, n), rids)
+    result = await s.until_done_or_gone(raw, s.collect(streams, n), streams)
     if result is None:
         return Response(status_code=499)
     choices = []

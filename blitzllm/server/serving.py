@@ -330,7 +330,7 @@ class Serving:
             raise APIError(503, f"the model is not ready: {e}", code="model_loading",
                            headers={"Retry-After": "5"}) from None
 
-    async def until_done_or_gone(self, raw: Request, coro, rids: list):
+    async def until_done_or_gone(self, raw: Request, coro, streams: list):
         """Run a non-streaming collection; abort the requests if the client disconnects."""
         task = asyncio.ensure_future(coro)
         try:
@@ -349,8 +349,8 @@ class Serving:
         finally:
             if not task.done():
                 task.cancel()
-            for rid in rids:
-                self.aengine.abort(rid)
+            for st in streams:   # (a finished one's id may already name another request)
+                self.aengine.abort(st.request_id, st)
 
     def stream_error(self, e: Exception) -> bytes:
         if isinstance(e, EngineStoppedError):

@@ -178,6 +178,38 @@ def test_abort_mid_stream_frees_the_request():
     assert eng.requests == {}
 
 
+def test_a_reused_id_names_a_new_request():
+    """An id reused once its request finished or was aborted names a new request: the old
+    request's late cleanup (an abort naming its own stream) leaves the new one alone, and the
+    events of an aborted request's step still in flight never reach it (the engine knows each
+    add by an id of its own). Before, the first made the new request wait forever and the second
+    gave it the old request's token."""
+    eng = FakeEngine(step_s=0.01)
+
+    async def texts(stream):
+        return [ev.text async for ev in stream]
+
+    async def go(ae):
+        first = await ae.add_request("x", [1], SamplingParams(max_tokens=2))
+        await texts(first)
+        second = await ae.add_request("x", [1], SamplingParams(max_tokens=3))
+        ae.abort("x", first)   # (the first request's handler cleaning up after it)
+        reused_after_finish = await asyncio.wait_for(texts(second), 5)
+        third = await ae.add_request("y", [1], SamplingParams(max_tokens=10_000))
+        async for _ in third:
+            break   # one token, then the client leaves while the next step runs
+        ae.abort("y", third)
+        fourth = await ae.add_request("y", [1], SamplingParams(max_tokens=2))
+        reused_after_abort = await asyncio.wait_for(texts(fourth), 5)
+        await until(lambda: not eng.requests)
+        return reused_after_finish, reused_after_abort
+
+    after_finish, after_abort = run(go, eng)
+    assert after_finish == ["t1 ", "t2 ", "t3 "]
+    assert after_abort == ["t1 ", "t2 "]
+    assert eng.requests == {}
+
+
 def test_waiting_bound_raises_queue_full():
     eng = FakeEngine(max_num_seqs=1, step_s=0.01)
 
