@@ -23,7 +23,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--health-interval", type=float, default=1.0, help="seconds between backend /health polls")
-    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a backend may take to answer")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a backend may take to answer (past it: 504, the backend stays in use)")
+    p.add_argument("--max-request-bytes", type=int, default=8 << 20,
+                   help="request body limit (413), as blitz serve's (default 8 MiB)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -45,12 +48,14 @@ def config_from_args(a: argparse.Namespace):
     if a.prefix_aware and not a.backend:
         raise ValueError("--prefix-aware goes with --backend")
     check_listen_address(a.host, a.port)
+    if a.max_request_bytes < 1024:
+        raise ValueError(f"--max-request-bytes must be >= 1024, got {a.max_request_bytes}")
     if not all(math.isfinite(x) and x > 0 for x in (a.health_interval, a.request_timeout)):
         raise ValueError("--health-interval and --request-timeout must be finite numbers > 0")
     return RouterConfig(prefill=_urls(a.prefill, "--prefill"), decode=_urls(a.decode, "--decode"),
                         backends=_urls(a.backend, "--backend"), prefix_aware=a.prefix_aware,
                         health_interval_s=a.health_interval, request_timeout_s=a.request_timeout,
-                        host=a.host, port=a.port)
+                        max_request_bytes=a.max_request_bytes, host=a.host, port=a.port)
 
 
 def run_router(a: argparse.Namespace) -> int:

@@ -17,9 +17,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
 
+from .. import http_body
 from .backends import Pool, prefix_keys, probe, watch
-from .proxy import Proxy, error, forward_headers
+from .proxy import TIMED_OUT, Proxy, error, forward_headers, timed_out
 
 log = logging.getLogger("blitzllm.router")
 
@@ -32,12 +34,51 @@ class RouterConfig:
     prefix_aware: bool = False
     health_interval_s: float = 1.0
     request_timeout_s: float = 600.0
+    max_request_bytes: int = 8 << 20
     host: str = "127.0.0.1"
     port: int = 8080
 
     @property
     def disaggregated(self) -> bool:
         return bool(self.prefill)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"the request body holds a non-finite number ({name}); JSON numbers must be finite")
+
+
+def _finite_float(text: str) -> float:
+    x = float(text)
+    if x in (float("inf"), float("-inf")):
+        _no_constant(text)
+    return x
+
+
+def parse_body(raw: bytes):
+    """A request body as a JSON object, or an OpenAI-style 400 saying why not: UTF-8 JSON with
+    finite numbers, as the backends read it (a lone surrogate's escape passes: the backend names
+    its field)."""
+    try:
+        body = json.loads(raw.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite_float)
+    except UnicodeDecodeError as e:
+        return error(400, f"the request body is not valid UTF-8 (byte {e.start})", code="invalid_encoding")
+    except (ValueError, RecursionError) as e:  # (not JSON, a number past int's digit limit, too deep)
+        return error(400, f"the request body is not valid JSON: {e}", code="invalid_json")
+    if not isinstance(body, dict):
+        return error(400, "the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+async def read_body(request: Request, limit: int):
+    """The body's bytes, or a 413 past ``limit`` / a 400 when the client left while sending."""
+    try:
+        return await http_body.read_body(request, limit)
+    except http_body.BodyTooLarge as e:
+        return error(413, str(e), code="request_too_large")
+    except ValueError:
+        return error(400, "invalid Content-Length header")
+    except http_body.ClientGone:  # gone while sending: a 400 no one reads, not a logged traceback
+        return error(400, "the client disconnected before the request body ended", code="client_disconnected")
 
 
 def prompt_text(body: dict) -> str:
@@ -82,6 +123,11 @@ def build_router_app(cfg: RouterConfig) -> FastAPI:
 
     app = FastAPI(title="blitz router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):  # (unknown paths, wrong methods)
+        return error(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
+                     code="not_found" if e.status_code == 404 else None)
+
     @app.get("/health")
     async def health():
         down = [p.kind for p in pools if not p.healthy()]
@@ -99,24 +145,30 @@ def build_router_app(cfg: RouterConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request):
+        return await get_from_backend(request, "/v1/models")
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str):
+        return await get_from_backend(request, request.url.path)
+
+    async def get_from_backend(request: Request, path: str):
         b = decode.pick()
         if b is None:
             return error(503, f"no {decode.kind} backend is up; retry shortly", code="no_backend")
         try:
-            r = await state["client"].get(b.url + "/v1/models", headers=forward_headers(request), timeout=10.0)
+            r = await state["client"].get(b.url + path, headers=forward_headers(request), timeout=10.0)
         except httpx.HTTPError as e:
             b.up = False
             return error(503, f"the backend did not answer: {e}", code="no_backend")
         return Response(r.content, status_code=r.status_code, media_type="application/json")
 
     async def handle(request: Request, path: str):
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError) as e:  # (not UTF-8 JSON, a number past int's digit limit, too deep)
-            return error(400, f"the request body is not valid JSON: {e}", code="invalid_json")
-        if not isinstance(body, dict):
-            return error(400, "the request body must be a JSON object", code="invalid_json")
+        raw = await read_body(request, cfg.max_request_bytes)
+        if isinstance(raw, Response):
+            return raw
+        body = parse_body(raw)
+        if isinstance(body, Response):
+            return body
         headers = forward_headers(request)
         stream = bool(body.get("stream"))
         proxy: Proxy = state["proxy"]
@@ -144,6 +196,8 @@ def build_router_app(cfg: RouterConfig) -> FastAPI:
             return error(503, "no prefill backend is up; retry shortly", code="no_backend")
         if r is None:
             return Response(status_code=499)  # the client left during the prefill
+        if r is TIMED_OUT:
+            return timed_out(cfg.request_timeout_s)
         if r.status_code != 200:
             return Response(r.content, status_code=r.status_code, media_type="application/json")
         params = None

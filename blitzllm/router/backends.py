@@ -16,6 +16,7 @@ log = logging.getLogger("blitzllm.router")
 
 PREFIX_CHUNK = 64          # characters per prefix-index entry
 PREFIX_ENTRIES = 50_000    # entries remembered per backend (LRU)
+PREFIX_MAX_CHUNKS = 4096   # a prompt's leading 256K characters key it (hashed on the event loop)
 
 
 class Backend:
@@ -40,9 +41,10 @@ class Backend:
 
 
 def prefix_keys(text: str) -> list:
-    """Chained hashes of the text's leading 64-character chunks (the last partial one too)."""
+    """Chained hashes of the text's leading 64-character chunks (the last partial one too), at
+    most PREFIX_MAX_CHUNKS of them."""
     keys, h = [], hashlib.sha1()
-    for i in range(0, len(text), PREFIX_CHUNK):
+    for i in range(0, min(len(text), PREFIX_CHUNK * PREFIX_MAX_CHUNKS), PREFIX_CHUNK):
         h.update(text[i:i + PREFIX_CHUNK].encode("utf-8", "surrogatepass"))
         keys.append(h.copy().digest())
     return keys

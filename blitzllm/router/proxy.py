@@ -19,6 +19,7 @@ from .backends import Backend, Pool
 log = logging.getLogger("blitzllm.router")
 _PASS_HEADERS = ("authorization", "x-request-id", "content-type")
 _BACK_HEADERS = ("content-type", "x-request-id", "retry-after")
+TIMED_OUT = object()   # ``Proxy._send``'s answer when the backend took past the request timeout
 
 
 def error(status: int, message: str, code: Optional[str] = None, param: Optional[str] = None) -> JSONResponse:
@@ -31,6 +32,11 @@ def error(status: int, message: str, code: Optional[str] = None, param: Optional
 
 def forward_headers(request: Request) -> dict:
     return {k: v for k, v in request.headers.items() if k.lower() in _PASS_HEADERS}
+
+
+def timed_out(request_timeout: Optional[float]) -> JSONResponse:
+    return error(504, f"the backend did not answer within the router's --request-timeout ({request_timeout} s)",
+                 code="backend_timeout")
 
 
 def _reply(r: httpx.Response, content: bytes) -> Response:
@@ -63,7 +69,8 @@ class Proxy:
                     send: Callable[[Backend], Awaitable[httpx.Response]]) -> tuple:
         """``send`` to a healthy backend of ``pool`` (``pool.pick``), the next one when the connection
         fails: (backend, response), its outstanding count still raised; (backend, None) when the
-        client went away first; (None, None) when no backend is left."""
+        client went away first; (backend, TIMED_OUT) past the request timeout (a slow backend is
+        neither down nor worth a second try); (None, None) when no backend is left."""
         tried = []
         while True:
             b = pool.pick(keys, exclude=tried)
@@ -76,6 +83,11 @@ class Proxy:
             b.served += 1
             try:
                 r = await until_done_or_gone(request, send(b))
+            except (httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout):
+                b.outstanding -= 1
+                self.on_result(b, "timeout")
+                log.warning("backend %s did not answer within the request timeout", b.url)
+                return b, TIMED_OUT
             except httpx.TransportError as e:
                 b.outstanding -= 1
                 b.up = False
@@ -94,9 +106,12 @@ class Proxy:
                         request: Request) -> tuple[Optional[Backend], Optional[httpx.Response]]:
         """POST ``body`` to a healthy backend of ``pool`` (least outstanding), the next one when
         the connection fails; (None, None) when none is left, (backend, None) when the client went away."""
+        # (json.dumps escapes a lone surrogate, which the backend then refuses by name; httpx's own
+        # encoding raised on it)
+        content, headers = json.dumps(body).encode(), {**headers, "content-type": "application/json"}
         b, r = await self._send(pool, None, request,
-                                lambda b: self.client.post(b.url + path, json=body, headers=headers))
-        if r is not None:
+                                lambda b: self.client.post(b.url + path, content=content, headers=headers))
+        if r is not None and r is not TIMED_OUT:
             b.outstanding -= 1
         return b, r
 
@@ -114,9 +129,15 @@ class Proxy:
             return error(503, f"no {pool.kind} backend is up; retry shortly", code="no_backend")
         if r is None:  # the client left before the backend answered
             return Response(status_code=499)
+        if r is TIMED_OUT:
+            return timed_out(self.client.timeout.read)
         if not stream or r.status_code != 200:
             try:
                 data = await until_done_or_gone(request, r.aread())
+            except httpx.TimeoutException:
+                return timed_out(self.client.timeout.read)
+            except httpx.HTTPError as e:  # (the backend went away while sending its answer)
+                return error(502, f"the backend's answer broke off: {e}", code="backend_error")
             finally:
                 await r.aclose()
                 b.outstanding -= 1

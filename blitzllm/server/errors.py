@@ -13,7 +13,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
+
+from .. import http_body
 
 log = logging.getLogger("blitzllm.server")
 
@@ -92,25 +93,15 @@ def _finite_float(text: str) -> float:
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The raw request body; 413 over ``limit`` bytes (by Content-Length, else while reading)."""
-    cl = request.headers.get("content-length")
-    if cl is not None:
-        try:
-            if int(cl) > limit:
-                raise APIError(413, f"the request body ({cl} bytes) exceeds the limit of {limit} bytes",
-                               code="request_too_large")
-        except ValueError:
-            raise bad_request("invalid Content-Length header") from None
-    chunks, size = [], 0
     try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise APIError(413, f"the request body exceeds the limit of {limit} bytes", code="request_too_large")
-            chunks.append(chunk)
-    except ClientDisconnect:  # gone while sending: a 400 no one reads, not a logged 500
+        return await http_body.read_body(request, limit)
+    except http_body.BodyTooLarge as e:
+        raise APIError(413, str(e), code="request_too_large") from None
+    except ValueError:
+        raise bad_request("invalid Content-Length header") from None
+    except http_body.ClientGone:  # gone while sending: a 400 no one reads, not a logged 500
         raise bad_request("the client disconnected before the request body ended", code="client_disconnected") \
             from None
-    return b"".join(chunks)
 
 
 # a JSON escape of a UTF-16 surrogate (\uD800-\uDFFF): only then can the parsed text hold one
