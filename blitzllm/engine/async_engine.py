@@ -49,6 +49,7 @@ class RequestStream:
     def __init__(self, request_id: str, n: int, arrival: float, engine_id: Optional[str] = None):
         self.request_id = request_id
         self.engine_id = engine_id or request_id   # the id the engine knows it by (unique per add)
+        self.kv_transfer_params: Optional[dict] = None   # a producer's finished request: its KV lease
         self.n = n
         self.arrival = arrival
         self.first_token_time: Optional[float] = None
@@ -182,6 +183,17 @@ class AsyncEngine:
         if not current.finished:
             self._cmds.put(("abort", current.engine_id))
 
+    def release_lease(self, stream: RequestStream) -> None:
+        """Give back the KV lease of a producer's finished request whose answer will not reach
+        its client (it left as the request finished), so the blocks need not wait for kv_lease_s."""
+        self._release(stream.kv_transfer_params)
+
+    def _release(self, params: Optional[dict]) -> None:
+        conn = getattr(self.engine, "connector", None)
+        lease = (params or {}).get("remote_request_id")
+        if conn is not None and lease:
+            conn.release(lease)   # (thread-safe: the engine thread frees the blocks at its next tick)
+
     def _forget(self, stream: RequestStream) -> None:
         self._streams.pop(stream.request_id, None)
         self._by_engine_id.pop(stream.engine_id, None)
@@ -191,8 +203,11 @@ class AsyncEngine:
         obs = self.observer
         for ev in events:
             s = self._by_engine_id.get(ev.request_id)
-            if s is None:
-                continue  # aborted while this step ran
+            if s is None:  # aborted while this step ran, which finished it: no one takes its lease
+                self._release(ev.kv_transfer_params)
+                continue
+            if ev.kv_transfer_params is not None:
+                s.kv_transfer_params = ev.kv_transfer_params
             last = s._last_token_time[ev.index]
             if obs is not None:
                 if s.first_token_time is None:

@@ -345,6 +345,9 @@ class Serving:
                         raise APIError(500, str(e), type="server_error") from None
                 if await raw.is_disconnected():
                     task.cancel()
+                    for st in streams:   # (a producer's request that finished meanwhile: its lease)
+                        if st.finished:
+                            self.aengine.release_lease(st)
                     return None
         finally:
             if not task.done():

@@ -210,6 +210,55 @@ def test_a_reused_id_names_a_new_request():
     assert eng.requests == {}
 
 
+class FakeProducer(FakeEngine):
+    """A prefill producer: a finished request's last event carries a KV lease, which its
+    connector records when given back."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.kv, self.released = None, []
+        self.connector = self
+
+    is_consumer = False
+
+    def tick(self, kv):
+        pass
+
+    def release(self, lease):
+        self.released.append(lease)
+        return True
+
+    def add_request(self, rid, prompt, params, kv_transfer_params=None):
+        super().add_request(rid, prompt, params)
+
+    def step(self):
+        events = super().step()
+        return [StepEvent(**{**ev.__dict__, "kv_transfer_params": {"remote_request_id": f"lease-{ev.request_id}"}})
+                if ev.finish_reason else ev for ev in events]
+
+
+def test_a_lease_no_client_will_read_is_given_back():
+    """A producer's request that finishes in the step during which its client left (aborted
+    too late): its lease goes back at once, not after kv_lease_s; a finished request whose answer
+    cannot be sent gives its lease back through ``release_lease``; a delivered one keeps it."""
+    eng = FakeProducer(step_s=0.05)
+
+    async def go(ae):
+        late = await ae.add_request("late", [1], SamplingParams(max_tokens=1))
+        ae.abort("late", late)   # (the step that finishes it is running)
+        await until(lambda: eng.released)
+        kept = await ae.add_request("kept", [1], SamplingParams(max_tokens=1))
+        async for _ in kept:
+            pass
+        released_before = list(eng.released)
+        ae.release_lease(kept)
+        return released_before, kept.kv_transfer_params
+
+    released_before, params = run(go, eng)
+    assert released_before == ["lease-late#0"]
+    assert params == {"remote_request_id": "lease-kept#1"} and eng.released == ["lease-late#0", "lease-kept#1"]
+
+
 def test_waiting_bound_raises_queue_full():
     eng = FakeEngine(max_num_seqs=1, step_s=0.01)
 
