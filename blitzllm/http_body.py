@@ -1,8 +1,31 @@
-"""Reading an HTTP request's body under a size limit, for the OpenAI server and the router, which
-answer its two failures each in their own error form."""
+"""Reading an HTTP request's body under a size limit, and its JSON with finite numbers only, for
+the OpenAI server and the router, which answer the failures each in their own error form."""
 from __future__ import annotations
 
+import json
+
 from starlette.requests import ClientDisconnect, Request
+
+
+class NonFinite(ValueError):
+    """A JSON number that is not finite (NaN, Infinity, or a literal past the float range)."""
+
+
+def _no_constant(name: str):
+    raise NonFinite(name)
+
+
+def _finite_float(text: str) -> float:
+    x = float(text)
+    if x != x or x in (float("inf"), float("-inf")):
+        raise NonFinite(text)
+    return x
+
+
+def loads_finite(text: str):
+    """``json.loads`` refusing non-finite numbers (NonFinite, a ValueError), which Python's json
+    reads but JSON does not allow."""
+    return json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
 
 
 class BodyTooLarge(ValueError):

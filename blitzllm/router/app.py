@@ -43,25 +43,17 @@ class RouterConfig:
         return bool(self.prefill)
 
 
-def _no_constant(name: str):
-    raise ValueError(f"the request body holds a non-finite number ({name}); JSON numbers must be finite")
-
-
-def _finite_float(text: str) -> float:
-    x = float(text)
-    if x in (float("inf"), float("-inf")):
-        _no_constant(text)
-    return x
-
-
 def parse_body(raw: bytes):
     """A request body as a JSON object, or an OpenAI-style 400 saying why not: UTF-8 JSON with
     finite numbers, as the backends read it (a lone surrogate's escape passes: the backend names
     its field)."""
     try:
-        body = json.loads(raw.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite_float)
+        body = http_body.loads_finite(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
         return error(400, f"the request body is not valid UTF-8 (byte {e.start})", code="invalid_encoding")
+    except http_body.NonFinite as e:
+        return error(400, f"the request body holds a non-finite number ({e}); JSON numbers must be finite",
+                     code="invalid_json")
     except (ValueError, RecursionError) as e:  # (not JSON, a number past int's digit limit, too deep)
         return error(400, f"the request body is not valid JSON: {e}", code="invalid_json")
     if not isinstance(body, dict):

@@ -76,21 +76,6 @@ def _jsonable(x) -> bool:
         return False
 
 
-class _NonFinite(ValueError):
-    pass
-
-
-def _no_constant(name: str):
-    raise _NonFinite(name)
-
-
-def _finite_float(text: str) -> float:
-    x = float(text)
-    if x != x or x in (float("inf"), float("-inf")):
-        raise _NonFinite(text)
-    return x
-
-
 async def read_body(request: Request, limit: int) -> bytes:
     """The raw request body; 413 over ``limit`` bytes (by Content-Length, else while reading)."""
     try:
@@ -133,11 +118,11 @@ def decode_json(raw: bytes) -> dict:
     if not text.strip():
         raise bad_request("the request body is empty; expected a JSON object", code="invalid_json")
     try:
-        obj = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
+        obj = http_body.loads_finite(text)
     except json.JSONDecodeError as e:
         raise bad_request(f"the request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
                           code="invalid_json") from None
-    except _NonFinite as e:
+    except http_body.NonFinite as e:
         raise bad_request(f"the request body holds a non-finite number ({e}); JSON numbers must be finite",
                           code="invalid_json") from None
     except RecursionError:
