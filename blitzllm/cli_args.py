@@ -31,7 +31,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "hosts start every rank with torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'; keys: '
-                        "method (ngram | draft_model), num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, "
+                        "method (ngram | draft_model | eagle3 | mtp), num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, "
                         "model (draft), synthetic_acceptance_rate (benchmark only: forced acceptance)")
 
 

@@ -115,16 +115,16 @@ class LLM:
             raise ValueError("this model has no chat template")
         _check_messages(messages)
         ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
+        if hasattr(ids, "keys"):  # (some transformers versions return a mapping with input_ids)
             ids = ids["input_ids"]
         return list(ids)
 
-    def chat(self, messages, params: Optional[SamplingParams] = None) -> Union[RequestOutput, list]:
-        """One conversation (a list of {role, content}) or a list of conversations."""
+    def chat(self, messages, params: Optional[SamplingParams] = None) -> list[RequestOutput]:
+        """One conversation (a list of {role, content}) or a list of conversations; a list of outputs
+        either way."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts, or a list of such lists")
-        single = isinstance(messages[0], dict)
-        convs = [messages] if single else list(messages)
+        convs = [messages] if isinstance(messages[0], dict) else list(messages)
         return self.generate([self.apply_chat_template(c) for c in convs], params)
 
     def stats(self) -> dict:

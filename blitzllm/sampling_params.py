@@ -101,21 +101,16 @@ class SamplingParams:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
+        elif isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) for s in self.stop):
+            self.stop = list(self.stop)
         else:
-            if not isinstance(self.stop, (list, tuple)):
-                raise _err("stop", "a string or a list of strings", self.stop)
-            stops = list(self.stop)
-            if not all(isinstance(s, str) for s in stops):
-                raise _err("stop", "a string or a list of strings", self.stop)
-            self.stop = stops
+            raise _err("stop", "a string or a list of strings", self.stop)
         if any(s == "" for s in self.stop):
             raise _err("stop", "non-empty strings", self.stop)
-        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+        ids = [] if self.stop_token_ids is None else self.stop_token_ids
+        if not isinstance(ids, (list, tuple)) or not all(is_int(t) and t >= 0 for t in ids):
             raise _err("stop_token_ids", "a list of non-negative integers", self.stop_token_ids)
-        ids = list(self.stop_token_ids or [])
-        if not all(is_int(t) and t >= 0 for t in ids):
-            raise _err("stop_token_ids", "a list of non-negative integers", self.stop_token_ids)
-        self.stop_token_ids = ids
+        self.stop_token_ids = list(ids)
         from .structured import check_structured_output
         self.structured_output = check_structured_output(self.structured_output)
 

@@ -56,8 +56,7 @@ def find_mt_bench(path: Optional[str] = None) -> Path:
         if not p.is_file():
             raise ValueError(f"--dataset-path {path} does not exist")
         return p
-    starts = [Path.cwd().resolve(), Path(__file__).resolve().parent]
-    for start in starts:
+    for start in (Path.cwd().resolve(), Path(__file__).resolve().parent):
         for d in [start, *start.parents]:
             for cand in (d / MT_BENCH_REL, d.parent / MT_BENCH_REL):
                 if cand.is_file():

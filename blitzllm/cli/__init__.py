@@ -153,7 +153,7 @@ def main(argv=None) -> int:
             return run_router(a)
         if a.cmd == "bench":
             if getattr(a, "bench_func", None) is None:
-                p.error("bench needs a subcommand: latency, serve, throughput")
+                p.error("bench needs a subcommand: latency, serve")
             return a.bench_func(a)
         if a.cmd == "train-draft":
             return a.func(a)

@@ -174,7 +174,7 @@ class PagedMTPProposer(HiddenStateProposer):
         have = self.toks.get(rid, [])
         if start > len(have):  # a prefix-cache hit skipped these positions: their entries may be in the pages
             gap = start - len(have)
-            old, pad = self.feats.get(rid), feats.new_zeros(start - len(have), feats.shape[1])
+            old, pad = self.feats.get(rid), feats.new_zeros(gap, feats.shape[1])
             self.toks[rid] = have + [None] * gap
             self.feats[rid] = pad if old is None else torch.cat([old[:len(have)], pad])
         super()._append(rid, start, toks, feats)

@@ -313,6 +313,11 @@ def train_draft(llm, prompts: list, out: Optional[str], epochs: int = 1, max_tok
         step += 1
         return train_on(head, opt, s, steps, step_decay)
 
+    def learn(seq: list, loss_from: int) -> tuple:
+        s = capture_features(llm, cap, seq, loss_from)
+        kept.append(s)
+        return train_step(s)
+
     kept, t0, gen_s = [], time.perf_counter(), 0.0
     ids = [prompt_ids(llm, text) for _, text in prompts]
     with HiddenCapture(target, head.config.layer_ids, keep_final=labels == "target") as cap:
@@ -327,9 +332,7 @@ def train_draft(llm, prompts: list, out: Optional[str], epochs: int = 1, max_tok
                     f"{sum(map(len, seen))} tokens seen (target vocabulary {head.config.vocab_size})")
             for i, a in answers:
                 p = ids[b + i]
-                s = capture_features(llm, cap, p + a, len(p))
-                kept.append(s)
-                loss, stats = train_step(s)
+                loss, stats = learn(p + a, len(p))
                 log(f"[train-draft] epoch 1 sample {len(kept)}/{len(prompts) * samples * per_answer} (prompt "
                     f"id {prompts[b + i][0]}): {len(a)} answer tok, loss {loss:.3f}, top-1 per step {_fmt(stats)}, "
                     f"{time.perf_counter() - t0:.0f}s")
@@ -337,10 +340,8 @@ def train_draft(llm, prompts: list, out: Optional[str], epochs: int = 1, max_tok
                     seq = copy_span_sequence(p, a, copy_rng)
                     if seq is None:
                         continue
-                    s = capture_features(llm, cap, seq, len(p) + len(a))   # loss on the copy only
-                    kept.append(s)
                     n_copies += 1
-                    loss, stats = train_step(s)
+                    loss, stats = learn(seq, len(p) + len(a))   # loss on the copy only
                     log(f"[train-draft] epoch 1 sample {len(kept)} (copy of {len(seq) - len(p) - len(a)} answer "
                         f"tokens): loss {loss:.3f}, top-1 per step {_fmt(stats)}")
                 for _ in range(loop_spans):
@@ -348,10 +349,8 @@ def train_draft(llm, prompts: list, out: Optional[str], epochs: int = 1, max_tok
                     if made is None:
                         continue
                     seq, start = made
-                    s = capture_features(llm, cap, seq, start)   # loss on the repeats
-                    kept.append(s)
                     n_loops += 1
-                    loss, stats = train_step(s)
+                    loss, stats = learn(seq, start)   # loss on the repeats
                     log(f"[train-draft] epoch 1 sample {len(kept)} (loop of a {(len(seq) - start) // (LOOP_REPEATS - 1)}"
                         f"-token span): loss {loss:.3f}, top-1 per step {_fmt(stats)}")
     rng = random.Random(seed)

@@ -119,8 +119,8 @@ def verify(sampler: Sampler, logits, rows: list, drafts: list, vocab_size: int, 
            synthetic_rate: Optional[float] = None, draft_probs=None) -> list:
     """logits: [sum(len(d) + 1), V], each request's rows contiguous (its draft positions,
     then the bonus position). Returns one ``Verified`` per request."""
-    if _rs is not None and _plain_greedy(rows, drafts):  # greedy acceptance ignores draft_probs
+    if _rs is None:   # (the tests patch the rejection sampler out to run the cross-check)
+        return _match_target(sampler, logits, rows, drafts, vocab_size, device, synthetic_rate)
+    if _plain_greedy(rows, drafts):  # greedy acceptance ignores draft_probs
         return _greedy_verify(logits, rows, drafts, synthetic_rate)
-    if _rs is not None:
-        return _rejection(logits, rows, drafts, vocab_size, device, synthetic_rate, draft_probs)
-    return _match_target(sampler, logits, rows, drafts, vocab_size, device, synthetic_rate)
+    return _rejection(logits, rows, drafts, vocab_size, device, synthetic_rate, draft_probs)
