@@ -98,7 +98,7 @@ class GrammarCompiler:
             raise ValueError(f"structured_output {what} not supported: {e}") from None
 
     def compile(self, spec: dict):
-        """The compiled grammar of a spec (``parse_spec``'s form), cached: ValueError when
+        """The compiled grammar of a spec (``check_structured_output``'s form), cached: ValueError when
         xgrammar cannot take it. Safe from several threads (xgrammar compiles in parallel)."""
         key = KINDS[spec["type"]]
         return self._compiled(spec["type"], spec.get(key) if key else None)

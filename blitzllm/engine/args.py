@@ -7,7 +7,7 @@ from typing import Optional, Union
 
 import torch
 
-from ..config import ModelConfig
+from ..config import CacheConfig, ModelConfig
 from ..spec.config import parse_speculative_config
 from .state_cache import LOOKAHEAD_ROWS, StateLayout, state_bytes_per_row, state_layout
 
@@ -84,7 +84,7 @@ def resolve_weight_dtype(weight_dtype: Optional[str], device: torch.device, dtyp
         return "auto" if device.type == "cpu" else dtype
     if weight_dtype and weight_dtype not in _DTYPES:
         raise ValueError(f"weight_dtype must be one of float32, bfloat16, float16, int4, fp8; got {weight_dtype!r}")
-    return resolve_dtype(weight_dtype, device, None) if weight_dtype else dtype
+    return _DTYPES[weight_dtype] if weight_dtype else dtype
 
 
 def plan_kv_blocks(a: EngineArgs, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp_size: int = 1) -> int:
@@ -129,6 +129,13 @@ def engine_state_layout(args, cfg: ModelConfig) -> Optional[StateLayout]:
     spec = parse_speculative_config(args.speculative_config)
     return state_layout(cfg, args.max_num_seqs, args.enable_prefix_caching, spec.k if spec is not None else 0,
                         lookahead_rows(args))
+
+
+def engine_cache_config(args, cfg: ModelConfig, num_blocks: int) -> CacheConfig:
+    """The KV cache (and a hybrid model's state rows) of ``num_blocks`` blocks: the same on every rank."""
+    layout = engine_state_layout(args, cfg)
+    return CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching,
+                       layout.total if layout else 0, layout.spare if layout else 0)
 
 
 def check_engine_args(a: EngineArgs) -> None:

@@ -82,10 +82,10 @@ class IncrementalDetokenizer:
     def finish(self) -> str:
         """End of generation (length / EOS): flush everything held back and return the delta; an
         incomplete UTF-8 sequence at the very end is emitted as decoded (U+FFFD)."""
-        if self.stopped or self.finished:
-            self.finished = True
-            return ""
+        done = self.stopped or self.finished
         self.finished = True
+        if done:
+            return ""
         self._advance(final=True)
         return self._emit(final=True)
 

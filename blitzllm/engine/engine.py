@@ -15,7 +15,7 @@ from typing import Optional, Union
 
 import torch
 
-from ..config import CacheConfig, ModelConfig, SchedulerConfig
+from ..config import ModelConfig, SchedulerConfig
 from ..distributed.parallel_state import SINGLE
 from ..layers.sampler import SamplingRow
 from ..loader.source import resolve_model
@@ -23,8 +23,8 @@ from ..envs import Knobs
 from ..runner.build import build_runner
 from ..sampling_params import SamplingParams
 from ..spec.config import parse_speculative_config
-from .args import (EngineArgs, check_engine_args, check_tp_size, engine_state_layout, plan_kv_blocks, resolve_device,
-                   resolve_dtype, resolve_weight_dtype, speculation_runner_kwargs)
+from .args import (EngineArgs, check_engine_args, check_tp_size, engine_cache_config, engine_state_layout,
+                   plan_kv_blocks, resolve_device, resolve_dtype, resolve_weight_dtype, speculation_runner_kwargs)
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache import KVCacheManager
 from .request import Request, Status
@@ -100,7 +100,6 @@ class Engine:
                                    dummy_mtp=spec_cfg is not None and spec_cfg.method == "mtp",
                                    max_num_seqs=args.max_num_seqs, attention_backend=args.attention_backend,
                                    **speculation_runner_kwargs(args))
-        num_blocks = self.cache_config.num_blocks
         if self.connector is not None:
             self.connector.register_caches(self.runner.kv_caches, args.block_size, group.world_size)
             self.connector.broadcast = tp.send if tp is not None else None   # (KV heads for the other ranks)
@@ -114,7 +113,7 @@ class Engine:
             from ..spec.decoder import SpecDecoder
             from ..spec.proposers import build_proposer
             proposer = build_proposer(spec_cfg, target_cfg=cfg, device=self.device, dtype=self.dtype,
-                                      num_blocks=num_blocks, block_size=args.block_size,
+                                      num_blocks=self.cache_config.num_blocks, block_size=args.block_size,
                                       max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
                                       seed=args.seed, attention_backend=args.attention_backend,
                                       runner=self.runner, kv=self.kv, new_kv=KVCacheManager, knobs=self.knobs)
@@ -150,9 +149,8 @@ class Engine:
         if budget is None:
             budget = max(2048 if self.device.type == "cpu" else 8192, args.max_num_seqs)
         self.sched_config = SchedulerConfig(args.max_num_seqs, budget, self.max_model_len)
+        self.cache_config = engine_cache_config(args, cfg, num_blocks)
         layout = engine_state_layout(args, cfg)  # hybrid models: their recurrent-state rows
-        self.cache_config = CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching,
-                                        layout.total if layout else 0, layout.spare if layout else 0)
         if layout is None:
             self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         else:

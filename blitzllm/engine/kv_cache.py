@@ -135,10 +135,8 @@ class KVCacheManager:
     def free_request(self, rid: str) -> None:
         table = self.tables.pop(rid, None)
         self.hashes.pop(rid, None)
-        if not table:
-            return
         # tail blocks first, so they are evicted before the shared prefix
-        for bid in reversed(table):
+        for bid in reversed(table or ()):
             self._release(bid)
 
     def _release(self, bid: int) -> None:

@@ -46,10 +46,6 @@ class StateLayout:
     def total(self) -> int:
         return self.slots + self.snapshots + self.slots * self.spec + self.spare + 1
 
-    @property
-    def scratch(self) -> int:
-        return self.total - 1
-
     def snapshot_rows(self) -> range:
         return range(self.slots, self.slots + self.snapshots)
 
@@ -71,9 +67,9 @@ def state_layout(cfg: ModelConfig, max_num_seqs: int, prefix_caching: bool, spec
 def state_bytes_per_row(cfg: ModelConfig, dtype_bytes: int, tp_size: int = 1) -> int:
     """One row of every GDN layer of one tensor-parallel rank: the conv state (K - 1 inputs
     of its channels, model dtype) and the recurrent state [Hv, dk, dv] in fp32."""
-    text = cfg.hf_config.get("text_config") or cfg.hf_config
     if not cfg.state_layers:
         return 0
+    text = cfg.text_config
     hk, hv = text["linear_num_key_heads"] // tp_size, text["linear_num_value_heads"] // tp_size
     dk, dv = text["linear_key_head_dim"], text["linear_value_head_dim"]
     conv = (text["linear_conv_kernel_dim"] - 1) * (2 * hk * dk + hv * dv) * dtype_bytes

@@ -256,7 +256,6 @@ def run_worker(args, env: WorldEnv, parent_pid: Optional[int] = None) -> None:
     device = rank_device(resolve_device(args.device), env.local_rank)
     if device.type == "cpu":
         torch.set_num_threads(cpu_threads_per_rank(env.world_size, spawned))
-    set_nccl_env()
     store = connect_store(env, _startup_timeout())
     store.set(f"up/{env.rank}", str(os.getpid()))
     group = attach_oneshot(init_tp_group(env, store, device))
@@ -279,11 +278,11 @@ class _Stopped(Exception):
 def _build(args, group, device):
     """The same model shard, KV cache size (agreed with rank 0) and runner as rank 0 builds;
     None if rank 0 stops first."""
-    from ..config import CacheConfig, ModelConfig
+    from ..config import ModelConfig
     from ..loader.source import resolve_model
     from ..runner.build import build_runner
-    from .args import plan_kv_blocks, resolve_dtype, resolve_weight_dtype, speculation_runner_kwargs
-    from .args import engine_state_layout
+    from .args import (engine_cache_config, plan_kv_blocks, resolve_dtype, resolve_weight_dtype,
+                       speculation_runner_kwargs)
     src = resolve_model(args.model, args.load_format)
     cfg = ModelConfig.from_hf(src.hf_config, args.num_layers)
     dtype = resolve_dtype(args.dtype, device, src.torch_dtype)
@@ -293,9 +292,7 @@ def _build(args, group, device):
         msg = recv(group)
         if msg[0] == "stop":
             raise _Stopped
-        layout = engine_state_layout(args, cfg)  # (a hybrid model's state rows, as rank 0's)
-        return CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching,
-                           layout.total if layout else 0, layout.spare if layout else 0), msg[1]
+        return engine_cache_config(args, cfg, num_blocks), msg[1]
 
     try:
         return build_runner(src, cfg, device=device, dtype=dtype, plan_cache=plan_cache, seed=args.seed, tp=group,

@@ -133,6 +133,6 @@ def resolve_model(model: str, load_format: str = "auto") -> ModelSource:
             raise ValueError(f"model not found: {model} (not a file, folder, preset or hub id)")
     if load_format == "dummy":
         src.tensors = src.slices = None
-    elif src.tensors is None and load_format not in ("auto", "dummy"):
+    elif src.tensors is None and load_format != "auto":
         raise ValueError(f"load_format={load_format} needs a model with weights; {model} is a preset")
     return src

@@ -52,7 +52,7 @@ def dummy_tokenizer(vocab_size: int, eos_token_id: int | None):
     _quiet_transformers()
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    eos = eos_token_id if eos_token_id is not None and 96 <= eos_token_id < vocab_size else vocab_size - 1
+    eos = eos_token_id if eos_token_id is not None and 97 <= eos_token_id < vocab_size else vocab_size - 1  # 96 is "\n"
     vocab = {"<unk>": 0}
     for c in range(32, 127):
         vocab[chr(c)] = len(vocab)

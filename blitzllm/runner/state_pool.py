@@ -35,10 +35,6 @@ class StatePool:
     def scratch(self) -> int:
         return self.rows - 1
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for ts in self.caches.values() for t in ts)
-
     def _dev(self, data, dtype) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
 

@@ -443,3 +443,16 @@ def test_sentencepiece_random_streams(sp_tok):
             # to "" but is still context: the strip-1-space decoder strips its first token,
             # not the first generated one, so decode(ids) alone would differ there.)
             assert d.output_text == sp_tok.decode(ids, skip_special_tokens=skip)
+
+
+@pytest.mark.parametrize("eos", [None, 95, 96, 97, 511, 512])
+def test_dummy_tokenizer_keeps_its_vocabulary_size(eos):
+    """The presets' character tokenizer: ids 1..95 printable ASCII, 96 newline; a config's eos id
+    is used only where it names none of those (else the last id), so the vocabulary stays
+    exactly vocab_size ids and the newline keeps its id."""
+    from blitzllm.loader.tokenizer import dummy_tokenizer
+    tok = dummy_tokenizer(512, eos)
+    want = eos if eos is not None and 97 <= eos < 512 else 511
+    assert len(tok) == 512 and tok.eos_token_id == want
+    assert tok.convert_tokens_to_ids("\n") == 96 and tok.decode([96]) == "\n"
+    assert tok.encode("a\nb", add_special_tokens=False) == [ord("a") - 31, 96, ord("b") - 31]
