@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 
 import httpx
@@ -65,12 +65,8 @@ async def read_body(request: Request, limit: int):
     """The body's bytes, or a 413 past ``limit`` / a 400 when the client left while sending."""
     try:
         return await http_body.read_body(request, limit)
-    except http_body.BodyTooLarge as e:
-        return error(413, str(e), code="request_too_large")
-    except ValueError:
-        return error(400, "invalid Content-Length header")
-    except http_body.ClientGone:  # gone while sending: a 400 no one reads, not a logged traceback
-        return error(400, "the client disconnected before the request body ended", code="client_disconnected")
+    except http_body.BodyError as e:
+        return error(e.status, str(e), code=e.code)
 
 
 def prompt_text(body: dict) -> str:
@@ -136,19 +132,14 @@ def build_router_app(cfg: RouterConfig) -> FastAPI:
         return Response(generate_latest(reg), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models(request: Request):
-        return await get_from_backend(request, "/v1/models")
-
     @app.get("/v1/models/{model_id:path}")
-    async def model(request: Request, model_id: str):
-        return await get_from_backend(request, request.url.path)
-
-    async def get_from_backend(request: Request, path: str):
+    async def models(request: Request):
+        """A decode (or replica) backend's answer to the same GET."""
         b = decode.pick()
         if b is None:
             return error(503, f"no {decode.kind} backend is up; retry shortly", code="no_backend")
         try:
-            r = await state["client"].get(b.url + path, headers=forward_headers(request), timeout=10.0)
+            r = await state["client"].get(b.url + request.url.path, headers=forward_headers(request), timeout=10.0)
         except httpx.HTTPError as e:
             b.up = False
             return error(503, f"the backend did not answer: {e}", code="no_backend")
@@ -193,10 +184,9 @@ def build_router_app(cfg: RouterConfig) -> FastAPI:
         if r.status_code != 200:
             return Response(r.content, status_code=r.status_code, media_type="application/json")
         params = None
-        try:
-            params = r.json().get("kv_transfer_params")
-        except ValueError:
-            pass
+        with suppress(ValueError):
+            answer = r.json()
+            params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
         dec = dict(body)
         if isinstance(params, dict):
             dec["kv_transfer_params"] = params

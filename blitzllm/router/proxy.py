@@ -5,7 +5,6 @@ when the decode never claimed it. Knows nothing about routes or health polling.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from typing import Awaitable, Callable, Optional
@@ -14,12 +13,14 @@ import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ..http_body import until_done_or_gone
 from .backends import Backend, Pool
 
 log = logging.getLogger("blitzllm.router")
 _PASS_HEADERS = ("authorization", "x-request-id", "content-type")
 _BACK_HEADERS = ("content-type", "x-request-id", "retry-after")
 TIMED_OUT = object()   # ``Proxy._send``'s answer when the backend took past the request timeout
+_POLL_S = 0.25         # how often a request waiting on a backend checks that its client is still there
 
 
 def error(status: int, message: str, code: Optional[str] = None, param: Optional[str] = None) -> JSONResponse:
@@ -44,22 +45,6 @@ def _reply(r: httpx.Response, content: bytes) -> Response:
                     headers={k: v for k, v in r.headers.items() if k.lower() in _BACK_HEADERS})
 
 
-async def until_done_or_gone(request: Request, coro):
-    """Await ``coro``; cancel it (and return None) if the client disconnects first."""
-    task = asyncio.ensure_future(coro)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.25)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                return None
-    finally:
-        if not task.done():
-            task.cancel()
-
-
 class Proxy:
     def __init__(self, client: httpx.AsyncClient, on_result: Callable[[Backend, str], None]):
         self.client = client
@@ -82,7 +67,7 @@ class Proxy:
             b.outstanding += 1
             b.served += 1
             try:
-                r = await until_done_or_gone(request, send(b))
+                r = await until_done_or_gone(request, send(b), _POLL_S)
             except (httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout):
                 b.outstanding -= 1
                 self.on_result(b, "timeout")
@@ -133,7 +118,7 @@ class Proxy:
             return timed_out(self.client.timeout.read)
         if not stream or r.status_code != 200:
             try:
-                data = await until_done_or_gone(request, r.aread())
+                data = await until_done_or_gone(request, r.aread(), _POLL_S)
             except httpx.TimeoutException:
                 return timed_out(self.client.timeout.read)
             except httpx.HTTPError as e:  # (the backend went away while sending its answer)
@@ -143,7 +128,7 @@ class Proxy:
                 b.outstanding -= 1
             return _reply(r, data or b"")
         return StreamingResponse(self._relay(r, b), status_code=200, media_type="text/event-stream",
-                                 headers={k: v for k, v in r.headers.items() if k.lower() in ("x-request-id",)})
+                                 headers={k: v for k, v in r.headers.items() if k.lower() == "x-request-id"})
 
     @staticmethod
     async def _relay(r: httpx.Response, b: Backend):

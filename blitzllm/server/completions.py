@@ -97,8 +97,7 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
             streams.append(await s.submit(rid, ids, params, "prompt", structured_field=structured_field,
                                           kv_transfer_params=req.kv_transfer_params))
     except BaseException:  # (only the ones submitted: an id in use may be another request's)
-        for st in streams:
-            s.aengine.abort(st.request_id, st)
+        s.abort(streams)
         raise
     created = int(time.time())
     n, k = params.n, req.logprobs
@@ -106,15 +105,10 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
     echoes = [text if req.echo else "" for _, text in prompts]
     if req.stream:
         opts = req.stream_options
-
-        def close():
-            for st in streams:
-                s.aengine.abort(st.request_id, st)
-
         echo_ids = [ids for ids, _ in prompts] if req.echo and k is not None else None
         return SSEResponse(_cmpl_sse(s, base, created, streams, n, k, echoes, echo_ids, prompt_tokens,
                                      bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats)),
-                           on_close=close)
+                           on_close=lambda: s.abort(streams))
     result = await s.until_done_or_gone(raw, s.collect(streams, n), streams)
     if result is None:
         return Response(status_code=499)

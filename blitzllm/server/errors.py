@@ -80,13 +80,8 @@ async def read_body(request: Request, limit: int) -> bytes:
     """The raw request body; 413 over ``limit`` bytes (by Content-Length, else while reading)."""
     try:
         return await http_body.read_body(request, limit)
-    except http_body.BodyTooLarge as e:
-        raise APIError(413, str(e), code="request_too_large") from None
-    except ValueError:
-        raise bad_request("invalid Content-Length header") from None
-    except http_body.ClientGone:  # gone while sending: a 400 no one reads, not a logged 500
-        raise bad_request("the client disconnected before the request body ended", code="client_disconnected") \
-            from None
+    except http_body.BodyError as e:
+        raise APIError(e.status, str(e), code=e.code) from None
 
 
 # a JSON escape of a UTF-16 surrogate (\uD800-\uDFFF): only then can the parsed text hold one

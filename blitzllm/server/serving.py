@@ -23,6 +23,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from ..engine.async_engine import (AsyncEngine, DuplicateRequestError, EngineNotReadyError, EngineStepError,
                                    EngineStoppedError, QueueFullError)
+from ..http_body import until_done_or_gone
 from ..kv_transfer import KVLoadError
 from ..structured import INSTALL as STRUCTURED_INSTALL
 from ..sampling_params import SamplingParams
@@ -42,6 +43,13 @@ def sse(obj) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+
+
+def engine_error(e: EngineStepError) -> APIError:
+    """An engine failure while a request ran, as its client sees it."""
+    if isinstance(e, EngineStoppedError):
+        return APIError(503, str(e), code="shutting_down")
+    return APIError(500, str(e), type="server_error")
 
 
 def lp_value(x) -> float:
@@ -332,33 +340,24 @@ class Serving:
 
     async def until_done_or_gone(self, raw: Request, coro, streams: list):
         """Run a non-streaming collection; abort the requests if the client disconnects."""
-        task = asyncio.ensure_future(coro)
         try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=0.5)
-                if done:
-                    try:
-                        return task.result()
-                    except EngineStoppedError as e:
-                        raise APIError(503, str(e), code="shutting_down") from None
-                    except EngineStepError as e:
-                        raise APIError(500, str(e), type="server_error") from None
-                if await raw.is_disconnected():
-                    task.cancel()
-                    for st in streams:   # (a producer's request that finished meanwhile: its lease)
-                        if st.finished:
-                            self.aengine.release_lease(st)
-                    return None
+            result = await until_done_or_gone(raw, coro, poll_s=0.5)
+            if result is None:
+                for st in streams:   # (a producer's request that finished meanwhile: its lease)
+                    if st.finished:
+                        self.aengine.release_lease(st)
+            return result
+        except EngineStepError as e:
+            raise engine_error(e) from None
         finally:
-            if not task.done():
-                task.cancel()
-            for st in streams:   # (a finished one's id may already name another request)
-                self.aengine.abort(st.request_id, st)
+            self.abort(streams)
+
+    def abort(self, streams: list) -> None:
+        for st in streams:   # (by stream: a finished one's id may already name another request)
+            self.aengine.abort(st.request_id, st)
 
     def stream_error(self, e: Exception) -> bytes:
-        if isinstance(e, EngineStoppedError):
-            return sse(APIError(503, str(e), code="shutting_down").body())
-        return sse(APIError(500, str(e), type="server_error").body())
+        return sse(engine_error(e).body())
 
     async def chat_prompt(self, messages, add_generation_prompt: bool = True, template_kwargs=None, tools=None,
                           check_length: bool = True, require_tools: bool = False) -> tuple:

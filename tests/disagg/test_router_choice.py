@@ -104,7 +104,7 @@ def test_router_errors_and_body_limit_are_openai_style():
 def fake_backend():
     """A backend without a model on a free port: /health, /v1/models/{id}, and completions that
     answer the body they got (with kv_transfer_params, as a producer does), after ``sleep``
-    seconds when the body asks."""
+    seconds when the body asks, in a list when it asks ``as_list``."""
     import json
     import threading
     import time
@@ -128,6 +128,8 @@ def fake_backend():
         import asyncio
         await asyncio.sleep(body.get("sleep", 0))
         answer = {"got": body, "kv_transfer_params": {"remote_request_id": None}}
+        if body.get("as_list"):   # (JSON that is not an object)
+            answer = [answer]
         return Response(json.dumps(answer), media_type="application/json")   # (escapes a lone surrogate)
 
     port = free_port()
@@ -159,3 +161,15 @@ def test_router_timeout_is_a_504_and_the_backend_stays_up(fake_backend):
             assert client.get("/v1/models/m1").json()["id"] == "m1"
             metrics = client.get("/metrics").text
             assert 'status="timeout"' in metrics and 'status="unreachable"' not in metrics
+
+
+def test_a_prefill_answer_that_is_not_an_object_goes_on_to_the_decode(fake_backend):
+    """A producer's 200 whose JSON is not an object (a list) carries no kv_transfer_params: the
+    decode runs the request whole (before: an AttributeError, a 500)."""
+    from fastapi.testclient import TestClient
+
+    from blitzllm.router.app import RouterConfig, build_router_app
+    with TestClient(build_router_app(RouterConfig(prefill=(fake_backend,), decode=(fake_backend,)))) as client:
+        r = client.post("/v1/completions", json={"prompt": "listed", "as_list": True})
+        assert r.status_code == 200 and r.json()[0]["got"]["prompt"] == "listed", r.text
+        assert "kv_transfer_params" not in r.json()[0]["got"]

@@ -196,3 +196,26 @@ def test_a_client_gone_while_sending_its_body_is_a_quiet_400():
     with pytest.raises(APIError) as e:
         asyncio.run(read_body(Gone(), 1 << 20))
     assert e.value.status == 400 and e.value.code == "client_disconnected"
+
+
+@pytest.mark.parametrize("header,status", [("12x", 400), ("-3", 400), ("99999999", 413), ("17", None)])
+def test_content_length_is_checked_before_the_body_is_read(header, status):
+    """A Content-Length that is no size (not a number, negative) is a 400 and one over the limit a
+    413, both before a byte is read; a good one reads the body."""
+    import asyncio
+
+    from blitzllm.server.errors import APIError, read_body
+
+    class Body:
+        headers = {"content-length": header}
+        read = False
+
+        async def stream(self):
+            Body.read = True
+            yield b'{"prompt": "Hi"}'
+    if status is None:
+        assert asyncio.run(read_body(Body(), 1 << 20)) == b'{"prompt": "Hi"}'
+        return
+    with pytest.raises(APIError) as e:
+        asyncio.run(read_body(Body(), 1 << 20))
+    assert e.value.status == status and not Body.read
