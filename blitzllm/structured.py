@@ -104,7 +104,13 @@ class GrammarCompiler:
         return self._compiled(spec["type"], spec.get(key) if key else None)
 
     def matcher(self, spec: dict):
+        """A fresh matcher of ``spec``; ValueError when its grammar admits no output at all (an
+        empty language such as the regex ``[^\\s\\S]``: every token would be masked)."""
         m = self.xgr.GrammarMatcher(self.compile(spec))
+        first = self.xgr.allocate_token_bitmask(1, self.vocab_size)
+        m.fill_next_token_bitmask(first, 0)
+        if not first.any():
+            raise ValueError(f"structured_output {spec['type']} admits no output: its grammar matches nothing")
         if spec.get("start_after"):
             if self._vocab is None:   # (each token's bytes, read once)
                 self._vocab = self.info.decoded_vocab

@@ -439,6 +439,8 @@ class Engine:
             reason = "stop"
         elif can_stop and tok in p.stop_token_ids:
             reason, stop_reason = "stop", tok
+        elif req.matcher is not None and req.matcher.is_terminated():
+            reason = "stop"   # the grammar took its stop token: no token may follow (ignore_eos, min_tokens)
         # a stop token's own text is not part of the output; stop strings cut the text
         if req.detok is not None and reason is None:
             text = req.detok.add([tok])

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from blitzllm.layers.sampler import (_GOLDEN, _M32, Sampler, SamplingMetadata, SamplingRow,
-                                     _fmix32_, exponential_noise)
+                                     _fmix32_, exponential_noise, unit_uniform)
 
 # Salt of the acceptance uniform: the hash_bits mix of token id 2**32 - 1, which no real
 # token id reaches, so the uniform never coincides with a token's exponential noise.
@@ -64,8 +64,7 @@ def accept_uniform(seeds: Tensor, steps: Tensor) -> Tensor:
     key = _fmix32_(key ^ (steps & _M32))
     salt = _fmix32_(torch.tensor([(_ACCEPT_SALT * _GOLDEN + 0x7F4A7C15) & _M32],
                                  dtype=torch.int64, device=seeds.device))
-    u = (_fmix32_(key ^ salt) >> 8).to(torch.float32)
-    return u.add_(0.5).mul_(1.0 / 2**24)
+    return unit_uniform(_fmix32_(key ^ salt))
 
 
 @dataclass

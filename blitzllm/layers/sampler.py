@@ -40,11 +40,16 @@ def hash_bits(seeds: Tensor, steps: Tensor, vocab_size: int) -> Tensor:
     return _fmix32_(key[:, None] ^ tok[None, :])
 
 
+def unit_uniform(bits: Tensor) -> Tensor:
+    """float32 in (0, 1) from int64 hash values in [0, 2**32): the top 23 bits k as (k + 0.5) / 2**23,
+    exact in float32. (24 bits are not: k + 0.5 rounds to an integer past 2**23, and 2**24 - 0.5 to
+    2**24, a u of 1 whose Exp(1) noise of 0 let one token in 341 rows win over every mask.)"""
+    return (bits >> 9).to(torch.float32).add_(0.5).mul_(1.0 / 2**23)
+
+
 def exponential_noise(seeds: Tensor, steps: Tensor, vocab_size: int) -> Tensor:
-    """[B, V] float32 Exp(1) samples, a pure function of (seed, step, token id)."""
-    # Top 24 bits -> u = (k + 0.5) / 2**24, exact in float32 and strictly inside (0, 1).
-    u = (hash_bits(seeds, steps, vocab_size) >> 8).to(torch.float32)
-    return u.add_(0.5).mul_(1.0 / 2**24).log_().neg_()
+    """[B, V] float32 Exp(1) samples, a pure function of (seed, step, token id); never 0 or inf."""
+    return unit_uniform(hash_bits(seeds, steps, vocab_size)).log_().neg_()
 
 
 # ------------------------------------------------------------------------ metadata
@@ -247,8 +252,10 @@ class Sampler(torch.nn.Module):
                  - md.presence_penalty[:, None] * (counts > 0).float())
         if md.banned_tokens is not None:
             b = md.banned_tokens
-            x = x.masked_fill(_mask_of(torch.where((b < 0) | (b >= V), V, b), V),
-                              float("-inf"))
+            ban = _mask_of(torch.where((b < 0) | (b >= V), V, b), V)
+            if md.allowed is not None:   # a grammar that can only end ends: min_tokens does not hold it open
+                ban &= (md.allowed & ~ban).any(dim=-1, keepdim=True)
+            x = x.masked_fill(ban, float("-inf"))
         if md.allowed is not None:
             x = x.masked_fill(~md.allowed, float("-inf"))
         return x

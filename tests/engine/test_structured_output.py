@@ -135,3 +135,32 @@ def test_regex_choice_grammar(smollm2_llm):
 def test_more_spec_errors(spec, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(structured_output=spec)
+
+
+@needs_xgrammar
+def test_a_grammar_ends_the_output_over_ignore_eos_and_min_tokens(smollm2_llm):
+    """Once the grammar has taken its stop token no token may follow: the output ends there
+    ("stop") even with ignore_eos (before: the next step's mask raised in xgrammar, a 500) or a
+    min_tokens past it (before: EOS banned left no token allowed, and token 0 came out as
+    often as min_tokens asked); greedy and sampled; the KV blocks all come back."""
+    llm = smollm2_llm
+    spec = {"type": "choice", "choices": ["yes", "no"]}
+    prompt = llm.apply_chat_template([{"role": "user", "content": "Is the sky blue? Answer yes or no."}])
+    for extra in ({"ignore_eos": True}, {"min_tokens": 6}, {"ignore_eos": True, "min_tokens": 6}):
+        for temperature in (0.0, 1.0):
+            p = SamplingParams(temperature=temperature, max_tokens=8, seed=1, structured_output=spec, **extra)
+            out = llm.generate([prompt], p)[0]
+            assert out.text in spec["choices"] and out.finish_reason == "stop", (extra, out)
+            assert _all_allowed(llm, p.structured_output, out.token_ids[:-1])
+            assert out.token_ids[-1] in llm.engine.eos_token_ids   # the grammar's stop token, last
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+
+
+@needs_xgrammar
+def test_a_grammar_that_matches_nothing_is_a_value_error(smollm2_llm):
+    """A regex of an empty language compiles, but every token would be masked (before: token 0
+    until max_tokens): refused when the request is added, nothing held."""
+    with pytest.raises(ValueError, match="admits no output"):
+        smollm2_llm.generate(["hi"], SamplingParams(max_tokens=4, structured_output={
+            "type": "regex", "pattern": r"[^\s\S]"}))
+    assert smollm2_llm.stats()["kv_blocks_free"] == smollm2_llm.stats()["kv_blocks_total"]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from blitzllm.layers.sampler import (Sampler, SamplingMetadata, SamplingRow,
+from blitzllm.layers.sampler import (Sampler, SamplingMetadata, SamplingRow, unit_uniform,
                                      exponential_noise, hash_bits)
 from blitzllm.sampling_params import SamplingParams
 
@@ -222,6 +222,36 @@ def test_hash_matches_plain_integer_spec():
             assert int(got[b, v]) == _py_fmix32(key ^ tok)
     e = exponential_noise(torch.tensor(seeds), torch.tensor(steps), V)
     assert torch.isfinite(e).all() and (e > 0).all()
+
+
+def test_uniforms_stay_inside_the_unit_interval():
+    """Every 32-bit hash value, the extremes and each float32 rounding boundary included, maps
+    strictly inside (0, 1), so the Exp(1) noise is never 0 (a token it divides would win over
+    every mask) nor inf."""
+    top = 2**32 - 1
+    bits = torch.tensor([0, 1, 2**9 - 1, 2**31, 2**32 - 2**9, top, top - 2**8, 0xFFFFFF00, 0xFFFFFE80])
+    u = unit_uniform(bits)
+    assert ((u > 0) & (u < 1)).all(), u
+    assert (-u.log() > 0).all() and torch.isfinite(-u.log()).all()
+
+
+def test_a_sampled_row_never_leaves_its_mask():
+    """top_k=1 leaves one token: the sampled token is the argmax even in a row whose hash has its
+    top 24 bits all ones at some token (with 24-bit uniforms its noise was 0: 0 / 0 = nan there,
+    which argmax took; about one row in 341 at a 49,152-token vocabulary)."""
+    V = 49152
+    seeds = None
+    for start in range(0, 4000, 500):   # the rows whose hash reaches the top at some token
+        s = torch.arange(start, start + 500)
+        hit = ((hash_bits(s, torch.zeros_like(s), V) >> 8) == 2**24 - 1).any(dim=1)
+        if hit.any():
+            seeds = s[hit].tolist()
+            break
+    assert seeds, "no row with a top hash in 4,000 seeds"
+    logits = rand_logits(len(seeds), V, seed=3)
+    rows = [row(seed=sd, temperature=1.0, top_k=1) for sd in seeds]
+    got = SAMPLER(logits, SamplingMetadata.build(rows, V, "cpu")).token_ids
+    assert torch.equal(got, logits.argmax(dim=-1))
 
 
 def test_exponential_noise_moments():
