@@ -8,6 +8,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from ..engine.async_engine import EngineStepError
+from .chat_template import prompt_end
 from .errors import bad_request
 from .protocol import ChatCompletionRequest
 from .reasoning import END, THINK_PARSERS, fed, make_splitter, prompt_opens_thinking, split_reasoning
@@ -53,7 +54,7 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
             raise bad_request(str(e), param=field) from None
     else:
         field = requested[1]
-    ids, prompt_text = await s.chat_prompt(req.messages, pick(req.add_generation_prompt, True),
+    ids, prompt_text = await s.chat_prompt(req.messages, prompt_end(req.add_generation_prompt, req.continue_final_message),
                                            req.chat_template_kwargs, req.tools if tool_mode is not None else None,
                                            require_tools=tool_mode == "auto")
     # a reasoning parser reads where the rendered prompt left off (an open <think> block?)
@@ -146,9 +147,10 @@ async def _chat_sse(s: Serving, rid, created, stream, n, prompt_len, k, include_
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": s.model_name}
     ntok = 0
     try:
-        for i in range(n):
+        for i in range(n):   # (continuous usage: on every chunk, these too, as vLLM sends it)
             yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                            "logprobs": None, "finish_reason": None}]})
+                                            "logprobs": None, "finish_reason": None}],
+                       **({"usage": usage(prompt_len, 0)} if continuous and include_usage else {})})
         async for ev in stream:
             ntok += len(ev.new_token_ids)
             # skip empty deltas (text held back for stop strings, partial UTF-8 or a possible

@@ -38,18 +38,29 @@ def conversation(messages) -> list:
     return template_messages(conv)
 
 
-def render(tok, conv: list, add_generation_prompt: bool, template_kwargs, tools, require_tools: bool) -> str:
-    """The template's text of ``conv``. ``require_tools`` (tool_choice "auto": the model must see
-    the tools to call them): a 400 when the template renders the same text without them."""
+def prompt_end(add_generation_prompt, continue_final_message) -> dict:
+    """How the rendered conversation ends, from a request's two flags (None: their defaults): an
+    opened assistant turn, the final message left open (vLLM's ``continue_final_message``: the
+    model continues it), or neither."""
+    add, cont = add_generation_prompt is not False, bool(continue_final_message)
+    if add and cont:
+        raise bad_request("continue_final_message needs add_generation_prompt false (the final message is "
+                          "continued, no new turn opened)", param="continue_final_message")
+    return {"add_generation_prompt": add, "continue_final_message": cont}
+
+
+def render(tok, conv: list, end: dict, template_kwargs, tools, require_tools: bool) -> str:
+    """The template's text of ``conv``, ending as ``end`` (``prompt_end``) says. ``require_tools``
+    (tool_choice "auto": the model must see the tools to call them): a 400 when the template
+    renders the same text without them."""
     kwargs = dict(template_kwargs or {})
     clash = sorted(set(kwargs) & _TEMPLATE_ARGS)
     if clash:
         raise bad_request(f"chat_template_kwargs may not set {', '.join(clash)}", param="chat_template_kwargs")
+    kwargs.update(end)
     try:
-        text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                       **kwargs, **({"tools": tools} if tools else {}))
-        bare = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                       **kwargs) if tools and require_tools else None
+        text = tok.apply_chat_template(conv, tokenize=False, **kwargs, **({"tools": tools} if tools else {}))
+        bare = tok.apply_chat_template(conv, tokenize=False, **kwargs) if tools and require_tools else None
     except Exception as e:  # jinja errors from the template (e.g. role order): the input's fault
         raise bad_request(f"the chat template rejected the messages: {e}", param="messages") from None
     if bare == text:

@@ -46,9 +46,9 @@ def _completion_prompts(s: Serving, prompt, echo: bool) -> list:
 
 
 def _legacy_logprobs(s: Serving, token_ids, lps, k, offset: int = 0) -> dict:
-    """The legacy completions logprobs: parallel lists, top-k as {token text: logprob}. A token
-    whose entry in ``lps`` is None (an echoed prompt's first) has null ones, as vLLM and OpenAI's
-    legacy API return it."""
+    """The legacy completions logprobs: parallel lists, top-k as {token text: logprob} plus the
+    chosen token where it is not among them (k + 1 entries, as OpenAI's legacy API and vLLM give
+    it). A token whose entry in ``lps`` is None (an echoed prompt's first) has null ones."""
     tokens, token_lps, tops, offsets = [], [], [], []
     for tid, d in zip(token_ids, lps):
         text = s.tok_str(tid)
@@ -60,7 +60,9 @@ def _legacy_logprobs(s: Serving, token_ids, lps, k, offset: int = 0) -> dict:
             tops.append(None)
             continue
         token_lps.append(lp_value(d.get(tid, -9999.0)))
-        top = sorted(d.items(), key=lambda kv: -kv[1])[:k] if k else [(tid, d.get(tid, -9999.0))]
+        top = sorted(d.items(), key=lambda kv: -kv[1])[:k]
+        if tid not in dict(top):
+            top.append((tid, d.get(tid, -9999.0)))
         tops.append({s.tok_str(t): lp_value(v) for t, v in top})
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 

@@ -100,6 +100,8 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: Union[str, dict, None] = None
     parallel_tool_calls: Optional[bool] = None
     add_generation_prompt: Optional[bool] = True
+    continue_final_message: Optional[bool] = Field(False, description="the final (assistant) message left open for "
+                                                   "the model to continue; needs add_generation_prompt false")
 
 
 class CompletionRequest(_SamplingRequest):
@@ -122,6 +124,7 @@ class TokenizeRequest(_Strict):
     messages: Optional[list[ChatMessage]] = None
     add_special_tokens: Optional[bool] = True
     add_generation_prompt: Optional[bool] = True
+    continue_final_message: Optional[bool] = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
     tools: Optional[list] = None
 

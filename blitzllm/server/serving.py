@@ -29,7 +29,7 @@ from ..structured import INSTALL as STRUCTURED_INSTALL
 from ..sampling_params import SamplingParams
 from .errors import APIError, bad_request
 from .protocol import MAX_N, MAX_STOP, DetokenizeRequest, TokenizeRequest
-from .chat_template import conversation, render
+from .chat_template import conversation, prompt_end, render
 from .tools import check_tools
 
 log = logging.getLogger("blitzllm.server")
@@ -359,25 +359,25 @@ class Serving:
     def stream_error(self, e: Exception) -> bytes:
         return sse(engine_error(e).body())
 
-    async def chat_prompt(self, messages, add_generation_prompt: bool = True, template_kwargs=None, tools=None,
+    async def chat_prompt(self, messages, end: Optional[dict] = None, template_kwargs=None, tools=None,
                           check_length: bool = True, require_tools: bool = False) -> tuple:
         """(token ids, rendered text) of ``messages`` through the model's chat template, with
-        ``template_kwargs`` (the request's ``chat_template_kwargs``) and ``tools`` where given, in
-        worker threads. A text past the character bound is refused before it is tokenized;
+        ``template_kwargs`` (the request's ``chat_template_kwargs``) and ``tools`` where given, ending as
+        ``end`` says (``chat_template.prompt_end``; None: an opened assistant turn), in worker threads. A text past the character bound is refused before it is tokenized;
         ``check_length``: and one of too many tokens after."""
-        text = await self.cpu(self.render_chat, messages, add_generation_prompt, template_kwargs, tools, require_tools)
+        text = await self.cpu(self.render_chat, messages, end or prompt_end(True, False), template_kwargs, tools,
+                              require_tools)
         # (what apply_chat_template(tokenize=True) does: no special tokens added to the rendered text)
         return await self.tokens(text, False, "messages" if check_length else None), text
 
-    def render_chat(self, messages, add_generation_prompt: bool, template_kwargs, tools,
-                    require_tools: bool = False) -> str:
+    def render_chat(self, messages, end: dict, template_kwargs, tools, require_tools: bool = False) -> str:
         """The chat template's text (see ``chat_prompt``), in a worker thread. ``require_tools``
         (tool_choice "auto": the model must see the tools to call them): a 400 when the template
         renders the same text without them."""
         tok = self.worker_tokenizer("chat needs a chat template; use /v1/completions with token ids")
         if not getattr(tok, "chat_template", None):
             raise bad_request("this model has no chat template; use /v1/completions", param="messages")
-        text = render(tok, conversation(messages), add_generation_prompt, template_kwargs, tools, require_tools)
+        text = render(tok, conversation(messages), end, template_kwargs, tools, require_tools)
         self.check_prompt_chars(text, "messages")
         return text
 
@@ -408,7 +408,7 @@ class Serving:
             raise bad_request("give exactly one of 'prompt' or 'messages'", param="prompt")
         if req.messages is not None:
             check_tools(req.tools, "none", None)   # (their shape, as chat checks it; no tool choice here)
-            ids, _ = await self.chat_prompt(req.messages, pick(req.add_generation_prompt, True),
+            ids, _ = await self.chat_prompt(req.messages, prompt_end(req.add_generation_prompt, req.continue_final_message),
                                             req.chat_template_kwargs, req.tools, check_length=False)
         else:
             self.need_tokenizer("nothing to tokenize with")

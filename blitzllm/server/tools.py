@@ -35,6 +35,8 @@ def check_tools(tools, tool_choice, parser: Optional[str]):
     if choice == "none":
         return None
     if choice == "required":
+        if not tools:
+            raise bad_request("tool_choice 'required' needs at least one tool", param="tools")
         return Forced(None, tools)
     if isinstance(choice, dict):
         fn = choice.get("function") if choice.get("type") == "function" else None

@@ -219,3 +219,37 @@ def test_content_length_is_checked_before_the_body_is_read(header, status):
     with pytest.raises(APIError) as e:
         asyncio.run(read_body(Body(), 1 << 20))
     assert e.value.status == status and not Body.read
+
+
+def test_continue_final_message_continues_the_assistant_text(smol_server):
+    """continue_final_message (vLLM's): the conversation rendered with the final assistant message
+    left open (transformers' apply_chat_template(continue_final_message=True), no end of turn, no
+    new turn), and the greedy answer is the model's continuation of it: the same tokens as a
+    completion of that text; with add_generation_prompt left true it is a 400."""
+    from blitzllm.loader.source import smollm2_path
+    from blitzllm.loader.tokenizer import load_gguf_tokenizer
+    tok = load_gguf_tokenizer(smollm2_path())
+    msgs = [{"role": "user", "content": "Name the capital of France."},
+            {"role": "assistant", "content": "The capital of France is"}]
+    text = tok.apply_chat_template(msgs, tokenize=False, continue_final_message=True)
+    assert text.endswith("The capital of France is")
+    r = httpx.post(smol_server.url + "/tokenize", json={"messages": msgs, "add_generation_prompt": False,
+                                                        "continue_final_message": True}, timeout=60)
+    assert r.status_code == 200 and r.json()["tokens"] == tok(text, add_special_tokens=False)["input_ids"], r.text
+    chat = httpx.post(smol_server.url + CHAT, json={"messages": msgs, "add_generation_prompt": False,
+                                                    "continue_final_message": True, "max_tokens": 6,
+                                                    "temperature": 0}, timeout=60)
+    cmpl = httpx.post(smol_server.url + CMPL, json={"prompt": text, "max_tokens": 6, "temperature": 0}, timeout=60)
+    assert chat.status_code == 200 and cmpl.status_code == 200, (chat.text, cmpl.text)
+    assert chat.json()["choices"][0]["message"]["content"] == cmpl.json()["choices"][0]["text"]
+    r = httpx.post(smol_server.url + CHAT, json={"messages": msgs, "continue_final_message": True,
+                                                 "max_tokens": 2}, timeout=60)
+    check_error(r, 400, param="continue_final_message")
+
+
+def test_tool_choice_required_with_no_tools_is_a_400(smol_server):
+    """A forced call among no tools cannot be made (before: a 200 whose content was "[]")."""
+    r = httpx.post(smol_server.url + CHAT, json={"messages": [{"role": "user", "content": "hi"}], "tools": [],
+                                                 "tool_choice": "required", "max_tokens": 4}, timeout=60)
+    check_error(r, 400, param="tools")
+    ok(smol_server)

@@ -128,6 +128,20 @@ def test_chat_stream_equals_non_stream(smol_server):
         (full.usage.prompt_tokens, full.usage.completion_tokens)
 
 
+def test_chat_stream_continuous_usage_on_every_chunk(smol_server):
+    """stream_options continuous_usage_stats: every chunk has usage, the role chunk too (0 tokens
+    so far), its completion_tokens never falling, its prompt_tokens the request's."""
+    c = client(smol_server)
+    kw = dict(model=MODEL, messages=MSG, max_tokens=8, temperature=0)
+    full = c.chat.completions.create(**kw)
+    chunks = list(c.chat.completions.create(**kw, stream=True, stream_options={
+        "include_usage": True, "continuous_usage_stats": True}))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].usage.completion_tokens == 0
+    assert all(ch.usage is not None and ch.usage.prompt_tokens == full.usage.prompt_tokens for ch in chunks)
+    counts = [ch.usage.completion_tokens for ch in chunks]
+    assert counts == sorted(counts) and counts[-1] == full.usage.completion_tokens
+
+
 def test_completion_stream_equals_non_stream_async(smol_server):
     async def go():
         c = aclient(smol_server)
@@ -171,6 +185,21 @@ def test_completion_logprobs_shape(smol_server):
     assert all(1 <= len(d) <= 2 for d in lp.top_logprobs)
     assert all(x <= 0 for x in lp.token_logprobs)
     assert lp.text_offset == sorted(lp.text_offset)
+
+
+def test_completion_top_logprobs_hold_the_chosen_token(smol_server):
+    """A chosen token outside the top k (forced here by logit_bias; logprobs are of the raw
+    distribution) is still in its step's top_logprobs, as the k + 1-th entry (OpenAI's legacy
+    API and vLLM; before: only the top k)."""
+    ids = httpx.post(smol_server.url + "/tokenize", json={"prompt": " banana"}, timeout=60).json()["tokens"]
+    assert len(ids) == 1
+    r = httpx.post(smol_server.url + "/v1/completions", json={
+        "prompt": "1, 2, 3,", "max_tokens": 2, "temperature": 0, "logprobs": 1,
+        "logit_bias": {str(ids[0]): 100}}, timeout=60).json()
+    lp = r["choices"][0]["logprobs"]
+    assert lp["tokens"] == [" banana", " banana"], r
+    for tok, tlp, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert len(top) == 2 and top[tok] == tlp and max(top.values()) > tlp
 
 
 def test_n2(smol_server):

@@ -7,11 +7,13 @@ import httpx
 import pytest
 from server_helpers import check_error
 
+from blitzllm.server.chat_template import prompt_end
 from blitzllm.server.errors import APIError
 from blitzllm.server.protocol import ChatMessage
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 MSG = [{"role": "user", "content": "What is the weather in Paris?"}]
+END = prompt_end(True, False)   # an opened assistant turn, the default
 
 
 def test_auto_tools_with_a_template_that_ignores_them_is_a_400(tiny_server):
@@ -45,10 +47,10 @@ def test_render_chat_checks_that_tools_are_rendered():
     renders = "{% if tools %}[{{ tools | tojson }}]{% endif %}" + ignores
     s = _serving(ignores)
     with pytest.raises(APIError) as e:
-        s.render_chat(msgs, True, None, TOOLS, require_tools=True)
+        s.render_chat(msgs, END, None, TOOLS, require_tools=True)
     assert e.value.status == 400 and e.value.param == "tools"
-    assert s.render_chat(msgs, True, None, TOOLS) == "<user>hi"   # (not asked to check)
+    assert s.render_chat(msgs, END, None, TOOLS) == "<user>hi"   # (not asked to check)
     s.close()
     s = _serving(renders)
-    assert "get_weather" in s.render_chat(msgs, True, None, TOOLS, require_tools=True)
+    assert "get_weather" in s.render_chat(msgs, END, None, TOOLS, require_tools=True)
     s.close()
