@@ -43,7 +43,7 @@ def hash_bits(seeds: Tensor, steps: Tensor, vocab_size: int) -> Tensor:
 def unit_uniform(bits: Tensor) -> Tensor:
     """float32 in (0, 1) from int64 hash values in [0, 2**32): the top 23 bits k as (k + 0.5) / 2**23,
     exact in float32. (24 bits are not: k + 0.5 rounds to an integer past 2**23, and 2**24 - 0.5 to
-    2**24, a u of 1 whose Exp(1) noise of 0 let one token in 341 rows win over every mask.)"""
+    2**24, a u of 1 whose Exp(1) noise of 0 lets its token win over every mask.)"""
     return (bits >> 9).to(torch.float32).add_(0.5).mul_(1.0 / 2**23)
 
 
