@@ -43,12 +43,20 @@ def spec_rows(rows: Sequence[SamplingRow], drafts: Sequence[Sequence[int]]) -> l
     out = []
     for r, d in zip(rows, drafts):
         d = list(d)
+        check_no_drafts_under_a_grammar(r, d)
         for i in range(len(d) + 1):
             hist = (list(r.output_ids) + d[:i] if r.params.uses_penalties
                     else _LengthOnly(len(r.output_ids) + i))
             out.append(SamplingRow(params=r.params, seed=r.seed, prompt_ids=r.prompt_ids,
-                                   output_ids=hist, eos_token_id=r.eos_token_id))
+                                   output_ids=hist, eos_token_id=r.eos_token_id, matcher=r.matcher))
     return out
+
+
+def check_no_drafts_under_a_grammar(row: SamplingRow, draft) -> None:
+    """A structured output's row keeps its matcher (its mask applies to its one position) and
+    drafts nothing: a draft position's mask would need the matcher advanced over the drafts."""
+    if row.matcher is not None and len(draft):
+        raise ValueError("a row with a grammar matcher cannot verify drafts")
 
 
 def build_spec_metadata(rows: Sequence[SamplingRow], drafts: Sequence[Sequence[int]],

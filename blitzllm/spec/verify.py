@@ -11,6 +11,7 @@ import torch
 
 from ..kernels.greedy import greedy_sample
 from ..layers import rejection_sampler as _rs
+from ..layers.rejection_sampler import check_no_drafts_under_a_grammar
 from ..layers.sampler import Sampler, SamplingMetadata, SamplingRow
 
 
@@ -25,9 +26,11 @@ class Verified:
 def _position_rows(rows, drafts) -> list:
     out = []
     for r, d in zip(rows, drafts):
+        check_no_drafts_under_a_grammar(r, d)
         for i in range(len(d) + 1):
             out.append(SamplingRow(params=r.params, seed=r.seed, prompt_ids=r.prompt_ids,
-                                   output_ids=list(r.output_ids) + list(d[:i]), eos_token_id=r.eos_token_id))
+                                   output_ids=list(r.output_ids) + list(d[:i]), eos_token_id=r.eos_token_id,
+                                   matcher=r.matcher))
     return out
 
 
@@ -69,9 +72,11 @@ def _match_target(sampler: Sampler, logits, rows, drafts, vocab_size, device, sy
 
 def _plain_greedy(rows, drafts) -> bool:
     """Whether every verified position samples as ``Sampler``'s greedy kernel path: greedy,
-    no penalties, no logit_bias, no top logprobs, and past min_tokens (no banned stop tokens)."""
+    no penalties, no logit_bias, no top logprobs, no grammar, and past min_tokens (no banned stop
+    tokens)."""
     return all(r.params.temperature == 0.0 and not r.params.logprobs and not r.params.uses_penalties
-               and not r.params.logit_bias and len(r.output_ids) >= r.params.min_tokens for r in rows)
+               and not r.params.logit_bias and r.matcher is None and len(r.output_ids) >= r.params.min_tokens
+               for r in rows)
 
 
 def _greedy_verify(logits, rows, drafts, synthetic_rate) -> list:
