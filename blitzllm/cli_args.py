@@ -22,6 +22,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-blocks", type=int, default=None)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="the share of the GPU's memory the engine may fill (weights, activations, KV cache)")
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)
@@ -29,6 +31,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="shard the model over N ranks (GPUs; processes on CPU): one host spawns them, several "
                         "hosts start every rank with torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)")
+    g.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                   help="sampling defaults for what a request leaves unset (temperature, top_p, top_k, min_p, "
+                        "repetition_penalty, max_new_tokens): the model folder's generation_config.json (auto), "
+                        "another folder's, or none (vllm)")
+    g.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   help='those keys over the generation config, e.g. \'{"temperature": 0.5}\'')
+    g.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                   help="a Jinja chat template (a file, or the template itself) instead of the tokenizer's")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'; keys: '
                         "method (ngram | draft_model | eagle3 | mtp), num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, "
@@ -41,7 +51,9 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 block_size=a.block_size, enable_prefix_caching=not a.no_prefix_caching,
                 max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, seed=a.seed,
                 enforce_eager=a.enforce_eager, weight_dtype=a.weight_dtype,
-                speculative_config=a.speculative_config, tensor_parallel_size=a.tensor_parallel_size)
+                speculative_config=a.speculative_config, tensor_parallel_size=a.tensor_parallel_size,
+                gpu_memory_utilization=a.gpu_memory_utilization, generation_config=a.generation_config,
+                override_generation_config=a.override_generation_config, chat_template=a.chat_template)
 
 
 def check_output_file(path: Optional[str], flag: str) -> None:

@@ -43,6 +43,11 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` / ``chat`` / ``stream`` use when given no params: SamplingParams' defaults
+        with the model's generation config over them (``generation_config``, as vLLM)."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def generate(self, prompts, params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
@@ -52,7 +57,7 @@ class LLM:
                              f"got {type(prompts).__name__}")
         prompts = list(prompts)
         if params is None:
-            params = SamplingParams()
+            params = self.get_default_sampling_params()
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
@@ -93,7 +98,7 @@ class LLM:
         """One prompt's text as it is generated: yields each step's new text (first sample of
         ``params.n``); the request is aborted if the caller stops early."""
         rid = f"gen-{next(self._ids)}"
-        self.engine.add_request(rid, prompt, params or SamplingParams())
+        self.engine.add_request(rid, prompt, params or self.get_default_sampling_params())
         done = False
         try:
             while not done and self.engine.has_unfinished():

@@ -2,12 +2,17 @@
 resolve to (the same on rank 0 and on every tensor-parallel worker)."""
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional, Union
 
 import torch
 
 from ..config import CacheConfig, ModelConfig
+from ..loader.source import read_generation_config
+from ..sampling_params import SamplingParams
 from ..spec.config import parse_speculative_config
 from .state_cache import LOOKAHEAD_ROWS, StateLayout, state_bytes_per_row, state_layout
 
@@ -40,6 +45,11 @@ class EngineArgs:
     speculative_config: Optional[Union[str, dict]] = None  # see blitzllm/spec/config.py
     tensor_parallel_size: int = 1     # ranks the model is sharded over (blitzllm/distributed/)
     kv_transfer_config: Optional[Union[str, dict]] = None  # P/D disaggregation (blitzllm/kv_transfer/)
+    # vLLM's: the sampling defaults of the model's generation_config.json ("auto"), another folder's, or
+    # none ("vllm"); then these keys over them
+    generation_config: str = "auto"
+    override_generation_config: Optional[Union[str, dict]] = None
+    chat_template: Optional[str] = None  # a Jinja chat template, or a file holding one, over the tokenizer's
 
     def __post_init__(self):
         if self.weight_dtype is None and self.dtype is None:
@@ -160,6 +170,46 @@ def check_engine_args(a: EngineArgs) -> None:
         raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {g!r}")
     if a.dtype is not None and not isinstance(a.dtype, (str, torch.dtype)):
         raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {a.dtype!r}")
+
+
+# generation_config.json keys -> the SamplingParams field a request leaves unset (vLLM's set)
+GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                   "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def sampling_defaults(a: EngineArgs, model_generation_config: dict) -> dict:
+    """SamplingParams fields -> the values a request that leaves them unset gets (the server's
+    requests, ``LLM.get_default_sampling_params``): the model's generation config (vLLM's
+    ``--generation-config auto``), another folder's, or none (``vllm``), with
+    ``override_generation_config`` over it. A ValueError names a bad value."""
+    g = a.generation_config
+    if not isinstance(g, str) or not g:
+        raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {g!r}")
+    if g == "auto":
+        cfg = dict(model_generation_config)
+    elif g == "vllm":
+        cfg = {}
+    elif os.path.isdir(os.path.expanduser(g)):
+        cfg = read_generation_config(Path(os.path.expanduser(g)))
+    else:
+        raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {g!r} (no such folder)")
+    over = a.override_generation_config
+    if isinstance(over, str):
+        try:
+            over = json.loads(over)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"override_generation_config is not valid JSON: {e}") from None
+    if over is not None:
+        if not isinstance(over, dict) or not set(over) <= set(GENERATION_KEYS):
+            raise ValueError("override_generation_config must be an object of "
+                             f"{', '.join(GENERATION_KEYS)}, got {a.override_generation_config!r}")
+        cfg.update(over)
+    out = {GENERATION_KEYS[k]: v for k, v in cfg.items() if k in GENERATION_KEYS and v is not None}
+    try:
+        SamplingParams(**out)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"the generation config's sampling defaults {out} are not valid: {e}") from None
+    return out
 
 
 def check_tp_size(n) -> int:

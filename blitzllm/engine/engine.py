@@ -19,12 +19,14 @@ from ..config import ModelConfig, SchedulerConfig
 from ..distributed.parallel_state import SINGLE
 from ..layers.sampler import SamplingRow
 from ..loader.source import resolve_model
+from ..loader.tokenizer import set_chat_template
 from ..envs import Knobs
 from ..runner.build import build_runner
 from ..sampling_params import SamplingParams
 from ..spec.config import parse_speculative_config
 from .args import (EngineArgs, check_engine_args, check_tp_size, engine_cache_config, engine_state_layout,
-                   plan_kv_blocks, resolve_device, resolve_dtype, resolve_weight_dtype, speculation_runner_kwargs)
+                   plan_kv_blocks, resolve_device, resolve_dtype, resolve_weight_dtype, sampling_defaults,
+                   speculation_runner_kwargs)
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache import KVCacheManager
 from .request import Request, Status
@@ -64,6 +66,7 @@ class Engine:
             # their hooks and draft layers run on rank 0's part of the model alone
             raise ValueError(f"speculative_config method {spec_cfg.method!r} runs with tensor_parallel_size 1 only")
         src = resolve_model(args.model, args.load_format)
+        self.sampling_defaults = sampling_defaults(args, src.generation_config)
         self.model_config = cfg = ModelConfig.from_hf(src.hf_config, args.num_layers)
         self.dtype = resolve_dtype(args.dtype, self.device, src.torch_dtype)
         self.weight_dtype = resolve_weight_dtype(args.weight_dtype, self.device, self.dtype)
@@ -93,6 +96,8 @@ class Engine:
     def _setup(self, src, cfg: ModelConfig, spec_cfg) -> None:
         args, tp = self.args, self.tp
         self.tokenizer = src.tokenizer_loader()
+        if args.chat_template is not None:
+            set_chat_template(self.tokenizer, args.chat_template)
         group = tp.group if tp is not None else SINGLE
         self.knobs = Knobs.from_env()
         self.runner = build_runner(src, cfg, device=self.device, dtype=self.dtype, weight_dtype=self.weight_dtype,
@@ -235,6 +240,9 @@ class Engine:
         if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
                              f"max_model_len={self.max_model_len}")
+        cap = self.sampling_defaults.get("max_tokens")
+        if params.max_tokens is None and cap is not None:  # the generation config's max_new_tokens
+            params = params.clone(max_tokens=min(cap, self.max_model_len - len(ids)))
         if any(t >= V for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {V})")
         if params.logit_bias and max(params.logit_bias) >= V:

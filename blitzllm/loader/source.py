@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
@@ -25,6 +25,7 @@ class ModelSource:
     tokenizer_loader: Callable[[], object]
     torch_dtype: Optional[str]
     slices: Optional[Callable[[], Iterator]] = None  # safetensors: lazy slices (tensor-parallel loading)
+    generation_config: dict = field(default_factory=dict)  # an HF folder's generation_config.json
 
 
 def list_presets() -> list[str]:
@@ -53,6 +54,20 @@ def _gguf_source(path: Path) -> ModelSource:
                        lambda: load_gguf_tokenizer(path), None)
 
 
+def read_generation_config(folder: Path) -> dict:
+    """``folder``'s generation_config.json ({} where it has none)."""
+    p = Path(folder) / "generation_config.json"
+    if not p.is_file():
+        return {}
+    try:
+        g = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{p} is not valid JSON: {e}") from None
+    if not isinstance(g, dict):
+        raise ValueError(f"{p} does not hold a JSON object")
+    return g
+
+
 def _hf_source(folder: Path) -> ModelSource:
     from .fp8 import dequantize_stream, fp8_block_size
     from .tokenizer import load_hf_tokenizer
@@ -73,7 +88,8 @@ def _hf_source(folder: Path) -> ModelSource:
         return tensors if block is None else dequantize_stream(tensors, block)
 
     return ModelSource("hf", folder, cfg, lambda: stream(False), None, lambda: load_hf_tokenizer(folder),
-                       cfg.get("torch_dtype") or cfg.get("dtype"), slices=lambda: stream(True))
+                       cfg.get("torch_dtype") or cfg.get("dtype"), slices=lambda: stream(True),
+                       generation_config=read_generation_config(folder))
 
 
 def _preset_source(name: str) -> ModelSource:

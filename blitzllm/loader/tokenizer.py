@@ -21,6 +21,27 @@ def load_hf_tokenizer(folder: Path):
     return AutoTokenizer.from_pretrained(str(folder))
 
 
+def set_chat_template(tok, template: str) -> None:
+    """``chat_template`` (vLLM's --chat-template): a file's path or the Jinja text itself, over the
+    tokenizer's own; tried on a one-message conversation so a broken template fails at start-up,
+    not on every request."""
+    if tok is None:
+        raise ValueError("chat_template: this model has no tokenizer to render it")
+    if not isinstance(template, str) or not template:
+        raise ValueError(f"chat_template must be a file or a Jinja template, got {template!r}")
+    path = Path(os.path.expanduser(template))
+    if path.is_file():
+        template = path.read_text(encoding="utf-8")
+    elif "{{" not in template and "{%" not in template:
+        raise ValueError(f"chat_template {template!r} is neither a file nor a Jinja template")
+    tok.chat_template = template
+    try:
+        tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 - jinja2's syntax and undefined errors, the template's own raise
+        raise ValueError(f"chat_template does not render a one-message conversation: "
+                         f"{type(e).__name__}: {e}") from None
+
+
 def load_gguf_tokenizer(path: Path):
     _quiet_transformers()
     from transformers import AutoTokenizer

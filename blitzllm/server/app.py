@@ -73,12 +73,13 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
 def _check_engine(kwargs: dict) -> None:
     """The engine arguments' types and ranges, and a local model's presence, before the server
     listens (a hub model downloads afterwards, while /health answers 503)."""
-    from ..engine.args import check_engine_args
+    from ..engine.args import check_engine_args, sampling_defaults
     from ..engine.engine import EngineArgs
     from ..loader.source import is_hub_id, resolve_model
-    check_engine_args(EngineArgs(**kwargs))
+    args = EngineArgs(**kwargs)
+    check_engine_args(args)
     if not is_hub_id(kwargs["model"]):
-        resolve_model(kwargs["model"], kwargs["load_format"])
+        sampling_defaults(args, resolve_model(kwargs["model"], kwargs["load_format"]).generation_config)
 
 
 def run_server(args: argparse.Namespace) -> int:

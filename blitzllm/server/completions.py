@@ -84,8 +84,8 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
     scoring = req.logprobs if req.echo else None  # echo + logprobs: the prompt's logprobs too
     if req.max_tokens == 0 and scoring is None:
         scoring = 0  # echo alone with max_tokens 0: the engine takes it as a scoring request
-    params = s.sampling_params(req, pick(req.max_tokens, 16), req.logprobs, structured=requested,
-                               prompt_logprobs=scoring)
+    max_tokens = pick(req.max_tokens, min(16, s.defaults.get("max_tokens", 16)))  # (a generation config's cap)
+    params = s.sampling_params(req, max_tokens, req.logprobs, structured=requested, prompt_logprobs=scoring)
     structured_field = requested[1]
     prompts = [(await s.tokens(p, True, field) if isinstance(p, str) else p, text)
                for p, field, text in await s.cpu(_completion_prompts, s, req.prompt, bool(req.echo))]

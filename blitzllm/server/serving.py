@@ -142,6 +142,7 @@ class Serving:
         self.model_name = model_name
         self.model_names = {model_name, *aliases}
         self.tokenizer = None          # set by setup() once the engine is loaded
+        self.defaults: dict = {}       # the engine's sampling_defaults (generation config)
         self.max_model_len = 0
         self.vocab_size = 0
         self.created = int(time.time())
@@ -157,6 +158,10 @@ class Serving:
         """Called from the loading thread, before the engine reports ready."""
         self.tokenizer = tokenizer
         self.max_model_len = engine.max_model_len
+        self.defaults = dict(engine.sampling_defaults)
+        if self.defaults:  # (vLLM says so too: a request's unset fields no longer get OpenAI's defaults)
+            log.info("sampling defaults from the generation config, for fields a request leaves unset: %s",
+                     self.defaults)
         self.vocab_size = engine.model_config.vocab_size
         if tokenizer is not None:
             per_token = max_token_chars(tokenizer)
@@ -282,14 +287,15 @@ class Serving:
             if not all(k.isdigit() and k.isascii() and len(k.lstrip("0")) <= 18 for k in req.logit_bias):
                 raise bad_request("logit_bias keys must be token ids (decimal integers >= 0)", param="logit_bias")
             bias = {int(k): v for k, v in req.logit_bias.items()}
-        structured, field = structured
+        structured, field, d = *structured, self.defaults
         try:
             return SamplingParams(
-                n=pick(req.n, 1), temperature=pick(req.temperature, 1.0), top_p=pick(req.top_p, 1.0),
-                top_k=pick(req.top_k, 0), min_p=pick(req.min_p, 0.0), seed=req.seed,
-                presence_penalty=pick(req.presence_penalty, 0.0),
-                frequency_penalty=pick(req.frequency_penalty, 0.0),
-                repetition_penalty=pick(req.repetition_penalty, 1.0), max_tokens=max_tokens,
+                n=pick(req.n, 1), temperature=pick(req.temperature, d.get("temperature", 1.0)),
+                top_p=pick(req.top_p, d.get("top_p", 1.0)), top_k=pick(req.top_k, d.get("top_k", 0)),
+                min_p=pick(req.min_p, d.get("min_p", 0.0)), seed=req.seed,
+                presence_penalty=pick(req.presence_penalty, 0.0), frequency_penalty=pick(req.frequency_penalty, 0.0),
+                repetition_penalty=pick(req.repetition_penalty, d.get("repetition_penalty", 1.0)),
+                max_tokens=max_tokens,
                 min_tokens=pick(req.min_tokens, 0), stop=req.stop, stop_token_ids=req.stop_token_ids,
                 ignore_eos=bool(req.ignore_eos), logprobs=logprobs,
                 skip_special_tokens=pick(req.skip_special_tokens, True),
