@@ -148,6 +148,10 @@ def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
         return APIError(503, f"the model is not ready: {msg}", code="model_loading",
                         headers={"Retry-After": "5"}).response()
 
+    @app.get("/version")
+    async def server_version():  # (vLLM's)
+        return JSONResponse({"version": app.version})
+
     @app.get("/metrics")
     async def prometheus():
         return Response(metrics.render(), media_type=CONTENT_TYPE)

@@ -33,6 +33,7 @@ _OPS = {
     ("/detokenize", "post"): (P.DetokenizeRequest, P.DetokenizeResponse, None, (400, 401, 404, 413, 503),
                               "Turn token ids into text"),
     ("/health", "get"): (None, P.HealthResponse, None, (503,), "200 once the model has loaded"),
+    ("/version", "get"): (None, P.VersionResponse, None, (), "The installed blitzllm's version"),
 }
 _GUARDED = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model_id}", "/tokenize",
             "/detokenize"}

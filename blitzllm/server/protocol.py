@@ -280,6 +280,10 @@ class HealthResponse(_Out):
     status: Literal["ok"]
 
 
+class VersionResponse(_Out):
+    version: str
+
+
 class ErrorDetail(_Out):
     message: str
     type: str

@@ -332,6 +332,11 @@ def test_load_64_concurrent_requests(smol_server):
     assert m["blitz_num_requests_running"] == 0 and m["blitz_num_requests_waiting"] == 0
 
 
-@pytest.mark.parametrize("path", ["/v1/models", "/health", "/metrics"])
+@pytest.mark.parametrize("path", ["/v1/models", "/health", "/metrics", "/version"])
 def test_get_endpoints_no_key_needed_without_api_key(smol_server, path):
     assert httpx.get(smol_server.url + path).status_code == 200
+
+
+def test_version_is_the_installed_packages(smol_server):
+    from importlib.metadata import version
+    assert httpx.get(smol_server.url + "/version").json() == {"version": version("blitzllm")}

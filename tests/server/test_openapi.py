@@ -20,7 +20,8 @@ from blitzllm.server import protocol as P
 CHAT, CMPL = "/v1/chat/completions", "/v1/completions"
 MAX_EXAMPLES = 25   # per operation and generation mode: a few hundred cases in all
 OPERATIONS = {("POST", CHAT), ("POST", CMPL), ("GET", "/v1/models"), ("GET", "/v1/models/{model_id}"),
-              ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/health"), ("GET", "/metrics")}
+              ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/health"), ("GET", "/metrics"),
+              ("GET", "/version")}
 
 
 def test_openapi_json_is_valid_openapi_3(smol_server):
