@@ -1,4 +1,4 @@
-"""The offline API: ``LLM(...).generate(prompts, params)`` and ``.chat(messages, params)``.
+"""The offline API: ``LLM(...).generate(prompts, sampling_params)`` and ``.chat(messages, sampling_params)``.
 With ``tensor_parallel_size`` > 1, ``close()`` (or ``with LLM(...) as llm``) stops the
 worker processes; they also stop when this process exits."""
 from __future__ import annotations
@@ -48,16 +48,18 @@ class LLM:
         with the model's generation config over them (``generation_config``, as vLLM)."""
         return SamplingParams(**self.engine.sampling_defaults)
 
-    def generate(self, prompts, params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+    def generate(self, prompts, sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        """``prompts``: a prompt or a list of them; a prompt is a string, a list of token ids, or
+        vLLM's ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``. One SamplingParams for all, or
+        one per prompt."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise ValueError("prompts must be a string, a list of token ids, or a list of those, "
                              f"got {type(prompts).__name__}")
-        prompts = list(prompts)
-        if params is None:
-            params = self.get_default_sampling_params()
+        prompts = [_unwrap(p) for p in prompts]
+        params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
@@ -87,18 +89,19 @@ class LLM:
         outs = []
         for rid, prompt, p in zip(rids, prompts, plist):
             comps = [CompletionOutput(i, "".join(s["text"]), s["ids"],
-                                      s["lps"] if p.logprobs is not None else None, s["reason"], s["stop"])
+                                      s["lps"] if p.logprobs is not None else None, s["reason"], s["stop"],
+                                      _cumulative(s["ids"], s["lps"]) if p.logprobs is not None else None)
                      for i, s in enumerate(acc[rid])]
             ptoks = self.engine.tokenize(prompt)
             outs.append(RequestOutput(rid, prompt if isinstance(prompt, str) else None, ptoks, comps, True,
                                       prompt_logprobs=acc[rid][0]["plp"]))
         return outs
 
-    def stream(self, prompt, params: Optional[SamplingParams] = None) -> Iterator[str]:
+    def stream(self, prompt, sampling_params: Optional[SamplingParams] = None) -> Iterator[str]:
         """One prompt's text as it is generated: yields each step's new text (first sample of
-        ``params.n``); the request is aborted if the caller stops early."""
+        ``sampling_params.n``); the request is aborted if the caller stops early."""
         rid = f"gen-{next(self._ids)}"
-        self.engine.add_request(rid, prompt, params or self.get_default_sampling_params())
+        self.engine.add_request(rid, _unwrap(prompt), sampling_params or self.get_default_sampling_params())
         done = False
         try:
             while not done and self.engine.has_unfinished():
@@ -124,16 +127,31 @@ class LLM:
             ids = ids["input_ids"]
         return list(ids)
 
-    def chat(self, messages, params: Optional[SamplingParams] = None) -> list[RequestOutput]:
+    def chat(self, messages, sampling_params: Optional[SamplingParams] = None) -> list[RequestOutput]:
         """One conversation (a list of {role, content}) or a list of conversations; a list of outputs
         either way."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts, or a list of such lists")
         convs = [messages] if isinstance(messages[0], dict) else list(messages)
-        return self.generate([self.apply_chat_template(c) for c in convs], params)
+        return self.generate([self.apply_chat_template(c) for c in convs], sampling_params)
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+
+def _unwrap(prompt):
+    """vLLM's prompt dicts -> the text or the token ids inside."""
+    if not isinstance(prompt, dict):
+        return prompt
+    if len(prompt) != 1 or not {"prompt", "prompt_token_ids"} & set(prompt):
+        raise ValueError("a prompt dict holds one key, 'prompt' (a string) or 'prompt_token_ids' (a list of "
+                         f"token ids); got the keys {sorted(map(str, prompt))}")
+    return next(iter(prompt.values()))
+
+
+def _cumulative(ids: list, lps: list) -> float:
+    """vLLM's cumulative_logprob: the sum of the chosen tokens' logprobs."""
+    return float(sum(d[t] for t, d in zip(ids, lps)))
 
 
 def _check_messages(messages) -> None:

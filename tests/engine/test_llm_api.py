@@ -1,0 +1,39 @@
+"""``LLM`` as vLLM's users call it: the ``sampling_params`` keyword, prompt dicts
+(``{"prompt": text}`` / ``{"prompt_token_ids": ids}``) and ``cumulative_logprob``."""
+import pytest
+
+from blitzllm import SamplingParams
+from tests.conftest import hf_logprobs
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def test_prompt_dicts_and_the_sampling_params_keyword(smollm2_llm):
+    llm = smollm2_llm
+    ids = llm.tokenize("The capital of France is")
+    want = llm.generate(ids, GREEDY)[0].outputs[0].token_ids
+    outs = llm.generate([{"prompt": "The capital of France is"}, {"prompt_token_ids": ids}], sampling_params=GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == [want, want]
+    assert outs[0].prompt_token_ids == outs[1].prompt_token_ids == ids
+    assert llm.generate({"prompt_token_ids": ids}, sampling_params=GREEDY)[0].outputs[0].token_ids == want
+    assert "".join(llm.stream({"prompt_token_ids": ids}, sampling_params=GREEDY)) == outs[0].outputs[0].text
+    chat = [{"role": "user", "content": "Hi"}]
+    assert (llm.chat(chat, sampling_params=GREEDY)[0].outputs[0].token_ids
+            == llm.generate(llm.apply_chat_template(chat), GREEDY)[0].outputs[0].token_ids)
+
+
+@pytest.mark.parametrize("bad", [{"prompt": "a", "prompt_token_ids": [1]}, {"text": "a"}, {}])
+def test_a_bad_prompt_dict_is_a_value_error(smollm2_llm, bad):
+    with pytest.raises(ValueError, match="prompt dict"):
+        smollm2_llm.generate([bad], GREEDY)
+    stats = smollm2_llm.stats()
+    assert not smollm2_llm.engine.has_unfinished() and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_cumulative_logprob_is_the_sequences_logprob(smollm2_llm, smollm2_hf):
+    llm = smollm2_llm
+    ids = llm.tokenize("Once upon a time")
+    out = llm.generate(ids, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0))[0].outputs[0]
+    want = float(hf_logprobs(smollm2_hf, ids, out.token_ids).sum())   # transformers on the same weights
+    assert out.cumulative_logprob == pytest.approx(want, abs=1e-3)
+    assert llm.generate(ids, GREEDY)[0].outputs[0].cumulative_logprob is None   # no logprobs asked: none
