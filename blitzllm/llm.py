@@ -117,23 +117,43 @@ class LLM:
     def tokenize(self, text: str) -> list:
         return self.engine.tokenize(text)
 
-    def apply_chat_template(self, messages: list) -> list:
+    def apply_chat_template(self, messages: list, chat_template: Optional[str] = None,
+                            add_generation_prompt: bool = True, continue_final_message: bool = False,
+                            tools: Optional[list] = None, chat_template_kwargs: Optional[dict] = None) -> list:
+        """One conversation's prompt ids through the chat template (the tokenizer's, or
+        ``chat_template``), with vLLM's ``LLM.chat`` options: ``continue_final_message`` leaves the
+        final message open for the model to continue (with ``add_generation_prompt`` false),
+        ``tools`` and ``chat_template_kwargs`` (e.g. Qwen3's ``{"enable_thinking": False}``) reach
+        the template."""
         tok = self.engine.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
+        if tok is None or not (chat_template or getattr(tok, "chat_template", None)):
             raise ValueError("this model has no chat template")
         _check_messages(messages)
-        ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-        if hasattr(ids, "keys"):  # (some transformers versions return a mapping with input_ids)
-            ids = ids["input_ids"]
-        return list(ids)
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message needs add_generation_prompt=False")
+        kwargs = dict(chat_template_kwargs or {})
+        if not isinstance(chat_template_kwargs or {}, dict) or not all(isinstance(k, str) for k in kwargs):
+            raise ValueError(f"chat_template_kwargs must be a dict of names, got {chat_template_kwargs!r}")
+        ours = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                    tools=tools or None, chat_template=chat_template)
+        clash = sorted(set(kwargs) & {*ours, "tokenize", "conversation", "return_dict"})
+        if clash:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)}")
+        try:
+            text = tok.apply_chat_template(messages, tokenize=False, **ours, **kwargs)
+        except Exception as e:  # noqa: BLE001 - jinja's errors and the template's own raise_exception
+            raise ValueError(f"the chat template rejected the messages: {type(e).__name__}: {e}") from None
+        # (apply_chat_template(tokenize=True) adds no special tokens to the rendered text either)
+        return tok(text, add_special_tokens=False).input_ids
 
-    def chat(self, messages, sampling_params: Optional[SamplingParams] = None) -> list[RequestOutput]:
+    def chat(self, messages, sampling_params: Optional[SamplingParams] = None, use_tqdm: bool = False,
+             **template) -> list[RequestOutput]:
         """One conversation (a list of {role, content}) or a list of conversations; a list of outputs
-        either way."""
+        either way. ``template``: ``apply_chat_template``'s options (vLLM's names)."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts, or a list of such lists")
         convs = [messages] if isinstance(messages[0], dict) else list(messages)
-        return self.generate([self.apply_chat_template(c) for c in convs], sampling_params)
+        return self.generate([self.apply_chat_template(c, **template) for c in convs], sampling_params)
 
     def stats(self) -> dict:
         return self.engine.stats()

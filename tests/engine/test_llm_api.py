@@ -37,3 +37,31 @@ def test_cumulative_logprob_is_the_sequences_logprob(smollm2_llm, smollm2_hf):
     want = float(hf_logprobs(smollm2_hf, ids, out.token_ids).sum())   # transformers on the same weights
     assert out.cumulative_logprob == pytest.approx(want, abs=1e-3)
     assert llm.generate(ids, GREEDY)[0].outputs[0].cumulative_logprob is None   # no logprobs asked: none
+
+
+def test_chat_template_options(smollm2_llm):
+    llm, tok = smollm2_llm, smollm2_llm.tokenizer
+    user = [{"role": "user", "content": "What is the capital of France?"}]
+    # continue_final_message: the opened assistant turn of the plain render, then the partial answer
+    opened = tok.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+    ids = llm.apply_chat_template(user + [{"role": "assistant", "content": "The capital"}],
+                                  add_generation_prompt=False, continue_final_message=True)
+    assert ids == tok(opened + "The capital", add_special_tokens=False).input_ids
+    # chat_template, chat_template_kwargs and tools reach the template
+    own = ("{{ greeting }}{% for t in tools or [] %}<{{ t['function']['name'] }}>{% endfor %}"
+           "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    ids = llm.apply_chat_template(user, chat_template=own, chat_template_kwargs={"greeting": "Yo "}, tools=tools)
+    assert ids == tok("Yo <get_weather>What is the capital of France?", add_special_tokens=False).input_ids
+    out = llm.chat(user, GREEDY, chat_template=own, chat_template_kwargs={"greeting": "Yo "})[0]
+    assert out.prompt_token_ids == tok("Yo What is the capital of France?", add_special_tokens=False).input_ids
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"continue_final_message": True}, "add_generation_prompt=False"),
+    ({"chat_template_kwargs": {"tokenize": True}}, "may not set tokenize"),
+    ({"chat_template": "{{ raise_exception('no system role') }}"}, "rejected the messages"),
+])
+def test_bad_chat_options_are_value_errors(smollm2_llm, kw, words):
+    with pytest.raises(ValueError, match=words):
+        smollm2_llm.chat([{"role": "user", "content": "Hi"}], GREEDY, **kw)
