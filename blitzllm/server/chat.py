@@ -1,5 +1,7 @@
 """POST /v1/chat/completions: messages -> the model's chat template -> one engine request
-(n sequences) -> a chat.completion body or a chat.completion.chunk SSE stream."""
+(n sequences) -> a chat.completion body or a chat.completion.chunk SSE stream. Owns the chat turn
+(``prepare_turn``: tools, structured outputs, prompt, sampling params; ``ChatTurn``: reading the
+output through the reasoning and tool-call parsers), which /v1/responses builds on too."""
 from __future__ import annotations
 
 import time
@@ -16,7 +18,7 @@ from .tools import FORMATS, Forced, ToolCallSplitter, check_tools, split_tool_ca
 from .serving import SSE_DONE, Serving, SSEResponse, kv_field, lp_value, pick, request_id, sse, usage
 
 
-def _chat_logprobs(s: Serving, token_ids, lps, k) -> list:
+def chat_logprobs(s: Serving, token_ids, lps, k) -> list:
     """OpenAI's logprobs.content: per token its text, logprob, bytes and the top-k sorted."""
     out = []
     for tid, d in zip(token_ids, lps or []):
@@ -28,22 +30,57 @@ def _chat_logprobs(s: Serving, token_ids, lps, k) -> list:
     return out
 
 
-async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Request) -> Response:
-    s.check_model(req.model)
-    tool_mode = check_tools(req.tools, req.tool_choice, s.tool_parser)  # None, "auto" or a Forced choice
+class ChatTurn:
+    """A conversation rendered for the engine: its prompt, its sampling params (with the
+    structured output a ``response_format`` or a forced tool choice asks for) and how its output
+    is read (reasoning, tool calls). Chat completions and responses (``responses.py``) both
+    build one with ``prepare_turn``."""
+
+    def __init__(self, ids, prompt_text, params, structured_field, tools, tool_mode, one_call):
+        self.ids, self.params, self.structured_field = ids, params, structured_field
+        self.prompt_text = prompt_text  # the rendered prompt where a reasoning parser reads it, else ""
+        self.tools, self.tool_mode, self.one_call = tools, tool_mode, one_call
+        self.forced = tool_mode if isinstance(tool_mode, Forced) else None
+
+    def parser(self, s: Serving) -> "ChoiceParser":
+        """One streamed sequence's parser."""
+        forced = self.forced
+        return ChoiceParser(make_splitter(s.reasoning_parser, self.prompt_text),
+                            forced.splitter() if forced else
+                            ToolCallSplitter(FORMATS[s.tool_parser], self.tools) if self.tool_mode else None,
+                            self.one_call, forced is not None)
+
+    def message(self, s: Serving, text: str, reason):
+        """(the assistant message, the finish reason) of a whole output."""
+        message = {"role": "assistant", "content": text}
+        if s.reasoning_parser:
+            message["reasoning_content"], message["content"] = split_reasoning(
+                make_splitter(s.reasoning_parser, self.prompt_text), message["content"])
+        if self.forced is not None:  # (the answer is the calls' JSON; cut short, it stays text)
+            calls = self.forced.calls(message["content"] or "")
+            if calls:
+                message["content"], message["tool_calls"] = None, calls[:1] if self.one_call else calls
+        elif self.tool_mode is not None:
+            message["content"], calls = split_tool_calls(message["content"], s.tool_parser, self.tools)
+            if calls:
+                message["tool_calls"] = calls[:1] if self.one_call else calls
+                reason = "tool_calls" if reason == "stop" else reason
+        return message, reason
+
+
+async def prepare_turn(s: Serving, req, messages, *, tools, tool_choice, parallel_tool_calls, structured: tuple,
+                       max_tokens, max_tokens_field: str, k, end: dict, template_kwargs) -> ChatTurn:
+    """``req``: the body's sampling fields (``protocol.SamplingFields``); ``structured``: (the
+    answer's structured output or None, the field it came from); ``k``: top logprobs (None: no
+    logprobs)."""
+    tool_mode = check_tools(tools, tool_choice, s.tool_parser)  # None, "auto" or a Forced choice
     forced = tool_mode if isinstance(tool_mode, Forced) else None
-    one_call = req.parallel_tool_calls is False
-    if req.top_logprobs is not None and not req.logprobs:
-        raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
-    k = pick(req.top_logprobs, 0) if req.logprobs else None
-    mt_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    max_tokens = pick(req.max_completion_tokens, req.max_tokens)
     requested = s.structured_request(req)  # (vLLM's structured_outputs / guided_* fields)
-    params = s.sampling_params(req, max_tokens, k, mt_field, "top_logprobs", requested)
-    structured, field = _structured_output(req.response_format), "response_format"
+    params = s.sampling_params(req, max_tokens, k, max_tokens_field, "top_logprobs", requested)
+    structured, field = structured
     if forced is not None:
         if structured is not None:
-            raise bad_request("response_format and a forced tool_choice do not go together", param="response_format")
+            raise bad_request(f"{field} and a forced tool_choice do not go together", param=field)
         structured, field = forced.structured_output(), "tool_choice"
     if structured is not None:
         if params.structured_output is not None:
@@ -54,24 +91,36 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
             raise bad_request(str(e), param=field) from None
     else:
         field = requested[1]
-    ids, prompt_text = await s.chat_prompt(req.messages, prompt_end(req.add_generation_prompt, req.continue_final_message),
-                                           req.chat_template_kwargs, req.tools if tool_mode is not None else None,
+    ids, prompt_text = await s.chat_prompt(messages, end, template_kwargs, tools if tool_mode is not None else None,
                                            require_tools=tool_mode == "auto")
     # a reasoning parser reads where the rendered prompt left off (an open <think> block?)
     prompt_text = prompt_text if s.reasoning_parser else ""
     if structured is not None and s.reasoning_parser in THINK_PARSERS and prompt_opens_thinking(prompt_text):
         # the answer's grammar (a forced call, a response_format) starts after the thinking
         params = params.clone(structured_output={**structured, "start_after": END})
+    return ChatTurn(ids, prompt_text, params, field, tools, tool_mode, parallel_tool_calls is False)
+
+
+async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Request) -> Response:
+    s.check_model(req.model)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
+    k = pick(req.top_logprobs, 0) if req.logprobs else None
+    mt_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    turn = await prepare_turn(s, req, req.messages, tools=req.tools, tool_choice=req.tool_choice,
+                              parallel_tool_calls=req.parallel_tool_calls,
+                              structured=(structured_output(req.response_format), "response_format"),
+                              max_tokens=pick(req.max_completion_tokens, req.max_tokens), max_tokens_field=mt_field,
+                              k=k, end=prompt_end(req.add_generation_prompt, req.continue_final_message),
+                              template_kwargs=req.chat_template_kwargs)
+    ids, params = turn.ids, turn.params
     rid = f"chatcmpl-{request_id(raw)}"
-    stream = await s.submit(rid, ids, params, "messages", mt_field, structured_field=field,
+    stream = await s.submit(rid, ids, params, "messages", mt_field, structured_field=turn.structured_field,
                             kv_transfer_params=req.kv_transfer_params)
     created = int(time.time())
     if req.stream:
         opts = req.stream_options
-        parsers = [_ChoiceParser(make_splitter(s.reasoning_parser, prompt_text),
-                                 forced.splitter() if forced else
-                                 ToolCallSplitter(FORMATS[s.tool_parser], req.tools) if tool_mode else None,
-                                 one_call, forced is not None) for _ in range(params.n)]
+        parsers = [turn.parser(s) for _ in range(params.n)]
         return SSEResponse(_chat_sse(s, rid, created, stream, params.n, len(ids), k,
                                       bool(opts and opts.include_usage),
                                       bool(opts and opts.continuous_usage_stats), parsers),
@@ -81,29 +130,16 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
         return Response(status_code=499)
     choices = []
     for i, c in enumerate(result):
-        message = {"role": "assistant", "content": "".join(c["text"])}
-        if s.reasoning_parser:
-            message["reasoning_content"], message["content"] = split_reasoning(
-                make_splitter(s.reasoning_parser, prompt_text), message["content"])
-        reason = c["reason"]
-        if forced is not None:  # (the answer is the calls' JSON; cut short, it stays text)
-            calls = forced.calls(message["content"] or "")
-            if calls:
-                message["content"], message["tool_calls"] = None, calls[:1] if one_call else calls
-        elif tool_mode is not None:
-            message["content"], calls = split_tool_calls(message["content"], s.tool_parser, req.tools)
-            if calls:
-                message["tool_calls"] = calls[:1] if one_call else calls
-                reason = "tool_calls" if reason == "stop" else reason
+        message, reason = turn.message(s, "".join(c["text"]), c["reason"])
         choices.append({"index": i, "message": message,
-                        "logprobs": {"content": _chat_logprobs(s, c["ids"], c["lps"], k)} if k is not None
+                        "logprobs": {"content": chat_logprobs(s, c["ids"], c["lps"], k)} if k is not None
                         else None, "finish_reason": reason, "stop_reason": c["stop"]})
     ntok = sum(len(c["ids"]) for c in result)
     return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": s.model_name,
                          "choices": choices, "usage": usage(len(ids), ntok), **kv_field(result)})
 
 
-def _structured_output(fmt):
+def structured_output(fmt):
     """``response_format`` as ``SamplingParams.structured_output`` (None for text)."""
     if fmt is None or fmt.type == "text":
         return None
@@ -119,7 +155,7 @@ def _structured_output(fmt):
                       param="response_format")
 
 
-class _ChoiceParser:
+class ChoiceParser:
     """One streamed choice's text through the reasoning splitter, then its content through the
     tool-call splitter; what they hold back comes out with the last chunk. ``called``: parsed
     calls came out (a forced choice's do not make the finish reason "tool_calls")."""
@@ -162,7 +198,7 @@ async def _chat_sse(s: Serving, rid, created, stream, n, prompt_len, k, include_
                 continue
             reason = "tool_calls" if parser.called and ev.finish_reason == "stop" else ev.finish_reason
             choice = {"index": ev.index, "delta": delta,
-                      "logprobs": {"content": _chat_logprobs(s, ev.new_token_ids, ev.logprobs, k)}
+                      "logprobs": {"content": chat_logprobs(s, ev.new_token_ids, ev.logprobs, k)}
                       if k is not None else None, "finish_reason": reason}
             if ev.finish_reason is not None:
                 choice["stop_reason"] = ev.stop_reason

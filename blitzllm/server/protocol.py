@@ -52,12 +52,11 @@ class ResponseFormat(_Strict):
     json_schema: Optional[dict[str, Any]] = None  # {"name": ..., "schema": {...}, "strict": ...}
 
 
-class _SamplingRequest(_Strict):
-    """Fields shared by chat and completions (OpenAI's plus vLLM's common extensions). The bounds
-    are SamplingParams' (they are checked there too), stated here for the OpenAPI schema."""
+class SamplingFields(_Strict):
+    """Sampling fields shared by chat, completions and responses (OpenAI's plus vLLM's common
+    extensions). The bounds are SamplingParams' (they are checked there too), stated here for the
+    OpenAPI schema."""
     model: Optional[str] = None
-    n: Optional[Int] = Field(None, ge=1, le=MAX_N)
-    max_tokens: Optional[Int] = Field(None, ge=1)
     temperature: Optional[float] = Field(None, ge=0)
     top_p: Optional[float] = Field(None, gt=0, le=1)
     top_k: Optional[Int] = Field(None, ge=-1, description="0 or -1: no top-k")
@@ -82,8 +81,14 @@ class _SamplingRequest(_Strict):
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
     stream: Optional[bool] = False
-    stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
+
+
+class _SamplingRequest(SamplingFields):
+    """Fields shared by chat and completions."""
+    n: Optional[Int] = Field(None, ge=1, le=MAX_N)
+    max_tokens: Optional[Int] = Field(None, ge=1)
+    stream_options: Optional[StreamOptions] = None
     # disaggregation (docs/disaggregation.md): {"do_remote_decode": true} to a producer; its answer's
     # kv_transfer_params to a consumer
     kv_transfer_params: Optional[dict[str, Any]] = None

@@ -276,9 +276,11 @@ class Serving:
     def sampling_params(self, req, max_tokens, logprobs, max_tokens_field="max_tokens",
                         logprobs_field="logprobs", structured=(None, None),
                         prompt_logprobs: Optional[int] = None) -> SamplingParams:
-        """``structured``: ``structured_request(req)``, read once by the endpoint."""
-        if req.n is not None and req.n > MAX_N:
-            raise bad_request(f"n must be in [1, {MAX_N}], got {req.n}", param="n")
+        """``req``: a ``SamplingFields`` body (with ``n`` where it has one); ``structured``:
+        ``structured_request(req)``, read once by the endpoint."""
+        n = getattr(req, "n", None)
+        if n is not None and n > MAX_N:
+            raise bad_request(f"n must be in [1, {MAX_N}], got {n}", param="n")
         if isinstance(req.stop, list) and len(req.stop) > MAX_STOP:
             raise bad_request(f"stop takes at most {MAX_STOP} strings, got {len(req.stop)}", param="stop")
         bias = None
@@ -290,7 +292,7 @@ class Serving:
         structured, field, d = *structured, self.defaults
         try:
             return SamplingParams(
-                n=pick(req.n, 1), temperature=pick(req.temperature, d.get("temperature", 1.0)),
+                n=pick(n, 1), temperature=pick(req.temperature, d.get("temperature", 1.0)),
                 top_p=pick(req.top_p, d.get("top_p", 1.0)), top_k=pick(req.top_k, d.get("top_k", 0)),
                 min_p=pick(req.min_p, d.get("min_p", 0.0)), seed=req.seed,
                 presence_penalty=pick(req.presence_penalty, 0.0), frequency_penalty=pick(req.frequency_penalty, 0.0),

@@ -1,8 +1,9 @@
 """Fixtures: real ``blitz serve`` processes on free loopback ports, one per model, shared by
 the whole server suite (the default SmolLM2 model, and a tiny random Llama for the limits
-that need odd server settings)."""
+that need odd server settings), and per module a tiny thinking model (reasoning and tools)."""
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -139,4 +140,33 @@ def tiny_server(tmp_path_factory):
                          "--max-model-len", "1024", "--kv-cache-blocks", "128",
                          "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
                         tmp_path_factory.mktemp("tiny") / "server.log", api_key="sesame")
+    yield from running(srv)
+
+
+THINKING_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{%- for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{%- endfor %}"
+    "<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{%- else %}<think>\n{%- endif %}{%- endif %}")
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tmp_path_factory):
+    """A tiny random model whose chat template opens ``<think>`` unless ``chat_template_kwargs`` says
+    ``enable_thinking: false``, with the qwen3 reasoning parser and hermes tool calls (its template
+    renders tools and earlier calls)."""
+    folder = _tiny_llama(tmp_path_factory.mktemp("tiny-thinking"))
+    cfg_path = folder / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = THINKING_TEMPLATE
+    cfg_path.write_text(json.dumps(cfg))
+    for extra in ("chat_template.jinja", "chat_template.json"):  # (newer transformers keep it apart)
+        (folder / extra).unlink(missing_ok=True)
+    srv = ServerProcess(["--model", str(folder), "--served-model-name", "think", "--reasoning-parser", "qwen3",
+                         "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                         "--max-model-len", "512", "--kv-cache-blocks", "64"],
+                        tmp_path_factory.mktemp("think") / "server.log")
     yield from running(srv)

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
+import openai
 
 
 def check_error(r: httpx.Response, status: int, param) -> dict:
@@ -33,3 +35,27 @@ def stream_chat(url: str, body: dict, timeout: float = 120) -> tuple:
                     calls += ch["delta"].get("tool_calls") or []
                     reason = ch["finish_reason"] or reason
     return parts, calls, reason
+
+
+def client(srv) -> openai.OpenAI:
+    """The official client on a test server."""
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key=srv.api_key or "unused", max_retries=0, timeout=300)
+
+
+def tokens_of(srv, **body) -> int:
+    """The prompt's token count by /tokenize (``prompt`` or ``messages``)."""
+    r = httpx.post(srv.url + "/tokenize", json=body, headers=srv.headers(), timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["count"]
+
+
+def wait_idle(srv, timeout: float = 5.0) -> dict:
+    """Metrics once nothing runs, waits or holds a KV block (asserts it happens in time)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = srv.metrics()
+        idle = (m["blitz_num_requests_running"] == 0 and m["blitz_num_requests_waiting"] == 0
+                and m["blitz_kv_cache_usage_perc"] == 0)
+        if idle or time.monotonic() > deadline:
+            return m
+        time.sleep(0.1)

@@ -9,34 +9,14 @@ import httpx
 import openai
 import pytest
 
+from tests.server.server_helpers import client, tokens_of, wait_idle
+
 MODEL = "smollm2"
 MSG = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def client(srv) -> openai.OpenAI:
-    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-
-
 def aclient(srv) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-
-
-def tokens_of(srv, **body) -> int:
-    r = httpx.post(srv.url + "/tokenize", json=body, timeout=30)
-    assert r.status_code == 200, r.text
-    return r.json()["count"]
-
-
-def wait_idle(srv, timeout: float = 5.0) -> dict:
-    """Metrics once nothing runs, waits or holds a KV block (asserts it happens in time)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = srv.metrics()
-        idle = (m["blitz_num_requests_running"] == 0 and m["blitz_num_requests_waiting"] == 0
-                and m["blitz_kv_cache_usage_perc"] == 0)
-        if idle or time.monotonic() > deadline:
-            return m
-        time.sleep(0.1)
 
 
 def test_health_was_503_while_loading_then_200(smol_server):

@@ -8,7 +8,6 @@ tool calls): they reach the prompt, ``tool_choice: none`` leaves them out, earli
 arguments reach the template as mappings, unsupported choices are 400s."""
 from __future__ import annotations
 
-import json
 import random
 
 import httpx
@@ -16,7 +15,6 @@ import pytest
 
 from blitzllm.server.reasoning import (AppendThink, ThinkSplitter, make_splitter, prompt_opens_thinking,
                                        split_reasoning)
-from tests.server.conftest import ServerProcess, _tiny_llama, running
 from tests.server.server_helpers import stream_chat
 
 CASES = [
@@ -64,32 +62,6 @@ def test_prompt_opens_thinking_and_append_think():
     assert make_splitter(None, "<think>") is None
     with pytest.raises(ValueError, match="reasoning parser must be one of"):
         make_splitter("r1", "")
-
-
-THINKING_TEMPLATE = (
-    "{%- if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{%- endif %}"
-    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
-    "{%- for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{%- endfor %}"
-    "<|im_end|>\n{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
-    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
-    "{%- else %}<think>\n{%- endif %}{%- endif %}")
-
-
-@pytest.fixture(scope="module")
-def thinking_server(tmp_path_factory):
-    folder = _tiny_llama(tmp_path_factory.mktemp("tiny-thinking"))
-    cfg_path = folder / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["chat_template"] = THINKING_TEMPLATE
-    cfg_path.write_text(json.dumps(cfg))
-    for extra in ("chat_template.jinja", "chat_template.json"):  # (newer transformers keep it apart)
-        (folder / extra).unlink(missing_ok=True)
-    srv = ServerProcess(["--model", str(folder), "--served-model-name", "think", "--reasoning-parser", "qwen3",
-                         "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                         "--max-model-len", "512", "--kv-cache-blocks", "64"],
-                        tmp_path_factory.mktemp("think") / "server.log")
-    yield from running(srv)
 
 
 def _prompt(srv, messages, tools=None, **template_kwargs) -> list:
