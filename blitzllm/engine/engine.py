@@ -47,6 +47,7 @@ class StepEvent:
     stop_reason: object = None
     prompt_logprobs: Optional[list] = None  # on the first event of a request that asked for them
     kv_transfer_params: Optional[dict] = None  # a producer's finished request: where its KV waits
+    num_cached_tokens: Optional[int] = None    # on the last event: the prompt tokens the prefix cache served
 
 
 class Engine:
@@ -461,8 +462,10 @@ class Engine:
             if req.detok is not None and not req.detok.stopped:
                 text += req.detok.finish()
             self._finish(req, reason, stop_reason)
+        done = reason is not None
         return StepEvent(rid, int(index), [tok], text, lps, reason, stop_reason, prompt_logprobs=plp,
-                         kv_transfer_params=req.kv_transfer_params if reason is not None else None)
+                         kv_transfer_params=req.kv_transfer_params if done else None,
+                         num_cached_tokens=min(req.num_cached_tokens, len(req.prompt_token_ids)) if done else None)
 
     def _finish(self, req: Request, reason: str, stop_reason) -> None:
         req.status, req.finish_reason, req.stop_reason = Status.FINISHED, reason, stop_reason
