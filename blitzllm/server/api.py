@@ -23,6 +23,9 @@ from .errors import APIError, decode_json, install_error_handlers, parse_body, r
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .openapi import build_openapi
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .responses import cancel_response, create_response, delete_response, get_response
+from .responses_protocol import ResponsesRequest
+from .responses_store import ResponseStore
 from .serving import Serving
 
 log = logging.getLogger("blitzllm.server")
@@ -87,6 +90,7 @@ def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
     serving = Serving(aengine, cfg.model_name, aliases, reasoning_parser=cfg.reasoning_parser,
                       tool_parser=cfg.tool_call_parser)
     expected_key = cfg.api_key.encode() if cfg.api_key else None
+    store = ResponseStore(cfg.max_stored_responses)   # /v1/responses' stored answers
 
     @asynccontextmanager
     async def lifespan(app):
@@ -100,8 +104,8 @@ def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
 
     app = FastAPI(title="blitzllm", version=_version(), lifespan=lifespan, docs_url="/docs", redoc_url="/redoc",
                   openapi_url="/openapi.json",
-                  description="An OpenAI-compatible server (docs/serving.md): chat and text completions, the "
-                              "model list, the server's tokenizer, health and Prometheus metrics.")
+                  description="An OpenAI-compatible server (docs/serving.md): chat and text completions, "
+                              "responses, the model list, the server's tokenizer, health and Prometheus metrics.")
 
     def openapi() -> dict:
         if app.openapi_schema is None:
@@ -174,6 +178,25 @@ def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await openai(request, CompletionRequest, create_completion)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        return await openai(request, ResponsesRequest, lambda s, req, raw: create_response(s, req, raw, store))
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str, request: Request):
+        guard(request, need_engine=False)
+        return JSONResponse(get_response(store, response_id))
+
+    @app.delete("/v1/responses/{response_id}")
+    async def remove_response(response_id: str, request: Request):
+        guard(request, need_engine=False)
+        return JSONResponse(delete_response(store, response_id))
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel(response_id: str, request: Request):
+        guard(request, need_engine=False)
+        return JSONResponse(cancel_response(store, response_id))
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

@@ -13,7 +13,7 @@ import time
 from typing import Optional
 
 from .. import envs
-from .config import DEFAULT_MAX_BODY, ServeConfig
+from .config import DEFAULT_MAX_BODY, DEFAULT_MAX_STORED, ServeConfig
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -27,6 +27,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="answer 503 + Retry-After once this many sequences are waiting")
     g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_BODY, help="request body limit (413)")
+    g.add_argument("--max-stored-responses", type=int, default=DEFAULT_MAX_STORED,
+                   help="/v1/responses answers kept in memory for previous_response_id and GET (least recently "
+                        "used dropped first; 0: store none)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     g.add_argument("--access-log", action="store_true", help="log every request (off: it costs throughput)")
     g.add_argument("--kv-transfer-config", default=None, metavar="JSON",
@@ -54,6 +57,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         raise ValueError(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
     if args.max_request_bytes < 1024:
         raise ValueError(f"--max-request-bytes must be >= 1024, got {args.max_request_bytes}")
+    if args.max_stored_responses < 0:
+        raise ValueError(f"--max-stored-responses must be >= 0, got {args.max_stored_responses}")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise ValueError("--served-model-name must not be empty")
     if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
@@ -67,7 +72,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(engine_kwargs=kwargs, host=args.host, port=args.port, api_key=args.api_key,
                        served_model_name=args.served_model_name, max_waiting_requests=args.max_waiting_requests,
                        max_request_bytes=args.max_request_bytes, reasoning_parser=args.reasoning_parser,
-                       tool_call_parser=args.tool_call_parser)
+                       tool_call_parser=args.tool_call_parser, max_stored_responses=args.max_stored_responses)
 
 
 def _check_engine(kwargs: dict) -> None:

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 DEFAULT_MAX_BODY = 8 << 20
+DEFAULT_MAX_STORED = 1024  # stored /v1/responses answers (server/responses_store.py)
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,7 @@ class ServeConfig:
     max_request_bytes: int = DEFAULT_MAX_BODY
     reasoning_parser: Optional[str] = None
     tool_call_parser: Optional[str] = None
+    max_stored_responses: int = DEFAULT_MAX_STORED
 
     @property
     def model_name(self) -> str:

@@ -47,9 +47,11 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "model", "f
 
 
 def _loc(loc) -> Optional[str]:
-    """Dotted field path, without pydantic's union member tags (``str``, ``list[int]``...)."""
+    """Dotted field path, without pydantic's union member tags (``str``, ``list[int]``...; a
+    Responses input item's ``item:...``)."""
     parts = [str(p) for p in loc if p != "body" and not (isinstance(p, str) and (
-        p in _TYPE_TAGS or "[" in p or p.startswith(("function-", "is-instance", "tagged-union", "constrained-"))))]
+        p in _TYPE_TAGS or "[" in p or p.startswith(("function-", "is-instance", "tagged-union", "constrained-",
+                                                     "item:"))))]
     return ".".join(parts) or None
 
 

@@ -10,13 +10,14 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from . import protocol as P
+from . import responses_protocol as R
 
 _JSON = "application/json"
 _SSE = "text/event-stream"
 _REF = "#/components/schemas/{model}"
 
 _ERRORS = {400: "a bad request: the field is named in `param`", 401: "a missing or wrong API key",
-           404: "an unknown model or route", 413: "the body is over --max-request-bytes",
+           404: "an unknown model, route or stored response", 413: "the body is over --max-request-bytes",
            500: "the engine failed while running the request",
            503: "the model is loading, the queue is full or the server is stopping (see Retry-After)"}
 
@@ -34,9 +35,17 @@ _OPS = {
                               "Turn token ids into text"),
     ("/health", "get"): (None, P.HealthResponse, None, (503,), "200 once the model has loaded"),
     ("/version", "get"): (None, P.VersionResponse, None, (), "The installed blitzllm's version"),
+    ("/v1/responses", "post"): (R.ResponsesRequest, R.ResponseObject, R.ResponseStreamEvent,
+                                (400, 401, 404, 413, 500, 503), "Create a response (OpenAI's Responses API)"),
+    ("/v1/responses/{response_id}", "get"): (None, R.ResponseObject, None, (401, 404), "A stored response"),
+    ("/v1/responses/{response_id}", "delete"): (None, R.DeletedResponse, None, (401, 404),
+                                                "Delete a stored response"),
+    ("/v1/responses/{response_id}/cancel", "post"): (None, R.ResponseObject, None, (400, 401, 404),
+                                                     "Cancel a background response (none run here: a 400)"),
 }
 _GUARDED = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model_id}", "/tokenize",
-            "/detokenize"}
+            "/detokenize", "/v1/responses", "/v1/responses/{response_id}", "/v1/responses/{response_id}/cancel"}
+_NO_DONE = {R.ResponseStreamEvent}  # (a Responses stream ends with its response.completed / .incomplete event)
 
 
 def _ref(model: type[BaseModel]) -> dict:
@@ -47,7 +56,8 @@ def _content(model: type[BaseModel], stream: Optional[type[BaseModel]]) -> dict:
     content = {_JSON: {"schema": _ref(model)}}
     if stream is not None:
         # OpenAPI 3.1 has no `itemSchema`: a stream's `schema` describes one event (data, event, id, retry)
-        data = {"type": "string", "description": f"a {stream.__name__} as JSON; the last event's is `[DONE]`"}
+        done = "" if stream in _NO_DONE else "; the last event's is `[DONE]`"
+        data = {"type": "string", "description": f"a {stream.__name__} as JSON{done}"}
         event = {"data": data, "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}
         content[_SSE] = {"schema": {"type": "object", "required": ["data"], "properties": event,
                                     "description": "with `stream`: one server-sent event"}}

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import httpx
-import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
@@ -16,12 +15,15 @@ from schemathesis.specs.openapi.checks import (content_type_conformance, negativ
                                                response_schema_conformance, status_code_conformance)
 
 from blitzllm.server import protocol as P
+from blitzllm.server import responses_protocol as R
 
-CHAT, CMPL = "/v1/chat/completions", "/v1/completions"
+CHAT, CMPL, RESP = "/v1/chat/completions", "/v1/completions", "/v1/responses"
 MAX_EXAMPLES = 25   # per operation and generation mode: a few hundred cases in all
 OPERATIONS = {("POST", CHAT), ("POST", CMPL), ("GET", "/v1/models"), ("GET", "/v1/models/{model_id}"),
               ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/health"), ("GET", "/metrics"),
-              ("GET", "/version")}
+              ("GET", "/version"), ("POST", RESP), ("GET", RESP + "/{response_id}"),
+              ("DELETE", RESP + "/{response_id}"), ("POST", RESP + "/{response_id}/cancel")}
+BODIES = {("POST", p) for p in (CHAT, CMPL, RESP, "/tokenize", "/detokenize")}  # (the operations with a body)
 
 
 def test_openapi_json_is_valid_openapi_3(smol_server):
@@ -34,16 +36,17 @@ def test_openapi_json_is_valid_openapi_3(smol_server):
     ops = {(m.upper(), path) for path, item in doc["paths"].items() for m in item}
     assert ops == OPERATIONS
     body = {path: item["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
-            for path, item in doc["paths"].items() if "post" in item}
+            for path, item in doc["paths"].items() if "requestBody" in item.get("post", {})}
     assert body == {CHAT: "ChatCompletionRequest", CMPL: "CompletionRequest", "/tokenize": "TokenizeRequest",
-                    "/detokenize": "DetokenizeRequest"}
+                    "/detokenize": "DetokenizeRequest", RESP: "ResponsesRequest"}
     chat = doc["paths"][CHAT]["post"]["responses"]
     assert chat["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/ChatCompletionResponse")
     assert "text/event-stream" in chat["200"]["content"]
     assert chat["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
     assert "422" not in chat
     # the request models are the ones the server parses with, field for field
-    for name, model in (("ChatCompletionRequest", P.ChatCompletionRequest), ("CompletionRequest", P.CompletionRequest)):
+    for name, model in (("ChatCompletionRequest", P.ChatCompletionRequest), ("CompletionRequest", P.CompletionRequest),
+                        ("ResponsesRequest", R.ResponsesRequest)):
         assert set(doc["components"]["schemas"][name]["properties"]) == set(model.model_fields)
     for path in ("/docs", "/redoc"):
         page = httpx.get(smol_server.url + path)
@@ -51,10 +54,11 @@ def test_openapi_json_is_valid_openapi_3(smol_server):
         assert "/openapi.json" in page.text
 
 
-def _events(text: str) -> list:
+def _events(text: str, done: bool = True) -> list:
+    """A stream's events; ``done``: ended by ``[DONE]`` (a Responses stream is not)."""
     lines = [ln[len("data: "):] for ln in text.splitlines() if ln.startswith("data: ")]
-    assert lines[-1] == "[DONE]"
-    return [json.loads(x) for x in lines[:-1]]
+    assert (lines[-1] == "[DONE]") == done
+    return [json.loads(x) for x in lines[:len(lines) - done]]
 
 
 def test_real_responses_are_the_documented_models(smol_server):
@@ -77,8 +81,20 @@ def test_real_responses_are_the_documented_models(smol_server):
     P.TokenizeResponse.model_validate(httpx.post(url + "/tokenize", json={"messages": msg}).json())
     P.DetokenizeResponse.model_validate(httpx.post(url + "/detokenize", json={"tokens": [1, 2, 3]}).json())
     P.HealthResponse.model_validate(httpx.get(url + "/health").json())
+    resp = R.ResponseObject.model_validate(httpx.post(url + RESP, json={"input": "Hi", "max_output_tokens": 3,
+                                                                       "include": ["message.output_text.logprobs"],
+                                                                       "top_logprobs": 2}, timeout=60).json())
+    assert resp.output[0].content[0].logprobs
+    R.ResponseObject.model_validate(httpx.get(f"{url}{RESP}/{resp.id}").json())
+    events = _events(httpx.post(url + RESP, json={"input": "Hi", "max_output_tokens": 3, "stream": True},
+                                timeout=60).text, done=False)
+    for ev in events:
+        R.ResponseStreamEvent.model_validate(ev)
+    assert events[-1]["type"] == "response.incomplete"
+    R.DeletedResponse.model_validate(httpx.delete(f"{url}{RESP}/{resp.id}").json())
     for r in (httpx.post(url + CMPL, json={"prompt": 5}), httpx.get(url + "/v1/models/nope"),
-              httpx.post(url + CHAT, content=b"{")):
+              httpx.post(url + CHAT, content=b"{"), httpx.get(f"{url}{RESP}/{resp.id}"),
+              httpx.post(url + RESP, json={"input": "Hi", "tools": [{"type": "mcp"}]})):
         P.ErrorResponse.model_validate(r.json())
 
 
@@ -95,13 +111,17 @@ def bounded(case) -> None:
         return
     if isinstance(body.get("model"), str):  # (any other name is a 404 before the engine sees the request)
         body["model"] = "smollm2"
-    if case.path not in (CHAT, CMPL):
+    if case.path not in (CHAT, CMPL, RESP):
         return
-    for key, top in (("max_tokens", 4), ("max_completion_tokens", 4), ("n", 4), ("best_of", 4)):
+    for key, top in (("max_tokens", 4), ("max_completion_tokens", 4), ("n", 4), ("best_of", 4),
+                     ("max_output_tokens", 4)):
         v = body.get(key)
         if isinstance(v, int) and not isinstance(v, bool) and v > top:
             body[key] = top
-    if not isinstance(body.get("max_tokens"), int) and not isinstance(body.get("max_completion_tokens"), int):
+    if case.path == RESP:
+        if not isinstance(body.get("max_output_tokens"), int):
+            body["max_output_tokens"] = 4
+    elif not isinstance(body.get("max_tokens"), int) and not isinstance(body.get("max_completion_tokens"), int):
         body["max_tokens"] = 4
 
 
@@ -128,15 +148,15 @@ def test_schemathesis_finds_no_server_error(smol_server):
 
             try:
                 run()
-            except Unsatisfiable:  # nothing to negate (an operation whose only input is a free-form header)
-                assert mode == GenerationMode.NEGATIVE and op.method.upper() == "GET", op
+            except Unsatisfiable:  # nothing to negate (an operation whose only inputs are a header and a path)
+                assert mode == GenerationMode.NEGATIVE and (op.method.upper(), op.path) not in BODIES, op
     assert {(m, p) for m, p, _ in counts} == OPERATIONS
-    assert {(m, p) for m, p, mode in counts if mode == "negative"} >= {(m, p) for m, p in OPERATIONS if m == "POST"}
+    assert {(m, p) for m, p, mode in counts if mode == "negative"} >= BODIES
     print(f"schemathesis: {sum(counts.values())} cases: "
           + ", ".join(f"{m} {p} {mode} {n}" for (m, p, mode), n in sorted(counts.items())))
     print(f"statuses: {sorted(statuses.items())}")
     assert sum(counts.values()) >= 300
-    assert all(statuses.get(("POST", path, 200), 0) >= 5 for path in (CHAT, CMPL, "/tokenize", "/detokenize"))
+    assert all(statuses.get(("POST", path, 200), 0) >= 5 for path in (CHAT, CMPL, RESP, "/tokenize", "/detokenize"))
 
 
 def test_streams_conform_to_their_documented_events(smol_server):
@@ -146,10 +166,12 @@ def test_streams_conform_to_their_documented_events(smol_server):
     bodies = {CHAT: {"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
                      "stream": True},
               CMPL: {"model": "smollm2", "prompt": "One, two,", "max_tokens": 3, "stream": True, "echo": True,
-                     "logprobs": 1}}
+                     "logprobs": 1},
+              RESP: {"model": "smollm2", "input": "Hi", "max_output_tokens": 3, "stream": True}}
     for path, body in bodies.items():
         op = schema[path]["POST"]
         r = op.Case(body=body, media_type="application/json").call_and_validate(
             base_url=smol_server.url, timeout=120, checks=CHECKS)
         assert r.status_code == 200 and r.headers["content-type"][0].startswith("text/event-stream")
-        assert r.text.count("data: ") >= 3 and r.text.rstrip().endswith("data: [DONE]")
+        assert r.text.count("data: ") >= 3
+        assert r.text.rstrip().endswith("data: [DONE]") if path != RESP else '"type":"response.incomplete"' in r.text
