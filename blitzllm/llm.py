@@ -111,8 +111,9 @@ class LLM:
                         if ev.text:
                             yield ev.text
         finally:
-            if not done:
-                self.engine.abort_request(rid)
+            # also when sample 0 is done: the other samples of n > 1 may still run, and left in the
+            # engine their events would reach the next generate() (a KeyError there)
+            self.engine.abort_request(rid)
 
     def tokenize(self, text: str) -> list:
         return self.engine.tokenize(text)

@@ -22,3 +22,22 @@ def test_stream_stopped_early_aborts_the_request(smollm2_llm):
     assert not llm.engine.has_unfinished()
     stats = llm.stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_stream_of_n_samples_leaves_none_behind(smollm2_llm):
+    """With n > 1 the stream follows sample 0; when it ends before the others they are aborted too
+    (before: they stayed in the engine, and the next generate() met their events: KeyError)."""
+    llm = smollm2_llm
+    ids = llm.apply_chat_template([{"role": "user", "content": "Say yes or no."}])
+    for seed in range(20):  # a seed whose sample 0 ends before another sample does
+        params = SamplingParams(n=3, temperature=1.0, seed=seed, max_tokens=40)
+        outs = llm.generate([ids], params)[0].outputs
+        if len(outs[0].token_ids) < max(len(o.token_ids) for o in outs[1:]):
+            break
+    else:
+        raise AssertionError("no seed ends sample 0 first")
+    assert "".join(llm.stream(ids, params)) == outs[0].text
+    assert not llm.engine.has_unfinished() and not llm.engine.requests
+    stats = llm.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=2))[0].finish_reason is not None
