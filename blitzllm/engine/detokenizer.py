@@ -26,18 +26,22 @@ class IncrementalDetokenizer:
     """Turns a stream of generated token ids into append-only text deltas. ``tokenizer``: a
     ``transformers`` tokenizer; ``prompt_ids``: their tail gives the first tokens their context;
     ``skip_special_tokens`` as in ``tokenizer.decode``; ``stop``: stop strings, the output cut at
-    the first that completes (kept at its end with ``include_stop_str_in_output``)."""
+    the first that completes (kept at its end with ``include_stop_str_in_output``); ``min_tokens``:
+    a stop string counts only where it ends past the text of the first ``min_tokens`` ids (vLLM's
+    min_tokens holds stop strings off as it holds EOS and the stop tokens)."""
 
     def __init__(self, tokenizer, prompt_ids: Sequence[int], *,
                  skip_special_tokens: bool = True,
                  stop: Union[str, Iterable[str], None] = (),
-                 include_stop_str_in_output: bool = False):
+                 include_stop_str_in_output: bool = False,
+                 min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.skip_special_tokens = bool(skip_special_tokens)
         if isinstance(stop, str):
             stop = (stop,)
         self.stop: list[str] = list(dict.fromkeys(s for s in stop or () if s))
         self.include_stop_str_in_output = bool(include_stop_str_in_output)
+        self.min_tokens = min_tokens
 
         self.stopped: bool = False
         self.stop_reason: Optional[str] = None
@@ -53,6 +57,7 @@ class IncrementalDetokenizer:
         self._prefix_len: int = len(context_text)
         self._taken: int = 0                     # chars past the prefix already moved to _pending
         self._pending: str = ""                  # decoded text not emitted yet (stop lookahead)
+        self._no_stop: int = 0                   # _pending[:_no_stop]: min_tokens' text, where no stop may end
         self._out: list[str] = []
         self._out_text: Optional[str] = ""
 
@@ -74,6 +79,15 @@ class IncrementalDetokenizer:
             token_ids = (token_ids,)
         if not len(token_ids):
             return ""
+        head = min(len(token_ids), self.min_tokens - self.num_generated_tokens)
+        if head > 0:  # the first min_tokens ids: no stop string may end in their text
+            self.num_generated_tokens += head
+            self._window.extend(int(t) for t in token_ids[:head])
+            self._advance(final=False)
+            self._no_stop = len(self._pending)
+            token_ids = token_ids[head:]
+            if not len(token_ids):
+                return self._emit(final=False)
         self.num_generated_tokens += len(token_ids)
         self._window.extend(int(t) for t in token_ids)
         self._advance(final=False)
@@ -136,7 +150,8 @@ class IncrementalDetokenizer:
         if not pending:
             return ""
         if self.stop:
-            hits = [(i + len(s), i, s) for s in self.stop if (i := pending.find(s)) >= 0]
+            hits = [(i + len(s), i, s) for s in self.stop
+                    if (i := pending.find(s, max(0, self._no_stop - len(s) + 1))) >= 0]
             if hits:  # the stop string that completes first (the earlier start on a tie)
                 end, begin, s = min(hits, key=lambda h: h[:2])
                 delta = pending[:end if self.include_stop_str_in_output else begin]
@@ -148,8 +163,10 @@ class IncrementalDetokenizer:
                 hold = self._held_back(pending)
                 if hold:
                     self._pending = pending[len(pending) - hold:]
+                    self._no_stop = max(0, self._no_stop - (len(pending) - hold))
                     return self._append(pending[:len(pending) - hold])
         self._pending = ""
+        self._no_stop = 0
         return self._append(pending)
 
     def _held_back(self, text: str) -> int:

@@ -270,7 +270,8 @@ class Engine:
             if self.tokenizer is not None:
                 req.detok = IncrementalDetokenizer(
                     self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
-                    stop=list(params.stop), include_stop_str_in_output=params.include_stop_str_in_output)
+                    stop=list(params.stop), include_stop_str_in_output=params.include_stop_str_in_output,
+                    min_tokens=params.min_tokens)
             seqs.append(req)
         self.requests[request_id] = seqs
         for r in seqs:

@@ -366,6 +366,28 @@ def test_stop_detected_before_incomplete_character_completes(tok):
     assert d.stopped and d.stop_reason == "END"
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_min_tokens_holds_stop_strings_off(tok, include):
+    """vLLM's min_tokens: a stop string counts only where it ends past the text of the first
+    min_tokens tokens (one may start inside it), whatever the chunking (before: "e" stopped the
+    output at its first token, under min_tokens 5)."""
+    text = "Hello, my name is Lee, and I'm a student in the college of engineering"
+    ids = enc(tok, text)
+    full = tok.decode(ids)
+    for stop in ("e", "Lee", "name is L", "ng"):
+        for min_tokens in (0, 1, 3, 5, 9):
+            head = len(tok.decode(ids[:min_tokens]))
+            begin = full.find(stop, max(0, head - len(stop) + 1))
+            want = full if begin < 0 else full[:begin + len(stop) if include else begin]
+            for chunks in (1, 2, 4, len(ids)):
+                d = IncrementalDetokenizer(tok, enc(tok, "Hi."), stop=[stop], min_tokens=min_tokens,
+                                           include_stop_str_in_output=include)
+                _, snaps = stream(d, ids, chunks)
+                assert d.stopped == (begin >= 0) and d.stop_reason == (stop if begin >= 0 else None)
+                assert d.output_text == want, (stop, min_tokens, chunks)
+                assert all(want.startswith(snap) for snap in snaps)
+
+
 def test_stop_random_chunking_consistency(tok):
     rng = random.Random(99)
     text = ASCII + " " + UNICODE

@@ -82,6 +82,23 @@ def test_min_tokens_and_max_tokens(smollm2_llm):
     assert len(capped.token_ids) == 3 and capped.finish_reason == "length"
 
 
+def test_min_tokens_holds_stop_strings_off(smollm2_llm):
+    """As vLLM: no stop string may end in the text of the first min_tokens tokens (before: the
+    output stopped at the first "," under min_tokens 5, with 3 tokens)."""
+    llm, prompt = smollm2_llm, "1, 2, 3, 4, 5, 6, 7,"
+    full = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
+    for min_tokens in (0, 2, 5, 8):
+        head = len(llm.tokenizer.decode(full.token_ids[:min_tokens]))
+        cut = full.text.index(",", head)
+        n = next(i for i in range(1, 21) if len(llm.tokenizer.decode(full.token_ids[:i])) > cut)
+        assert n > min_tokens
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, stop=[","],
+                                                    min_tokens=min_tokens))[0]
+        assert out.token_ids == full.token_ids[:n] and out.text == full.text[:cut]
+        assert out.finish_reason == "stop" and out.outputs[0].stop_reason == ","
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+
+
 def test_tiny_temperatures_sample_greedily(tiny_llama):
     """A temperature under 1e-5 is greedy (1e-40 divided the logits into inf, NaN probabilities and
     token 0 at every step); 1e-5 itself still samples, here as greedy as makes no difference."""
