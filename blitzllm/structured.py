@@ -49,6 +49,11 @@ def _check_kind(spec) -> dict:
         return {"type": kind, KINDS[kind]: value}
     if kind == "choice":
         choices = spec.get("choices")
+        if isinstance(choices, str):  # the normalised form, a JSON list, met again (SamplingParams.clone)
+            try:
+                choices = json.loads(choices)
+            except ValueError:
+                pass
         if (isinstance(choices, str) or not isinstance(choices, (list, tuple)) or not choices
                 or not all(isinstance(c, str) and c for c in choices)):
             raise ValueError("structured_output choice needs 'choices': a list of non-empty strings")

@@ -157,6 +157,18 @@ def test_more_spec_errors(spec, match):
         SamplingParams(structured_output=spec)
 
 
+@pytest.mark.parametrize("spec", [
+    {"type": "choice", "choices": ["yes", "no, never", "[1]"]}, {"type": "regex", "pattern": "a+"},
+    {"type": "json_schema", "schema": {"type": "object"}}, {"type": "json_object"},
+    {"type": "grammar", "grammar": 'root ::= "x"'}, {"type": "choice", "choices": ["a"], "start_after": "</think>"},
+])
+def test_normalised_spec_validates_again(spec):
+    """SamplingParams.clone validates the normalised spec again: it must pass and stay the same
+    (before: a choice's normalised JSON list was "not a list", so clone() raised)."""
+    p = SamplingParams(structured_output=spec)
+    assert p.clone(max_tokens=3).structured_output == p.structured_output
+
+
 @needs_xgrammar
 def test_a_grammar_ends_the_output_over_ignore_eos_and_min_tokens(smollm2_llm):
     """Once the grammar has taken its stop token no token may follow: the output ends there
