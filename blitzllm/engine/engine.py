@@ -451,10 +451,11 @@ class Engine:
             reason, stop_reason = "stop", tok
         elif req.matcher is not None and req.matcher.is_terminated():
             reason = "stop"   # the grammar took its stop token: no token may follow (ignore_eos, min_tokens)
-        # a stop token's own text is not part of the output; stop strings cut the text
-        if req.detok is not None and reason is None:
+        # a stop token's own text is part of the output only with include_stop_str_in_output (vLLM's
+        # rule for EOS and stop_token_ids); stop strings cut the text
+        if req.detok is not None and (reason is None or p.include_stop_str_in_output):
             text = req.detok.add([tok])
-            if req.detok.stopped:
+            if reason is None and req.detok.stopped:
                 reason, stop_reason = "stop", req.detok.stop_reason
         if reason is None and ((p.max_tokens is not None and n_out >= p.max_tokens)
                                or req.num_tokens >= req.max_total_tokens):

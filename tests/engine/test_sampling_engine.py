@@ -82,6 +82,30 @@ def test_min_tokens_and_max_tokens(smollm2_llm):
     assert len(capped.token_ids) == 3 and capped.finish_reason == "length"
 
 
+def test_include_stop_str_in_output_keeps_a_stop_tokens_text(smollm2_llm):
+    """As vLLM: the text of the token that stopped the output (a stop_token_ids entry, EOS) is in
+    the text with include_stop_str_in_output, and only then (before: never)."""
+    llm, tok = smollm2_llm, smollm2_llm.tokenizer
+    prompt = "1, 2, 3, 4, 5, 6, 7,"
+    full = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    t3 = full.token_ids[3]
+    n = full.token_ids.index(t3) + 1
+    assert tok.decode([t3])
+    for include in (False, True):
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[t3],
+                                                    include_stop_str_in_output=include))[0]
+        assert out.token_ids == full.token_ids[:n] and out.outputs[0].stop_reason == t3
+        assert out.text == tok.decode(full.token_ids[:n if include else n - 1])
+    q = llm.apply_chat_template([{"role": "user", "content": "Say hi."}])
+    for include in (False, True):
+        out = llm.generate([q], SamplingParams(temperature=0, max_tokens=64, skip_special_tokens=False,
+                                               include_stop_str_in_output=include))[0]
+        assert out.finish_reason == "stop" and out.token_ids[-1] in llm.engine.eos_token_ids
+        ids = out.token_ids if include else out.token_ids[:-1]
+        assert out.text == tok.decode(ids, skip_special_tokens=False)
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+
+
 def test_min_tokens_holds_stop_strings_off(smollm2_llm):
     """As vLLM: no stop string may end in the text of the first min_tokens tokens (before: the
     output stopped at the first "," under min_tokens 5, with 3 tokens)."""
