@@ -28,6 +28,9 @@ class LLM:
             weight_dtype=weight_dtype, speculative_config=speculative_config,
             tensor_parallel_size=tensor_parallel_size, **kwargs))
         self._ids = itertools.count()
+        # per live request of this LLM, the events a step made for it that its caller has not taken
+        # yet: one engine serves every open stream and generate() call, each takes its own events
+        self._inbox: dict[str, list] = {}
 
     def close(self) -> None:
         """Stop the tensor-parallel worker processes (a no-op with one rank)."""
@@ -75,17 +78,17 @@ class LLM:
             raise
         acc = {rid: [{"ids": [], "text": [], "lps": [], "reason": None, "stop": None, "plp": None}
                      for _ in range(p.n)] for rid, p in zip(rids, plist)}
-        while self.engine.has_unfinished():
-            for ev in self.engine.step():
-                slot = acc[ev.request_id][ev.index]
-                slot["ids"].extend(ev.new_token_ids)
-                slot["text"].append(ev.text)
-                if ev.logprobs is not None:
-                    slot["lps"].extend(ev.logprobs)
-                if ev.prompt_logprobs is not None:
-                    slot["plp"] = ev.prompt_logprobs
-                if ev.finish_reason is not None:
-                    slot["reason"], slot["stop"] = ev.finish_reason, ev.stop_reason
+        left = sum(p.n for p in plist)
+        try:
+            self._inbox.update((rid, []) for rid in rids)
+            while left:
+                for ev in self._events(rids):
+                    left -= ev.finish_reason is not None
+                    self._take(acc[ev.request_id][ev.index], ev)
+        finally:
+            for rid in rids:
+                self._inbox.pop(rid, None)
+                self.engine.abort_request(rid)   # (a no-op once finished)
         outs = []
         for rid, prompt, p in zip(rids, prompts, plist):
             comps = [CompletionOutput(i, "".join(s["text"]), s["ids"],
@@ -102,18 +105,49 @@ class LLM:
         ``sampling_params.n``); the request is aborted if the caller stops early."""
         rid = f"gen-{next(self._ids)}"
         self.engine.add_request(rid, _unwrap(prompt), sampling_params or self.get_default_sampling_params())
+        self._inbox[rid] = []
         done = False
         try:
-            while not done and self.engine.has_unfinished():
-                for ev in self.engine.step():
-                    if ev.request_id == rid and ev.index == 0:
+            while not done:
+                for ev in self._events([rid]):
+                    if ev.index == 0:
                         done = ev.finish_reason is not None
                         if ev.text:
                             yield ev.text
         finally:
             # also when sample 0 is done: the other samples of n > 1 may still run, and left in the
             # engine their events would reach the next generate() (a KeyError there)
+            self._inbox.pop(rid, None)
             self.engine.abort_request(rid)
+
+    def _events(self, rids) -> list:
+        """The next events of requests ``rids``: those waiting in their inboxes, else one engine
+        step's. A step's events for the other live requests (an open stream's, a generate()'s
+        around it) wait in theirs: each caller of step() took them all before, so interleaved
+        streams lost each other's text and a generate() inside a stream met a KeyError."""
+        if not any(self._inbox[r] for r in rids):
+            if not self.engine.has_unfinished():
+                raise RuntimeError(f"requests {list(rids)} are unfinished in an idle engine")
+            for ev in self.engine.step():
+                box = self._inbox.get(ev.request_id)
+                if box is not None:
+                    box.append(ev)
+        out = []
+        for r in rids:
+            out += self._inbox[r]
+            self._inbox[r] = []
+        return out
+
+    @staticmethod
+    def _take(slot: dict, ev) -> None:
+        slot["ids"].extend(ev.new_token_ids)
+        slot["text"].append(ev.text)
+        if ev.logprobs is not None:
+            slot["lps"].extend(ev.logprobs)
+        if ev.prompt_logprobs is not None:
+            slot["plp"] = ev.prompt_logprobs
+        if ev.finish_reason is not None:
+            slot["reason"], slot["stop"] = ev.finish_reason, ev.stop_reason
 
     def tokenize(self, text: str) -> list:
         return self.engine.tokenize(text)

@@ -41,3 +41,25 @@ def test_stream_of_n_samples_leaves_none_behind(smollm2_llm):
     stats = llm.stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
     assert llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=2))[0].finish_reason is not None
+
+
+def test_streams_and_generate_interleaved_each_get_their_own_text(smollm2_llm):
+    """Two streams read in turns, and a generate() between a stream's chunks: each caller gets its
+    own request's text (before: a step's events went to whoever stepped, so interleaved streams lost
+    each other's text, and a generate() inside a stream raised KeyError)."""
+    llm = smollm2_llm
+    prompts = ["The capital of France is", "Once upon a time", "1, 2, 3,"]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    want = [o.text for o in llm.generate(prompts, params)]
+    a, b = llm.stream(prompts[0], params), llm.stream(prompts[1], params)
+    got_a, got_b = [next(a)], [next(b)]
+    assert llm.generate([prompts[2]], params)[0].text == want[2]
+    for x, y in zip(a, b):
+        got_a.append(x)
+        got_b.append(y)
+    got_a += list(a)
+    got_b += list(b)
+    assert ["".join(got_a), "".join(got_b)] == want[:2]
+    assert not llm.engine.has_unfinished() and not llm.engine.requests and not llm._inbox
+    stats = llm.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
