@@ -76,7 +76,7 @@ class LLM:
             for rid in rids:
                 self.engine.abort_request(rid)
             raise
-        acc = {rid: [{"ids": [], "text": [], "lps": [], "reason": None, "stop": None, "plp": None}
+        acc = {rid: [{"ids": [], "text": [], "lps": [], "reason": None, "stop": None, "plp": None, "cached": 0}
                      for _ in range(p.n)] for rid, p in zip(rids, plist)}
         left = sum(p.n for p in plist)
         try:
@@ -97,7 +97,7 @@ class LLM:
                      for i, s in enumerate(acc[rid])]
             ptoks = self.engine.tokenize(prompt)
             outs.append(RequestOutput(rid, prompt if isinstance(prompt, str) else None, ptoks, comps, True,
-                                      prompt_logprobs=acc[rid][0]["plp"]))
+                                      num_cached_tokens=acc[rid][0]["cached"], prompt_logprobs=acc[rid][0]["plp"]))
         return outs
 
     def stream(self, prompt, sampling_params: Optional[SamplingParams] = None) -> Iterator[str]:
@@ -148,6 +148,8 @@ class LLM:
             slot["plp"] = ev.prompt_logprobs
         if ev.finish_reason is not None:
             slot["reason"], slot["stop"] = ev.finish_reason, ev.stop_reason
+        if ev.num_cached_tokens is not None:
+            slot["cached"] = ev.num_cached_tokens
 
     def tokenize(self, text: str) -> list:
         return self.engine.tokenize(text)
@@ -198,10 +200,11 @@ def _unwrap(prompt):
     """vLLM's prompt dicts -> the text or the token ids inside."""
     if not isinstance(prompt, dict):
         return prompt
-    if len(prompt) != 1 or not {"prompt", "prompt_token_ids"} & set(prompt):
-        raise ValueError("a prompt dict holds one key, 'prompt' (a string) or 'prompt_token_ids' (a list of "
-                         f"token ids); got the keys {sorted(map(str, prompt))}")
-    return next(iter(prompt.values()))
+    (key, value), = prompt.items() if len(prompt) == 1 else ((None, None),)
+    if not (key == "prompt" and isinstance(value, str) or key == "prompt_token_ids" and isinstance(value, list)):
+        raise ValueError("prompts must be a string, a list of token ids, or a dict of one key: 'prompt' (a string) "
+                         f"or 'prompt_token_ids' (a list of token ids); got a dict of {sorted(map(str, prompt))}")
+    return value
 
 
 def _cumulative(ids: list, lps: list) -> float:

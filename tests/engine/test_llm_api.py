@@ -22,9 +22,10 @@ def test_prompt_dicts_and_the_sampling_params_keyword(smollm2_llm):
             == llm.generate(llm.apply_chat_template(chat), GREEDY)[0].outputs[0].token_ids)
 
 
-@pytest.mark.parametrize("bad", [{"prompt": "a", "prompt_token_ids": [1]}, {"text": "a"}, {}])
+@pytest.mark.parametrize("bad", [{"prompt": "a", "prompt_token_ids": [1]}, {"text": "a"}, {}, {"prompt": [1, 2]},
+                                 {"prompt_token_ids": "12"}])
 def test_a_bad_prompt_dict_is_a_value_error(smollm2_llm, bad):
-    with pytest.raises(ValueError, match="prompt dict"):
+    with pytest.raises(ValueError, match="a dict of one key"):
         smollm2_llm.generate([bad], GREEDY)
     stats = smollm2_llm.stats()
     assert not smollm2_llm.engine.has_unfinished() and stats["kv_blocks_free"] == stats["kv_blocks_total"]
@@ -65,3 +66,14 @@ def test_chat_template_options(smollm2_llm):
 def test_bad_chat_options_are_value_errors(smollm2_llm, kw, words):
     with pytest.raises(ValueError, match=words):
         smollm2_llm.chat([{"role": "user", "content": "Hi"}], GREEDY, **kw)
+
+
+def test_num_cached_tokens_counts_the_prefix_cache_hit(smollm2_llm):
+    llm = smollm2_llm
+    ids = llm.tokenize("A long shared preamble that the prefix cache keeps between requests. " * 6)
+    first = llm.generate(ids + [42], GREEDY)[0]
+    again = llm.generate(ids + [43], GREEDY)[0]
+    bs = llm.engine.args.block_size
+    # the second request finds the first's full blocks of the shared prefix, at most the prompt less one
+    assert first.num_cached_tokens < len(ids)
+    assert again.num_cached_tokens == (len(ids) // bs) * bs > 0
