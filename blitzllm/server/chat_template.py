@@ -1,6 +1,7 @@
 """Chat messages through the model's chat template: the request's messages as the template's
-conversation (text parts joined, an assistant's earlier calls and reasoning_content kept) and
-the rendering, with the request's ``chat_template_kwargs`` and ``tools``. Errors are the
+conversation (text parts joined, an assistant's earlier calls and reasoning_content kept; an
+assistant turn built part by part from the Responses and Messages APIs' items) and the
+rendering, with the request's ``chat_template_kwargs`` and ``tools``. Errors are the
 client's 400s. Runs in the server's worker threads (``serving.py``); knows nothing of HTTP
 beyond its errors.
 """
@@ -36,6 +37,19 @@ def conversation(messages) -> list:
                 entry[key] = getattr(m, key)
         conv.append(entry)
     return template_messages(conv)
+
+
+def add_assistant_part(messages: list, part: str, value) -> None:
+    """``value`` as ``part`` of the assistant turn in progress (the last message, when it is an
+    assistant's without that part yet; calls join those before them), else of a new one."""
+    last = messages[-1] if messages else None
+    if last is not None and last["role"] == "assistant" and (part == "tool_calls" or last.get(part) is None):
+        if part == "tool_calls":
+            last[part] = (last.get(part) or []) + value
+        else:
+            last[part] = value
+        return
+    messages.append({"role": "assistant", part: value})
 
 
 def prompt_end(add_generation_prompt, continue_final_message) -> dict:

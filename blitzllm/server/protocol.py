@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
 
 MAX_N = 128      # the most completions a request may ask for
 MAX_STOP = 32    # the most stop strings
@@ -26,6 +26,25 @@ Text = Annotated[str, Field(min_length=1)]
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+
+def by_type(members: dict, message: str, default: Optional[str] = None):
+    """A union of request models picked by their ``type`` field (``default`` where it is absent),
+    so a bad one's errors name its own fields; an unknown type is one error, ``message``. The tags
+    carry ``item:``, which ``errors._loc`` leaves out of the field path it reports."""
+    def tag(v) -> str:
+        kind = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
+        return f"item:{kind or default}"
+
+    return Annotated[Union[tuple(Annotated[m, Tag(f"item:{k}")] for k, m in members.items())],
+                     Discriminator(tag, custom_error_type="invalid_item", custom_error_message=message)]
+
+
+def text_or_list(item):
+    """A string or a list of ``item`` (only that member is tried for a list, so its errors name
+    the item's field)."""
+    return Annotated[Union[Annotated[str, Tag("str")], Annotated[list[item], Tag("list[item]")]],
+                     Discriminator(lambda v: "str" if isinstance(v, str) else "list[item]")]
 
 
 class StreamOptions(_Strict):

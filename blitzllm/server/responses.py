@@ -6,7 +6,6 @@ stream. Also GET / DELETE / cancel of the stored responses (``responses_store.py
 from __future__ import annotations
 
 import itertools
-import json
 import time
 import uuid
 
@@ -20,7 +19,8 @@ from .errors import APIError, bad_request
 from .responses_items import OutputBuilder, chat_messages, chat_tool_choice, chat_tools, input_items, text_format
 from .responses_protocol import LOGPROBS, ResponsesRequest
 from .responses_store import ResponseStore
-from .serving import Serving, SSEResponse, engine_error, pick, request_id
+from .serving import Serving, SSEResponse, engine_error, pick, request_id, typed_sse
+from .turn_output import feed_whole
 
 def _unsupported(req: ResponsesRequest) -> None:
     if req.background:
@@ -69,13 +69,7 @@ async def create_response(s: Serving, req: ResponsesRequest, raw: Request, store
     finish = _Finish(s, store, head, builder, len(turn.ids), earlier, items)
     if req.stream:
         return SSEResponse(_events(s, stream, head, builder, finish), on_close=lambda: s.aengine.abort(rid, stream))
-
-    async def run():
-        async for ev in stream:
-            builder.feed(ev)
-        return True
-
-    if await s.until_done_or_gone(raw, run(), [stream]) is None:
+    if not await feed_whole(s, raw, stream, builder):
         return Response(status_code=499)
     return JSONResponse(await finish())
 
@@ -122,16 +116,11 @@ class _Finish:
         return body
 
 
-def _sse(event: dict) -> bytes:
-    return (f"event: {event['type']}\ndata: ".encode() + json.dumps(event, separators=(",", ":")).encode()
-            + b"\n\n")
-
-
 async def _events(s: Serving, stream, head: dict, builder: OutputBuilder, finish: _Finish):
     seq = itertools.count()
 
     def event(e: dict) -> bytes:
-        return _sse({**e, "sequence_number": next(seq)})
+        return typed_sse({**e, "sequence_number": next(seq)})
 
     yield event({"type": "response.created", "response": head})
     yield event({"type": "response.in_progress", "response": head})

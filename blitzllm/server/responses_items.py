@@ -9,9 +9,11 @@ import uuid
 from typing import Optional
 
 from .chat import ChoiceParser, chat_logprobs
+from .chat_template import add_assistant_part
 from .errors import bad_request
 from .protocol import ChatMessage
 from .responses_protocol import ResponsesRequest
+from .turn_output import BlockSequence
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 _ASSISTANT_PARTS = ("content", "reasoning_content", "tool_calls")
@@ -37,19 +39,6 @@ def _text(content, param: str, kinds=TEXT_PARTS) -> str:
     return "\n".join(texts)
 
 
-def _assistant(messages: list, part: str, value) -> None:
-    """``value`` as ``part`` of the assistant turn in progress (the last message, when it is an
-    assistant's without that part yet; calls join those before them), else of a new one."""
-    last = messages[-1] if messages else None
-    if last is not None and last["role"] == "assistant" and (part == "tool_calls" or last.get(part) is None):
-        if part == "tool_calls":
-            last[part] = (last.get(part) or []) + value
-        else:
-            last[part] = value
-        return
-    messages.append({"role": "assistant", part: value})
-
-
 def chat_messages(instructions: Optional[str], earlier: list, items: list) -> list:
     """The chat messages of a conversation: ``instructions`` as a system message first, then the
     items of the earlier turns (a stored conversation, valid) and the request's ``items`` (a
@@ -62,11 +51,11 @@ def chat_messages(instructions: Optional[str], earlier: list, items: list) -> li
         if kind == "message":
             text = _text(item["content"], f"{where}.content")
             if item["role"] == "assistant":
-                _assistant(messages, "content", text)
+                add_assistant_part(messages, "content", text)
             else:
                 messages.append({"role": item["role"], "content": text})
         elif kind == "function_call":
-            _assistant(messages, "tool_calls", [{"id": item["call_id"], "type": "function",
+            add_assistant_part(messages, "tool_calls", [{"id": item["call_id"], "type": "function",
                                                  "function": {"name": item["name"], "arguments": item["arguments"]}}])
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
@@ -75,7 +64,7 @@ def chat_messages(instructions: Optional[str], earlier: list, items: list) -> li
             parts = item.get("content") or item.get("summary") or []
             text = "\n".join(p.get("text") or "" for p in parts)
             if text:
-                _assistant(messages, "reasoning_content", text)
+                add_assistant_part(messages, "reasoning_content", text)
     if not messages:
         raise bad_request("the conversation is empty: give input (or instructions)", param="input")
     return [ChatMessage(**m) for m in messages]
@@ -111,95 +100,55 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-class OutputBuilder:
-    """One response's output items, built from its engine events as they come, streamed or not:
-    the same events give the same items. The text goes through the chat parsers; reasoning opens
-    a reasoning item, content a message (text that is only whitespace waits for more: beside
-    calls and nothing else it is dropped, as chat's content is), each closed call a function
-    call item. ``feed`` returns the stream events (without their sequence numbers). ``k``: top
-    logprobs of the message's tokens (None: no logprobs)."""
+class OutputBuilder(BlockSequence):
+    """One response's output items (``turn_output.BlockSequence``): reasoning opens a reasoning
+    item, content a message, each call a function call item; an output with nothing at all is
+    an empty message. ``feed`` returns the stream events (without their sequence numbers).
+    ``k``: top logprobs of the message's tokens (None: no logprobs)."""
+
+    EMPTY_TEXT = True
 
     def __init__(self, s, parser: ChoiceParser, k: Optional[int]):
-        self.s, self.parser, self.k = s, parser, k
+        super().__init__(parser)
+        self.s, self.k = s, k
         self.items: list = []           # output items, in order; an open one is replaced when it closes
-        self.open: Optional[dict] = None  # the open item's state: kind, index, id, text, logprobs
-        self.held = ""                  # whitespace content that no message holds yet
+        self.item: Optional[dict] = None  # the open item's state: index, id, text, logprobs
         self.pending: list = []         # logprobs of tokens whose text has not come out yet
-        self.calls = 0
-        self.output_tokens = self.reasoning_tokens = 0
-        self.finish_reason: Optional[str] = None
-        self.cached_tokens = 0
 
     def feed(self, ev) -> list:
-        final = ev.finish_reason is not None
-        delta = self.parser.delta(ev.text, final)
-        reasoning, content, calls = (delta.get("reasoning_content"), delta.get("content"),
-                                     delta.get("tool_calls") or [])
-        out = []
-        n = len(ev.new_token_ids)
-        self.output_tokens += n
         if self.k is not None:
             self.pending += chat_logprobs(self.s, ev.new_token_ids, ev.logprobs, self.k)
-        if reasoning:
-            out += self._switch("reasoning")
-            self.open["text"].append(reasoning)
-            out.append(self._event_of(self.open, "response.reasoning_text.delta", delta=reasoning))
-            self.pending = []   # (reasoning tokens: the message's logprobs leave them out)
-        if not content and not calls and self.open is not None and self.open["kind"] == "reasoning":
-            self.reasoning_tokens += n
-        if content:
-            out += self._content(content)
-        for call in calls:
-            out += self._close("completed")
-            out += self._call(call)
-        if final:
-            self.finish_reason, self.cached_tokens = ev.finish_reason, ev.num_cached_tokens or 0
-            status = "incomplete" if ev.finish_reason == "length" else "completed"
-            if self.held and not self.calls:
-                out += self._content("")
-            if not self.items:  # (nothing at all: an empty message)
-                out += self._switch("message")
-            out += self._close(status)
-        return out
+        return super().feed(ev)
 
-    def _content(self, text: str) -> list:
-        out = []
-        if self.open is None or self.open["kind"] != "message":
-            if text and not text.strip():
-                self.held += text
-                return out
-            out += self._switch("message")
-            text, self.held = self.held + text, ""
-        self.open["text"].append(text)
-        self.open["lps"] += self.pending
-        out.append(self._event_of(self.open, "response.output_text.delta", delta=text,
-                                    logprobs=[_delta_logprob(lp) for lp in self.pending]))
-        self.pending = []
-        return out
-
-    def _switch(self, kind: str) -> list:
-        """Close the open item unless it is a ``kind`` one, and open one."""
-        if self.open is not None and self.open["kind"] == kind:
-            return []
-        out = self._close("completed")
-        index, item_id = len(self.items), _id("msg" if kind == "message" else "rs")
-        self.open = {"kind": kind, "index": index, "id": item_id, "text": [], "lps": []}
-        if kind == "message":
+    def open_block(self, kind: str) -> list:
+        index, item_id = len(self.items), _id("msg" if kind == "text" else "rs")
+        self.item = {"index": index, "id": item_id, "text": [], "lps": []}
+        if kind == "text":
             item = {"id": item_id, "type": "message", "role": "assistant", "status": "in_progress", "content": []}
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         else:
             item = {"id": item_id, "type": "reasoning", "summary": [], "status": "in_progress"}
             part = {"type": "reasoning_text", "text": ""}
         self.items.append(item)
-        return out + [{"type": "response.output_item.added", "output_index": index, "item": dict(item)},
-                      self._event_of(self.open, "response.content_part.added", part=part)]
+        return [{"type": "response.output_item.added", "output_index": index, "item": dict(item)},
+                self._event_of(self.item, "response.content_part.added", part=part)]
 
-    def _close(self, status: str) -> list:
-        o = self.open
-        if o is None:
-            return []
-        self.open, text = None, "".join(o["text"])
-        if o["kind"] == "message":
+    def grow_block(self, kind: str, text: str) -> list:
+        o = self.item
+        o["text"].append(text)
+        if kind == "reasoning":
+            self.pending = []   # (reasoning tokens: the message's logprobs leave them out)
+            return [self._event_of(o, "response.reasoning_text.delta", delta=text)]
+        o["lps"] += self.pending
+        event = self._event_of(o, "response.output_text.delta", delta=text,
+                               logprobs=[_delta_logprob(lp) for lp in self.pending])
+        self.pending = []
+        return [event]
+
+    def close_block(self) -> list:
+        o, status = self.item, "incomplete" if self.finish_reason == "length" else "completed"
+        self.item, text = None, "".join(o["text"])
+        if self.kind == "text":
             part = {"type": "output_text", "text": text, "annotations": [], "logprobs": o["lps"]}
             item = {"id": o["id"], "type": "message", "role": "assistant", "status": status, "content": [part]}
             done = self._event_of(o, "response.output_text.done", text=text,
@@ -216,12 +165,11 @@ class OutputBuilder:
     def _event_of(o: dict, kind: str, **fields) -> dict:
         return {"type": kind, "item_id": o["id"], "output_index": o["index"], "content_index": 0, **fields}
 
-    def _call(self, call: dict) -> list:
+    def add_call(self, call: dict) -> list:
         index, fn = len(self.items), call["function"]
         item = {"id": _id("fc"), "type": "function_call", "call_id": call["id"], "name": fn["name"],
                 "arguments": fn["arguments"], "status": "completed"}
         self.items.append(item)
-        self.calls += 1
         at = {"item_id": item["id"], "output_index": index}
         return [{"type": "response.output_item.added", "output_index": index,
                  "item": {**item, "arguments": "", "status": "in_progress"}},

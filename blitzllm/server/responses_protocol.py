@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import Discriminator, Field, RootModel, Tag
+from pydantic import Field, RootModel
 
-from .protocol import Int, SamplingFields, TokenLogprob, _Out, _Strict
+from .protocol import Int, SamplingFields, TokenLogprob, _Out, _Strict, by_type, text_or_list
 
 # OpenAI's include values (ResponseIncludable); only the logprobs one changes the answer
 INCLUDABLE = Literal["file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
@@ -63,27 +63,11 @@ class ReasoningItem(_Strict):
 
 
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
-
-
-def _item_tag(v) -> Optional[str]:
-    """The union member of an input item: by its ``type`` ("message" when absent). The tags carry
-    ``item:``, which ``errors._loc`` leaves out of the field path it reports."""
-    kind = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
-    return f"item:{kind or 'message'}"
-
-
-InputItem = Annotated[
-    Union[Annotated[MessageItem, Tag("item:message")], Annotated[FunctionCallItem, Tag("item:function_call")],
-          Annotated[FunctionCallOutputItem, Tag("item:function_call_output")],
-          Annotated[ReasoningItem, Tag("item:reasoning")]],
-    Discriminator(_item_tag, custom_error_type="invalid_item",
-                  custom_error_message=f"an input item's type must be one of {', '.join(ITEM_TYPES)} "
-                                       "(a message when absent)")]
-
-
-# a string, or a list of items (only that member is tried for a list, so its errors name the item's field)
-Input = Annotated[Union[Annotated[str, Tag("str")], Annotated[list[InputItem], Tag("list[item]")]],
-                  Discriminator(lambda v: "str" if isinstance(v, str) else "list[item]")]
+InputItem = by_type({"message": MessageItem, "function_call": FunctionCallItem,
+                     "function_call_output": FunctionCallOutputItem, "reasoning": ReasoningItem},
+                    f"an input item's type must be one of {', '.join(ITEM_TYPES)} (a message when absent)",
+                    default="message")
+Input = text_or_list(InputItem)
 
 
 class FunctionTool(_Strict):

@@ -45,6 +45,13 @@ def sse(obj) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
+def typed_sse(event: dict) -> bytes:
+    """An event named by its ``type`` (``event:`` then ``data:``), as the Responses and Messages
+    APIs stream them."""
+    return (f"event: {event['type']}\ndata: ".encode() + json.dumps(event, separators=(",", ":")).encode()
+            + b"\n\n")
+
+
 def engine_error(e: EngineStepError) -> APIError:
     """An engine failure while a request ran, as its client sees it."""
     if isinstance(e, EngineStoppedError):

@@ -59,3 +59,30 @@ def wait_idle(srv, timeout: float = 5.0) -> dict:
         if idle or time.monotonic() > deadline:
             return m
         time.sleep(0.1)
+
+
+def rejected(srv) -> float:
+    """The refusals counted in the metrics, every status together."""
+    text = httpx.get(srv.url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("blitz_request_rejected_total{"))
+
+
+def drop_stream_midway(srv, path: str, body: dict, is_delta) -> None:
+    """Stream ``body`` to ``path``, read three lines ``is_delta`` says are text deltas (the
+    request then holds KV blocks and runs), disconnect: asserts the request is aborted and its
+    blocks are free within 2 s."""
+    with httpx.Client(timeout=60) as h:
+        with h.stream("POST", srv.url + path, json=body, headers=srv.headers()) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            it = r.iter_lines()   # (kept alive: dropping it closes the connection, the disconnect below)
+            deltas = 0
+            while deltas < 3:
+                deltas += bool(is_delta(next(it)))
+            held = srv.metrics()
+            assert held["blitz_kv_cache_usage_perc"] > 0 and held["blitz_num_requests_running"] == 1
+            del it
+    t0 = time.monotonic()
+    m = wait_idle(srv, timeout=2.0)
+    assert m["blitz_kv_cache_blocks_free"] == m["blitz_kv_cache_blocks_total"] and m["blitz_num_requests_running"] == 0
+    assert time.monotonic() - t0 <= 2.0

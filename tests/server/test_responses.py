@@ -9,7 +9,6 @@ and the store are tested without a server at the end."""
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import openai
@@ -18,7 +17,7 @@ from openai.types.responses import Response
 
 from blitzllm.server import responses_protocol as R
 from tests.conftest import needs_xgrammar
-from tests.server.server_helpers import check_error, client, tokens_of, wait_idle
+from tests.server.server_helpers import check_error, client, drop_stream_midway, rejected, tokens_of, wait_idle
 
 MODEL = "smollm2"
 ASK = "What is the capital of France?"
@@ -311,15 +310,10 @@ BAD = [
 
 @pytest.mark.parametrize("body,param", BAD)
 def test_bad_requests_are_4xx_and_the_engine_serves_on(smol_server, body, param):
-    def rejected() -> float:
-        text = httpx.get(smol_server.url + "/metrics", timeout=10).text
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("blitz_request_rejected_total{"))
-
-    before = rejected()
+    before = rejected(smol_server)
     r = httpx.post(smol_server.url + "/v1/responses", json={"model": MODEL, "input": "Hi", **body}, timeout=60)
     check_error(r, 404 if param == "model" else 400, param)
-    assert rejected() == before + 1   # (counted as the other endpoints' refusals are)
+    assert rejected(smol_server) == before + 1   # (counted as the other endpoints' refusals are)
     assert wait_idle(smol_server)["blitz_kv_cache_usage_perc"] == 0
     assert client(smol_server).responses.create(model=MODEL, input="Hi", max_output_tokens=2).usage.output_tokens
 
@@ -334,21 +328,8 @@ def test_unknown_fields_are_ignored(smol_server):
 def test_disconnect_mid_stream_frees_blocks(smol_server):
     body = {"model": MODEL, "input": "Tell me a long story.", "max_output_tokens": 900, "ignore_eos": True,
             "stream": True}
-    with httpx.Client(timeout=60) as h:
-        with h.stream("POST", smol_server.url + "/v1/responses", json=body) as r:
-            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-            it = r.iter_lines()   # (kept alive: dropping it closes the connection, the disconnect below)
-            deltas = 0
-            while deltas < 3:
-                line = next(it)
-                deltas += line.startswith("data:") and '"response.output_text.delta"' in line
-            held = smol_server.metrics()
-            assert held["blitz_kv_cache_usage_perc"] > 0 and held["blitz_num_requests_running"] == 1
-            del it
-    t0 = time.monotonic()
-    m = wait_idle(smol_server, timeout=2.0)
-    assert m["blitz_kv_cache_blocks_free"] == m["blitz_kv_cache_blocks_total"] and m["blitz_num_requests_running"] == 0
-    assert time.monotonic() - t0 <= 2.0
+    drop_stream_midway(smol_server, "/v1/responses", body,
+                       lambda line: line.startswith("data:") and '"response.output_text.delta"' in line)
     assert client(smol_server).responses.create(model=MODEL, input="Hi", max_output_tokens=2).output_text is not None
 
 
@@ -414,7 +395,7 @@ def _built(text: str, cut: list, reasoning_opened=None, forced=None) -> tuple:
     events = []
     for i, piece in enumerate(pieces):
         last = i == len(pieces) - 1
-        events += b.feed(SimpleNamespace(text=piece, new_token_ids=[i], logprobs=None,
+        events += b.feed(SimpleNamespace(text=piece, new_token_ids=[i], logprobs=None, stop_reason=None,
                                          finish_reason="stop" if last else None, num_cached_tokens=0 if last else None))
     return b.items, events
 
