@@ -20,6 +20,8 @@ from .config import ServeConfig
 from .chat import create_chat_completion
 from .completions import create_completion
 from .errors import APIError, decode_json, install_error_handlers, parse_body, read_body
+from .messages import count_tokens, create_message
+from .messages_protocol import CountTokensRequest, MessagesRequest
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .openapi import build_openapi
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -105,7 +107,8 @@ def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
     app = FastAPI(title="blitzllm", version=_version(), lifespan=lifespan, docs_url="/docs", redoc_url="/redoc",
                   openapi_url="/openapi.json",
                   description="An OpenAI-compatible server (docs/serving.md): chat and text completions, "
-                              "responses, the model list, the server's tokenizer, health and Prometheus metrics.")
+                              "responses, Anthropic's messages, the model list, the server's tokenizer, health and "
+                              "Prometheus metrics.")
 
     def openapi() -> dict:
         if app.openapi_schema is None:
@@ -119,12 +122,18 @@ def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
     install_error_handlers(app)
     app.add_middleware(RequestIdMiddleware)
 
+    def key_matches(request: Request) -> bool:
+        """``Authorization: Bearer KEY`` (OpenAI's clients) or ``x-api-key: KEY`` (Anthropic's)."""
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), expected_key):
+            return True
+        key = request.headers.get("x-api-key")
+        return key is not None and hmac.compare_digest(key.strip().encode(), expected_key)
+
     def guard(request: Request, need_engine: bool = True) -> None:
-        if expected_key is not None:
-            scheme, _, key = request.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), expected_key):
-                raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                               code="invalid_api_key")
+        if expected_key is not None and not key_matches(request):
+            raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+                           code="invalid_api_key")
         if need_engine and not aengine.ready:
             raise APIError(503, "the model is still loading" if aengine.load_error is None
                            else f"the model failed to load: {aengine.load_error}",
@@ -136,7 +145,8 @@ def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
         return await serving.cpu(lambda: parse_body(model, decode_json(raw)))
 
     async def openai(request: Request, model, create):
-        """A generation endpoint: refusals before the engine are counted in the metrics."""
+        """A generation endpoint (OpenAI's or Anthropic's): refusals before the engine are counted
+        in the metrics."""
         try:
             guard(request)
             return await create(serving, await body(request, model), request)
@@ -182,6 +192,15 @@ def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
     @app.post("/v1/responses")
     async def responses(request: Request):
         return await openai(request, ResponsesRequest, lambda s, req, raw: create_response(s, req, raw, store))
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        return await openai(request, MessagesRequest, create_message)
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(request: Request):
+        guard(request)
+        return JSONResponse(await count_tokens(serving, await body(request, CountTokensRequest)))
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str, request: Request):

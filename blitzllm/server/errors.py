@@ -1,5 +1,6 @@
 """OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` for every
-failure, the exception handlers that guarantee it (no FastAPI 422s, no bare 500s for client
+failure (Anthropic's ``{"type": "error", "error": {"type", "message"}}`` on the Messages API's
+routes), the exception handlers that guarantee it (no FastAPI 422s, no bare 500s for client
 mistakes), and the size-limited JSON body reader."""
 from __future__ import annotations
 
@@ -22,6 +23,16 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
           404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
           429: "rate_limit_error", 503: "service_unavailable_error"}
 
+# Anthropic's error types by status (its 529 overloaded_error is this server's 503)
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                    429: "rate_limit_error", 503: "overloaded_error"}
+ANTHROPIC_ROUTES = "/v1/messages"   # the Messages API's routes: this path and those below it
+
+
+def anthropic_route(path: str) -> bool:
+    return path == ANTHROPIC_ROUTES or path.startswith(ANTHROPIC_ROUTES + "/")
+
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: Optional[str] = None,
@@ -35,8 +46,20 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def anthropic_body(self, request_id: Optional[str] = None) -> dict:
+        """Anthropic's error body: no ``param`` field, so the message names it."""
+        kind = _ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        message = self.message
+        if self.param and not message.startswith((self.param, f"'{self.param}'")):
+            message = f"{self.param}: {message}"
+        return {"type": "error", "error": {"type": kind, "message": message}, "request_id": request_id}
+
+    def response(self, request: Optional[Request] = None) -> JSONResponse:
+        """The error's response; with ``request``, in the shape of its route's API."""
+        body = self.body()
+        if request is not None and anthropic_route(request.url.path):
+            body = self.anthropic_body(getattr(request.state, "request_id", None))
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: Optional[str] = None, code: Optional[str] = None) -> APIError:
@@ -148,18 +171,18 @@ def parse_body(model: type[BaseModel], obj: dict) -> BaseModel:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return exc.response()
+        return exc.response(request)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        return from_validation_error(exc).response()
+        return from_validation_error(exc).response(request)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         msg = exc.detail if isinstance(exc.detail, str) else "HTTP error"
         if exc.status_code == 404:
             msg = f"no route {request.method} {request.url.path}"
-        return APIError(exc.status_code, msg, headers=getattr(exc, "headers", None)).response()
+        return APIError(exc.status_code, msg, headers=getattr(exc, "headers", None)).response(request)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
@@ -169,4 +192,4 @@ def install_error_handlers(app: FastAPI) -> None:
         # then drops the connection: a client reusing it would meet a reset on its next request
         headers = {"Connection": "close", **({"X-Request-Id": rid} if rid else {})}
         return APIError(500, f"internal server error: {type(exc).__name__}", type="server_error",
-                        headers=headers).response()
+                        headers=headers).response(request)

@@ -1,5 +1,6 @@
 """The OpenAPI 3.1 schema of ``/openapi.json`` (and ``/docs``, ``/redoc``): FastAPI's paths, with
-each operation's request body and responses taken from the pydantic models of ``protocol.py``.
+each operation's request body and responses taken from the pydantic models of ``protocol.py``
+(``responses_protocol.py``, ``messages_protocol.py``).
 The routes parse their bodies themselves (size limit, worker threads, OpenAI-style errors), so
 FastAPI cannot see those models; this table says which goes where."""
 from __future__ import annotations
@@ -9,6 +10,7 @@ from typing import Optional
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from . import messages_protocol as M
 from . import protocol as P
 from . import responses_protocol as R
 
@@ -42,10 +44,17 @@ _OPS = {
                                                 "Delete a stored response"),
     ("/v1/responses/{response_id}/cancel", "post"): (None, R.ResponseObject, None, (400, 401, 404),
                                                      "Cancel a background response (none run here: a 400)"),
+    ("/v1/messages", "post"): (M.MessagesRequest, M.MessageObject, M.MessageStreamEvent,
+                               (400, 401, 404, 413, 500, 503), "Create a message (Anthropic's Messages API)"),
+    ("/v1/messages/count_tokens", "post"): (M.CountTokensRequest, M.TokenCount, None, (400, 401, 404, 413, 503),
+                                            "Count a message request's prompt tokens (Anthropic's)"),
 }
 _GUARDED = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model_id}", "/tokenize",
-            "/detokenize", "/v1/responses", "/v1/responses/{response_id}", "/v1/responses/{response_id}/cancel"}
-_NO_DONE = {R.ResponseStreamEvent}  # (a Responses stream ends with its response.completed / .incomplete event)
+            "/detokenize", "/v1/responses", "/v1/responses/{response_id}", "/v1/responses/{response_id}/cancel",
+            "/v1/messages", "/v1/messages/count_tokens"}
+# (a Responses stream ends with its response.completed / .incomplete event, a Messages one with message_stop)
+_NO_DONE = {R.ResponseStreamEvent, M.MessageStreamEvent}
+_ERROR_BODY = {"/v1/messages": M.AnthropicError, "/v1/messages/count_tokens": M.AnthropicError}  # (else OpenAI's)
 
 
 def _ref(model: type[BaseModel]) -> dict:
@@ -68,7 +77,8 @@ def build_openapi(base: dict, api_key: bool) -> dict:
     """``base``: FastAPI's ``get_openapi`` document of the app's routes."""
     doc = dict(base)
     requests = [m for m, *_ in _OPS.values() if m is not None]
-    responses = {m for _, m, s, *_ in _OPS.values()} | {s for _, _, s, *_ in _OPS.values() if s} | {P.ErrorResponse}
+    responses = {m for _, m, s, *_ in _OPS.values()} | {s for _, _, s, *_ in _OPS.values() if s} | \
+        {P.ErrorResponse, *_ERROR_BODY.values()}
     _, defs = models_json_schema([(m, "validation") for m in requests]
                                  + [(m, "serialization") for m in sorted(responses, key=lambda m: m.__name__)],
                                  ref_template=_REF)
@@ -79,7 +89,9 @@ def build_openapi(base: dict, api_key: bool) -> dict:
     schemas.update(defs.get("$defs", {}))
     if api_key:
         components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer",
-                                                    "description": "--api-key (the scheme in any case)"}}
+                                                    "description": "--api-key (the scheme in any case)"},
+                                         "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key",
+                                                       "description": "--api-key, as Anthropic's clients send it"}}
     request_id = {"name": "X-Request-Id", "in": "header", "required": False,
                   "description": "the request's id (echoed; generated when absent)", "schema": {"type": "string"}}
     id_header = {"X-Request-Id": {"description": "the request's id", "schema": {"type": "string"}}}
@@ -96,9 +108,10 @@ def build_openapi(base: dict, api_key: bool) -> dict:
             if req is not None:
                 op["requestBody"] = {"required": True, "content": {_JSON: {"schema": _ref(req)}}}
             op["responses"] = {"200": {"description": "OK", "headers": id_header, "content": _content(ok, stream)}}
+            error = _ref(_ERROR_BODY.get(path, P.ErrorResponse))
             for status in errors:
                 op["responses"][str(status)] = {"description": _ERRORS[status], "headers": id_header,
-                                                "content": {_JSON: {"schema": _ref(P.ErrorResponse)}}}
+                                                "content": {_JSON: {"schema": error}}}
             if api_key and path in _GUARDED:
-                op["security"] = [{"bearer": []}]
+                op["security"] = [{"bearer": []}, {"x-api-key": []}]   # (either)
     return doc

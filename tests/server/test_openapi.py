@@ -14,16 +14,20 @@ from schemathesis.generation import GenerationMode
 from schemathesis.specs.openapi.checks import (content_type_conformance, negative_data_rejection,
                                                response_schema_conformance, status_code_conformance)
 
+from blitzllm.server import messages_protocol as M
 from blitzllm.server import protocol as P
 from blitzllm.server import responses_protocol as R
 
 CHAT, CMPL, RESP = "/v1/chat/completions", "/v1/completions", "/v1/responses"
+MSG, COUNT = "/v1/messages", "/v1/messages/count_tokens"
 MAX_EXAMPLES = 25   # per operation and generation mode: a few hundred cases in all
 OPERATIONS = {("POST", CHAT), ("POST", CMPL), ("GET", "/v1/models"), ("GET", "/v1/models/{model_id}"),
               ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/health"), ("GET", "/metrics"),
               ("GET", "/version"), ("POST", RESP), ("GET", RESP + "/{response_id}"),
-              ("DELETE", RESP + "/{response_id}"), ("POST", RESP + "/{response_id}/cancel")}
-BODIES = {("POST", p) for p in (CHAT, CMPL, RESP, "/tokenize", "/detokenize")}  # (the operations with a body)
+              ("DELETE", RESP + "/{response_id}"), ("POST", RESP + "/{response_id}/cancel"), ("POST", MSG),
+              ("POST", COUNT)}
+# (the operations with a body)
+BODIES = {("POST", p) for p in (CHAT, CMPL, RESP, MSG, COUNT, "/tokenize", "/detokenize")}
 
 
 def test_openapi_json_is_valid_openapi_3(smol_server):
@@ -38,16 +42,24 @@ def test_openapi_json_is_valid_openapi_3(smol_server):
     body = {path: item["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
             for path, item in doc["paths"].items() if "requestBody" in item.get("post", {})}
     assert body == {CHAT: "ChatCompletionRequest", CMPL: "CompletionRequest", "/tokenize": "TokenizeRequest",
-                    "/detokenize": "DetokenizeRequest", RESP: "ResponsesRequest"}
+                    "/detokenize": "DetokenizeRequest", RESP: "ResponsesRequest", MSG: "MessagesRequest",
+                    COUNT: "CountTokensRequest"}
     chat = doc["paths"][CHAT]["post"]["responses"]
     assert chat["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/ChatCompletionResponse")
     assert "text/event-stream" in chat["200"]["content"]
     assert chat["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
     assert "422" not in chat
-    # the request models are the ones the server parses with, field for field
+    for path in (MSG, COUNT):   # (Anthropic's error body on its routes)
+        assert {doc["paths"][path]["post"]["responses"][s]["content"]["application/json"]["schema"]["$ref"]
+                for s in ("400", "404")} == {"#/components/schemas/AnthropicError"}
+    assert "text/event-stream" in doc["paths"][MSG]["post"]["responses"]["200"]["content"]
+    # the request models are the ones the server parses with, field for field (by the names clients send)
     for name, model in (("ChatCompletionRequest", P.ChatCompletionRequest), ("CompletionRequest", P.CompletionRequest),
-                        ("ResponsesRequest", R.ResponsesRequest)):
-        assert set(doc["components"]["schemas"][name]["properties"]) == set(model.model_fields)
+                        ("ResponsesRequest", R.ResponsesRequest), ("MessagesRequest", M.MessagesRequest),
+                        ("CountTokensRequest", M.CountTokensRequest)):
+        assert set(doc["components"]["schemas"][name]["properties"]) == \
+            {f.alias or key for key, f in model.model_fields.items()}
+    assert "stop_sequences" in doc["components"]["schemas"]["MessagesRequest"]["properties"]
     for path in ("/docs", "/redoc"):
         page = httpx.get(smol_server.url + path)
         assert page.status_code == 200 and "text/html" in page.headers["content-type"]
@@ -92,6 +104,16 @@ def test_real_responses_are_the_documented_models(smol_server):
         R.ResponseStreamEvent.model_validate(ev)
     assert events[-1]["type"] == "response.incomplete"
     R.DeletedResponse.model_validate(httpx.delete(f"{url}{RESP}/{resp.id}").json())
+    ask = {"model": "smollm2", "max_tokens": 3, "messages": msg}
+    M.MessageObject.model_validate(httpx.post(url + MSG, json=ask, timeout=60).json())
+    M.TokenCount.model_validate(httpx.post(url + COUNT, json={"model": "smollm2", "messages": msg}, timeout=60).json())
+    events = _events(httpx.post(url + MSG, json={**ask, "stream": True}, timeout=60).text, done=False)
+    for ev in events:
+        M.MessageStreamEvent.model_validate(ev)
+    assert events[-1]["type"] == "message_stop"
+    for r in (httpx.post(url + MSG, json={**ask, "max_tokens": "3"}), httpx.post(url + COUNT, json={"messages": msg}),
+              httpx.post(url + MSG, json={**ask, "model": "nope"})):
+        M.AnthropicError.model_validate(r.json())
     for r in (httpx.post(url + CMPL, json={"prompt": 5}), httpx.get(url + "/v1/models/nope"),
               httpx.post(url + CHAT, content=b"{"), httpx.get(f"{url}{RESP}/{resp.id}"),
               httpx.post(url + RESP, json={"input": "Hi", "tools": [{"type": "mcp"}]})):
@@ -111,7 +133,7 @@ def bounded(case) -> None:
         return
     if isinstance(body.get("model"), str):  # (any other name is a 404 before the engine sees the request)
         body["model"] = "smollm2"
-    if case.path not in (CHAT, CMPL, RESP):
+    if case.path not in (CHAT, CMPL, RESP, MSG):
         return
     for key, top in (("max_tokens", 4), ("max_completion_tokens", 4), ("n", 4), ("best_of", 4),
                      ("max_output_tokens", 4)):
@@ -121,6 +143,9 @@ def bounded(case) -> None:
     if case.path == RESP:
         if not isinstance(body.get("max_output_tokens"), int):
             body["max_output_tokens"] = 4
+    elif case.path == MSG:
+        if not isinstance(body.get("max_tokens"), int):
+            body["max_tokens"] = 4
     elif not isinstance(body.get("max_tokens"), int) and not isinstance(body.get("max_completion_tokens"), int):
         body["max_tokens"] = 4
 
@@ -156,7 +181,8 @@ def test_schemathesis_finds_no_server_error(smol_server):
           + ", ".join(f"{m} {p} {mode} {n}" for (m, p, mode), n in sorted(counts.items())))
     print(f"statuses: {sorted(statuses.items())}")
     assert sum(counts.values()) >= 300
-    assert all(statuses.get(("POST", path, 200), 0) >= 5 for path in (CHAT, CMPL, RESP, "/tokenize", "/detokenize"))
+    assert all(statuses.get(("POST", path, 200), 0) >= 5 for path in (CHAT, CMPL, RESP, MSG, COUNT, "/tokenize",
+                                                                      "/detokenize"))
 
 
 def test_streams_conform_to_their_documented_events(smol_server):
@@ -167,11 +193,14 @@ def test_streams_conform_to_their_documented_events(smol_server):
                      "stream": True},
               CMPL: {"model": "smollm2", "prompt": "One, two,", "max_tokens": 3, "stream": True, "echo": True,
                      "logprobs": 1},
-              RESP: {"model": "smollm2", "input": "Hi", "max_output_tokens": 3, "stream": True}}
+              RESP: {"model": "smollm2", "input": "Hi", "max_output_tokens": 3, "stream": True},
+              MSG: {"model": "smollm2", "max_tokens": 3, "stream": True,
+                    "messages": [{"role": "user", "content": "Hi"}]}}
     for path, body in bodies.items():
         op = schema[path]["POST"]
         r = op.Case(body=body, media_type="application/json").call_and_validate(
             base_url=smol_server.url, timeout=120, checks=CHECKS)
         assert r.status_code == 200 and r.headers["content-type"][0].startswith("text/event-stream")
         assert r.text.count("data: ") >= 3
-        assert r.text.rstrip().endswith("data: [DONE]") if path != RESP else '"type":"response.incomplete"' in r.text
+        ends = {RESP: '"type":"response.incomplete"', MSG: '"type":"message_stop"'}
+        assert r.text.rstrip().endswith("data: [DONE]") if path not in ends else ends[path] in r.text
