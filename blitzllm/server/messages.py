@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ..engine.async_engine import EngineStepError
 from .chat import prepare_turn
+from .errors import bad_request
 from .messages_items import ContentBuilder, Conversation, message_id
 from .messages_protocol import CountTokensRequest, MessagesRequest
 from .serving import Serving, SSEResponse, engine_error, request_id, typed_sse
@@ -26,7 +27,13 @@ async def create_message(s: Serving, req: MessagesRequest, raw: Request) -> Resp
                               template_kwargs=conv.template_kwargs)
     params, n_in = turn.params, len(turn.ids)
     if n_in + params.max_tokens > s.max_model_len:  # (as Anthropic and vLLM: lowered to what fits)
-        params = params.clone(max_tokens=s.max_model_len - n_in)
+        room = s.max_model_len - n_in
+        # (the lowered max_tokens is checked again by SamplingParams: a min_tokens past it was a 500)
+        if params.min_tokens > room:
+            raise bad_request(f"min_tokens ({params.min_tokens}) is more than the {room} tokens the context "
+                              f"(max_model_len={s.max_model_len}) leaves after the prompt's {n_in}",
+                              param="min_tokens")
+        params = params.clone(max_tokens=room)
     rid = f"msg-{request_id(raw)}"
     stream = await s.submit(rid, turn.ids, params, "messages", "max_tokens", structured_field=turn.structured_field)
     head = {"id": message_id(), "type": "message", "role": "assistant", "model": s.model_name}

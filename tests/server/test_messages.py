@@ -376,6 +376,22 @@ def test_max_tokens_past_the_context_is_lowered(tiny_server):
     assert (fits.stop_reason, fits.usage.output_tokens) == ("max_tokens", 1024 - n_in)
 
 
+def test_min_tokens_past_the_lowered_max_tokens_is_a_400(tiny_server):
+    """max_tokens past the context is lowered to what fits; a min_tokens (vLLM's extra) past that
+    lowered bound is the client's error, an Anthropic-shaped 400 naming min_tokens (it was a 500:
+    SamplingParams refused the lowered copy), and the server goes on serving."""
+    body = {"model": "tiny", "max_tokens": 32000, "min_tokens": 1020, "messages": [{"role": "user", "content": "Hi"}]}
+    for stream in (False, True):
+        r = httpx.post(tiny_server.url + "/v1/messages", json={**body, "stream": stream},
+                       headers=tiny_server.headers(), timeout=60)
+        assert r.status_code == 400, r.text
+        err = M.AnthropicError.model_validate(r.json())
+        assert err.error.type == "invalid_request_error" and "min_tokens" in err.error.message
+    ok = sdk(tiny_server).messages.create(model="tiny", max_tokens=32000, messages=body["messages"],
+                                          extra_body={**GREEDY, "min_tokens": 4})
+    assert ok.usage.output_tokens >= 4
+
+
 # ---- thinking blocks (the tiny thinking model) -------------------------------------------------
 def test_thinking_blocks(thinking_server):
     """The prompt opens <think>, which the random model never closes: its whole answer is one
