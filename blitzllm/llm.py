@@ -7,7 +7,7 @@ import itertools
 from typing import Iterator, Optional, Sequence, Union
 
 from .engine.engine import Engine, EngineArgs
-from .engine.request import CompletionOutput, RequestOutput
+from .engine.request import CompletionOutput, RequestOutput, gather, gathered
 from .sampling_params import SamplingParams
 
 
@@ -76,15 +76,14 @@ class LLM:
             for rid in rids:
                 self.engine.abort_request(rid)
             raise
-        acc = {rid: [{"ids": [], "text": [], "lps": [], "reason": None, "stop": None, "plp": None, "cached": 0}
-                     for _ in range(p.n)] for rid, p in zip(rids, plist)}
+        acc = {rid: [gathered() for _ in range(p.n)] for rid, p in zip(rids, plist)}
         left = sum(p.n for p in plist)
         try:
             self._inbox.update((rid, []) for rid in rids)
             while left:
                 for ev in self._events(rids):
                     left -= ev.finish_reason is not None
-                    self._take(acc[ev.request_id][ev.index], ev)
+                    gather(acc[ev.request_id][ev.index], ev)
         finally:
             for rid in rids:
                 self._inbox.pop(rid, None)
@@ -137,19 +136,6 @@ class LLM:
             out += self._inbox[r]
             self._inbox[r] = []
         return out
-
-    @staticmethod
-    def _take(slot: dict, ev) -> None:
-        slot["ids"].extend(ev.new_token_ids)
-        slot["text"].append(ev.text)
-        if ev.logprobs is not None:
-            slot["lps"].extend(ev.logprobs)
-        if ev.prompt_logprobs is not None:
-            slot["plp"] = ev.prompt_logprobs
-        if ev.finish_reason is not None:
-            slot["reason"], slot["stop"] = ev.finish_reason, ev.stop_reason
-        if ev.num_cached_tokens is not None:
-            slot["cached"] = ev.num_cached_tokens
 
     def tokenize(self, text: str) -> list:
         return self.engine.tokenize(text)

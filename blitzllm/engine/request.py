@@ -107,3 +107,25 @@ class RequestOutput:
     @property
     def finish_reason(self):
         return self.outputs[0].finish_reason
+
+
+def gathered() -> dict:
+    """One completion as a caller gathers it from its StepEvents (``gather``): text pieces, token
+    ids, logprobs, finish and stop reason, prompt logprobs, KV transfer params, cached tokens."""
+    return {"text": [], "ids": [], "lps": [], "reason": None, "stop": None, "plp": None, "kv": None, "cached": 0}
+
+
+def gather(c: dict, ev) -> None:
+    """Add a StepEvent (``engine.StepEvent``) of the completion to ``c`` (``gathered()``)."""
+    c["text"].append(ev.text)
+    c["ids"].extend(ev.new_token_ids)
+    if ev.logprobs is not None:
+        c["lps"].extend(ev.logprobs)
+    if ev.prompt_logprobs is not None:
+        c["plp"] = ev.prompt_logprobs
+    if ev.kv_transfer_params is not None:
+        c["kv"] = ev.kv_transfer_params
+    if ev.num_cached_tokens is not None:
+        c["cached"] = ev.num_cached_tokens
+    if ev.finish_reason is not None:
+        c["reason"], c["stop"] = ev.finish_reason, ev.stop_reason

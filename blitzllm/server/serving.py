@@ -23,6 +23,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from ..engine.async_engine import (AsyncEngine, DuplicateRequestError, EngineNotReadyError, EngineStepError,
                                    EngineStoppedError, QueueFullError)
+from ..engine.request import gather, gathered
 from ..http_body import until_done_or_gone
 from ..kv_transfer import KVLoadError
 from ..structured import INSTALL as STRUCTURED_INSTALL
@@ -400,20 +401,9 @@ class Serving:
     async def collect(streams, n) -> list:
         """Per choice (prompt * n + index): text pieces, token ids, logprobs, finish, prompt logprobs
         (the first choice of each prompt, where asked for)."""
-        out = [{"text": [], "ids": [], "lps": [], "reason": None, "stop": None, "plp": None}
-               for _ in range(len(streams) * n)]
+        out = [gathered() for _ in range(len(streams) * n)]
         async for j, ev in merge(streams):
-            c = out[j * n + ev.index]
-            c["text"].append(ev.text)
-            c["ids"].extend(ev.new_token_ids)
-            if ev.logprobs is not None:
-                c["lps"].extend(ev.logprobs)
-            if ev.prompt_logprobs is not None:
-                c["plp"] = ev.prompt_logprobs
-            if ev.kv_transfer_params is not None:
-                c["kv"] = ev.kv_transfer_params
-            if ev.finish_reason is not None:
-                c["reason"], c["stop"] = ev.finish_reason, ev.stop_reason
+            gather(out[j * n + ev.index], ev)
         return out
 
     # ---- tokenizer endpoints ---------------------------------------------------------
