@@ -1,7 +1,8 @@
 """The router's FastAPI app: ``/v1/chat/completions`` and ``/v1/completions`` (disaggregated:
 prefill on a producer, then decode on a consumer with the producer's ``kv_transfer_params``;
-or replicas), ``/v1/models``, ``/health`` (503 while a needed kind of backend is down) and
-``/metrics``. Backend health is polled in the background, so a backend that returns is used
+or replicas), ``/v1/models``, ``/health`` (503 while a needed kind of backend is down),
+``/metrics``, and the error bodies of unknown paths and wrong methods; the other endpoints of
+``blitz serve`` are ``endpoints.py``'s. Backend health is polled in the background, so a backend that returns is used
 again within one interval.
 """
 from __future__ import annotations
@@ -19,9 +20,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from .. import http_body
 from .backends import Pool, prefix_keys, probe, watch
-from .proxy import TIMED_OUT, Proxy, error, forward_headers, timed_out
+from .bodies import parse_body, prompt_text, read_body
+from .endpoints import install_endpoints
+from .proxy import TIMED_OUT, Proxy, anthropic_error, error, forward_headers, timed_out
 
 log = logging.getLogger("blitzllm.router")
 
@@ -41,41 +43,6 @@ class RouterConfig:
     @property
     def disaggregated(self) -> bool:
         return bool(self.prefill)
-
-
-def parse_body(raw: bytes):
-    """A request body as a JSON object, or an OpenAI-style 400 saying why not: UTF-8 JSON with
-    finite numbers, as the backends read it (a lone surrogate's escape passes: the backend names
-    its field)."""
-    try:
-        body = http_body.loads_finite(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        return error(400, f"the request body is not valid UTF-8 (byte {e.start})", code="invalid_encoding")
-    except http_body.NonFinite as e:
-        return error(400, f"the request body holds a non-finite number ({e}); JSON numbers must be finite",
-                     code="invalid_json")
-    except (ValueError, RecursionError) as e:  # (not JSON, a number past int's digit limit, too deep)
-        return error(400, f"the request body is not valid JSON: {e}", code="invalid_json")
-    if not isinstance(body, dict):
-        return error(400, "the request body must be a JSON object", code="invalid_json")
-    return body
-
-
-async def read_body(request: Request, limit: int):
-    """The body's bytes, or a 413 past ``limit`` / a 400 when the client left while sending."""
-    try:
-        return await http_body.read_body(request, limit)
-    except http_body.BodyError as e:
-        return error(e.status, str(e), code=e.code)
-
-
-def prompt_text(body: dict) -> str:
-    """The text a conversation's prefix key is made of: chat messages in order, or the prompt."""
-    if isinstance(body.get("messages"), list):
-        return "".join(f"{m.get('role')}\x1f{json.dumps(m.get('content'), sort_keys=True)}\x1e"
-                       for m in body["messages"] if isinstance(m, dict))
-    p = body.get("prompt")
-    return p if isinstance(p, str) else json.dumps(p)
 
 
 def build_router_app(cfg: RouterConfig) -> FastAPI:
@@ -113,8 +80,10 @@ def build_router_app(cfg: RouterConfig) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):  # (unknown paths, wrong methods)
-        return error(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
-                     code="not_found" if e.status_code == 404 else None)
+        answer = error(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
+                       code="not_found" if e.status_code == 404 else None)
+        path = request.url.path  # (Anthropic's clients read Anthropic's error body, as blitz serve answers them)
+        return anthropic_error(answer) if path == "/v1/messages" or path.startswith("/v1/messages/") else answer
 
     @app.get("/health")
     async def health():
@@ -199,6 +168,8 @@ def build_router_app(cfg: RouterConfig) -> FastAPI:
 
         return await proxy.forward(decode, path, json.dumps(dec).encode(), {**headers, "content-type":
                                    "application/json"}, stream, request, after=give_back)
+
+    install_endpoints(app, decode, state, cfg, reg)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
