@@ -52,15 +52,16 @@ def install_endpoints(app: FastAPI, pool: Pool, state: dict, cfg, reg: Collector
     def keys_of(body: dict) -> Optional[list]:
         return prefix_keys(prompt_text(body)) if cfg.prefix_aware else None
 
-    async def whole(request: Request, keyed: bool, style: str = "openai", seen=None) -> Response:
-        """A POST relayed to the least busy backend (or, ``keyed`` and prefix-aware, the one that
-        saw the conversation's prefix)."""
+    async def whole(request: Request, generates: bool, style: str = "openai") -> Response:
+        """A POST relayed to the least busy backend (or, when it ``generates`` and the router is
+        prefix-aware, the one that saw the conversation's prefix); only generation streams."""
         raw, body = await read(request)
         if body is None:
             return raw
         proxy: Proxy = state["proxy"]
-        return await proxy.forward(pool, _target(request), raw, forward_headers(request), bool(body.get("stream")),
-                                   request, keys=keys_of(body) if keyed else None, style=style, seen=seen)
+        return await proxy.forward(pool, _target(request), raw, forward_headers(request),
+                                   generates and bool(body.get("stream")), request,
+                                   keys=keys_of(body) if generates else None, style=style)
 
     async def sticky(request: Request, rid: str, param: str, content: Optional[bytes], stream: bool) -> Response:
         """A request naming the stored response ``rid``, sent to the backend that made it. While that
@@ -83,7 +84,9 @@ def install_endpoints(app: FastAPI, pool: Pool, state: dict, cfg, reg: Collector
             tried.append(b)
             answer = await proxy.forward(pool, path, content, headers, stream, request, method=request.method,
                                          pin=b, seen=remember, style="responses")
-            if answer.status_code != 404 or isinstance(answer, RouterError):
+            if isinstance(answer, RouterError) and not b.up:
+                continue   # (its connection failed: the response may be on another)
+            if answer.status_code != 404:
                 if answer.status_code < 400:   # (found it: later requests go straight there)
                     owners.remember(rid, b)
                 break
@@ -123,19 +126,19 @@ def install_endpoints(app: FastAPI, pool: Pool, state: dict, cfg, reg: Collector
 
     @app.post("/v1/messages")
     async def messages(request: Request):
-        return anthropic_error(await whole(request, keyed=True, style="anthropic"))
+        return anthropic_error(await whole(request, generates=True, style="anthropic"))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
-        return anthropic_error(await whole(request, keyed=False))
+        return anthropic_error(await whole(request, generates=False))
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        return await whole(request, keyed=False)
+        return await whole(request, generates=False)
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        return await whole(request, keyed=False)
+        return await whole(request, generates=False)
 
     @app.get("/version")
     async def version(request: Request):
