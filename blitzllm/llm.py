@@ -7,6 +7,7 @@ import itertools
 from typing import Iterator, Optional, Sequence, Union
 
 from .engine.engine import Engine, EngineArgs
+from .engine.intake import truncated
 from .engine.request import CompletionOutput, RequestOutput, gather, gathered
 from .sampling_params import SamplingParams
 
@@ -94,7 +95,7 @@ class LLM:
                                       s["lps"] if p.logprobs is not None else None, s["reason"], s["stop"],
                                       _cumulative(s["ids"], s["lps"]) if p.logprobs is not None else None)
                      for i, s in enumerate(acc[rid])]
-            ptoks = self.engine.tokenize(prompt)
+            ptoks = truncated(self.engine.tokenize(prompt), p.truncate_prompt_tokens, self.engine.max_model_len)
             outs.append(RequestOutput(rid, prompt if isinstance(prompt, str) else None, ptoks, comps, True,
                                       num_cached_tokens=acc[rid][0]["cached"], prompt_logprobs=acc[rid][0]["plp"]))
         return outs

@@ -38,6 +38,11 @@ class SamplingParams:
     structured_output: Optional[dict] = None
     logit_bias: Optional[dict] = None  # {token id: bias in [-100, 100]}, added to the logits before sampling
     prompt_logprobs: Optional[int] = None  # per prompt token: its logprob and the top-N, from the prefill
+    allowed_token_ids: Optional[Sequence[int]] = None  # only these tokens may be sampled
+    # words (each also with a leading space) whose last token is banned where the tokens before it
+    # were just generated: the text never holds them as the tokenizer spells them
+    bad_words: Optional[Sequence[str]] = None
+    truncate_prompt_tokens: Optional[int] = None  # keep the prompt's last k tokens (-1: max_model_len)
 
     def __post_init__(self) -> None:
         def is_num(v):
@@ -111,6 +116,19 @@ class SamplingParams:
         if not isinstance(ids, (list, tuple)) or not all(is_int(t) and t >= 0 for t in ids):
             raise _err("stop_token_ids", "a list of non-negative integers", self.stop_token_ids)
         self.stop_token_ids = list(ids)
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple)) or not ids or not all(is_int(t) and t >= 0 for t in ids):
+                raise _err("allowed_token_ids", "a non-empty list of token ids (integers >= 0)", ids)
+            self.allowed_token_ids = sorted(set(ids))
+        if self.bad_words is not None:
+            words = self.bad_words
+            if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
+                raise _err("bad_words", "a list of non-blank strings", words)
+            self.bad_words = list(words) or None
+        k = self.truncate_prompt_tokens
+        if k is not None and (not is_int(k) or k == 0 or k < -1):
+            raise _err("truncate_prompt_tokens", "an integer >= 1, or -1 (max_model_len)", k)
         from .structured import check_structured_output
         self.structured_output = check_structured_output(self.structured_output)
 
@@ -121,8 +139,9 @@ class SamplingParams:
     @property
     def needs_previous_token(self) -> bool:
         """Whether sampling a token needs the one before it on the host (penalties count the
-        tokens; a structured output's mask follows them): no decode look-ahead then."""
-        return self.uses_penalties or self.structured_output is not None
+        tokens; a structured output's mask and a bad word's ban follow them): no decode look-ahead
+        then."""
+        return self.uses_penalties or self.structured_output is not None or self.bad_words is not None
 
     @property
     def uses_penalties(self) -> bool:

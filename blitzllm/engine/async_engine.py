@@ -15,6 +15,7 @@ import traceback
 from typing import TYPE_CHECKING, Callable, Optional
 
 from ..sampling_params import SamplingParams
+from .intake import truncated
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -149,7 +150,7 @@ class AsyncEngine:
         fut = self._loop.create_future()
         self._pending_adds += 1
         try:
-            kv = await self._kv_extras(prompt, kv_transfer_params)
+            kv = await self._kv_extras(prompt, params, kv_transfer_params)
             if params.structured_output is not None:   # compiled here, off the engine thread
                 await asyncio.to_thread(lambda: self.engine.grammar_compiler().compile(params.structured_output))
             self._cmds.put(("add", stream.engine_id, prompt, params, fut, kv))
@@ -161,7 +162,7 @@ class AsyncEngine:
             self._pending_adds -= 1
         return stream
 
-    async def _kv_extras(self, prompt, kv_transfer_params: Optional[dict]) -> dict:
+    async def _kv_extras(self, prompt, params: SamplingParams, kv_transfer_params: Optional[dict]) -> dict:
         """The engine's keyword arguments for a request's KV transfer: its params, and on a
         consumer the KV pulled from the producer (in a worker thread, bounded by its timeout)."""
         conn = getattr(self.engine, "connector", None)
@@ -170,6 +171,7 @@ class AsyncEngine:
         out = {"kv_transfer_params": kv_transfer_params}
         if conn.is_consumer and kv_transfer_params.get("do_remote_prefill"):
             ids = prompt if isinstance(prompt, list) else self.engine.tokenize(prompt)
+            ids = truncated(ids, params.truncate_prompt_tokens, self.engine.max_model_len)  # (as the producer's)
             out["kv_payload"] = await asyncio.to_thread(conn.load, kv_transfer_params, ids)
         return out
 

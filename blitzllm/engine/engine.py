@@ -28,6 +28,7 @@ from .args import (EngineArgs, check_engine_args, check_tp_size, engine_cache_co
                    plan_kv_blocks, resolve_device, resolve_dtype, resolve_weight_dtype, sampling_defaults,
                    speculation_runner_kwargs)
 from .detokenizer import IncrementalDetokenizer
+from .intake import check_request
 from .kv_cache import KVCacheManager
 from .request import Request, Status
 from .scheduler import Scheduler
@@ -229,25 +230,9 @@ class Engine:
             raise ValueError("params must be a SamplingParams")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        ids = self.tokenize(prompt)
-        if not ids:
-            raise ValueError("the prompt is empty")
-        V = self.model_config.vocab_size
-        if any(t < 0 or t >= V for t in ids):
-            raise ValueError(f"prompt token ids must be in [0, {V})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens, which leaves no room to generate within "
-                             f"max_model_len={self.max_model_len}")
-        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
-                             f"max_model_len={self.max_model_len}")
-        cap = self.sampling_defaults.get("max_tokens")
-        if params.max_tokens is None and cap is not None:  # the generation config's max_new_tokens
-            params = params.clone(max_tokens=min(cap, self.max_model_len - len(ids)))
-        if any(t >= V for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be in [0, {V})")
-        if params.logit_bias and max(params.logit_bias) >= V:
-            raise ValueError(f"logit_bias token ids must be in [0, {V})")
+        ids, params, bad_words = check_request(
+            self.tokenize(prompt), params, vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len,
+            max_tokens_cap=self.sampling_defaults.get("max_tokens"), tokenizer=self.tokenizer)
         if self.connector is None:
             kv_transfer_params = kv_payload = None
         elif kv_transfer_params and kv_transfer_params.get("do_remote_decode") and params.n != 1:
@@ -261,7 +246,7 @@ class Engine:
             req = Request(request_id=f"{request_id}#{i}", prompt_token_ids=list(ids), params=params,
                           seed=seed, arrival=next(self._arrival), eos_token_ids=self.eos_token_ids,
                           max_total_tokens=self.max_model_len,
-                          prompt=prompt if isinstance(prompt, str) else None)
+                          prompt=prompt if isinstance(prompt, str) else None, bad_words=bad_words)
             if params.structured_output is not None:
                 req.matcher = self.grammar_compiler().matcher(params.structured_output)
             req.kv_transfer_params, req.kv_payload = kv_transfer_params, kv_payload
@@ -420,7 +405,8 @@ class Engine:
     def _row(req: Request) -> SamplingRow:
         return SamplingRow(params=req.params, seed=req.seed, prompt_ids=req.prompt_token_ids,
                            output_ids=req.output_token_ids,
-                           eos_token_id=req.eos_token_ids[0] if req.eos_token_ids else None, matcher=req.matcher)
+                           eos_token_id=req.eos_token_ids[0] if req.eos_token_ids else None, matcher=req.matcher,
+                           bad_words=req.bad_words)
 
     def _append_token(self, req: Request, tok: int, lp: float, top) -> StepEvent:
         p = req.params

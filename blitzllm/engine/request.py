@@ -33,6 +33,7 @@ class Request:
     detok: object = None
     num_cached_tokens: int = 0
     matcher: object = None        # structured output: its grammar matcher (blitzllm/structured.py)
+    bad_words: tuple = ()         # params.bad_words as token id tuples (engine/intake.py)
     # with params.prompt_logprobs (the first of n sequences): per prompt token from the second on,
     # {id: logprob} of it and the top-N, filled by the prefill; None otherwise
     prompt_logprobs: Optional[list] = None

@@ -6,7 +6,7 @@ caches or the scheduler (docs/speculative.md).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -22,8 +22,8 @@ _SAMPLER = Sampler()
 
 
 class _LengthOnly(Sequence):
-    """``output_ids`` of a penalty-free position: ``SamplingMetadata.build`` reads only its
-    length (steps, min_tokens), so the history is not copied."""
+    """``output_ids`` of a position without penalties or bad words: ``SamplingMetadata.build``
+    reads only its length (steps, min_tokens), so the history is not copied."""
 
     def __init__(self, n: int):
         self.n = n
@@ -45,10 +45,9 @@ def spec_rows(rows: Sequence[SamplingRow], drafts: Sequence[Sequence[int]]) -> l
         d = list(d)
         check_no_drafts_under_a_grammar(r, d)
         for i in range(len(d) + 1):
-            hist = (list(r.output_ids) + d[:i] if r.params.uses_penalties
+            hist = (list(r.output_ids) + d[:i] if r.params.uses_penalties or r.bad_words
                     else _LengthOnly(len(r.output_ids) + i))
-            out.append(SamplingRow(params=r.params, seed=r.seed, prompt_ids=r.prompt_ids,
-                                   output_ids=hist, eos_token_id=r.eos_token_id, matcher=r.matcher))
+            out.append(replace(r, output_ids=hist))
     return out
 
 

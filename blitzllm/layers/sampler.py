@@ -62,6 +62,18 @@ class SamplingRow:
     output_ids: list[int]  # tokens generated so far by this sequence
     eos_token_id: Optional[int]
     matcher: object = None  # a structured output's grammar matcher (blitzllm/structured.py)
+    bad_words: tuple = ()   # params.bad_words as tuples of token ids (the engine tokenizes them)
+
+
+def _bad_word_bans(words, output_ids) -> list:
+    """The tokens that would complete a bad word now: a one-token word's always, a longer word's
+    last token where the output ends with the tokens before it."""
+    out = []
+    for w in words:
+        n = len(w) - 1
+        if n == 0 or (len(output_ids) >= n and tuple(output_ids[len(output_ids) - n:]) == w[:-1]):
+            out.append(w[-1])
+    return out
 
 
 def _pad(lists: list[list], pad, device, dtype: torch.dtype = torch.int64) -> Tensor:
@@ -94,7 +106,7 @@ class SamplingMetadata:
     # Host flags for fast paths; True is always safe (only skips work when False).
     any_top_k_top_p: bool = True
     any_min_p: bool = True
-    allowed: Optional[Tensor] = None  # [B, V] bool: structured outputs' next tokens; None: all
+    allowed: Optional[Tensor] = None  # [B, V] bool: structured outputs' next tokens, allowed_token_ids; None: all
     bias_ids: Optional[Tensor] = None     # [B, K] int64: logit_bias token ids (padding: id 0, value 0)
     bias_values: Optional[Tensor] = None  # [B, K] float32: added to those logits; None: no bias
 
@@ -127,11 +139,11 @@ class SamplingMetadata:
 
         bans = []
         for r, p in zip(rows, ps):
-            ids: list[int] = []
+            ids = _bad_word_bans(r.bad_words, r.output_ids) if r.bad_words else []
             if len(r.output_ids) + extra_steps < p.min_tokens:
-                eos = [] if r.eos_token_id is None else [r.eos_token_id]
-                ids = sorted({t for t in eos + list(p.stop_token_ids) if 0 <= t < V})
-            bans.append(ids)
+                ids += [] if r.eos_token_id is None else [r.eos_token_id]
+                ids += p.stop_token_ids
+            bans.append(sorted({t for t in ids if 0 <= t < V}))
         banned_tokens = _pad(bans, -1, device) if any(bans) else None
         bias_ids = bias_values = None
         if any(p.logit_bias for p in ps):
@@ -142,6 +154,14 @@ class SamplingMetadata:
         if any(r.matcher is not None for r in rows):
             from ..structured import allowed_mask
             allowed = allowed_mask([r.matcher for r in rows], V, device)
+        if any(p.allowed_token_ids for p in ps):
+            only = torch.ones(len(rows), V, dtype=torch.bool)
+            for i, p in enumerate(ps):
+                if p.allowed_token_ids:
+                    only[i] = False
+                    only[i, [t for t in p.allowed_token_ids if t < V]] = True
+            only = only.to(device, non_blocking=True)
+            allowed = only if allowed is None else allowed & only
 
         return cls(
             temperature=floats[0], top_p=floats[1], min_p=floats[2],
@@ -229,8 +249,9 @@ class Sampler(torch.nn.Module):
     # -- pipeline stages ------------------------------------------------------------
     @staticmethod
     def _penalize(x: Tensor, md: SamplingMetadata) -> Tensor:
-        """logit_bias (added first, as OpenAI and vLLM do), penalties, min_tokens bans and the
-        structured-output mask; returns a new tensor when anything applies."""
+        """logit_bias (added first, as OpenAI and vLLM do), penalties, bans (min_tokens, bad words)
+        and the allowed mask (structured outputs, allowed_token_ids); returns a new tensor when
+        anything applies."""
         B, V = x.shape
         if md.bias_ids is not None:
             x = x.scatter_add(1, md.bias_ids, md.bias_values)
@@ -253,7 +274,9 @@ class Sampler(torch.nn.Module):
         if md.banned_tokens is not None:
             b = md.banned_tokens
             ban = _mask_of(torch.where((b < 0) | (b >= V), V, b), V)
-            if md.allowed is not None:   # a grammar that can only end ends: min_tokens does not hold it open
+            # a grammar that can only end ends (min_tokens does not hold it open); a row whose
+            # allowed tokens are all banned keeps them (some token must come)
+            if md.allowed is not None:
                 ban &= (md.allowed & ~ban).any(dim=-1, keepdim=True)
             x = x.masked_fill(ban, float("-inf"))
         if md.allowed is not None:

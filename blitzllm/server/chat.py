@@ -91,8 +91,11 @@ async def prepare_turn(s: Serving, req, messages, *, tools, tool_choice, paralle
             raise bad_request(str(e), param=field) from None
     else:
         field = requested[1]
+    cut = params.truncate_prompt_tokens is not None
     ids, prompt_text = await s.chat_prompt(messages, end, template_kwargs, tools if tool_mode is not None else None,
-                                           require_tools=tool_mode == "auto")
+                                           check_length=not cut, require_tools=tool_mode == "auto")
+    if cut:  # (the template's end stays: only the conversation's start goes)
+        ids = s.truncated(ids, params, "messages")
     # a reasoning parser reads where the rendered prompt left off (an open <think> block?)
     prompt_text = prompt_text if s.reasoning_parser else ""
     if structured is not None and s.reasoning_parser in THINK_PARSERS and prompt_opens_thinking(prompt_text):

@@ -8,15 +8,17 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from ..engine.async_engine import EngineStepError
+from ..sampling_params import SamplingParams
 from .errors import bad_request
 from .protocol import CompletionRequest
 from .serving import SSE_DONE, Serving, SSEResponse, kv_field, lp_value, merge, pick, request_id, sse, usage
 
 
-def _completion_prompts(s: Serving, prompt, echo: bool) -> list:
+def _completion_prompts(s: Serving, prompt, echo: bool, params: SamplingParams) -> list:
     """[(ids or text, param, echo text)] for str | list[str] | list[int] | list[list[int]], in a
     worker thread: a text past the character bound, and token ids that leave no room to
-    generate, are refused here; texts are tokenized next (``Serving.tokens``)."""
+    generate (once truncated as ``params`` ask), are refused here; texts are tokenized next
+    (``_tokenized``)."""
     if isinstance(prompt, str):
         prompts = [prompt]
     elif not prompt:
@@ -35,7 +37,7 @@ def _completion_prompts(s: Serving, prompt, echo: bool) -> list:
         else:
             if not p:
                 raise bad_request("prompt must not be empty", param="prompt")
-            s.check_prompt_len(len(p), field)
+            p = s.truncated(p, params, field)
             if any(t < 0 or t >= s.vocab_size for t in p):
                 raise bad_request(f"prompt token ids must be in [0, {s.vocab_size})", param="prompt")
             text = None
@@ -43,6 +45,20 @@ def _completion_prompts(s: Serving, prompt, echo: bool) -> list:
                 text = s.worker_tokenizer("").decode(p) if s.tokenizer is not None else ""
             out.append((list(p), field, text))
     return out
+
+
+async def _tokenized(s: Serving, p, field: str, text, params: SamplingParams, echo: bool) -> tuple:
+    """(ids, text) of a prompt: a text's ids, truncated as ``params`` ask (with ``echo``, its text
+    becomes the part the model saw), or token ids as they came."""
+    if not isinstance(p, str):
+        return p, text
+    if params.truncate_prompt_tokens is None:
+        return await s.tokens(p, True, field), text
+    ids = await s.tokens(p, True)
+    kept = s.truncated(ids, params, field)
+    if echo and len(kept) < len(ids):
+        text = await s.cpu(lambda: s.worker_tokenizer("").decode(kept))
+    return kept, text
 
 
 def _legacy_logprobs(s: Serving, token_ids, lps, k, offset: int = 0) -> dict:
@@ -87,8 +103,8 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
     max_tokens = pick(req.max_tokens, min(16, s.defaults.get("max_tokens", 16)))  # (a generation config's cap)
     params = s.sampling_params(req, max_tokens, req.logprobs, structured=requested, prompt_logprobs=scoring)
     structured_field = requested[1]
-    prompts = [(await s.tokens(p, True, field) if isinstance(p, str) else p, text)
-               for p, field, text in await s.cpu(_completion_prompts, s, req.prompt, bool(req.echo))]
+    prompts = [await _tokenized(s, p, field, text, params, bool(req.echo))
+               for p, field, text in await s.cpu(_completion_prompts, s, req.prompt, bool(req.echo), params)]
     if req.kv_transfer_params and len(prompts) > 1:
         raise bad_request("kv_transfer_params takes a single prompt", param="kv_transfer_params")
     base = f"cmpl-{request_id(raw)}"

@@ -92,6 +92,10 @@ class SamplingFields(_Strict):
     include_stop_str_in_output: Optional[bool] = False
     logit_bias: Optional[dict[str, Annotated[float, Field(ge=-100, le=100)]]] = Field(
         None, description="token id (a decimal string) -> a bias in [-100, 100] added to its logit")
+    allowed_token_ids: Optional[Annotated[list[TokenId], Field(min_length=1)]] = Field(
+        None, description="only these tokens may be sampled")
+    bad_words: Optional[list[str]] = Field(None, description="words the answer does not spell (as the tokenizer "
+                                           "spells them, alone or after a space)")
     # vLLM's structured outputs: {"json": schema, "json_object": true, "regex": ..., "choice": [...],
     # "grammar": ...} (one of them), and its older guided_* fields
     structured_outputs: Optional[dict[str, Any]] = None
@@ -108,6 +112,8 @@ class _SamplingRequest(SamplingFields):
     n: Optional[Int] = Field(None, ge=1, le=MAX_N)
     max_tokens: Optional[Int] = Field(None, ge=1)
     stream_options: Optional[StreamOptions] = None
+    truncate_prompt_tokens: Optional[Int] = Field(None, ge=-1, description="keep the prompt's last k tokens "
+                                                  "(-1: max_model_len); 0 is refused")
     # disaggregation (docs/disaggregation.md): {"do_remote_decode": true} to a producer; its answer's
     # kv_transfer_params to a consumer
     kv_transfer_params: Optional[dict[str, Any]] = None

@@ -24,6 +24,7 @@ from fastapi.responses import Response, StreamingResponse
 from ..engine.async_engine import (AsyncEngine, DuplicateRequestError, EngineNotReadyError, EngineStepError,
                                    EngineStoppedError, QueueFullError)
 from ..engine.request import gather, gathered
+from ..engine.intake import truncated
 from ..http_body import until_done_or_gone
 from ..kv_transfer import KVLoadError
 from ..structured import INSTALL as STRUCTURED_INSTALL
@@ -36,7 +37,8 @@ from .tools import check_tools
 log = logging.getLogger("blitzllm.server")
 
 _FIELDS = {"n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-           "repetition_penalty", "max_tokens", "min_tokens", "stop", "stop_token_ids", "logprobs", "logit_bias"}
+           "repetition_penalty", "max_tokens", "min_tokens", "stop", "stop_token_ids", "logprobs", "logit_bias",
+           "allowed_token_ids", "bad_words", "truncate_prompt_tokens"}
 
 
 def sse(obj) -> bytes:
@@ -310,9 +312,26 @@ class Serving:
                 ignore_eos=bool(req.ignore_eos), logprobs=logprobs,
                 skip_special_tokens=pick(req.skip_special_tokens, True),
                 include_stop_str_in_output=bool(req.include_stop_str_in_output), structured_output=structured,
-                logit_bias=bias, prompt_logprobs=prompt_logprobs)
+                logit_bias=bias, prompt_logprobs=prompt_logprobs, allowed_token_ids=req.allowed_token_ids,
+                bad_words=req.bad_words, truncate_prompt_tokens=self.truncation(req))
         except ValueError as e:
             raise self._user_error(e, "prompt", max_tokens_field, logprobs_field, field) from None
+
+    def truncation(self, req) -> Optional[int]:
+        """The body's truncate_prompt_tokens (chat and completions have one), checked against
+        max_model_len; None when not asked."""
+        k = getattr(req, "truncate_prompt_tokens", None)
+        if k is not None and k > self.max_model_len:
+            raise bad_request(f"truncate_prompt_tokens ({k}) must be at most max_model_len={self.max_model_len}",
+                              param="truncate_prompt_tokens")
+        return k
+
+    def truncated(self, ids: list, params: SamplingParams, param: str) -> list:
+        """The prompt ids the engine will see (``truncate_prompt_tokens``), refused when they leave
+        no room to generate."""
+        ids = truncated(ids, params.truncate_prompt_tokens, self.max_model_len)
+        self.check_prompt_len(len(ids), param)
+        return ids
 
     @staticmethod
     def _user_error(e: ValueError, prompt_field: str, max_tokens_field: str = "max_tokens",

@@ -120,7 +120,7 @@ class DraftModelProposer(Proposer):
         logits = self.runner.score(batch, tables, list(range(len(batch))), [1] * len(batch))
         rows = [SamplingRow(params=r.params, seed=(r.seed ^ _DRAFT_SALT) & (2**63 - 1), prompt_ids=r.prompt_token_ids,
                             output_ids=list(r.output_token_ids) + d,
-                            eos_token_id=r.eos_token_ids[0] if r.eos_token_ids else None)
+                            eos_token_id=r.eos_token_ids[0] if r.eos_token_ids else None, bad_words=r.bad_words)
                 for r, d in zip(reqs, drafts)]
         md = SamplingMetadata.build(rows, self.cfg.vocab_size, self.runner.device)
         x = self.runner.sampler.processed_logits(logits, md)

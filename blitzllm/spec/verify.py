@@ -4,7 +4,7 @@ path (``_greedy_verify``) or the tests' cross-check (``_match_target``), all exa
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -12,7 +12,7 @@ import torch
 from ..kernels.greedy import greedy_sample
 from ..layers import rejection_sampler as _rs
 from ..layers.rejection_sampler import check_no_drafts_under_a_grammar
-from ..layers.sampler import Sampler, SamplingMetadata, SamplingRow
+from ..layers.sampler import Sampler, SamplingMetadata
 
 
 @dataclass
@@ -28,9 +28,7 @@ def _position_rows(rows, drafts) -> list:
     for r, d in zip(rows, drafts):
         check_no_drafts_under_a_grammar(r, d)
         for i in range(len(d) + 1):
-            out.append(SamplingRow(params=r.params, seed=r.seed, prompt_ids=r.prompt_ids,
-                                   output_ids=list(r.output_ids) + list(d[:i]), eos_token_id=r.eos_token_id,
-                                   matcher=r.matcher))
+            out.append(replace(r, output_ids=list(r.output_ids) + list(d[:i])))
     return out
 
 
@@ -72,11 +70,11 @@ def _match_target(sampler: Sampler, logits, rows, drafts, vocab_size, device, sy
 
 def _plain_greedy(rows, drafts) -> bool:
     """Whether every verified position samples as ``Sampler``'s greedy kernel path: greedy,
-    no penalties, no logit_bias, no top logprobs, no grammar, and past min_tokens (no banned stop
-    tokens)."""
+    no penalties, no logit_bias, no top logprobs, no grammar, no allowed_token_ids or bad words, and
+    past min_tokens (no banned stop tokens)."""
     return all(r.params.temperature == 0.0 and not r.params.logprobs and not r.params.uses_penalties
                and not r.params.logit_bias and r.matcher is None and len(r.output_ids) >= r.params.min_tokens
-               for r in rows)
+               and not r.params.allowed_token_ids and not r.bad_words for r in rows)
 
 
 def _greedy_verify(logits, rows, drafts, synthetic_rate) -> list:
