@@ -99,3 +99,19 @@ def test_client_dropping_a_stream_frees_both_sides(smol, pd_router):
         # (leaving the block closes the connection mid-stream)
     assert consumer.metrics()["blitz_generation_tokens_total"] > 0
     settled(producer, consumer, timeout=20)
+
+
+def test_a_truncated_prompt_is_pulled_and_answered_as_a_single_engine(smol, pd_router):
+    """truncate_prompt_tokens on both hops: the consumer pulls the KV of the kept tokens (the
+    producer's prompt digest matches) and answers as one engine does."""
+    producer, consumer = smol
+    body = {"model": "smollm2", "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0, "truncate_prompt_tokens": 6}
+    single = _ask(consumer.url, "/v1/completions", body, stream=False)
+    before = consumer.metrics()
+    assert _ask(pd_router.url, "/v1/completions", body, stream=False) == single
+    after = consumer.metrics()
+    assert after["blitz_kv_pulls_ok_total"] - before.get("blitz_kv_pulls_ok_total", 0) == 1
+    assert after.get("blitz_kv_pulls_failed_total", 0) == before.get("blitz_kv_pulls_failed_total", 0)
+    whole = _ask(consumer.url, "/v1/completions", {**body, "truncate_prompt_tokens": None}, stream=False)
+    assert whole != single   # (the truncation changed the answer: the check above means something)
+    settled(producer, consumer)
