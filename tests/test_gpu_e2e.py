@@ -271,3 +271,36 @@ def test_structured_output_on_cuda():
     assert list(obj) == ["name", "age"] and isinstance(obj["name"], str), obj
     assert isinstance(obj["age"], int) and not isinstance(obj["age"], bool) and 0 <= obj["age"] <= 120, obj
     assert_runs_agree(llm, [prompt], outs[1:], [alone], plain)
+
+
+def test_token_constraints_on_cuda():
+    """allowed_token_ids, bad_words and truncate_prompt_tokens on CUDA with graphs on (a
+    bad-words row skips the decode look-ahead; an allowed_token_ids row keeps it), fp32 so plain
+    and speculative greedy runs agree exactly. The preset's tokenizer spells text by character, so
+    the allowed set is ten letters' ids and the bad word two letters of that run's own output:
+    every token in the set, no spelling of the word after, a truncated prompt answered as its kept
+    tokens, and ngram speculation verifying through the same masks gives the plain engine's tokens."""
+    kw = dict(num_layers=4, device="cuda", dtype="float32", kv_cache_blocks=512, max_num_seqs=8, max_model_len=1024)
+    llm = LLM("preset:qwen3-0.6b", **kw)
+    assert llm.engine.runner.graphs is not None
+    tok = llm.engine.tokenizer
+    prompts = [p[:20] * 4 for p in _prompts(4, 151936, seed=7)]
+    base = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    letters = base.clone(allowed_token_ids=tok.encode("abcdefghij", add_special_tokens=False))
+    free = [o.token_ids for o in llm.generate(prompts, letters)]
+    assert all(set(t) <= set(letters.allowed_token_ids) for t in free)
+    word = tok.decode(free[0][2:4])
+    spelled = [tok.encode(w, add_special_tokens=False) for w in (word, " " + word)]
+    assert spelled[0] == free[0][2:4]
+    cases = [letters, letters.clone(bad_words=[word])]
+    plain = [free, [o.token_ids for o in llm.generate(prompts, cases[1])]]
+    assert not any(o[i:i + len(s)] == s for o in plain[1] for s in spelled for i in range(len(o)))
+    assert all(set(t) <= set(letters.allowed_token_ids) for t in plain[1])
+    cut = llm.generate(prompts, base.clone(truncate_prompt_tokens=9))
+    assert [o.token_ids for o in cut] == [o.token_ids for o in llm.generate([p[-9:] for p in prompts], base)]
+    assert all(o.prompt_token_ids == p[-9:] for o, p in zip(cut, prompts))
+    spec = LLM("preset:qwen3-0.6b", speculative_config={"method": "ngram", "num_speculative_tokens": 3}, **kw)
+    for p, want in zip(cases, plain):
+        assert [o.token_ids for o in spec.generate(prompts, p)] == want, p
+    assert spec.stats()["spec_accepted_tokens"] > 0
+    assert spec.engine.kv.num_free_blocks == spec.engine.kv.num_blocks
