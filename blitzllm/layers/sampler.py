@@ -161,7 +161,11 @@ class SamplingMetadata:
                     only[i] = False
                     only[i, [t for t in p.allowed_token_ids if t < V]] = True
             only = only.to(device, non_blocking=True)
-            allowed = only if allowed is None else allowed & only
+            if allowed is None:
+                allowed = only
+            else:   # a grammar none of whose next tokens are allowed wins (as over bad words)
+                both = allowed & only
+                allowed = torch.where(both.any(dim=-1, keepdim=True), both, allowed)
 
         return cls(
             temperature=floats[0], top_p=floats[1], min_p=floats[2],

@@ -147,3 +147,21 @@ def test_bad_words_are_bounded(smollm2_llm, words, match):
     with pytest.raises(ValueError, match=match):
         smollm2_llm.generate("Hi", SamplingParams(bad_words=words))
     assert not smollm2_llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_allowed_token_ids_the_grammar_cannot_take_leave_the_grammar_to_win(smollm2_llm, temperature):
+    """allowed_token_ids and a grammar whose next tokens are none of them: the grammar wins (as it
+    does over bad words), never a token neither allows (all -inf: token 0, <|endoftext|>)."""
+    llm = smollm2_llm
+    digits = llm.tokenize("1 2 3")
+    regex = {"type": "regex", "pattern": "[0-9]{3}"}
+    p = SamplingParams(temperature=temperature, seed=3, max_tokens=8, structured_output=regex,
+                       allowed_token_ids=digits)
+    out = llm.generate("Number:", p)[0].outputs[0]
+    # the digits stay allowed; after three of them the grammar can only end (EOS, not allowed)
+    assert len(out.text) == 3 and out.text.isdigit() and out.finish_reason == "stop", (out.text, out.token_ids)
+    assert all(t in digits for t in out.token_ids[:3]) and out.token_ids[3:] in ([], list(llm.engine.eos_token_ids[:1]))
+    # none of the allowed tokens fits the grammar at all: the grammar's answer
+    out = llm.generate("Number:", p.clone(allowed_token_ids=llm.tokenize(" hello")))[0].outputs[0]
+    assert len(out.text) == 3 and out.text.isdigit() and out.finish_reason == "stop", (out.text, out.token_ids)
