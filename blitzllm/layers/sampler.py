@@ -155,11 +155,19 @@ class SamplingMetadata:
             from ..structured import allowed_mask
             allowed = allowed_mask([r.matcher for r in rows], V, device)
         if any(p.allowed_token_ids for p in ps):
-            only = torch.ones(len(rows), V, dtype=torch.bool)
-            for i, p in enumerate(ps):
-                if p.allowed_token_ids:
-                    only[i] = False
-                    only[i, [t for t in p.allowed_token_ids if t < V]] = True
+            masks: dict = {}   # one per params (n > 1 and each speculative position share it), by row
+            which = []
+            for p in ps:
+                key = id(p) if p.allowed_token_ids else None
+                if key not in masks:
+                    if key is None:
+                        m = torch.ones(V, dtype=torch.bool)
+                    else:
+                        ids = torch.tensor(p.allowed_token_ids, dtype=torch.int64)
+                        m = torch.zeros(V, dtype=torch.bool).index_fill_(0, ids[ids < V], True)
+                    masks[key] = (len(masks), m)
+                which.append(masks[key][0])
+            only = torch.stack([m for _, m in masks.values()])[torch.tensor(which)]
             only = only.to(device, non_blocking=True)
             if allowed is None:
                 allowed = only
