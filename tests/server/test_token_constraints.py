@@ -88,3 +88,14 @@ def test_bad_values_are_400s_naming_the_field(smol_f32_server, path, field, valu
     assert r.json()["error"]["param"].split(".")[0] == field, r.json()   # (an item: field.index)
     m = wait_idle(smol_f32_server, timeout=5.0)
     assert m["blitz_kv_cache_blocks_free"] == m["blitz_kv_cache_blocks_total"]
+
+
+def test_allowed_token_ids_outside_a_grammars_next_tokens_leave_the_grammar_to_win(smol_f32_server):
+    """structured_outputs regex + allowed_token_ids: once the grammar can only end (EOS, not
+    allowed), it ends, rather than <|endoftext|> (id 0, allowed by neither) until max_tokens."""
+    srv = smol_f32_server
+    digits = ok(srv, "/tokenize", {"prompt": "1 2 3", "add_special_tokens": False})["tokens"]
+    body = {"prompt": "Number:", "temperature": 0, "max_tokens": 8, "structured_outputs": {"regex": "[0-9]{3}"},
+            "allowed_token_ids": digits, "skip_special_tokens": False}
+    c = ok(srv, "/v1/completions", body)["choices"][0]
+    assert c["text"].isdigit() and len(c["text"]) == 3 and c["finish_reason"] == "stop", c
