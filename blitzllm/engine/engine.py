@@ -30,7 +30,7 @@ from .args import (EngineArgs, check_engine_args, check_tp_size, engine_cache_co
 from .detokenizer import IncrementalDetokenizer
 from .intake import check_request
 from .kv_cache import KVCacheManager
-from .request import Request, Status
+from .request import Request, Status, score_prompt
 from .scheduler import Scheduler
 from .state_cache import HybridKVCacheManager
 
@@ -47,6 +47,7 @@ class StepEvent:
     finish_reason: Optional[str] = None
     stop_reason: object = None
     prompt_logprobs: Optional[list] = None  # on the first event of a request that asked for them
+    prompt_ranks: Optional[list] = None     # with them: per prompt token its rank (None for the first)
     kv_transfer_params: Optional[dict] = None  # a producer's finished request: where its KV waits
     num_cached_tokens: Optional[int] = None    # on the last event: the prompt tokens the prefix cache served
 
@@ -251,7 +252,7 @@ class Engine:
                 req.matcher = self.grammar_compiler().matcher(params.structured_output)
             req.kv_transfer_params, req.kv_payload = kv_transfer_params, kv_payload
             if params.prompt_logprobs is not None and i == 0:
-                req.prompt_logprobs = []
+                req.prompt_logprobs, req.prompt_ranks = [], []
             if self.tokenizer is not None:
                 req.detok = IncrementalDetokenizer(
                     self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
@@ -369,30 +370,10 @@ class Engine:
         for i, c in zip(idx, counts):
             if i in want:
                 lo, hi = want[i]
-                self._prompt_logprobs(seqs[i].req, logits[off:off + hi - lo], lo)
+                score_prompt(seqs[i].req, logits[off:off + hi - lo], lo)
             keep.extend(range(off + c - sample_counts.get(i, 0), off + c))
             off += c
         return logits[keep] if keep else None
-
-    @staticmethod
-    @torch.inference_mode()
-    def _prompt_logprobs(req: Request, logits: torch.Tensor, lo: int) -> None:
-        """Rows of ``logits`` score prompt positions lo, lo + 1, ...: each gives the logprob of the
-        next prompt token and the top-N (raw log-softmax, as a generated token's)."""
-        k = req.params.prompt_logprobs
-        targets = req.prompt_token_ids[lo + 1:lo + 1 + logits.shape[0]]
-        for a in range(0, len(targets), 256):  # (a few rows at a time: [rows, V] float32)
-            lp = logits[a:a + 256].float().log_softmax(-1)
-            t = torch.tensor(targets[a:a + 256], device=lp.device)
-            chosen = lp.gather(1, t[:, None])[:, 0].tolist()
-            top = lp.topk(k, dim=-1) if k else None
-            top_ids = top.indices.tolist() if k else [[]] * len(chosen)
-            top_lps = top.values.tolist() if k else [[]] * len(chosen)
-            for tid, c, ids, vals in zip(targets[a:a + 256], chosen, top_ids, top_lps):
-                d = {tid: c}
-                for j, v in zip(ids, vals):
-                    d.setdefault(j, v)
-                req.prompt_logprobs.append(d)
 
     def _plan_states(self, seqs, drafts=None):
         """A hybrid model's state rows for the step (engine/state_cache.py); None for others."""
@@ -412,10 +393,11 @@ class Engine:
         p = req.params
         rid, index = req.request_id.rsplit("#", 1)
         plp = None if req.output_token_ids or req.prompt_logprobs is None else [None] + req.prompt_logprobs
+        ranks = None if plp is None else [None] + req.prompt_ranks
         if p.max_tokens == 0:  # scoring only: the prefill is done, nothing is generated
             self._finish(req, "length", None)
             return StepEvent(rid, int(index), [], "", [] if p.logprobs is not None else None, "length",
-                             prompt_logprobs=plp)
+                             prompt_logprobs=plp, prompt_ranks=ranks)
         req.output_token_ids.append(tok)
         if req.matcher is not None:
             req.matcher.accept_token(tok)
@@ -452,7 +434,7 @@ class Engine:
             self._finish(req, reason, stop_reason)
         done = reason is not None
         return StepEvent(rid, int(index), [tok], text, lps, reason, stop_reason, prompt_logprobs=plp,
-                         kv_transfer_params=req.kv_transfer_params if done else None,
+                         prompt_ranks=ranks, kv_transfer_params=req.kv_transfer_params if done else None,
                          num_cached_tokens=min(req.num_cached_tokens, len(req.prompt_token_ids)) if done else None)
 
     def _finish(self, req: Request, reason: str, stop_reason) -> None:

@@ -5,6 +5,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Optional
 
+import torch
+
 from ..sampling_params import SamplingParams
 
 
@@ -37,6 +39,9 @@ class Request:
     # with params.prompt_logprobs (the first of n sequences): per prompt token from the second on,
     # {id: logprob} of it and the top-N, filled by the prefill; None otherwise
     prompt_logprobs: Optional[list] = None
+    # beside them: per prompt token from the second on, its rank in the whole vocabulary (the
+    # number of entries whose logprob is >= its own, so 1 for the most likely, as vLLM counts it)
+    prompt_ranks: Optional[list] = None
     # disaggregation (blitzllm/kv_transfer): the request's kv_transfer_params (on a producer, the
     # consumer's params once it finished), and the KV pulled for it until it lands in its blocks
     kv_transfer_params: Optional[dict] = None
@@ -110,10 +115,36 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
 
+@torch.inference_mode()
+def score_prompt(req: Request, logits: torch.Tensor, lo: int) -> None:
+    """Rows of ``logits`` score prompt positions lo, lo + 1, ...: each gives the logprob of the
+    next prompt token and the top-N (raw log-softmax, as a generated token's) into
+    ``req.prompt_logprobs``, and that token's rank into ``req.prompt_ranks``."""
+    k = req.params.prompt_logprobs
+    targets = req.prompt_token_ids[lo + 1:lo + 1 + logits.shape[0]]
+    for a in range(0, len(targets), 256):  # (a few rows at a time: [rows, V] float32)
+        lp = logits[a:a + 256].float().log_softmax(-1)
+        t = torch.tensor(targets[a:a + 256], device=lp.device)
+        chosen = lp.gather(1, t[:, None])
+        ranks = (lp >= chosen).sum(-1).tolist()   # (on the device, in the same pass)
+        chosen = chosen[:, 0].tolist()
+        top = lp.topk(k, dim=-1) if k else None
+        top_ids = top.indices.tolist() if k else [[]] * len(chosen)
+        top_lps = top.values.tolist() if k else [[]] * len(chosen)
+        for tid, c, ids, vals in zip(targets[a:a + 256], chosen, top_ids, top_lps):
+            d = {tid: c}
+            for j, v in zip(ids, vals):
+                d.setdefault(j, v)
+            req.prompt_logprobs.append(d)
+        req.prompt_ranks.extend(ranks)
+
+
 def gathered() -> dict:
     """One completion as a caller gathers it from its StepEvents (``gather``): text pieces, token
-    ids, logprobs, finish and stop reason, prompt logprobs, KV transfer params, cached tokens."""
-    return {"text": [], "ids": [], "lps": [], "reason": None, "stop": None, "plp": None, "kv": None, "cached": 0}
+    ids, logprobs, finish and stop reason, prompt logprobs and their tokens' ranks, KV transfer params,
+    cached tokens."""
+    return {"text": [], "ids": [], "lps": [], "reason": None, "stop": None, "plp": None, "ranks": None, "kv": None,
+            "cached": 0}
 
 
 def gather(c: dict, ev) -> None:
@@ -123,7 +154,7 @@ def gather(c: dict, ev) -> None:
     if ev.logprobs is not None:
         c["lps"].extend(ev.logprobs)
     if ev.prompt_logprobs is not None:
-        c["plp"] = ev.prompt_logprobs
+        c["plp"], c["ranks"] = ev.prompt_logprobs, ev.prompt_ranks
     if ev.kv_transfer_params is not None:
         c["kv"] = ev.kv_transfer_params
     if ev.num_cached_tokens is not None:
