@@ -90,7 +90,7 @@ def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
                           on_load_error=on_load_error)
     aliases = (str(cfg.engine_kwargs["model"]),) if "model" in cfg.engine_kwargs else ()
     serving = Serving(aengine, cfg.model_name, aliases, reasoning_parser=cfg.reasoning_parser,
-                      tool_parser=cfg.tool_call_parser)
+                      tool_parser=cfg.tool_call_parser, return_tokens_as_token_ids=cfg.return_tokens_as_token_ids)
     expected_key = cfg.api_key.encode() if cfg.api_key else None
     store = ResponseStore(cfg.max_stored_responses)   # /v1/responses' stored answers
 

@@ -42,6 +42,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="return a thinking model's <think> block as reasoning_content beside content in chat "
                         "completions (deepseek_r1, deepseek_v3, qwen3, minimax_m2: one rule, see "
                         "blitzllm/server/reasoning.py; minimax_m2_append_think: all in content)")
+    g.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprobs' tokens as 'token_id:<id>' (vLLM's; a request's return_tokens_as_token_ids "
+                        "overrides it)")
     from .tools import TOOL_PARSERS
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="let chat requests with tools (tool_choice 'auto') get tool_calls back; needs --tool-call-parser")
@@ -72,7 +75,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(engine_kwargs=kwargs, host=args.host, port=args.port, api_key=args.api_key,
                        served_model_name=args.served_model_name, max_waiting_requests=args.max_waiting_requests,
                        max_request_bytes=args.max_request_bytes, reasoning_parser=args.reasoning_parser,
-                       tool_call_parser=args.tool_call_parser, max_stored_responses=args.max_stored_responses)
+                       tool_call_parser=args.tool_call_parser, max_stored_responses=args.max_stored_responses,
+                       return_tokens_as_token_ids=args.return_tokens_as_token_ids)
 
 
 def _check_engine(kwargs: dict) -> None:

@@ -5,6 +5,7 @@ output through the reasoning and tool-call parsers), which /v1/responses builds 
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -18,16 +19,53 @@ from .tools import FORMATS, Forced, ToolCallSplitter, check_tools, split_tool_ca
 from .serving import SSE_DONE, Serving, SSEResponse, kv_field, lp_value, pick, request_id, sse, usage
 
 
-def chat_logprobs(s: Serving, token_ids, lps, k) -> list:
-    """OpenAI's logprobs.content: per token its text, logprob, bytes and the top-k sorted."""
+def token_str(s: Serving, tid: int, as_ids: bool = False) -> str:
+    """A logprobs entry's token: its text, or ``token_id:<id>`` (vLLM's return_tokens_as_token_ids)."""
+    return f"token_id:{tid}" if as_ids else s.tok_str(tid)
+
+
+def as_token_ids(s: Serving, req) -> bool:
+    """The request's return_tokens_as_token_ids, else the server's."""
+    return pick(req.return_tokens_as_token_ids, s.return_tokens_as_token_ids)
+
+
+def chat_logprobs(s: Serving, token_ids, lps, k, as_ids: bool = False) -> list:
+    """OpenAI's logprobs.content: per token its text (``as_ids``: ``token_id:<id>``), logprob,
+    bytes and the top-k sorted."""
     out = []
     for tid, d in zip(token_ids, lps or []):
-        text = s.tok_str(tid)
+        text = token_str(s, tid, as_ids)
         top = sorted(d.items(), key=lambda kv: -kv[1])[:k] if k else []
         out.append({"token": text, "logprob": lp_value(d.get(tid, -9999.0)), "bytes": list(text.encode()),
-                    "top_logprobs": [{"token": s.tok_str(t), "logprob": lp_value(v),
-                                      "bytes": list(s.tok_str(t).encode())} for t, v in top]})
+                    "top_logprobs": [{"token": (t_text := token_str(s, t, as_ids)), "logprob": lp_value(v),
+                                      "bytes": list(t_text.encode())} for t, v in top]})
     return out
+
+
+def prompt_logprobs_body(s: Serving, ids, plp, ranks, k: int, asked: int) -> list:
+    """vLLM's ``prompt_logprobs`` of a prompt (``ids``): null for its first token, then per token
+    {token id as a string: {logprob, rank, decoded_token}} for the token, then its top ``k`` (ranks
+    1..k by position, the token's own entry among them where it is one of them; else its rank in
+    the whole vocabulary). ``plp``/``ranks``: the engine's, asked for the top ``asked`` (>= k)."""
+    if plp is None:   # (none came: a request that ended before its prefill)
+        return None
+    out = [None]
+    for tid, d, rank in zip(ids[1:], plp[1:], ranks[1:]):
+        entry = {str(tid): {"logprob": lp_value(d[tid]), "rank": rank, "decoded_token": s.tok_str(tid)}}
+        # (the engine's dict: the token, then the top ``asked``, the token counted once where it is among them)
+        top = sorted(((t, v) for t, v in d.items() if t != tid or len(d) == asked), key=lambda kv: -kv[1])
+        for r, (t, v) in enumerate(top[:k], 1):
+            entry[str(t)] = {"logprob": lp_value(v), "rank": r, "decoded_token": s.tok_str(t)}
+        out.append(entry)
+    return out
+
+
+def check_prompt_logprobs(req) -> Optional[int]:
+    """What the engine computes for the request's prompt_logprobs: a stream has no place for them
+    (a 400, as vLLM's, but for 0, which streams nothing)."""
+    if req.prompt_logprobs and req.stream:
+        raise bad_request("prompt_logprobs are not available with stream=true", param="prompt_logprobs")
+    return None if req.stream else req.prompt_logprobs
 
 
 class ChatTurn:
@@ -69,14 +107,16 @@ class ChatTurn:
 
 
 async def prepare_turn(s: Serving, req, messages, *, tools, tool_choice, parallel_tool_calls, structured: tuple,
-                       max_tokens, max_tokens_field: str, k, end: dict, template_kwargs) -> ChatTurn:
+                       max_tokens, max_tokens_field: str, k, end: dict, template_kwargs,
+                       prompt_logprobs: Optional[int] = None) -> ChatTurn:
     """``req``: the body's sampling fields (``protocol.SamplingFields``); ``structured``: (the
     answer's structured output or None, the field it came from); ``k``: top logprobs (None: no
-    logprobs)."""
+    logprobs); ``prompt_logprobs``: the rendered prompt's top-N (None: none)."""
     tool_mode = check_tools(tools, tool_choice, s.tool_parser)  # None, "auto" or a Forced choice
     forced = tool_mode if isinstance(tool_mode, Forced) else None
     requested = s.structured_request(req)  # (vLLM's structured_outputs / guided_* fields)
-    params = s.sampling_params(req, max_tokens, k, max_tokens_field, "top_logprobs", requested)
+    params = s.sampling_params(req, max_tokens, k, max_tokens_field, "top_logprobs", requested,
+                               prompt_logprobs=prompt_logprobs)
     structured, field = structured
     if forced is not None:
         if structured is not None:
@@ -109,13 +149,14 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
     k = pick(req.top_logprobs, 0) if req.logprobs else None
+    plp_k, as_ids = check_prompt_logprobs(req), as_token_ids(s, req)
     mt_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     turn = await prepare_turn(s, req, req.messages, tools=req.tools, tool_choice=req.tool_choice,
                               parallel_tool_calls=req.parallel_tool_calls,
                               structured=(structured_output(req.response_format), "response_format"),
                               max_tokens=pick(req.max_completion_tokens, req.max_tokens), max_tokens_field=mt_field,
                               k=k, end=prompt_end(req.add_generation_prompt, req.continue_final_message),
-                              template_kwargs=req.chat_template_kwargs)
+                              template_kwargs=req.chat_template_kwargs, prompt_logprobs=plp_k)
     ids, params = turn.ids, turn.params
     rid = f"chatcmpl-{request_id(raw)}"
     stream = await s.submit(rid, ids, params, "messages", mt_field, structured_field=turn.structured_field,
@@ -126,7 +167,7 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
         parsers = [turn.parser(s) for _ in range(params.n)]
         return SSEResponse(_chat_sse(s, rid, created, stream, params.n, len(ids), k,
                                       bool(opts and opts.include_usage),
-                                      bool(opts and opts.continuous_usage_stats), parsers),
+                                      bool(opts and opts.continuous_usage_stats), parsers, as_ids),
                            on_close=lambda: s.aengine.abort(rid, stream))
     result = await s.until_done_or_gone(raw, s.collect([stream], params.n), [stream])
     if result is None:
@@ -135,11 +176,14 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
     for i, c in enumerate(result):
         message, reason = turn.message(s, "".join(c["text"]), c["reason"])
         choices.append({"index": i, "message": message,
-                        "logprobs": {"content": chat_logprobs(s, c["ids"], c["lps"], k)} if k is not None
+                        "logprobs": {"content": chat_logprobs(s, c["ids"], c["lps"], k, as_ids)} if k is not None
                         else None, "finish_reason": reason, "stop_reason": c["stop"]})
     ntok = sum(len(c["ids"]) for c in result)
+    plp = {}
+    if plp_k is not None:   # (the first choice's: the engine scores the prompt once for the n)
+        plp = {"prompt_logprobs": prompt_logprobs_body(s, ids, result[0]["plp"], result[0]["ranks"], plp_k, plp_k)}
     return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": s.model_name,
-                         "choices": choices, "usage": usage(len(ids), ntok), **kv_field(result)})
+                         "choices": choices, "usage": usage(len(ids), ntok), **plp, **kv_field(result)})
 
 
 def structured_output(fmt):
@@ -182,7 +226,7 @@ class ChoiceParser:
                 **({"tool_calls": calls} if calls else {})}
 
 
-async def _chat_sse(s: Serving, rid, created, stream, n, prompt_len, k, include_usage, continuous, parsers):
+async def _chat_sse(s: Serving, rid, created, stream, n, prompt_len, k, include_usage, continuous, parsers, as_ids):
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": s.model_name}
     ntok = 0
     try:
@@ -201,7 +245,7 @@ async def _chat_sse(s: Serving, rid, created, stream, n, prompt_len, k, include_
                 continue
             reason = "tool_calls" if parser.called and ev.finish_reason == "stop" else ev.finish_reason
             choice = {"index": ev.index, "delta": delta,
-                      "logprobs": {"content": chat_logprobs(s, ev.new_token_ids, ev.logprobs, k)}
+                      "logprobs": {"content": chat_logprobs(s, ev.new_token_ids, ev.logprobs, k, as_ids)}
                       if k is not None else None, "finish_reason": reason}
             if ev.finish_reason is not None:
                 choice["stop_reason"] = ev.stop_reason

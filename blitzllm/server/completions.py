@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ..engine.async_engine import EngineStepError
 from ..sampling_params import SamplingParams
+from .chat import as_token_ids, check_prompt_logprobs, prompt_logprobs_body, token_str
 from .errors import bad_request
 from .protocol import CompletionRequest
 from .serving import SSE_DONE, Serving, SSEResponse, kv_field, lp_value, merge, pick, request_id, sse, usage
@@ -61,16 +62,16 @@ async def _tokenized(s: Serving, p, field: str, text, params: SamplingParams, ec
     return kept, text
 
 
-def _legacy_logprobs(s: Serving, token_ids, lps, k, offset: int = 0) -> dict:
+def _legacy_logprobs(s: Serving, token_ids, lps, k, offset: int = 0, as_ids: bool = False) -> dict:
     """The legacy completions logprobs: parallel lists, top-k as {token text: logprob} plus the
     chosen token where it is not among them (k + 1 entries, as OpenAI's legacy API and vLLM give
-    it). A token whose entry in ``lps`` is None (an echoed prompt's first) has null ones."""
+    it). A token whose entry in ``lps`` is None (an echoed prompt's first) has null ones.
+    ``as_ids``: tokens as ``token_id:<id>`` (the text offsets stay the text's)."""
     tokens, token_lps, tops, offsets = [], [], [], []
     for tid, d in zip(token_ids, lps):
-        text = s.tok_str(tid)
-        tokens.append(text)
+        tokens.append(token_str(s, tid, as_ids))
         offsets.append(offset)
-        offset += len(text)
+        offset += len(s.tok_str(tid))
         if d is None:
             token_lps.append(None)
             tops.append(None)
@@ -79,13 +80,13 @@ def _legacy_logprobs(s: Serving, token_ids, lps, k, offset: int = 0) -> dict:
         top = sorted(d.items(), key=lambda kv: -kv[1])[:k]
         if tid not in dict(top):
             top.append((tid, d.get(tid, -9999.0)))
-        tops.append({s.tok_str(t): lp_value(v) for t, v in top})
+        tops.append({token_str(s, t, as_ids): lp_value(v) for t, v in top})
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def _prompt_logprobs(s: Serving, ids, plp, k) -> dict:
+def _prompt_logprobs(s: Serving, ids, plp, k, as_ids: bool = False) -> dict:
     """The echoed prompt's part of the legacy logprobs (its first token has none)."""
-    return _legacy_logprobs(s, ids, plp or [None] * len(ids), k)
+    return _legacy_logprobs(s, ids, plp or [None] * len(ids), k, 0, as_ids)
 
 
 async def create_completion(s: Serving, req: CompletionRequest, raw: Request) -> Response:
@@ -97,9 +98,12 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
     if req.max_tokens == 0 and not req.echo:
         raise bad_request("max_tokens must be >= 1 (0 only with echo: scoring the prompt)", param="max_tokens")
     requested = s.structured_request(req)
+    plp_k, as_ids = check_prompt_logprobs(req), as_token_ids(s, req)  # (vLLM's prompt_logprobs)
     scoring = req.logprobs if req.echo else None  # echo + logprobs: the prompt's logprobs too
     if req.max_tokens == 0 and scoring is None:
         scoring = 0  # echo alone with max_tokens 0: the engine takes it as a scoring request
+    if plp_k is not None:  # (the engine's top-N serves both, each cut to its own)
+        scoring = max(plp_k, scoring or 0)
     max_tokens = pick(req.max_tokens, min(16, s.defaults.get("max_tokens", 16)))  # (a generation config's cap)
     params = s.sampling_params(req, max_tokens, req.logprobs, structured=requested, prompt_logprobs=scoring)
     structured_field = requested[1]
@@ -125,29 +129,33 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
         opts = req.stream_options
         echo_ids = [ids for ids, _ in prompts] if req.echo and k is not None else None
         return SSEResponse(_cmpl_sse(s, base, created, streams, n, k, echoes, echo_ids, prompt_tokens,
-                                     bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats)),
+                                     bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats),
+                                     as_ids),
                            on_close=lambda: s.abort(streams))
     result = await s.until_done_or_gone(raw, s.collect(streams, n), streams)
     if result is None:
         return Response(status_code=499)
     choices = []
     for i, c in enumerate(result):
-        echo = echoes[i // n]
+        echo, first = echoes[i // n], result[i - i % n]  # (the prompt's logprobs come with each prompt's first choice)
         lp = None
         if k is not None:
-            lp = _legacy_logprobs(s, c["ids"], c["lps"], k, len(echo))
-            if req.echo:  # (the prompt's logprobs come with each prompt's first choice)
-                plp = _prompt_logprobs(s, prompts[i // n][0], result[i - i % n]["plp"], k)
+            lp = _legacy_logprobs(s, c["ids"], c["lps"], k, len(echo), as_ids)
+            if req.echo:
+                plp = _prompt_logprobs(s, prompts[i // n][0], first["plp"], k, as_ids)
                 lp = {key: plp[key] + lp[key] for key in lp}
         choices.append({"index": i, "text": echo + "".join(c["text"]), "logprobs": lp,
                         "finish_reason": c["reason"], "stop_reason": c["stop"]})
+        if plp_k is not None:   # (each choice of a prompt carries its prompt's, as vLLM's)
+            choices[-1]["prompt_logprobs"] = prompt_logprobs_body(s, prompts[i // n][0], first["plp"], first["ranks"],
+                                                                  plp_k, params.prompt_logprobs)
     ntok = sum(len(c["ids"]) for c in result)
     return JSONResponse({"id": base, "object": "text_completion", "created": created, "model": s.model_name,
                          "choices": choices, "usage": usage(prompt_tokens, ntok), **kv_field(result)})
 
 
 async def _cmpl_sse(s: Serving, base, created, streams, n, k, echoes, echo_ids, prompt_tokens, include_usage,
-                    continuous):
+                    continuous, as_ids):
     """With echo, each choice's first event is its prompt's text: at once, or, with ``echo_ids``
     (echo + logprobs: each prompt's ids), with its prompt logprobs once the prefill has computed
     them (the first event of the prompt's first choice carries them; the engine schedules that
@@ -174,7 +182,8 @@ async def _cmpl_sse(s: Serving, base, created, streams, n, k, echoes, echo_ids, 
             if idx in pending:
                 pending.discard(idx)
                 yield sse({**head, "choices": [{"index": idx, "text": echoes[j], "finish_reason": None,
-                                                "logprobs": _prompt_logprobs(s, echo_ids[j], plps.get(j), k)}]})
+                                                "logprobs": _prompt_logprobs(s, echo_ids[j], plps.get(j), k,
+                                                                             as_ids)}]})
             ntok += len(ev.new_token_ids)
             # skip empty deltas (text held back for stop strings or partial UTF-8); a model
             # without a tokenizer streams one empty chunk per token so clients see progress
@@ -182,7 +191,7 @@ async def _cmpl_sse(s: Serving, base, created, streams, n, k, echoes, echo_ids, 
                 continue
             lp = None
             if k is not None:
-                lp = _legacy_logprobs(s, ev.new_token_ids, ev.logprobs or [], k, offsets[idx])
+                lp = _legacy_logprobs(s, ev.new_token_ids, ev.logprobs or [], k, offsets[idx], as_ids)
             offsets[idx] += len(ev.text)
             choice = {"index": idx, "text": ev.text, "logprobs": lp, "finish_reason": ev.finish_reason}
             if ev.finish_reason is not None:

@@ -20,6 +20,7 @@ class ServeConfig:
     reasoning_parser: Optional[str] = None
     tool_call_parser: Optional[str] = None
     max_stored_responses: int = DEFAULT_MAX_STORED
+    return_tokens_as_token_ids: bool = False
 
     @property
     def model_name(self) -> str:

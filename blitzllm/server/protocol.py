@@ -119,6 +119,11 @@ class _SamplingRequest(SamplingFields):
     kv_transfer_params: Optional[dict[str, Any]] = None
 
 
+PROMPT_LOGPROBS = ("vLLM's: per prompt token (the first has none: null) its logprob and rank and the top-N's; "
+                   "0: the token's alone; not with stream (but 0)")
+AS_TOKEN_IDS = "vLLM's: logprobs' tokens as 'token_id:<id>' (null: the server's --return-tokens-as-token-ids)"
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[Int] = Field(None, ge=1)
@@ -132,6 +137,8 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: Optional[bool] = True
     continue_final_message: Optional[bool] = Field(False, description="the final (assistant) message left open for "
                                                    "the model to continue; needs add_generation_prompt false")
+    prompt_logprobs: Optional[Int] = Field(None, ge=0, le=20, description=PROMPT_LOGPROBS + " (the rendered prompt's)")
+    return_tokens_as_token_ids: Optional[bool] = Field(None, description=AS_TOKEN_IDS)
 
 
 class CompletionRequest(_SamplingRequest):
@@ -142,6 +149,8 @@ class CompletionRequest(_SamplingRequest):
     logprobs: Optional[Int] = Field(None, ge=0, le=20, description="with echo, the prompt tokens' too")
     suffix: Optional[str] = None
     best_of: Optional[Int] = None
+    prompt_logprobs: Optional[Int] = Field(None, ge=0, le=20, description=PROMPT_LOGPROBS)
+    return_tokens_as_token_ids: Optional[bool] = Field(None, description=AS_TOKEN_IDS)
 
 
 class TokenizeRequest(_Strict):
@@ -211,6 +220,18 @@ class AssistantMessage(_Out):
     tool_calls: Optional[list[ToolCall]] = None
 
 
+class PromptLogprob(_Out):
+    logprob: float
+    rank: int = Field(description="1 for the most likely token; a prompt token outside the top-N: the number of "
+                                  "vocabulary entries whose logprob is >= its own")
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: one entry per prompt token, null for the first, then {token id (a decimal
+# string): PromptLogprob} of the prompt token and the top-N
+PromptLogprobs = Optional[list[Optional[dict[str, PromptLogprob]]]]
+
+
 class ChatChoice(_Out):
     index: int
     message: AssistantMessage
@@ -226,6 +247,8 @@ class ChatCompletionResponse(_Out):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs = Field(None, description="with the request's prompt_logprobs: the rendered "
+                                                               "prompt's")
     kv_transfer_params: Optional[dict[str, Any]] = None  # a producer's: where the prefilled KV waits
 
 
@@ -269,6 +292,8 @@ class CompletionChoice(_Out):
     logprobs: Optional[CompletionLogprobs]
     finish_reason: Optional[str] = Field(description="stop, length or abort")
     stop_reason: Union[int, str, None] = None
+    prompt_logprobs: PromptLogprobs = Field(None, description="with the request's prompt_logprobs: the choice's "
+                                                               "prompt's (not in a stream)")
 
 
 class CompletionResponse(_Out):

@@ -145,8 +145,10 @@ class SSEResponse(StreamingResponse):
 
 class Serving:
     def __init__(self, aengine: AsyncEngine, model_name: str, aliases: tuple = (),
-                 reasoning_parser: Optional[str] = None, tool_parser: Optional[str] = None):
+                 reasoning_parser: Optional[str] = None, tool_parser: Optional[str] = None,
+                 return_tokens_as_token_ids: bool = False):
         self.aengine = aengine
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids  # (a request's own field overrides it)
         self.reasoning_parser = reasoning_parser  # (server/reasoning.py)
         self.tool_parser = tool_parser            # (server/tools.py)
         self.model_name = model_name
