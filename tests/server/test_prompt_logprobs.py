@@ -251,7 +251,8 @@ def test_return_tokens_as_token_ids_per_request(smol_f32_server, tok):
     for e, e0 in zip(content, plain):
         assert e["token"].startswith("token_id:") and e["bytes"] == list(e["token"].encode())
         assert tok.decode([int(e["token"][9:])]) == e0["token"] and e["logprob"] == e0["logprob"]
-        assert [tok.decode([int(t["token"][9:])]) for t in e["top_logprobs"]] == [t["token"] for t in e0["top_logprobs"]]
+        assert [tok.decode([int(t["token"][9:])]) for t in e["top_logprobs"]] == \
+            [t["token"] for t in e0["top_logprobs"]]
         assert all(t["bytes"] == list(t["token"].encode()) for t in e["top_logprobs"])
 
 
@@ -277,3 +278,40 @@ def test_return_tokens_as_token_ids_server_flag(ids_server):
     tokens = [t for ev in events for ch in ev["choices"] for t in (ch["logprobs"] or {}).get("tokens", [])]
     assert len(tokens) == len(tokenize(srv, prompt=TEXTS[1])) + 3
     assert all(t.startswith("token_id:") for t in tokens)
+
+
+# ---- ties, without a server -------------------------------------------------------------------
+def test_ranks_and_top_entries_with_ties():
+    """The engine's rank counts every entry whose logprob is >= the token's (a tie ranks it
+    after its equals, as vLLM's count); the answer's top entries are ranked 1..N by place, the
+    prompt token's entry taking its place where it is among them."""
+    from blitzllm import SamplingParams
+    from blitzllm.engine.request import Request, score_prompt
+    from blitzllm.server.chat import prompt_logprobs_body
+
+    class S:
+        @staticmethod
+        def tok_str(t):
+            return f"<{t}>"
+
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 2.0],     # scores token 2: tied first
+                           [5.0, 1.0, 1.0, 1.0, 4.0],     # token 3: tied with two others past the top 2
+                           [0.0, 0.0, 0.0, 0.0, 9.0]])    # token 4: first
+    for k in (0, 2):
+        req = Request("r", [0, 2, 3, 4], SamplingParams(prompt_logprobs=k), seed=0, arrival=0)
+        req.prompt_logprobs, req.prompt_ranks = [], []
+        score_prompt(req, logits, 0)
+        assert req.prompt_ranks == [2, 5, 1]
+        lp = logits.log_softmax(-1)
+        body = prompt_logprobs_body(S, req.prompt_token_ids, [None] + req.prompt_logprobs, [None] + req.prompt_ranks,
+                                    k, k)
+        assert body[0] is None and [list(e)[0] for e in body[1:]] == ["2", "3", "4"]
+        for e, row in zip(body[1:], lp):
+            for key, v in e.items():
+                assert abs(v["logprob"] - row[int(key)].item()) < 1e-6 and v["decoded_token"] == f"<{key}>"
+        if k == 0:
+            assert [len(e) for e in body[1:]] == [1, 1, 1] and [e[next(iter(e))]["rank"] for e in body[1:]] == [2, 5, 1]
+        else:
+            assert {key: v["rank"] for key, v in body[1].items()} in ({"2": 1, "1": 2}, {"2": 2, "1": 1})
+            assert {key: v["rank"] for key, v in body[2].items()} == {"3": 5, "0": 1, "4": 2}
+            assert body[3]["4"]["rank"] == 1 and sorted(v["rank"] for v in body[3].values()) == [1, 2]
