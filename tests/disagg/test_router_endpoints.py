@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request   # (at the top: the fake's handlers' annot
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from disagg_helpers import Proc, settled
+from tests.server.server_helpers import same
 
 MODEL = "smollm2"
 ASK = "What is the capital of France?"
@@ -202,17 +203,6 @@ def replica_router(smol, tmp_path_factory):
         r.stop()
 
 
-_RANDOM = {"id", "created_at", "cached_tokens"}
-
-
-def _same(x):
-    if isinstance(x, dict):
-        return {k: _same(v) for k, v in x.items() if k not in _RANDOM}
-    if isinstance(x, list):
-        return [_same(v) for v in x]
-    return x
-
-
 def _sent(router, kind: str) -> float:
     """Requests the router sent to its backends of ``kind``."""
     return sum(v for (name, labels), v in router.labelled_metrics().items()
@@ -247,9 +237,9 @@ def test_responses_through_the_routers_equal_the_backend(smol, replica_router, p
     prefills = _sent(pd_router, "prefill")
     for router in (replica_router, pd_router):
         got = _response(router.url, input=ASK)
-        assert _same(got) == _same(want)
+        assert same(got) == same(want)
         text, final = _streamed(router.url, input=ASK)
-        assert text == want["output"][0]["content"][0]["text"] and _same(final) == _same(want)
+        assert text == want["output"][0]["content"][0]["text"] and same(final) == same(want)
     assert consumer.metrics().get("blitz_kv_pulls_ok_total", 0) == pulls
     assert _sent(pd_router, "prefill") == prefills
     settled(*smol)
@@ -271,7 +261,7 @@ def test_a_response_chain_through_two_replicas(smol, replica_router):
     for i, q in enumerate(("Name a fruit.", "Name another.", "And a third?", "Which is sweetest?")):
         prev = {"previous_response_id": direct[-1]["id"]} if direct else {}
         direct.append(_response(holders[0].url, input=q, **prev))
-    assert [_same(r["output"]) for r in chain] == [_same(r["output"]) for r in direct]
+    assert [same(r["output"]) for r in chain] == [same(r["output"]) for r in direct]
     for r in chain:
         got = httpx.get(f"{replica_router.url}/v1/responses/{r['id']}", timeout=30)
         assert got.status_code == 200 and got.json()["id"] == r["id"], got.text

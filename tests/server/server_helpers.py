@@ -86,3 +86,18 @@ def drop_stream_midway(srv, path: str, body: dict, is_delta) -> None:
     m = wait_idle(srv, timeout=2.0)
     assert m["blitz_kv_cache_blocks_free"] == m["blitz_kv_cache_blocks_total"] and m["blitz_num_requests_running"] == 0
     assert time.monotonic() - t0 <= 2.0
+
+
+# what differs between two runs of one request: ids, times, the prefix cache's hits, parsed copies
+RUN_SPECIFIC = {"id", "created_at", "call_id", "cached_tokens", "parsed", "parsed_arguments"}
+
+
+def same(resp) -> dict:
+    """A response (a JSON dict or an SDK model) without what differs between two runs of one request."""
+    def strip(x):
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if k not in RUN_SPECIFIC}
+        if isinstance(x, list):
+            return [strip(v) for v in x]
+        return x
+    return strip(resp if isinstance(resp, dict) else resp.model_dump(mode="json"))

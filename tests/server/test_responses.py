@@ -17,7 +17,8 @@ from openai.types.responses import Response
 
 from blitzllm.server import responses_protocol as R
 from tests.conftest import needs_xgrammar
-from tests.server.server_helpers import check_error, client, drop_stream_midway, rejected, tokens_of, wait_idle
+from tests.server.server_helpers import (check_error, client, drop_stream_midway, rejected, same, tokens_of,
+                                         wait_idle)
 
 MODEL = "smollm2"
 ASK = "What is the capital of France?"
@@ -27,7 +28,6 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The weathe
 TIME = {"type": "function", "name": "get_time", "parameters": {
     "type": "object", "properties": {"timezone": {"type": "string"}}, "required": ["timezone"],
     "additionalProperties": False}}
-_RANDOM = {"id", "created_at", "call_id", "cached_tokens", "parsed", "parsed_arguments"}
 
 
 def _chat_tool(t: dict) -> dict:
@@ -51,17 +51,6 @@ def raw_response(srv, **body) -> dict:
     R.ResponseObject.model_validate(body)  # (and nothing undocumented)
     return body
 
-
-def same(resp) -> dict:
-    """A response as JSON without what differs between two runs of one request (ids, times, the
-    prefix cache's hits)."""
-    def strip(x):
-        if isinstance(x, dict):
-            return {k: strip(v) for k, v in x.items() if k not in _RANDOM}
-        if isinstance(x, list):
-            return [strip(v) for v in x]
-        return x
-    return strip(resp if isinstance(resp, dict) else resp.model_dump(mode="json"))
 
 
 def test_string_input_equals_chat(smol_server):
