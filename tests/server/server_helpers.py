@@ -93,11 +93,11 @@ RUN_SPECIFIC = {"id", "created_at", "call_id", "cached_tokens", "parsed", "parse
 
 
 def same(resp) -> dict:
-    """A response (a JSON dict or an SDK model) without what differs between two runs of one request."""
+    """A response (JSON, or an SDK model) without what differs between two runs of one request."""
     def strip(x):
         if isinstance(x, dict):
             return {k: strip(v) for k, v in x.items() if k not in RUN_SPECIFIC}
         if isinstance(x, list):
             return [strip(v) for v in x]
         return x
-    return strip(resp if isinstance(resp, dict) else resp.model_dump(mode="json"))
+    return strip(resp if isinstance(resp, (dict, list)) else resp.model_dump(mode="json"))
