@@ -57,6 +57,10 @@ class SamplingParams:
             if not is_num(v) or v != v:
                 raise _err(name, "a number", v)
             setattr(self, name, float(v))
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            # a truthy string ("false") would silently mean True
+            if not isinstance(getattr(self, name), bool):
+                raise _err(name, "true or false", getattr(self, name))
         if not is_int(self.n) or self.n < 1:
             raise _err("n", "an integer >= 1", self.n)
         if self.temperature < 0.0:

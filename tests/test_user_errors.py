@@ -79,6 +79,9 @@ def test_prompt_longer_than_max_model_len(capsys):
     ("stop_token_ids", 5, "stop_token_ids must be a list of non-negative integers"),
     ("temperature", "hot", "temperature must be a number"),
     ("temperature", float("inf"), "temperature must be finite"),
+    ("ignore_eos", "false", "ignore_eos must be true or false"),
+    ("skip_special_tokens", 0, "skip_special_tokens must be true or false"),
+    ("include_stop_str_in_output", None, "include_stop_str_in_output must be true or false"),
 ])
 def test_invalid_sampling_values(field, value, msg):
     with pytest.raises(ValueError) as e:
