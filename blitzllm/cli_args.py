@@ -26,6 +26,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="the share of the GPU's memory the engine may fill (weights, activations, KV cache)")
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority"),
+                   help="fcfs: arrival order; priority: each request's priority (lower first, then arrival), and "
+                        "a waiting request preempts running ones of a lower priority")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
@@ -49,7 +52,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(model=a.model, dtype=a.dtype, device=a.device, load_format=a.load_format,
                 num_layers=a.num_layers, max_model_len=a.max_model_len, kv_cache_blocks=a.kv_cache_blocks,
                 block_size=a.block_size, enable_prefix_caching=not a.no_prefix_caching,
-                max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, seed=a.seed,
+                max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, scheduling_policy=a.scheduling_policy, seed=a.seed,
                 enforce_eager=a.enforce_eager, weight_dtype=a.weight_dtype,
                 speculative_config=a.speculative_config, tensor_parallel_size=a.tensor_parallel_size,
                 gpu_memory_utilization=a.gpu_memory_utilization, generation_config=a.generation_config,

@@ -53,10 +53,11 @@ class LLM:
         return SamplingParams(**self.engine.sampling_defaults)
 
     def generate(self, prompts, sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False, priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
         """``prompts``: a prompt or a list of them; a prompt is a string, a list of token ids, or
         vLLM's ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``. One SamplingParams for all, or
-        one per prompt."""
+        one per prompt. ``priority``: one per prompt (lower first), with
+        ``scheduling_policy="priority"``."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
@@ -67,11 +68,13 @@ class LLM:
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        if priority is not None and (not isinstance(priority, (list, tuple)) or len(priority) != len(prompts)):
+            raise ValueError(f"priority must be a list of one integer per prompt ({len(prompts)}), got {priority!r}")
         rids = []
         try:
-            for prompt, p in zip(prompts, plist):
+            for prompt, p, prio in zip(prompts, plist, priority or [0] * len(prompts)):
                 rid = f"gen-{next(self._ids)}"
-                self.engine.add_request(rid, prompt, p)
+                self.engine.add_request(rid, prompt, p, priority=prio)
                 rids.append(rid)
         except ValueError:
             for rid in rids:

@@ -10,7 +10,7 @@ from typing import Optional, Union
 
 import torch
 
-from ..config import CacheConfig, ModelConfig
+from ..config import SCHEDULING_POLICIES, CacheConfig, ModelConfig
 from ..loader.source import read_generation_config
 from ..sampling_params import SamplingParams
 from ..spec.config import parse_speculative_config
@@ -34,6 +34,8 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
     max_num_batched_tokens: Optional[int] = None
+    # vLLM's: fcfs, or priority (each request's priority, lower first; engine/scheduler.py)
+    scheduling_policy: str = "fcfs"
     seed: int = 0
     num_layers: Optional[int] = None
     gpu_memory_utilization: float = 0.9
@@ -165,6 +167,9 @@ def check_engine_args(a: EngineArgs) -> None:
     for name in ("enable_prefix_caching", "enforce_eager", "warmup"):
         if not isinstance(getattr(a, name), bool):
             raise ValueError(f"{name} must be true or false, got {getattr(a, name)!r}")
+    if a.scheduling_policy not in SCHEDULING_POLICIES:
+        raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                         f"got {a.scheduling_policy!r}")
     g = a.gpu_memory_utilization
     if not isinstance(g, (int, float)) or isinstance(g, bool) or not 0 < g <= 1:
         raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {g!r}")

@@ -28,7 +28,7 @@ from .args import (EngineArgs, check_engine_args, check_tp_size, engine_cache_co
                    plan_kv_blocks, resolve_device, resolve_dtype, resolve_weight_dtype, sampling_defaults,
                    speculation_runner_kwargs)
 from .detokenizer import IncrementalDetokenizer
-from .intake import check_request
+from .intake import check_priority, check_request
 from .kv_cache import KVCacheManager
 from .request import Request, Status, score_prompt
 from .scheduler import Scheduler
@@ -156,7 +156,7 @@ class Engine:
         budget = args.max_num_batched_tokens
         if budget is None:
             budget = max(2048 if self.device.type == "cpu" else 8192, args.max_num_seqs)
-        self.sched_config = SchedulerConfig(args.max_num_seqs, budget, self.max_model_len)
+        self.sched_config = SchedulerConfig(args.max_num_seqs, budget, self.max_model_len, args.scheduling_policy)
         self.cache_config = engine_cache_config(args, cfg, num_blocks)
         layout = engine_state_layout(args, cfg)  # hybrid models: their recurrent-state rows
         if layout is None:
@@ -225,10 +225,12 @@ class Engine:
         raise ValueError("a prompt must be a string or a list of token ids")
 
     def add_request(self, request_id: str, prompt: Union[str, list], params: SamplingParams,
-                    kv_transfer_params: Optional[dict] = None, kv_payload=None) -> None:
-        """``kv_transfer_params`` / ``kv_payload``: disaggregation (``async_engine.py`` pulls the payload)."""
+                    kv_transfer_params: Optional[dict] = None, kv_payload=None, priority: int = 0) -> None:
+        """``kv_transfer_params`` / ``kv_payload``: disaggregation (``async_engine.py`` pulls the payload).
+        ``priority``: under the priority scheduling policy, lower is served first (vLLM's)."""
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams")
+        check_priority(priority, self.sched_config.policy)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids, params, bad_words = check_request(
@@ -245,7 +247,7 @@ class Engine:
             else:
                 seed = self._rng.getrandbits(63)
             req = Request(request_id=f"{request_id}#{i}", prompt_token_ids=list(ids), params=params,
-                          seed=seed, arrival=next(self._arrival), eos_token_ids=self.eos_token_ids,
+                          seed=seed, arrival=next(self._arrival), priority=priority, eos_token_ids=self.eos_token_ids,
                           max_total_tokens=self.max_model_len,
                           prompt=prompt if isinstance(prompt, str) else None, bad_words=bad_words)
             if params.structured_output is not None:

@@ -1,7 +1,7 @@
 """A request's checks against the model before it is queued, and what they resolve: the prompt's
 token ids (truncated as ``truncate_prompt_tokens`` asks, in the vocabulary, leaving room to
 generate), the params' token ids in the vocabulary, the generation config's cap on ``max_tokens``,
-and ``bad_words`` as token id sequences.
+and ``bad_words`` as token id sequences; a priority against the scheduling policy.
 """
 from __future__ import annotations
 
@@ -72,3 +72,13 @@ def check_request(ids: list, params: SamplingParams, *, vocab_size: int, max_mod
         raise ValueError(f"logit_bias token ids must be in [0, {V})")
     bad = bad_word_ids(params.bad_words, tokenizer, V) if params.bad_words else ()
     return ids, params, bad
+
+
+def check_priority(priority, policy: str) -> None:
+    """A request's priority: an integer, and other than 0 only under the priority policy (as vLLM
+    answers it: a priority the scheduler would ignore is the caller's mistake, not a no-op)."""
+    if not isinstance(priority, int) or isinstance(priority, bool) or abs(priority) > 2**63 - 1:
+        raise ValueError(f"priority must be an integer, got {priority!r}")
+    if priority and policy != "priority":
+        raise ValueError(f"priority {priority} needs priority scheduling, which is not enabled "
+                         "(scheduling_policy 'priority', --scheduling-policy priority)")

@@ -23,6 +23,7 @@ class Request:
     params: SamplingParams
     seed: int
     arrival: int                  # arrival order
+    priority: int = 0             # the priority policy's: lower first (engine/scheduler.py)
     eos_token_ids: tuple = ()
     max_total_tokens: int = 0     # prompt + output cap (context length)
     prompt: Optional[str] = None

@@ -2,11 +2,19 @@
 tokens within a token budget. Running decodes go first, then running prefills (chunked),
 then waiting requests in arrival order. When blocks run out, the newest running request is
 preempted (recompute: its blocks are freed, it goes back to the front of the queue).
+
+With the ``priority`` policy (vLLM's: lower value first, ties by arrival) every "arrival order"
+above reads (priority, arrival): the queue, the order running requests take the budget, and
+the victim (the lowest priority, newest). A waiting request that does not fit also preempts
+running requests of a lower priority than its own, so urgent work does not wait for long
+generations to end.
 """
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass
+from typing import Optional
 
 from ..config import SchedulerConfig
 from .kv_cache import KVCacheManager
@@ -48,8 +56,13 @@ class Scheduler:
         self.lookahead = False  # set by the engine when its runner pipelines decode steps
         self.remote_tokens = None  # a KV connector's: req -> prompt tokens whose KV came with it
 
+    @staticmethod
+    def _key(req: Request) -> tuple:
+        return req.priority, req.arrival
+
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
+        # (a preempted request keeps its place: under fcfs, before every request that came later)
+        bisect.insort(self.waiting, req, key=self._key)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -67,13 +80,13 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.status = Status.WAITING
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.add(req)
 
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.cfg.max_num_batched_tokens
         out: list[ScheduledSeq] = []
-        # decodes (one new token) before chunked prefills, each group oldest first
-        order = sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, r.arrival))
+        # decodes (one new token) before chunked prefills, each group in queue order
+        order = sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, *self._key(r)))
         scheduled = set()
         for req in order:
             if budget <= 0:
@@ -87,8 +100,7 @@ class Scheduler:
                     and req.num_computed_tokens + 2 <= self.cfg.max_model_len):
                 self.kv.allocate(req.request_id, req.num_computed_tokens + 2)
             while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
-                victim = max((r for r in self.running if r.request_id not in scheduled),
-                             key=lambda r: r.arrival)
+                victim = max((r for r in self.running if r.request_id not in scheduled), key=self._key)
                 self._preempt(victim)
                 if victim is req:
                     break
@@ -96,9 +108,15 @@ class Scheduler:
                 out.append(ScheduledSeq(req, req.num_computed_tokens, n))
                 scheduled.add(req.request_id)
                 budget -= n
-        # newly admitted requests, in arrival order
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+        # newly admitted requests, in queue order
+        while self.waiting and budget > 0:
             req = self.waiting[0]
+            if len(self.running) >= self.cfg.max_num_seqs:
+                freed = self._make_room(req, out)
+                if freed is None:
+                    break
+                budget += freed
+                continue
             if req.request_id not in self.kv.tables:
                 # prompt logprobs need the logits of every prompt position not yet scored: the
                 # cache may serve only the tokens before the first of them
@@ -109,7 +127,11 @@ class Scheduler:
                 if self.remote_tokens is not None:  # (landed by the engine before the forward)
                     req.num_computed_tokens = max(req.num_computed_tokens, self.remote_tokens(req))
             n = min(req.num_tokens - req.num_computed_tokens, budget, _chunk_cap(req))
-            if not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
+            fits = self.kv.allocate(req.request_id, req.num_computed_tokens + n)
+            while not fits and (freed := self._make_room(req, out)) is not None:
+                budget += freed
+                fits = self.kv.allocate(req.request_id, req.num_computed_tokens + n)
+            if not fits:
                 if not self.running and not out:
                     # nothing else holds blocks: it can never fit
                     raise RuntimeError("KV cache too small for a single request")
@@ -122,6 +144,22 @@ class Scheduler:
             out.append(ScheduledSeq(req, req.num_computed_tokens, n))
             budget -= n
         return out
+
+    def _make_room(self, req: Request, out: list) -> Optional[int]:
+        """Under the priority policy, preempt the lowest-priority running request if its priority
+        is below ``req``'s (a larger value); returns the token budget its part of this step gave
+        back (it leaves ``out``), or None when there is no such request."""
+        victim = max(self.running, key=self._key, default=None)
+        if self.cfg.policy != "priority" or victim is None or victim.priority <= req.priority:
+            return None
+        freed = 0
+        for i, s in enumerate(out):
+            if s.req is victim:
+                freed = s.num_tokens
+                del out[i]
+                break
+        self._preempt(victim)
+        return freed
 
     def step_done(self, seqs: list[ScheduledSeq]) -> None:
         """Record that the scheduled tokens now have their KV written."""

@@ -160,7 +160,7 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
     ids, params = turn.ids, turn.params
     rid = f"chatcmpl-{request_id(raw)}"
     stream = await s.submit(rid, ids, params, "messages", mt_field, structured_field=turn.structured_field,
-                            kv_transfer_params=req.kv_transfer_params)
+                            kv_transfer_params=req.kv_transfer_params, priority=req.priority)
     created = int(time.time())
     if req.stream:
         opts = req.stream_options

@@ -117,7 +117,7 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
     try:
         for rid, (ids, _) in zip(rids, prompts):
             streams.append(await s.submit(rid, ids, params, "prompt", structured_field=structured_field,
-                                          kv_transfer_params=req.kv_transfer_params))
+                                          kv_transfer_params=req.kv_transfer_params, priority=req.priority))
     except BaseException:  # (only the ones submitted: an id in use may be another request's)
         s.abort(streams)
         raise

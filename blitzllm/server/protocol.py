@@ -105,6 +105,9 @@ class SamplingFields(_Strict):
     guided_grammar: Optional[str] = None
     stream: Optional[bool] = False
     user: Optional[str] = None
+    priority: Optional[Int] = Field(0, ge=-2**63 + 1, le=2**63 - 1,
+                                    description="vLLM's: lower is served first (with --scheduling-policy priority; "
+                                    "other than 0 it is refused under fcfs)")
 
 
 class _SamplingRequest(SamplingFields):

@@ -63,7 +63,7 @@ async def create_response(s: Serving, req: ResponsesRequest, raw: Request, store
         raise
     rid = f"resp-{request_id(raw)}"
     stream = await s.submit(rid, turn.ids, turn.params, "input", "max_output_tokens",
-                            structured_field=turn.structured_field)
+                            structured_field=turn.structured_field, priority=req.priority)
     head = _head(s, req, turn.params, store.enabled and req.store is not False)
     builder = OutputBuilder(s, turn.parser(s), k)
     finish = _Finish(s, store, head, builder, len(turn.ids), earlier, items)

@@ -38,7 +38,7 @@ log = logging.getLogger("blitzllm.server")
 
 _FIELDS = {"n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
            "repetition_penalty", "max_tokens", "min_tokens", "stop", "stop_token_ids", "logprobs", "logit_bias",
-           "allowed_token_ids", "bad_words", "truncate_prompt_tokens"}
+           "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "priority"}
 
 
 def sse(obj) -> bytes:
@@ -355,9 +355,9 @@ class Serving:
 
     async def submit(self, rid: str, prompt_ids: list, params: SamplingParams, prompt_field: str,
                      max_tokens_field: str = "max_tokens", structured_field: Optional[str] = None,
-                     kv_transfer_params: Optional[dict] = None):
+                     kv_transfer_params: Optional[dict] = None, priority: Optional[int] = 0):
         try:
-            stream = await self.aengine.add_request(rid, prompt_ids, params, kv_transfer_params)
+            stream = await self.aengine.add_request(rid, prompt_ids, params, kv_transfer_params, priority or 0)
             log.debug("request %s: %d prompt tokens, max_tokens %s", rid, len(prompt_ids), params.max_tokens)
             return stream
         except DuplicateRequestError as e:
