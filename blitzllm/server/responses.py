@@ -53,7 +53,7 @@ async def create_response(s: Serving, req: ResponsesRequest, raw: Request, store
     if req.reasoning is not None and req.reasoning.effort is not None:
         kwargs.setdefault("reasoning_effort", req.reasoning.effort)  # (as vLLM hands it to the template)
     try:
-        turn = await prepare_turn(s, req, messages, tools=tools, tool_choice=chat_tool_choice(req.tool_choice, tools),
+        turn = await _fitted_turn(s, req, messages, tools=tools, tool_choice=chat_tool_choice(req.tool_choice, tools),
                                   parallel_tool_calls=req.parallel_tool_calls, structured=(text_format(req), "text.format"),
                                   max_tokens=req.max_output_tokens, max_tokens_field="max_output_tokens", k=k,
                                   end=prompt_end(True, False), template_kwargs=kwargs or None)
@@ -72,6 +72,47 @@ async def create_response(s: Serving, req: ResponsesRequest, raw: Request, store
     if not await feed_whole(s, raw, stream, builder):
         return Response(status_code=499)
     return JSONResponse(await finish())
+
+
+async def _fitted_turn(s: Serving, req: ResponsesRequest, messages: list, **kw):
+    """``prepare_turn`` of the conversation; with ``truncation: "auto"`` (OpenAI's), of its latest
+    part that fits: whole turns are dropped from the start of the conversation (the leading
+    system / developer messages stay; a kept part starts at a user message) until the prompt
+    leaves room for ``max_output_tokens`` (a token without it). The fewest turns are dropped (a
+    binary search over where the kept part starts: each try renders the template once)."""
+    room = s.max_model_len - (req.max_output_tokens or 1)
+
+    async def turn_of(part: list):
+        try:
+            turn = await prepare_turn(s, req, part, **kw)
+        except APIError as e:
+            if e.code != "context_length_exceeded":
+                raise
+            return None, e
+        if len(turn.ids) > room:
+            return None, bad_request(f"the prompt has {len(turn.ids)} tokens, more than the {room} that leave room "
+                                     f"for max_output_tokens within max_model_len={s.max_model_len}",
+                                     param="input", code="context_length_exceeded")
+        return turn, None
+
+    if req.truncation != "auto":
+        return await prepare_turn(s, req, messages, **kw)
+    whole, err = await turn_of(messages)
+    if whole is not None:
+        return whole
+    head = next((i for i, m in enumerate(messages) if m.role not in ("system", "developer")), len(messages))
+    starts = [i for i in range(head + 1, len(messages)) if messages[i].role == "user"]
+    lo, hi, best = 0, len(starts) - 1, None   # the earliest start that fits: the fewest turns dropped
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        turn, _ = await turn_of(messages[:head] + messages[starts[mid]:])
+        if turn is None:
+            lo = mid + 1
+        else:
+            best, hi = turn, mid - 1
+    if best is None:
+        raise err
+    return best
 
 
 def _head(s: Serving, req: ResponsesRequest, params, stored: bool) -> dict:

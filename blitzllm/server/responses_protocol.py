@@ -123,7 +123,9 @@ class ResponsesRequest(SamplingFields):
     include: Optional[list[INCLUDABLE]] = Field(None, description=f"{LOGPROBS}: the message's token logprobs; "
                                                 "the others are accepted and have no effect")
     reasoning: Optional[ReasoningConfig] = None
-    truncation: Optional[Literal["auto", "disabled"]] = Field(None, description="accepted; nothing is truncated")
+    truncation: Optional[Literal["auto", "disabled"]] = Field(
+        None, description="auto: the conversation's oldest turns are dropped until the prompt fits; disabled "
+        "(default): a prompt too long is a 400")
     chat_template_kwargs: Optional[dict[str, Any]] = None  # (vLLM's chat extra, as chat completions take it)
     stream_options: Optional[dict[str, Any]] = None
     background: Optional[bool] = Field(None, description="not supported: true is a 400")
