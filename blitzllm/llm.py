@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 from typing import Iterator, Optional, Sequence, Union
 
+from .engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from .engine.engine import Engine, EngineArgs
 from .engine.intake import truncated
 from .engine.request import CompletionOutput, RequestOutput, gather, gathered
@@ -103,6 +104,25 @@ class LLM:
                                       num_cached_tokens=acc[rid][0]["cached"], prompt_logprobs=acc[rid][0]["plp"]))
         return outs
 
+    def beam_search(self, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """vLLM's beam search (engine/beam_search.py): per prompt (as ``generate`` takes them) the
+        ``params.beam_width`` best beams, best first."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError("params must be a BeamSearchParams")
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        eng = self.engine
+        searches = [BeamSearch(eng.tokenize(_unwrap(p)), params, eng.eos_token_ids, eng.max_model_len) for p in prompts]
+        step = searches[0].step_params() if searches else None
+        while live := [(s, b) for s in searches for b in s.live()]:
+            outs = self.generate([b.tokens for _, b in live], step)
+            for s in searches:
+                n = len(s.beams)
+                s.advance([o.outputs[0].logprobs[0] for o in outs[:n]])
+                outs = outs[n:]
+        decode = (lambda ids: eng.tokenizer.decode(ids, skip_special_tokens=True)) if eng.tokenizer else (lambda ids: "")
+        return [BeamSearchOutput(s.best(decode)) for s in searches]
+
     def stream(self, prompt, sampling_params: Optional[SamplingParams] = None) -> Iterator[str]:
         """One prompt's text as it is generated: yields each step's new text (first sample of
         ``sampling_params.n``); the request is aborted if the caller stops early."""
@@ -184,6 +204,10 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing done) while a request holds KV blocks."""
+        return self.engine.reset_prefix_cache()
 
 
 def _unwrap(prompt):

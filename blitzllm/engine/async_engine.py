@@ -165,6 +165,14 @@ class AsyncEngine:
             self._pending_adds -= 1
         return stream
 
+    async def reset_prefix_cache(self) -> bool:
+        """``Engine.reset_prefix_cache`` on the engine thread, between steps."""
+        if not self.ready:
+            raise EngineNotReadyError(str(self.load_error) if self.load_error else "the model is still loading")
+        fut = self._loop.create_future()
+        self._cmds.put(("reset_prefix_cache", fut))
+        return await fut
+
     async def _kv_extras(self, prompt, params: SamplingParams, kv_transfer_params: Optional[dict]) -> dict:
         """The engine's keyword arguments for a request's KV transfer: its params, and on a
         consumer the KV pulled from the producer (in a worker thread, bounded by its timeout)."""
@@ -234,11 +242,11 @@ class AsyncEngine:
                               t - s.arrival)
 
     def _resolve(self, results: list) -> None:
-        for fut, exc in results:
+        for fut, exc, value in results:
             if fut.done():
                 continue
             if exc is None:
-                fut.set_result(None)
+                fut.set_result(value)
             else:
                 fut.set_exception(exc)
 
@@ -322,14 +330,16 @@ class AsyncEngine:
                 _, rid, prompt, params, fut, kv = cmd
                 try:
                     eng.add_request(rid, prompt, params, **kv)
-                    results.append((fut, None))
+                    results.append((fut, None, None))
                 except Exception as e:  # ValueError: the client's fault; others: ours
                     if not isinstance(e, ValueError):
                         log.error("add_request failed:\n%s", traceback.format_exc())
                         e = EngineStepError(f"internal engine error: {type(e).__name__}: {e}")
-                    results.append((fut, e))
+                    results.append((fut, e, None))
             elif cmd[0] == "abort":
                 eng.abort_request(cmd[1])
+            elif cmd[0] == "reset_prefix_cache":
+                results.append((cmd[1], None, eng.reset_prefix_cache()))
         self._stats = eng.stats()   # before resolving, so a new waiter is counted by the bound
         if results:
             self._loop.call_soon_threadsafe(self._resolve, results)

@@ -288,6 +288,14 @@ class Engine:
                 r.status, r.finish_reason = Status.FINISHED, "abort"
         return True
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (after new weights, or between benchmark runs), as vLLM's:
+        only while no request holds a block; returns whether it was done."""
+        if self.kv.num_free_blocks != self.kv.num_blocks or self._states_held():
+            return False
+        self.kv.reset_prefix_cache()
+        return True
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 

@@ -222,6 +222,11 @@ def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
         guard(request)
         return await serving.tokenize(await body(request, TokenizeRequest))
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request):  # (vLLM's)
+        guard(request)
+        return JSONResponse({"reset": await aengine.reset_prefix_cache()})
+
     @app.post("/detokenize")
     async def detokenize(request: Request):
         guard(request)

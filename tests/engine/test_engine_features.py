@@ -104,3 +104,25 @@ def test_arrival_order_and_request_ids(tiny_llama):
     while eng.has_unfinished():
         eng.step()
     assert _all_free(llm)
+
+
+def test_reset_prefix_cache_only_while_idle(tiny_llama, reference):
+    prompts, ref = reference
+    llm = LLM(str(tiny_llama[0]), device="cpu", kv_cache_blocks=64, block_size=16)
+    eng, p = llm.engine, prompts[0] * 3
+
+    def hits():
+        return llm.stats()["prefix_cache_hit_tokens"]
+
+    first = llm.generate([p], GREEDY)[0].token_ids
+    eng.add_request("busy", p, GREEDY)
+    eng.step()
+    assert hits() > 0
+    assert not llm.reset_prefix_cache()       # a request holds blocks: nothing is done
+    while eng.has_unfinished():
+        eng.step()
+    assert llm.reset_prefix_cache()
+    before = hits()
+    assert llm.generate([p], GREEDY)[0].token_ids == first
+    assert hits() == before                   # computed again: no prefix was left
+    assert _all_free(llm)

@@ -320,3 +320,19 @@ def test_get_endpoints_no_key_needed_without_api_key(smol_server, path):
 def test_version_is_the_installed_packages(smol_server):
     from importlib.metadata import version
     assert httpx.get(smol_server.url + "/version").json() == {"version": version("blitzllm")}
+
+
+def test_reset_prefix_cache_forgets_the_cached_prompts(smol_server):
+    srv = smol_server
+    prompt = {"model": MODEL, "prompt": "A long shared prefix. " * 12, "max_tokens": 2}
+
+    def hits_of_one_completion() -> float:
+        before = wait_idle(srv)["blitz_prefix_cache_hit_tokens_total"]
+        assert httpx.post(srv.url + "/v1/completions", json=prompt, timeout=120).status_code == 200
+        return wait_idle(srv)["blitz_prefix_cache_hit_tokens_total"] - before
+
+    hits_of_one_completion()
+    assert hits_of_one_completion() > 0       # its full blocks are cached
+    r = httpx.post(srv.url + "/reset_prefix_cache", timeout=30)
+    assert r.status_code == 200 and r.json() == {"reset": True}   # (nothing runs: it is done)
+    assert hits_of_one_completion() == 0
