@@ -11,6 +11,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from ..engine.async_engine import EngineStepError
+from .beam import beam_answers, beam_params
 from .chat_template import prompt_end
 from .errors import bad_request
 from .protocol import ChatCompletionRequest
@@ -159,6 +160,8 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
                               template_kwargs=req.chat_template_kwargs, prompt_logprobs=plp_k)
     ids, params = turn.ids, turn.params
     rid = f"chatcmpl-{request_id(raw)}"
+    if req.use_beam_search:
+        return await _beam_chat(s, req, raw, rid, turn, mt_field, k, as_ids)
     stream = await s.submit(rid, ids, params, "messages", mt_field, structured_field=turn.structured_field,
                             kv_transfer_params=req.kv_transfer_params, priority=req.priority)
     created = int(time.time())
@@ -184,6 +187,27 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
         plp = {"prompt_logprobs": prompt_logprobs_body(s, ids, result[0]["plp"], result[0]["ranks"], plp_k, plp_k)}
     return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": s.model_name,
                          "choices": choices, "usage": usage(len(ids), ntok), **plp, **kv_field(result)})
+
+
+async def _beam_chat(s: Serving, req: ChatCompletionRequest, raw: Request, rid: str, turn: ChatTurn, mt_field: str,
+                     k: Optional[int], as_ids: bool) -> Response:
+    """use_beam_search: choice i is the i-th best beam, through the reasoning and tool parsers."""
+    if turn.params.structured_output is not None:
+        raise bad_request(f"{turn.structured_field} does not go with use_beam_search", param=turn.structured_field)
+    ids = turn.ids
+    bp = beam_params(req, turn.params, s.max_model_len - len(ids))
+    beams = await beam_answers(s, raw, rid, [ids], bp, "messages", mt_field, req.priority)
+    if beams is None:
+        return Response(status_code=499)
+    choices, ntok = [], 0
+    for i, b in enumerate(beams[0]):
+        gen = b.tokens[len(ids):]
+        ntok += len(gen)
+        message, reason = turn.message(s, b.text, b.finish_reason)
+        choices.append({"index": i, "message": message, "finish_reason": reason, "stop_reason": None,
+                        "logprobs": {"content": chat_logprobs(s, gen, b.logprobs, k, as_ids)} if k is not None else None})
+    return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()), "model": s.model_name,
+                         "choices": choices, "usage": usage(len(ids), ntok)})
 
 
 def structured_output(fmt):

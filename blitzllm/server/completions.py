@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ..engine.async_engine import EngineStepError
 from ..sampling_params import SamplingParams
+from .beam import beam_answers, beam_params
 from .chat import as_token_ids, check_prompt_logprobs, prompt_logprobs_body, token_str
 from .errors import bad_request
 from .protocol import CompletionRequest
@@ -112,6 +113,8 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
     if req.kv_transfer_params and len(prompts) > 1:
         raise bad_request("kv_transfer_params takes a single prompt", param="kv_transfer_params")
     base = f"cmpl-{request_id(raw)}"
+    if req.use_beam_search:
+        return await _beam_completion(s, req, raw, base, prompts, params, as_ids)
     rids = [f"{base}-{j}" for j in range(len(prompts))]
     streams = []
     try:
@@ -152,6 +155,26 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
     ntok = sum(len(c["ids"]) for c in result)
     return JSONResponse({"id": base, "object": "text_completion", "created": created, "model": s.model_name,
                          "choices": choices, "usage": usage(prompt_tokens, ntok), **kv_field(result)})
+
+
+async def _beam_completion(s: Serving, req: CompletionRequest, raw: Request, base: str, prompts: list,
+                           params: SamplingParams, as_ids: bool) -> Response:
+    """use_beam_search: choice j * n + i is prompt j's i-th best beam."""
+    bp = beam_params(req, params, s.max_model_len - max(len(ids) for ids, _ in prompts))
+    beams = await beam_answers(s, raw, base, [ids for ids, _ in prompts], bp, "prompt", "max_tokens", req.priority)
+    if beams is None:
+        return Response(status_code=499)
+    choices, ntok = [], 0
+    for j, ((ids, text), best) in enumerate(zip(prompts, beams)):
+        echo = text if req.echo else ""
+        for i, b in enumerate(best):
+            gen = b.tokens[len(ids):]
+            ntok += len(gen)
+            lp = None if req.logprobs is None else _legacy_logprobs(s, gen, b.logprobs, req.logprobs, len(echo), as_ids)
+            choices.append({"index": j * bp.beam_width + i, "text": echo + b.text, "logprobs": lp,
+                            "finish_reason": b.finish_reason, "stop_reason": None})
+    return JSONResponse({"id": base, "object": "text_completion", "created": int(time.time()), "model": s.model_name,
+                         "choices": choices, "usage": usage(sum(len(ids) for ids, _ in prompts), ntok)})
 
 
 async def _cmpl_sse(s: Serving, base, created, streams, n, k, echoes, echo_ids, prompt_tokens, include_usage,

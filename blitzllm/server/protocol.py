@@ -117,6 +117,9 @@ class _SamplingRequest(SamplingFields):
     stream_options: Optional[StreamOptions] = None
     truncate_prompt_tokens: Optional[Int] = Field(None, ge=-1, description="keep the prompt's last k tokens "
                                                   "(-1: max_model_len); 0 is refused")
+    # vLLM's beam search: n beams wide, ranked by cum_logprob / length ** length_penalty (server/beam.py)
+    use_beam_search: Optional[bool] = False
+    length_penalty: Optional[float] = Field(None, description="with use_beam_search (default 1.0)")
     # disaggregation (docs/disaggregation.md): {"do_remote_decode": true} to a producer; its answer's
     # kv_transfer_params to a consumer
     kv_transfer_params: Optional[dict[str, Any]] = None
