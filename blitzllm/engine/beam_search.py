@@ -15,6 +15,7 @@ from ..sampling_params import SamplingParams
 
 # the candidates of a beam come from its step's top 2 * beam_width logprobs, at most 20 (SamplingParams')
 MAX_BEAM_WIDTH = 10
+MAX_LENGTH_PENALTY = 10.0
 
 
 @dataclass
@@ -41,6 +42,9 @@ class BeamSearchParams:
                 raise ValueError(f"{name} must be a finite number, got {v!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if abs(self.length_penalty) > MAX_LENGTH_PENALTY:   # (a length to its power stays a float)
+            raise ValueError(f"length_penalty must be in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}], "
+                             f"got {self.length_penalty!r}")
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")

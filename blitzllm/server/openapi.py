@@ -37,6 +37,8 @@ _OPS = {
                               "Turn token ids into text"),
     ("/health", "get"): (None, P.HealthResponse, None, (503,), "200 once the model has loaded"),
     ("/version", "get"): (None, P.VersionResponse, None, (), "The installed blitzllm's version"),
+    ("/reset_prefix_cache", "post"): (None, P.ResetPrefixCacheResponse, None, (401, 503),
+                                      "Forget every cached prefix (vLLM's; only while no request holds KV blocks)"),
     ("/v1/responses", "post"): (R.ResponsesRequest, R.ResponseObject, R.ResponseStreamEvent,
                                 (400, 401, 404, 413, 500, 503), "Create a response (OpenAI's Responses API)"),
     ("/v1/responses/{response_id}", "get"): (None, R.ResponseObject, None, (401, 404), "A stored response"),
@@ -50,7 +52,7 @@ _OPS = {
                                             "Count a message request's prompt tokens (Anthropic's)"),
 }
 _GUARDED = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model_id}", "/tokenize",
-            "/detokenize", "/v1/responses", "/v1/responses/{response_id}", "/v1/responses/{response_id}/cancel",
+            "/detokenize", "/reset_prefix_cache", "/v1/responses", "/v1/responses/{response_id}", "/v1/responses/{response_id}/cancel",
             "/v1/messages", "/v1/messages/count_tokens"}
 # (a Responses stream ends with its response.completed / .incomplete event, a Messages one with message_stop)
 _NO_DONE = {R.ResponseStreamEvent, M.MessageStreamEvent}

@@ -119,7 +119,7 @@ class _SamplingRequest(SamplingFields):
                                                   "(-1: max_model_len); 0 is refused")
     # vLLM's beam search: n beams wide, ranked by cum_logprob / length ** length_penalty (server/beam.py)
     use_beam_search: Optional[bool] = False
-    length_penalty: Optional[float] = Field(None, description="with use_beam_search (default 1.0)")
+    length_penalty: Optional[float] = Field(None, ge=-10, le=10, description="with use_beam_search (default 1.0)")
     # disaggregation (docs/disaggregation.md): {"do_remote_decode": true} to a producer; its answer's
     # kv_transfer_params to a consumer
     kv_transfer_params: Optional[dict[str, Any]] = None
@@ -343,6 +343,10 @@ class HealthResponse(_Out):
 
 class VersionResponse(_Out):
     version: str
+
+
+class ResetPrefixCacheResponse(_Out):
+    reset: bool   # false: a request held KV blocks, nothing was done
 
 
 class ErrorDetail(_Out):

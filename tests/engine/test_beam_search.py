@@ -87,6 +87,7 @@ def test_the_context_length_ends_a_beam():
     (dict(beam_width=2, max_tokens=0), "max_tokens must be an integer >= 1"),
     (dict(beam_width=2, max_tokens=4, length_penalty=float("nan")), "length_penalty must be a finite number"),
     (dict(beam_width=2, max_tokens=4, temperature=-1.0), "temperature must be >= 0"),
+    (dict(beam_width=2, max_tokens=4, length_penalty=1e6), "length_penalty must be in [-10.0, 10.0]"),
     (dict(beam_width=2, max_tokens=4, ignore_eos="yes"), "ignore_eos must be true or false"),
 ])
 def test_bad_beam_search_params(kw, msg):

@@ -25,7 +25,7 @@ OPERATIONS = {("POST", CHAT), ("POST", CMPL), ("GET", "/v1/models"), ("GET", "/v
               ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/health"), ("GET", "/metrics"),
               ("GET", "/version"), ("POST", RESP), ("GET", RESP + "/{response_id}"),
               ("DELETE", RESP + "/{response_id}"), ("POST", RESP + "/{response_id}/cancel"), ("POST", MSG),
-              ("POST", COUNT)}
+              ("POST", COUNT), ("POST", "/reset_prefix_cache")}
 # (the operations with a body)
 BODIES = {("POST", p) for p in (CHAT, CMPL, RESP, MSG, COUNT, "/tokenize", "/detokenize")}
 
