@@ -114,6 +114,25 @@ def build_router_app(cfg: RouterConfig) -> FastAPI:
             return error(503, f"the backend did not answer: {e}", code="no_backend")
         return Response(r.content, status_code=r.status_code, media_type="application/json")
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request):
+        """Every backend's (each keeps its own prefix cache): {"reset": true} when each reset it; a
+        backend's error, or a 503 naming one that did not answer, otherwise."""
+        async def one(b):
+            try:
+                return await state["client"].post(b.url + "/reset_prefix_cache", headers=forward_headers(request),
+                                                  timeout=30.0)
+            except httpx.HTTPError as e:
+                return e
+        backends = [b for p in pools for b in p.backends]
+        answers = await asyncio.gather(*(one(b) for b in backends))
+        for b, r in zip(backends, answers):
+            if isinstance(r, Exception):
+                return error(503, f"the backend {b.url} did not answer: {r}", code="no_backend")
+            if r.status_code != 200:
+                return Response(r.content, status_code=r.status_code, media_type="application/json")
+        return JSONResponse({"reset": all(_said_reset(r) for r in answers)})
+
     async def handle(request: Request, path: str):
         raw = await read_body(request, cfg.max_request_bytes)
         if isinstance(raw, Response):
@@ -180,3 +199,10 @@ def build_router_app(cfg: RouterConfig) -> FastAPI:
         return await handle(request, "/v1/completions")
 
     return app
+
+
+def _said_reset(r: httpx.Response) -> bool:
+    try:
+        return r.json().get("reset") is True
+    except (ValueError, AttributeError):
+        return False

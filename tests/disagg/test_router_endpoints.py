@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request   # (at the top: the fake's handlers' annot
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from disagg_helpers import Proc, settled
+from tests.server.conftest import free_port
 from tests.server.server_helpers import same
 
 MODEL = "smollm2"
@@ -38,7 +39,13 @@ class Fake:
 
         from tests.server.conftest import free_port
         self.name, self.down, self.store, self.headers = name, False, {}, []
+        self.resets, self.idle = 0, True   # /reset_prefix_cache calls; whether it answers reset: true
         app = FastAPI()
+
+        @app.post("/reset_prefix_cache")
+        async def reset():
+            self.resets += 1
+            return {"reset": self.idle}
 
         def missing(rid):
             return JSONResponse({"error": {"message": f"no stored response has the id '{rid}'", "type":
@@ -167,6 +174,23 @@ def test_an_unknown_id_is_asked_of_each_backend_and_a_down_holder_is_a_503(fakes
 
 def _gauge(text: str, name: str) -> float:
     return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def test_reset_prefix_cache_reaches_every_backend(fakes):
+    a, b = fakes
+    with _router(a.url, b.url) as router:
+        before = (a.resets, b.resets)
+        assert router.post("/reset_prefix_cache").json() == {"reset": True}
+        b.idle = False   # one backend still had a request holding blocks: not everything was reset
+        try:
+            assert router.post("/reset_prefix_cache").json() == {"reset": False}
+        finally:
+            b.idle = True
+        assert (a.resets, b.resets) == (before[0] + 2, before[1] + 2)
+    dead = f"http://127.0.0.1:{free_port()}"
+    with _router(a.url, dead) as router:
+        r = router.post("/reset_prefix_cache")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_backend" and dead in r.json()["error"]["message"]
 
 
 def test_router_errors_on_the_new_routes():
