@@ -1,15 +1,15 @@
 """blitzllm: a fast, readable LLM inference and serving engine.
 
 The public API: ``LLM``, ``SamplingParams``, ``RequestOutput``, ``CompletionOutput``,
-``BeamSearchParams`` (imported on first use, so ``python -m blitzllm.<module>`` and the CLI stay
-light)."""
+``BeamSearchParams``, ``LoRARequest`` (imported on first use, so ``python -m blitzllm.<module>``
+and the CLI stay light)."""
 import importlib
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "BeamSearchParams"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "BeamSearchParams", "LoRARequest"]
 __version__ = "0.1.0"
 
 _WHERE = {"LLM": ".llm", "SamplingParams": ".sampling_params", "RequestOutput": ".engine.request",
-          "CompletionOutput": ".engine.request", "BeamSearchParams": ".engine.beam_search"}
+          "CompletionOutput": ".engine.request", "BeamSearchParams": ".engine.beam_search", "LoRARequest": ".lora"}
 
 
 def __getattr__(name):

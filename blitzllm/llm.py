@@ -54,11 +54,13 @@ class LLM:
         return SamplingParams(**self.engine.sampling_defaults)
 
     def generate(self, prompts, sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = False, priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
+                 use_tqdm: bool = False, priority: Optional[Sequence[int]] = None,
+                 lora_request=None) -> list[RequestOutput]:
         """``prompts``: a prompt or a list of them; a prompt is a string, a list of token ids, or
         vLLM's ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``. One SamplingParams for all, or
         one per prompt. ``priority``: one per prompt (lower first), with
-        ``scheduling_policy="priority"``."""
+        ``scheduling_policy="priority"``. ``lora_request``: a ``LoRARequest`` for all prompts, or a
+        list of one (or None, the base model) per prompt, with ``enable_lora=True``."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
@@ -71,11 +73,14 @@ class LLM:
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
         if priority is not None and (not isinstance(priority, (list, tuple)) or len(priority) != len(prompts)):
             raise ValueError(f"priority must be a list of one integer per prompt ({len(prompts)}), got {priority!r}")
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora_request entries for {len(prompts)} prompts")
         rids = []
         try:
-            for prompt, p, prio in zip(prompts, plist, priority or [0] * len(prompts)):
+            for prompt, p, prio, lora in zip(prompts, plist, priority or [0] * len(prompts), loras):
                 rid = f"gen-{next(self._ids)}"
-                self.engine.add_request(rid, prompt, p, priority=prio)
+                self.engine.add_request(rid, prompt, p, priority=prio, lora_request=lora)
                 rids.append(rid)
         except ValueError:
             for rid in rids:
@@ -123,11 +128,12 @@ class LLM:
         decode = (lambda ids: eng.tokenizer.decode(ids, skip_special_tokens=True)) if eng.tokenizer else (lambda ids: "")
         return [BeamSearchOutput(s.best(decode)) for s in searches]
 
-    def stream(self, prompt, sampling_params: Optional[SamplingParams] = None) -> Iterator[str]:
+    def stream(self, prompt, sampling_params: Optional[SamplingParams] = None, lora_request=None) -> Iterator[str]:
         """One prompt's text as it is generated: yields each step's new text (first sample of
         ``sampling_params.n``); the request is aborted if the caller stops early."""
         rid = f"gen-{next(self._ids)}"
-        self.engine.add_request(rid, _unwrap(prompt), sampling_params or self.get_default_sampling_params())
+        self.engine.add_request(rid, _unwrap(prompt), sampling_params or self.get_default_sampling_params(),
+                                lora_request=lora_request)
         self._inbox[rid] = []
         done = False
         try:
@@ -194,13 +200,15 @@ class LLM:
         return tok(text, add_special_tokens=False).input_ids
 
     def chat(self, messages, sampling_params: Optional[SamplingParams] = None, use_tqdm: bool = False,
-             **template) -> list[RequestOutput]:
+             lora_request=None, **template) -> list[RequestOutput]:
         """One conversation (a list of {role, content}) or a list of conversations; a list of outputs
-        either way. ``template``: ``apply_chat_template``'s options (vLLM's names)."""
+        either way. ``template``: ``apply_chat_template``'s options (vLLM's names). ``lora_request``:
+        as ``generate``'s (one for all conversations or one per conversation)."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts, or a list of such lists")
         convs = [messages] if isinstance(messages[0], dict) else list(messages)
-        return self.generate([self.apply_chat_template(c, **template) for c in convs], sampling_params)
+        return self.generate([self.apply_chat_template(c, **template) for c in convs], sampling_params,
+                             lora_request=lora_request)
 
     def stats(self) -> dict:
         return self.engine.stats()

@@ -52,6 +52,11 @@ class EngineArgs:
     generation_config: str = "auto"
     override_generation_config: Optional[Union[str, dict]] = None
     chat_template: Optional[str] = None  # a Jinja chat template, or a file holding one, over the tokenizer's
+    # vLLM's multi-LoRA (blitzllm/lora, docs/lora.md): adapters per request, max_loras of them in a batch
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: Optional[int] = None
 
     def __post_init__(self):
         if self.weight_dtype is None and self.dtype is None:
@@ -164,17 +169,33 @@ def check_engine_args(a: EngineArgs) -> None:
     integer("block_size", 1)
     if a.block_size & (a.block_size - 1):
         raise ValueError(f"block_size must be a power of two >= 1, got {a.block_size}")
-    for name in ("enable_prefix_caching", "enforce_eager", "warmup"):
+    for name in ("enable_prefix_caching", "enforce_eager", "warmup", "enable_lora"):
         if not isinstance(getattr(a, name), bool):
             raise ValueError(f"{name} must be true or false, got {getattr(a, name)!r}")
     if a.scheduling_policy not in SCHEDULING_POLICIES:
         raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                          f"got {a.scheduling_policy!r}")
+    if a.enable_lora:
+        lora_config(a)
     g = a.gpu_memory_utilization
     if not isinstance(g, (int, float)) or isinstance(g, bool) or not 0 < g <= 1:
         raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {g!r}")
     if a.dtype is not None and not isinstance(a.dtype, (str, torch.dtype)):
         raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {a.dtype!r}")
+
+
+def lora_config(a: EngineArgs):
+    """The LoRAConfig of ``enable_lora`` (None without), its ranges checked; LoRA with tensor
+    parallelism or speculative decoding is refused (the slots are not sharded, and a drafter
+    would propose for the base model)."""
+    if not a.enable_lora:
+        return None
+    from ..lora import LoRAConfig
+    if a.tensor_parallel_size != 1:
+        raise ValueError("enable_lora runs with tensor_parallel_size 1 only")
+    if a.speculative_config is not None:
+        raise ValueError("enable_lora cannot be combined with speculative_config")
+    return LoRAConfig(a.max_loras, a.max_lora_rank, a.max_cpu_loras)
 
 
 # generation_config.json keys -> the SamplingParams field a request leaves unset (vLLM's set)

@@ -25,7 +25,7 @@ from ..runner.build import build_runner
 from ..sampling_params import SamplingParams
 from ..spec.config import parse_speculative_config
 from .args import (EngineArgs, check_engine_args, check_tp_size, engine_cache_config, engine_state_layout,
-                   plan_kv_blocks, resolve_device, resolve_dtype, resolve_weight_dtype, sampling_defaults,
+                   lora_config, plan_kv_blocks, resolve_device, resolve_dtype, resolve_weight_dtype, sampling_defaults,
                    speculation_runner_kwargs)
 from .detokenizer import IncrementalDetokenizer
 from .intake import check_priority, check_request
@@ -107,7 +107,10 @@ class Engine:
                                    seed=args.seed, tp=group, knobs=self.knobs, plan_cache=self._plan_cache,
                                    dummy_mtp=spec_cfg is not None and spec_cfg.method == "mtp",
                                    max_num_seqs=args.max_num_seqs, attention_backend=args.attention_backend,
-                                   **speculation_runner_kwargs(args))
+                                   lora=lora_config(args), **speculation_runner_kwargs(args))
+        self.lora = self.runner.lora   # with enable_lora: the adapters' slot pool (blitzllm/lora)
+        if self.lora is not None:
+            self.scheduler.max_loras = args.max_loras
         if self.connector is not None:
             self.connector.register_caches(self.runner.kv_caches, args.block_size, group.world_size)
             self.connector.broadcast = tp.send if tp is not None else None   # (KV heads for the other ranks)
@@ -225,14 +228,19 @@ class Engine:
         raise ValueError("a prompt must be a string or a list of token ids")
 
     def add_request(self, request_id: str, prompt: Union[str, list], params: SamplingParams,
-                    kv_transfer_params: Optional[dict] = None, kv_payload=None, priority: int = 0) -> None:
+                    kv_transfer_params: Optional[dict] = None, kv_payload=None, priority: int = 0,
+                    lora_request=None) -> None:
         """``kv_transfer_params`` / ``kv_payload``: disaggregation (``async_engine.py`` pulls the payload).
-        ``priority``: under the priority scheduling policy, lower is served first (vLLM's)."""
+        ``priority``: under the priority scheduling policy, lower is served first (vLLM's).
+        ``lora_request``: a ``LoRARequest`` (enable_lora), its adapter read and checked here."""
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams")
         check_priority(priority, self.sched_config.policy)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if lora_request is not None and self.lora is None:
+            raise ValueError("lora_request needs an engine built with enable_lora=True")
+        adapter = self.lora.resolve(lora_request) if lora_request is not None else None
         ids, params, bad_words = check_request(
             self.tokenize(prompt), params, vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len,
             max_tokens_cap=self.sampling_defaults.get("max_tokens"), tokenizer=self.tokenizer)
@@ -252,7 +260,7 @@ class Engine:
                           prompt=prompt if isinstance(prompt, str) else None, bad_words=bad_words)
             if params.structured_output is not None:
                 req.matcher = self.grammar_compiler().matcher(params.structured_output)
-            req.kv_transfer_params, req.kv_payload = kv_transfer_params, kv_payload
+            req.kv_transfer_params, req.kv_payload, req.lora = kv_transfer_params, kv_payload, adapter
             if params.prompt_logprobs is not None and i == 0:
                 req.prompt_logprobs, req.prompt_ranks = [], []
             if self.tokenizer is not None:
@@ -306,6 +314,8 @@ class Engine:
             return []
         if self.connector is not None:
             self.connector.land(seqs, self.kv)  # KV pulled for requests admitted now
+        if self.lora is not None:
+            self.lora.prepare_step([s.req.lora for s in seqs])
         drafts = self.spec.propose(seqs) if self.spec is not None else None
         if drafts is not None:
             return self._spec_step(seqs, drafts)
@@ -475,4 +485,5 @@ class Engine:
             **(self.kv.state_stats() if isinstance(self.kv, HybridKVCacheManager) else {}),
             **(self.spec.stats() if self.spec is not None else {}),
             **(self.connector.stats() if self.connector is not None else {}),
+            **(self.lora.stats() if self.lora is not None else {}),
         }

@@ -2,7 +2,9 @@
 prefix caching by chained hashes of full blocks. Knows nothing about tensors or devices.
 
 A free block keeps its hash (and stays findable) until it is handed out again; the free
-queue is LRU so recently freed prefixes survive longest.
+queue is LRU so recently freed prefixes survive longest. A request's ``root`` (its LoRA
+adapter's key) is the parent of its first block's hash: KV computed under one adapter (or the
+base model) is never found by a request under another.
 """
 from __future__ import annotations
 
@@ -63,7 +65,7 @@ class KVCacheManager:
         blk.ref = 1
         return blk
 
-    def match_prefix(self, rid: str, tokens: Sequence[int]) -> int:
+    def match_prefix(self, rid: str, tokens: Sequence[int], root=None) -> int:
         """Attach cached full blocks of ``tokens`` to a new request; returns tokens covered.
         At most len(tokens) - 1 tokens match, so the last token is always computed."""
         assert rid not in self.tables
@@ -71,7 +73,7 @@ class KVCacheManager:
         hashes: list[int] = []
         if self.enable_prefix_caching:
             bs = self.block_size
-            parent = None
+            parent = root
             for i in range((len(tokens) - 1) // bs):
                 h = block_hash(parent, tokens[i * bs:(i + 1) * bs])
                 bid = self.cached.get(h)
@@ -101,14 +103,14 @@ class KVCacheManager:
             table.append(self._take_free().id)
         return True
 
-    def commit(self, rid: str, tokens: Sequence[int], num_computed: int) -> None:
+    def commit(self, rid: str, tokens: Sequence[int], num_computed: int, root=None) -> None:
         """Register the hashes of blocks that became full now that ``num_computed`` tokens
         of ``tokens`` have their KV written."""
         if not self.enable_prefix_caching:
             return
         table, hashes = self.tables[rid], self.hashes[rid]
         bs = self.block_size
-        parent = hashes[-1] if hashes else None
+        parent = hashes[-1] if hashes else root
         for i in range(len(hashes), min(num_computed // bs, len(table))):
             h = block_hash(parent, tokens[i * bs:(i + 1) * bs])
             hashes.append(h)

@@ -47,6 +47,12 @@ class Request:
     # consumer's params once it finished), and the KV pulled for it until it lands in its blocks
     kv_transfer_params: Optional[dict] = None
     kv_payload: object = None
+    lora: object = None           # its LoRA adapter (blitzllm/lora LoRAAdapter), None for the base model
+
+    @property
+    def cache_root(self):
+        """What its prefix-cache hashes start from: KV is shared only under the same adapter."""
+        return None if self.lora is None else self.lora.key
 
     @property
     def prompt_logprobs_from(self) -> Optional[int]:

@@ -55,6 +55,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.lookahead = False  # set by the engine when its runner pipelines decode steps
         self.remote_tokens = None  # a KV connector's: req -> prompt tokens whose KV came with it
+        self.max_loras = 0  # with enable_lora: distinct adapters the running requests may use (0: no limit)
 
     @staticmethod
     def _key(req: Request) -> tuple:
@@ -109,8 +110,13 @@ class Scheduler:
                 scheduled.add(req.request_id)
                 budget -= n
         # newly admitted requests, in queue order
+        skipped = []
         while self.waiting and budget > 0:
             req = self.waiting[0]
+            if req.lora is not None and self.max_loras and not self._lora_fits(req):
+                # its adapter waits for a slot (running requests hold them all); those behind may run
+                skipped.append(self.waiting.popleft())
+                continue
             if len(self.running) >= self.cfg.max_num_seqs:
                 freed = self._make_room(req, out)
                 if freed is None:
@@ -122,7 +128,7 @@ class Scheduler:
                 # cache may serve only the tokens before the first of them
                 first = req.prompt_logprobs_from
                 tokens = req.all_token_ids if first is None else req.all_token_ids[:first + 1]
-                req.num_computed_tokens = self.kv.match_prefix(req.request_id, tokens)
+                req.num_computed_tokens = self.kv.match_prefix(req.request_id, tokens, req.cache_root)
                 req.num_cached_tokens = max(req.num_cached_tokens, req.num_computed_tokens)
                 if self.remote_tokens is not None:  # (landed by the engine before the forward)
                     req.num_computed_tokens = max(req.num_computed_tokens, self.remote_tokens(req))
@@ -143,7 +149,14 @@ class Scheduler:
             self.running.append(req)
             out.append(ScheduledSeq(req, req.num_computed_tokens, n))
             budget -= n
+        for req in skipped:
+            self.add(req)
         return out
+
+    def _lora_fits(self, req: Request) -> bool:
+        """Whether ``req``'s adapter is one the running requests use, or a slot is left for it."""
+        active = {r.lora.key for r in self.running if r.lora is not None}
+        return req.lora.key in active or len(active) < self.max_loras
 
     def _make_room(self, req: Request, out: list) -> Optional[int]:
         """Under the priority policy, preempt the lowest-priority running request if its priority
@@ -167,4 +180,4 @@ class Scheduler:
         for s in seqs:
             s.req.num_computed_tokens = s.end
             if s.end // bs > len(self.kv.hashes.get(s.req.request_id, ())):
-                self.kv.commit(s.req.request_id, s.req.all_token_ids, s.end)
+                self.kv.commit(s.req.request_id, s.req.all_token_ids, s.end, s.req.cache_root)

@@ -93,10 +93,10 @@ class HybridKVCacheManager(KVCacheManager):
         self.snapshot_hit_tokens = 0
 
     # ---- admission and release -----------------------------------------------------
-    def match_prefix(self, rid: str, tokens) -> int:
+    def match_prefix(self, rid: str, tokens, root=None) -> int:
         """Cached blocks up to the last one whose state snapshot exists (restored into the new
         request's slot before its first step); 0 and no slot when every slot is taken."""
-        n = super().match_prefix(rid, tokens)
+        n = super().match_prefix(rid, tokens, root)
         bs = self.block_size
         if not self.free_slots:
             KVCacheManager.trim(self, rid, 0)
@@ -169,10 +169,10 @@ class HybridKVCacheManager(KVCacheManager):
             return self.snaps.popitem(last=False)[1]  # the least recently used snapshot
         return None
 
-    def commit(self, rid: str, tokens, num_computed: int) -> None:
+    def commit(self, rid: str, tokens, num_computed: int, root=None) -> None:
         """Block hashes as the base class; snapshots the step took get the hash of their
         block (or go back, when that prefix has one already)."""
-        super().commit(rid, tokens, num_computed)
+        super().commit(rid, tokens, num_computed, root)
         hashes = self.hashes.get(rid, [])
         for p, row in self.pending.pop(rid, []):
             h = hashes[p // self.block_size - 1] if p <= num_computed and p // self.block_size <= len(hashes) else None

@@ -150,6 +150,7 @@ class ForwardContext:
     kv_caches: list          # per layer (k_cache, v_cache)
     backend: AttentionBackend
     scratch: dict = field(default_factory=dict)  # per-step values shared by the layers
+    lora: object = None      # with enable_lora: the step's rows per adapter slot (blitzllm/lora)
 
 
 _CURRENT: list = []

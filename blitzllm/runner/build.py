@@ -21,18 +21,24 @@ from .model_runner import ModelRunner
 
 def build_runner(src: ModelSource, cfg: ModelConfig, *, device: torch.device, dtype: torch.dtype,
                  plan_cache: Callable[[], tuple], weight_dtype=None, seed: int = 0, tp: TPGroup = SINGLE,
-                 knobs: Optional[Knobs] = None, dummy_mtp: bool = False, **runner_kw) -> ModelRunner:
+                 knobs: Optional[Knobs] = None, dummy_mtp: bool = False, lora=None, **runner_kw) -> ModelRunner:
     """The model, then ``plan_cache()`` -> (CacheConfig, max_model_len) once its weights are on the
     device (the KV cache sized from the memory left, agreed by the ranks), then the runner
     (``runner_kw``: ``ModelRunner``'s options). ``knobs``: default read from the environment now;
-    ``dummy_mtp``: random MTP layers beside dummy weights (MTP speculation on a preset)."""
+    ``dummy_mtp``: random MTP layers beside dummy weights (MTP speculation on a preset). ``lora``: a
+    ``LoRAConfig``: the model's linears are wrapped for LoRA slots (``blitzllm/lora``) before the
+    KV cache is planned, so the slots' memory is counted."""
     knobs = Knobs.from_env() if knobs is None else knobs
     model = build_model(src, cfg, device, dtype, seed, weight_dtype, tp, knobs)
     if dummy_mtp and src.tensors is None and hasattr(model, "dummy_mtp"):
         model.dummy_mtp(seed)
+    manager = None
+    if lora is not None:
+        from ..lora.manager import LoRAManager
+        manager = LoRAManager(model, cfg.architecture, lora, device, dtype)
     cache, max_model_len = plan_cache()
     return ModelRunner(model, cfg, cache, device, dtype, max_model_len=max_model_len, tp=tp, knobs=knobs,
-                       **runner_kw)
+                       lora=manager, **runner_kw)
 
 
 def build_model(src: ModelSource, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int,

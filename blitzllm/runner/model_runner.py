@@ -71,14 +71,19 @@ class ModelRunner:
     def __init__(self, model, cfg: ModelConfig, cache: CacheConfig, device, dtype,
                  max_num_seqs: int = 256, max_model_len: int = 4096, enforce_eager: bool = False,
                  attention_backend: str = "auto", tp: TPGroup = SINGLE, max_decode_rows: int = 0,
-                 knobs: Optional[Knobs] = None):
+                 knobs: Optional[Knobs] = None, lora=None):
         """``max_decode_rows``: decode graphs are captured for up to max(max_num_seqs, this)
         rows (speculative verify steps run as one decode row per scored position). ``knobs``:
         the engine's kernel knobs (``knobs.reference``: every op on its torch reference, no
-        graphs, the torch attention backend)."""
+        graphs, the torch attention backend). ``lora``: the LoRA manager (``blitzllm/lora``) of a
+        model whose linears it wrapped: every step runs eagerly (graphs and the fused CPU decode
+        would bypass the wrapped modules)."""
         self.knobs = knobs = Knobs() if knobs is None else knobs
         if knobs.reference:
             enforce_eager, attention_backend = True, "torch"
+        self.lora = lora
+        if lora is not None:
+            enforce_eager = True
         self.model = model
         self.cfg = cfg
         self.cache_cfg = cache
@@ -102,7 +107,7 @@ class ModelRunner:
                                        max(max_num_seqs, max_decode_rows), width, self.states)
             self.graphs.capture()
         self.cpu_decode = None  # CPU pure-decode steps in few ops, compiled or not (runner/cpu_graph.py)
-        if device.type == "cpu" and not knobs.reference:
+        if device.type == "cpu" and not knobs.reference and lora is None:
             from .cpu_graph import maybe_cpu_decode
             self.cpu_decode = maybe_cpu_decode(model, self.kv_caches, self.backend, cache.block_size, tp.world_size,
                                                self.states, enforce_eager)
@@ -263,7 +268,8 @@ class ModelRunner:
         smd = None
         if self.states is not None:
             smd = self.states.begin(states, seqs, qsl, md.query_start_loc, md.is_pure_decode)
-        with forward_context(ForwardContext(md, self.kv_caches, self.backend)), state_context(smd):
+        lora = self.lora.mapping(qsl) if self.lora is not None else None
+        with forward_context(ForwardContext(md, self.kv_caches, self.backend, lora=lora)), state_context(smd):
             hidden = self.model(input_ids, positions)
         if smd is not None:
             self.states.finish(states)

@@ -1,0 +1,167 @@
+"""The LoRA slot pool and the wrapped linears.
+
+``LoRAManager`` is built by the runner when ``enable_lora``: it wraps every q/k/v, o, gate/up
+and down projection of a dense decoder so its output gains ``scale * (x @ A^T) @ B^T`` per
+slot, and owns ``max_loras`` slots, per wrapped module A [slots, S * R, in] and B [slots, out,
+S * R] on the device (S: the module's slices, R: max_lora_rank; a slice's B sits in its own
+rows and rank columns, zeros elsewhere, so a fused module takes one A and one B product per
+slot). Adapters are read from disk on first use (kept in a small host LRU), copied into a slot
+when a step needs them, and a slot no request of the step uses is given back least recently
+used first. The engine's scheduler guarantees a step never needs more than ``max_loras``.
+
+The engine calls ``prepare_step`` with each scheduled sequence's adapter; the runner asks
+``mapping`` for the step's rows per slot and hands it to the layers in the forward context.
+"""
+from __future__ import annotations
+
+import sys
+from collections import OrderedDict
+from functools import partial
+from typing import Optional
+
+import torch
+
+from ..kernels.activation import silu_and_mul
+from ..layers.attention import get_forward_context
+from .adapter import LoRAAdapter, load_adapter
+from .request import LoRAConfig, LoRARequest
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_WRAPPED = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+class LoRAStep:
+    """A step's rows per slot: (slot, None for every row or a row index tensor)."""
+    __slots__ = ("groups",)
+
+    def __init__(self, groups: list):
+        self.groups = groups
+
+
+class LoRAManager:
+    def __init__(self, model, architecture: str, cfg: LoRAConfig, device: torch.device, dtype: torch.dtype):
+        if architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"enable_lora supports {', '.join(SUPPORTED_ARCHITECTURES)}; "
+                             f"this model is {architecture}")
+        self.cfg, self.device, self.dtype = cfg, device, dtype
+        self.rank = cfg.max_lora_rank
+        self.modules: dict = {}     # path -> the wrapped Linear
+        self.slots_a: dict = {}     # path -> [slots, S * R, in]
+        self.slots_b: dict = {}     # path -> [slots, out, S * R]
+        n = cfg.max_loras
+        for i, layer in enumerate(model.model.layers):
+            for sub in _WRAPPED:
+                mod = layer.get_submodule(sub)
+                path = f"model.layers.{i}.{sub}"
+                shards = getattr(mod, "shard_sizes", [mod.out_features])
+                self.modules[path] = mod
+                self.slots_a[path] = torch.zeros(n, len(shards) * self.rank, mod.in_features, dtype=dtype, device=device)
+                self.slots_b[path] = torch.zeros(n, mod.out_features, len(shards) * self.rank, dtype=dtype, device=device)
+                _wrap(mod, self.slots_a[path], self.slots_b[path])
+        self.slot_keys: list = [None] * n          # the adapter key each slot holds
+        self.lru: OrderedDict = OrderedDict()      # slot -> None, least recently used first
+        self.cpu: OrderedDict = OrderedDict()      # adapter key -> LoRAAdapter read from disk
+        self.step_slots: list = []                 # per scheduled sequence of the step: slot or -1
+        self.slot_loads = 0
+        print(f"[blitz] LoRA: {len(self.modules)} linears wrapped, {n} slot(s) of rank {self.rank}; "
+              "the eager path runs every step (no CUDA graphs, no fused CPU decode)", file=sys.stderr)
+
+    # ---- adapters -----------------------------------------------------------------
+    def resolve(self, req: LoRARequest) -> LoRAAdapter:
+        """The adapter read (and checked) from ``req``'s folder; a ValueError if it cannot be served."""
+        if not isinstance(req, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(req).__name__}")
+        key = ("lora", req.lora_int_id, req.lora_path)
+        hit = self.cpu.get(key)
+        if hit is not None:
+            self.cpu.move_to_end(key)
+            return hit
+        adapter = load_adapter(req, self.modules, self.rank, self.dtype)
+        self.cpu[key] = adapter
+        while len(self.cpu) > (self.cfg.max_cpu_loras or self.cfg.max_loras):
+            self.cpu.popitem(last=False)   # (requests that hold it keep it alive)
+        return adapter
+
+    def forget(self, lora_int_id: int) -> None:
+        """Drop an adapter from the host cache and its slot (an unload): requests still running
+        hold the adapter itself, and the next step that needs it loads it again."""
+        for key in [k for k in self.cpu if k[1] == lora_int_id]:
+            del self.cpu[key]
+        for s, key in enumerate(self.slot_keys):
+            if key is not None and key[1] == lora_int_id:
+                self.slot_keys[s] = None
+                self.lru.pop(s, None)
+
+    # ---- the step -----------------------------------------------------------------
+    def prepare_step(self, adapters: list) -> None:
+        """``adapters``: per scheduled sequence its LoRAAdapter or None. Loads the ones not in a
+        slot (evicting slots this step does not use, least recently used first)."""
+        need = {a.key: a for a in adapters if a is not None}
+        if len(need) > len(self.slot_keys):
+            raise RuntimeError(f"a step needs {len(need)} adapters but there are {len(self.slot_keys)} slots")
+        where = {k: s for s, k in enumerate(self.slot_keys) if k in need}
+        for key, adapter in need.items():
+            if key not in where:
+                where[key] = self._load(adapter, set(where.values()))
+            self.lru.pop(where[key], None)
+            self.lru[where[key]] = None
+        self.step_slots = [-1 if a is None else where[a.key] for a in adapters]
+
+    def _load(self, adapter: LoRAAdapter, busy: set) -> int:
+        free = [s for s, k in enumerate(self.slot_keys) if k is None]
+        slot = free[0] if free else next(s for s in self.lru if s not in busy)
+        self.lru.pop(slot, None)
+        r, R = adapter.rank, self.rank
+        for path in self.modules:
+            a, b = self.slots_a[path][slot], self.slots_b[path][slot]
+            a.zero_()
+            b.zero_()
+            mod = self.modules[path]
+            for i, ab in enumerate(adapter.weights.get(path, ())):
+                if ab is None:
+                    continue
+                rows = mod.shard_slice(i) if hasattr(mod, "shard_slice") else slice(0, mod.out_features)
+                a[i * R:i * R + r].copy_(ab[0])
+                b[rows, i * R:i * R + r].copy_(ab[1])
+        self.slot_keys[slot] = adapter.key
+        self.slot_loads += 1
+        return slot
+
+    def mapping(self, qsl: list) -> Optional[LoRAStep]:
+        """The step's rows per slot (``qsl``: the batch's query start offsets); None when no
+        sequence of the step has an adapter (the base model's rows add nothing)."""
+        rows: dict = {}
+        for i, s in enumerate(self.step_slots):
+            if s >= 0:
+                rows.setdefault(s, []).extend(range(qsl[i], qsl[i + 1]))
+        if not rows:
+            return None
+        total = qsl[-1]
+        return LoRAStep([(s, None if len(r) == total else torch.tensor(r, device=self.device))
+                         for s, r in rows.items()])
+
+    def stats(self) -> dict:
+        return {"lora_slots_used": sum(k is not None for k in self.slot_keys), "lora_slot_loads": self.slot_loads}
+
+
+def _wrap(mod, slots_a: torch.Tensor, slots_b: torch.Tensor) -> None:
+    """Give ``mod`` an instance ``forward`` that adds the LoRA rows to its own; its fused forms
+    that bypass ``forward`` (the GEMV's gate/up epilogue, the TMA GEMV behind the norm) are
+    switched off, so every product goes through here."""
+    mod.use_gemv = False
+    mod.tma_preload = False
+    mod.forward = partial(_lora_forward, mod, type(mod).forward, slots_a, slots_b)
+
+
+def _lora_forward(mod, base_forward, slots_a, slots_b, x: torch.Tensor, silu_mul_input: bool = False):
+    if silu_mul_input:  # (down_proj's LoRA reads silu(gate) * up, as the product does)
+        x = silu_and_mul(x)
+    y = base_forward(mod, x)
+    step = get_forward_context().lora
+    if step is None:
+        return y
+    for slot, rows in step.groups:
+        xs = x if rows is None else x.index_select(0, rows)
+        delta = (xs @ slots_a[slot].t()) @ slots_b[slot].t()
+        y = y + delta if rows is None else y.index_add(0, rows, delta.to(y.dtype))
+    return y

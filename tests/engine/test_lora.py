@@ -1,0 +1,218 @@
+"""Multi-LoRA (blitzllm/lora): each request's adapter gives the outputs of transformers on the
+checkpoint with that adapter merged (fp32, greedy tokens identical, logprobs close), alone or
+mixed in a batch with the base model and other adapters, through too few slots, past the prefix
+cache; bad adapters are refused with a ValueError and leave the engine serving."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from blitzllm import LLM, LoRARequest, SamplingParams
+from blitzllm.lora import LoRARequest as LoRARequestFromPackage
+from tests.conftest import TINY, hf_greedy, hf_logprobs
+from tests.lora_adapters import ALL, ATTN, make_adapter, merged_model
+
+N = 10
+GREEDY = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, logprobs=3)
+
+
+def _prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, TINY["vocab_size"], (int(L),), generator=g).tolist()
+            for L in torch.randint(lo, hi, (n,), generator=g)]
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama, tmp_path_factory):
+    """name -> (LoRARequest, merged oracle) for a few adapters of the tiny Llama."""
+    path, hf = tiny_llama
+    root = tmp_path_factory.mktemp("loras")
+    specs = {"attn": dict(targets=ATTN, r=8, seed=1), "all": dict(targets=ALL, r=8, seed=2),
+             "rslora": dict(targets=ALL, r=4, alpha=8, rslora=True, seed=3), "mlp": dict(targets=ALL[4:], r=16, seed=4)}
+    out = {}
+    for i, (name, kw) in enumerate(specs.items()):
+        make_adapter(root / name, hf, **kw)
+        out[name] = (LoRARequest(name, i + 1, str(root / name)), merged_model(path, root / name))
+    return out
+
+
+def _llm(tiny_llama, **kw):
+    kw.setdefault("max_loras", 2)
+    return LLM(str(tiny_llama[0]), device="cpu", dtype="float32", kv_cache_blocks=128, enable_lora=True, **kw)
+
+
+def _check(out, oracle, prompt):
+    assert out.token_ids == hf_greedy(oracle, prompt, N)
+    want = hf_logprobs(oracle, prompt, out.token_ids)
+    got = torch.tensor([lp[t] for lp, t in zip(out.logprobs, out.token_ids)])
+    assert torch.allclose(got, want, atol=1e-4), (got, want)
+
+
+def test_lora_request_is_vllms_class():
+    assert LoRARequest is LoRARequestFromPackage
+    r = LoRARequest("a", 1, "/x")
+    assert (r.lora_name, r.lora_int_id, r.lora_path) == ("a", 1, "/x")
+    with pytest.raises(ValueError, match="lora_int_id"):
+        LoRARequest("a", 0, "/x")
+
+
+@pytest.mark.parametrize("name", ["attn", "all", "rslora"])
+def test_adapter_matches_the_merged_model(tiny_llama, adapters, name):
+    lora, oracle = adapters[name]
+    llm = _llm(tiny_llama, max_loras=1)
+    prompts = _prompts(3, seed=hash(name) % 100)
+    outs = llm.generate(prompts, GREEDY, lora_request=lora)
+    for prompt, out in zip(prompts, outs):
+        _check(out, oracle, prompt)
+    # the adapter changed the model: the base model's tokens differ somewhere
+    base = llm.generate(prompts, GREEDY)
+    assert any(b.token_ids != o.token_ids for b, o in zip(base, outs))
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+
+
+def test_mixed_batch_of_base_and_two_adapters(tiny_llama, adapters):
+    """One generate call, max_loras=2: base rows, adapter rows and another adapter's rows in the
+    same steps, each its own oracle's output; the base rows are the plain engine's."""
+    (la, oa), (lb, ob) = adapters["attn"], adapters["all"]
+    prompts = _prompts(6, seed=7)
+    which = [None, la, lb, la, None, lb]
+    llm = _llm(tiny_llama, max_loras=2)
+    outs = llm.generate(prompts, GREEDY, lora_request=which)
+    plain = LLM(str(tiny_llama[0]), device="cpu", dtype="float32", kv_cache_blocks=128)
+    for prompt, lora, out in zip(prompts, which, outs):
+        if lora is None:
+            assert out.token_ids == plain.generate([prompt], GREEDY)[0].token_ids
+            assert out.token_ids == hf_greedy(tiny_llama[1], prompt, N)
+        else:
+            _check(out, oa if lora is la else ob, prompt)
+
+
+def test_one_slot_two_adapters_take_turns(tiny_llama, adapters):
+    (la, oa), (lb, ob) = adapters["attn"], adapters["rslora"]
+    prompts = _prompts(4, seed=11)
+    which = [la, lb, la, lb]
+    llm = _llm(tiny_llama, max_loras=1)
+    outs = llm.generate(prompts, GREEDY, lora_request=which)
+    for prompt, lora, out in zip(prompts, which, outs):
+        _check(out, oa if lora is la else ob, prompt)
+    assert llm.stats()["lora_slot_loads"] >= 2
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+
+
+def test_prefix_cache_is_not_shared_across_adapters(tiny_llama, adapters):
+    lora, oracle = adapters["all"]
+    llm = _llm(tiny_llama)
+    prompt = _prompts(1, seed=5, lo=50, hi=51)[0]
+    base = llm.generate([prompt], GREEDY)[0]
+    assert base.token_ids == hf_greedy(tiny_llama[1], prompt, N)
+    first = llm.generate([prompt], GREEDY, lora_request=lora)[0]
+    assert first.num_cached_tokens == 0   # the base model's blocks are not the adapter's
+    _check(first, oracle, prompt)
+    again = llm.generate([prompt], GREEDY, lora_request=lora)[0]
+    assert again.num_cached_tokens >= 48  # the adapter's own blocks are
+    assert again.token_ids == first.token_ids
+    other = llm.generate([prompt], GREEDY, lora_request=adapters["attn"][0])[0]
+    assert other.num_cached_tokens == 0
+    _check(other, adapters["attn"][1], prompt)
+
+
+def test_lru_eviction_and_reload(tiny_llama, adapters):
+    """Three adapters through two slots, one after another: the least recently used slot goes."""
+    llm = _llm(tiny_llama, max_loras=2)
+    prompt = _prompts(1, seed=9)[0]
+    order = ["attn", "all", "mlp", "attn", "mlp"]
+    for name in order:
+        lora, oracle = adapters[name]
+        _check(llm.generate([prompt], GREEDY, lora_request=lora)[0], oracle, prompt)
+    # attn, all loaded; mlp evicts attn; attn evicts all (mlp used last); mlp is still in its slot
+    assert llm.stats()["lora_slot_loads"] == 4
+    assert llm.stats()["lora_slots_used"] == 2
+
+
+def _bad(root, hf, name, **kw):
+    make_adapter(root / name, hf, **kw)
+    return str(root / name)
+
+
+def _retarget(path, targets):
+    cfg_path = os.path.join(path, "adapter_config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    with open(cfg_path, "w") as f:
+        json.dump(dict(cfg, target_modules=targets), f)
+    return path
+
+
+def test_bad_adapters_are_refused_and_the_engine_keeps_serving(tiny_llama, adapters, tmp_path):
+    hf = tiny_llama[1]
+    llm = _llm(tiny_llama, max_lora_rank=8)
+    missing = tmp_path / "no-weights"
+    _bad(tmp_path, hf, "no-weights", targets=ATTN)
+    os.remove(missing / "adapter_model.safetensors")
+    emb = _retarget(_bad(tmp_path, hf, "emb", targets=ATTN), ATTN + ["embed_tokens"])
+    lm_head = _retarget(_bad(tmp_path, hf, "lmhead", targets=ATTN), ["lm_head"])
+    cases = [
+        (_bad(tmp_path, hf, "big", targets=ATTN, r=16), "larger than max_lora_rank 8"),
+        (emb, "embed_tokens"),
+        (lm_head, "lm_head"),
+        (_bad(tmp_path, hf, "dora", targets=ATTN, use_dora=True), "DoRA"),
+        (_bad(tmp_path, hf, "mts", targets=ATTN, modules_to_save=["lm_head"]), "modules_to_save"),
+        (_bad(tmp_path, hf, "bias", targets=ATTN, bias="all"), "bias"),
+        (str(missing), "no adapter_model.safetensors"),
+        (str(tmp_path / "nowhere"), "not a local folder"),
+    ]
+    prompts = _prompts(2, seed=3)
+    good, oracle = adapters["attn"]
+    for i, (path, msg) in enumerate(cases):
+        with pytest.raises(ValueError, match=msg):
+            # the good request is added first and taken back when the bad one fails
+            llm.generate(prompts, GREEDY, lora_request=[good, LoRARequest(f"bad{i}", 100 + i, path)])
+        assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+        assert not llm.engine.has_unfinished()
+    _check(llm.generate(prompts[:1], GREEDY, lora_request=good)[0], oracle, prompts[0])
+    with pytest.raises(ValueError, match="LoRARequest"):
+        llm.generate(prompts[:1], GREEDY, lora_request="attn")
+
+
+def test_lora_refusals(tiny_llama, adapters):
+    lora = adapters["attn"][0]
+    plain = LLM(str(tiny_llama[0]), device="cpu", dtype="float32", kv_cache_blocks=32)
+    with pytest.raises(ValueError, match="enable_lora"):
+        plain.generate([[5, 6, 7]], GREEDY, lora_request=lora)
+    with pytest.raises(ValueError, match="speculative_config"):
+        LLM(str(tiny_llama[0]), device="cpu", enable_lora=True,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM(str(tiny_llama[0]), device="cpu", enable_lora=True, tensor_parallel_size=2)
+    for bad in ({"max_loras": 0}, {"max_lora_rank": -1}, {"enable_lora": "yes"}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            LLM(str(tiny_llama[0]), device="cpu", **{"enable_lora": True, **bad})
+    from blitzllm.lora import LoRAConfig
+    from blitzllm.lora.manager import LoRAManager
+    with pytest.raises(ValueError, match="Qwen3MoeForCausalLM"):
+        LoRAManager(plain.engine.runner.model, "Qwen3MoeForCausalLM", LoRAConfig(), torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.gpu
+def test_adapter_on_cuda_matches_the_merged_model(tiny_llama, adapters):
+    """One adapter on CUDA (fp32, the eager path enable_lora takes) against transformers with the
+    adapter merged, on the GPU."""
+    lora, oracle = adapters["all"]
+    oracle = oracle.to("cuda")
+    llm = LLM(str(tiny_llama[0]), device="cuda", dtype="float32", kv_cache_blocks=64, max_num_seqs=4,
+              enable_lora=True)
+    assert llm.engine.runner.graphs is None
+    prompts = _prompts(3, seed=21)
+    outs = llm.generate(prompts, GREEDY, lora_request=lora)
+    for prompt, out in zip(prompts, outs):
+        ids = torch.tensor([prompt], device="cuda")
+        with torch.no_grad():
+            want = oracle.generate(ids, max_new_tokens=N, min_new_tokens=N, do_sample=False, eos_token_id=None,
+                                   pad_token_id=0, attention_mask=torch.ones_like(ids))[0, len(prompt):].tolist()
+            first = torch.log_softmax(oracle(ids).logits[0, -1].float(), -1)
+        assert out.token_ids == want
+        for tok, lp in out.logprobs[0].items():
+            assert abs(lp - first[tok].item()) < 1e-3
