@@ -132,13 +132,14 @@ class AsyncEngine:
         return self._stats
 
     async def add_request(self, request_id: str, prompt, params: SamplingParams,
-                          kv_transfer_params: Optional[dict] = None, priority: int = 0) -> RequestStream:
+                          kv_transfer_params: Optional[dict] = None, priority: int = 0,
+                          lora_request=None) -> RequestStream:
         """Queue a request; returns its stream once the engine accepted it. Raises
         ValueError (the engine's user-facing message), EngineNotReadyError or QueueFullError.
         ``kv_transfer_params`` (disaggregation, docs/disaggregation.md): a producer's answer on a
         consumer, whose KV is pulled here before the engine sees the request (KVLoadError when
-        the pull fails under policy 'fail'); ``{"do_remote_decode": true}`` on a producer. ``priority``: as
-        ``Engine.add_request``'s (the priority scheduling policy)."""
+        the pull fails under policy 'fail'); ``{"do_remote_decode": true}`` on a producer. ``priority``,
+        ``lora_request``: as ``Engine.add_request``'s (the priority scheduling policy, a LoRA adapter)."""
         if not self.ready:
             raise EngineNotReadyError(str(self.load_error) if self.load_error else "the model is still loading")
         waiting = (self._stats or {}).get("num_waiting", 0) + self._pending_adds
@@ -154,6 +155,8 @@ class AsyncEngine:
             kv = await self._kv_extras(prompt, params, kv_transfer_params)
             if priority:
                 kv["priority"] = priority
+            if lora_request is not None:
+                kv["lora_request"] = lora_request
             if params.structured_output is not None:   # compiled here, off the engine thread
                 await asyncio.to_thread(lambda: self.engine.grammar_compiler().compile(params.structured_output))
             self._cmds.put(("add", stream.engine_id, prompt, params, fut, kv))

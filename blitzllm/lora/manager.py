@@ -82,15 +82,10 @@ class LoRAManager:
             self.cpu.popitem(last=False)   # (requests that hold it keep it alive)
         return adapter
 
-    def forget(self, lora_int_id: int) -> None:
-        """Drop an adapter from the host cache and its slot (an unload): requests still running
-        hold the adapter itself, and the next step that needs it loads it again."""
-        for key in [k for k in self.cpu if k[1] == lora_int_id]:
-            del self.cpu[key]
-        for s, key in enumerate(self.slot_keys):
-            if key is not None and key[1] == lora_int_id:
-                self.slot_keys[s] = None
-                self.lru.pop(s, None)
+    def check(self, req: LoRARequest) -> LoRAAdapter:
+        """``req``'s adapter read and checked without caching it (a ValueError if it cannot be
+        served): safe from any thread, it reads only the wrapped modules' shapes."""
+        return load_adapter(req, self.modules, self.rank, self.dtype)
 
     # ---- the step -----------------------------------------------------------------
     def prepare_step(self, adapters: list) -> None:

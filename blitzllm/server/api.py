@@ -90,7 +90,8 @@ def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
                           on_load_error=on_load_error)
     aliases = (str(cfg.engine_kwargs["model"]),) if "model" in cfg.engine_kwargs else ()
     serving = Serving(aengine, cfg.model_name, aliases, reasoning_parser=cfg.reasoning_parser,
-                      tool_parser=cfg.tool_call_parser, return_tokens_as_token_ids=cfg.return_tokens_as_token_ids)
+                      tool_parser=cfg.tool_call_parser, return_tokens_as_token_ids=cfg.return_tokens_as_token_ids,
+                      lora_modules=cfg.lora_modules)
     expected_key = cfg.api_key.encode() if cfg.api_key else None
     store = ResponseStore(cfg.max_stored_responses)   # /v1/responses' stored answers
 
@@ -178,8 +179,9 @@ def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str, request: Request):
         guard(request, need_engine=False)
-        serving.check_model(model_id)
-        return JSONResponse(serving.model_card())
+        lora = serving.check_model(model_id)
+        return JSONResponse(serving.model_card() if lora is None else
+                            serving.loras.card(lora, serving.model_name, serving.created))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -234,4 +236,7 @@ def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
 
     from .kv_routes import install_kv_routes
     install_kv_routes(app, aengine, guard, lambda request: read_body(request, cfg.max_request_bytes))
+    from .lora_routes import install_lora_routes
+    install_lora_routes(app, serving, guard, lambda request: read_body(request, cfg.max_request_bytes),
+                        cfg.allow_runtime_lora_updating)
     return app

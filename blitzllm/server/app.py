@@ -45,6 +45,18 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="logprobs' tokens as 'token_id:<id>' (vLLM's; a request's return_tokens_as_token_ids "
                         "overrides it)")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (docs/lora.md): a request's model names one; every step runs eagerly")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help='adapters served under their names: name=path (a local PEFT folder) or \'{"name": "...", '
+                        '"path": "..."}\'; needs --enable-lora')
+    g.add_argument("--max-loras", type=int, default=1, help="distinct adapters in one batch (GPU slots)")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank served")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept read in host memory (default --max-loras)")
+    g.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
     from .tools import TOOL_PARSERS
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="let chat requests with tools (tool_choice 'auto') get tool_calls back; needs --tool-call-parser")
@@ -67,6 +79,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
         raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together")
     kwargs = engine_kwargs(args)
+    lora_modules = _lora_kwargs(args, kwargs)
     _check_engine(kwargs)
     if args.kv_transfer_config is not None:
         from ..kv_transfer import parse_kv_transfer_config
@@ -76,7 +89,20 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                        served_model_name=args.served_model_name, max_waiting_requests=args.max_waiting_requests,
                        max_request_bytes=args.max_request_bytes, reasoning_parser=args.reasoning_parser,
                        tool_call_parser=args.tool_call_parser, max_stored_responses=args.max_stored_responses,
-                       return_tokens_as_token_ids=args.return_tokens_as_token_ids)
+                       return_tokens_as_token_ids=args.return_tokens_as_token_ids, lora_modules=lora_modules,
+                       allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+
+
+def _lora_kwargs(args: argparse.Namespace, kwargs: dict) -> tuple:
+    """The LoRA flags into the engine's kwargs; returns the parsed --lora-modules."""
+    from .lora_routes import parse_lora_modules
+    modules = parse_lora_modules(args.lora_modules)
+    if (modules or args.allow_runtime_lora_updating) and not args.enable_lora:
+        raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
+    if args.enable_lora:
+        kwargs.update(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                      max_cpu_loras=args.max_cpu_loras)
+    return modules
 
 
 def _check_engine(kwargs: dict) -> None:

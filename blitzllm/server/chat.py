@@ -146,7 +146,7 @@ async def prepare_turn(s: Serving, req, messages, *, tools, tool_choice, paralle
 
 
 async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Request) -> Response:
-    s.check_model(req.model)
+    lora = s.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
     k = pick(req.top_logprobs, 0) if req.logprobs else None
@@ -163,7 +163,7 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
     if req.use_beam_search:
         return await _beam_chat(s, req, raw, rid, turn, mt_field, k, as_ids)
     stream = await s.submit(rid, ids, params, "messages", mt_field, structured_field=turn.structured_field,
-                            kv_transfer_params=req.kv_transfer_params, priority=req.priority)
+                            kv_transfer_params=req.kv_transfer_params, priority=req.priority, lora_request=lora)
     created = int(time.time())
     if req.stream:
         opts = req.stream_options

@@ -91,7 +91,7 @@ def _prompt_logprobs(s: Serving, ids, plp, k, as_ids: bool = False) -> dict:
 
 
 async def create_completion(s: Serving, req: CompletionRequest, raw: Request) -> Response:
-    s.check_model(req.model)
+    lora = s.check_model(req.model)
     if req.suffix:
         raise bad_request("suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != pick(req.n, 1):
@@ -120,7 +120,8 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
     try:
         for rid, (ids, _) in zip(rids, prompts):
             streams.append(await s.submit(rid, ids, params, "prompt", structured_field=structured_field,
-                                          kv_transfer_params=req.kv_transfer_params, priority=req.priority))
+                                          kv_transfer_params=req.kv_transfer_params, priority=req.priority,
+                                          lora_request=lora))
     except BaseException:  # (only the ones submitted: an id in use may be another request's)
         s.abort(streams)
         raise

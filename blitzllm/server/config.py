@@ -21,6 +21,8 @@ class ServeConfig:
     tool_call_parser: Optional[str] = None
     max_stored_responses: int = DEFAULT_MAX_STORED
     return_tokens_as_token_ids: bool = False
+    lora_modules: tuple = ()               # ((name, path), ...) of --lora-modules
+    allow_runtime_lora_updating: bool = False
 
     @property
     def model_name(self) -> str:

@@ -19,7 +19,7 @@ from .turn_output import feed_whole
 
 
 async def create_message(s: Serving, req: MessagesRequest, raw: Request) -> Response:
-    s.check_model(req.model)
+    lora = s.check_model(req.model)
     conv = await s.cpu(Conversation, req)
     turn = await prepare_turn(s, req, conv.messages, tools=conv.tools, tool_choice=conv.tool_choice,
                               parallel_tool_calls=conv.parallel, structured=(conv.structured, "output_config.format"),
@@ -35,7 +35,8 @@ async def create_message(s: Serving, req: MessagesRequest, raw: Request) -> Resp
                               param="min_tokens")
         params = params.clone(max_tokens=room)
     rid = f"msg-{request_id(raw)}"
-    stream = await s.submit(rid, turn.ids, params, "messages", "max_tokens", structured_field=turn.structured_field)
+    stream = await s.submit(rid, turn.ids, params, "messages", "max_tokens", structured_field=turn.structured_field,
+                            lora_request=lora)
     head = {"id": message_id(), "type": "message", "role": "assistant", "model": s.model_name}
     builder = ContentBuilder(turn.parser(s))
     if req.stream:

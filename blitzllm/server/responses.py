@@ -38,7 +38,7 @@ def not_found(response_id: str, param: str = "response_id", code: str = "respons
 
 
 async def create_response(s: Serving, req: ResponsesRequest, raw: Request, store: ResponseStore) -> Response:
-    s.check_model(req.model)
+    lora = s.check_model(req.model)
     _unsupported(req)
     earlier = None
     if req.previous_response_id is not None:
@@ -63,7 +63,7 @@ async def create_response(s: Serving, req: ResponsesRequest, raw: Request, store
         raise
     rid = f"resp-{request_id(raw)}"
     stream = await s.submit(rid, turn.ids, turn.params, "input", "max_output_tokens",
-                            structured_field=turn.structured_field, priority=req.priority)
+                            structured_field=turn.structured_field, priority=req.priority, lora_request=lora)
     head = _head(s, req, turn.params, store.enabled and req.store is not False)
     builder = OutputBuilder(s, turn.parser(s), k)
     finish = _Finish(s, store, head, builder, len(turn.ids), earlier, items)

@@ -32,6 +32,7 @@ from ..sampling_params import SamplingParams
 from .errors import APIError, bad_request
 from .protocol import MAX_N, MAX_STOP, DetokenizeRequest, TokenizeRequest
 from .chat_template import conversation, prompt_end, render
+from .lora_routes import ServedLoRAs
 from .tools import check_tools
 
 log = logging.getLogger("blitzllm.server")
@@ -146,8 +147,9 @@ class SSEResponse(StreamingResponse):
 class Serving:
     def __init__(self, aengine: AsyncEngine, model_name: str, aliases: tuple = (),
                  reasoning_parser: Optional[str] = None, tool_parser: Optional[str] = None,
-                 return_tokens_as_token_ids: bool = False):
+                 return_tokens_as_token_ids: bool = False, lora_modules: tuple = ()):
         self.aengine = aengine
+        self.loras = ServedLoRAs(lora_modules)   # the adapters a request's model may name (lora_routes.py)
         self.return_tokens_as_token_ids = return_tokens_as_token_ids  # (a request's own field overrides it)
         self.reasoning_parser = reasoning_parser  # (server/reasoning.py)
         self.tool_parser = tool_parser            # (server/tools.py)
@@ -175,6 +177,7 @@ class Serving:
             log.info("sampling defaults from the generation config, for fields a request leaves unset: %s",
                      self.defaults)
         self.vocab_size = engine.model_config.vocab_size
+        self.loras.setup(engine, self.model_names)
         if tokenizer is not None:
             per_token = max_token_chars(tokenizer)
             self.max_prompt_chars = None if per_token is None else per_token * engine.max_model_len
@@ -237,13 +240,18 @@ class Serving:
                               f"{self.max_model_len}", param=param, code="context_length_exceeded")
 
     # ---- shared pieces ---------------------------------------------------------------
-    def check_model(self, name: Optional[str]) -> None:
-        if name is not None and name not in self.model_names:
+    def check_model(self, name: Optional[str]):
+        """The LoRARequest of the adapter ``name`` names, None for the base model, else a 404."""
+        if name is None or name in self.model_names:
+            return None
+        lora = self.loras.get(name)
+        if lora is None:
             raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
+        return lora
 
     def models(self) -> dict:
-        return {"object": "list", "data": [self.model_card()]}
+        return {"object": "list", "data": [self.model_card(), *self.loras.cards(self.model_name, self.created)]}
 
     def model_card(self) -> dict:
         card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "blitzllm"}
@@ -355,9 +363,10 @@ class Serving:
 
     async def submit(self, rid: str, prompt_ids: list, params: SamplingParams, prompt_field: str,
                      max_tokens_field: str = "max_tokens", structured_field: Optional[str] = None,
-                     kv_transfer_params: Optional[dict] = None, priority: Optional[int] = 0):
+                     kv_transfer_params: Optional[dict] = None, priority: Optional[int] = 0, lora_request=None):
         try:
-            stream = await self.aengine.add_request(rid, prompt_ids, params, kv_transfer_params, priority or 0)
+            stream = await self.aengine.add_request(rid, prompt_ids, params, kv_transfer_params, priority or 0,
+                                                    lora_request)
             log.debug("request %s: %d prompt tokens, max_tokens %s", rid, len(prompt_ids), params.max_tokens)
             return stream
         except DuplicateRequestError as e:
