@@ -41,10 +41,12 @@ def make_adapter(path, hf_model, targets=ALL, r: int = 8, alpha: float = 16, rsl
     return tensors
 
 
-def merged_model(base_path, adapter_path):
-    """transformers' model of ``base_path`` (fp32) with the adapter merged into its weights."""
+def merged_model(base_path, adapter_path, **load_kw):
+    """transformers' model of ``base_path`` (fp32; ``load_kw``: more from_pretrained arguments, a
+    ``gguf_file``) with the adapter merged into its weights."""
     import transformers
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(base_path), dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(base_path), dtype=torch.float32,
+                                                              **load_kw).eval()
     from safetensors.torch import load_file
     with open(os.path.join(adapter_path, "adapter_config.json")) as f:
         cfg = json.load(f)

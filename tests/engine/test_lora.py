@@ -216,3 +216,39 @@ def test_adapter_on_cuda_matches_the_merged_model(tiny_llama, adapters):
         assert out.token_ids == want
         for tok, lp in out.logprobs[0].items():
             assert abs(lp - first[tok].item()) < 1e-3
+
+
+def test_prompt_logprobs_under_an_adapter(tiny_llama, adapters):
+    """The prefill's prompt logprobs (every prompt position scored in the same forward) are the
+    merged model's."""
+    lora, oracle = adapters["all"]
+    llm = _llm(tiny_llama)
+    prompt = _prompts(1, seed=13, lo=20, hi=21)[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0),
+                       lora_request=lora)[0]
+    with torch.no_grad():
+        want = oracle(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    got = torch.tensor([d[t] for d, t in zip(out.prompt_logprobs[1:], prompt[1:])])
+    assert torch.allclose(got, want[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])], atol=1e-4)
+
+
+def test_smollm2_chat_under_an_adapter(smollm2_gguf, smollm2_hf, tmp_path):
+    """The real model (fp32, as transformers runs it): LLM.chat under an adapter is the merged
+    model's greedy answer; on its GGUF grid (the CPU default) the adapter runs too."""
+    make_adapter(tmp_path / "smol", smollm2_hf, targets=ATTN + ["down_proj"], r=8, seed=5, std=0.1)
+    oracle = merged_model(smollm2_gguf.parent, tmp_path / "smol", gguf_file=smollm2_gguf.name)
+    lora = LoRARequest("smol", 7, str(tmp_path / "smol"))
+    llm = LLM("smollm2", dtype="float32", device="cpu", max_model_len=512, enable_lora=True)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    out = llm.chat(messages, p, lora_request=lora)[0]
+    ids = llm.apply_chat_template(messages)
+    assert out.token_ids == hf_greedy(oracle, ids, 12)
+    want = hf_logprobs(oracle, ids, out.token_ids)
+    got = torch.tensor([lp[t] for lp, t in zip(out.logprobs, out.token_ids)])
+    assert torch.allclose(got, want, atol=1e-3)
+    base = llm.chat(messages, p)[0]   # (the adapter moved the model)
+    assert base.token_ids != out.token_ids or abs(base.logprobs[0][base.token_ids[0]] - got[0].item()) > 1e-2
+    grid = LLM("smollm2", device="cpu", max_model_len=512, enable_lora=True)
+    assert grid.engine.runner.model.model.layers[0].self_attn.qkv_proj.quant is not None
+    assert len(grid.chat(messages, p, lora_request=lora)[0].token_ids) == 12
