@@ -4,6 +4,7 @@ mixed in a batch with the base model and other adapters, through too few slots, 
 cache; bad adapters are refused with a ValueError and leave the engine serving."""
 from __future__ import annotations
 
+import copy
 import json
 import os
 
@@ -201,7 +202,7 @@ def test_adapter_on_cuda_matches_the_merged_model(tiny_llama, adapters):
     """One adapter on CUDA (fp32, the eager path enable_lora takes) against transformers with the
     adapter merged, on the GPU."""
     lora, oracle = adapters["all"]
-    oracle = oracle.to("cuda")
+    oracle = copy.deepcopy(oracle).to("cuda")   # (the fixture's CPU model stays for the other tests)
     llm = LLM(str(tiny_llama[0]), device="cuda", dtype="float32", kv_cache_blocks=64, max_num_seqs=4,
               enable_lora=True)
     assert llm.engine.runner.graphs is None
