@@ -170,7 +170,8 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
         parsers = [turn.parser(s) for _ in range(params.n)]
         return SSEResponse(_chat_sse(s, rid, created, stream, params.n, len(ids), k,
                                       bool(opts and opts.include_usage),
-                                      bool(opts and opts.continuous_usage_stats), parsers, as_ids),
+                                      bool(opts and opts.continuous_usage_stats), parsers, as_ids,
+                                      s.answer_model(lora)),
                            on_close=lambda: s.aengine.abort(rid, stream))
     result = await s.until_done_or_gone(raw, s.collect([stream], params.n), [stream])
     if result is None:
@@ -185,7 +186,7 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
     plp = {}
     if plp_k is not None:   # (the first choice's: the engine scores the prompt once for the n)
         plp = {"prompt_logprobs": prompt_logprobs_body(s, ids, result[0]["plp"], result[0]["ranks"], plp_k, plp_k)}
-    return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": s.model_name,
+    return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": s.answer_model(lora),
                          "choices": choices, "usage": usage(len(ids), ntok), **plp, **kv_field(result)})
 
 
@@ -250,8 +251,9 @@ class ChoiceParser:
                 **({"tool_calls": calls} if calls else {})}
 
 
-async def _chat_sse(s: Serving, rid, created, stream, n, prompt_len, k, include_usage, continuous, parsers, as_ids):
-    head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": s.model_name}
+async def _chat_sse(s: Serving, rid, created, stream, n, prompt_len, k, include_usage, continuous, parsers, as_ids,
+                    model: str):
+    head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     ntok = 0
     try:
         for i in range(n):   # (continuous usage: on every chunk, these too, as vLLM sends it)

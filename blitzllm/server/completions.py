@@ -134,7 +134,7 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
         echo_ids = [ids for ids, _ in prompts] if req.echo and k is not None else None
         return SSEResponse(_cmpl_sse(s, base, created, streams, n, k, echoes, echo_ids, prompt_tokens,
                                      bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats),
-                                     as_ids),
+                                     as_ids, s.answer_model(lora)),
                            on_close=lambda: s.abort(streams))
     result = await s.until_done_or_gone(raw, s.collect(streams, n), streams)
     if result is None:
@@ -154,7 +154,7 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
             choices[-1]["prompt_logprobs"] = prompt_logprobs_body(s, prompts[i // n][0], first["plp"], first["ranks"],
                                                                   plp_k, params.prompt_logprobs)
     ntok = sum(len(c["ids"]) for c in result)
-    return JSONResponse({"id": base, "object": "text_completion", "created": created, "model": s.model_name,
+    return JSONResponse({"id": base, "object": "text_completion", "created": created, "model": s.answer_model(lora),
                          "choices": choices, "usage": usage(prompt_tokens, ntok), **kv_field(result)})
 
 
@@ -179,12 +179,12 @@ async def _beam_completion(s: Serving, req: CompletionRequest, raw: Request, bas
 
 
 async def _cmpl_sse(s: Serving, base, created, streams, n, k, echoes, echo_ids, prompt_tokens, include_usage,
-                    continuous, as_ids):
+                    continuous, as_ids, model: str):
     """With echo, each choice's first event is its prompt's text: at once, or, with ``echo_ids``
     (echo + logprobs: each prompt's ids), with its prompt logprobs once the prefill has computed
     them (the first event of the prompt's first choice carries them; the engine schedules that
     choice first)."""
-    head = {"id": base, "object": "text_completion", "created": created, "model": s.model_name}
+    head = {"id": base, "object": "text_completion", "created": created, "model": model}
     ntok = 0
     offsets = {}
     echo_lp = echo_ids is not None

@@ -37,7 +37,7 @@ async def create_message(s: Serving, req: MessagesRequest, raw: Request) -> Resp
     rid = f"msg-{request_id(raw)}"
     stream = await s.submit(rid, turn.ids, params, "messages", "max_tokens", structured_field=turn.structured_field,
                             lora_request=lora)
-    head = {"id": message_id(), "type": "message", "role": "assistant", "model": s.model_name}
+    head = {"id": message_id(), "type": "message", "role": "assistant", "model": s.answer_model(lora)}
     builder = ContentBuilder(turn.parser(s))
     if req.stream:
         return SSEResponse(_events(stream, head, builder, n_in, req.max_tokens),

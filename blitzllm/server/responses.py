@@ -64,7 +64,7 @@ async def create_response(s: Serving, req: ResponsesRequest, raw: Request, store
     rid = f"resp-{request_id(raw)}"
     stream = await s.submit(rid, turn.ids, turn.params, "input", "max_output_tokens",
                             structured_field=turn.structured_field, priority=req.priority, lora_request=lora)
-    head = _head(s, req, turn.params, store.enabled and req.store is not False)
+    head = _head(s, req, turn.params, store.enabled and req.store is not False, s.answer_model(lora))
     builder = OutputBuilder(s, turn.parser(s), k)
     finish = _Finish(s, store, head, builder, len(turn.ids), earlier, items)
     if req.stream:
@@ -115,13 +115,13 @@ async def _fitted_turn(s: Serving, req: ResponsesRequest, messages: list, **kw):
     return best
 
 
-def _head(s: Serving, req: ResponsesRequest, params, stored: bool) -> dict:
+def _head(s: Serving, req: ResponsesRequest, params, stored: bool, model: str) -> dict:
     """The response object before its output: its id and the request's settings echoed."""
     fmt = req.text.format if req.text is not None and req.text.format is not None else None
     choice = req.tool_choice
     return {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
             "status": "in_progress", "background": False, "error": None, "incomplete_details": None,
-            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": s.model_name,
+            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": model,
             "output": [], "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id,
             "reasoning": req.reasoning.model_dump(exclude_none=True) if req.reasoning is not None else None,

@@ -250,6 +250,10 @@ class Serving:
                            param="model", code="model_not_found")
         return lora
 
+    def answer_model(self, lora) -> str:
+        """The ``model`` an answer names: the adapter's name under one (vLLM's), else the served one."""
+        return self.model_name if lora is None else lora.lora_name
+
     def models(self) -> dict:
         return {"object": "list", "data": [self.model_card(), *self.loras.cards(self.model_name, self.created)]}
 

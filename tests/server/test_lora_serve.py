@@ -63,7 +63,9 @@ def _post(srv, path, body, status=200):
 
 def _completion(srv, model):
     body = {"model": model, "prompt": PROMPT, "max_tokens": N, "temperature": 0, "ignore_eos": True}
-    return _post(srv, "/v1/completions", body).json()["choices"][0]["text"]
+    out = _post(srv, "/v1/completions", body).json()
+    assert out["model"] == model   # (vLLM's: an adapter's answer names the adapter)
+    return out["choices"][0]["text"]
 
 
 def test_completions_and_chat_run_the_named_adapter(lora_server, offline):
@@ -75,7 +77,15 @@ def test_completions_and_chat_run_the_named_adapter(lora_server, offline):
     assert texts["a1"] != texts["tiny"] and texts["a2"] != texts["tiny"]
     want = llm.chat(MESSAGES, GREEDY, lora_request=loras["a2"])[0].text
     body = {"model": "a2", "messages": MESSAGES, "max_tokens": N, "temperature": 0, "ignore_eos": True}
-    assert _post(lora_server, "/v1/chat/completions", body).json()["choices"][0]["message"]["content"] == want
+    out = _post(lora_server, "/v1/chat/completions", body).json()
+    assert out["choices"][0]["message"]["content"] == want and out["model"] == "a2"
+    chunks = []
+    with httpx.stream("POST", lora_server.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    assert {c["model"] for c in chunks} == {"a2"}
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == want
     assert want != llm.chat(MESSAGES, GREEDY)[0].text
     wait_idle(lora_server)
 
@@ -85,10 +95,10 @@ def test_responses_and_messages_run_the_named_adapter(lora_server, offline):
     want = llm.chat(MESSAGES, GREEDY, lora_request=loras["a1"])[0].text
     r = _post(lora_server, "/v1/responses", {"model": "a1", "input": MESSAGES[0]["content"], "max_output_tokens": N,
                                              "temperature": 0, "ignore_eos": True}).json()
-    assert r["output"][-1]["content"][0]["text"] == want
+    assert r["output"][-1]["content"][0]["text"] == want and r["model"] == "a1"
     m = _post(lora_server, "/v1/messages", {"model": "a1", "messages": MESSAGES, "max_tokens": N, "temperature": 0,
                                             "ignore_eos": True}).json()
-    assert m["content"][0]["text"] == want
+    assert m["content"][0]["text"] == want and m["model"] == "a1"
 
 
 def test_models_lists_the_adapters(lora_server, lora_setup):
