@@ -117,7 +117,8 @@ def install_lora_routes(app: FastAPI, serving, guard, read, allow_runtime: bool)
                 raise bad_request(f"{f} must be a non-empty string", param=f)
         return obj
 
-    @app.post("/v1/load_lora_adapter")
+    # (admin routes behind a flag, as the KV transfer's: left out of /openapi.json)
+    @app.post("/v1/load_lora_adapter", include_in_schema=False)
     async def load_lora_adapter(request: Request):
         obj = await body(request, "lora_name", "lora_path")
         name = obj["lora_name"].strip()
@@ -128,7 +129,7 @@ def install_lora_routes(app: FastAPI, serving, guard, read, allow_runtime: bool)
                               code="invalid_lora") from None
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
-    @app.post("/v1/unload_lora_adapter")
+    @app.post("/v1/unload_lora_adapter", include_in_schema=False)
     async def unload_lora_adapter(request: Request):
         name = (await body(request, "lora_name"))["lora_name"].strip()
         if not loras.remove(name):

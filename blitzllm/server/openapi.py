@@ -29,7 +29,7 @@ _OPS = {
                                        (400, 401, 404, 413, 500, 503), "Create a chat completion"),
     ("/v1/completions", "post"): (P.CompletionRequest, P.CompletionResponse, P.CompletionResponse,
                                   (400, 401, 404, 413, 500, 503), "Create a completion"),
-    ("/v1/models", "get"): (None, P.ModelList, None, (401,), "List the served model"),
+    ("/v1/models", "get"): (None, P.ModelList, None, (401,), "List the served model and its LoRA adapters"),
     ("/v1/models/{model_id}", "get"): (None, P.ModelCard, None, (401, 404), "The served model"),
     ("/tokenize", "post"): (P.TokenizeRequest, P.TokenizeResponse, None, (400, 401, 404, 413, 503),
                             "Tokenize a prompt or chat messages"),

@@ -320,6 +320,8 @@ class ModelCard(_Out):
     owned_by: str
     max_model_len: Optional[int] = Field(None, description="once the model has loaded")
     vocab_size: Optional[int] = Field(None, description="once the model has loaded")
+    root: Optional[str] = Field(None, description="a LoRA adapter's: its folder")
+    parent: Optional[str] = Field(None, description="a LoRA adapter's: the base model's id")
 
 
 class ModelList(_Out):
