@@ -253,3 +253,17 @@ def test_smollm2_chat_under_an_adapter(smollm2_gguf, smollm2_hf, tmp_path):
     grid = LLM("smollm2", device="cpu", max_model_len=512, enable_lora=True)
     assert grid.engine.runner.model.model.layers[0].self_attn.qkv_proj.quant is not None
     assert len(grid.chat(messages, p, lora_request=lora)[0].token_ids) == 12
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_adapters_match_the_merged_model(arch, tmp_path):
+    """Qwen2 (q/k/v biases beside the LoRA) and Qwen3 (q/k norms after it), all seven modules."""
+    from tests.conftest import make_tiny_checkpoint
+    hf = make_tiny_checkpoint(arch, tmp_path / "base", seed=6)
+    make_adapter(tmp_path / "lora", hf, targets=ALL, r=8, seed=7)
+    oracle = merged_model(tmp_path / "base", tmp_path / "lora")
+    llm = LLM(str(tmp_path / "base"), device="cpu", dtype="float32", kv_cache_blocks=64, enable_lora=True)
+    prompts = _prompts(2, seed=17)
+    outs = llm.generate(prompts, GREEDY, lora_request=LoRARequest("q", 1, str(tmp_path / "lora")))
+    for prompt, out in zip(prompts, outs):
+        _check(out, oracle, prompt)
