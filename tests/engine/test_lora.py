@@ -155,8 +155,18 @@ def test_bad_adapters_are_refused_and_the_engine_keeps_serving(tiny_llama, adapt
     os.remove(missing / "adapter_model.safetensors")
     emb = _retarget(_bad(tmp_path, hf, "emb", targets=ATTN), ATTN + ["embed_tokens"])
     lm_head = _retarget(_bad(tmp_path, hf, "lmhead", targets=ATTN), ["lm_head"])
+    shape = _bad(tmp_path, hf, "shape", targets=ATTN, r=8)
+    with open(os.path.join(shape, "adapter_config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(shape, "adapter_config.json"), "w") as f:
+        json.dump(dict(cfg, r=4), f)   # (its tensors are of rank 8)
+    corrupt = _bad(tmp_path, hf, "corrupt", targets=ATTN)
+    with open(os.path.join(corrupt, "adapter_model.safetensors"), "wb") as f:
+        f.write(b"not a safetensors file")
     cases = [
         (_bad(tmp_path, hf, "big", targets=ATTN, r=16), "larger than max_lora_rank 8"),
+        (shape, "the model needs"),
+        (corrupt, "unreadable"),
         (emb, "embed_tokens"),
         (lm_head, "lm_head"),
         (_bad(tmp_path, hf, "dora", targets=ATTN, use_dora=True), "DoRA"),
