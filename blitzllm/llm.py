@@ -109,9 +109,9 @@ class LLM:
                                       num_cached_tokens=acc[rid][0]["cached"], prompt_logprobs=acc[rid][0]["plp"]))
         return outs
 
-    def beam_search(self, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts, params: BeamSearchParams, lora_request=None) -> list[BeamSearchOutput]:
         """vLLM's beam search (engine/beam_search.py): per prompt (as ``generate`` takes them) the
-        ``params.beam_width`` best beams, best first."""
+        ``params.beam_width`` best beams, best first; ``lora_request``: one adapter for all."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError("params must be a BeamSearchParams")
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
@@ -120,7 +120,7 @@ class LLM:
         searches = [BeamSearch(eng.tokenize(_unwrap(p)), params, eng.eos_token_ids, eng.max_model_len) for p in prompts]
         step = searches[0].step_params() if searches else None
         while live := [(s, b) for s in searches for b in s.live()]:
-            outs = self.generate([b.tokens for _, b in live], step)
+            outs = self.generate([b.tokens for _, b in live], step, lora_request=lora_request)
             for s in searches:
                 n = len(s.beams)
                 s.advance([o.outputs[0].logprobs[0] for o in outs[:n]])

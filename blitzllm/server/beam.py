@@ -43,9 +43,10 @@ def beam_params(req, params: SamplingParams, room: int) -> BeamSearchParams:
 
 
 async def beam_answers(s: Serving, raw: Request, rid: str, prompts: list, bp: BeamSearchParams, prompt_field: str,
-                       max_tokens_field: str, priority: Optional[int]) -> Optional[list]:
+                       max_tokens_field: str, priority: Optional[int], lora_request=None) -> Optional[list]:
     """Per prompt (token ids) its ``bp.beam_width`` best beams (``BeamSearchSequence``s with their
-    text), best first; None if the client went away."""
+    text), best first, under ``lora_request``'s adapter (None: the base model); None if the client
+    went away."""
     try:
         searches = [BeamSearch(ids, bp, s.aengine.engine.eos_token_ids, s.max_model_len) for ids in prompts]
     except ValueError as e:
@@ -58,7 +59,7 @@ async def beam_answers(s: Serving, raw: Request, rid: str, prompts: list, bp: Be
             streams.clear()
             for i, b in enumerate(live):
                 streams.append(await s.submit(f"{rid}-beam{n_steps}-{i}", b.tokens, step, prompt_field,
-                                              max_tokens_field, priority=priority))
+                                              max_tokens_field, priority=priority, lora_request=lora_request))
             result = await s.collect(streams, 1)
             n_steps += 1
             for search in searches:

@@ -161,7 +161,7 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
     ids, params = turn.ids, turn.params
     rid = f"chatcmpl-{request_id(raw)}"
     if req.use_beam_search:
-        return await _beam_chat(s, req, raw, rid, turn, mt_field, k, as_ids)
+        return await _beam_chat(s, req, raw, rid, turn, mt_field, k, as_ids, lora)
     stream = await s.submit(rid, ids, params, "messages", mt_field, structured_field=turn.structured_field,
                             kv_transfer_params=req.kv_transfer_params, priority=req.priority, lora_request=lora)
     created = int(time.time())
@@ -191,13 +191,13 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
 
 
 async def _beam_chat(s: Serving, req: ChatCompletionRequest, raw: Request, rid: str, turn: ChatTurn, mt_field: str,
-                     k: Optional[int], as_ids: bool) -> Response:
+                     k: Optional[int], as_ids: bool, lora) -> Response:
     """use_beam_search: choice i is the i-th best beam, through the reasoning and tool parsers."""
     if turn.params.structured_output is not None:
         raise bad_request(f"{turn.structured_field} does not go with use_beam_search", param=turn.structured_field)
     ids = turn.ids
     bp = beam_params(req, turn.params, s.max_model_len - len(ids))
-    beams = await beam_answers(s, raw, rid, [ids], bp, "messages", mt_field, req.priority)
+    beams = await beam_answers(s, raw, rid, [ids], bp, "messages", mt_field, req.priority, lora)
     if beams is None:
         return Response(status_code=499)
     choices, ntok = [], 0
@@ -207,8 +207,8 @@ async def _beam_chat(s: Serving, req: ChatCompletionRequest, raw: Request, rid: 
         message, reason = turn.message(s, b.text, b.finish_reason)
         choices.append({"index": i, "message": message, "finish_reason": reason, "stop_reason": None,
                         "logprobs": {"content": chat_logprobs(s, gen, b.logprobs, k, as_ids)} if k is not None else None})
-    return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()), "model": s.model_name,
-                         "choices": choices, "usage": usage(len(ids), ntok)})
+    return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()),
+                         "model": s.answer_model(lora), "choices": choices, "usage": usage(len(ids), ntok)})
 
 
 def structured_output(fmt):

@@ -114,7 +114,7 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
         raise bad_request("kv_transfer_params takes a single prompt", param="kv_transfer_params")
     base = f"cmpl-{request_id(raw)}"
     if req.use_beam_search:
-        return await _beam_completion(s, req, raw, base, prompts, params, as_ids)
+        return await _beam_completion(s, req, raw, base, prompts, params, as_ids, lora)
     rids = [f"{base}-{j}" for j in range(len(prompts))]
     streams = []
     try:
@@ -159,10 +159,11 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
 
 
 async def _beam_completion(s: Serving, req: CompletionRequest, raw: Request, base: str, prompts: list,
-                           params: SamplingParams, as_ids: bool) -> Response:
-    """use_beam_search: choice j * n + i is prompt j's i-th best beam."""
+                           params: SamplingParams, as_ids: bool, lora) -> Response:
+    """use_beam_search: choice j * n + i is prompt j's i-th best beam (``lora``: the adapter's)."""
     bp = beam_params(req, params, s.max_model_len - max(len(ids) for ids, _ in prompts))
-    beams = await beam_answers(s, raw, base, [ids for ids, _ in prompts], bp, "prompt", "max_tokens", req.priority)
+    beams = await beam_answers(s, raw, base, [ids for ids, _ in prompts], bp, "prompt", "max_tokens", req.priority,
+                               lora)
     if beams is None:
         return Response(status_code=499)
     choices, ntok = [], 0
@@ -174,8 +175,9 @@ async def _beam_completion(s: Serving, req: CompletionRequest, raw: Request, bas
             lp = None if req.logprobs is None else _legacy_logprobs(s, gen, b.logprobs, req.logprobs, len(echo), as_ids)
             choices.append({"index": j * bp.beam_width + i, "text": echo + b.text, "logprobs": lp,
                             "finish_reason": b.finish_reason, "stop_reason": None})
-    return JSONResponse({"id": base, "object": "text_completion", "created": int(time.time()), "model": s.model_name,
-                         "choices": choices, "usage": usage(sum(len(ids) for ids, _ in prompts), ntok)})
+    return JSONResponse({"id": base, "object": "text_completion", "created": int(time.time()),
+                         "model": s.answer_model(lora), "choices": choices,
+                         "usage": usage(sum(len(ids) for ids, _ in prompts), ntok)})
 
 
 async def _cmpl_sse(s: Serving, base, created, streams, n, k, echoes, echo_ids, prompt_tokens, include_usage,

@@ -277,3 +277,15 @@ def test_qwen_adapters_match_the_merged_model(arch, tmp_path):
     outs = llm.generate(prompts, GREEDY, lora_request=LoRARequest("q", 1, str(tmp_path / "lora")))
     for prompt, out in zip(prompts, outs):
         _check(out, oracle, prompt)
+
+
+def test_beam_search_under_an_adapter(tiny_llama, adapters):
+    """Beam width 1 is greedy decoding: under an adapter, the merged model's greedy tokens."""
+    from blitzllm import BeamSearchParams
+    lora, oracle = adapters["all"]
+    llm = _llm(tiny_llama, max_loras=1)
+    prompt = _prompts(1, seed=7)[0]
+    best = llm.beam_search([prompt], BeamSearchParams(beam_width=1, max_tokens=N, ignore_eos=True),
+                           lora_request=lora)[0].sequences[0]
+    assert best.tokens[len(prompt):] == hf_greedy(oracle, prompt, N)
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
