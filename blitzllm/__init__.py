@@ -1,15 +1,19 @@
 """blitzllm: a fast, readable LLM inference and serving engine.
 
 The public API: ``LLM``, ``SamplingParams``, ``RequestOutput``, ``CompletionOutput``,
-``BeamSearchParams``, ``LoRARequest`` (imported on first use, so ``python -m blitzllm.<module>``
-and the CLI stay light)."""
+``BeamSearchParams``, ``LoRARequest``, and for embeddings ``PoolingParams``,
+``EmbeddingRequestOutput``, ``EmbeddingOutput`` (imported on first use, so
+``python -m blitzllm.<module>`` and the CLI stay light)."""
 import importlib
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "BeamSearchParams", "LoRARequest"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "BeamSearchParams", "LoRARequest",
+           "PoolingParams", "EmbeddingRequestOutput", "EmbeddingOutput"]
 __version__ = "0.1.0"
 
 _WHERE = {"LLM": ".llm", "SamplingParams": ".sampling_params", "RequestOutput": ".engine.request",
-          "CompletionOutput": ".engine.request", "BeamSearchParams": ".engine.beam_search", "LoRARequest": ".lora"}
+          "CompletionOutput": ".engine.request", "BeamSearchParams": ".engine.beam_search", "LoRARequest": ".lora",
+          "PoolingParams": ".pooling_params", "EmbeddingRequestOutput": ".engine.request",
+          "EmbeddingOutput": ".engine.request"}
 
 
 def __getattr__(name):

@@ -1,4 +1,5 @@
-"""The offline API: ``LLM(...).generate(prompts, sampling_params)`` and ``.chat(messages, sampling_params)``.
+"""The offline API: ``LLM(...).generate(prompts, sampling_params)``, ``.chat(messages, sampling_params)`` and
+``.embed(prompts, pooling_params)``.
 With ``tensor_parallel_size`` > 1, ``close()`` (or ``with LLM(...) as llm``) stops the
 worker processes; they also stop when this process exits."""
 from __future__ import annotations
@@ -9,7 +10,9 @@ from typing import Iterator, Optional, Sequence, Union
 from .engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from .engine.engine import Engine, EngineArgs
 from .engine.intake import truncated
-from .engine.request import CompletionOutput, RequestOutput, gather, gathered
+from .engine.request import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, gather,
+                             gathered)
+from .pooling_params import PoolingParams
 from .sampling_params import SamplingParams
 
 
@@ -61,43 +64,15 @@ class LLM:
         one per prompt. ``priority``: one per prompt (lower first), with
         ``scheduling_policy="priority"``. ``lora_request``: a ``LoRARequest`` for all prompts, or a
         list of one (or None, the base model) per prompt, with ``enable_lora=True``."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise ValueError("prompts must be a string, a list of token ids, or a list of those, "
-                             f"got {type(prompts).__name__}")
-        prompts = [_unwrap(p) for p in prompts]
+        prompts = _prompt_list(prompts)
         params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
-        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        if len(plist) != len(prompts):
-            raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        plist = _params_list(params, prompts, SamplingParams)
         if priority is not None and (not isinstance(priority, (list, tuple)) or len(priority) != len(prompts)):
             raise ValueError(f"priority must be a list of one integer per prompt ({len(prompts)}), got {priority!r}")
         loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError(f"got {len(loras)} lora_request entries for {len(prompts)} prompts")
-        rids = []
-        try:
-            for prompt, p, prio, lora in zip(prompts, plist, priority or [0] * len(prompts), loras):
-                rid = f"gen-{next(self._ids)}"
-                self.engine.add_request(rid, prompt, p, priority=prio, lora_request=lora)
-                rids.append(rid)
-        except ValueError:
-            for rid in rids:
-                self.engine.abort_request(rid)
-            raise
-        acc = {rid: [gathered() for _ in range(p.n)] for rid, p in zip(rids, plist)}
-        left = sum(p.n for p in plist)
-        try:
-            self._inbox.update((rid, []) for rid in rids)
-            while left:
-                for ev in self._events(rids):
-                    left -= ev.finish_reason is not None
-                    gather(acc[ev.request_id][ev.index], ev)
-        finally:
-            for rid in rids:
-                self._inbox.pop(rid, None)
-                self.engine.abort_request(rid)   # (a no-op once finished)
+        rids, acc = self._run("gen", prompts, plist, [p.n for p in plist], priority, loras)
         outs = []
         for rid, prompt, p in zip(rids, prompts, plist):
             comps = [CompletionOutput(i, "".join(s["text"]), s["ids"],
@@ -114,10 +89,9 @@ class LLM:
         ``params.beam_width`` best beams, best first; ``lora_request``: one adapter for all."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError("params must be a BeamSearchParams")
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
         eng = self.engine
-        searches = [BeamSearch(eng.tokenize(_unwrap(p)), params, eng.eos_token_ids, eng.max_model_len) for p in prompts]
+        searches = [BeamSearch(eng.tokenize(p), params, eng.eos_token_ids, eng.max_model_len)
+                    for p in _prompt_list(prompts)]
         step = searches[0].step_params() if searches else None
         while live := [(s, b) for s in searches for b in s.live()]:
             outs = self.generate([b.tokens for _, b in live], step, lora_request=lora_request)
@@ -127,6 +101,49 @@ class LLM:
                 outs = outs[n:]
         decode = (lambda ids: eng.tokenizer.decode(ids, skip_special_tokens=True)) if eng.tokenizer else (lambda ids: "")
         return [BeamSearchOutput(s.best(decode)) for s in searches]
+
+    def embed(self, prompts, pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None,
+              use_tqdm: bool = False) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (prompts as ``generate`` takes them): the model's final hidden
+        states pooled as ``pooling_params`` and the engine's pooler config say (by default the last
+        token's, L2-normalized). One PoolingParams for all, or one per prompt."""
+        prompts = _prompt_list(prompts)
+        plist = _params_list(pooling_params if pooling_params is not None else PoolingParams(), prompts,
+                             PoolingParams)
+        rids, acc = self._run("embd", prompts, plist, [1] * len(plist))
+        return [EmbeddingRequestOutput(rid, EmbeddingOutput(acc[rid][0]["embedding"]),
+                                       truncated(self.engine.tokenize(prompt), p.truncate_prompt_tokens,
+                                                 self.engine.max_model_len), True)
+                for rid, prompt, p in zip(rids, prompts, plist)]
+
+    def _run(self, kind: str, prompts: list, plist: list, counts: list, priority=None, loras=None) -> tuple:
+        """Add one request per prompt (all or none: a refused one aborts those added; ``priority``
+        and ``loras``: one per prompt, or None) and step until each of its ``counts`` sequences
+        finished; (request ids, per id the ``gathered()`` of each sequence)."""
+        rids = []
+        try:
+            for prompt, p, prio, lora in zip(prompts, plist, priority or [0] * len(prompts),
+                                             loras or [None] * len(prompts)):
+                rid = f"{kind}-{next(self._ids)}"
+                self.engine.add_request(rid, prompt, p, priority=prio, lora_request=lora)
+                rids.append(rid)
+        except ValueError:
+            for rid in rids:
+                self.engine.abort_request(rid)
+            raise
+        acc = {rid: [gathered() for _ in range(n)] for rid, n in zip(rids, counts)}
+        left = sum(counts)
+        try:
+            self._inbox.update((rid, []) for rid in rids)
+            while left:
+                for ev in self._events(rids):
+                    left -= ev.finish_reason is not None
+                    gather(acc[ev.request_id][ev.index], ev)
+        finally:
+            for rid in rids:
+                self._inbox.pop(rid, None)
+                self.engine.abort_request(rid)   # (a no-op once finished)
+        return rids, acc
 
     def stream(self, prompt, sampling_params: Optional[SamplingParams] = None, lora_request=None) -> Iterator[str]:
         """One prompt's text as it is generated: yields each step's new text (first sample of
@@ -216,6 +233,26 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (nothing done) while a request holds KV blocks."""
         return self.engine.reset_prefix_cache()
+
+
+def _prompt_list(prompts) -> list:
+    """A prompt or a list of them (see ``generate``) -> a list of texts and token id lists."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError("prompts must be a string, a list of token ids, or a list of those, "
+                         f"got {type(prompts).__name__}")
+    return [_unwrap(p) for p in prompts]
+
+
+def _params_list(params, prompts: list, kind: type) -> list:
+    """One ``kind`` (SamplingParams, PoolingParams) for every prompt, or a list of one per prompt."""
+    plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    if len(plist) != len(prompts):
+        raise ValueError(f"got {len(plist)} {kind.__name__} for {len(prompts)} prompts")
+    if not all(isinstance(p, kind) for p in plist):
+        raise ValueError(f"params must be {kind.__name__}, got {sorted({type(p).__name__ for p in plist})}")
+    return plist
 
 
 def _unwrap(prompt):

@@ -12,6 +12,7 @@ import torch
 
 from ..config import SCHEDULING_POLICIES, CacheConfig, ModelConfig
 from ..loader.source import read_generation_config
+from ..pooling_params import parse_pooler_config
 from ..sampling_params import SamplingParams
 from ..spec.config import parse_speculative_config
 from .state_cache import LOOKAHEAD_ROWS, StateLayout, state_bytes_per_row, state_layout
@@ -57,6 +58,8 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: Optional[int] = None
+    # embeddings' defaults (vLLM's --pooler-config): {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool}
+    pooler_config: Optional[Union[str, dict]] = None
 
     def __post_init__(self):
         if self.weight_dtype is None and self.dtype is None:
@@ -180,6 +183,7 @@ def check_engine_args(a: EngineArgs) -> None:
     g = a.gpu_memory_utilization
     if not isinstance(g, (int, float)) or isinstance(g, bool) or not 0 < g <= 1:
         raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {g!r}")
+    parse_pooler_config(a.pooler_config)
     if a.dtype is not None and not isinstance(a.dtype, (str, torch.dtype)):
         raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {a.dtype!r}")
 

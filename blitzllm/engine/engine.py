@@ -20,6 +20,7 @@ from ..distributed.parallel_state import SINGLE
 from ..layers.sampler import SamplingRow
 from ..loader.source import resolve_model
 from ..loader.tokenizer import set_chat_template
+from ..pooling_params import PoolingParams
 from ..envs import Knobs
 from ..runner.build import build_runner
 from ..sampling_params import SamplingParams
@@ -30,6 +31,7 @@ from .args import (EngineArgs, check_engine_args, check_tp_size, engine_cache_co
 from .detokenizer import IncrementalDetokenizer
 from .intake import check_priority, check_request
 from .kv_cache import KVCacheManager
+from .pooling import Pooling, absorb, pool_spans, vector
 from .request import Request, Status, score_prompt
 from .scheduler import Scheduler
 from .state_cache import HybridKVCacheManager
@@ -50,6 +52,7 @@ class StepEvent:
     prompt_ranks: Optional[list] = None     # with them: per prompt token its rank (None for the first)
     kv_transfer_params: Optional[dict] = None  # a producer's finished request: where its KV waits
     num_cached_tokens: Optional[int] = None    # on the last event: the prompt tokens the prefix cache served
+    embedding: Optional[list] = None           # a pooling request's one event: its vector
 
 
 class Engine:
@@ -71,6 +74,8 @@ class Engine:
         src = resolve_model(args.model, args.load_format)
         self.sampling_defaults = sampling_defaults(args, src.generation_config)
         self.model_config = cfg = ModelConfig.from_hf(src.hf_config, args.num_layers)
+        folder = src.path if src.path is not None and src.path.is_dir() else None
+        self.pooling = Pooling(args.pooler_config, folder, src.hf_config)
         self.dtype = resolve_dtype(args.dtype, self.device, src.torch_dtype)
         self.weight_dtype = resolve_weight_dtype(args.weight_dtype, self.device, self.dtype)
         from ..kv_transfer import build_connector   # P/D disaggregation (docs/disaggregation.md)
@@ -230,14 +235,25 @@ class Engine:
     def add_request(self, request_id: str, prompt: Union[str, list], params: SamplingParams,
                     kv_transfer_params: Optional[dict] = None, kv_payload=None, priority: int = 0,
                     lora_request=None) -> None:
-        """``kv_transfer_params`` / ``kv_payload``: disaggregation (``async_engine.py`` pulls the payload).
+        """``params``: a SamplingParams, or a PoolingParams for an embedding (engine/pooling.py).
+        ``kv_transfer_params`` / ``kv_payload``: disaggregation (``async_engine.py`` pulls the payload).
         ``priority``: under the priority scheduling policy, lower is served first (vLLM's).
         ``lora_request``: a ``LoRARequest`` (enable_lora), its adapter read and checked here."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError("params must be a SamplingParams")
         check_priority(priority, self.sched_config.policy)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(params, PoolingParams):   # an embedding: one prefill-only sequence
+            if lora_request is not None:
+                raise ValueError("embeddings run on the base model: lora_request does not go with PoolingParams")
+            req = self.pooling.request(f"{request_id}#0", self.tokenize(prompt), params, arrival=next(self._arrival),
+                                       vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len)
+            req.priority = priority
+            self.requests[request_id] = [req]
+            self.scheduler.add(req)
+            self.counters["prompt_tokens"] += len(req.prompt_token_ids)
+            return
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params must be a SamplingParams or a PoolingParams")
         if lora_request is not None and self.lora is None:
             raise ValueError("lora_request needs an engine built with enable_lora=True")
         adapter = self.lora.resolve(lora_request) if lora_request is not None else None
@@ -316,23 +332,26 @@ class Engine:
             self.connector.land(seqs, self.kv)  # KV pulled for requests admitted now
         if self.lora is not None:
             self.lora.prepare_step([s.req.lora for s in seqs])
-        drafts = self.spec.propose(seqs) if self.spec is not None else None
+        pooling = any(s.req.pooler is not None for s in seqs)
+        # (a step with pooling rows drafts nothing: its forward is the eager one, which hands back hidden rows)
+        drafts = self.spec.propose(seqs) if self.spec is not None and not pooling else None
         if drafts is not None:
             return self._spec_step(seqs, drafts)
-        sampling = [s for s in seqs if s.samples]
+        sample_idx = [i for i, s in enumerate(seqs) if s.samples and s.req.pooler is None]
+        sampling = [seqs[i] for i in sample_idx]
         rows = [self._row(s.req) for s in sampling]
         batch = [(s.req.token_slice(s.start, s.end), s.start, s.end) for s in seqs]
         tables = [self.kv.block_table(s.req.request_id) for s in seqs]
-        sample_idx = [i for i, s in enumerate(seqs) if s.samples]
-        if any(s.req.prompt_logprobs_from is not None for s in seqs):
+        if pooling or any(s.req.prompt_logprobs_from is not None for s in seqs):
             logits = self._score(seqs, batch, tables, {i: 1 for i in sample_idx}, self._plan_states(seqs))
             result = self.runner.sample(logits, rows)
         else:
             result = self.runner.execute(batch, tables, sample_idx, rows, self._plan_states(seqs))
         self.scheduler.step_done(seqs)
         tops = result.top or [None] * len(sampling)
-        return [self._append_token(s.req, tok, lp, top)
-                for s, tok, lp, top in zip(sampling, result.token_ids, result.logprobs, tops)]
+        events = [self._append_token(s.req, tok, lp, top)
+                  for s, tok, lp, top in zip(sampling, result.token_ids, result.logprobs, tops)]
+        return events + [self._pooled(s.req) for s in seqs if s.req.pooler is not None and s.samples]
 
     def _spec_step(self, seqs, drafts) -> list[StepEvent]:
         """A step where some decodes carry drafts: the target scores every draft position
@@ -383,7 +402,11 @@ class Engine:
                     want[i] = (lo, hi)
         idx = sorted(set(sample_counts) | set(want))
         counts = [max(sample_counts.get(i, 0), batch[i][2] - want[i][0] if i in want else 0) for i in idx]
-        logits = self.runner.score(batch, tables, idx, counts, states)
+        spans = pool_spans(seqs) or None
+        logits = self.runner.score(batch, tables, idx, counts, states, spans)
+        if spans is not None:
+            logits, sums = logits
+            absorb(seqs, spans, sums)
         if not want:
             return logits
         keep, off = [], 0
@@ -456,6 +479,13 @@ class Engine:
         return StepEvent(rid, int(index), [tok], text, lps, reason, stop_reason, prompt_logprobs=plp,
                          prompt_ranks=ranks, kv_transfer_params=req.kv_transfer_params if done else None,
                          num_cached_tokens=min(req.num_cached_tokens, len(req.prompt_token_ids)) if done else None)
+
+    def _pooled(self, req: Request) -> StepEvent:
+        """A pooling request whose prompt is computed: its vector, and it is done."""
+        emb = vector(req)
+        self._finish(req, "stop", None)
+        return StepEvent(req.request_id.rsplit("#", 1)[0], 0, [], "", None, "stop", embedding=emb,
+                         num_cached_tokens=min(req.num_cached_tokens, len(req.prompt_token_ids)))
 
     def _finish(self, req: Request, reason: str, stop_reason) -> None:
         req.status, req.finish_reason, req.stop_reason = Status.FINISHED, reason, stop_reason

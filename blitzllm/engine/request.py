@@ -20,7 +20,7 @@ class Status(enum.Enum):
 class Request:
     request_id: str
     prompt_token_ids: list
-    params: SamplingParams
+    params: SamplingParams        # (a PoolingParams for an embedding request)
     seed: int
     arrival: int                  # arrival order
     priority: int = 0             # the priority policy's: lower first (engine/scheduler.py)
@@ -48,11 +48,22 @@ class Request:
     kv_transfer_params: Optional[dict] = None
     kv_payload: object = None
     lora: object = None           # its LoRA adapter (blitzllm/lora LoRAAdapter), None for the base model
+    pooler: object = None   # an embedding request's pooling state (engine/pooling.py); None for generation
 
     @property
     def cache_root(self):
         """What its prefix-cache hashes start from: KV is shared only under the same adapter."""
         return None if self.lora is None else self.lora.key
+
+    @property
+    def cacheable_tokens(self) -> list:
+        """The tokens the prefix cache may serve: none when pooling reads every prompt position
+        (MEAN, CLS); for prompt logprobs, those before the first position whose logits they still
+        need; else all."""
+        if self.pooler is not None and self.pooler.needs_every_position:
+            return []
+        first = self.prompt_logprobs_from
+        return self.all_token_ids if first is None else self.all_token_ids[:first + 1]
 
     @property
     def prompt_logprobs_from(self) -> Optional[int]:
@@ -122,6 +133,24 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
 
+@dataclass
+class EmbeddingOutput:
+    embedding: list   # floats
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """``LLM.embed``'s answer per prompt (vLLM's shape)."""
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list
+    finished: bool
+
+
 @torch.inference_mode()
 def score_prompt(req: Request, logits: torch.Tensor, lo: int) -> None:
     """Rows of ``logits`` score prompt positions lo, lo + 1, ...: each gives the logprob of the
@@ -149,9 +178,9 @@ def score_prompt(req: Request, logits: torch.Tensor, lo: int) -> None:
 def gathered() -> dict:
     """One completion as a caller gathers it from its StepEvents (``gather``): text pieces, token
     ids, logprobs, finish and stop reason, prompt logprobs and their tokens' ranks, KV transfer params,
-    cached tokens."""
+    cached tokens, a pooling request's embedding."""
     return {"text": [], "ids": [], "lps": [], "reason": None, "stop": None, "plp": None, "ranks": None, "kv": None,
-            "cached": 0}
+            "cached": 0, "embedding": None}
 
 
 def gather(c: dict, ev) -> None:
@@ -166,5 +195,7 @@ def gather(c: dict, ev) -> None:
         c["kv"] = ev.kv_transfer_params
     if ev.num_cached_tokens is not None:
         c["cached"] = ev.num_cached_tokens
+    if ev.embedding is not None:
+        c["embedding"] = ev.embedding
     if ev.finish_reason is not None:
         c["reason"], c["stop"] = ev.finish_reason, ev.stop_reason

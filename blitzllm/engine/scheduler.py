@@ -124,11 +124,8 @@ class Scheduler:
                 budget += freed
                 continue
             if req.request_id not in self.kv.tables:
-                # prompt logprobs need the logits of every prompt position not yet scored: the
-                # cache may serve only the tokens before the first of them
-                first = req.prompt_logprobs_from
-                tokens = req.all_token_ids if first is None else req.all_token_ids[:first + 1]
-                req.num_computed_tokens = self.kv.match_prefix(req.request_id, tokens, req.cache_root)
+                # (prompt logprobs and pooling need positions the cache would skip)
+                req.num_computed_tokens = self.kv.match_prefix(req.request_id, req.cacheable_tokens, req.cache_root)
                 req.num_cached_tokens = max(req.num_cached_tokens, req.num_computed_tokens)
                 if self.remote_tokens is not None:  # (landed by the engine before the forward)
                     req.num_computed_tokens = max(req.num_computed_tokens, self.remote_tokens(req))

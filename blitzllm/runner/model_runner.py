@@ -245,25 +245,30 @@ class ModelRunner:
     @torch.inference_mode()
     @_kernel_mode
     def score(self, seqs, block_tables, sample_idx: list[int], counts: list[int],
-              states: Optional[StatePlan] = None) -> Optional[torch.Tensor]:
+              states: Optional[StatePlan] = None, spans: Optional[list] = None):
         """Eager forward that returns the logits of the last ``counts[j]`` positions of
         batch row ``sample_idx[j]`` (a speculative verify step: each drafting row scores
         its k drafts plus the bonus position), stacked in row order: [sum(counts), V];
-        None when no row asks for logits."""
+        None when no row asks for logits. With ``spans`` (pooling, engine/pooling.py):
+        (those logits, ``forward``'s sums of final hidden rows)."""
         self._drop_ahead()
-        # (state layers run a sequence's rows in order: its verify rows cannot be decode rows)
-        if (self.graphs is not None and self.states is None and len(sample_idx) == len(seqs)
+        # (state layers run a sequence's rows in order: its verify rows cannot be decode rows;
+        # the decode graphs hand back logits only, so a pooling step never takes them)
+        if (spans is None and self.graphs is not None and self.states is None and len(sample_idx) == len(seqs)
                 and all(c == e - s for c, (_, s, e) in zip(counts, seqs)) and self.graphs.can_run(sum(counts))):
             return self._score_as_decode_rows(seqs, block_tables)
         if self.driver is None:
-            return self.forward(seqs, block_tables, sample_idx, counts, states)
+            return self.forward(seqs, block_tables, sample_idx, counts, states, spans)
         with self.driver.step():
+            # (the other ranks need no spans: rank 0's final hidden rows are whole, the norm all-reduced them)
             self.driver.send(("forward", seqs, block_tables, sample_idx, counts, states))
-            return self.forward(seqs, block_tables, sample_idx, counts, states)
+            return self.forward(seqs, block_tables, sample_idx, counts, states, spans)
 
     def forward(self, seqs, block_tables, sample_idx: list[int], counts: list[int],
-                states: Optional[StatePlan] = None) -> Optional[torch.Tensor]:
-        """``score`` without the broadcast (what every tensor-parallel rank runs)."""
+                states: Optional[StatePlan] = None, spans: Optional[list] = None):
+        """``score`` without the broadcast (what every tensor-parallel rank runs). ``spans``:
+        (batch row, first, end) offsets within the row's chunk; then returns (logits, the
+        float32 sum of each span's final hidden rows, [len(spans), hidden])."""
         input_ids, positions, md, qsl = self.prepare(seqs, block_tables)
         smd = None
         if self.states is not None:
@@ -273,10 +278,13 @@ class ModelRunner:
             hidden = self.model(input_ids, positions)
         if smd is not None:
             self.states.finish(states)
-        if not sample_idx:
-            return None
-        idx = [p for i, c in zip(sample_idx, counts) for p in range(qsl[i + 1] - c, qsl[i + 1])]
-        return self.model.compute_logits(hidden.index_select(0, torch.tensor(idx, device=self.device)))
+        logits = None
+        if sample_idx:
+            idx = [p for i, c in zip(sample_idx, counts) for p in range(qsl[i + 1] - c, qsl[i + 1])]
+            logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(idx, device=self.device)))
+        if spans is None:
+            return logits
+        return logits, torch.stack([hidden[qsl[i] + a:qsl[i] + b].float().sum(0) for i, a, b in spans])
 
     def _score_as_decode_rows(self, seqs, block_tables) -> torch.Tensor:
         """A verify step where every position is scored: each position becomes a decode row

@@ -1,0 +1,150 @@
+"""Embedding requests in the engine: the model's pooling defaults (``--pooler-config`` over a
+sentence-transformers folder's files over vLLM's decoder default, LAST + normalized), a pooling
+request's checks, which hidden rows each step must hand back, and the vector once its prompt is
+done.
+
+A pooling request is prefill only: its prompt runs in chunks like any other, never samples and
+never drafts. Each step's forward sums the final hidden states (after the final norm, the
+input of ``compute_logits``) of the rows the request needs, in float32 on the device
+(``ModelRunner.forward``'s ``spans``); the sums add up here across chunks, and the request
+finishes with its vector when its last prompt token has been computed. Under tensor parallelism
+the final norm all-reduces, so rank 0's hidden rows are whole and rank 0 pools alone.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..pooling_params import PoolerConfig, PoolingParams, parse_pooler_config
+from .intake import truncated
+from .request import Request
+
+log = logging.getLogger("blitzllm.engine")
+
+DECODER_DEFAULT = PoolerConfig(pooling_type="LAST", normalize=True)
+_ST_MODES = {"pooling_mode_cls_token": "CLS", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_lasttoken": "LAST"}
+
+
+def sentence_transformers_config(folder: Optional[Path]) -> tuple:
+    """(PoolerConfig, None) from a sentence-transformers folder's ``modules.json`` and its Pooling
+    module's ``config.json`` (the first mode set true, as vLLM reads it; normalized when a
+    Normalize module follows); (an empty PoolerConfig, None) without those files; (None, why)
+    for a pooling mode we do not have."""
+    if folder is None or not (folder / "modules.json").is_file():
+        return PoolerConfig(), None
+    try:
+        modules = json.loads((folder / "modules.json").read_text())
+        types = [str(m.get("type", "")) for m in modules]
+        pool = next((m for m in modules if str(m.get("type", "")).endswith(".Pooling")), None)
+        modes = json.loads((folder / pool["path"] / "config.json").read_text()) if pool is not None else {}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        return None, f"the model's sentence-transformers files could not be read ({type(e).__name__}: {e})"
+    normalize = any(t.endswith(".Normalize") for t in types)
+    mode = next((k for k, v in modes.items() if k.startswith("pooling_mode_") and v is True), None)
+    if mode is None:
+        return PoolerConfig(normalize=normalize), None
+    if mode not in _ST_MODES:
+        return None, f"the model's sentence-transformers pooling {mode!r} is not supported (LAST, MEAN, CLS are)"
+    return PoolerConfig(pooling_type=_ST_MODES[mode], normalize=normalize), None
+
+
+@dataclass
+class PoolState:
+    """A pooling request's settings and its running sum of hidden rows."""
+    pooling_type: str
+    normalize: bool
+    dimensions: Optional[int]
+    total: Optional[torch.Tensor] = None   # float32 [hidden] on the device
+
+    @property
+    def needs_every_position(self) -> bool:
+        """MEAN reads every prompt position, CLS the first: a prefix-cache hit would skip them."""
+        return self.pooling_type != "LAST"
+
+
+class Pooling:
+    """The engine's pooling defaults and the steps of its pooling requests."""
+
+    def __init__(self, pooler_config, folder: Optional[Path], hf_config: dict):
+        explicit = parse_pooler_config(pooler_config) or PoolerConfig()
+        model_cfg, self.error = sentence_transformers_config(folder)
+        if self.error is not None and explicit.pooling_type is not None:
+            model_cfg, self.error = PoolerConfig(), None   # the flag names the type the files could not
+        if self.error is not None:
+            log.warning("%s: embedding requests are refused unless --pooler-config names a pooling_type", self.error)
+        self.config = explicit.over((model_cfg or PoolerConfig()).over(DECODER_DEFAULT))
+        # matryoshka (vLLM's test): the HF config declares it, or lists the dimensions it was trained for
+        self.matryoshka_dims = hf_config.get("matryoshka_dimensions") or None
+        self.matryoshka = bool(self.matryoshka_dims) or bool(hf_config.get("is_matryoshka", False))
+
+    def request(self, request_id: str, ids: list, params: PoolingParams, *, vocab_size: int, max_model_len: int,
+                arrival: int) -> Request:
+        """A pooling request for the scheduler, or a ValueError saying what is wrong."""
+        if not isinstance(params, PoolingParams):
+            raise ValueError("params must be a PoolingParams")
+        if self.error is not None:
+            raise ValueError(self.error)
+        d = params.dimensions
+        if d is not None and not self.matryoshka:
+            raise ValueError("dimensions: the model does not support matryoshka representation; changing the "
+                             "output dimensions would give poor embeddings")
+        if d is not None and self.matryoshka_dims and d not in self.matryoshka_dims:
+            raise ValueError(f"dimensions: the model supports the matryoshka dimensions {self.matryoshka_dims} "
+                             f"only, got {d}")
+        ids = truncated(ids, params.truncate_prompt_tokens, max_model_len)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if any(t < 0 or t >= vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+        if len(ids) > max_model_len:   # (nothing is generated: the prompt may fill the context)
+            raise ValueError(f"the prompt has {len(ids)} tokens, more than max_model_len={max_model_len}")
+        state = PoolState(self.config.pooling_type,
+                          self.config.normalize if params.normalize is None else params.normalize, d)
+        req = Request(request_id=request_id, prompt_token_ids=list(ids), params=params, seed=0, arrival=arrival,
+                      max_total_tokens=max_model_len)
+        req.pooler = state
+        return req
+
+
+def pool_spans(seqs) -> list:
+    """(batch row, first, end) offsets within the row's chunk of the hidden rows each pooling
+    request of the step needs summed."""
+    out = []
+    for i, s in enumerate(seqs):
+        st = s.req.pooler
+        if st is None:
+            continue
+        n = s.num_tokens
+        if st.pooling_type == "MEAN":
+            out.append((i, 0, n))
+        elif st.pooling_type == "CLS" and s.start == 0:
+            out.append((i, 0, 1))
+        elif st.pooling_type == "LAST" and s.end == len(s.req.prompt_token_ids):
+            out.append((i, n - 1, n))
+    return out
+
+
+def absorb(seqs, spans: list, sums: torch.Tensor) -> None:
+    """Add a step's sums (``pool_spans`` order) to their requests' running totals; a chunk from
+    position 0 starts a new total (a preempted request computes its prompt again)."""
+    for (i, _, _), row in zip(spans, sums):
+        s = seqs[i]
+        st = s.req.pooler
+        st.total = row if s.start == 0 or st.total is None else st.total + row
+
+
+def vector(req: Request) -> list:
+    """The finished request's embedding: the mean (MEAN) or the row, its first ``dimensions``
+    values, L2-normalized where asked."""
+    st = req.pooler
+    v = st.total / len(req.prompt_token_ids) if st.pooling_type == "MEAN" else st.total
+    if st.dimensions is not None:
+        v = v[:st.dimensions]
+    if st.normalize:
+        v = torch.nn.functional.normalize(v, dim=-1)
+    return v.cpu().tolist()
