@@ -12,8 +12,9 @@ import queue
 import threading
 import time
 import traceback
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
+from ..pooling_params import PoolingParams
 from ..sampling_params import SamplingParams
 from .intake import truncated
 
@@ -131,7 +132,7 @@ class AsyncEngine:
         """The engine's counters as of the end of its last step (None while loading)."""
         return self._stats
 
-    async def add_request(self, request_id: str, prompt, params: SamplingParams,
+    async def add_request(self, request_id: str, prompt, params: Union[SamplingParams, PoolingParams],
                           kv_transfer_params: Optional[dict] = None, priority: int = 0,
                           lora_request=None) -> RequestStream:
         """Queue a request; returns its stream once the engine accepted it. Raises
@@ -147,7 +148,9 @@ class AsyncEngine:
             raise QueueFullError(f"{waiting} requests are waiting (bound {self.max_waiting}); retry later")
         if request_id in self._streams:
             raise DuplicateRequestError(f"request id {request_id!r} is already in use")
-        stream = RequestStream(request_id, params.n, time.monotonic(), f"{request_id}#{next(self._adds)}")
+        pooling = isinstance(params, PoolingParams)   # (an embedding: one sequence, no grammar)
+        stream = RequestStream(request_id, 1 if pooling else params.n, time.monotonic(),
+                               f"{request_id}#{next(self._adds)}")
         self._streams[request_id] = self._by_engine_id[stream.engine_id] = stream
         fut = self._loop.create_future()
         self._pending_adds += 1
@@ -157,7 +160,7 @@ class AsyncEngine:
                 kv["priority"] = priority
             if lora_request is not None:
                 kv["lora_request"] = lora_request
-            if params.structured_output is not None:   # compiled here, off the engine thread
+            if not pooling and params.structured_output is not None:   # compiled here, off the engine thread
                 await asyncio.to_thread(lambda: self.engine.grammar_compiler().compile(params.structured_output))
             self._cmds.put(("add", stream.engine_id, prompt, params, fut, kv))
             await fut

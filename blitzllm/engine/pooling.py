@@ -91,11 +91,11 @@ class Pooling:
             raise ValueError(self.error)
         d = params.dimensions
         if d is not None and not self.matryoshka:
-            raise ValueError("dimensions: the model does not support matryoshka representation; changing the "
-                             "output dimensions would give poor embeddings")
+            raise ValueError("dimensions must be left unset: the model does not support matryoshka representation, "
+                             "and other output dimensions would give poor embeddings")
         if d is not None and self.matryoshka_dims and d not in self.matryoshka_dims:
-            raise ValueError(f"dimensions: the model supports the matryoshka dimensions {self.matryoshka_dims} "
-                             f"only, got {d}")
+            raise ValueError(f"dimensions must be one of the model's matryoshka dimensions {self.matryoshka_dims}, "
+                             f"got {d}")
         ids = truncated(ids, params.truncate_prompt_tokens, max_model_len)
         if not ids:
             raise ValueError("the prompt is empty")

@@ -19,12 +19,13 @@ from ..engine.async_engine import AsyncEngine
 from .config import ServeConfig
 from .chat import create_chat_completion
 from .completions import create_completion
+from .embeddings import create_embedding
 from .errors import APIError, decode_json, install_error_handlers, parse_body, read_body
 from .messages import count_tokens, create_message
 from .messages_protocol import CountTokensRequest, MessagesRequest
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .openapi import build_openapi
-from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, TokenizeRequest
 from .responses import cancel_response, create_response, delete_response, get_response
 from .responses_protocol import ResponsesRequest
 from .responses_store import ResponseStore
@@ -107,7 +108,7 @@ def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
 
     app = FastAPI(title="blitzllm", version=_version(), lifespan=lifespan, docs_url="/docs", redoc_url="/redoc",
                   openapi_url="/openapi.json",
-                  description="An OpenAI-compatible server (docs/serving.md): chat and text completions, "
+                  description="An OpenAI-compatible server (docs/serving.md): chat and text completions, embeddings, "
                               "responses, Anthropic's messages, the model list, the server's tokenizer, health and "
                               "Prometheus metrics.")
 
@@ -190,6 +191,10 @@ def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await openai(request, CompletionRequest, create_completion)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        return await openai(request, EmbeddingRequest, create_embedding)
 
     @app.post("/v1/responses")
     async def responses(request: Request):

@@ -13,7 +13,8 @@ from .beam import beam_answers, beam_params
 from .chat import as_token_ids, check_prompt_logprobs, prompt_logprobs_body, token_str
 from .errors import bad_request
 from .protocol import CompletionRequest
-from .serving import SSE_DONE, Serving, SSEResponse, kv_field, lp_value, merge, pick, request_id, sse, usage
+from .serving import (SSE_DONE, Serving, SSEResponse, kv_field, lp_value, merge, pick, prompt_list, request_id, sse,
+                      usage)
 
 
 def _completion_prompts(s: Serving, prompt, echo: bool, params: SamplingParams) -> list:
@@ -21,17 +22,8 @@ def _completion_prompts(s: Serving, prompt, echo: bool, params: SamplingParams) 
     worker thread: a text past the character bound, and token ids that leave no room to
     generate (once truncated as ``params`` ask), are refused here; texts are tokenized next
     (``_tokenized``)."""
-    if isinstance(prompt, str):
-        prompts = [prompt]
-    elif not prompt:
-        raise bad_request("prompt must not be empty", param="prompt")
-    elif isinstance(prompt[0], int):
-        prompts = [prompt]
-    else:
-        prompts = list(prompt)
     out = []
-    for j, p in enumerate(prompts):
-        field = "prompt" if len(prompts) == 1 else f"prompt.{j}"
+    for p, field in prompt_list(prompt, "prompt"):
         if isinstance(p, str):
             s.need_tokenizer("pass the prompt as token ids")
             s.check_prompt_chars(p, field)

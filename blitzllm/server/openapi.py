@@ -29,6 +29,8 @@ _OPS = {
                                        (400, 401, 404, 413, 500, 503), "Create a chat completion"),
     ("/v1/completions", "post"): (P.CompletionRequest, P.CompletionResponse, P.CompletionResponse,
                                   (400, 401, 404, 413, 500, 503), "Create a completion"),
+    ("/v1/embeddings", "post"): (P.EmbeddingRequest, P.EmbeddingResponse, None, (400, 401, 404, 413, 500, 503),
+                                 "Create embeddings (the model's pooled final hidden states)"),
     ("/v1/models", "get"): (None, P.ModelList, None, (401,), "List the served model and its LoRA adapters"),
     ("/v1/models/{model_id}", "get"): (None, P.ModelCard, None, (401, 404), "The served model"),
     ("/tokenize", "post"): (P.TokenizeRequest, P.TokenizeResponse, None, (400, 401, 404, 413, 503),
@@ -51,8 +53,9 @@ _OPS = {
     ("/v1/messages/count_tokens", "post"): (M.CountTokensRequest, M.TokenCount, None, (400, 401, 404, 413, 503),
                                             "Count a message request's prompt tokens (Anthropic's)"),
 }
-_GUARDED = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model_id}", "/tokenize",
-            "/detokenize", "/reset_prefix_cache", "/v1/responses", "/v1/responses/{response_id}", "/v1/responses/{response_id}/cancel",
+_GUARDED = {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/v1/models/{model_id}",
+            "/tokenize", "/detokenize", "/reset_prefix_cache", "/v1/responses", "/v1/responses/{response_id}",
+            "/v1/responses/{response_id}/cancel",
             "/v1/messages", "/v1/messages/count_tokens"}
 # (a Responses stream ends with its response.completed / .incomplete event, a Messages one with message_stop)
 _NO_DONE = {R.ResponseStreamEvent, M.MessageStreamEvent}

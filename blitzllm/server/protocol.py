@@ -11,6 +11,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Fiel
 
 MAX_N = 128      # the most completions a request may ask for
 MAX_STOP = 32    # the most stop strings
+MAX_EMBED_INPUTS = 2048   # the most inputs of one embeddings request (OpenAI's bound)
 
 
 def _whole(v):
@@ -179,6 +180,23 @@ class DetokenizeRequest(_Strict):
     tokens: list[TokenId]
 
 
+class EmbeddingRequest(_Strict):
+    """OpenAI's embeddings request, with vLLM's extras (truncate_prompt_tokens, add_special_tokens,
+    normalize)."""
+    model: Optional[str] = None
+    input: Union[Text, TokenIds, Annotated[list[Text], Field(min_length=1, max_length=MAX_EMBED_INPUTS)],
+                 Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_EMBED_INPUTS)]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[Int] = Field(None, ge=1, description="matryoshka models only: keep the first N values")
+    user: Optional[str] = None
+    truncate_prompt_tokens: Optional[Int] = Field(None, ge=-1, description="keep each input's last k tokens "
+                                                                           "(-1: max_model_len)")
+    add_special_tokens: Optional[bool] = Field(True, description="vLLM's: the tokenizer's special tokens "
+                                                                 "around a text input (a BOS)")
+    normalize: Optional[bool] = Field(None, description="vLLM's: L2-normalize (null: the server's "
+                                                        "--pooler-config, by default true)")
+
+
 # ---- responses (the OpenAPI schema's; serving.py builds them as dicts) ---------------------------
 class _Out(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -333,6 +351,27 @@ class TokenizeResponse(_Out):
     count: int
     max_model_len: int
     tokens: list[int]
+
+
+class Embedding(_Out):
+    object: Literal["embedding"]
+    embedding: Union[list[float], str] = Field(description="floats, or with encoding_format base64 their "
+                                                           "little-endian float32 bytes in base64")
+    index: int
+
+
+class EmbeddingUsage(_Out):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(_Out):
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[Embedding]
+    usage: EmbeddingUsage
 
 
 class DetokenizeResponse(_Out):

@@ -39,7 +39,7 @@ log = logging.getLogger("blitzllm.server")
 
 _FIELDS = {"n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
            "repetition_penalty", "max_tokens", "min_tokens", "stop", "stop_token_ids", "logprobs", "logit_bias",
-           "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "priority"}
+           "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "priority", "dimensions", "normalize"}
 
 
 def sse(obj) -> bytes:
@@ -371,7 +371,8 @@ class Serving:
         try:
             stream = await self.aengine.add_request(rid, prompt_ids, params, kv_transfer_params, priority or 0,
                                                     lora_request)
-            log.debug("request %s: %d prompt tokens, max_tokens %s", rid, len(prompt_ids), params.max_tokens)
+            log.debug("request %s: %d prompt tokens, max_tokens %s", rid, len(prompt_ids),
+                      getattr(params, "max_tokens", 0))   # (0: an embedding)
             return stream
         except DuplicateRequestError as e:
             raise bad_request(f"{e}: an X-Request-Id names one request in flight at a time",
@@ -470,6 +471,20 @@ class Serving:
         if getattr(tok, "clean_up_tokenization_spaces", False):
             text = tok.clean_up_tokenization(text)
         return {"prompt": text}
+
+
+def prompt_list(prompt, field: str) -> list:
+    """[(prompt, its param)] of ``str | list[str] | list[int] | list[list[int]]`` (completions'
+    ``prompt``, embeddings' ``input``); an empty list is a 400."""
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif not prompt:
+        raise bad_request(f"{field} must not be empty", param=field)
+    elif isinstance(prompt[0], int):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    return [(p, field if len(prompts) == 1 else f"{field}.{j}") for j, p in enumerate(prompts)]
 
 
 def kv_field(result: list) -> dict:

@@ -1,0 +1,76 @@
+"""POST /v1/embeddings: input(s) as text or token ids -> one engine pooling request per input
+(engine/pooling.py) -> OpenAI's list of embeddings, as floats or base64 (little-endian float32
+bytes, which OpenAI's SDK decodes)."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import struct
+import time
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from ..engine.intake import truncated
+from ..pooling_params import PoolingParams
+from .errors import bad_request
+from .protocol import EmbeddingRequest
+from .serving import Serving, prompt_list, request_id
+
+
+def _inputs(s: Serving, inp) -> list:
+    """[(text or token ids, param)], in a worker thread: a text past the character bound and token
+    ids outside the vocabulary are refused before anything is tokenized."""
+    out = []
+    for p, field in prompt_list(inp, "input"):
+        if isinstance(p, str):
+            s.need_tokenizer("pass the input as token ids")
+            s.check_prompt_chars(p, field)
+        elif any(t < 0 or t >= s.vocab_size for t in p):
+            raise bad_request(f"input token ids must be in [0, {s.vocab_size})", param=field)
+        out.append((p, field))
+    return out
+
+
+async def _ids(s: Serving, p, field: str, params: PoolingParams, add_special_tokens: bool) -> list:
+    """The ids the engine will pool: a text's tokens, truncated as asked; refused past
+    max_model_len (nothing is generated, so a prompt may fill the context)."""
+    ids = await s.tokens(p, add_special_tokens) if isinstance(p, str) else list(p)
+    ids = truncated(ids, params.truncate_prompt_tokens, s.max_model_len)
+    if len(ids) > s.max_model_len:
+        raise bad_request(f"the input has {len(ids)} tokens, more than max_model_len={s.max_model_len}",
+                          param=field, code="context_length_exceeded")
+    return ids
+
+
+def _encoded(v: list, fmt: str):
+    return v if fmt == "float" else base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode("ascii")
+
+
+async def create_embedding(s: Serving, req: EmbeddingRequest, raw: Request) -> Response:
+    s.check_model(req.model)
+    try:
+        params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize,
+                               truncate_prompt_tokens=s.truncation(req))
+    except ValueError as e:
+        raise s._user_error(e, "input") from None
+    inputs = await s.cpu(_inputs, s, req.input)
+    add_special = req.add_special_tokens is not False
+    prompts = await asyncio.gather(*(_ids(s, p, field, params, add_special) for p, field in inputs))
+    base = f"embd-{request_id(raw)}"
+    # (added together: the engine takes a batch of adds between two steps)
+    added = await asyncio.gather(*(s.submit(f"{base}-{j}", ids, params, "input") for j, ids in enumerate(prompts)),
+                                 return_exceptions=True)
+    streams = [a for a in added if not isinstance(a, BaseException)]
+    failed = [a for a in added if isinstance(a, BaseException)]
+    if failed:
+        s.abort(streams)
+        raise failed[0]
+    result = await s.until_done_or_gone(raw, s.collect(streams, 1), streams)
+    if result is None:
+        return Response(status_code=499)
+    n = sum(map(len, prompts))
+    data = [{"object": "embedding", "embedding": _encoded(c["embedding"], req.encoding_format), "index": i}
+            for i, c in enumerate(result)]
+    return JSONResponse({"id": base, "object": "list", "created": int(time.time()), "model": s.model_name,
+                         "data": data, "usage": {"prompt_tokens": n, "total_tokens": n}})
