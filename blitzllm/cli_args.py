@@ -46,6 +46,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'; keys: '
                         "method (ngram | draft_model | eagle3 | mtp), num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, "
                         "model (draft), synthetic_acceptance_rate (benchmark only: forced acceptance)")
+    g.add_argument("--pooler-config", default=None, metavar="JSON",
+                   help='embeddings (/v1/embeddings, LLM.embed): how hidden states are pooled, e.g. '
+                        '\'{"pooling_type": "MEAN", "normalize": false}\'; pooling_type LAST | MEAN | CLS (default: '
+                        "the model folder's sentence-transformers files, else LAST), normalize (L2; default true)")
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
@@ -56,7 +60,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 enforce_eager=a.enforce_eager, weight_dtype=a.weight_dtype,
                 speculative_config=a.speculative_config, tensor_parallel_size=a.tensor_parallel_size,
                 gpu_memory_utilization=a.gpu_memory_utilization, generation_config=a.generation_config,
-                override_generation_config=a.override_generation_config, chat_template=a.chat_template)
+                override_generation_config=a.override_generation_config, chat_template=a.chat_template,
+                pooler_config=a.pooler_config)
 
 
 def check_output_file(path: Optional[str], flag: str) -> None:

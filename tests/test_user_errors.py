@@ -200,6 +200,9 @@ def test_output_paths_and_names_fail_before_the_run(capsys, argv, msg):
     (["serve", "--model", "/no/such/model"], "model not found: /no/such/model"),
     (["serve", *TINY_PRESET, "--block-size", "12"], "block_size must be a power of two"),
     (["serve", *TINY_PRESET, "--host", "999.1.1.1"], "--host '999.1.1.1' is not an address to listen on"),
+    (["serve", *TINY_PRESET, "--pooler-config", '{"pooling_type": "MAX"}'],
+     "pooler_config pooling_type must be one of LAST, MEAN, CLS, got 'MAX'"),
+    (["serve", *TINY_PRESET, "--pooler-config", "{oops"], "pooler_config must be a JSON object"),
     (["router", "--host", "999.1.1.1", "--backend", "http://127.0.0.1:9"],
      "--host '999.1.1.1' is not an address to listen on"),
 ])
