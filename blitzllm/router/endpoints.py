@@ -1,9 +1,10 @@
 """The router's routes beyond chat and text completions, as ``blitz serve`` has them: OpenAI's
 Responses API (POST /v1/responses, GET / DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel),
-Anthropic's Messages API (POST /v1/messages, /v1/messages/count_tokens), POST /tokenize,
-/detokenize and GET /version. Each request goes whole to one backend of ``pool``: a replica, or in
-disaggregated mode a decode backend (the servers take ``kv_transfer_params`` on chat and text
-completions only, so these have no prefill hand-off; a consumer runs them itself). A request that
+Anthropic's Messages API (POST /v1/messages, /v1/messages/count_tokens), POST /v1/embeddings,
+/tokenize, /detokenize and GET /version. Each request goes whole to one backend of ``pool``: a
+replica, or in disaggregated mode a decode backend (the servers take ``kv_transfer_params`` on chat
+and text completions only, so these have no prefill hand-off; a consumer runs them itself: an
+embedding is one prefill with nothing to decode, and no KV to hand over). A request that
 names a stored response goes to the backend holding it (``sticky.py``).
 """
 from __future__ import annotations
@@ -131,6 +132,10 @@ def install_endpoints(app: FastAPI, pool: Pool, state: dict, cfg, reg: Collector
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
         return anthropic_error(await whole(request, generates=False))
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        return await whole(request, generates=False)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

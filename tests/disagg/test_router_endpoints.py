@@ -210,7 +210,7 @@ def test_router_errors_on_the_new_routes():
         assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded_error", r.text
         r = client.post("/v1/messages/count_tokens", content=b"{nope")
         assert r.status_code == 400 and r.json()["type"] == "error", r.text
-        for path in ("/v1/responses", "/tokenize", "/detokenize"):
+        for path in ("/v1/responses", "/v1/embeddings", "/tokenize", "/detokenize"):
             r = client.post(path, json={})
             assert r.status_code == 503 and r.json()["error"]["code"] == "no_backend", (path, r.text)
         assert client.get("/version").status_code == 503
@@ -337,6 +337,27 @@ def test_tokenize_detokenize_version_through_the_routers(smol, replica_router, p
     assert ASK in both("POST", "/detokenize", json={"model": MODEL, "tokens": tokens})["prompt"]
     both("POST", "/tokenize", json={"model": MODEL, "messages": [{"role": "user", "content": ASK}]})
     assert both("GET", "/version")["version"]
+
+
+def test_embeddings_through_the_routers(smol, replica_router, pd_router):
+    """/v1/embeddings goes whole to one backend (in disaggregated mode the consumer: one prefill,
+    nothing to decode, no KV hand-off): the vectors and usage are the consumer's own."""
+    body = {"model": MODEL, "input": [ASK, "Paris"]}
+    want = httpx.post(smol[1].url + "/v1/embeddings", json=body, timeout=120)
+    assert want.status_code == 200, want.text
+    for router in (replica_router, pd_router):
+        got = httpx.post(router.url + "/v1/embeddings", json=body, timeout=120)
+        assert got.status_code == 200, (router.name, got.text)
+        assert got.json()["usage"] == want.json()["usage"] and got.json()["model"] == MODEL
+        for g, w in zip(got.json()["data"], want.json()["data"], strict=True):
+            assert g["index"] == w["index"] and len(g["embedding"]) == len(w["embedding"])
+            assert max(abs(a - b) for a, b in zip(g["embedding"], w["embedding"])) < 1e-4
+    sent = _sent(pd_router, "prefill")
+    assert httpx.post(pd_router.url + "/v1/embeddings", json=body, timeout=120).status_code == 200
+    assert _sent(pd_router, "prefill") == sent
+    bad = httpx.post(pd_router.url + "/v1/embeddings", json={"model": "nope", "input": "Hi"}, timeout=30)
+    assert bad.status_code == 404 and bad.json()["error"]["param"] == "model"
+    settled(*smol)
 
 
 def test_concurrent_conversations_keep_to_their_holders(smol, replica_router):
