@@ -304,3 +304,41 @@ def test_token_constraints_on_cuda():
         assert [o.token_ids for o in spec.generate(prompts, p)] == want, p
     assert spec.stats()["spec_accepted_tokens"] > 0
     assert spec.engine.kv.num_free_blocks == spec.engine.kv.num_blocks
+
+
+@pytest.mark.parametrize("kind", ["LAST", "MEAN", "CLS"])
+def test_embed_on_cuda_matches_transformers(tmp_path, kind):
+    """LLM.embed on CUDA (Triton kernels, decode CUDA graphs captured): a step holding an
+    embedding takes the eager forward, also while a generation decodes beside it in chunked steps;
+    the vectors are transformers' pooled last_hidden_state (fp32; 1e-3 as the logprobs above), the
+    generation's tokens those it makes alone, and every block comes back."""
+    from blitzllm import PoolingParams
+    from tests.conftest import TINY, make_tiny_checkpoint
+    hf = make_tiny_checkpoint("qwen3", tmp_path, seed=3).to("cuda")
+    llm = LLM(str(tmp_path), device="cuda", dtype="float32", kv_cache_blocks=128, max_num_seqs=4,
+              max_num_batched_tokens=32, pooler_config={"pooling_type": kind})
+    assert llm.engine.runner.graphs is not None
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, TINY["vocab_size"], (n,), generator=g).tolist() for n in (1, 9, 100)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    alone = llm.generate([prompts[1]], params)[0].token_ids
+    e = llm.engine
+    e.add_request("g", prompts[1], params)
+    got = [t for ev in e.step() for t in ev.new_token_ids]
+    for i, p in enumerate(prompts):
+        e.add_request(f"e{i}", p, PoolingParams())
+    vectors = {}
+    while e.has_unfinished():
+        for ev in e.step():
+            got += ev.new_token_ids
+            if ev.embedding is not None:
+                vectors[ev.request_id] = ev.embedding
+    assert got == alone
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            h = hf.model(torch.tensor([p], device="cuda")).last_hidden_state[0].float()
+        want = torch.nn.functional.normalize({"LAST": h[-1], "MEAN": h.mean(0), "CLS": h[0]}[kind], dim=-1)
+        assert (torch.tensor(vectors[f"e{i}"], device="cuda") - want).abs().max().item() < 1e-3, (kind, i)
+    raw = llm.embed([prompts[2]], PoolingParams(normalize=False))[0].outputs.embedding
+    assert len(raw) == TINY["hidden_size"]
+    assert e.kv.num_free_blocks == e.kv.num_blocks
