@@ -252,3 +252,24 @@ def test_worker_killed_mid_generation_raises_within_bounded_time(tiny_llama_path
     finally:
         killer.cancel()
         llm.close()
+
+
+def test_embed_tp2_matches_tp1(tiny_llama_path):
+    """Embeddings under tensor parallelism: rank 0 pools the final hidden rows alone (the final
+    norm all-reduced them, so they are whole); chunked (budget 16), beside a generation, the
+    vectors equal TP=1's to float32 summation order and the blocks all come back."""
+    from blitzllm import PoolingParams
+    prompts = _prompts()
+    kw = dict(KW, max_num_batched_tokens=16, pooler_config={"pooling_type": "MEAN"})
+    ref = LLM(str(tiny_llama_path), **kw).embed(prompts, PoolingParams(normalize=False))
+    with LLM(str(tiny_llama_path), **kw, tensor_parallel_size=2) as llm:
+        e = llm.engine
+        e.add_request("g", prompts[3], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        e.step()
+        outs = llm.embed(prompts, PoolingParams(normalize=False))
+        while e.has_unfinished():
+            e.step()
+        assert llm.stats()["kv_blocks_free"] == 64
+    for a, b in zip(ref, outs):
+        torch.testing.assert_close(torch.tensor(b.outputs.embedding), torch.tensor(a.outputs.embedding),
+                                   atol=1e-4, rtol=1e-4)
