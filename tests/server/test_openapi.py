@@ -19,15 +19,15 @@ from blitzllm.server import protocol as P
 from blitzllm.server import responses_protocol as R
 
 CHAT, CMPL, RESP = "/v1/chat/completions", "/v1/completions", "/v1/responses"
-MSG, COUNT = "/v1/messages", "/v1/messages/count_tokens"
+MSG, COUNT, EMB = "/v1/messages", "/v1/messages/count_tokens", "/v1/embeddings"
 MAX_EXAMPLES = 25   # per operation and generation mode: a few hundred cases in all
 OPERATIONS = {("POST", CHAT), ("POST", CMPL), ("GET", "/v1/models"), ("GET", "/v1/models/{model_id}"),
               ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/health"), ("GET", "/metrics"),
               ("GET", "/version"), ("POST", RESP), ("GET", RESP + "/{response_id}"),
               ("DELETE", RESP + "/{response_id}"), ("POST", RESP + "/{response_id}/cancel"), ("POST", MSG),
-              ("POST", COUNT), ("POST", "/reset_prefix_cache")}
+              ("POST", COUNT), ("POST", EMB), ("POST", "/reset_prefix_cache")}
 # (the operations with a body)
-BODIES = {("POST", p) for p in (CHAT, CMPL, RESP, MSG, COUNT, "/tokenize", "/detokenize")}
+BODIES = {("POST", p) for p in (CHAT, CMPL, RESP, MSG, COUNT, EMB, "/tokenize", "/detokenize")}
 
 
 def test_openapi_json_is_valid_openapi_3(smol_server):
@@ -43,7 +43,7 @@ def test_openapi_json_is_valid_openapi_3(smol_server):
             for path, item in doc["paths"].items() if "requestBody" in item.get("post", {})}
     assert body == {CHAT: "ChatCompletionRequest", CMPL: "CompletionRequest", "/tokenize": "TokenizeRequest",
                     "/detokenize": "DetokenizeRequest", RESP: "ResponsesRequest", MSG: "MessagesRequest",
-                    COUNT: "CountTokensRequest"}
+                    COUNT: "CountTokensRequest", EMB: "EmbeddingRequest"}
     chat = doc["paths"][CHAT]["post"]["responses"]
     assert chat["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/ChatCompletionResponse")
     assert "text/event-stream" in chat["200"]["content"]
@@ -56,7 +56,7 @@ def test_openapi_json_is_valid_openapi_3(smol_server):
     # the request models are the ones the server parses with, field for field (by the names clients send)
     for name, model in (("ChatCompletionRequest", P.ChatCompletionRequest), ("CompletionRequest", P.CompletionRequest),
                         ("ResponsesRequest", R.ResponsesRequest), ("MessagesRequest", M.MessagesRequest),
-                        ("CountTokensRequest", M.CountTokensRequest)):
+                        ("CountTokensRequest", M.CountTokensRequest), ("EmbeddingRequest", P.EmbeddingRequest)):
         assert set(doc["components"]["schemas"][name]["properties"]) == \
             {f.alias or key for key, f in model.model_fields.items()}
     assert "stop_sequences" in doc["components"]["schemas"]["MessagesRequest"]["properties"]
@@ -88,6 +88,10 @@ def test_real_responses_are_the_documented_models(smol_server):
     for ev in _events(httpx.post(url + CMPL, json={"prompt": "Hi", "max_tokens": 3, "stream": True, "echo": True,
                                                    "stream_options": {"include_usage": True}}, timeout=60).text):
         P.CompletionResponse.model_validate(ev)
+    for fmt in ("float", "base64"):
+        emb = P.EmbeddingResponse.model_validate(httpx.post(url + EMB, json={"input": ["Hi", "Yo"], "encoding_format": fmt},
+                                                            timeout=60).json())
+        assert len(emb.data) == 2 and isinstance(emb.data[0].embedding, list if fmt == "float" else str)
     P.ModelList.model_validate(httpx.get(url + "/v1/models").json())
     P.ModelCard.model_validate(httpx.get(url + "/v1/models/smollm2").json())
     P.TokenizeResponse.model_validate(httpx.post(url + "/tokenize", json={"messages": msg}).json())
@@ -115,6 +119,7 @@ def test_real_responses_are_the_documented_models(smol_server):
               httpx.post(url + MSG, json={**ask, "model": "nope"})):
         M.AnthropicError.model_validate(r.json())
     for r in (httpx.post(url + CMPL, json={"prompt": 5}), httpx.get(url + "/v1/models/nope"),
+              httpx.post(url + EMB, json={"input": []}),
               httpx.post(url + CHAT, content=b"{"), httpx.get(f"{url}{RESP}/{resp.id}"),
               httpx.post(url + RESP, json={"input": "Hi", "tools": [{"type": "mcp"}]})):
         P.ErrorResponse.model_validate(r.json())
@@ -183,7 +188,7 @@ def test_schemathesis_finds_no_server_error(smol_server):
           + ", ".join(f"{m} {p} {mode} {n}" for (m, p, mode), n in sorted(counts.items())))
     print(f"statuses: {sorted(statuses.items())}")
     assert sum(counts.values()) >= 300
-    assert all(statuses.get(("POST", path, 200), 0) >= 5 for path in (CHAT, CMPL, RESP, MSG, COUNT, "/tokenize",
+    assert all(statuses.get(("POST", path, 200), 0) >= 5 for path in (CHAT, CMPL, RESP, MSG, COUNT, EMB, "/tokenize",
                                                                       "/detokenize"))
 
 
