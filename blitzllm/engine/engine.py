@@ -232,7 +232,7 @@ class Engine:
             return list(prompt)
         raise ValueError("a prompt must be a string or a list of token ids")
 
-    def add_request(self, request_id: str, prompt: Union[str, list], params: SamplingParams,
+    def add_request(self, request_id: str, prompt: Union[str, list], params: Union[SamplingParams, PoolingParams],
                     kv_transfer_params: Optional[dict] = None, kv_payload=None, priority: int = 0,
                     lora_request=None) -> None:
         """``params``: a SamplingParams, or a PoolingParams for an embedding (engine/pooling.py).

@@ -33,8 +33,8 @@ _ST_MODES = {"pooling_mode_cls_token": "CLS", "pooling_mode_mean_tokens": "MEAN"
 def sentence_transformers_config(folder: Optional[Path]) -> tuple:
     """(PoolerConfig, None) from a sentence-transformers folder's ``modules.json`` and its Pooling
     module's ``config.json`` (the first mode set true, as vLLM reads it; normalized when a
-    Normalize module follows); (an empty PoolerConfig, None) without those files; (None, why)
-    for a pooling mode we do not have."""
+    Normalize module follows); (an empty PoolerConfig, None) without those files; (what could be
+    read, why not the rest) for unreadable files or a pooling mode we do not have."""
     if folder is None or not (folder / "modules.json").is_file():
         return PoolerConfig(), None
     try:
@@ -43,13 +43,14 @@ def sentence_transformers_config(folder: Optional[Path]) -> tuple:
         pool = next((m for m in modules if str(m.get("type", "")).endswith(".Pooling")), None)
         modes = json.loads((folder / pool["path"] / "config.json").read_text()) if pool is not None else {}
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
-        return None, f"the model's sentence-transformers files could not be read ({type(e).__name__}: {e})"
+        return PoolerConfig(), f"the model's sentence-transformers files could not be read ({type(e).__name__}: {e})"
     normalize = any(t.endswith(".Normalize") for t in types)
     mode = next((k for k, v in modes.items() if k.startswith("pooling_mode_") and v is True), None)
     if mode is None:
         return PoolerConfig(normalize=normalize), None
     if mode not in _ST_MODES:
-        return None, f"the model's sentence-transformers pooling {mode!r} is not supported (LAST, MEAN, CLS are)"
+        return (PoolerConfig(normalize=normalize),
+                f"the model's sentence-transformers pooling {mode!r} is not supported (LAST, MEAN, CLS are)")
     return PoolerConfig(pooling_type=_ST_MODES[mode], normalize=normalize), None
 
 
@@ -73,11 +74,11 @@ class Pooling:
     def __init__(self, pooler_config, folder: Optional[Path], hf_config: dict):
         explicit = parse_pooler_config(pooler_config) or PoolerConfig()
         model_cfg, self.error = sentence_transformers_config(folder)
-        if self.error is not None and explicit.pooling_type is not None:
-            model_cfg, self.error = PoolerConfig(), None   # the flag names the type the files could not
+        if explicit.pooling_type is not None:
+            self.error = None   # (the flag names the type the files could not)
         if self.error is not None:
             log.warning("%s: embedding requests are refused unless --pooler-config names a pooling_type", self.error)
-        self.config = explicit.over((model_cfg or PoolerConfig()).over(DECODER_DEFAULT))
+        self.config = explicit.over(model_cfg.over(DECODER_DEFAULT))
         # matryoshka (vLLM's test): the HF config declares it, or lists the dimensions it was trained for
         self.matryoshka_dims = hf_config.get("matryoshka_dimensions") or None
         self.matryoshka = bool(self.matryoshka_dims) or bool(hf_config.get("is_matryoshka", False))

@@ -177,6 +177,16 @@ def test_sentence_transformers_files_and_matryoshka_dimensions(tiny_llama, tmp_p
     assert llm.engine.pooling.config == PoolerConfig("MEAN", False)
     assert close(llm.embed(ids)[0], hf_vector(hf.model, ids, "MEAN", normalize=False))
     no_leaks(llm)
+    # a pooling mode we do not have: refused per request (generation still runs) unless the flag names a type
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_max_tokens": True}))
+    llm = LLM(str(folder), device="cpu", kv_cache_blocks=64)
+    with pytest.raises(ValueError, match="pooling 'pooling_mode_max_tokens' is not supported"):
+        llm.embed(ids)
+    assert len(llm.generate([ids], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids) == 2
+    no_leaks(llm)
+    llm = LLM(str(folder), device="cpu", kv_cache_blocks=64, pooler_config={"pooling_type": "cls"})
+    assert llm.engine.pooling.config == PoolerConfig("CLS", True)   # (the files' Normalize kept)
+    assert close(llm.embed(ids)[0], hf_vector(hf.model, ids, "CLS"))
 
 
 @pytest.mark.parametrize("kwargs, match", [
