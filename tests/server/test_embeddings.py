@@ -111,3 +111,15 @@ def test_too_long_is_a_400_and_a_full_context_is_not(smol_server):
     r = post(smol_server, {"input": [[5] * n], "encoding_format": "base64"})
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == n
     assert wait_idle(smol_server)["blitz_kv_cache_usage_perc"] == 0
+
+
+def test_a_client_that_leaves_has_its_inputs_aborted(smol_server):
+    """200 inputs of ~700 tokens (many minutes of CPU work): the client gives up after a second;
+    every input's request is aborted and its blocks freed once the step in flight ends (a CPU
+    step of 2048 prompt tokens may take ~15 s on a busy machine)."""
+    body = {"input": [f"{i} " + "words about the weather and the sea " * 100 for i in range(200)]}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(smol_server.url + "/v1/embeddings", json=body, headers=smol_server.headers(), timeout=1.0)
+    m = wait_idle(smol_server, timeout=90)
+    assert m["blitz_num_requests_running"] == 0 and m["blitz_num_requests_waiting"] == 0
+    assert m["blitz_kv_cache_usage_perc"] == 0
