@@ -13,8 +13,21 @@ from .beam import beam_answers, beam_params
 from .chat import as_token_ids, check_prompt_logprobs, prompt_logprobs_body, token_str
 from .errors import bad_request
 from .protocol import CompletionRequest
-from .serving import (SSE_DONE, Serving, SSEResponse, kv_field, lp_value, merge, pick, prompt_list, request_id, sse,
-                      usage)
+from .serving import SSE_DONE, Serving, SSEResponse, kv_field, lp_value, merge, pick, request_id, sse, usage
+
+
+def prompt_list(prompt, field: str) -> list:
+    """[(prompt, its param)] of ``str | list[str] | list[int] | list[list[int]]`` (completions'
+    ``prompt``, embeddings' ``input``); an empty list is a 400."""
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif not prompt:
+        raise bad_request(f"{field} must not be empty", param=field)
+    elif isinstance(prompt[0], int):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    return [(p, field if len(prompts) == 1 else f"{field}.{j}") for j, p in enumerate(prompts)]
 
 
 def _completion_prompts(s: Serving, prompt, echo: bool, params: SamplingParams) -> list:

@@ -15,7 +15,8 @@ from ..engine.intake import truncated
 from ..pooling_params import PoolingParams
 from .errors import bad_request
 from .protocol import EmbeddingRequest
-from .serving import Serving, prompt_list, request_id
+from .completions import prompt_list
+from .serving import Serving, request_id
 
 
 def _inputs(s: Serving, inp) -> list:

@@ -473,20 +473,6 @@ class Serving:
         return {"prompt": text}
 
 
-def prompt_list(prompt, field: str) -> list:
-    """[(prompt, its param)] of ``str | list[str] | list[int] | list[list[int]]`` (completions'
-    ``prompt``, embeddings' ``input``); an empty list is a 400."""
-    if isinstance(prompt, str):
-        prompts = [prompt]
-    elif not prompt:
-        raise bad_request(f"{field} must not be empty", param=field)
-    elif isinstance(prompt[0], int):
-        prompts = [prompt]
-    else:
-        prompts = list(prompt)
-    return [(p, field if len(prompts) == 1 else f"{field}.{j}") for j, p in enumerate(prompts)]
-
-
 def kv_field(result: list) -> dict:
     """A producer's answer carries its first choice's kv_transfer_params."""
     return {"kv_transfer_params": result[0]["kv"]} if result and result[0].get("kv") else {}
