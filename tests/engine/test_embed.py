@@ -226,3 +226,24 @@ def test_bad_requests_are_refused_and_leave_nothing():
         no_leaks(llm)
     assert len(llm.embed([1] * n)[0].outputs.embedding) == 576   # (a prompt may fill the context)
     no_leaks(llm)
+
+
+@pytest.mark.parametrize("kind", ["LAST", "MEAN"])
+def test_hybrid_gdn_model(tmp_path, kind):
+    """A Qwen3-Next checkpoint (gated delta net layers with recurrent states beside attention):
+    chunked (budget 16), and again (LAST from the prefix cache and its state snapshots), the
+    vectors are transformers'; no state slot or block stays held."""
+    from tests.models.test_qwen3_next import _prompts, assert_no_leaks, make_hybrid_checkpoint
+    hf = make_hybrid_checkpoint("qwen3_next", tmp_path, seed=5)
+    prompts = _prompts((1, 5, 17, 40))
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", kv_cache_blocks=64, max_num_batched_tokens=16,
+              pooler_config={"pooling_type": kind})
+    for _ in range(2):
+        gen = llm.engine
+        gen.add_request("g", prompts[2], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        gen.step()
+        for p, o in zip(prompts, llm.embed(prompts)):
+            assert torch.allclose(torch.tensor(o.outputs.embedding), hf_vector(hf.model, p, kind), atol=1e-3, rtol=0)
+        while gen.has_unfinished():
+            gen.step()
+        assert_no_leaks(llm)
