@@ -228,7 +228,7 @@ class AsyncEngine:
             if ev.kv_transfer_params is not None:
                 s.kv_transfer_params = ev.kv_transfer_params
             last = s._last_token_time[ev.index]
-            if obs is not None:
+            if obs is not None and ev.embedding is None:   # (an embedding has no tokens to time)
                 if s.first_token_time is None:
                     obs.first_token(t - s.arrival)
                 elif last is not None:

@@ -34,7 +34,8 @@ def post(srv, body: dict) -> httpx.Response:
 
 def test_text_inputs_through_the_openai_client(smol_server, offline):
     texts = ["The capital of France is Paris.", "Hello", "A longer sentence about the sea and the sky " * 5]
-    before = smol_server.metrics()["blitz_prompt_tokens_total"]
+    m = smol_server.metrics()
+    before, ttft = m["blitz_prompt_tokens_total"], m["blitz_time_to_first_token_seconds_count"]
     # (the SDK asks for base64 when no encoding_format is given, and decodes it)
     for fmt in ("float", None):
         kw = {} if fmt is None else {"encoding_format": fmt}
@@ -48,6 +49,7 @@ def test_text_inputs_through_the_openai_client(smol_server, offline):
     m = wait_idle(smol_server)
     assert m["blitz_kv_cache_usage_perc"] == 0
     assert m["blitz_prompt_tokens_total"] - before == 2 * n
+    assert m["blitz_time_to_first_token_seconds_count"] == ttft   # (no tokens: no time to the first)
 
 
 def test_raw_float_and_base64_and_token_ids(smol_server, offline):
