@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import itertools
 import random
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from .pooling import Pooling, absorb, pool_spans, vector
 from .request import Request, Status, score_prompt
 from .scheduler import Scheduler
 from .state_cache import HybridKVCacheManager
+from .warmup import warm_up
 
 
 
@@ -140,7 +140,7 @@ class Engine:
         self._rng = random.Random(args.seed)
         self.eos_token_ids = self._eos_ids()
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "finished_requests": 0}
-        self.warmup_s = self._warmup() if args.warmup and self.device.type == "cuda" else 0.0
+        self.warmup_s = warm_up(self) if args.warmup and self.device.type == "cuda" else 0.0
 
     def _plan_cache(self) -> tuple:
         """The KV cache, scheduler and context length, once the weights are on the device:
@@ -186,35 +186,6 @@ class Engine:
             self.connector.close()
 
     # ---- setup -------------------------------------------------------------------
-    def _warmup(self) -> float:
-        """Throw-away requests through every path a first user request takes, so Triton's JIT never
-        lands in a time to first token; they leave no trace (blocks, prefix cache, counters)."""
-        t0 = time.perf_counter()
-        vocab, cap = self.model_config.vocab_size, self.max_model_len - 4
-        g = random.Random(0)
-        lengths = [n for n in (min(1000, cap), 3, min(2100, cap)) if n >= 1]
-        params = [SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
-                  SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=3, ignore_eos=True, logprobs=2),
-                  SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)]
-        for i, (n, p) in enumerate(zip(lengths, params)):
-            self.add_request(f"__warmup-{i}", [g.randrange(vocab) for _ in range(n)], p)
-            if i == 0:  # the first two share a batch; the long prompt runs alone
-                continue
-            while self.has_unfinished():
-                self.step()
-        if self.kv.num_free_blocks != self.kv.num_blocks or self._states_held():
-            raise RuntimeError("warm-up left KV blocks or state slots allocated")
-        self.kv.reset_prefix_cache()
-        self.kv.hit_tokens = self.kv.queried_tokens = 0
-        self.scheduler.num_preemptions = 0
-        self.counters = dict.fromkeys(self.counters, 0)
-        if self.spec is not None:
-            self.spec.reset_counters()
-        torch.cuda.synchronize(self.device)
-        dt = time.perf_counter() - t0
-        print(f"[blitz] warm-up requests (kernel compilation) took {dt:.1f}s", file=sys.stderr)
-        return dt
-
     def _eos_ids(self) -> tuple:
         ids = list(self.model_config.eos_token_ids)
         tok_eos = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None
@@ -315,7 +286,7 @@ class Engine:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (after new weights, or between benchmark runs), as vLLM's:
         only while no request holds a block; returns whether it was done."""
-        if self.kv.num_free_blocks != self.kv.num_blocks or self._states_held():
+        if self.kv.num_free_blocks != self.kv.num_blocks or self.states_held():
             return False
         self.kv.reset_prefix_cache()
         return True
@@ -422,7 +393,7 @@ class Engine:
         """A hybrid model's state rows for the step (engine/state_cache.py); None for others."""
         return self.kv.plan_states(seqs, drafts) if isinstance(self.kv, HybridKVCacheManager) else None
 
-    def _states_held(self) -> bool:
+    def states_held(self) -> bool:
         return isinstance(self.kv, HybridKVCacheManager) and len(self.kv.free_slots) != self.kv.layout.slots
 
     @staticmethod

@@ -30,6 +30,7 @@ from .responses import cancel_response, create_response, delete_response, get_re
 from .responses_protocol import ResponsesRequest
 from .responses_store import ResponseStore
 from .serving import Serving
+from .tokens import detokenize_request, tokenize_request
 
 log = logging.getLogger("blitzllm.server")
 
@@ -227,7 +228,7 @@ def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
     @app.post("/tokenize")
     async def tokenize(request: Request):
         guard(request)
-        return await serving.tokenize(await body(request, TokenizeRequest))
+        return await tokenize_request(serving, await body(request, TokenizeRequest))
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request):  # (vLLM's)
@@ -237,7 +238,7 @@ def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
     @app.post("/detokenize")
     async def detokenize(request: Request):
         guard(request)
-        return JSONResponse(await serving.cpu(serving.detokenize, await body(request, DetokenizeRequest)))
+        return JSONResponse(await serving.cpu(detokenize_request, serving, await body(request, DetokenizeRequest)))
 
     from .kv_routes import install_kv_routes
     install_kv_routes(app, aengine, guard, lambda request: read_body(request, cfg.max_request_bytes))

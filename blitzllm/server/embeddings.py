@@ -49,7 +49,8 @@ def _encoded(v: list, fmt: str):
 
 
 async def create_embedding(s: Serving, req: EmbeddingRequest, raw: Request) -> Response:
-    s.check_model(req.model)
+    if s.check_model(req.model) is not None:
+        raise bad_request(f"embeddings run on the base model ('{s.model_name}'), not a LoRA adapter", param="model")
     try:
         params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize,
                                truncate_prompt_tokens=s.truncation(req))

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from ..engine.async_engine import (AsyncEngine, DuplicateRequestError, EngineNotReadyError, EngineStepError,
                                    EngineStoppedError, QueueFullError)
@@ -30,10 +30,9 @@ from ..kv_transfer import KVLoadError
 from ..structured import INSTALL as STRUCTURED_INSTALL
 from ..sampling_params import SamplingParams
 from .errors import APIError, bad_request
-from .protocol import MAX_N, MAX_STOP, DetokenizeRequest, TokenizeRequest
+from .protocol import MAX_N, MAX_STOP
 from .chat_template import conversation, prompt_end, render
 from .lora_routes import ServedLoRAs
-from .tools import check_tools
 
 log = logging.getLogger("blitzllm.server")
 
@@ -79,7 +78,6 @@ BULK_CHARS = 1 << 15
 PREP_WORKERS = 2
 PREP_NICE, BULK_NICE = 5, 10  # the workers' niceness (the engine's and the event loop's threads keep 0)
 _JSON_IDS_SLICE = 32768  # token ids serialized per call (each call holds the GIL a few ms)
-_LONG_DECODE = 4096      # /detokenize decodes a list this long through the Rust batch call
 
 
 def _lower_priority(nice: int) -> None:
@@ -440,37 +438,6 @@ class Serving:
         async for j, ev in merge(streams):
             gather(out[j * n + ev.index], ev)
         return out
-
-    # ---- tokenizer endpoints ---------------------------------------------------------
-    async def tokenize(self, req: TokenizeRequest) -> Response:
-        self.check_model(req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise bad_request("give exactly one of 'prompt' or 'messages'", param="prompt")
-        if req.messages is not None:
-            check_tools(req.tools, "none", None)   # (their shape, as chat checks it; no tool choice here)
-            ids, _ = await self.chat_prompt(req.messages, prompt_end(req.add_generation_prompt, req.continue_final_message),
-                                            req.chat_template_kwargs, req.tools, check_length=False)
-        else:
-            self.need_tokenizer("nothing to tokenize with")
-            self.check_prompt_chars(req.prompt, "prompt")  # (O(1): the length of a str)
-            ids = await self.tokens(req.prompt, pick(req.add_special_tokens, True))
-        body = await self.cpu(json_with_ids, {"count": len(ids), "max_model_len": self.max_model_len}, "tokens", ids)
-        return Response(body, media_type="application/json")
-
-    def detokenize(self, req: DetokenizeRequest) -> dict:
-        """In a worker thread."""
-        self.check_model(req.model)
-        tok = self.worker_tokenizer("nothing to detokenize with")
-        if any(t < 0 or t >= self.vocab_size for t in req.tokens):
-            raise bad_request(f"tokens must be in [0, {self.vocab_size})", param="tokens")
-        backend = getattr(tok, "backend_tokenizer", None)
-        if backend is None or len(req.tokens) < _LONG_DECODE:
-            return {"prompt": tok.decode(req.tokens)}
-        # a long list: the Rust batch call, which releases the GIL (tok.decode's does not)
-        text = backend.decode_batch([req.tokens], skip_special_tokens=False)[0]
-        if getattr(tok, "clean_up_tokenization_spaces", False):
-            text = tok.clean_up_tokenization(text)
-        return {"prompt": text}
 
 
 def kv_field(result: list) -> dict:

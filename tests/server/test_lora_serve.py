@@ -114,6 +114,20 @@ def test_models_lists_the_adapters(lora_server, lora_setup):
     check_error(httpx.get(lora_server.url + "/v1/models/nope", timeout=10), 404, "model")
 
 
+def test_beam_search_and_embeddings_under_an_adapter(lora_server, offline):
+    """use_beam_search runs the named adapter (beam width 1: its greedy answer); embeddings run on
+    the base model only: an adapter's name there is a 400, not the base model's vector in silence."""
+    llm, loras = offline
+    body = {"model": "a1", "prompt": PROMPT, "max_tokens": N, "ignore_eos": True, "use_beam_search": True, "n": 1}
+    out = _post(lora_server, "/v1/completions", body).json()
+    assert out["model"] == "a1"
+    assert out["choices"][0]["text"] == llm.generate(PROMPT, GREEDY, lora_request=loras["a1"])[0].text
+    err = check_error(_post(lora_server, "/v1/embeddings", {"model": "a1", "input": PROMPT}, 400), 400, "model")
+    assert "base model" in err["message"]
+    assert _post(lora_server, "/v1/embeddings", {"model": "tiny", "input": PROMPT}).json()["data"]
+    wait_idle(lora_server)
+
+
 def test_unknown_model_is_a_404(lora_server):
     body = {"model": "nope", "prompt": PROMPT, "max_tokens": 2}
     assert check_error(_post(lora_server, "/v1/completions", body, 404), 404, "model")["code"] == "model_not_found"
