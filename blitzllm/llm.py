@@ -10,8 +10,9 @@ from typing import Iterator, Optional, Sequence, Union
 from .engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from .engine.engine import Engine, EngineArgs
 from .engine.intake import truncated
-from .engine.request import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, gather,
-                             gathered)
+from .engine.pooling import cosine, score_pairs
+from .engine.request import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput,
+                             ScoringOutput, ScoringRequestOutput, gather, gathered)
 from .pooling_params import PoolingParams
 from .sampling_params import SamplingParams
 
@@ -115,6 +116,23 @@ class LLM:
                                        truncated(self.engine.tokenize(prompt), p.truncate_prompt_tokens,
                                                  self.engine.max_model_len), True)
                 for rid, prompt, p in zip(rids, prompts, plist)]
+
+    def score(self, data_1, data_2, truncate_prompt_tokens: Optional[int] = None) -> list[ScoringRequestOutput]:
+        """vLLM's ``LLM.score`` on an embedding model: per pair, the cosine similarity of the two
+        prompts' embeddings (``embed``'s); ``data_1`` one prompt (against each of ``data_2``) or
+        as many as ``data_2`` (pairwise)."""
+        left, right = score_pairs(data_1, data_2)
+        key = [p if isinstance(p, str) else repr(p) for p in left + right]   # (each distinct prompt embedded once)
+        first = {}
+        for k, p in zip(key, left + right):
+            first.setdefault(k, p)
+        outs = self.embed(list(first.values()), PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens))
+        by = dict(zip(first, outs))
+        n = len(left)
+        return [ScoringRequestOutput(f"score-{next(self._ids)}",
+                                     ScoringOutput(cosine(by[a].outputs.embedding, by[b].outputs.embedding)),
+                                     by[a].prompt_token_ids + by[b].prompt_token_ids, True)
+                for a, b in zip(key[:n], key[n:])]
 
     def _run(self, kind: str, prompts: list, plist: list, counts: list, priority=None, loras=None) -> tuple:
         """Add one request per prompt (all or none: a refused one aborts those added; ``priority``

@@ -149,3 +149,28 @@ def vector(req: Request) -> list:
     if st.normalize:
         v = torch.nn.functional.normalize(v, dim=-1)
     return v.cpu().tolist()
+
+
+def cosine(a: list, b: list) -> float:
+    """The cosine similarity of two vectors (0 where one is zero): vLLM's score of a text pair
+    under an embedding model (``LLM.score``, the server's /v1/score and /v1/rerank)."""
+    dot = sum(x * y for x, y in zip(a, b))
+    norm = (sum(x * x for x in a) * sum(y * y for y in b)) ** 0.5
+    return dot / norm if norm > 0 else 0.0
+
+
+def score_pairs(text_1, text_2) -> tuple:
+    """(left texts, right texts) of equal length: one ``text_1`` against every ``text_2``, or as
+    many of each, pairwise (vLLM's rule); a ValueError otherwise."""
+    def texts(x) -> list:   # (a text, token ids or a prompt dict is one)
+        one = isinstance(x, (str, dict)) or (isinstance(x, list) and bool(x) and isinstance(x[0], int))
+        return [x] if one else list(x)
+    left, right = texts(text_1), texts(text_2)
+    if not left or not right:
+        raise ValueError("text_1 and text_2 must each hold at least one text")
+    if len(left) == 1:
+        left = left * len(right)
+    elif len(left) != len(right):
+        raise ValueError(f"text_1 holds {len(left)} texts and text_2 {len(right)}: give one text_1, or as many as "
+                         "there are in text_2")
+    return left, right

@@ -151,6 +151,20 @@ class EmbeddingRequestOutput:
     finished: bool
 
 
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """``LLM.score``'s answer per pair (vLLM's shape)."""
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list   # (the two texts' tokens, one after the other)
+    finished: bool
+
+
 @torch.inference_mode()
 def score_prompt(req: Request, logits: torch.Tensor, lo: int) -> None:
     """Rows of ``logits`` score prompt positions lo, lo + 1, ...: each gives the logprob of the

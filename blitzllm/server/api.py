@@ -25,10 +25,12 @@ from .messages import count_tokens, create_message
 from .messages_protocol import CountTokensRequest, MessagesRequest
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .openapi import build_openapi
-from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, TokenizeRequest
+from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, RerankRequest,
+                       ScoreRequest, TokenizeRequest)
 from .responses import cancel_response, create_response, delete_response, get_response
 from .responses_protocol import ResponsesRequest
 from .responses_store import ResponseStore
+from .score import create_rerank, create_score
 from .serving import Serving
 from .tokens import detokenize_request, tokenize_request
 
@@ -196,6 +198,17 @@ def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):
         return await openai(request, EmbeddingRequest, create_embedding)
+
+    @app.post("/v1/score")
+    @app.post("/score", include_in_schema=False)   # (vLLM's aliases)
+    async def score(request: Request):
+        return await openai(request, ScoreRequest, create_score)
+
+    @app.post("/v1/rerank")
+    @app.post("/rerank", include_in_schema=False)
+    @app.post("/v2/rerank", include_in_schema=False)
+    async def rerank(request: Request):
+        return await openai(request, RerankRequest, create_rerank)
 
     @app.post("/v1/responses")
     async def responses(request: Request):

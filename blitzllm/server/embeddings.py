@@ -19,11 +19,11 @@ from .completions import prompt_list
 from .serving import Serving, request_id
 
 
-def _inputs(s: Serving, inp) -> list:
+def _inputs(s: Serving, inp, name: str = "input") -> list:
     """[(text or token ids, param)], in a worker thread: a text past the character bound and token
     ids outside the vocabulary are refused before anything is tokenized."""
     out = []
-    for p, field in prompt_list(inp, "input"):
+    for p, field in prompt_list(inp, name):
         if isinstance(p, str):
             s.need_tokenizer("pass the input as token ids")
             s.check_prompt_chars(p, field)
@@ -48,20 +48,19 @@ def _encoded(v: list, fmt: str):
     return v if fmt == "float" else base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode("ascii")
 
 
-async def create_embedding(s: Serving, req: EmbeddingRequest, raw: Request) -> Response:
-    if s.check_model(req.model) is not None:
+def base_model_only(s: Serving, model) -> None:
+    if s.check_model(model) is not None:
         raise bad_request(f"embeddings run on the base model ('{s.model_name}'), not a LoRA adapter", param="model")
-    try:
-        params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize,
-                               truncate_prompt_tokens=s.truncation(req))
-    except ValueError as e:
-        raise s._user_error(e, "input") from None
-    inputs = await s.cpu(_inputs, s, req.input)
-    add_special = req.add_special_tokens is not False
-    prompts = await asyncio.gather(*(_ids(s, p, field, params, add_special) for p, field in inputs))
-    base = f"embd-{request_id(raw)}"
+
+
+async def embed_inputs(s: Serving, raw: Request, base: str, inp, params: PoolingParams, add_special: bool,
+                       field: str = "input"):
+    """``inp`` (an embeddings request's ``input`` form) embedded: (the vectors in order, their
+    tokens counted), or None when the client went away."""
+    inputs = await s.cpu(_inputs, s, inp, field)
+    prompts = await asyncio.gather(*(_ids(s, p, f, params, add_special) for p, f in inputs))
     # (added together: the engine takes a batch of adds between two steps)
-    added = await asyncio.gather(*(s.submit(f"{base}-{j}", ids, params, "input") for j, ids in enumerate(prompts)),
+    added = await asyncio.gather(*(s.submit(f"{base}-{j}", ids, params, field) for j, ids in enumerate(prompts)),
                                  return_exceptions=True)
     streams = [a for a in added if not isinstance(a, BaseException)]
     failed = [a for a in added if isinstance(a, BaseException)]
@@ -69,10 +68,22 @@ async def create_embedding(s: Serving, req: EmbeddingRequest, raw: Request) -> R
         s.abort(streams)
         raise failed[0]
     result = await s.until_done_or_gone(raw, s.collect(streams, 1), streams)
-    if result is None:
+    return None if result is None else ([c["embedding"] for c in result], sum(map(len, prompts)))
+
+
+async def create_embedding(s: Serving, req: EmbeddingRequest, raw: Request) -> Response:
+    base_model_only(s, req.model)
+    try:
+        params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize,
+                               truncate_prompt_tokens=s.truncation(req))
+    except ValueError as e:
+        raise s._user_error(e, "input") from None
+    base = f"embd-{request_id(raw)}"
+    got = await embed_inputs(s, raw, base, req.input, params, req.add_special_tokens is not False)
+    if got is None:
         return Response(status_code=499)
-    n = sum(map(len, prompts))
-    data = [{"object": "embedding", "embedding": _encoded(c["embedding"], req.encoding_format), "index": i}
-            for i, c in enumerate(result)]
+    vectors, n = got
+    data = [{"object": "embedding", "embedding": _encoded(v, req.encoding_format), "index": i}
+            for i, v in enumerate(vectors)]
     return JSONResponse({"id": base, "object": "list", "created": int(time.time()), "model": s.model_name,
                          "data": data, "usage": {"prompt_tokens": n, "total_tokens": n}})

@@ -197,6 +197,30 @@ class EmbeddingRequest(_Strict):
                                                         "--pooler-config, by default true)")
 
 
+Texts = Union[Text, Annotated[list[Text], Field(min_length=1, max_length=MAX_EMBED_INPUTS)]]
+
+
+class ScoreRequest(_Strict):
+    """vLLM's /v1/score: text_1 against each text_2 (one text_1), or pairwise (as many of each)."""
+    model: Optional[str] = None
+    text_1: Texts
+    text_2: Texts
+    truncate_prompt_tokens: Optional[Int] = Field(None, ge=-1, description="keep each text's last k tokens "
+                                                                           "(-1: max_model_len)")
+    user: Optional[str] = None
+
+
+class RerankRequest(_Strict):
+    """vLLM's /v1/rerank (Jina's and Cohere's request)."""
+    model: Optional[str] = None
+    query: Text
+    documents: Annotated[list[Text], Field(min_length=1, max_length=MAX_EMBED_INPUTS)]
+    top_n: Optional[Int] = Field(None, ge=0, description="the best N (0 or null: every document)")
+    truncate_prompt_tokens: Optional[Int] = Field(None, ge=-1, description="keep each text's last k tokens "
+                                                                           "(-1: max_model_len)")
+    user: Optional[str] = None
+
+
 # ---- responses (the OpenAPI schema's; serving.py builds them as dicts) ---------------------------
 class _Out(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -372,6 +396,42 @@ class EmbeddingResponse(_Out):
     model: str
     data: list[Embedding]
     usage: EmbeddingUsage
+
+
+class Score(_Out):
+    index: int
+    object: Literal["score"]
+    score: float = Field(description="the cosine similarity of the two texts' embeddings")
+
+
+class ScoreResponse(_Out):
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[Score]
+    usage: EmbeddingUsage
+
+
+class RerankDocument(_Out):
+    text: str
+
+
+class RerankResult(_Out):
+    index: int
+    document: RerankDocument
+    relevance_score: float
+
+
+class RerankUsage(_Out):
+    total_tokens: int
+
+
+class RerankResponse(_Out):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult] = Field(description="by relevance, the most relevant first")
 
 
 class DetokenizeResponse(_Out):

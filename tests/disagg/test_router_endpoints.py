@@ -210,7 +210,8 @@ def test_router_errors_on_the_new_routes():
         assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded_error", r.text
         r = client.post("/v1/messages/count_tokens", content=b"{nope")
         assert r.status_code == 400 and r.json()["type"] == "error", r.text
-        for path in ("/v1/responses", "/v1/embeddings", "/tokenize", "/detokenize"):
+        for path in ("/v1/responses", "/v1/embeddings", "/v1/score", "/score", "/v1/rerank", "/rerank", "/v2/rerank",
+                     "/tokenize", "/detokenize"):
             r = client.post(path, json={})
             assert r.status_code == 503 and r.json()["error"]["code"] == "no_backend", (path, r.text)
         assert client.get("/version").status_code == 503
@@ -357,6 +358,15 @@ def test_embeddings_through_the_routers(smol, replica_router, pd_router):
     assert _sent(pd_router, "prefill") == sent
     bad = httpx.post(pd_router.url + "/v1/embeddings", json={"model": "nope", "input": "Hi"}, timeout=30)
     assert bad.status_code == 404 and bad.json()["error"]["param"] == "model"
+    for path, req in (("/v1/score", {"text_1": ASK, "text_2": ["Paris", "Berlin"]}),
+                      ("/v1/rerank", {"query": ASK, "documents": ["Paris", "Berlin"]})):
+        want = httpx.post(smol[1].url + path, json={"model": MODEL, **req}, timeout=120).json()
+        got = httpx.post(pd_router.url + path, json={"model": MODEL, **req}, timeout=120)
+        assert got.status_code == 200, got.text
+        key, field = ("data", "score") if path == "/v1/score" else ("results", "relevance_score")
+        assert [x["index"] for x in got.json()[key]] == [x["index"] for x in want[key]]
+        assert [x[field] for x in got.json()[key]] == pytest.approx([x[field] for x in want[key]], abs=1e-4)
+    assert _sent(pd_router, "prefill") == sent
     settled(*smol)
 
 

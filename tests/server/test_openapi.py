@@ -25,9 +25,11 @@ OPERATIONS = {("POST", CHAT), ("POST", CMPL), ("GET", "/v1/models"), ("GET", "/v
               ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/health"), ("GET", "/metrics"),
               ("GET", "/version"), ("POST", RESP), ("GET", RESP + "/{response_id}"),
               ("DELETE", RESP + "/{response_id}"), ("POST", RESP + "/{response_id}/cancel"), ("POST", MSG),
-              ("POST", COUNT), ("POST", EMB), ("POST", "/reset_prefix_cache")}
+              ("POST", COUNT), ("POST", EMB), ("POST", "/reset_prefix_cache"), ("POST", "/v1/score"),
+              ("POST", "/v1/rerank")}
 # (the operations with a body)
-BODIES = {("POST", p) for p in (CHAT, CMPL, RESP, MSG, COUNT, EMB, "/tokenize", "/detokenize")}
+BODIES = {("POST", p) for p in (CHAT, CMPL, RESP, MSG, COUNT, EMB, "/tokenize", "/detokenize", "/v1/score",
+                                "/v1/rerank")}
 
 
 def test_openapi_json_is_valid_openapi_3(smol_server):
@@ -43,7 +45,8 @@ def test_openapi_json_is_valid_openapi_3(smol_server):
             for path, item in doc["paths"].items() if "requestBody" in item.get("post", {})}
     assert body == {CHAT: "ChatCompletionRequest", CMPL: "CompletionRequest", "/tokenize": "TokenizeRequest",
                     "/detokenize": "DetokenizeRequest", RESP: "ResponsesRequest", MSG: "MessagesRequest",
-                    COUNT: "CountTokensRequest", EMB: "EmbeddingRequest"}
+                    COUNT: "CountTokensRequest", EMB: "EmbeddingRequest", "/v1/score": "ScoreRequest",
+                    "/v1/rerank": "RerankRequest"}
     chat = doc["paths"][CHAT]["post"]["responses"]
     assert chat["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/ChatCompletionResponse")
     assert "text/event-stream" in chat["200"]["content"]
@@ -56,7 +59,8 @@ def test_openapi_json_is_valid_openapi_3(smol_server):
     # the request models are the ones the server parses with, field for field (by the names clients send)
     for name, model in (("ChatCompletionRequest", P.ChatCompletionRequest), ("CompletionRequest", P.CompletionRequest),
                         ("ResponsesRequest", R.ResponsesRequest), ("MessagesRequest", M.MessagesRequest),
-                        ("CountTokensRequest", M.CountTokensRequest), ("EmbeddingRequest", P.EmbeddingRequest)):
+                        ("CountTokensRequest", M.CountTokensRequest), ("EmbeddingRequest", P.EmbeddingRequest),
+                        ("ScoreRequest", P.ScoreRequest), ("RerankRequest", P.RerankRequest)):
         assert set(doc["components"]["schemas"][name]["properties"]) == \
             {f.alias or key for key, f in model.model_fields.items()}
     assert "stop_sequences" in doc["components"]["schemas"]["MessagesRequest"]["properties"]
@@ -92,6 +96,10 @@ def test_real_responses_are_the_documented_models(smol_server):
         emb = P.EmbeddingResponse.model_validate(httpx.post(url + EMB, json={"input": ["Hi", "Yo"], "encoding_format": fmt},
                                                             timeout=60).json())
         assert len(emb.data) == 2 and isinstance(emb.data[0].embedding, list if fmt == "float" else str)
+    assert len(P.ScoreResponse.model_validate(httpx.post(url + "/v1/score", json={"text_1": "Hi", "text_2": ["a", "b"]},
+                                                         timeout=60).json()).data) == 2
+    assert len(P.RerankResponse.model_validate(httpx.post(url + "/v1/rerank", json={"query": "Hi", "documents": ["a", "b"]},
+                                                          timeout=60).json()).results) == 2
     P.ModelList.model_validate(httpx.get(url + "/v1/models").json())
     P.ModelCard.model_validate(httpx.get(url + "/v1/models/smollm2").json())
     P.TokenizeResponse.model_validate(httpx.post(url + "/tokenize", json={"messages": msg}).json())
