@@ -211,6 +211,7 @@ def test_worker_encode_and_decode_equal_the_tokenizer():
     from blitzllm.server.errors import APIError
     from blitzllm.server.protocol import DetokenizeRequest
     from blitzllm.server.serving import json_with_ids
+    from blitzllm.server.tokens import detokenize_request
     tok = load_gguf_tokenizer(smollm2_path())
     s = _serving(tok, 1024)
     texts = ["Hello world", "<|im_start|>user\nHi<|im_end|>\n", " leading  spaces\t", "é日本\U0001F600" * 50,
@@ -225,8 +226,8 @@ def test_worker_encode_and_decode_equal_the_tokenizer():
         assert e.status == 400 and e.param == "prompt" and e.code == "context_length_exceeded"
     ids = tok.encode("The quick brown fox, é日本. " * 2000)
     assert len(ids) > 4096   # (the long path)
-    assert s.detokenize(DetokenizeRequest(tokens=ids))["prompt"] == tok.decode(ids)
-    assert s.detokenize(DetokenizeRequest(tokens=ids[:10]))["prompt"] == tok.decode(ids[:10])
+    assert detokenize_request(s, DetokenizeRequest(tokens=ids))["prompt"] == tok.decode(ids)
+    assert detokenize_request(s, DetokenizeRequest(tokens=ids[:10]))["prompt"] == tok.decode(ids[:10])
     assert json.loads(json_with_ids({"count": 3, "x": "y"}, "tokens", list(range(70_000)))) == \
         {"count": 3, "x": "y", "tokens": list(range(70_000))}
     assert json.loads(json_with_ids({"count": 0}, "tokens", [])) == {"count": 0, "tokens": []}
