@@ -141,8 +141,7 @@ class AsyncEngine:
         consumer, whose KV is pulled here before the engine sees the request (KVLoadError when
         the pull fails under policy 'fail'); ``{"do_remote_decode": true}`` on a producer. ``priority``,
         ``lora_request``: as ``Engine.add_request``'s (the priority scheduling policy, a LoRA adapter)."""
-        if not self.ready:
-            raise EngineNotReadyError(str(self.load_error) if self.load_error else "the model is still loading")
+        self._check_ready()
         waiting = (self._stats or {}).get("num_waiting", 0) + self._pending_adds
         if waiting >= self.max_waiting:
             raise QueueFullError(f"{waiting} requests are waiting (bound {self.max_waiting}); retry later")
@@ -155,14 +154,14 @@ class AsyncEngine:
         fut = self._loop.create_future()
         self._pending_adds += 1
         try:
-            kv = await self._kv_extras(prompt, params, kv_transfer_params)
+            extras = await self._kv_extras(prompt, params, kv_transfer_params)   # (Engine.add_request's keywords)
             if priority:
-                kv["priority"] = priority
+                extras["priority"] = priority
             if lora_request is not None:
-                kv["lora_request"] = lora_request
+                extras["lora_request"] = lora_request
             if not pooling and params.structured_output is not None:   # compiled here, off the engine thread
                 await asyncio.to_thread(lambda: self.engine.grammar_compiler().compile(params.structured_output))
-            self._cmds.put(("add", stream.engine_id, prompt, params, fut, kv))
+            self._cmds.put(("add", stream.engine_id, prompt, params, fut, extras))
             await fut
         except BaseException:  # rejected, or the caller went away before the engine saw it
             self.abort(request_id, stream)
@@ -173,11 +172,14 @@ class AsyncEngine:
 
     async def reset_prefix_cache(self) -> bool:
         """``Engine.reset_prefix_cache`` on the engine thread, between steps."""
-        if not self.ready:
-            raise EngineNotReadyError(str(self.load_error) if self.load_error else "the model is still loading")
+        self._check_ready()
         fut = self._loop.create_future()
         self._cmds.put(("reset_prefix_cache", fut))
         return await fut
+
+    def _check_ready(self) -> None:
+        if not self.ready:
+            raise EngineNotReadyError(str(self.load_error) if self.load_error else "the model is still loading")
 
     async def _kv_extras(self, prompt, params: SamplingParams, kv_transfer_params: Optional[dict]) -> dict:
         """The engine's keyword arguments for a request's KV transfer: its params, and on a
@@ -333,9 +335,9 @@ class AsyncEngine:
         results = []
         for cmd in cmds:
             if cmd[0] == "add":
-                _, rid, prompt, params, fut, kv = cmd
+                _, rid, prompt, params, fut, extras = cmd
                 try:
-                    eng.add_request(rid, prompt, params, **kv)
+                    eng.add_request(rid, prompt, params, **extras)
                     results.append((fut, None, None))
                 except Exception as e:  # ValueError: the client's fault; others: ours
                     if not isinstance(e, ValueError):

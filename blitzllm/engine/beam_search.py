@@ -136,6 +136,3 @@ class BeamSearch:
                 gen = gen[:-1]
             b.text = decode(gen)
         return out
-
-    def generated(self, b: BeamSearchSequence) -> list:
-        return b.tokens[self.prompt_len:]
