@@ -1,4 +1,4 @@
-"""The ``blitz`` command: generate, chat, serve, router, bench.
+"""The ``blitz`` command: generate, chat, serve, run-batch, router, bench, train-draft.
 
 User errors print one line on stderr and exit with status 2; no tracebacks.
 """
@@ -118,6 +118,14 @@ def build_parser() -> argparse.ArgumentParser:
     else:
         add_serve_args(s)
     add_engine_args(s)
+    rb = sub.add_parser("run-batch", help="answer a file of OpenAI Batch API requests offline (vLLM's run-batch)")
+    try:
+        from ..server.batch import add_run_batch_args
+    except ImportError as e:
+        rb.set_defaults(serve_import_error=f"blitz run-batch needs fastapi ({e}): pip install fastapi uvicorn")
+    else:
+        add_run_batch_args(rb)
+    add_engine_args(rb)
     from .router import add_router_args
     add_router_args(sub.add_parser("router", help="OpenAI-compatible router: prefill/decode disaggregation or replicas"))
     b = sub.add_parser("bench", help="benchmarks")
@@ -148,6 +156,11 @@ def main(argv=None) -> int:
                 raise ValueError(a.serve_import_error)
             from ..server.app import run_server
             return run_server(a)
+        if a.cmd == "run-batch":
+            if getattr(a, "serve_import_error", None):
+                raise ValueError(a.serve_import_error)
+            from ..server.batch import run_batch
+            return run_batch(a)
         if a.cmd == "router":
             from .router import run_router
             return run_router(a)

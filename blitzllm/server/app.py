@@ -23,7 +23,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=envs.get("BLITZ_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize "
                         "(default: $BLITZ_API_KEY, else no key)")
-    g.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
     g.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="answer 503 + Retry-After once this many sequences are waiting")
     g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_BODY, help="request body limit (413)")
@@ -37,6 +36,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         '"kv_producer" | "kv_consumer" | "kv_both", "kv_connector": "NixlConnector" (default), '
                         '"kv_connector_extra_config": {...}, "kv_lease_s": 30, "kv_load_failure_policy": '
                         '"recompute" | "fail"}')
+    add_model_serving_args(g)
+
+
+def add_model_serving_args(g) -> None:
+    """How requests are answered: options shared by ``blitz serve`` and ``blitz run-batch``."""
+    g.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
     from .reasoning import PARSERS
     g.add_argument("--reasoning-parser", default=None, choices=PARSERS,
                    help="return a thinking model's <think> block as reasoning_content beside content in chat "
@@ -66,7 +71,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
-    from ..cli_args import check_listen_address, engine_kwargs
+    from ..cli_args import check_listen_address
     check_listen_address(args.host, args.port)
     if args.max_waiting_requests < 1:
         raise ValueError(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
@@ -74,6 +79,21 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         raise ValueError(f"--max-request-bytes must be >= 1024, got {args.max_request_bytes}")
     if args.max_stored_responses < 0:
         raise ValueError(f"--max-stored-responses must be >= 0, got {args.max_stored_responses}")
+    kv = None
+    if args.kv_transfer_config is not None:
+        from ..kv_transfer import parse_kv_transfer_config
+        kv = parse_kv_transfer_config(args.kv_transfer_config).with_address(args.host, args.port).to_dict()
+    return model_serving_config(args, kv_transfer_config=kv, host=args.host, port=args.port, api_key=args.api_key,
+                                max_waiting_requests=args.max_waiting_requests,
+                                max_request_bytes=args.max_request_bytes,
+                                max_stored_responses=args.max_stored_responses)
+
+
+def model_serving_config(args: argparse.Namespace, kv_transfer_config: Optional[dict] = None,
+                         **settings) -> ServeConfig:
+    """The ServeConfig of ``add_model_serving_args``' options and the engine's (checked before
+    any loading), with the caller's other ``settings``."""
+    from ..cli_args import engine_kwargs
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise ValueError("--served-model-name must not be empty")
     if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
@@ -81,16 +101,12 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     kwargs = engine_kwargs(args)
     lora_modules = _lora_kwargs(args, kwargs)
     _check_engine(kwargs)
-    if args.kv_transfer_config is not None:
-        from ..kv_transfer import parse_kv_transfer_config
-        kv = parse_kv_transfer_config(args.kv_transfer_config).with_address(args.host, args.port)
-        kwargs["kv_transfer_config"] = kv.to_dict()
-    return ServeConfig(engine_kwargs=kwargs, host=args.host, port=args.port, api_key=args.api_key,
-                       served_model_name=args.served_model_name, max_waiting_requests=args.max_waiting_requests,
-                       max_request_bytes=args.max_request_bytes, reasoning_parser=args.reasoning_parser,
-                       tool_call_parser=args.tool_call_parser, max_stored_responses=args.max_stored_responses,
+    if kv_transfer_config is not None:
+        kwargs["kv_transfer_config"] = kv_transfer_config
+    return ServeConfig(engine_kwargs=kwargs, served_model_name=args.served_model_name,
+                       reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
                        return_tokens_as_token_ids=args.return_tokens_as_token_ids, lora_modules=lora_modules,
-                       allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+                       allow_runtime_lora_updating=args.allow_runtime_lora_updating, **settings)
 
 
 def _lora_kwargs(args: argparse.Namespace, kwargs: dict) -> tuple:
