@@ -126,6 +126,11 @@ def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
     app.state.aengine = aengine
     install_error_handlers(app)
     app.add_middleware(RequestIdMiddleware)
+    if cfg.allowed_origins:   # (outermost: a preflight is answered before the API-key guard)
+        from fastapi.middleware.cors import CORSMiddleware
+        app.add_middleware(CORSMiddleware, allow_origins=list(cfg.allowed_origins),
+                           allow_methods=list(cfg.allowed_methods), allow_headers=list(cfg.allowed_headers),
+                           allow_credentials=cfg.allow_credentials)
 
     def key_matches(request: Request) -> bool:
         """``Authorization: Bearer KEY`` (OpenAI's clients) or ``x-api-key: KEY`` (Anthropic's)."""
@@ -160,6 +165,8 @@ def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
             raise
 
     @app.get("/health")
+    @app.get("/ping", include_in_schema=False)    # (vLLM's, for SageMaker)
+    @app.post("/ping", include_in_schema=False)
     async def health():
         if aengine.ready:
             return JSONResponse({"status": "ok"})

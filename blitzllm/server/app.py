@@ -5,7 +5,9 @@ fails to load stops the server: ``run_server`` raises its message (the CLI exits
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -29,6 +31,18 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-stored-responses", type=int, default=DEFAULT_MAX_STORED,
                    help="/v1/responses answers kept in memory for previous_response_id and GET (least recently "
                         "used dropped first; 0: store none)")
+    g.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                   help="answer browsers' cross-origin requests from these origins (CORS; '*' for any, or "
+                        "vLLM's JSON list); default: none")
+    g.add_argument("--allowed-methods", nargs="+", default=["*"], metavar="METHOD", help="CORS methods ('*')")
+    g.add_argument("--allowed-headers", nargs="+", default=["*"], metavar="HEADER", help="CORS headers ('*')")
+    g.add_argument("--allow-credentials", action="store_true", help="CORS: allow cookies and auth headers")
+    g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM)")
+    g.add_argument("--ssl-certfile", default=None, help="... and this certificate chain (PEM)")
+    g.add_argument("--ssl-ca-certs", default=None, help="CA certificates to verify clients' certificates with")
+    g.add_argument("--ssl-cert-reqs", type=int, default=0, choices=[0, 1, 2],
+                   help="client certificates: 0 not asked, 1 optional, 2 required (Python's ssl.CERT_*)")
+    g.add_argument("--root-path", default=None, help="the path prefix a proxy in front serves this app under")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     g.add_argument("--access-log", action="store_true", help="log every request (off: it costs throughput)")
     g.add_argument("--kv-transfer-config", default=None, metavar="JSON",
@@ -79,6 +93,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         raise ValueError(f"--max-request-bytes must be >= 1024, got {args.max_request_bytes}")
     if args.max_stored_responses < 0:
         raise ValueError(f"--max-stored-responses must be >= 0, got {args.max_stored_responses}")
+    _check_tls(args)
     kv = None
     if args.kv_transfer_config is not None:
         from ..kv_transfer import parse_kv_transfer_config
@@ -86,7 +101,42 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     return model_serving_config(args, kv_transfer_config=kv, host=args.host, port=args.port, api_key=args.api_key,
                                 max_waiting_requests=args.max_waiting_requests,
                                 max_request_bytes=args.max_request_bytes,
-                                max_stored_responses=args.max_stored_responses)
+                                max_stored_responses=args.max_stored_responses, **_cors(args))
+
+
+def _names(values, flag: str) -> tuple:
+    """A flag's values: plain words, or one JSON list (vLLM's form, e.g. '["*"]')."""
+    if len(values) == 1 and values[0].lstrip().startswith("["):
+        try:
+            values = json.loads(values[0])
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{flag} takes values or a JSON list of strings: {e}") from None
+        if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+            raise ValueError(f"{flag} takes values or a JSON list of strings")
+    if not values or not all(v.strip() for v in values):
+        raise ValueError(f"{flag} needs non-empty values")
+    return tuple(values)
+
+
+def _cors(args: argparse.Namespace) -> dict:
+    if args.allowed_origins is None:
+        return {}
+    return dict(allowed_origins=_names(args.allowed_origins, "--allowed-origins"),
+                allowed_methods=_names(args.allowed_methods, "--allowed-methods"),
+                allowed_headers=_names(args.allowed_headers, "--allowed-headers"),
+                allow_credentials=args.allow_credentials)
+
+
+def _check_tls(args: argparse.Namespace) -> None:
+    """The TLS files exist (before the model loads); key and certificate go together."""
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together")
+    if args.ssl_keyfile is None and (args.ssl_ca_certs is not None or args.ssl_cert_reqs):
+        raise ValueError("--ssl-ca-certs and --ssl-cert-reqs need --ssl-keyfile and --ssl-certfile")
+    for flag in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+        path = getattr(args, flag)
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f"--{flag.replace('_', '-')} {path}: no such file")
 
 
 def model_serving_config(args: argparse.Namespace, kv_transfer_config: Optional[dict] = None,
@@ -153,8 +203,10 @@ def run_server(args: argparse.Namespace) -> int:
 
     app = build_app(cfg, on_load_error=on_load_error, engine_thread=False)
     aengine = app.state.aengine
-    ucfg = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=args.log_level,
-                          access_log=args.access_log, timeout_graceful_shutdown=5, lifespan="on")
+    tls = dict(ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
+               ssl_cert_reqs=args.ssl_cert_reqs) if args.ssl_keyfile else {}
+    ucfg = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=args.log_level, root_path=args.root_path or "",
+                          access_log=args.access_log, timeout_graceful_shutdown=5, lifespan="on", **tls)
     server = uvicorn.Server(ucfg)
     http = threading.Thread(target=server.run, name="blitz-http", daemon=True)
     http.start()
@@ -164,7 +216,7 @@ def run_server(args: argparse.Namespace) -> int:
         aengine.shutdown()
         http.join(10)
         raise ValueError(f"the server could not start on {cfg.host}:{cfg.port} (is the port in use?)")
-    print(f"blitz serve: http://{cfg.host}:{cfg.port} (model '{cfg.model_name}' loading; "
+    print(f"blitz serve: {'https' if tls else 'http'}://{cfg.host}:{cfg.port} (model '{cfg.model_name}' loading; "
           f"/health turns 200 when ready)", file=sys.stderr, flush=True)
 
     def interrupt(signum, frame):

@@ -23,6 +23,12 @@ class ServeConfig:
     return_tokens_as_token_ids: bool = False
     lora_modules: tuple = ()               # ((name, path), ...) of --lora-modules
     allow_runtime_lora_updating: bool = False
+    # CORS (vLLM's flags), off unless --allowed-origins names some: a server on loopback should not
+    # answer every web page's scripts by default
+    allowed_origins: tuple = ()
+    allowed_methods: tuple = ("*",)
+    allowed_headers: tuple = ("*",)
+    allow_credentials: bool = False
 
     @property
     def model_name(self) -> str:
