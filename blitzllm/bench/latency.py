@@ -37,6 +37,9 @@ def add_args(p, add_engine_args) -> None:
     p.add_argument("--llamacpp-no-extra-bufts", action="store_true",
                    help="llama.cpp without its extra buffer types (weight repacking, AMX): for a CPU that "
                         "reports AMX but does not enable it, where a native build dies of SIGILL")
+    p.add_argument("--lora-rank", type=int, default=None,
+                   help="every request under a random LoRA adapter of this rank (enable_lora; "
+                        "--enforce-eager for the eager path's figure)")
     p.add_argument("--json", default=None, help="write the results to this file")
 
 
@@ -45,14 +48,15 @@ def _prompts(B, I, vocab, seed):
     return torch.randint(100, vocab - 100, (B, I), generator=g)
 
 
-def _timed_run(eng, prompts, output_len, tag):
-    """Runs B requests to completion; returns (ttft_s, per-decode-step seconds)."""
+def _timed_run(eng, prompts, output_len, tag, lora=None):
+    """Runs B requests to completion (under ``lora``, a LoRARequest); returns (ttft_s,
+    per-decode-step seconds)."""
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     dev = eng.device
     sync(dev)
     t0 = time.perf_counter()
     for i, p in enumerate(prompts.tolist()):
-        eng.add_request(f"{tag}-{i}", p, params)
+        eng.add_request(f"{tag}-{i}", p, params, lora_request=lora)
     steps, ttft = [], None
     last = t0
     while eng.has_unfinished():
@@ -90,6 +94,10 @@ def run(a) -> int:
     if "vllm" in peers:
         from .vllm_peer import require_vllm
         require_vllm(a.model)
+    if a.lora_rank is not None:
+        if peers:
+            raise ValueError("--lora-rank times this engine alone: leave out --compare")
+        kw.update(enable_lora=True, max_lora_rank=a.lora_rank)
     long_len = a.long_prompt_len if "llamacpp" in peers else 0
     if kw["max_model_len"] is None:
         kw["max_model_len"] = max(I + max(O, 8), long_len + 8)
@@ -98,7 +106,8 @@ def run(a) -> int:
     startup_s = time.perf_counter() - t0
     eng = llm.engine
     cfg, dev = eng.model_config, eng.device
-    _timed_run(eng, _prompts(B, I, cfg.vocab_size, 1), min(O, 8), "warm")
+    lora = _random_lora(eng, a.lora_rank) if a.lora_rank is not None else None
+    _timed_run(eng, _prompts(B, I, cfg.vocab_size, 1), min(O, 8), "warm", lora)
     if eng.spec is not None:
         eng.spec.reset_counters()
     peer_timers, llama = _peer_timers(a, eng, cfg, peers, B, I, O, dev)
@@ -106,7 +115,7 @@ def run(a) -> int:
     rounds = iter(range(CPU_REPEATS))
 
     def ours():  # seconds per generated token after the first (a speculative step may emit several)
-        ttft, steps = _timed_run(eng, _prompts(B, I, cfg.vocab_size, 2), O, f"run{next(rounds)}")
+        ttft, steps = _timed_run(eng, _prompts(B, I, cfg.vocab_size, 2), O, f"run{next(rounds)}", lora)
         return sum(steps) / (O - 1), ttft
 
     if dev.type != "cpu":
@@ -132,6 +141,9 @@ def run(a) -> int:
         "roofline_fraction": (w_bytes + kv_bytes + st_bytes) / bw / step_s,
         "startup_s": startup_s,
     }
+    if lora is not None:
+        res["lora_rank"] = a.lora_rank
+        res["cuda_graphs"] = eng.runner.graphs is not None
     cpu_decode = getattr(eng.runner, "cpu_decode", None)
     if cpu_decode is not None:
         res["cpu_decode"] = "compiled" if cpu_decode.compiled else "eager"
@@ -159,6 +171,16 @@ def run(a) -> int:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=2)
     return 0
+
+
+def _random_lora(eng, rank: int):
+    """A LoRARequest of a random rank-``rank`` adapter on every projection the engine wraps."""
+    import tempfile
+    from ..lora import LoRARequest
+    from ..lora.adapter import write_random_adapter
+    folder = tempfile.mkdtemp(prefix="blitz-bench-lora-")
+    write_random_adapter(eng.lora.modules, folder, rank)
+    return LoRARequest("bench", 1, folder)
 
 
 def _spec_stats(eng) -> dict:

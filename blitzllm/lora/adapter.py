@@ -145,3 +145,24 @@ def load_adapter(req: LoRARequest, modules: dict, max_rank: int, dtype: torch.dt
         # (scale folded into B in float32, once, before the cast)
         slices[index] = (a.to(dtype).contiguous(), (b.float() * scale).to(dtype).contiguous())
     return out
+
+
+def write_random_adapter(modules: dict, folder: str, rank: int, seed: int = 0, std: float = 0.02) -> None:
+    """A random rank-``rank`` PEFT adapter on every projection of the manager's wrapped
+    ``modules`` (path -> Linear), written into ``folder`` (``blitz bench latency --lora-rank``)."""
+    from safetensors.torch import save_file
+    os.makedirs(folder, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for path, mod in modules.items():
+        prefix, ours = path.rsplit(".", 1)
+        sizes = getattr(mod, "shard_sizes", [mod.out_features])
+        for target, (name, i) in TARGETS.items():
+            if name == ours:
+                base = f"base_model.model.{prefix}.{target}"
+                tensors[f"{base}.lora_A.weight"] = torch.randn(rank, mod.in_features, generator=g) * std
+                tensors[f"{base}.lora_B.weight"] = torch.randn(sizes[i], rank, generator=g) * std
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": sorted(TARGETS),
+                   "bias": "none"}, f)
+    save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))

@@ -1,16 +1,24 @@
 """The LoRA slot pool and the wrapped linears.
 
 ``LoRAManager`` is built by the runner when ``enable_lora``: it wraps every q/k/v, o, gate/up
-and down projection of a dense decoder so its output gains ``scale * (x @ A^T) @ B^T`` per
-slot, and owns ``max_loras`` slots, per wrapped module A [slots, S * R, in] and B [slots, out,
-S * R] on the device (S: the module's slices, R: max_lora_rank; a slice's B sits in its own
-rows and rank columns, zeros elsewhere, so a fused module takes one A and one B product per
-slot). Adapters are read from disk on first use (kept in a small host LRU), copied into a slot
-when a step needs them, and a slot no request of the step uses is given back least recently
-used first. The engine's scheduler guarantees a step never needs more than ``max_loras``.
+and down projection of a dense decoder so its output gains ``scale * (x @ A^T) @ B^T`` of the
+row's slot, and owns ``max_loras`` slots, per wrapped module A [slots, S * R, in] and B^T
+[slots, S * R, out] on the device (S: the module's slices, R: max_lora_rank; a slice's B sits
+in its own rank rows and output columns, zeros elsewhere, so a fused module takes one A and one
+B product). Adapters are read from disk on first use (kept in a small host LRU), copied into a
+slot when a step needs them, and a slot no request of the step uses is given back least
+recently used first. The engine's scheduler guarantees a step never needs more than
+``max_loras``.
+
+Every row goes through every slot's A at once, ``x @ A_all^T`` [rows, slots * S * R], and a
+one-hot mask of the row's slot keeps its own columns before the B product: a few more FLOPs
+than gathering each slot's rows, but the shapes never depend on which rows hold which adapter,
+so the decode CUDA graphs capture it (the row slots are one more graph input,
+``runner/cuda_graphs.py``).
 
 The engine calls ``prepare_step`` with each scheduled sequence's adapter; the runner asks
-``mapping`` for the step's rows per slot and hands it to the layers in the forward context.
+``mapping`` (eager forwards) or ``row_slots`` (graph replays) for the step's rows and hands
+the mask to the layers in the forward context.
 """
 from __future__ import annotations
 
@@ -30,14 +38,6 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCaus
 _WRAPPED = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
-class LoRAStep:
-    """A step's rows per slot: (slot, None for every row or a row index tensor)."""
-    __slots__ = ("groups",)
-
-    def __init__(self, groups: list):
-        self.groups = groups
-
-
 class LoRAManager:
     def __init__(self, model, architecture: str, cfg: LoRAConfig, device: torch.device, dtype: torch.dtype):
         if architecture not in SUPPORTED_ARCHITECTURES:
@@ -47,7 +47,7 @@ class LoRAManager:
         self.rank = cfg.max_lora_rank
         self.modules: dict = {}     # path -> the wrapped Linear
         self.slots_a: dict = {}     # path -> [slots, S * R, in]
-        self.slots_b: dict = {}     # path -> [slots, out, S * R]
+        self.slots_b: dict = {}     # path -> [slots, S * R, out] (B transposed)
         n = cfg.max_loras
         for i, layer in enumerate(model.model.layers):
             for sub in _WRAPPED:
@@ -56,15 +56,16 @@ class LoRAManager:
                 shards = getattr(mod, "shard_sizes", [mod.out_features])
                 self.modules[path] = mod
                 self.slots_a[path] = torch.zeros(n, len(shards) * self.rank, mod.in_features, dtype=dtype, device=device)
-                self.slots_b[path] = torch.zeros(n, mod.out_features, len(shards) * self.rank, dtype=dtype, device=device)
+                self.slots_b[path] = torch.zeros(n, len(shards) * self.rank, mod.out_features, dtype=dtype, device=device)
                 _wrap(mod, self.slots_a[path], self.slots_b[path])
         self.slot_keys: list = [None] * n          # the adapter key each slot holds
         self.lru: OrderedDict = OrderedDict()      # slot -> None, least recently used first
         self.cpu: OrderedDict = OrderedDict()      # adapter key -> LoRAAdapter read from disk
         self.step_slots: list = []                 # per scheduled sequence of the step: slot or -1
         self.slot_loads = 0
-        print(f"[blitz] LoRA: {len(self.modules)} linears wrapped, {n} slot(s) of rank {self.rank}; "
-              "the eager path runs every step (no CUDA graphs, no fused CPU decode)", file=sys.stderr)
+        self._slot_ids = torch.arange(n, device=device)
+        print(f"[blitz] LoRA: {len(self.modules)} linears wrapped, {n} slot(s) of rank {self.rank} "
+              "(no fused CPU decode)", file=sys.stderr)
 
     # ---- adapters -----------------------------------------------------------------
     def resolve(self, req: LoRARequest) -> LoRAAdapter:
@@ -117,23 +118,29 @@ class LoRAManager:
                     continue
                 rows = mod.shard_slice(i) if hasattr(mod, "shard_slice") else slice(0, mod.out_features)
                 a[i * R:i * R + r].copy_(ab[0])
-                b[rows, i * R:i * R + r].copy_(ab[1])
+                b[i * R:i * R + r, rows].copy_(ab[1].t())
         self.slot_keys[slot] = adapter.key
         self.slot_loads += 1
         return slot
 
-    def mapping(self, qsl: list) -> Optional[LoRAStep]:
-        """The step's rows per slot (``qsl``: the batch's query start offsets); None when no
-        sequence of the step has an adapter (the base model's rows add nothing)."""
-        rows: dict = {}
-        for i, s in enumerate(self.step_slots):
-            if s >= 0:
-                rows.setdefault(s, []).extend(range(qsl[i], qsl[i + 1]))
-        if not rows:
+    def row_slots(self, counts: Optional[list] = None) -> list:
+        """Each row's slot (-1: the base model) for the step's sequences of ``counts`` rows each
+        (default one each, a decode step)."""
+        if counts is None:
+            return list(self.step_slots)
+        return [s for s, c in zip(self.step_slots, counts) for _ in range(c)]
+
+    def mask(self, row_slots: torch.Tensor) -> torch.Tensor:
+        """The one-hot [rows, slots, 1] of each row's slot (all zeros for -1), in the slots' dtype."""
+        return (row_slots[:, None, None] == self._slot_ids[None, :, None]).to(self.dtype)
+
+    def mapping(self, qsl: list) -> Optional[torch.Tensor]:
+        """The step's row mask (``qsl``: the batch's query start offsets); None when no sequence
+        of the step has an adapter (the base model's rows add nothing)."""
+        if all(s < 0 for s in self.step_slots):
             return None
-        total = qsl[-1]
-        return LoRAStep([(s, None if len(r) == total else torch.tensor(r, device=self.device))
-                         for s, r in rows.items()])
+        slots = self.row_slots([qsl[i + 1] - qsl[i] for i in range(len(self.step_slots))])
+        return self.mask(torch.tensor(slots, device=self.device))
 
     def stats(self) -> dict:
         return {"lora_slots_used": sum(k is not None for k in self.slot_keys), "lora_slot_loads": self.slot_loads}
@@ -152,11 +159,9 @@ def _lora_forward(mod, base_forward, slots_a, slots_b, x: torch.Tensor, silu_mul
     if silu_mul_input:  # (down_proj's LoRA reads silu(gate) * up, as the product does)
         x = silu_and_mul(x)
     y = base_forward(mod, x)
-    step = get_forward_context().lora
-    if step is None:
+    mask = get_forward_context().lora
+    if mask is None:
         return y
-    for slot, rows in step.groups:
-        xs = x if rows is None else x.index_select(0, rows)
-        delta = (xs @ slots_a[slot].t()) @ slots_b[slot].t()
-        y = y + delta if rows is None else y.index_add(0, rows, delta.to(y.dtype))
-    return y
+    n = slots_a.shape[0]
+    xa = (x @ slots_a.view(-1, slots_a.shape[-1]).t()).view(x.shape[0], n, -1) * mask
+    return torch.addmm(y, xa.view(x.shape[0], -1), slots_b.view(-1, slots_b.shape[-1]))

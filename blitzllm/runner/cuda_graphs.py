@@ -4,7 +4,8 @@ to the next bucket (padding rows write nothing and read one cached token).
 
 Each graph covers the model forward and the lm_head; sampling runs after it. A hybrid model's
 state layers read and write the rows in a device buffer of the graphs (padding rows: the pool's
-scratch row).
+scratch row). With LoRA, each row's adapter slot is one more input row (-1: none), turned into
+the layers' one-hot mask inside the graph (``blitzllm/lora/manager.py``).
 """
 from __future__ import annotations
 
@@ -32,18 +33,20 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, kv_caches, backend, device, max_num_seqs: int, max_blocks_per_seq: int, states=None):
-        """``states``: the runner's StatePool of a hybrid model (None: no state layers)."""
+    def __init__(self, model, kv_caches, backend, device, max_num_seqs: int, max_blocks_per_seq: int, states=None,
+                 lora=None):
+        """``states``: the runner's StatePool of a hybrid model (None: no state layers);
+        ``lora``: the LoRA manager (None: no adapters)."""
         self.model, self.kv_caches, self.backend, self.device = model, kv_caches, backend, device
-        self.states = states
+        self.states, self.lora = states, lora
         self.buckets = decode_buckets(max_num_seqs)
         n, w = self.buckets[-1], max_blocks_per_seq
         # The graphs' inputs live in two device buffers, so a step's host data lands with two
-        # copies from one pinned staging slot (``run``): [ids; positions; slots] int64 and
-        # [seq lens, block tables] int32
-        self._in64 = torch.zeros(3, n, dtype=torch.int64, device=device)
-        self.input_ids, self.positions, self.slot_mapping = self._in64
-        self.slot_mapping.fill_(-1)
+        # copies from one pinned staging slot (``run``): [ids; positions; slots (; LoRA slots)]
+        # int64 and [seq lens, block tables] int32
+        self._in64 = torch.zeros(3 + (lora is not None), n, dtype=torch.int64, device=device)
+        self.input_ids, self.positions, self.slot_mapping = self._in64[:3]
+        self._in64[2:].fill_(-1)
         self._in32 = torch.zeros(n + n * w, dtype=torch.int32, device=device)
         self.seq_lens, self.block_tables = self._in32[:n], self._in32[n:].view(n, w)
         self.seq_lens.fill_(1)
@@ -69,7 +72,9 @@ class DecodeGraphs:
         smd = None
         if self.states is not None:
             smd = self.states.decode_metadata(self.state_rows[0, :b], self.state_rows[1, :b], self.query_start_loc[:b + 1])
-        with forward_context(ForwardContext(self._metadata(b), self.kv_caches, self.backend)), state_context(smd):
+        lora = self.lora.mask(self._in64[3, :b]) if self.lora is not None else None
+        with (forward_context(ForwardContext(self._metadata(b), self.kv_caches, self.backend, lora=lora)),
+              state_context(smd)):
             hidden = self.model(self.input_ids[:b], self.positions[:b])
         return self.model.compute_logits(hidden, fp32=False)   # the samplers upcast
 
@@ -102,9 +107,9 @@ class DecodeGraphs:
     def _slot(self):
         """The next pinned staging slot, once the copy that last read it has run."""
         if not self._staging:
-            n, size32 = self._in64.shape[1], self._in32.numel()
+            size32 = self._in32.numel()
             for _ in range(STAGING_SLOTS):
-                h64 = torch.zeros(3, n, dtype=torch.int64).pin_memory()
+                h64 = torch.zeros(self._in64.shape, dtype=torch.int64).pin_memory()
                 h32 = torch.zeros(size32, dtype=torch.int32).pin_memory()
                 self._staging.append((h64, h32, h64.numpy(), h32.numpy(), torch.cuda.Event()))
         slot = self._staging[self._next_slot]
@@ -113,13 +118,13 @@ class DecodeGraphs:
         return slot
 
     def run(self, ids, pos: list, slots: list, lens: list, block_tables: list, state_rows: list = None,
-            state_dst: list = None) -> torch.Tensor:
+            state_dst: list = None, lora_slots: list = None) -> torch.Tensor:
         """One decode step of ``len(pos)`` rows: ``ids`` a host list or a device tensor (the
         previous step's sampled tokens), the other inputs host lists. The host data goes
         through a pinned slot with two copies (and one device copy for device ids); rows
         past n up to the bucket are padding (slot -1: they write nothing; state row: scratch).
         A hybrid model's state layers read ``state_rows`` and write ``state_dst`` (default: the
-        same rows). Returns logits [n, V]."""
+        same rows); with LoRA, ``lora_slots`` are the rows' adapter slots. Returns logits [n, V]."""
         n = len(pos)
         b = next(x for x in self.buckets if x >= n)
         N, w = self._in64.shape[1], self.block_tables.shape[1]
@@ -127,7 +132,9 @@ class DecodeGraphs:
         if not isinstance(ids, torch.Tensor):
             a64[0, :n] = ids
         a64[1, :n], a64[2, :n], a32[:n] = pos, slots, lens
-        a64[:2, n:b], a64[2, n:b], a32[n:b] = 0, -1, 1
+        a64[:2, n:b], a64[2:, n:b], a32[n:b] = 0, -1, 1
+        if self.lora is not None:
+            a64[3, :n] = lora_slots
         for i, t in enumerate(block_tables):
             a32[N + i * w:N + i * w + len(t)] = t
         self._in64.copy_(h64, non_blocking=True)

@@ -82,8 +82,6 @@ class ModelRunner:
         if knobs.reference:
             enforce_eager, attention_backend = True, "torch"
         self.lora = lora
-        if lora is not None:
-            enforce_eager = True
         self.model = model
         self.cfg = cfg
         self.cache_cfg = cache
@@ -104,7 +102,7 @@ class ModelRunner:
             from .cuda_graphs import DecodeGraphs
             width = -(-max_model_len // cache.block_size)
             self.graphs = DecodeGraphs(model, self.kv_caches, self.backend, device,
-                                       max(max_num_seqs, max_decode_rows), width, self.states)
+                                       max(max_num_seqs, max_decode_rows), width, self.states, lora)
             self.graphs.capture()
         self.cpu_decode = None  # CPU pure-decode steps in few ops, compiled or not (runner/cpu_graph.py)
         if device.type == "cpu" and not knobs.reference and lora is None:
@@ -152,19 +150,20 @@ class ModelRunner:
         return pos, slots, lens
 
     def launch_decode_graph(self, ids, pos, slots, lens, block_tables, states: Optional[StatePlan] = None,
-                            ahead_rows: Optional[list] = None):
+                            ahead_rows: Optional[list] = None, lora_counts: Optional[list] = None):
         """ids: host list or a device tensor (the previous step's sampled tokens). ``states``:
         a hybrid model's state plan (copies before and after the graph, its rows). A look-ahead
         step gives ``ahead_rows``: the spare rows it writes the states into, none of the plan's
-        copies made."""
+        copies made. ``lora_counts``: the rows of each sequence when not one each (LoRA slots)."""
+        lora = self.lora.row_slots(lora_counts) if self.lora is not None else None
         if self.states is None:
-            return self.graphs.run(ids, pos, slots, lens, block_tables)
+            return self.graphs.run(ids, pos, slots, lens, block_tables, lora_slots=lora)
         rows = self.states.rows_of(states.slots)
         if ahead_rows is not None:
-            return self.graphs.run(ids, pos, slots, lens, block_tables, rows, ahead_rows)
+            return self.graphs.run(ids, pos, slots, lens, block_tables, rows, ahead_rows, lora_slots=lora)
         self.states.copy(states.restores)
         self.states.zero([row for row, p in zip(states.slots, pos) if p == 0])
-        logits = self.graphs.run(ids, pos, slots, lens, block_tables, rows)
+        logits = self.graphs.run(ids, pos, slots, lens, block_tables, rows, lora_slots=lora)
         self.states.finish(states)
         return logits
 
@@ -188,6 +187,8 @@ class ModelRunner:
                 logits = self.launch_decode_graph(ids, *cur, block_tables, states)
             return _to_host_async(self.sampler(logits, SamplingMetadata.build(rows, self.cfg.vocab_size, self.device)))
         slots = tuple(states.slots) if states is not None else None
+        if self.lora is not None:   # (the rows' adapter slots are inputs of the step too)
+            slots = (slots, tuple(self.lora.step_slots))
         key = (tuple(cur[0]), tuple(cur[1]), tuple((r.seed, len(r.output_ids), id(r.params)) for r in rows), slots)
         ahead = self._ahead
         # (a restore into a sequence of the batch would change the state the look-ahead read)
@@ -301,8 +302,9 @@ class ModelRunner:
                 slots.append(table[p // bs] * bs + p % bs)
                 lens.append(p + 1)
                 tables.append(table)
+        counts = [end - start for _, start, end in seqs]
         if self.driver is None:
-            return self.launch_decode_graph(ids, pos, slots, lens, tables)
+            return self.launch_decode_graph(ids, pos, slots, lens, tables, lora_counts=counts)
         with self.driver.step():
             self.driver.send(("graph", ids, pos, slots, lens, tables))
             return self.launch_decode_graph(ids, pos, slots, lens, tables)

@@ -65,7 +65,7 @@ def add_model_serving_args(g) -> None:
                    help="logprobs' tokens as 'token_id:<id>' (vLLM's; a request's return_tokens_as_token_ids "
                         "overrides it)")
     g.add_argument("--enable-lora", action="store_true",
-                   help="serve LoRA adapters (docs/lora.md): a request's model names one; every step runs eagerly")
+                   help="serve LoRA adapters (docs/lora.md): a request's model names one")
     g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help='adapters served under their names: name=path (a local PEFT folder) or \'{"name": "...", '
                         '"path": "..."}\'; needs --enable-lora')

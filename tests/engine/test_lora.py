@@ -208,14 +208,16 @@ def test_lora_refusals(tiny_llama, adapters):
 
 
 @pytest.mark.gpu
-def test_adapter_on_cuda_matches_the_merged_model(tiny_llama, adapters):
-    """One adapter on CUDA (fp32, the eager path enable_lora takes) against transformers with the
-    adapter merged, on the GPU."""
+def test_adapters_in_cuda_graphs_match_the_merged_models(tiny_llama, adapters):
+    """Adapters on CUDA (fp32) with the decode CUDA graphs captured (the rows' slots a graph
+    input, the look-ahead step on): one adapter against transformers with it merged, on the
+    GPU; then a mixed batch (base rows and two adapters' rows in the same graph replays) gives
+    each row its own oracle's tokens, and the eager engine's."""
     lora, oracle = adapters["all"]
     oracle = copy.deepcopy(oracle).to("cuda")   # (the fixture's CPU model stays for the other tests)
-    llm = LLM(str(tiny_llama[0]), device="cuda", dtype="float32", kv_cache_blocks=64, max_num_seqs=4,
-              enable_lora=True)
-    assert llm.engine.runner.graphs is None
+    kw = dict(device="cuda", dtype="float32", kv_cache_blocks=64, max_num_seqs=8, enable_lora=True, max_loras=2)
+    llm = LLM(str(tiny_llama[0]), **kw)
+    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.lora is not None
     prompts = _prompts(3, seed=21)
     outs = llm.generate(prompts, GREEDY, lora_request=lora)
     for prompt, out in zip(prompts, outs):
@@ -227,6 +229,31 @@ def test_adapter_on_cuda_matches_the_merged_model(tiny_llama, adapters):
         assert out.token_ids == want
         for tok, lp in out.logprobs[0].items():
             assert abs(lp - first[tok].item()) < 1e-3
+    (la, oa), (lb, ob) = adapters["attn"], adapters["all"]
+    prompts = _prompts(6, seed=7)
+    which = [None, la, lb, la, None, lb]
+    graphs = [o.token_ids for o in llm.generate(prompts, GREEDY, lora_request=which)]
+    eager = LLM(str(tiny_llama[0]), **kw, enforce_eager=True)
+    assert eager.engine.runner.graphs is None
+    assert graphs == [o.token_ids for o in eager.generate(prompts, GREEDY, lora_request=which)]
+    for prompt, lo, got in zip(prompts, which, graphs):
+        if lo is not None:
+            assert got == hf_greedy(oa if lo is la else ob, prompt, N)
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+
+
+def test_the_benchs_random_adapter_matches_its_merged_model(tiny_llama, tmp_path):
+    """``write_random_adapter`` (``blitz bench latency --lora-rank``) writes a PEFT adapter on
+    every wrapped projection that the engine serves as transformers does with it merged."""
+    from blitzllm.lora.adapter import write_random_adapter
+    llm = _llm(tiny_llama, max_loras=1)
+    write_random_adapter(llm.engine.lora.modules, str(tmp_path / "r"), 4, seed=5, std=0.2)
+    oracle = merged_model(tiny_llama[0], tmp_path / "r")
+    prompts = _prompts(2, seed=33)
+    outs = llm.generate(prompts, GREEDY, lora_request=LoRARequest("r", 9, str(tmp_path / "r")))
+    for prompt, out in zip(prompts, outs):
+        _check(out, oracle, prompt)
+    assert any(a.token_ids != b.token_ids for a, b in zip(outs, llm.generate(prompts, GREEDY)))
 
 
 def test_prompt_logprobs_under_an_adapter(tiny_llama, adapters):
