@@ -132,6 +132,10 @@ async def prepare_turn(s: Serving, req, messages, *, tools, tool_choice, paralle
             raise bad_request(str(e), param=field) from None
     else:
         field = requested[1]
+    if tool_mode == "auto" and FORMATS[s.tool_parser].special_tokens:
+        # the format's markers are special tokens ([TOOL_CALLS]): decoded, as vLLM's Mistral
+        # parser asks, or its calls could not be found
+        params = params.clone(skip_special_tokens=False)
     cut = params.truncate_prompt_tokens is not None
     ids, prompt_text = await s.chat_prompt(messages, end, template_kwargs, tools if tool_mode is not None else None,
                                            check_length=not cut, require_tools=tool_mode == "auto")

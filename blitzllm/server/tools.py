@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from functools import partial
 from typing import Optional
 
 from .errors import bad_request
 from .reasoning import _held_tail, fed
+from .tool_formats import LLAMA3_JSON, MISTRAL, PYTHONIC, tool_call
 
-TOOL_PARSERS = ("hermes", "deepseek_v3", "deepseek_v31", "minimax_m2", "qwen3_coder")
+TOOL_PARSERS = ("hermes", "deepseek_v3", "deepseek_v31", "minimax_m2", "qwen3_coder", "llama3_json", "pythonic",
+                "mistral")
 START, END = "<tool_call>", "</tool_call>"
 
 
@@ -86,7 +87,7 @@ class Forced:
             pairs = [(o.get("name"), o.get("parameters", {})) for o in obj if isinstance(o, dict)]
         else:
             return []
-        calls = [_tool_call(n, a if isinstance(a, dict) else {}) for n, a in pairs]
+        calls = [tool_call(n, a if isinstance(a, dict) else {}) for n, a in pairs]
         return [c for c in calls if c is not None]
 
     def splitter(self) -> "ForcedSplitter":
@@ -126,19 +127,6 @@ def template_messages(conv: list) -> list:
     return conv
 
 
-def _tool_call(name, args) -> Optional[dict]:
-    """An OpenAI tool call (a fresh id), or None without a name; ``args`` a mapping or a JSON string."""
-    if not isinstance(name, str) or not name:
-        return None
-    if isinstance(args, str):
-        try:
-            json.loads(args)
-        except (ValueError, RecursionError):
-            return None
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}}
-
-
 def _hermes_call(inner: str, tools=None) -> Optional[dict]:
     """``{"name": ..., "arguments": {...}}`` (or "parameters")."""
     try:
@@ -147,7 +135,7 @@ def _hermes_call(inner: str, tools=None) -> Optional[dict]:
         return None
     if not isinstance(obj, dict):
         return None
-    return _tool_call(obj.get("name"), obj.get("arguments", obj.get("parameters", {})))
+    return tool_call(obj.get("name"), obj.get("arguments", obj.get("parameters", {})))
 
 
 _SEP = "<\uff5ctool\u2581sep\uff5c>"  # DeepSeek's <｜tool▁sep｜> (fullwidth bar, lower one-eighth block)
@@ -162,13 +150,13 @@ def _deepseek_v3_call(inner: str, tools=None) -> Optional[dict]:
     body = body.strip()
     if body.startswith("```json") and body.endswith("```"):
         body = body[len("```json"):-3]
-    return _tool_call(name.strip(), body.strip())
+    return tool_call(name.strip(), body.strip())
 
 
 def _deepseek_v31_call(inner: str, tools=None) -> Optional[dict]:
     """DeepSeek-V3.1 / V3.2: ``NAME<｜tool▁sep｜>ARGUMENTS``."""
     name, sep, args = inner.partition(_SEP)
-    return _tool_call(name.strip(), args.strip()) if sep else None
+    return tool_call(name.strip(), args.strip()) if sep else None
 
 
 # MiniMax-M2: one or more <invoke name="NAME"><parameter name="KEY">VALUE</parameter>...</invoke>
@@ -202,17 +190,32 @@ def _xml_calls(inner: str, tools, invoke: re.Pattern, param: re.Pattern) -> Opti
     for name, body in invoke.findall(inner):
         p = props.get(name.strip(), {})
         args = {k.strip(): _typed(v, p.get(k.strip())) for k, v in param.findall(body)}
-        calls.append(_tool_call(name.strip(), args))
+        calls.append(tool_call(name.strip(), args))
     return calls if calls and all(calls) else None
 
 
 class ToolFormat:
     """A model's tool-call blocks: ``start`` ... ``end`` around each call (or several: ``parse``
     returns a list then), whose inner text ``parse`` reads with the request's tools; ``drop``:
-    markers around a run of calls, removed from the content."""
+    markers around a run of calls, removed from the content. (``tool_formats.BracketFormat``
+    has the same ``scan`` / ``calls`` for formats without an end marker.)"""
+
+    special_tokens = False
 
     def __init__(self, start: str, end: str, parse, drop: tuple = ()):
         self.start, self.end, self.parse, self.drop = start, end, parse, drop
+
+    def scan(self, buf: str, final: bool) -> tuple[int, Optional[int]]:
+        """(i, j): ``buf[:i]`` is content; ``buf[i:j]`` a block, or with j None, ``buf[i:]`` held
+        (a block's start, or an open block: content if the text ends so)."""
+        i = buf.find(self.start)
+        if i < 0:
+            return len(buf) - (0 if final else _held_tail(buf, self.start)), None
+        j = buf.find(self.end, i + len(self.start))
+        return i, None if j < 0 else j + len(self.end)
+
+    def calls(self, block: str, tools):
+        return self.parse(block[len(self.start):-len(self.end)], tools)
 
 
 _DS_BEGIN, _DS_END = "<\uff5ctool\u2581call\u2581begin\uff5c>", "<\uff5ctool\u2581call\u2581end\uff5c>"
@@ -224,20 +227,23 @@ FORMATS = {
     "minimax_m2": ToolFormat("<minimax:tool_call>", "</minimax:tool_call>",
                              partial(_xml_calls, invoke=_INVOKE, param=_PARAM)),
     "qwen3_coder": ToolFormat(START, END, partial(_xml_calls, invoke=_FUNCTION, param=_QPARAM)),
+    "llama3_json": LLAMA3_JSON,
+    "pythonic": PYTHONIC,
+    "mistral": MISTRAL,
 }
 
 
 class ToolCallSplitter:
     """One sequence's content, fed as it streams, split into text and tool calls (``fmt``:
-    the model's blocks, hermes by default)."""
+    the model's blocks, hermes by default; its ``scan`` says where they are, its ``calls``
+    what they hold)."""
 
-    def __init__(self, fmt: Optional[ToolFormat] = None, tools=None):
+    def __init__(self, fmt=None, tools=None):
         self.fmt, self.tools = fmt or FORMATS["hermes"], tools
         self.buf = ""
-        self.in_block = False
         self.calls = 0
 
-    def feed(self, text: str) -> tuple[str, list]:
+    def feed(self, text: str, final: bool = False) -> tuple[str, list]:
         """(content text, [tool call dicts with their index]) that ``text`` completes."""
         f = self.fmt
         self.buf += text
@@ -245,33 +251,30 @@ class ToolCallSplitter:
             self.buf = self.buf.replace(marker, "")
         out, calls = [], []
         while self.buf:
-            if not self.in_block:
-                i = self.buf.find(f.start)
-                if i < 0:
-                    keep = max(_held_tail(self.buf, m) for m in (f.start,) + f.drop)
-                    out.append(self.buf[:len(self.buf) - keep])
-                    self.buf = self.buf[len(self.buf) - keep:]
-                    break
+            i, j = f.scan(self.buf, final)
+            if j is None:
+                if not final:  # (a marker to drop may be arriving)
+                    i = min(i, len(self.buf) - max((_held_tail(self.buf, m) for m in f.drop), default=0))
                 out.append(self.buf[:i])
-                self.buf, self.in_block = self.buf[i:], True
-            else:
-                j = self.buf.find(f.end)
-                if j < 0:
-                    break
-                block, self.buf, self.in_block = self.buf[:j + len(f.end)], self.buf[j + len(f.end):], False
-                parsed = f.parse(block[len(f.start):-len(f.end)], self.tools)
-                if parsed is None:
-                    out.append(block)
-                    continue
-                for call in parsed if isinstance(parsed, list) else [parsed]:
-                    calls.append({"index": self.calls, **call})
-                    self.calls += 1
+                self.buf = self.buf[i:]
+                break
+            out.append(self.buf[:i])
+            block, self.buf = self.buf[i:j], self.buf[j:]
+            parsed = f.calls(block, self.tools)
+            if parsed is None:
+                out.append(block)
+                continue
+            for call in parsed if isinstance(parsed, list) else [parsed]:
+                calls.append({"index": self.calls, **call})
+                self.calls += 1
         return "".join(out), calls
 
     def finish(self) -> tuple[str, list]:
-        """What was held back, once the sequence has ended: an unclosed block is text."""
-        rest, self.buf, self.in_block = self.buf, "", False
-        return rest, []
+        """What was held back, once the sequence has ended: a complete call, else text (an
+        unclosed block)."""
+        content, calls = self.feed("", final=True)
+        rest, self.buf = self.buf, ""
+        return content + rest, calls
 
 
 def split_tool_calls(text: Optional[str], parser: str = "hermes", tools=None) -> tuple[Optional[str], list]:
