@@ -112,14 +112,17 @@ def smol_f32_server(tmp_path_factory):
     yield from running(srv)
 
 
-def _tiny_llama(folder: Path) -> Path:
-    """A 2-layer random Llama with SmolLM2's tokenizer (loads in a second or two)."""
+def _tiny_llama(folder: Path, special_tokens: tuple = ()) -> Path:
+    """A 2-layer random Llama with SmolLM2's tokenizer (loads in a second or two), and
+    ``special_tokens`` added to it."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     from blitzllm.loader.source import smollm2_path
     from blitzllm.loader.tokenizer import load_gguf_tokenizer
     tok = load_gguf_tokenizer(smollm2_path())
+    if special_tokens:
+        tok.add_special_tokens({"additional_special_tokens": list(special_tokens)})
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                       tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
@@ -143,6 +146,17 @@ def tiny_server(tmp_path_factory):
     yield from running(srv)
 
 
+def with_chat_template(folder: Path, template: str) -> Path:
+    """The model folder's chat template replaced by ``template``."""
+    cfg_path = folder / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = template
+    cfg_path.write_text(json.dumps(cfg))
+    for extra in ("chat_template.jinja", "chat_template.json"):  # (newer transformers keep it apart)
+        (folder / extra).unlink(missing_ok=True)
+    return folder
+
+
 THINKING_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{%- endif %}"
     "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
@@ -159,12 +173,7 @@ def thinking_server(tmp_path_factory):
     ``enable_thinking: false``, with the qwen3 reasoning parser and hermes tool calls (its template
     renders tools and earlier calls)."""
     folder = _tiny_llama(tmp_path_factory.mktemp("tiny-thinking"))
-    cfg_path = folder / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["chat_template"] = THINKING_TEMPLATE
-    cfg_path.write_text(json.dumps(cfg))
-    for extra in ("chat_template.jinja", "chat_template.json"):  # (newer transformers keep it apart)
-        (folder / extra).unlink(missing_ok=True)
+    with_chat_template(folder, THINKING_TEMPLATE)
     srv = ServerProcess(["--model", str(folder), "--served-model-name", "think", "--reasoning-parser", "qwen3",
                          "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                          "--max-model-len", "512", "--kv-cache-blocks", "64"],
