@@ -81,7 +81,9 @@ def add_model_serving_args(g) -> None:
                    help="let chat requests with tools (tool_choice 'auto') get tool_calls back; needs --tool-call-parser")
     g.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSERS,
                    help="the model's tool-call format: hermes (<tool_call>{json}</tool_call>: Qwen2.5 / Qwen3 / Hermes), "
-                        "deepseek_v3, deepseek_v31 (V3.1 / V3.2), minimax_m2; see blitzllm/server/tools.py")
+                        "deepseek_v3, deepseek_v31 (V3.1 / V3.2), minimax_m2, qwen3_coder (Qwen3.5 / Qwen3-Coder), "
+                        "llama3_json (Llama 3.1 / 3.2 / 3.3 JSON calls), pythonic ([f(a=1)]: Llama 3.2 / 4), "
+                        "mistral ([TOOL_CALLS]); see docs/serving.md#tool-calls")
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
