@@ -33,18 +33,22 @@ def tool_call(name, args, call_id: Optional[str] = None) -> Optional[dict]:
 _CLOSE = {"[": "]", "{": "}", "(": ")"}
 
 
-def _balanced_end(text: str, i: int, quotes: str) -> Optional[int]:
+_STRUCT = re.compile(r"[\[\]{}()\"'\\]")  # (the characters bracket matching looks at)
+
+
+def _balanced_end(text: str, i: int, quotes: str, memo: Optional[dict] = None) -> Optional[int]:
     """The index just past the bracket that closes ``text[i]``, skipping brackets inside strings
     (delimited by any of ``quotes``, backslash escapes); None while the text may still close it,
-    -1 when a bracket of the wrong kind closes first (it never will)."""
-    stack, quote, escaped = [], None, False
-    for k in range(i, len(text)):
-        c = text[k]
+    -1 when a bracket of the wrong kind closes first (it never will). ``memo`` keeps where an
+    unclosed one got to, so that a stream's growing text is read once, not on every token."""
+    stack, quote, skip = memo.pop(i, ([], None, i)) if memo is not None else ([], None, i)
+    for m in _STRUCT.finditer(text, skip):
+        k, c = m.start(), m.group()
+        if k < skip:  # (the character after a backslash in a string)
+            continue
         if quote:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
+            if c == "\\":
+                skip = k + 2
             elif c == quote:
                 quote = None
         elif c in quotes:
@@ -52,10 +56,12 @@ def _balanced_end(text: str, i: int, quotes: str) -> Optional[int]:
         elif c in _CLOSE:
             stack.append(_CLOSE[c])
         elif c in "]})":
-            if stack.pop() != c:
+            if not stack or stack.pop() != c:
                 return -1
             if not stack:
                 return k + 1
+    if memo is not None:
+        memo[i] = (stack, quote, max(skip, len(text)))
     return None
 
 
@@ -75,10 +81,11 @@ class BracketFormat:
         self.start, self.opener, self.maybe, self.read, self.quotes = start, opener, maybe, read, quotes
         self.sep, self.drop, self.special_tokens = sep, drop, special_tokens
 
-    def scan(self, buf: str, final: bool) -> tuple[int, Optional[int]]:
+    def scan(self, buf: str, final: bool, memo: Optional[dict] = None) -> tuple[int, Optional[int]]:
         """(i, j): ``buf[:i]`` is content; ``buf[i:j]`` a call's text, or with j None, ``buf[i:]``
         held (it may become one; at ``final`` it is content). Decided from the text after i only,
-        so every chunking of a stream decides alike."""
+        so every chunking of a stream decides alike. ``memo``: the splitter's, kept while it
+        holds ``buf[i:]`` and only appends to it."""
         pos = 0
         while True:
             m = self.start.search(buf, pos)
@@ -88,8 +95,12 @@ class BracketFormat:
                         if buf[k] == self.opener and self.maybe(buf[k:]):
                             return k, None
                 return len(buf), None
-            i, end = m.start(), _balanced_end(buf, m.end() - 1, self.quotes)
-            if end is None:  # the call may still close: held
+            i, opener = m.start(), m.end() - 1
+            end = _balanced_end(buf, opener, self.quotes, memo)
+            if end is None:  # the call may still close: held (its state where buf[i:] will start)
+                if memo is not None:
+                    stack, quote, skip = memo.pop(opener)
+                    memo[opener - i] = stack, quote, skip - i
                 return i, None
             if end < 0:
                 pos = i + 1

@@ -205,7 +205,7 @@ class ToolFormat:
     def __init__(self, start: str, end: str, parse, drop: tuple = ()):
         self.start, self.end, self.parse, self.drop = start, end, parse, drop
 
-    def scan(self, buf: str, final: bool) -> tuple[int, Optional[int]]:
+    def scan(self, buf: str, final: bool, memo=None) -> tuple[int, Optional[int]]:
         """(i, j): ``buf[:i]`` is content; ``buf[i:j]`` a block, or with j None, ``buf[i:]`` held
         (a block's start, or an open block: content if the text ends so)."""
         i = buf.find(self.start)
@@ -242,16 +242,18 @@ class ToolCallSplitter:
         self.fmt, self.tools = fmt or FORMATS["hermes"], tools
         self.buf = ""
         self.calls = 0
+        self.memo: dict = {}  # (the format's notes on the text it holds, read once)
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list]:
         """(content text, [tool call dicts with their index]) that ``text`` completes."""
         f = self.fmt
         self.buf += text
         for marker in f.drop:
-            self.buf = self.buf.replace(marker, "")
+            if marker in self.buf:  # (the held text changed: read it again)
+                self.buf, self.memo = self.buf.replace(marker, ""), {}
         out, calls = [], []
         while self.buf:
-            i, j = f.scan(self.buf, final)
+            i, j = f.scan(self.buf, final, self.memo)
             if j is None:
                 if not final:  # (a marker to drop may be arriving)
                     i = min(i, len(self.buf) - max((_held_tail(self.buf, m) for m in f.drop), default=0))
@@ -259,7 +261,7 @@ class ToolCallSplitter:
                 self.buf = self.buf[i:]
                 break
             out.append(self.buf[:i])
-            block, self.buf = self.buf[i:j], self.buf[j:]
+            block, self.buf, self.memo = self.buf[i:j], self.buf[j:], {}
             parsed = f.calls(block, self.tools)
             if parsed is None:
                 out.append(block)

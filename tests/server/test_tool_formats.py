@@ -24,6 +24,7 @@ CASES = [
     ("llama3_json", '{"name": "f", "parameters": {"a": [1}}', '{"name": "f", "parameters": {"a": [1}}', []),  # mismatched
     ("llama3_json", '{"name": "f", "parameters": {"a": 1', '{"name": "f", "parameters": {"a": 1', []),       # cut short
     ("llama3_json", "plain text", "plain text", []),
+    ("llama3_json", '{"name": "f", "parameters": {"s": "a\\"}]\\\\"}}', None, [("f", {"s": 'a"}]\\'})]),  # escapes
     ("pythonic", '[get_weather(city="Paris", days=3), get_time(tz=\'UTC\')]', None,
      [("get_weather", W), ("get_time", {"tz": "UTC"})]),
     ("pythonic", 'Sure! [get_weather(city="Pa]ris", days=-3, hours=[9, 12], extra={"k": None, "b": True}), ping()]\nok',
@@ -31,6 +32,7 @@ CASES = [
                     ("ping", {})]),
     ("pythonic", "[1, 2] [see](url) [f(x)] [g(a=b)] [h(a=1)", "[1, 2] [see](url) [f(x)] [g(a=b)] [h(a=1)", []),
     ("pythonic", "[f(a=float('nan'))] [f(a={1, 2})]", "[f(a=float('nan'))] [f(a={1, 2})]", []),
+    ("pythonic", "[f(s='it\\'s ]', t=\"(\")]", None, [("f", {"s": "it's ]", "t": "("})]),
     ("mistral", 'Checking.[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
      '{"name": "get_time", "arguments": {"tz": "UTC"}}]', "Checking.", [("get_weather", W), ("get_time", {"tz": "UTC"})]),
     ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}[TOOL_CALLS]get_time[CALL_ID]a1b2c3d4e'
@@ -96,3 +98,16 @@ def test_llama3_waits_for_a_separator_after_a_call():
     sp.feed('{"name": "f", "parameters": {}}')
     content, calls = sp.finish()
     assert content == "" and _pairs(calls) == [("f", {})]
+
+
+def test_a_long_call_is_read_once():
+    """A call streamed in small pieces: the bracket matching goes on where it stopped (its state
+    kept for the held text), not from the call's start on every piece; the same call comes out."""
+    args = {"items": [f"item {i}" for i in range(3000)]}
+    text = "Here.\n" + json.dumps({"name": "save", "parameters": args})
+    sp = ToolCallSplitter(FORMATS["llama3_json"])
+    content = sp.feed(text[:len(text) // 2])[0]
+    (stack, quote, at), = sp.memo.values()
+    assert content == "Here.\n" and at == len(sp.buf) and stack == ["}", "}", "]"]
+    joined, calls = _streamed(sp, text[len(text) // 2:], list(range(3, len(text) // 2, 3)))
+    assert content + joined == "Here.\n" and _pairs(calls) == [("save", args)]
