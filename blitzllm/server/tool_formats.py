@@ -168,8 +168,8 @@ _MARK = "[TOOL_CALLS]"
 _ALNUM = string.ascii_letters + string.digits
 # v11+: [TOOL_CALLS]NAME[ARGS]{...}, [CALL_ID]ID before [ARGS] in some, [ARGS] absent where the
 # special tokens were skipped; before v11: [TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]
-_MS_NAME = r"[A-Za-z0-9_.\-]+(?:\[CALL_ID\][A-Za-z0-9]+)?(?:\[ARGS\])?"
-_MS_HEAD = re.compile(r"([A-Za-z0-9_.\-]+)(?:\[CALL_ID\][A-Za-z0-9]+)?(?:\[ARGS\])?")
+_MS_NAME, _MS_TAGS = r"[A-Za-z0-9_.\-]+", r"(?:\[CALL_ID\][A-Za-z0-9]+)?(?:\[ARGS\])?"
+_MS_HEAD = re.compile(f"({_MS_NAME}){_MS_TAGS}")
 
 
 def _mistral_id() -> str:
@@ -178,6 +178,7 @@ def _mistral_id() -> str:
 
 
 def _mistral_calls(block: str, tools=None) -> Optional[list]:
+    """A ``[TOOL_CALLS]`` block: a JSON list of calls, or one call's name and arguments."""
     rest = block[len(_MARK):].strip()
     if rest.startswith("["):
         try:
@@ -188,7 +189,7 @@ def _mistral_calls(block: str, tools=None) -> Optional[list]:
                  for o in items] if isinstance(items, list) and items else [(None, None)]
     else:
         brace = rest.find("{")
-        head = _MS_HEAD.fullmatch(rest[:brace]) if brace > 0 else None
+        head = _MS_HEAD.fullmatch(rest[:brace].rstrip()) if brace > 0 else None
         try:
             pairs = [(head.group(1), json.loads(rest[brace:]))] if head else [(None, None)]
         except (ValueError, RecursionError):
@@ -202,5 +203,5 @@ def _mistral_maybe(tail: str) -> bool:
     return _held_tail(tail, _MARK) == len(tail) or re.fullmatch(r"\[TOOL_CALLS\][\s\w.\-\[\]]*", tail) is not None
 
 
-MISTRAL = BracketFormat(re.compile(r"\[TOOL_CALLS\]\s*(?:\[|" + _MS_NAME + r"\s*\{)"), "[", _mistral_maybe,
+MISTRAL = BracketFormat(re.compile(r"\[TOOL_CALLS\]\s*(?:\[|" + _MS_NAME + _MS_TAGS + r"\s*\{)"), "[", _mistral_maybe,
                         _mistral_calls, '"', special_tokens=True)

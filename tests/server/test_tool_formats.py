@@ -36,7 +36,7 @@ CASES = [
     ("mistral", 'Checking.[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
      '{"name": "get_time", "arguments": {"tz": "UTC"}}]', "Checking.", [("get_weather", W), ("get_time", {"tz": "UTC"})]),
     ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}[TOOL_CALLS]get_time[CALL_ID]a1b2c3d4e'
-     '[ARGS]{"tz": "UTC"}', None, [("get_weather", W), ("get_time", {"tz": "UTC"})]),
+     '[ARGS] {"tz": "UTC"}', None, [("get_weather", W), ("get_time", {"tz": "UTC"})]),
     ("mistral", 'Hm [TOOL_CALLS]get_weather{"city": "Paris", "days": 3}', "Hm ", [("get_weather", W)]),
     ("mistral", '[TOOL_CALLS] no call [TOOL_CALLS]f[ARGS]{"a": 1 [TOOL_CALLS][{"arguments": {}}]',
      '[TOOL_CALLS] no call [TOOL_CALLS]f[ARGS]{"a": 1 [TOOL_CALLS][{"arguments": {}}]', []),
