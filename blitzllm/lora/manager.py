@@ -57,7 +57,7 @@ class LoRAManager:
                 self.modules[path] = mod
                 self.slots_a[path] = torch.zeros(n, len(shards) * self.rank, mod.in_features, dtype=dtype, device=device)
                 self.slots_b[path] = torch.zeros(n, len(shards) * self.rank, mod.out_features, dtype=dtype, device=device)
-                _wrap(mod, self.slots_a[path], self.slots_b[path])
+                _wrap(mod, sub, self.slots_a[path], self.slots_b[path])
         self.slot_keys: list = [None] * n          # the adapter key each slot holds
         self.lru: OrderedDict = OrderedDict()      # slot -> None, least recently used first
         self.cpu: OrderedDict = OrderedDict()      # adapter key -> LoRAAdapter read from disk
@@ -146,12 +146,15 @@ class LoRAManager:
         return {"lora_slots_used": sum(k is not None for k in self.slot_keys), "lora_slot_loads": self.slot_loads}
 
 
-def _wrap(mod, slots_a: torch.Tensor, slots_b: torch.Tensor) -> None:
-    """Give ``mod`` an instance ``forward`` that adds the LoRA rows to its own; its fused forms
-    that bypass ``forward`` (the GEMV's gate/up epilogue, the TMA GEMV behind the norm) are
-    switched off, so every product goes through here."""
-    mod.use_gemv = False
-    mod.tma_preload = False
+def _wrap(mod, name: str, slots_a: torch.Tensor, slots_b: torch.Tensor) -> None:
+    """Give ``mod`` an instance ``forward`` that adds the LoRA rows to its own. The decode forms
+    that run inside ``forward`` stay (the GEMV, o_proj's TMA GEMV); those that bypass it are
+    switched off: gate/up's GEMV epilogue (silu would come before the LoRA adds in) and qkv's TMA
+    GEMV launched from the norm (``forward_norm``)."""
+    if name == "mlp.gate_up_proj":
+        mod.use_gemv = False
+    if name == "self_attn.qkv_proj":
+        mod.tma_preload = False
     mod.forward = partial(_lora_forward, mod, type(mod).forward, slots_a, slots_b)
 
 
@@ -164,4 +167,4 @@ def _lora_forward(mod, base_forward, slots_a, slots_b, x: torch.Tensor, silu_mul
         return y
     n = slots_a.shape[0]
     xa = (x @ slots_a.view(-1, slots_a.shape[-1]).t()).view(x.shape[0], n, -1) * mask
-    return torch.addmm(y, xa.view(x.shape[0], -1), slots_b.view(-1, slots_b.shape[-1]))
+    return y.addmm_(xa.view(x.shape[0], -1), slots_b.view(-1, slots_b.shape[-1]))   # (y is the product's own)
