@@ -7,6 +7,7 @@ import asyncio
 import base64
 import struct
 import time
+from typing import Optional
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -54,14 +55,14 @@ def base_model_only(s: Serving, model) -> None:
 
 
 async def embed_inputs(s: Serving, raw: Request, base: str, inp, params: PoolingParams, add_special: bool,
-                       field: str = "input"):
+                       field: str = "input", priority: Optional[int] = 0):
     """``inp`` (an embeddings request's ``input`` form) embedded: (the vectors in order, their
     tokens counted), or None when the client went away."""
     inputs = await s.cpu(_inputs, s, inp, field)
     prompts = await asyncio.gather(*(_ids(s, p, f, params, add_special) for p, f in inputs))
     # (added together: the engine takes a batch of adds between two steps)
-    added = await asyncio.gather(*(s.submit(f"{base}-{j}", ids, params, field) for j, ids in enumerate(prompts)),
-                                 return_exceptions=True)
+    added = await asyncio.gather(*(s.submit(f"{base}-{j}", ids, params, field, priority=priority)
+                                   for j, ids in enumerate(prompts)), return_exceptions=True)
     streams = [a for a in added if not isinstance(a, BaseException)]
     failed = [a for a in added if isinstance(a, BaseException)]
     if failed:
@@ -79,7 +80,8 @@ async def create_embedding(s: Serving, req: EmbeddingRequest, raw: Request) -> R
     except ValueError as e:
         raise s._user_error(e, "input") from None
     base = f"embd-{request_id(raw)}"
-    got = await embed_inputs(s, raw, base, req.input, params, req.add_special_tokens is not False)
+    got = await embed_inputs(s, raw, base, req.input, params, req.add_special_tokens is not False,
+                             priority=req.priority)
     if got is None:
         return Response(status_code=499)
     vectors, n = got

@@ -72,6 +72,12 @@ class ResponseFormat(_Strict):
     json_schema: Optional[dict[str, Any]] = None  # {"name": ..., "schema": {...}, "strict": ...}
 
 
+def priority_field():
+    """vLLM's ``priority`` request field (generations and embeddings): the engine checks it."""
+    return Field(0, ge=-2**63 + 1, le=2**63 - 1, description="vLLM's: lower is served first (with "
+                 "--scheduling-policy priority; other than 0 it is refused under fcfs)")
+
+
 class SamplingFields(_Strict):
     """Sampling fields shared by chat, completions and responses (OpenAI's plus vLLM's common
     extensions). The bounds are SamplingParams' (they are checked there too), stated here for the
@@ -106,9 +112,7 @@ class SamplingFields(_Strict):
     guided_grammar: Optional[str] = None
     stream: Optional[bool] = False
     user: Optional[str] = None
-    priority: Optional[Int] = Field(0, ge=-2**63 + 1, le=2**63 - 1,
-                                    description="vLLM's: lower is served first (with --scheduling-policy priority; "
-                                    "other than 0 it is refused under fcfs)")
+    priority: Optional[Int] = priority_field()
 
 
 class _SamplingRequest(SamplingFields):
@@ -182,7 +186,7 @@ class DetokenizeRequest(_Strict):
 
 class EmbeddingRequest(_Strict):
     """OpenAI's embeddings request, with vLLM's extras (truncate_prompt_tokens, add_special_tokens,
-    normalize)."""
+    normalize, priority)."""
     model: Optional[str] = None
     input: Union[Text, TokenIds, Annotated[list[Text], Field(min_length=1, max_length=MAX_EMBED_INPUTS)],
                  Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_EMBED_INPUTS)]]
@@ -195,6 +199,7 @@ class EmbeddingRequest(_Strict):
                                                                  "around a text input (a BOS)")
     normalize: Optional[bool] = Field(None, description="vLLM's: L2-normalize (null: the server's "
                                                         "--pooler-config, by default true)")
+    priority: Optional[Int] = priority_field()
 
 
 Texts = Union[Text, Annotated[list[Text], Field(min_length=1, max_length=MAX_EMBED_INPUTS)]]

@@ -1,6 +1,7 @@
-"""vLLM's ``priority`` request field: with ``--scheduling-policy priority`` an urgent request is
-answered while a long, less urgent one still streams (it preempts it: the server runs one
-sequence at most); under the default fcfs policy a priority other than 0 is a 400 naming it."""
+"""vLLM's ``priority`` request field: with ``--scheduling-policy priority`` an urgent request (a
+chat completion, an embedding) is answered while a long, less urgent one
+still streams (it preempts it: the server runs one sequence at most); under the default fcfs
+policy a priority other than 0 is a 400 naming it."""
 from __future__ import annotations
 
 import json
@@ -23,8 +24,17 @@ def priority_server(tmp_path_factory):
     yield from running(srv)
 
 
-def test_an_urgent_request_is_answered_while_a_long_one_streams(priority_server):
+CHAT = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.mark.parametrize("path, urgent, priority", [
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 4, "ignore_eos": True}, -1),
+    ("/v1/embeddings", {"input": ["Hi", "Yo"]}, -1),
+    ("/v1/embeddings", {"input": ["Hi"]}, 10),   # (less urgent than the long one: it waits for it)
+])
+def test_a_request_is_served_by_its_priority_while_a_long_one_streams(priority_server, path, urgent, priority):
     srv = priority_server
+    before = srv.metrics()["blitz_num_preemptions_total"]
     events = {}
 
     def long_one():
@@ -47,18 +57,25 @@ def test_an_urgent_request_is_answered_while_a_long_one_streams(priority_server)
     while "started" not in events and time.monotonic() < deadline:
         time.sleep(0.01)
     assert "started" in events
-    r = httpx.post(srv.url + "/v1/chat/completions", timeout=60,
-                   json={"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
-                         "ignore_eos": True, "priority": -1})
+    r = httpx.post(srv.url + path, timeout=60, json={"model": "tiny", **urgent, "priority": priority})
     answered = time.monotonic()
     assert r.status_code == 200, r.text
-    assert r.json()["usage"]["completion_tokens"] == 4
+    if path == "/v1/embeddings":
+        assert len(r.json()["data"]) == len(urgent.get("input", [None]))
+    else:
+        assert r.json()["usage"]["completion_tokens"] == 4
     t.join(120)
-    assert events["long_done"] > answered   # not after the long one ended: it was preempted
     assert events["chunks"] >= 2
     m = wait_idle(srv)
-    assert m["blitz_num_preemptions_total"] >= 1
-    r = httpx.post(srv.url + "/v1/responses", timeout=60,
+    if priority > 5:
+        assert events["long_done"] < answered and m["blitz_num_preemptions_total"] == before
+    else:
+        assert events["long_done"] > answered   # not after the long one ended: it was preempted
+        assert m["blitz_num_preemptions_total"] >= before + 1
+
+
+def test_responses_take_a_priority(priority_server):
+    r = httpx.post(priority_server.url + "/v1/responses", timeout=60,
                    json={"model": "tiny", "input": "Hi", "max_output_tokens": 3, "priority": 2})
     assert r.status_code == 200, r.text
 
@@ -67,7 +84,7 @@ def test_priority_under_fcfs_is_a_400(tiny_server):
     srv = tiny_server
     for path, body in (("/v1/completions", {"prompt": "Hi"}),
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
-                       ("/v1/responses", {"input": "Hi"})):
+                       ("/v1/responses", {"input": "Hi"}), ("/v1/embeddings", {"input": "Hi"})):
         r = httpx.post(srv.url + path, headers=srv.headers(), timeout=60,
                        json={"model": "tiny", "max_tokens" if path != "/v1/responses" else "max_output_tokens": 2,
                              **body, "priority": 3})
