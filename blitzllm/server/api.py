@@ -19,14 +19,14 @@ from ..engine.async_engine import AsyncEngine
 from .config import ServeConfig
 from .chat import create_chat_completion
 from .completions import create_completion
-from .embeddings import create_embedding
+from .embeddings import create_embedding, embedding_model
 from .errors import APIError, decode_json, install_error_handlers, parse_body, read_body
 from .messages import count_tokens, create_message
 from .messages_protocol import CountTokensRequest, MessagesRequest
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .openapi import build_openapi
-from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, RerankRequest,
-                       ScoreRequest, TokenizeRequest)
+from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, RerankRequest, ScoreRequest,
+                       TokenizeRequest)
 from .responses import cancel_response, create_response, delete_response, get_response
 from .responses_protocol import ResponsesRequest
 from .responses_store import ResponseStore
@@ -150,9 +150,14 @@ def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
                            code="model_loading", headers={"Retry-After": "5"})
 
     async def body(request: Request, model):
-        """The body parsed into ``model``, in a worker thread."""
+        """The body parsed into ``model`` (a route of two body forms: the model ``model(body)`` picks),
+        in a worker thread."""
         raw = await read_body(request, cfg.max_request_bytes)
-        return await serving.cpu(lambda: parse_body(model, decode_json(raw)))
+
+        def parse():
+            obj = decode_json(raw)
+            return parse_body(model if isinstance(model, type) else model(obj), obj)
+        return await serving.cpu(parse)
 
     async def openai(request: Request, model, create):
         """A generation endpoint (OpenAI's or Anthropic's): refusals before the engine are counted
@@ -204,7 +209,7 @@ def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):
-        return await openai(request, EmbeddingRequest, create_embedding)
+        return await openai(request, embedding_model, create_embedding)
 
     @app.post("/v1/score")
     @app.post("/score", include_in_schema=False)   # (vLLM's aliases)

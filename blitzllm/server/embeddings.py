@@ -1,4 +1,5 @@
-"""POST /v1/embeddings: input(s) as text or token ids -> one engine pooling request per input
+"""POST /v1/embeddings: input(s) as text or token ids, or (vLLM's chat form) ``messages`` rendered
+by the model's chat template as chat renders them -> one engine pooling request per input
 (engine/pooling.py) -> OpenAI's list of embeddings, as floats or base64 (little-endian float32
 bytes, which OpenAI's SDK decodes)."""
 from __future__ import annotations
@@ -7,17 +8,18 @@ import asyncio
 import base64
 import struct
 import time
-from typing import Optional
+from typing import Optional, Union
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from ..engine.intake import truncated
 from ..pooling_params import PoolingParams
+from .chat_template import prompt_end
 from .errors import bad_request
-from .protocol import EmbeddingRequest
+from .protocol import EmbeddingChatRequest, EmbeddingRequest
 from .completions import prompt_list
-from .serving import Serving, request_id
+from .serving import Serving, pick, request_id
 
 
 def _inputs(s: Serving, inp, name: str = "input") -> list:
@@ -72,16 +74,45 @@ async def embed_inputs(s: Serving, raw: Request, base: str, inp, params: Pooling
     return None if result is None else ([c["embedding"] for c in result], sum(map(len, prompts)))
 
 
-async def create_embedding(s: Serving, req: EmbeddingRequest, raw: Request) -> Response:
+def embedding_model(body: dict) -> type:
+    """The model a body parses into: ``input`` (OpenAI's form) or ``messages`` (vLLM's chat form),
+    exactly one of them (null counts as absent)."""
+    has_input, has_messages = body.get("input") is not None, body.get("messages") is not None
+    if has_input and has_messages:
+        raise bad_request("give 'input' or 'messages', not both", param="messages")
+    if not (has_input or has_messages):
+        raise bad_request("give 'input' (texts or token ids) or 'messages' (a chat to embed)", param="input",
+                          code="missing_field")
+    return EmbeddingChatRequest if has_messages else EmbeddingRequest
+
+
+async def _chat_ids(s: Serving, req: EmbeddingChatRequest) -> list:
+    """The messages' token ids through the model's chat template (chat's rendering and checks of
+    the messages), ending as the request's add_generation_prompt / continue_final_message say."""
+    if req.chat_template is not None:   # (a client's Jinja run on the server: vLLM's default refuses it too)
+        raise bad_request("a chat template in the request is not accepted: the model's own renders the messages",
+                          param="chat_template")
+    end = prompt_end(pick(req.add_generation_prompt, False), req.continue_final_message)
+    # (the length is checked once truncated, by embed_inputs: an embedding may fill the context)
+    ids, _ = await s.chat_prompt(req.messages, end, req.chat_template_kwargs, check_length=False,
+                                 add_special_tokens=bool(req.add_special_tokens))
+    return ids
+
+
+async def create_embedding(s: Serving, req: Union[EmbeddingRequest, EmbeddingChatRequest], raw: Request) -> Response:
     base_model_only(s, req.model)
+    chat = isinstance(req, EmbeddingChatRequest)
+    field = "messages" if chat else "input"
     try:
         params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize,
                                truncate_prompt_tokens=s.truncation(req))
     except ValueError as e:
-        raise s._user_error(e, "input") from None
+        raise s._user_error(e, field) from None
     base = f"embd-{request_id(raw)}"
-    got = await embed_inputs(s, raw, base, req.input, params, req.add_special_tokens is not False,
-                             priority=req.priority)
+    # (the chat form is one input, its token ids: the template wrote its special tokens)
+    inp = await _chat_ids(s, req) if chat else req.input
+    got = await embed_inputs(s, raw, base, inp, params, not chat and req.add_special_tokens is not False, field,
+                             req.priority)
     if got is None:
         return Response(status_code=499)
     vectors, n = got

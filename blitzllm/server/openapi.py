@@ -2,7 +2,8 @@
 each operation's request body and responses taken from the pydantic models of ``protocol.py``
 (``responses_protocol.py``, ``messages_protocol.py``).
 The routes parse their bodies themselves (size limit, worker threads, OpenAI-style errors), so
-FastAPI cannot see those models; this table says which goes where."""
+FastAPI cannot see those models; this table says which goes where (a tuple of request models:
+a body of one of those forms, as the route picks by its fields)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -29,8 +30,10 @@ _OPS = {
                                        (400, 401, 404, 413, 500, 503), "Create a chat completion"),
     ("/v1/completions", "post"): (P.CompletionRequest, P.CompletionResponse, P.CompletionResponse,
                                   (400, 401, 404, 413, 500, 503), "Create a completion"),
-    ("/v1/embeddings", "post"): (P.EmbeddingRequest, P.EmbeddingResponse, None, (400, 401, 404, 413, 500, 503),
-                                 "Create embeddings (the model's pooled final hidden states)"),
+    ("/v1/embeddings", "post"): ((P.EmbeddingRequest, P.EmbeddingChatRequest), P.EmbeddingResponse, None,
+                                 (400, 401, 404, 413, 500, 503),
+                                 "Create embeddings (the model's pooled final hidden states) of inputs, or of chat "
+                                 "messages (vLLM's)"),
     ("/v1/score", "post"): (P.ScoreRequest, P.ScoreResponse, None, (400, 401, 404, 413, 500, 503),
                             "Score text pairs: the cosine similarity of their embeddings (vLLM's)"),
     ("/v1/rerank", "post"): (P.RerankRequest, P.RerankResponse, None, (400, 401, 404, 413, 500, 503),
@@ -85,7 +88,7 @@ def _content(model: type[BaseModel], stream: Optional[type[BaseModel]]) -> dict:
 def build_openapi(base: dict, api_key: bool) -> dict:
     """``base``: FastAPI's ``get_openapi`` document of the app's routes."""
     doc = dict(base)
-    requests = [m for m, *_ in _OPS.values() if m is not None]
+    requests = [m for r, *_ in _OPS.values() if r is not None for m in (r if isinstance(r, tuple) else (r,))]
     responses = {m for _, m, s, *_ in _OPS.values()} | {s for _, _, s, *_ in _OPS.values() if s} | \
         {P.ErrorResponse, *_ERROR_BODY.values()}
     _, defs = models_json_schema([(m, "validation") for m in requests]
@@ -115,7 +118,8 @@ def build_openapi(base: dict, api_key: bool) -> dict:
             req, ok, stream, errors, summary = spec
             op["summary"] = summary
             if req is not None:
-                op["requestBody"] = {"required": True, "content": {_JSON: {"schema": _ref(req)}}}
+                schema = {"oneOf": [_ref(m) for m in req]} if isinstance(req, tuple) else _ref(req)
+                op["requestBody"] = {"required": True, "content": {_JSON: {"schema": schema}}}
             op["responses"] = {"200": {"description": "OK", "headers": id_header, "content": _content(ok, stream)}}
             error = _ref(_ERROR_BODY.get(path, P.ErrorResponse))
             for status in errors:

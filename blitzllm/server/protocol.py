@@ -184,22 +184,40 @@ class DetokenizeRequest(_Strict):
     tokens: list[TokenId]
 
 
-class EmbeddingRequest(_Strict):
-    """OpenAI's embeddings request, with vLLM's extras (truncate_prompt_tokens, add_special_tokens,
-    normalize, priority)."""
+class _EmbeddingFields(_Strict):
+    """What both forms of an embeddings request share (OpenAI's fields, vLLM's extras)."""
     model: Optional[str] = None
-    input: Union[Text, TokenIds, Annotated[list[Text], Field(min_length=1, max_length=MAX_EMBED_INPUTS)],
-                 Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_EMBED_INPUTS)]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Optional[Int] = Field(None, ge=1, description="matryoshka models only: keep the first N values")
     user: Optional[str] = None
     truncate_prompt_tokens: Optional[Int] = Field(None, ge=-1, description="keep each input's last k tokens "
                                                                            "(-1: max_model_len)")
-    add_special_tokens: Optional[bool] = Field(True, description="vLLM's: the tokenizer's special tokens "
-                                                                 "around a text input (a BOS)")
     normalize: Optional[bool] = Field(None, description="vLLM's: L2-normalize (null: the server's "
                                                         "--pooler-config, by default true)")
     priority: Optional[Int] = priority_field()
+
+
+class EmbeddingRequest(_EmbeddingFields):
+    """OpenAI's embeddings request, with vLLM's extras (truncate_prompt_tokens, add_special_tokens,
+    normalize, priority)."""
+    input: Union[Text, TokenIds, Annotated[list[Text], Field(min_length=1, max_length=MAX_EMBED_INPUTS)],
+                 Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_EMBED_INPUTS)]]
+    add_special_tokens: Optional[bool] = Field(True, description="vLLM's: the tokenizer's special tokens "
+                                                                 "around a text input (a BOS)")
+
+
+class EmbeddingChatRequest(_EmbeddingFields):
+    """vLLM's chat form of an embeddings request: one vector of ``messages`` rendered by the
+    model's chat template (by default with no assistant turn opened)."""
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: Optional[bool] = Field(False, description="open an assistant turn after the messages")
+    continue_final_message: Optional[bool] = Field(False, description="the final message left open; needs "
+                                                   "add_generation_prompt false")
+    add_special_tokens: Optional[bool] = Field(False, description="the tokenizer's special tokens (a BOS) on top "
+                                               "of what the chat template writes")
+    chat_template: Optional[str] = Field(None, description="refused: the model's own template renders the messages "
+                                         "(vLLM refuses one too without --trust-request-chat-template)")
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # extra variables for the chat template
 
 
 Texts = Union[Text, Annotated[list[Text], Field(min_length=1, max_length=MAX_EMBED_INPUTS)]]

@@ -409,15 +409,17 @@ class Serving:
         return sse(engine_error(e).body())
 
     async def chat_prompt(self, messages, end: Optional[dict] = None, template_kwargs=None, tools=None,
-                          check_length: bool = True, require_tools: bool = False) -> tuple:
+                          check_length: bool = True, require_tools: bool = False,
+                          add_special_tokens: bool = False) -> tuple:
         """(token ids, rendered text) of ``messages`` through the model's chat template, with
         ``template_kwargs`` (the request's ``chat_template_kwargs``) and ``tools`` where given, ending as
         ``end`` says (``chat_template.prompt_end``; None: an opened assistant turn), in worker threads. A text past the character bound is refused before it is tokenized;
         ``check_length``: and one of too many tokens after."""
         text = await self.cpu(self.render_chat, messages, end or prompt_end(True, False), template_kwargs, tools,
                               require_tools)
-        # (what apply_chat_template(tokenize=True) does: no special tokens added to the rendered text)
-        return await self.tokens(text, False, "messages" if check_length else None), text
+        # (by default what apply_chat_template(tokenize=True) does: no special tokens added to the rendered
+        # text; vLLM's embeddings may ask for them, add_special_tokens)
+        return await self.tokens(text, add_special_tokens, "messages" if check_length else None), text
 
     def render_chat(self, messages, end: dict, template_kwargs, tools, require_tools: bool = False) -> str:
         """The chat template's text (see ``chat_prompt``), in a worker thread. ``require_tools``

@@ -41,12 +41,17 @@ def test_openapi_json_is_valid_openapi_3(smol_server):
     validate(doc)
     ops = {(m.upper(), path) for path, item in doc["paths"].items() for m in item}
     assert ops == OPERATIONS
-    body = {path: item["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
+    def names(schema) -> object:   # (a body of two forms: oneOf their models)
+        refs = [s["$ref"].rsplit("/", 1)[1] for s in schema.get("oneOf", [schema])]
+        return refs[0] if "$ref" in schema else tuple(refs)
+
+    body = {path: names(item["post"]["requestBody"]["content"]["application/json"]["schema"])
             for path, item in doc["paths"].items() if "requestBody" in item.get("post", {})}
     assert body == {CHAT: "ChatCompletionRequest", CMPL: "CompletionRequest", "/tokenize": "TokenizeRequest",
                     "/detokenize": "DetokenizeRequest", RESP: "ResponsesRequest", MSG: "MessagesRequest",
-                    COUNT: "CountTokensRequest", EMB: "EmbeddingRequest", "/v1/score": "ScoreRequest",
-                    "/v1/rerank": "RerankRequest"}
+                    COUNT: "CountTokensRequest", EMB: ("EmbeddingRequest", "EmbeddingChatRequest"),
+                    "/v1/score": "ScoreRequest", "/v1/rerank": "RerankRequest"}
+    assert doc["components"]["schemas"]["EmbeddingChatRequest"]["required"] == ["messages"]
     chat = doc["paths"][CHAT]["post"]["responses"]
     assert chat["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/ChatCompletionResponse")
     assert "text/event-stream" in chat["200"]["content"]
@@ -60,6 +65,7 @@ def test_openapi_json_is_valid_openapi_3(smol_server):
     for name, model in (("ChatCompletionRequest", P.ChatCompletionRequest), ("CompletionRequest", P.CompletionRequest),
                         ("ResponsesRequest", R.ResponsesRequest), ("MessagesRequest", M.MessagesRequest),
                         ("CountTokensRequest", M.CountTokensRequest), ("EmbeddingRequest", P.EmbeddingRequest),
+                        ("EmbeddingChatRequest", P.EmbeddingChatRequest),
                         ("ScoreRequest", P.ScoreRequest), ("RerankRequest", P.RerankRequest)):
         assert set(doc["components"]["schemas"][name]["properties"]) == \
             {f.alias or key for key, f in model.model_fields.items()}
@@ -96,6 +102,9 @@ def test_real_responses_are_the_documented_models(smol_server):
         emb = P.EmbeddingResponse.model_validate(httpx.post(url + EMB, json={"input": ["Hi", "Yo"], "encoding_format": fmt},
                                                             timeout=60).json())
         assert len(emb.data) == 2 and isinstance(emb.data[0].embedding, list if fmt == "float" else str)
+        emb = P.EmbeddingResponse.model_validate(httpx.post(url + EMB, json={"messages": msg, "encoding_format": fmt},
+                                                            timeout=60).json())
+        assert len(emb.data) == 1
     assert len(P.ScoreResponse.model_validate(httpx.post(url + "/v1/score", json={"text_1": "Hi", "text_2": ["a", "b"]},
                                                          timeout=60).json()).data) == 2
     assert len(P.RerankResponse.model_validate(httpx.post(url + "/v1/rerank", json={"query": "Hi", "documents": ["a", "b"]},

@@ -1,6 +1,6 @@
 """vLLM's ``priority`` request field: with ``--scheduling-policy priority`` an urgent request (a
-chat completion, an embedding) is answered while a long, less urgent one
-still streams (it preempts it: the server runs one sequence at most); under the default fcfs
+chat completion, an embedding of inputs or of messages) is answered while a long, less urgent
+one still streams (it preempts it: the server runs one sequence at most); under the default fcfs
 policy a priority other than 0 is a 400 naming it."""
 from __future__ import annotations
 
@@ -31,6 +31,8 @@ CHAT = [{"role": "user", "content": "Hi"}]
     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 4, "ignore_eos": True}, -1),
     ("/v1/embeddings", {"input": ["Hi", "Yo"]}, -1),
     ("/v1/embeddings", {"input": ["Hi"]}, 10),   # (less urgent than the long one: it waits for it)
+    ("/v1/embeddings", {"messages": CHAT}, -1),
+    ("/v1/embeddings", {"messages": CHAT}, 10),
 ])
 def test_a_request_is_served_by_its_priority_while_a_long_one_streams(priority_server, path, urgent, priority):
     srv = priority_server
@@ -84,7 +86,8 @@ def test_priority_under_fcfs_is_a_400(tiny_server):
     srv = tiny_server
     for path, body in (("/v1/completions", {"prompt": "Hi"}),
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
-                       ("/v1/responses", {"input": "Hi"}), ("/v1/embeddings", {"input": "Hi"})):
+                       ("/v1/responses", {"input": "Hi"}), ("/v1/embeddings", {"input": "Hi"}),
+                       ("/v1/embeddings", {"messages": [{"role": "user", "content": "Hi"}]})):
         r = httpx.post(srv.url + path, headers=srv.headers(), timeout=60,
                        json={"model": "tiny", "max_tokens" if path != "/v1/responses" else "max_output_tokens": 2,
                              **body, "priority": 3})
