@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ..engine.async_engine import EngineStepError
 from .beam import beam_answers, beam_params
-from .chat_template import prompt_end
+from .chat_template import prompt_end, refuse_request_template
 from .errors import bad_request
 from .protocol import ChatCompletionRequest
 from .reasoning import END, THINK_PARSERS, fed, make_splitter, prompt_opens_thinking, split_reasoning
@@ -151,6 +151,7 @@ async def prepare_turn(s: Serving, req, messages, *, tools, tool_choice, paralle
 
 async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Request) -> Response:
     lora = s.check_model(req.model)
+    refuse_request_template(req.chat_template)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
     k = pick(req.top_logprobs, 0) if req.logprobs else None

@@ -52,6 +52,15 @@ def add_assistant_part(messages: list, part: str, value) -> None:
     messages.append({"role": "assistant", part: value})
 
 
+def refuse_request_template(template) -> None:
+    """A request's own chat template (vLLM's ``chat_template`` field) is a 400, as vLLM refuses it
+    without --trust-request-chat-template: a client's Jinja would run on the server, and ignoring
+    it would render another prompt than the client asked for."""
+    if template is not None:
+        raise bad_request("a chat template in the request is not accepted: the model's own renders the messages "
+                          "(the server's --chat-template sets another)", param="chat_template")
+
+
 def prompt_end(add_generation_prompt, continue_final_message) -> dict:
     """How the rendered conversation ends, from a request's two flags (None: their defaults): an
     opened assistant turn, the final message left open (vLLM's ``continue_final_message``: the

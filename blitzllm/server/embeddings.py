@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ..engine.intake import truncated
 from ..pooling_params import PoolingParams
-from .chat_template import prompt_end
+from .chat_template import prompt_end, refuse_request_template
 from .errors import bad_request
 from .protocol import EmbeddingChatRequest, EmbeddingRequest
 from .completions import prompt_list
@@ -89,9 +89,7 @@ def embedding_model(body: dict) -> type:
 async def _chat_ids(s: Serving, req: EmbeddingChatRequest) -> list:
     """The messages' token ids through the model's chat template (chat's rendering and checks of
     the messages), ending as the request's add_generation_prompt / continue_final_message say."""
-    if req.chat_template is not None:   # (a client's Jinja run on the server: vLLM's default refuses it too)
-        raise bad_request("a chat template in the request is not accepted: the model's own renders the messages",
-                          param="chat_template")
+    refuse_request_template(req.chat_template)
     end = prompt_end(pick(req.add_generation_prompt, False), req.continue_final_message)
     # (the length is checked once truncated, by embed_inputs: an embedding may fill the context)
     ids, _ = await s.chat_prompt(req.messages, end, req.chat_template_kwargs, check_length=False,

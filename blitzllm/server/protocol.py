@@ -132,6 +132,8 @@ class _SamplingRequest(SamplingFields):
 
 PROMPT_LOGPROBS = ("vLLM's: per prompt token (the first has none: null) its logprob and rank and the top-N's; "
                    "0: the token's alone; not with stream (but 0)")
+REQUEST_TEMPLATE = ("refused: the model's own template renders the messages (vLLM refuses one too without "
+                    "--trust-request-chat-template)")
 AS_TOKEN_IDS = "vLLM's: logprobs' tokens as 'token_id:<id>' (null: the server's --return-tokens-as-token-ids)"
 
 
@@ -143,6 +145,7 @@ class ChatCompletionRequest(_SamplingRequest):
     response_format: Optional[ResponseFormat] = None
     tools: Optional[list] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None  # extra variables for the chat template
+    chat_template: Optional[str] = Field(None, description=REQUEST_TEMPLATE)
     tool_choice: Union[str, dict, None] = None
     parallel_tool_calls: Optional[bool] = None
     add_generation_prompt: Optional[bool] = True
@@ -176,6 +179,7 @@ class TokenizeRequest(_Strict):
     add_generation_prompt: Optional[bool] = True
     continue_final_message: Optional[bool] = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    chat_template: Optional[str] = Field(None, description=REQUEST_TEMPLATE)
     tools: Optional[list] = None
 
 
@@ -215,8 +219,7 @@ class EmbeddingChatRequest(_EmbeddingFields):
                                                    "add_generation_prompt false")
     add_special_tokens: Optional[bool] = Field(False, description="the tokenizer's special tokens (a BOS) on top "
                                                "of what the chat template writes")
-    chat_template: Optional[str] = Field(None, description="refused: the model's own template renders the messages "
-                                         "(vLLM refuses one too without --trust-request-chat-template)")
+    chat_template: Optional[str] = Field(None, description=REQUEST_TEMPLATE)
     chat_template_kwargs: Optional[dict[str, Any]] = None  # extra variables for the chat template
 
 

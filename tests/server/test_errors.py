@@ -78,6 +78,9 @@ CASES = [
     ("detokenize_bad_ids", "/detokenize", {"tokens": [10_000_000]}, 400, "tokens"),
     ("tokenize_nothing", "/tokenize", {}, 400, "prompt"),
     ("tokenize_malformed_tools", "/tokenize", {"messages": MSG, "tools": [{"function": 5}]}, 400, "tools.0"),
+    # a request's own Jinja template is refused (vLLM without --trust-request-chat-template), not ignored
+    ("chat_request_template", CHAT, chat(chat_template="{{ 'x' }}"), 400, "chat_template"),
+    ("tokenize_request_template", "/tokenize", {"messages": MSG, "chat_template": "{{ 'x' }}"}, 400, "chat_template"),
 ]
 
 
