@@ -1,0 +1,1 @@
+"""LoRA products of a batch where each row has its own adapter slot (``bgmv.py``)."""
