@@ -172,21 +172,6 @@ def fp8_weights():
             num_stages=cfg["num_stages"], grid=(k, triton.cdiv(n, cfg["BLOCK_N"])))
         print(f"{name} {kern.asm['ptx'].count('cvt.rn.f16x2.e4m3x2')} {ptxas_report(kern)}")
 
-def lora():
-    """The LoRA decode kernels at Llama-3.1-8B's qkv (three rank-16 slices, 4 slots), one row:
-    name and ptxas report, one line each."""
-    from blitzllm.kernels.lora import bgmv
-    bf = torch.bfloat16
-    h, out, sr, n = 4096, 6144, 48, 4
-    x, a, b = torch.zeros(1, h, dtype=bf), torch.zeros(n, sr, h, dtype=bf), torch.zeros(n, sr, out, dtype=bf)
-    xa, y, slots = torch.zeros(1, sr, dtype=bf), torch.zeros(1, out, dtype=bf), torch.zeros(1, dtype=torch.int64)
-    kern = bgmv._shrink_kernel.warmup(x, a, slots, xa, h, sr, h, a.stride(0), h, sr, BLOCK_R=16, BLOCK_K=256,
-                                      num_warps=4, grid=(1, 3))
-    print(f"lora_shrink {ptxas_report(kern)}")
-    kern = bgmv._expand_kernel.warmup(xa, b, slots, y, sr, out, sr, b.stride(0), out, out, BLOCK_R=64, BLOCK_N=128,
-                                      num_warps=4, grid=(1, out // 128))
-    print(f"lora_expand {ptxas_report(kern)}")
-
 if __name__ == "__main__":
     drv.set_active(_Sm90())
     decode_attention()
@@ -195,4 +180,3 @@ if __name__ == "__main__":
     norm_route()
     select_experts()
     fp8_weights()
-    lora()

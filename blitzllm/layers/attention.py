@@ -150,7 +150,7 @@ class ForwardContext:
     kv_caches: list          # per layer (k_cache, v_cache)
     backend: AttentionBackend
     scratch: dict = field(default_factory=dict)  # per-step values shared by the layers
-    lora: object = None      # with enable_lora: the rows' adapter slots, LoRARows (blitzllm/lora)
+    lora: object = None      # with enable_lora: each row's adapter slot, one-hot (blitzllm/lora)
 
 
 _CURRENT: list = []

@@ -10,14 +10,15 @@ slot when a step needs them, and a slot no request of the step uses is given bac
 recently used first. The engine's scheduler guarantees a step never needs more than
 ``max_loras``.
 
-The products are ``kernels/lora``'s: each row names its slot (-1: none), decode rows take two
-Triton launches that read only their slot's A and B, more rows a masked product through all
-the slots at once; no shape depends on which rows hold which adapter, so the decode CUDA graphs
-capture them (the rows' slots are one more graph input, ``runner/cuda_graphs.py``).
+Every row goes through every slot's A at once, ``x @ A_all^T`` [rows, slots * S * R], and a
+one-hot mask of the row's slot keeps its own columns before the B product: a few more FLOPs
+than gathering each slot's rows, but the shapes never depend on which rows hold which adapter,
+so the decode CUDA graphs capture it (the row slots are one more graph input,
+``runner/cuda_graphs.py``).
 
 The engine calls ``prepare_step`` with each scheduled sequence's adapter; the runner asks
-``mapping`` (eager forwards) or ``rows`` (graph captures) for the step's ``LoRARows`` and hands
-them to the layers in the forward context.
+``mapping`` (eager forwards) or ``row_slots`` (graph replays) for the step's rows and hands
+the mask to the layers in the forward context.
 """
 from __future__ import annotations
 
@@ -29,24 +30,9 @@ from typing import Optional
 import torch
 
 from ..kernels.activation import silu_and_mul
-from ..kernels.lora.bgmv import lora_add_, slot_mask
 from ..layers.attention import get_forward_context
 from .adapter import LoRAAdapter, load_adapter
 from .request import LoRAConfig, LoRARequest
-
-class LoRARows:
-    """A forward's rows' adapter slots (int64 [rows], -1: none) and, made on first use, their
-    one-hot mask (the masked product's; once a step, not once a layer)."""
-    __slots__ = ("slots", "num_slots", "dtype", "_mask")
-
-    def __init__(self, slots: torch.Tensor, num_slots: int, dtype: torch.dtype):
-        self.slots, self.num_slots, self.dtype, self._mask = slots, num_slots, dtype, None
-
-    def mask(self) -> torch.Tensor:
-        if self._mask is None:
-            self._mask = slot_mask(self.slots, self.num_slots, self.dtype)
-        return self._mask
-
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _WRAPPED = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
@@ -77,6 +63,7 @@ class LoRAManager:
         self.cpu: OrderedDict = OrderedDict()      # adapter key -> LoRAAdapter read from disk
         self.step_slots: list = []                 # per scheduled sequence of the step: slot or -1
         self.slot_loads = 0
+        self._slot_ids = torch.arange(n, device=device)
         print(f"[blitz] LoRA: {len(self.modules)} linears wrapped, {n} slot(s) of rank {self.rank} "
               "(no fused CPU decode)", file=sys.stderr)
 
@@ -143,17 +130,17 @@ class LoRAManager:
             return list(self.step_slots)
         return [s for s, c in zip(self.step_slots, counts) for _ in range(c)]
 
-    def rows(self, row_slots: torch.Tensor) -> LoRARows:
-        """The forward context's LoRA rows of the int64 ``row_slots`` (a device tensor)."""
-        return LoRARows(row_slots, len(self.slot_keys), self.dtype)
+    def mask(self, row_slots: torch.Tensor) -> torch.Tensor:
+        """The one-hot [rows, slots, 1] of each row's slot (all zeros for -1), in the slots' dtype."""
+        return (row_slots[:, None, None] == self._slot_ids[None, :, None]).to(self.dtype)
 
-    def mapping(self, qsl: list) -> Optional[LoRARows]:
-        """The step's rows (``qsl``: the batch's query start offsets); None when no sequence of
-        the step has an adapter (the base model's rows add nothing)."""
+    def mapping(self, qsl: list) -> Optional[torch.Tensor]:
+        """The step's row mask (``qsl``: the batch's query start offsets); None when no sequence
+        of the step has an adapter (the base model's rows add nothing)."""
         if all(s < 0 for s in self.step_slots):
             return None
         slots = self.row_slots([qsl[i + 1] - qsl[i] for i in range(len(self.step_slots))])
-        return self.rows(torch.tensor(slots, device=self.device))
+        return self.mask(torch.tensor(slots, device=self.device))
 
     def stats(self) -> dict:
         return {"lora_slots_used": sum(k is not None for k in self.slot_keys), "lora_slot_loads": self.slot_loads}
@@ -175,7 +162,9 @@ def _lora_forward(mod, base_forward, slots_a, slots_b, x: torch.Tensor, silu_mul
     if silu_mul_input:  # (down_proj's LoRA reads silu(gate) * up, as the product does)
         x = silu_and_mul(x)
     y = base_forward(mod, x)
-    rows = get_forward_context().lora
-    if rows is None:
+    mask = get_forward_context().lora
+    if mask is None:
         return y
-    return lora_add_(y, x, slots_a, slots_b, rows.slots, rows.mask)   # (in place: y is the product's own)
+    n = slots_a.shape[0]
+    xa = (x @ slots_a.view(-1, slots_a.shape[-1]).t()).view(x.shape[0], n, -1) * mask
+    return y.addmm_(xa.view(x.shape[0], -1), slots_b.view(-1, slots_b.shape[-1]))   # (y is the product's own)
