@@ -85,6 +85,21 @@ def _content(model: type[BaseModel], stream: Optional[type[BaseModel]]) -> dict:
     return content
 
 
+_BOUNDS = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exclusiveMaximum"}
+
+
+def _json_schema_bounds(node):
+    """pydantic writes a bound of a number whose type has a before-validator (``protocol.Int``)
+    as the constraint's own name (``ge``), which JSON Schema does not know, so clients and
+    validators would not see it: renamed to JSON Schema's keywords."""
+    if isinstance(node, list):
+        return [_json_schema_bounds(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    number = node.get("type") in ("integer", "number")
+    return {(_BOUNDS[k] if number and k in _BOUNDS else k): _json_schema_bounds(v) for k, v in node.items()}
+
+
 def build_openapi(base: dict, api_key: bool) -> dict:
     """``base``: FastAPI's ``get_openapi`` document of the app's routes."""
     doc = dict(base)
@@ -98,7 +113,7 @@ def build_openapi(base: dict, api_key: bool) -> dict:
     schemas = components.setdefault("schemas", {})
     for stale in ("HTTPValidationError", "ValidationError"):
         schemas.pop(stale, None)
-    schemas.update(defs.get("$defs", {}))
+    schemas.update(_json_schema_bounds(defs.get("$defs", {})))
     if api_key:
         components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer",
                                                     "description": "--api-key (the scheme in any case)"},

@@ -70,6 +70,20 @@ def test_openapi_json_is_valid_openapi_3(smol_server):
         assert set(doc["components"]["schemas"][name]["properties"]) == \
             {f.alias or key for key, f in model.model_fields.items()}
     assert "stop_sequences" in doc["components"]["schemas"]["MessagesRequest"]["properties"]
+
+    def bounds(node) -> None:   # a number's bounds in JSON Schema's words, not pydantic's ge / le
+        if isinstance(node, dict):
+            assert not (node.get("type") in ("integer", "number") and {"ge", "le", "gt", "lt"} & set(node)), node
+            for v in node.values():
+                bounds(v)
+        elif isinstance(node, list):
+            for v in node:
+                bounds(v)
+
+    bounds(doc)
+    top = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]["top_logprobs"]["anyOf"][0]
+    field = {type(m).__name__: m for m in P.ChatCompletionRequest.model_fields["top_logprobs"].metadata}
+    assert (top["minimum"], top["maximum"]) == (field["Ge"].ge, field["Le"].le)
     for path in ("/docs", "/redoc"):
         page = httpx.get(smol_server.url + path)
         assert page.status_code == 200 and "text/html" in page.headers["content-type"]
