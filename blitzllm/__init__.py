@@ -1,19 +1,23 @@
 """blitzllm: a fast, readable LLM inference and serving engine.
 
 The public API: ``LLM``, ``SamplingParams``, ``RequestOutput``, ``CompletionOutput``,
-``BeamSearchParams``, ``LoRARequest``, and for embeddings ``PoolingParams``,
-``EmbeddingRequestOutput``, ``EmbeddingOutput`` (imported on first use, so
+``BeamSearchParams``, ``LoRARequest``, and for pooling models ``PoolingParams``,
+``EmbeddingRequestOutput``, ``EmbeddingOutput``, ``ClassificationRequestOutput``,
+``ClassificationOutput``, ``ScoringRequestOutput``, ``ScoringOutput`` (imported on first use, so
 ``python -m blitzllm.<module>`` and the CLI stay light)."""
 import importlib
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "BeamSearchParams", "LoRARequest",
-           "PoolingParams", "EmbeddingRequestOutput", "EmbeddingOutput"]
+           "PoolingParams", "EmbeddingRequestOutput", "EmbeddingOutput", "ClassificationRequestOutput",
+           "ClassificationOutput", "ScoringRequestOutput", "ScoringOutput"]
 __version__ = "0.1.0"
 
 _WHERE = {"LLM": ".llm", "SamplingParams": ".sampling_params", "RequestOutput": ".engine.request",
           "CompletionOutput": ".engine.request", "BeamSearchParams": ".engine.beam_search", "LoRARequest": ".lora",
           "PoolingParams": ".pooling_params", "EmbeddingRequestOutput": ".engine.request",
-          "EmbeddingOutput": ".engine.request"}
+          "EmbeddingOutput": ".engine.request", "ClassificationRequestOutput": ".engine.request",
+          "ClassificationOutput": ".engine.request", "ScoringRequestOutput": ".engine.request",
+          "ScoringOutput": ".engine.request"}
 
 
 def __getattr__(name):

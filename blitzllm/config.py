@@ -32,7 +32,19 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple = ()
+    # a sequence classifier (``*ForSequenceClassification``): its labels, by index; () for a causal LM
+    labels: tuple = ()
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def is_classifier(self) -> bool:
+        """A ``*ForSequenceClassification`` folder: a ``score`` head of ``num_labels`` rows in place
+        of the lm_head; it classifies (and scores pairs), never generates."""
+        return self.architecture.endswith("ForSequenceClassification")
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.labels)
 
     @property
     def q_size(self) -> int:
@@ -126,6 +138,7 @@ class ModelConfig:
             if num_layers < 1:
                 raise ValueError(f"num_layers must be >= 1, got {num_layers}")
             layers = min(layers, num_layers)
+        labels = _labels(cfg) if arch.endswith("ForSequenceClassification") else ()
         return cls(
             architecture=arch,
             vocab_size=text["vocab_size"],
@@ -139,15 +152,28 @@ class ModelConfig:
             rope_theta=float(rope_theta or 10000.0),
             rope_scaling=dict(rope_scaling) if rope_scaling else None,
             max_position_embeddings=text.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-            attention_bias=bool(text.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            # (a classifier has no lm_head to tie)
+            tie_word_embeddings=not labels and bool(cfg.get("tie_word_embeddings",
+                                                            text.get("tie_word_embeddings", False))),
+            attention_bias=bool(text.get("attention_bias", arch.startswith("Qwen2For"))),
             qk_norm=arch.startswith("Qwen3"),
             kv_lora_rank=int(text.get("kv_lora_rank") or 0),
             qk_rope_head_dim=int(text.get("qk_rope_head_dim") or 0) if text.get("kv_lora_rank") else 0,
             bos_token_id=text.get("bos_token_id", cfg.get("bos_token_id")),
             eos_token_ids=eos_ids,
+            labels=labels,
             hf_config=dict(cfg),
         )
+
+
+def _labels(cfg: dict) -> tuple:
+    """A classifier's label names by index, as transformers reads them: ``id2label`` (JSON keys
+    are strings), else ``num_labels`` of ``LABEL_i`` (transformers' default is 2)."""
+    id2label = cfg.get("id2label") or {}
+    n = len(id2label) or int(cfg.get("num_labels") or 2)
+    if n < 1:
+        raise ValueError(f"a sequence classifier needs num_labels >= 1, got {n}")
+    return tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(n))
 
 
 @dataclass(frozen=True)

@@ -1,18 +1,20 @@
-"""The offline API: ``LLM(...).generate(prompts, sampling_params)``, ``.chat(messages, sampling_params)`` and
-``.embed(prompts, pooling_params)``.
+"""The offline API: ``LLM(...).generate(prompts, sampling_params)``, ``.chat(messages, sampling_params)``,
+``.embed(prompts, pooling_params)``, ``.classify(prompts)`` and ``.score(data_1, data_2)``.
 With ``tensor_parallel_size`` > 1, ``close()`` (or ``with LLM(...) as llm``) stops the
 worker processes; they also stop when this process exits."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from typing import Iterator, Optional, Sequence, Union
 
 from .engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from .engine.engine import Engine, EngineArgs
 from .engine.intake import truncated
-from .engine.pooling import cosine, score_pairs
-from .engine.request import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput,
-                             ScoringOutput, ScoringRequestOutput, gather, gathered)
+from .engine.pooling import cosine, pair_ids, score_pairs
+from .engine.request import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput,
+                             EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput, gather,
+                             gathered)
 from .pooling_params import PoolingParams
 from .sampling_params import SamplingParams
 
@@ -117,11 +119,29 @@ class LLM:
                                                  self.engine.max_model_len), True)
                 for rid, prompt, p in zip(rids, prompts, plist)]
 
+    def classify(self, prompts, pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None,
+                 use_tqdm: bool = False) -> list[ClassificationRequestOutput]:
+        """vLLM's ``LLM.classify`` on a sequence classifier: per prompt (as ``generate`` takes them)
+        its class probabilities, the model's head on the last token's final hidden state through
+        softmax (a sigmoid with one label; raw logits with ``PoolingParams(use_activation=False)``).
+        One PoolingParams for all, or one per prompt (their ``truncate_prompt_tokens``)."""
+        prompts = _prompt_list(prompts)
+        plist = [replace(p, task="classify") for p in _params_list(pooling_params or PoolingParams(), prompts,
+                                                                   PoolingParams)]
+        rids, acc = self._run("cls", prompts, plist, [1] * len(plist))
+        return [ClassificationRequestOutput(rid, ClassificationOutput(acc[rid][0]["embedding"]),
+                                            truncated(self.engine.tokenize(prompt), p.truncate_prompt_tokens,
+                                                      self.engine.max_model_len), True)
+                for rid, prompt, p in zip(rids, prompts, plist)]
+
     def score(self, data_1, data_2, truncate_prompt_tokens: Optional[int] = None) -> list[ScoringRequestOutput]:
-        """vLLM's ``LLM.score`` on an embedding model: per pair, the cosine similarity of the two
-        prompts' embeddings (``embed``'s); ``data_1`` one prompt (against each of ``data_2``) or
-        as many as ``data_2`` (pairwise)."""
+        """vLLM's ``LLM.score``: per pair, on an embedding model the cosine similarity of the two
+        prompts' embeddings (``embed``'s); on a classifier of one label (a cross-encoder) its
+        sigmoid on the pair as one sequence (the tokenizer's pair encoding). ``data_1`` one prompt
+        (against each of ``data_2``) or as many as ``data_2`` (pairwise)."""
         left, right = score_pairs(data_1, data_2)
+        if self.engine.model_config.is_classifier:
+            return self._cross_encode(left, right, truncate_prompt_tokens)
         key = [p if isinstance(p, str) else repr(p) for p in left + right]   # (each distinct prompt embedded once)
         first = {}
         for k, p in zip(key, left + right):
@@ -133,6 +153,15 @@ class LLM:
                                      ScoringOutput(cosine(by[a].outputs.embedding, by[b].outputs.embedding)),
                                      by[a].prompt_token_ids + by[b].prompt_token_ids, True)
                 for a, b in zip(key[:n], key[n:])]
+
+    def _cross_encode(self, left: list, right: list, truncate_prompt_tokens: Optional[int]) -> list:
+        """``score`` on a cross-encoder: one pooling request (task "score") per pair."""
+        ids = [pair_ids(self.engine.tokenizer, _unwrap(a), _unwrap(b)) for a, b in zip(left, right)]
+        params = PoolingParams(task="score", truncate_prompt_tokens=truncate_prompt_tokens)
+        rids, acc = self._run("score", ids, [params] * len(ids), [1] * len(ids))
+        return [ScoringRequestOutput(rid, ScoringOutput(acc[rid][0]["embedding"][0]),
+                                     truncated(p, truncate_prompt_tokens, self.engine.max_model_len), True)
+                for rid, p in zip(rids, ids)]
 
     def _run(self, kind: str, prompts: list, plist: list, counts: list, priority=None, loras=None) -> tuple:
         """Add one request per prompt (all or none: a refused one aborts those added; ``priority``

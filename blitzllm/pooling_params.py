@@ -1,7 +1,8 @@
-"""Embedding (pooling) settings with vLLM's names: ``PoolingParams`` per request, validated at
-construction, and ``PoolerConfig``, the engine's defaults (``--pooler-config``). How a request's
-vector is made lives in ``engine/pooling.py``; the checks that need the model (matryoshka
-``dimensions``) are there too.
+"""Pooling settings with vLLM's names: ``PoolingParams`` per request (an embedding, a
+classification, a cross-encoder score), validated at construction, and ``PoolerConfig``, the
+engine's defaults (``--pooler-config``). How a request's vector is made lives in
+``engine/pooling.py``; the checks that need the model (its tasks, matryoshka ``dimensions``) are
+there too.
 """
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from dataclasses import dataclass, fields
 from typing import Optional, Union
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
+# vLLM's pooling tasks: an embedding model embeds; a sequence classifier classifies, and scores a
+# text pair (one sequence, a cross-encoder) when it has one label
+POOLING_TASKS = ("embed", "classify", "score")
 
 
 def _is_int(v) -> bool:
@@ -23,8 +27,15 @@ class PoolingParams:
     dimensions: Optional[int] = None
     normalize: Optional[bool] = None   # L2-normalize the vector; None: the engine's pooler config (true by default)
     truncate_prompt_tokens: Optional[int] = None  # keep the prompt's last k tokens (-1: max_model_len)
+    task: Optional[str] = None   # one of POOLING_TASKS; None: "embed"
+    # classify / score: the head's logits through the model's activation (softmax, sigmoid), or raw
+    use_activation: Optional[bool] = None
 
     def __post_init__(self) -> None:
+        if self.task is not None and self.task not in POOLING_TASKS:
+            raise ValueError(f"task must be one of {', '.join(POOLING_TASKS)}, got {self.task!r}")
+        if self.use_activation is not None and not isinstance(self.use_activation, bool):
+            raise ValueError(f"use_activation must be true or false, got {self.use_activation!r}")
         if self.dimensions is not None and (not _is_int(self.dimensions) or self.dimensions < 1):
             raise ValueError(f"dimensions must be an integer >= 1, got {self.dimensions!r}")
         if self.normalize is not None and not isinstance(self.normalize, bool):

@@ -52,7 +52,7 @@ class StepEvent:
     prompt_ranks: Optional[list] = None     # with them: per prompt token its rank (None for the first)
     kv_transfer_params: Optional[dict] = None  # a producer's finished request: where its KV waits
     num_cached_tokens: Optional[int] = None    # on the last event: the prompt tokens the prefix cache served
-    embedding: Optional[list] = None           # a pooling request's one event: its vector
+    embedding: Optional[list] = None           # a pooling request's one event: its vector (classify: probs)
 
 
 class Engine:
@@ -75,7 +75,7 @@ class Engine:
         self.sampling_defaults = sampling_defaults(args, src.generation_config)
         self.model_config = cfg = ModelConfig.from_hf(src.hf_config, args.num_layers)
         folder = src.path if src.path is not None and src.path.is_dir() else None
-        self.pooling = Pooling(args.pooler_config, folder, src.hf_config)
+        self.pooling = Pooling(args.pooler_config, folder, src.hf_config, cfg.num_labels, cfg.architecture)
         self.dtype = resolve_dtype(args.dtype, self.device, src.torch_dtype)
         self.weight_dtype = resolve_weight_dtype(args.weight_dtype, self.device, self.dtype)
         from ..kv_transfer import build_connector   # P/D disaggregation (docs/disaggregation.md)
@@ -225,6 +225,8 @@ class Engine:
             return
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams or a PoolingParams")
+        if self.model_config.is_classifier:
+            raise ValueError(self.pooling.refusal("generate"))
         if lora_request is not None and self.lora is None:
             raise ValueError("lora_request needs an engine built with enable_lora=True")
         adapter = self.lora.resolve(lora_request) if lora_request is not None else None
@@ -453,7 +455,7 @@ class Engine:
 
     def _pooled(self, req: Request) -> StepEvent:
         """A pooling request whose prompt is computed: its vector, and it is done."""
-        emb = vector(req)
+        emb = vector(req, self.runner.classify)
         self._finish(req, "stop", None)
         return StepEvent(req.request_id.rsplit("#", 1)[0], 0, [], "", None, "stop", embedding=emb,
                          num_cached_tokens=min(req.num_cached_tokens, len(req.prompt_token_ids)))

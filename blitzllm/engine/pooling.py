@@ -1,7 +1,9 @@
-"""Embedding requests in the engine: the model's pooling defaults (``--pooler-config`` over a
-sentence-transformers folder's files over vLLM's decoder default, LAST + normalized), a pooling
-request's checks, which hidden rows each step must hand back, and the vector once its prompt is
-done.
+"""Pooling requests in the engine: the model's pooling tasks (an embedding model embeds; a
+sequence classifier classifies, and with one label scores text pairs as a cross-encoder, as
+vLLM's tasks), its pooling defaults (``--pooler-config`` over a sentence-transformers folder's
+files over vLLM's decoder default, LAST + normalized), a pooling request's checks, which hidden
+rows each step must hand back, and the vector (or a classifier's probabilities, its head on the
+pooled row) once its prompt is done.
 
 A pooling request is prefill only: its prompt runs in chunks like any other, never samples and
 never drafts. Each step's forward sums the final hidden states (after the final norm, the
@@ -61,6 +63,8 @@ class PoolState:
     normalize: bool
     dimensions: Optional[int]
     total: Optional[torch.Tensor] = None   # float32 [hidden] on the device
+    task: str = "embed"
+    activation: Optional[str] = None       # classify / score: "softmax", "sigmoid" or None (raw logits)
 
     @property
     def needs_every_position(self) -> bool:
@@ -71,7 +75,13 @@ class PoolState:
 class Pooling:
     """The engine's pooling defaults and the steps of its pooling requests."""
 
-    def __init__(self, pooler_config, folder: Optional[Path], hf_config: dict):
+    def __init__(self, pooler_config, folder: Optional[Path], hf_config: dict, num_labels: int = 0,
+                 architecture: str = ""):
+        self.num_labels, self.architecture = num_labels, architecture
+        # (vLLM scores pairs with a classifier only when it has one label: its sigmoid is the score)
+        self.tasks = ("embed",) if not num_labels else ("classify", "score") if num_labels == 1 else ("classify",)
+        self.activations = {"classify": classify_activation(hf_config, num_labels),
+                            "score": score_activation(hf_config, num_labels)} if num_labels else {}
         explicit = parse_pooler_config(pooler_config) or PoolerConfig()
         model_cfg, self.error = sentence_transformers_config(folder)
         if explicit.pooling_type is not None:
@@ -88,6 +98,11 @@ class Pooling:
         """A pooling request for the scheduler, or a ValueError saying what is wrong."""
         if not isinstance(params, PoolingParams):
             raise ValueError("params must be a PoolingParams")
+        task = params.task or "embed"
+        if task not in self.tasks:
+            raise ValueError(self.refusal(task))
+        if task != "embed" and (params.dimensions is not None or params.normalize is not None):
+            raise ValueError(f"dimensions and normalize are for embeddings, not the {task} task")
         if self.error is not None:
             raise ValueError(self.error)
         d = params.dimensions
@@ -106,10 +121,52 @@ class Pooling:
             raise ValueError(f"the prompt has {len(ids)} tokens, more than max_model_len={max_model_len}")
         state = PoolState(self.config.pooling_type,
                           self.config.normalize if params.normalize is None else params.normalize, d)
+        if task != "embed":   # (the head reads the pooled row as it is)
+            state.normalize, state.task = False, task
+            state.activation = self.activations[task] if params.use_activation is not False else None
         req = Request(request_id=request_id, prompt_token_ids=list(ids), params=params, seed=0, arrival=arrival,
                       max_total_tokens=max_model_len)
         req.pooler = state
         return req
+
+    def refusal(self, task: str) -> str:
+        """Why this model does not run ``task`` ("generate" or a pooling task)."""
+        if not self.num_labels:
+            return (f"the {task} task needs a sequence classifier (a *ForSequenceClassification model); "
+                    "this model generates and embeds")
+        if task == "score":
+            return (f"this {self.architecture} has {self.num_labels} labels: scoring text pairs needs a "
+                    "classifier of one label (a cross-encoder); use classify")
+        return (f"this model is a sequence classifier ({self.architecture}): it runs {' and '.join(self.tasks)}, "
+                f"not {task}")
+
+
+def classify_activation(hf_config: dict, num_labels: int) -> Optional[str]:
+    """vLLM's classify activation, from transformers' ``problem_type``: none for a regression, a
+    sigmoid per label for multi-label classification, else softmax (a sigmoid with one label)."""
+    kind = hf_config.get("problem_type")
+    if kind == "regression":
+        return None
+    if kind == "multi_label_classification" or num_labels < 2:
+        return "sigmoid"
+    return "softmax"
+
+
+_ST_ACTIVATIONS = {"torch.nn.modules.linear.Identity": None, "torch.nn.modules.activation.Sigmoid": "sigmoid"}
+
+
+def score_activation(hf_config: dict, num_labels: int) -> Optional[str]:
+    """vLLM's cross-encoder activation: a sentence-transformers CrossEncoder's ``activation_fn``
+    (Identity or Sigmoid here), else as classify's default (the sigmoid of the one label)."""
+    st = hf_config.get("sentence_transformers")
+    name = (st.get("activation_fn") if isinstance(st, dict) else None) \
+        or hf_config.get("sbert_ce_default_activation_function")
+    if name in _ST_ACTIVATIONS:
+        return _ST_ACTIVATIONS[name]
+    if name is not None:
+        log.warning("cross-encoder activation %r is not supported (Identity, Sigmoid are): scores take the sigmoid",
+                    name)
+    return "sigmoid" if num_labels < 2 else "softmax"
 
 
 def pool_spans(seqs) -> list:
@@ -139,11 +196,19 @@ def absorb(seqs, spans: list, sums: torch.Tensor) -> None:
         st.total = row if s.start == 0 or st.total is None else st.total + row
 
 
-def vector(req: Request) -> list:
+def vector(req: Request, head=None) -> list:
     """The finished request's embedding: the mean (MEAN) or the row, its first ``dimensions``
-    values, L2-normalized where asked."""
+    values, L2-normalized where asked; for classify and score, ``head`` (pooled rows [N, hidden]
+    -> logits [N, num_labels]) on it, through the task's activation."""
     st = req.pooler
     v = st.total / len(req.prompt_token_ids) if st.pooling_type == "MEAN" else st.total
+    if st.task != "embed":
+        logits = head(v[None])[0].float()
+        if st.activation == "softmax":
+            logits = logits.softmax(-1)
+        elif st.activation == "sigmoid":
+            logits = logits.sigmoid()
+        return logits.cpu().tolist()
     if st.dimensions is not None:
         v = v[:st.dimensions]
     if st.normalize:
@@ -157,6 +222,17 @@ def cosine(a: list, b: list) -> float:
     dot = sum(x * y for x, y in zip(a, b))
     norm = (sum(x * x for x in a) * sum(y * y for y in b)) ** 0.5
     return dot / norm if norm > 0 else 0.0
+
+
+def pair_ids(tokenizer, a, b) -> list:
+    """A cross-encoder's one sequence for a text pair: the tokenizer's pair encoding (its special
+    tokens around and between the texts), as transformers' ``text_pair`` and vLLM's cross-encoder
+    scoring make it."""
+    if not isinstance(a, str) or not isinstance(b, str):
+        raise ValueError("a cross-encoder scores text pairs: text_1 and text_2 must be texts, not token ids")
+    if tokenizer is None:
+        raise ValueError("scoring text pairs needs the model's tokenizer")
+    return list(tokenizer(a, b, add_special_tokens=True).input_ids)
 
 
 def score_pairs(text_1, text_2) -> tuple:

@@ -152,6 +152,24 @@ class EmbeddingRequestOutput:
 
 
 @dataclass
+class ClassificationOutput:
+    probs: list   # per label: softmax over the labels (a sigmoid with one), or the raw logits
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """``LLM.classify``'s answer per prompt (vLLM's shape)."""
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list
+    finished: bool
+
+
+@dataclass
 class ScoringOutput:
     score: float
 
@@ -161,7 +179,7 @@ class ScoringRequestOutput:
     """``LLM.score``'s answer per pair (vLLM's shape)."""
     request_id: str
     outputs: ScoringOutput
-    prompt_token_ids: list   # (the two texts' tokens, one after the other)
+    prompt_token_ids: list   # (the two texts' tokens one after the other; a cross-encoder's: the pair's)
     finished: bool
 
 

@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from ..pooling_params import PoolingParams
 from ..sampling_params import SamplingParams
 
 
@@ -21,6 +22,8 @@ def warm_up(engine) -> float:
     params = [SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
               SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=3, ignore_eos=True, logprobs=2),
               SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)]
+    if engine.model_config.is_classifier:   # (it only pools: its prefills are the paths to compile)
+        params = [PoolingParams(task="classify")] * 3
     for i, (n, p) in enumerate(zip(lengths, params)):
         engine.add_request(f"__warmup-{i}", [g.randrange(vocab) for _ in range(n)], p)
         if i == 0:  # the first two share a batch; the long prompt runs alone

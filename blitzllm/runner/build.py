@@ -37,6 +37,8 @@ def build_runner(src: ModelSource, cfg: ModelConfig, *, device: torch.device, dt
         from ..lora.manager import LoRAManager
         manager = LoRAManager(model, cfg.architecture, lora, device, dtype)
     cache, max_model_len = plan_cache()
+    if cfg.is_classifier:   # (it never decodes: no decode graphs to capture, on any rank)
+        runner_kw["enforce_eager"] = True
     return ModelRunner(model, cfg, cache, device, dtype, max_model_len=max_model_len, tp=tp, knobs=knobs,
                        lora=manager, **runner_kw)
 

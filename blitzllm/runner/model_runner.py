@@ -287,6 +287,12 @@ class ModelRunner:
             return logits
         return logits, torch.stack([hidden[qsl[i] + a:qsl[i] + b].float().sum(0) for i, a, b in spans])
 
+    @torch.inference_mode()
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        """A sequence classifier's head on pooled final hidden rows [N, hidden] -> logits [N, labels]
+        (rank 0 alone under tensor parallelism: the head is whole on every rank)."""
+        return self.model.classify(pooled)
+
     def _score_as_decode_rows(self, seqs, block_tables) -> torch.Tensor:
         """A verify step where every position is scored: each position becomes a decode row
         of its own (its sequence's block table, context up to and including itself), so the

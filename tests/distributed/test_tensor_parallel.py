@@ -273,3 +273,17 @@ def test_embed_tp2_matches_tp1(tiny_llama_path):
     for a, b in zip(ref, outs):
         torch.testing.assert_close(torch.tensor(b.outputs.embedding), torch.tensor(a.outputs.embedding),
                                    atol=1e-4, rtol=1e-4)
+
+
+def test_classify_tp2_matches_transformers(tmp_path):
+    """A sequence classifier under tensor parallelism: its score head is whole on every rank and
+    rank 0 applies it to the pooled row; chunked (budget 16), the probabilities equal
+    transformers' softmax and the blocks all come back."""
+    from tests.classifiers import hf_logits, make_tiny_classifier
+    hf = make_tiny_classifier("qwen3", tmp_path, 3)
+    prompts = _prompts()
+    with LLM(str(tmp_path), **KW, max_num_batched_tokens=16, tensor_parallel_size=2) as llm:
+        outs = llm.classify(prompts)
+        assert llm.stats()["kv_blocks_free"] == 64
+    for p, o in zip(prompts, outs):
+        torch.testing.assert_close(torch.tensor(o.outputs.probs), hf_logits(hf, p).softmax(-1), atol=1e-4, rtol=0)
