@@ -1,6 +1,6 @@
 """The router's routes beyond chat and text completions, as ``blitz serve`` has them: OpenAI's
 Responses API (POST /v1/responses, GET / DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel),
-Anthropic's Messages API (POST /v1/messages, /v1/messages/count_tokens), POST /v1/embeddings,
+Anthropic's Messages API (POST /v1/messages, /v1/messages/count_tokens), POST /v1/embeddings, /classify,
 /v1/score and /v1/rerank (with vLLM's aliases), /tokenize, /detokenize and GET /version. Each request goes whole to one backend of ``pool``: a
 replica, or in disaggregated mode a decode backend (the servers take ``kv_transfer_params`` on chat
 and text completions only, so these have no prefill hand-off; a consumer runs them itself: an
@@ -134,12 +134,13 @@ def install_endpoints(app: FastAPI, pool: Pool, state: dict, cfg, reg: Collector
         return anthropic_error(await whole(request, generates=False))
 
     @app.post("/v1/embeddings")
+    @app.post("/classify")
     @app.post("/v1/score")
     @app.post("/score")
     @app.post("/v1/rerank")
     @app.post("/rerank")
     @app.post("/v2/rerank")
-    async def embeddings(request: Request):   # (and the scoring routes, on embeddings)
+    async def embeddings(request: Request):   # (and classification and the scoring routes)
         return await whole(request, generates=False)
 
     @app.post("/tokenize")

@@ -19,6 +19,7 @@ from ..engine.async_engine import AsyncEngine
 from .config import ServeConfig
 from .chat import create_chat_completion
 from .completions import create_completion
+from .classify import ClassificationRequest, create_classify
 from .embeddings import create_embedding, embedding_model
 from .errors import APIError, decode_json, install_error_handlers, parse_body, read_body
 from .messages import count_tokens, create_message
@@ -112,6 +113,7 @@ def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
     app = FastAPI(title="blitzllm", version=_version(), lifespan=lifespan, docs_url="/docs", redoc_url="/redoc",
                   openapi_url="/openapi.json",
                   description="An OpenAI-compatible server (docs/serving.md): chat and text completions, embeddings, "
+                              "classification and scoring, "
                               "responses, Anthropic's messages, the model list, the server's tokenizer, health and "
                               "Prometheus metrics.")
 
@@ -210,6 +212,10 @@ def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):
         return await openai(request, embedding_model, create_embedding)
+
+    @app.post("/classify")   # (vLLM's route: no /v1)
+    async def classify(request: Request):
+        return await openai(request, ClassificationRequest, create_classify)
 
     @app.post("/v1/score")
     @app.post("/score", include_in_schema=False)   # (vLLM's aliases)

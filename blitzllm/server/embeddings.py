@@ -51,15 +51,16 @@ def _encoded(v: list, fmt: str):
     return v if fmt == "float" else base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode("ascii")
 
 
-def base_model_only(s: Serving, model) -> None:
+def base_model_only(s: Serving, model, what: str = "embeddings") -> None:
     if s.check_model(model) is not None:
-        raise bad_request(f"embeddings run on the base model ('{s.model_name}'), not a LoRA adapter", param="model")
+        raise bad_request(f"{what} run on the base model ('{s.model_name}'), not a LoRA adapter", param="model")
 
 
 async def embed_inputs(s: Serving, raw: Request, base: str, inp, params: PoolingParams, add_special: bool,
                        field: str = "input", priority: Optional[int] = 0):
-    """``inp`` (an embeddings request's ``input`` form) embedded: (the vectors in order, their
-    tokens counted), or None when the client went away."""
+    """``inp`` (an embeddings request's ``input`` form) pooled as ``params`` say: (the vectors, or
+    a classifier's probabilities, in order; their tokens counted), or None when the client went
+    away."""
     inputs = await s.cpu(_inputs, s, inp, field)
     prompts = await asyncio.gather(*(_ids(s, p, f, params, add_special) for p, f in inputs))
     # (added together: the engine takes a batch of adds between two steps)

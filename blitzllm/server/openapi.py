@@ -11,6 +11,7 @@ from typing import Optional
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from . import classify as C
 from . import messages_protocol as M
 from . import protocol as P
 from . import responses_protocol as R
@@ -34,10 +35,14 @@ _OPS = {
                                  (400, 401, 404, 413, 500, 503),
                                  "Create embeddings (the model's pooled final hidden states) of inputs, or of chat "
                                  "messages (vLLM's)"),
+    ("/classify", "post"): (C.ClassificationRequest, C.ClassificationResponse, None, (400, 401, 404, 413, 500, 503),
+                            "Classify inputs with a sequence classifier: class probabilities and labels (vLLM's)"),
     ("/v1/score", "post"): (P.ScoreRequest, P.ScoreResponse, None, (400, 401, 404, 413, 500, 503),
-                            "Score text pairs: the cosine similarity of their embeddings (vLLM's)"),
+                            "Score text pairs: their embeddings' cosine similarity, or a cross-encoder's score "
+                            "of the pair (vLLM's)"),
     ("/v1/rerank", "post"): (P.RerankRequest, P.RerankResponse, None, (400, 401, 404, 413, 500, 503),
-                             "Rank documents by their embeddings' similarity to a query (vLLM's; Jina's, Cohere's)"),
+                             "Rank documents by their score against a query, as /v1/score's (vLLM's; Jina's, "
+                             "Cohere's)"),
     ("/v1/models", "get"): (None, P.ModelList, None, (401,), "List the served model and its LoRA adapters"),
     ("/v1/models/{model_id}", "get"): (None, P.ModelCard, None, (401, 404), "The served model"),
     ("/tokenize", "post"): (P.TokenizeRequest, P.TokenizeResponse, None, (400, 401, 404, 413, 503),
@@ -60,7 +65,7 @@ _OPS = {
     ("/v1/messages/count_tokens", "post"): (M.CountTokensRequest, M.TokenCount, None, (400, 401, 404, 413, 503),
                                             "Count a message request's prompt tokens (Anthropic's)"),
 }
-_GUARDED = {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/score", "/v1/rerank", "/v1/models", "/v1/models/{model_id}",
+_GUARDED = {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/classify", "/v1/score", "/v1/rerank", "/v1/models", "/v1/models/{model_id}",
             "/tokenize", "/detokenize", "/reset_prefix_cache", "/v1/responses", "/v1/responses/{response_id}",
             "/v1/responses/{response_id}/cancel",
             "/v1/messages", "/v1/messages/count_tokens"}

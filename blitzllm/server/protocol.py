@@ -188,6 +188,11 @@ class DetokenizeRequest(_Strict):
     tokens: list[TokenId]
 
 
+# a pooling request's ``input`` (embeddings, /classify): a text, token ids, or a list of either
+PoolingInputs = Union[Text, TokenIds, Annotated[list[Text], Field(min_length=1, max_length=MAX_EMBED_INPUTS)],
+                      Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_EMBED_INPUTS)]]
+
+
 class _EmbeddingFields(_Strict):
     """What both forms of an embeddings request share (OpenAI's fields, vLLM's extras)."""
     model: Optional[str] = None
@@ -204,8 +209,7 @@ class _EmbeddingFields(_Strict):
 class EmbeddingRequest(_EmbeddingFields):
     """OpenAI's embeddings request, with vLLM's extras (truncate_prompt_tokens, add_special_tokens,
     normalize, priority)."""
-    input: Union[Text, TokenIds, Annotated[list[Text], Field(min_length=1, max_length=MAX_EMBED_INPUTS)],
-                 Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_EMBED_INPUTS)]]
+    input: PoolingInputs
     add_special_tokens: Optional[bool] = Field(True, description="vLLM's: the tokenizer's special tokens "
                                                                  "around a text input (a BOS)")
 
@@ -427,7 +431,8 @@ class EmbeddingResponse(_Out):
 class Score(_Out):
     index: int
     object: Literal["score"]
-    score: float = Field(description="the cosine similarity of the two texts' embeddings")
+    score: float = Field(description="the cosine similarity of the two texts' embeddings, or a cross-encoder's "
+                                     "score of the pair")
 
 
 class ScoreResponse(_Out):

@@ -1,8 +1,9 @@
-"""vLLM's scoring routes for an embedding model: POST /v1/score (``text_1`` against ``text_2``: one
-against many, or pairwise) and POST /v1/rerank (Jina's and Cohere's shape: a query's documents by
-relevance, the ``top_n`` best). A score is the cosine similarity of the two texts' embeddings
-(``embeddings.py``), as vLLM scores with a bi-encoder; cross-encoder (classification) rerankers are
-not served."""
+"""vLLM's scoring routes: POST /v1/score (``text_1`` against ``text_2``: one against many, or
+pairwise) and POST /v1/rerank (Jina's and Cohere's shape: a query's documents by relevance, the
+``top_n`` best). On an embedding model a score is the cosine similarity of the two texts'
+embeddings (``embeddings.py``), as vLLM scores with a bi-encoder; on a sequence classifier of one
+label (a cross-encoder reranker) it is the head's sigmoid on the pair as one sequence (the
+tokenizer's pair encoding), as vLLM's cross-encoder scoring."""
 from __future__ import annotations
 
 import time
@@ -10,7 +11,7 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from ..engine.pooling import cosine, score_pairs
+from ..engine.pooling import cosine, pair_ids, score_pairs
 from ..pooling_params import PoolingParams
 from .embeddings import base_model_only, embed_inputs
 from .errors import bad_request
@@ -18,13 +19,27 @@ from .protocol import RerankRequest, ScoreRequest
 from .serving import Serving, request_id
 
 
+def _pairs(s: Serving, left: list, right: list) -> list:
+    """Each pair's token ids as one sequence, in a worker thread (texts past the character bound
+    refused first)."""
+    tok = s.worker_tokenizer("a cross-encoder scores texts, which it must tokenize as pairs")
+    for texts, field in ((left, "text_1"), (right, "text_2")):
+        for t in dict.fromkeys(texts):
+            s.check_prompt_chars(t, field)
+    return [pair_ids(tok, a, b) for a, b in zip(left, right)]
+
+
 async def _scores(s: Serving, raw: Request, base: str, left: list, right: list, truncate) -> tuple:
-    """(cosine per pair, the tokens embedded), or None when the client went away. Each distinct
-    text is embedded once."""
+    """(score per pair, the tokens pooled), or None when the client went away. An embedding
+    model embeds each distinct text once; a cross-encoder runs each pair."""
     try:
-        params = PoolingParams(normalize=True, truncate_prompt_tokens=truncate)
+        params = (PoolingParams(task="score", truncate_prompt_tokens=truncate) if s.classifier
+                  else PoolingParams(normalize=True, truncate_prompt_tokens=truncate))
     except ValueError as e:
         raise s._user_error(e, "text_1") from None
+    if s.classifier:
+        got = await embed_inputs(s, raw, base, await s.cpu(_pairs, s, left, right), params, True, field="text")
+        return None if got is None else ([row[0] for row in got[0]], got[1])
     texts = list(dict.fromkeys(left + right))
     got = await embed_inputs(s, raw, base, texts, params, True, field="text")
     if got is None:

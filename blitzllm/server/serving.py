@@ -157,6 +157,7 @@ class Serving:
         self.defaults: dict = {}       # the engine's sampling_defaults (generation config)
         self.max_model_len = 0
         self.vocab_size = 0
+        self.classifier, self.labels = False, ()   # a sequence classifier's (server/classify.py, score.py)
         self.created = int(time.time())
         self._tok_str: dict[int, str] = {}
         self.max_prompt_chars: Optional[int] = None  # a prompt longer than this cannot fit (see max_token_chars)
@@ -175,6 +176,7 @@ class Serving:
             log.info("sampling defaults from the generation config, for fields a request leaves unset: %s",
                      self.defaults)
         self.vocab_size = engine.model_config.vocab_size
+        self.classifier, self.labels = engine.model_config.is_classifier, engine.model_config.labels
         self.loras.setup(engine, self.model_names)
         if tokenizer is not None:
             per_token = max_token_chars(tokenizer)

@@ -210,8 +210,8 @@ def test_router_errors_on_the_new_routes():
         assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded_error", r.text
         r = client.post("/v1/messages/count_tokens", content=b"{nope")
         assert r.status_code == 400 and r.json()["type"] == "error", r.text
-        for path in ("/v1/responses", "/v1/embeddings", "/v1/score", "/score", "/v1/rerank", "/rerank", "/v2/rerank",
-                     "/tokenize", "/detokenize"):
+        for path in ("/v1/responses", "/v1/embeddings", "/classify", "/v1/score", "/score", "/v1/rerank", "/rerank",
+                     "/v2/rerank", "/tokenize", "/detokenize"):
             r = client.post(path, json={})
             assert r.status_code == 503 and r.json()["error"]["code"] == "no_backend", (path, r.text)
         assert client.get("/version").status_code == 503

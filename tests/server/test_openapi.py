@@ -14,6 +14,7 @@ from schemathesis.generation import GenerationMode
 from schemathesis.specs.openapi.checks import (content_type_conformance, negative_data_rejection,
                                                response_schema_conformance, status_code_conformance)
 
+from blitzllm.server import classify as C
 from blitzllm.server import messages_protocol as M
 from blitzllm.server import protocol as P
 from blitzllm.server import responses_protocol as R
@@ -26,10 +27,10 @@ OPERATIONS = {("POST", CHAT), ("POST", CMPL), ("GET", "/v1/models"), ("GET", "/v
               ("GET", "/version"), ("POST", RESP), ("GET", RESP + "/{response_id}"),
               ("DELETE", RESP + "/{response_id}"), ("POST", RESP + "/{response_id}/cancel"), ("POST", MSG),
               ("POST", COUNT), ("POST", EMB), ("POST", "/reset_prefix_cache"), ("POST", "/v1/score"),
-              ("POST", "/v1/rerank")}
+              ("POST", "/v1/rerank"), ("POST", "/classify")}
 # (the operations with a body)
 BODIES = {("POST", p) for p in (CHAT, CMPL, RESP, MSG, COUNT, EMB, "/tokenize", "/detokenize", "/v1/score",
-                                "/v1/rerank")}
+                                "/v1/rerank", "/classify")}
 
 
 def test_openapi_json_is_valid_openapi_3(smol_server):
@@ -50,7 +51,7 @@ def test_openapi_json_is_valid_openapi_3(smol_server):
     assert body == {CHAT: "ChatCompletionRequest", CMPL: "CompletionRequest", "/tokenize": "TokenizeRequest",
                     "/detokenize": "DetokenizeRequest", RESP: "ResponsesRequest", MSG: "MessagesRequest",
                     COUNT: "CountTokensRequest", EMB: ("EmbeddingRequest", "EmbeddingChatRequest"),
-                    "/v1/score": "ScoreRequest", "/v1/rerank": "RerankRequest"}
+                    "/v1/score": "ScoreRequest", "/v1/rerank": "RerankRequest", "/classify": "ClassificationRequest"}
     assert doc["components"]["schemas"]["EmbeddingChatRequest"]["required"] == ["messages"]
     chat = doc["paths"][CHAT]["post"]["responses"]
     assert chat["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/ChatCompletionResponse")
@@ -66,10 +67,13 @@ def test_openapi_json_is_valid_openapi_3(smol_server):
                         ("ResponsesRequest", R.ResponsesRequest), ("MessagesRequest", M.MessagesRequest),
                         ("CountTokensRequest", M.CountTokensRequest), ("EmbeddingRequest", P.EmbeddingRequest),
                         ("EmbeddingChatRequest", P.EmbeddingChatRequest),
-                        ("ScoreRequest", P.ScoreRequest), ("RerankRequest", P.RerankRequest)):
+                        ("ScoreRequest", P.ScoreRequest), ("RerankRequest", P.RerankRequest),
+                        ("ClassificationRequest", C.ClassificationRequest)):
         assert set(doc["components"]["schemas"][name]["properties"]) == \
             {f.alias or key for key, f in model.model_fields.items()}
     assert "stop_sequences" in doc["components"]["schemas"]["MessagesRequest"]["properties"]
+    assert doc["paths"]["/classify"]["post"]["responses"]["200"]["content"]["application/json"]["schema"]["$ref"] \
+        .endswith("/ClassificationResponse")
 
     def bounds(node) -> None:   # a number's bounds in JSON Schema's words, not pydantic's ge / le
         if isinstance(node, dict):
