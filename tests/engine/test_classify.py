@@ -129,3 +129,23 @@ def test_cross_encoder_score_is_the_sigmoid_of_the_pair_encoding(tmp_path_factor
     with pytest.raises(ValueError, match="must be texts, not token ids"):
         llm.score([1, 2, 3], DOCS[0])
     no_leaks(llm)
+
+
+def test_the_activation_follows_the_config(tmp_path):
+    """vLLM's activations: ``problem_type`` multi_label_classification takes a sigmoid per label
+    (regression none); a cross-encoder's sentence-transformers ``activation_fn`` Identity scores
+    with the raw logit (classify keeps its sigmoid)."""
+    multi = make_tiny_classifier("llama", tmp_path / "multi", 3, problem_type="multi_label_classification")
+    llm = LLM(str(tmp_path / "multi"), device="cpu", dtype="float32")
+    (o,) = llm.classify(QUERY)
+    assert close(o.outputs.probs, hf_logits(multi, o.prompt_token_ids).sigmoid())
+    ident = {"activation_fn": "torch.nn.modules.linear.Identity"}
+    ce = make_tiny_classifier("llama", tmp_path / "ce", 1, sentence_transformers=ident)
+    llm = LLM(str(tmp_path / "ce"), device="cpu", dtype="float32")
+    (s,) = llm.score(QUERY, DOCS[0])
+    assert s.outputs.score == pytest.approx(float(hf_logits(ce, s.prompt_token_ids)[0]), abs=TOL)
+    (c,) = llm.classify(QUERY)
+    assert close(c.outputs.probs, hf_logits(ce, c.prompt_token_ids).sigmoid())
+    reg = make_tiny_classifier("llama", tmp_path / "reg", 1, problem_type="regression")
+    (r,) = LLM(str(tmp_path / "reg"), device="cpu", dtype="float32").classify(QUERY)
+    assert close(r.outputs.probs, hf_logits(reg, r.prompt_token_ids))
