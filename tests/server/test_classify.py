@@ -130,3 +130,21 @@ def test_an_embedding_model_does_not_classify(smol_f32_server):
     err = check_error(post(smol_f32_server, "/classify", {"input": "Hi"}, "smollm2"), 400, "input")
     assert "the classify task needs a sequence classifier" in err["message"]
     wait_idle(smol_f32_server)
+
+
+def test_the_router_forwards_classify(classifier):
+    """``blitz router`` sends /classify whole to a backend: the answer is the backend's."""
+    from fastapi.testclient import TestClient
+
+    from blitzllm.router.app import RouterConfig, build_router_app
+    srv, _ = classifier
+    want = post(srv, "/classify", {"input": TEXTS}, "cls").json()
+    with TestClient(build_router_app(RouterConfig(backends=(srv.url,), health_interval_s=0.1))) as client:
+        got = client.post("/classify", json={"model": "cls", "input": TEXTS})
+        assert got.status_code == 200, got.text
+        bad = client.post("/classify", json={"model": "cls", "input": []})
+    assert got.json()["usage"] == want["usage"] and got.json()["model"] == "cls"
+    for g, w in zip(got.json()["data"], want["data"], strict=True):   # (the prefix cache may serve it: 1e-5)
+        assert (g["index"], g["label"]) == (w["index"], w["label"]) and g["probs"] == pytest.approx(w["probs"], abs=1e-5)
+    check_error(bad, 400, "input")
+    wait_idle(srv)
