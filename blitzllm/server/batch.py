@@ -23,9 +23,9 @@ import uuid
 from typing import Optional
 
 # the endpoints a batch line may name (vLLM's run-batch: chat, embeddings, score, rerank;
-# OpenAI's Batch API adds completions and responses)
+# OpenAI's Batch API adds completions and responses; a classifier's /classify)
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/score", "/score",
-        "/v1/rerank", "/rerank", "/v2/rerank")
+        "/v1/rerank", "/rerank", "/v2/rerank", "/classify")
 
 
 def add_run_batch_args(p: argparse.ArgumentParser) -> None:

@@ -169,3 +169,25 @@ def test_bad_options_are_one_line(tmp_path, capsys, extra, msg):
     assert err.startswith("blitz: error: ") and msg in err, err
     assert main(["run-batch", "-i", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "o")]) == 2
     assert "cannot read --input-file" in capsys.readouterr().err
+
+
+def test_a_classifier_batch(tmp_path):
+    """/classify lines on a tiny random sequence classifier: transformers' probabilities (1e-4),
+    and a chat line on it refused with the server's 400 (a classifier does not generate)."""
+    from tests.classifiers import LABELS, hf_logits, make_tiny_classifier, tiny_tokenizer
+    hf = make_tiny_classifier("qwen3", tmp_path / "cls", 3)
+    texts = ["hello", "what is the capital of france ?"]
+    items = [_req("k", "/classify", {"input": texts}),
+             _req("g", "/v1/completions", {"prompt": "hello", "max_tokens": 2})]
+    env = dict(os.environ, TRANSFORMERS_VERBOSITY="error", TOKENIZERS_PARALLELISM="false", BLITZ_NO_PROGRESS="1")
+    r = subprocess.run([sys.executable, "-m", "blitzllm.cli", "run-batch", "-i", _write(tmp_path / "in.jsonl", items),
+                        "-o", str(tmp_path / "out.jsonl"), "--model", str(tmp_path / "cls"), "--dtype", "float32",
+                        "--max-model-len", "64", "--kv-cache-blocks", "32"],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    k, g = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    tok = tiny_tokenizer()
+    for d, text in zip(k["response"]["body"]["data"], texts, strict=True):
+        want = hf_logits(hf, tok(text).input_ids).softmax(-1)
+        assert d["probs"] == pytest.approx(want.tolist(), abs=1e-4) and d["label"] == LABELS[int(want.argmax())]
+    assert g["response"]["status_code"] == 400 and g["error"]["error"]["message"]
