@@ -149,3 +149,24 @@ def test_the_activation_follows_the_config(tmp_path):
     reg = make_tiny_classifier("llama", tmp_path / "reg", 1, problem_type="regression")
     (r,) = LLM(str(tmp_path / "reg"), device="cpu", dtype="float32").classify(QUERY)
     assert close(r.outputs.probs, hf_logits(reg, r.prompt_token_ids))
+
+
+@pytest.mark.gpu
+def test_classify_and_cross_encoder_on_cuda(tmp_path_factory):
+    """On CUDA (Triton kernels, fp32; a classifier's runner is eager) the probabilities and a
+    cross-encoder's scores are transformers' on the same weights, also chunked, and the engine
+    keeps serving with every block back."""
+    path, hf = classifier(tmp_path_factory, "qwen3", 3)
+    llm = LLM(str(path), device="cuda", dtype="float32", max_num_batched_tokens=16, max_model_len=256,
+              kv_cache_blocks=64)
+    assert llm.engine.runner.graphs is None
+    for p, o in zip(PROMPTS, llm.classify(PROMPTS)):
+        assert close(o.outputs.probs, hf_logits(hf, llm.tokenize(p)).softmax(-1))
+    no_leaks(llm)
+    path, hf = classifier(tmp_path_factory, "llama", 1)
+    llm = LLM(str(path), device="cuda", dtype="float32", kv_cache_blocks=64)
+    tok = llm.tokenizer
+    for doc, o in zip(DOCS, llm.score(QUERY, DOCS)):
+        want = hf_logits(hf, tok(QUERY, doc).input_ids).sigmoid()
+        assert abs(o.outputs.score - float(want[0])) < TOL
+    no_leaks(llm)
