@@ -13,7 +13,7 @@ from pydantic import Field
 
 from ..pooling_params import PoolingParams
 from .embeddings import base_model_only, embed_inputs
-from .protocol import Int, PoolingInputs, _Out, _Strict
+from .protocol import Int, PoolingInputs, _Out, _Strict, priority_field
 from .serving import Serving, request_id
 
 
@@ -26,8 +26,7 @@ class ClassificationRequest(_Strict):
                                                                            "(-1: max_model_len)")
     add_special_tokens: Optional[bool] = Field(True, description="the tokenizer's special tokens around a text "
                                                                  "input (a BOS)")
-    priority: Optional[Int] = Field(0, ge=-2**63 + 1, le=2**63 - 1,
-                                    description="lower is served first (with --scheduling-policy priority)")
+    priority: Optional[Int] = priority_field()
     use_activation: Optional[bool] = Field(None, description="false: the head's raw logits instead of "
                                                              "probabilities (null: true)")
 

@@ -73,7 +73,7 @@ class ResponseFormat(_Strict):
 
 
 def priority_field():
-    """vLLM's ``priority`` request field (generations and embeddings): the engine checks it."""
+    """vLLM's ``priority`` request field (generations and pooling requests): the engine checks it."""
     return Field(0, ge=-2**63 + 1, le=2**63 - 1, description="vLLM's: lower is served first (with "
                  "--scheduling-policy priority; other than 0 it is refused under fcfs)")
 
@@ -238,6 +238,7 @@ class ScoreRequest(_Strict):
     truncate_prompt_tokens: Optional[Int] = Field(None, ge=-1, description="keep each text's last k tokens "
                                                                            "(-1: max_model_len)")
     user: Optional[str] = None
+    priority: Optional[Int] = priority_field()
 
 
 class RerankRequest(_Strict):
@@ -249,6 +250,7 @@ class RerankRequest(_Strict):
     truncate_prompt_tokens: Optional[Int] = Field(None, ge=-1, description="keep each text's last k tokens "
                                                                            "(-1: max_model_len)")
     user: Optional[str] = None
+    priority: Optional[Int] = priority_field()
 
 
 # ---- responses (the OpenAPI schema's; serving.py builds them as dicts) ---------------------------

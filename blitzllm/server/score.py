@@ -29,7 +29,7 @@ def _pairs(s: Serving, left: list, right: list) -> list:
     return [pair_ids(tok, a, b) for a, b in zip(left, right)]
 
 
-async def _scores(s: Serving, raw: Request, base: str, left: list, right: list, truncate) -> tuple:
+async def _scores(s: Serving, raw: Request, base: str, left: list, right: list, truncate, priority) -> tuple:
     """(score per pair, the tokens pooled), or None when the client went away. An embedding
     model embeds each distinct text once; a cross-encoder runs each pair."""
     try:
@@ -38,10 +38,11 @@ async def _scores(s: Serving, raw: Request, base: str, left: list, right: list, 
     except ValueError as e:
         raise s._user_error(e, "text_1") from None
     if s.classifier:
-        got = await embed_inputs(s, raw, base, await s.cpu(_pairs, s, left, right), params, True, field="text")
+        got = await embed_inputs(s, raw, base, await s.cpu(_pairs, s, left, right), params, True, field="text",
+                                 priority=priority)
         return None if got is None else ([row[0] for row in got[0]], got[1])
     texts = list(dict.fromkeys(left + right))
-    got = await embed_inputs(s, raw, base, texts, params, True, field="text")
+    got = await embed_inputs(s, raw, base, texts, params, True, field="text", priority=priority)
     if got is None:
         return None
     vec = dict(zip(texts, got[0]))
@@ -55,7 +56,7 @@ async def create_score(s: Serving, req: ScoreRequest, raw: Request) -> Response:
     except ValueError as e:
         raise bad_request(str(e), param="text_1") from None
     base = f"score-{request_id(raw)}"
-    got = await _scores(s, raw, base, left, right, s.truncation(req))
+    got = await _scores(s, raw, base, left, right, s.truncation(req), req.priority)
     if got is None:
         return Response(status_code=499)
     scores, n = got
@@ -67,7 +68,8 @@ async def create_score(s: Serving, req: ScoreRequest, raw: Request) -> Response:
 async def create_rerank(s: Serving, req: RerankRequest, raw: Request) -> Response:
     base_model_only(s, req.model)
     base = f"rerank-{request_id(raw)}"
-    got = await _scores(s, raw, base, [req.query] * len(req.documents), list(req.documents), s.truncation(req))
+    got = await _scores(s, raw, base, [req.query] * len(req.documents), list(req.documents), s.truncation(req),
+                        req.priority)
     if got is None:
         return Response(status_code=499)
     scores, n = got

@@ -1,5 +1,5 @@
 """vLLM's ``priority`` request field: with ``--scheduling-policy priority`` an urgent request (a
-chat completion, an embedding of inputs or of messages) is answered while a long, less urgent
+chat completion, an embedding of inputs or of messages, a score, a rerank) is answered while a long, less urgent
 one still streams (it preempts it: the server runs one sequence at most); under the default fcfs
 policy a priority other than 0 is a 400 naming it."""
 from __future__ import annotations
@@ -33,6 +33,8 @@ CHAT = [{"role": "user", "content": "Hi"}]
     ("/v1/embeddings", {"input": ["Hi"]}, 10),   # (less urgent than the long one: it waits for it)
     ("/v1/embeddings", {"messages": CHAT}, -1),
     ("/v1/embeddings", {"messages": CHAT}, 10),
+    ("/v1/score", {"text_1": "Hi", "text_2": ["Yo", "Hey"]}, -1),
+    ("/v1/rerank", {"query": "Hi", "documents": ["Yo"]}, 10),
 ])
 def test_a_request_is_served_by_its_priority_while_a_long_one_streams(priority_server, path, urgent, priority):
     srv = priority_server
@@ -64,6 +66,10 @@ def test_a_request_is_served_by_its_priority_while_a_long_one_streams(priority_s
     assert r.status_code == 200, r.text
     if path == "/v1/embeddings":
         assert len(r.json()["data"]) == len(urgent.get("input", [None]))
+    elif path == "/v1/score":
+        assert len(r.json()["data"]) == 2
+    elif path == "/v1/rerank":
+        assert len(r.json()["results"]) == 1
     else:
         assert r.json()["usage"]["completion_tokens"] == 4
     t.join(120)
@@ -87,7 +93,8 @@ def test_priority_under_fcfs_is_a_400(tiny_server):
     for path, body in (("/v1/completions", {"prompt": "Hi"}),
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
                        ("/v1/responses", {"input": "Hi"}), ("/v1/embeddings", {"input": "Hi"}),
-                       ("/v1/embeddings", {"messages": [{"role": "user", "content": "Hi"}]})):
+                       ("/v1/embeddings", {"messages": [{"role": "user", "content": "Hi"}]}),
+                       ("/v1/score", {"text_1": "Hi", "text_2": "Yo"}), ("/v1/rerank", {"query": "Hi", "documents": ["Yo"]})):
         r = httpx.post(srv.url + path, headers=srv.headers(), timeout=60,
                        json={"model": "tiny", "max_tokens" if path != "/v1/responses" else "max_output_tokens": 2,
                              **body, "priority": 3})
