@@ -96,6 +96,7 @@ def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
     aliases = (str(cfg.engine_kwargs["model"]),) if "model" in cfg.engine_kwargs else ()
     serving = Serving(aengine, cfg.model_name, aliases, reasoning_parser=cfg.reasoning_parser,
                       tool_parser=cfg.tool_call_parser, return_tokens_as_token_ids=cfg.return_tokens_as_token_ids,
+                      trust_request_chat_template=cfg.trust_request_chat_template,
                       lora_modules=cfg.lora_modules)
     expected_key = cfg.api_key.encode() if cfg.api_key else None
     store = ResponseStore(cfg.max_stored_responses)   # /v1/responses' stored answers

@@ -61,6 +61,9 @@ def add_model_serving_args(g) -> None:
                    help="return a thinking model's <think> block as reasoning_content beside content in chat "
                         "completions (deepseek_r1, deepseek_v3, qwen3, minimax_m2: one rule, see "
                         "blitzllm/server/reasoning.py; minimax_m2_append_think: all in content)")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render a request's own chat_template (chat, /tokenize, embeddings' messages; vLLM's); "
+                        "off: such a request is a 400, since its Jinja runs on the server")
     g.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="logprobs' tokens as 'token_id:<id>' (vLLM's; a request's return_tokens_as_token_ids "
                         "overrides it)")
@@ -158,7 +161,8 @@ def model_serving_config(args: argparse.Namespace, kv_transfer_config: Optional[
     return ServeConfig(engine_kwargs=kwargs, served_model_name=args.served_model_name,
                        reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
                        return_tokens_as_token_ids=args.return_tokens_as_token_ids, lora_modules=lora_modules,
-                       allow_runtime_lora_updating=args.allow_runtime_lora_updating, **settings)
+                       allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+                       trust_request_chat_template=args.trust_request_chat_template, **settings)
 
 
 def _lora_kwargs(args: argparse.Namespace, kwargs: dict) -> tuple:

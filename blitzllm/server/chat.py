@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ..engine.async_engine import EngineStepError
 from .beam import beam_answers, beam_params
-from .chat_template import prompt_end, refuse_request_template
+from .chat_template import prompt_end
 from .errors import bad_request
 from .protocol import ChatCompletionRequest
 from .reasoning import END, THINK_PARSERS, fed, make_splitter, prompt_opens_thinking, split_reasoning
@@ -109,10 +109,11 @@ class ChatTurn:
 
 async def prepare_turn(s: Serving, req, messages, *, tools, tool_choice, parallel_tool_calls, structured: tuple,
                        max_tokens, max_tokens_field: str, k, end: dict, template_kwargs,
-                       prompt_logprobs: Optional[int] = None) -> ChatTurn:
+                       prompt_logprobs: Optional[int] = None, template: Optional[str] = None) -> ChatTurn:
     """``req``: the body's sampling fields (``protocol.SamplingFields``); ``structured``: (the
     answer's structured output or None, the field it came from); ``k``: top logprobs (None: no
-    logprobs); ``prompt_logprobs``: the rendered prompt's top-N (None: none)."""
+    logprobs); ``prompt_logprobs``: the rendered prompt's top-N (None: none); ``template``: the
+    request's own chat template (``Serving.chat_prompt``)."""
     tool_mode = check_tools(tools, tool_choice, s.tool_parser)  # None, "auto" or a Forced choice
     forced = tool_mode if isinstance(tool_mode, Forced) else None
     requested = s.structured_request(req)  # (vLLM's structured_outputs / guided_* fields)
@@ -138,7 +139,7 @@ async def prepare_turn(s: Serving, req, messages, *, tools, tool_choice, paralle
         params = params.clone(skip_special_tokens=False)
     cut = params.truncate_prompt_tokens is not None
     ids, prompt_text = await s.chat_prompt(messages, end, template_kwargs, tools if tool_mode is not None else None,
-                                           check_length=not cut, require_tools=tool_mode == "auto")
+                                           check_length=not cut, require_tools=tool_mode == "auto", template=template)
     if cut:  # (the template's end stays: only the conversation's start goes)
         ids = s.truncated(ids, params, "messages")
     # a reasoning parser reads where the rendered prompt left off (an open <think> block?)
@@ -151,7 +152,6 @@ async def prepare_turn(s: Serving, req, messages, *, tools, tool_choice, paralle
 
 async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Request) -> Response:
     lora = s.check_model(req.model)
-    refuse_request_template(req.chat_template)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
     k = pick(req.top_logprobs, 0) if req.logprobs else None
@@ -162,7 +162,8 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
                               structured=(structured_output(req.response_format), "response_format"),
                               max_tokens=pick(req.max_completion_tokens, req.max_tokens), max_tokens_field=mt_field,
                               k=k, end=prompt_end(req.add_generation_prompt, req.continue_final_message),
-                              template_kwargs=req.chat_template_kwargs, prompt_logprobs=plp_k)
+                              template_kwargs=req.chat_template_kwargs, prompt_logprobs=plp_k,
+                              template=req.chat_template)
     ids, params = turn.ids, turn.params
     rid = f"chatcmpl-{request_id(raw)}"
     if req.use_beam_search:

@@ -52,13 +52,16 @@ def add_assistant_part(messages: list, part: str, value) -> None:
     messages.append({"role": "assistant", part: value})
 
 
-def refuse_request_template(template) -> None:
-    """A request's own chat template (vLLM's ``chat_template`` field) is a 400, as vLLM refuses it
-    without --trust-request-chat-template: a client's Jinja would run on the server, and ignoring
-    it would render another prompt than the client asked for."""
-    if template is not None:
-        raise bad_request("a chat template in the request is not accepted: the model's own renders the messages "
-                          "(the server's --chat-template sets another)", param="chat_template")
+def request_template(template, trusted: bool):
+    """A request's own chat template (vLLM's ``chat_template`` field): rendered with
+    --trust-request-chat-template, else a 400, as vLLM answers: a client's Jinja would run on the
+    server, and ignoring it would render another prompt than the client asked for."""
+    if template is not None and not trusted:
+        raise bad_request("a chat template in the request is not accepted without --trust-request-chat-template: "
+                          "the model's own renders the messages", param="chat_template")
+    if template is not None and (not isinstance(template, str) or not template.strip()):
+        raise bad_request("chat_template must be a non-empty Jinja template", param="chat_template")
+    return template
 
 
 def prompt_end(add_generation_prompt, continue_final_message) -> dict:
@@ -72,8 +75,9 @@ def prompt_end(add_generation_prompt, continue_final_message) -> dict:
     return {"add_generation_prompt": add, "continue_final_message": cont}
 
 
-def render(tok, conv: list, end: dict, template_kwargs, tools, require_tools: bool) -> str:
-    """The template's text of ``conv``, ending as ``end`` (``prompt_end``) says. ``require_tools``
+def render(tok, conv: list, end: dict, template_kwargs, tools, require_tools: bool, template=None) -> str:
+    """The template's text of ``conv`` (through ``template`` where given, a request's own), ending
+    as ``end`` (``prompt_end``) says. ``require_tools``
     (tool_choice "auto": the model must see the tools to call them): a 400 when the template
     renders the same text without them."""
     kwargs = dict(template_kwargs or {})
@@ -81,6 +85,8 @@ def render(tok, conv: list, end: dict, template_kwargs, tools, require_tools: bo
     if clash:
         raise bad_request(f"chat_template_kwargs may not set {', '.join(clash)}", param="chat_template_kwargs")
     kwargs.update(end)
+    if template is not None:
+        kwargs["chat_template"] = template
     try:
         text = tok.apply_chat_template(conv, tokenize=False, **kwargs, **({"tools": tools} if tools else {}))
         bare = tok.apply_chat_template(conv, tokenize=False, **kwargs) if tools and require_tools else None

@@ -23,6 +23,7 @@ class ServeConfig:
     return_tokens_as_token_ids: bool = False
     lora_modules: tuple = ()               # ((name, path), ...) of --lora-modules
     allow_runtime_lora_updating: bool = False
+    trust_request_chat_template: bool = False   # a request's own chat_template is rendered (else a 400)
     # CORS (vLLM's flags), off unless --allowed-origins names some: a server on loopback should not
     # answer every web page's scripts by default
     allowed_origins: tuple = ()

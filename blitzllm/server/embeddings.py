@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ..engine.intake import truncated
 from ..pooling_params import PoolingParams
-from .chat_template import prompt_end, refuse_request_template
+from .chat_template import prompt_end
 from .errors import bad_request
 from .protocol import EmbeddingChatRequest, EmbeddingRequest
 from .completions import prompt_list
@@ -90,11 +90,10 @@ def embedding_model(body: dict) -> type:
 async def _chat_ids(s: Serving, req: EmbeddingChatRequest) -> list:
     """The messages' token ids through the model's chat template (chat's rendering and checks of
     the messages), ending as the request's add_generation_prompt / continue_final_message say."""
-    refuse_request_template(req.chat_template)
     end = prompt_end(pick(req.add_generation_prompt, False), req.continue_final_message)
     # (the length is checked once truncated, by embed_inputs: an embedding may fill the context)
     ids, _ = await s.chat_prompt(req.messages, end, req.chat_template_kwargs, check_length=False,
-                                 add_special_tokens=bool(req.add_special_tokens))
+                                 add_special_tokens=bool(req.add_special_tokens), template=req.chat_template)
     return ids
 
 

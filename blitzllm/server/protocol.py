@@ -132,8 +132,8 @@ class _SamplingRequest(SamplingFields):
 
 PROMPT_LOGPROBS = ("vLLM's: per prompt token (the first has none: null) its logprob and rank and the top-N's; "
                    "0: the token's alone; not with stream (but 0)")
-REQUEST_TEMPLATE = ("refused: the model's own template renders the messages (vLLM refuses one too without "
-                    "--trust-request-chat-template)")
+REQUEST_TEMPLATE = ("a Jinja chat template in place of the model's (vLLM's): only with the server's "
+                    "--trust-request-chat-template, else a 400")
 AS_TOKEN_IDS = "vLLM's: logprobs' tokens as 'token_id:<id>' (null: the server's --return-tokens-as-token-ids)"
 
 

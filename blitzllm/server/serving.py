@@ -31,7 +31,7 @@ from ..structured import INSTALL as STRUCTURED_INSTALL
 from ..sampling_params import SamplingParams
 from .errors import APIError, bad_request
 from .protocol import MAX_N, MAX_STOP
-from .chat_template import conversation, prompt_end, render
+from .chat_template import conversation, prompt_end, render, request_template
 from .lora_routes import ServedLoRAs
 
 log = logging.getLogger("blitzllm.server")
@@ -145,8 +145,10 @@ class SSEResponse(StreamingResponse):
 class Serving:
     def __init__(self, aengine: AsyncEngine, model_name: str, aliases: tuple = (),
                  reasoning_parser: Optional[str] = None, tool_parser: Optional[str] = None,
-                 return_tokens_as_token_ids: bool = False, lora_modules: tuple = ()):
+                 return_tokens_as_token_ids: bool = False, lora_modules: tuple = (),
+                 trust_request_chat_template: bool = False):
         self.aengine = aengine
+        self.trust_request_chat_template = trust_request_chat_template
         self.loras = ServedLoRAs(lora_modules)   # the adapters a request's model may name (lora_routes.py)
         self.return_tokens_as_token_ids = return_tokens_as_token_ids  # (a request's own field overrides it)
         self.reasoning_parser = reasoning_parser  # (server/reasoning.py)
@@ -412,25 +414,28 @@ class Serving:
 
     async def chat_prompt(self, messages, end: Optional[dict] = None, template_kwargs=None, tools=None,
                           check_length: bool = True, require_tools: bool = False,
-                          add_special_tokens: bool = False) -> tuple:
+                          add_special_tokens: bool = False, template: Optional[str] = None) -> tuple:
         """(token ids, rendered text) of ``messages`` through the model's chat template, with
         ``template_kwargs`` (the request's ``chat_template_kwargs``) and ``tools`` where given, ending as
         ``end`` says (``chat_template.prompt_end``; None: an opened assistant turn), in worker threads. A text past the character bound is refused before it is tokenized;
-        ``check_length``: and one of too many tokens after."""
+        ``check_length``: and one of too many tokens after. ``template``: a request's own chat
+        template (vLLM's ``chat_template`` field), refused unless --trust-request-chat-template."""
+        template = request_template(template, self.trust_request_chat_template)
         text = await self.cpu(self.render_chat, messages, end or prompt_end(True, False), template_kwargs, tools,
-                              require_tools)
+                              require_tools, template)
         # (by default what apply_chat_template(tokenize=True) does: no special tokens added to the rendered
         # text; vLLM's embeddings may ask for them, add_special_tokens)
         return await self.tokens(text, add_special_tokens, "messages" if check_length else None), text
 
-    def render_chat(self, messages, end: dict, template_kwargs, tools, require_tools: bool = False) -> str:
+    def render_chat(self, messages, end: dict, template_kwargs, tools, require_tools: bool = False,
+                    template: Optional[str] = None) -> str:
         """The chat template's text (see ``chat_prompt``), in a worker thread. ``require_tools``
         (tool_choice "auto": the model must see the tools to call them): a 400 when the template
         renders the same text without them."""
         tok = self.worker_tokenizer("chat needs a chat template; use /v1/completions with token ids")
-        if not getattr(tok, "chat_template", None):
+        if template is None and not getattr(tok, "chat_template", None):
             raise bad_request("this model has no chat template; use /v1/completions", param="messages")
-        text = render(tok, conversation(messages), end, template_kwargs, tools, require_tools)
+        text = render(tok, conversation(messages), end, template_kwargs, tools, require_tools, template)
         self.check_prompt_chars(text, "messages")
         return text
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi.responses import Response
 
-from .chat_template import prompt_end, refuse_request_template
+from .chat_template import prompt_end
 from .errors import bad_request
 from .protocol import DetokenizeRequest, TokenizeRequest
 from .serving import Serving, json_with_ids, pick
@@ -18,10 +18,10 @@ async def tokenize_request(s: Serving, req: TokenizeRequest) -> Response:
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("give exactly one of 'prompt' or 'messages'", param="prompt")
     if req.messages is not None:
-        refuse_request_template(req.chat_template)
         check_tools(req.tools, "none", None)   # (their shape, as chat checks it; no tool choice here)
         ids, _ = await s.chat_prompt(req.messages, prompt_end(req.add_generation_prompt, req.continue_final_message),
-                                     req.chat_template_kwargs, req.tools, check_length=False)
+                                     req.chat_template_kwargs, req.tools, check_length=False,
+                                     template=req.chat_template)
     else:
         s.need_tokenizer("nothing to tokenize with")
         s.check_prompt_chars(req.prompt, "prompt")  # (O(1): the length of a str)
