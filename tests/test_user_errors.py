@@ -184,7 +184,7 @@ def test_console_script_exit_code():
      "--json: the folder /no/such/dir does not exist"),
     (["bench", "serve", "--base-url", "http://127.0.0.1:9", "--save-json", "/no/such/dir/r.json"],
      "--save-json: the folder /no/such/dir does not exist"),
-    (["serve", "--served-model-name", " "], "--served-model-name must not be empty"),
+    (["serve", "--served-model-name", " "], "--served-model-name takes distinct, non-empty names"),
     (["bench", "latency", *TINY_PRESET, "--max-num-batched-tokens", "0"], "max_num_batched_tokens must be"),
     (["bench", "latency", *TINY_PRESET, "--max-num-seqs", "0"], "max_num_seqs must be"),
 ])

@@ -94,9 +94,9 @@ def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
     aengine = AsyncEngine(load, max_waiting=cfg.max_waiting_requests, observer=metrics,
                           on_load_error=on_load_error)
     aliases = (str(cfg.engine_kwargs["model"]),) if "model" in cfg.engine_kwargs else ()
-    serving = Serving(aengine, cfg.model_name, aliases, reasoning_parser=cfg.reasoning_parser,
+    serving = Serving(aengine, cfg.model_name, aliases + cfg.served_model_aliases, reasoning_parser=cfg.reasoning_parser,
                       tool_parser=cfg.tool_call_parser, return_tokens_as_token_ids=cfg.return_tokens_as_token_ids,
-                      trust_request_chat_template=cfg.trust_request_chat_template,
+                      trust_request_chat_template=cfg.trust_request_chat_template, listed=cfg.served_model_aliases,
                       lora_modules=cfg.lora_modules)
     expected_key = cfg.api_key.encode() if cfg.api_key else None
     store = ResponseStore(cfg.max_stored_responses)   # /v1/responses' stored answers
@@ -199,7 +199,7 @@ def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
     async def get_model(model_id: str, request: Request):
         guard(request, need_engine=False)
         lora = serving.check_model(model_id)
-        return JSONResponse(serving.model_card() if lora is None else
+        return JSONResponse(serving.model_card(model_id if model_id in serving.listed else None) if lora is None else
                             serving.loras.card(lora, serving.model_name, serving.created))
 
     @app.post("/v1/chat/completions")

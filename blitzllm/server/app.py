@@ -55,7 +55,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 def add_model_serving_args(g) -> None:
     """How requests are answered: options shared by ``blitz serve`` and ``blitz run-batch``."""
-    g.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model ids clients use: answers name the first, requests may name any (default: --model)")
     from .reasoning import PARSERS
     g.add_argument("--reasoning-parser", default=None, choices=PARSERS,
                    help="return a thinking model's <think> block as reasoning_content beside content in chat "
@@ -149,8 +150,9 @@ def model_serving_config(args: argparse.Namespace, kv_transfer_config: Optional[
     """The ServeConfig of ``add_model_serving_args``' options and the engine's (checked before
     any loading), with the caller's other ``settings``."""
     from ..cli_args import engine_kwargs
-    if args.served_model_name is not None and not args.served_model_name.strip():
-        raise ValueError("--served-model-name must not be empty")
+    names = args.served_model_name or []
+    if any(not n.strip() for n in names) or len(set(names)) != len(names):
+        raise ValueError("--served-model-name takes distinct, non-empty names")
     if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
         raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together")
     kwargs = engine_kwargs(args)
@@ -158,7 +160,8 @@ def model_serving_config(args: argparse.Namespace, kv_transfer_config: Optional[
     _check_engine(kwargs)
     if kv_transfer_config is not None:
         kwargs["kv_transfer_config"] = kv_transfer_config
-    return ServeConfig(engine_kwargs=kwargs, served_model_name=args.served_model_name,
+    return ServeConfig(engine_kwargs=kwargs, served_model_name=names[0] if names else None,
+                       served_model_aliases=tuple(names[1:]),
                        reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
                        return_tokens_as_token_ids=args.return_tokens_as_token_ids, lora_modules=lora_modules,
                        allow_runtime_lora_updating=args.allow_runtime_lora_updating,

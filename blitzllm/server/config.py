@@ -15,6 +15,7 @@ class ServeConfig:
     port: int = 8000
     api_key: Optional[str] = None
     served_model_name: Optional[str] = None
+    served_model_aliases: tuple = ()       # more names of --served-model-name, listed and accepted
     max_waiting_requests: int = 1024
     max_request_bytes: int = DEFAULT_MAX_BODY
     reasoning_parser: Optional[str] = None

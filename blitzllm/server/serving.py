@@ -146,7 +146,7 @@ class Serving:
     def __init__(self, aengine: AsyncEngine, model_name: str, aliases: tuple = (),
                  reasoning_parser: Optional[str] = None, tool_parser: Optional[str] = None,
                  return_tokens_as_token_ids: bool = False, lora_modules: tuple = (),
-                 trust_request_chat_template: bool = False):
+                 trust_request_chat_template: bool = False, listed: tuple = ()):
         self.aengine = aengine
         self.trust_request_chat_template = trust_request_chat_template
         self.loras = ServedLoRAs(lora_modules)   # the adapters a request's model may name (lora_routes.py)
@@ -155,6 +155,7 @@ class Serving:
         self.tool_parser = tool_parser            # (server/tools.py)
         self.model_name = model_name
         self.model_names = {model_name, *aliases}
+        self.listed = (model_name, *listed)   # the names /v1/models shows (--served-model-name's)
         self.tokenizer = None          # set by setup() once the engine is loaded
         self.defaults: dict = {}       # the engine's sampling_defaults (generation config)
         self.max_model_len = 0
@@ -257,10 +258,11 @@ class Serving:
         return self.model_name if lora is None else lora.lora_name
 
     def models(self) -> dict:
-        return {"object": "list", "data": [self.model_card(), *self.loras.cards(self.model_name, self.created)]}
+        return {"object": "list", "data": [*(self.model_card(n) for n in self.listed),
+                                           *self.loras.cards(self.model_name, self.created)]}
 
-    def model_card(self) -> dict:
-        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "blitzllm"}
+    def model_card(self, name: Optional[str] = None) -> dict:
+        card = {"id": name or self.model_name, "object": "model", "created": self.created, "owned_by": "blitzllm"}
         if self.aengine.ready:
             card.update(max_model_len=self.max_model_len, vocab_size=self.vocab_size)
         return card
