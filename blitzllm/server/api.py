@@ -97,6 +97,7 @@ def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
     serving = Serving(aengine, cfg.model_name, aliases + cfg.served_model_aliases, reasoning_parser=cfg.reasoning_parser,
                       tool_parser=cfg.tool_call_parser, return_tokens_as_token_ids=cfg.return_tokens_as_token_ids,
                       trust_request_chat_template=cfg.trust_request_chat_template, listed=cfg.served_model_aliases,
+                      prompt_tokens_details=cfg.enable_prompt_tokens_details,
                       lora_modules=cfg.lora_modules)
     expected_key = cfg.api_key.encode() if cfg.api_key else None
     store = ResponseStore(cfg.max_stored_responses)   # /v1/responses' stored answers

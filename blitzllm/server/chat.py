@@ -193,7 +193,8 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
     if plp_k is not None:   # (the first choice's: the engine scores the prompt once for the n)
         plp = {"prompt_logprobs": prompt_logprobs_body(s, ids, result[0]["plp"], result[0]["ranks"], plp_k, plp_k)}
     return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": s.answer_model(lora),
-                         "choices": choices, "usage": usage(len(ids), ntok), **plp, **kv_field(result)})
+                         "choices": choices, "usage": usage(len(ids), ntok, s.cached([result[0]["cached"]])), **plp,
+                         **kv_field(result)})
 
 
 async def _beam_chat(s: Serving, req: ChatCompletionRequest, raw: Request, rid: str, turn: ChatTurn, mt_field: str,
@@ -260,7 +261,7 @@ class ChoiceParser:
 async def _chat_sse(s: Serving, rid, created, stream, n, prompt_len, k, include_usage, continuous, parsers, as_ids,
                     model: str):
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-    ntok = 0
+    ntok = cached = 0
     try:
         for i in range(n):   # (continuous usage: on every chunk, these too, as vLLM sends it)
             yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -268,6 +269,8 @@ async def _chat_sse(s: Serving, rid, created, stream, n, prompt_len, k, include_
                        **({"usage": usage(prompt_len, 0)} if continuous and include_usage else {})})
         async for ev in stream:
             ntok += len(ev.new_token_ids)
+            if ev.index == 0 and ev.num_cached_tokens is not None:   # (the prompt's, once for the n)
+                cached = ev.num_cached_tokens
             # skip empty deltas (text held back for stop strings, partial UTF-8 or a possible
             # reasoning tag); a model without a tokenizer streams one empty chunk per token so
             # clients see progress
@@ -283,10 +286,10 @@ async def _chat_sse(s: Serving, rid, created, stream, n, prompt_len, k, include_
                 choice["stop_reason"] = ev.stop_reason
             chunk = {**head, "choices": [choice]}
             if continuous and include_usage:
-                chunk["usage"] = usage(prompt_len, ntok)
+                chunk["usage"] = usage(prompt_len, ntok, s.cached([cached]))
             yield sse(chunk)
         if include_usage:
-            yield sse({**head, "choices": [], "usage": usage(prompt_len, ntok)})
+            yield sse({**head, "choices": [], "usage": usage(prompt_len, ntok, s.cached([cached]))})
     except EngineStepError as e:
         yield s.stream_error(e)
     yield SSE_DONE

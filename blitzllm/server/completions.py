@@ -160,7 +160,8 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
                                                                   plp_k, params.prompt_logprobs)
     ntok = sum(len(c["ids"]) for c in result)
     return JSONResponse({"id": base, "object": "text_completion", "created": created, "model": s.answer_model(lora),
-                         "choices": choices, "usage": usage(prompt_tokens, ntok), **kv_field(result)})
+                         "choices": choices, "usage": usage(prompt_tokens, ntok, s.cached(c["cached"] for c in result[::n])),
+                         **kv_field(result)})
 
 
 async def _beam_completion(s: Serving, req: CompletionRequest, raw: Request, base: str, prompts: list,
@@ -193,6 +194,7 @@ async def _cmpl_sse(s: Serving, base, created, streams, n, k, echoes, echo_ids, 
     choice first)."""
     head = {"id": base, "object": "text_completion", "created": created, "model": model}
     ntok = 0
+    cached: dict = {}   # prompt -> the tokens the prefix cache served it
     offsets = {}
     echo_lp = echo_ids is not None
     plps: dict = {}     # prompt -> its prompt logprobs
@@ -216,6 +218,8 @@ async def _cmpl_sse(s: Serving, base, created, streams, n, k, echoes, echo_ids, 
                                                 "logprobs": _prompt_logprobs(s, echo_ids[j], plps.get(j), k,
                                                                              as_ids)}]})
             ntok += len(ev.new_token_ids)
+            if ev.index == 0 and ev.num_cached_tokens is not None:
+                cached[j] = ev.num_cached_tokens
             # skip empty deltas (text held back for stop strings or partial UTF-8); a model
             # without a tokenizer streams one empty chunk per token so clients see progress
             if not ev.text and ev.finish_reason is None and k is None and s.tokenizer is not None:
@@ -229,10 +233,10 @@ async def _cmpl_sse(s: Serving, base, created, streams, n, k, echoes, echo_ids, 
                 choice["stop_reason"] = ev.stop_reason
             chunk = {**head, "choices": [choice]}
             if continuous and include_usage:
-                chunk["usage"] = usage(prompt_tokens, ntok)
+                chunk["usage"] = usage(prompt_tokens, ntok, s.cached(cached.values()))
             yield sse(chunk)
         if include_usage:
-            yield sse({**head, "choices": [], "usage": usage(prompt_tokens, ntok)})
+            yield sse({**head, "choices": [], "usage": usage(prompt_tokens, ntok, s.cached(cached.values()))})
     except EngineStepError as e:
         yield s.stream_error(e)
     yield SSE_DONE

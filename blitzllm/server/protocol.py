@@ -258,10 +258,15 @@ class _Out(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class PromptTokensDetails(_Out):
+    cached_tokens: int   # prompt tokens the prefix cache served
+
+
 class Usage(_Out):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: Optional[PromptTokensDetails] = None   # (--enable-prompt-tokens-details)
 
 
 class FunctionCall(_Out):

@@ -146,8 +146,9 @@ class Serving:
     def __init__(self, aengine: AsyncEngine, model_name: str, aliases: tuple = (),
                  reasoning_parser: Optional[str] = None, tool_parser: Optional[str] = None,
                  return_tokens_as_token_ids: bool = False, lora_modules: tuple = (),
-                 trust_request_chat_template: bool = False, listed: tuple = ()):
+                 trust_request_chat_template: bool = False, listed: tuple = (), prompt_tokens_details: bool = False):
         self.aengine = aengine
+        self.prompt_tokens_details = prompt_tokens_details
         self.trust_request_chat_template = trust_request_chat_template
         self.loras = ServedLoRAs(lora_modules)   # the adapters a request's model may name (lora_routes.py)
         self.return_tokens_as_token_ids = return_tokens_as_token_ids  # (a request's own field overrides it)
@@ -256,6 +257,10 @@ class Serving:
     def answer_model(self, lora) -> str:
         """The ``model`` an answer names: the adapter's name under one (vLLM's), else the served one."""
         return self.model_name if lora is None else lora.lora_name
+
+    def cached(self, per_prompt) -> Optional[int]:
+        """A usage's cached prompt tokens (None without --enable-prompt-tokens-details)."""
+        return sum(per_prompt) if self.prompt_tokens_details else None
 
     def models(self) -> dict:
         return {"object": "list", "data": [*(self.model_card(n) for n in self.listed),
@@ -456,9 +461,12 @@ def kv_field(result: list) -> dict:
     return {"kv_transfer_params": result[0]["kv"]} if result and result[0].get("kv") else {}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached: Optional[int] = None) -> dict:
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens}
+    if cached is not None:   # (Serving.cached: --enable-prompt-tokens-details)
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out
 
 
 async def merge(streams):

@@ -1,0 +1,73 @@
+"""vLLM's serve options that shape answers, on one tiny server: several ``--served-model-name``s
+(/v1/models lists each, a request may name any, the answer names the first; the --model path is
+still accepted; another name is a 404; bad names are one error line before the model loads), and
+``--enable-prompt-tokens-details`` (usage's ``prompt_tokens_details.cached_tokens``: the prompt
+tokens the prefix cache served, as /metrics counts them, whole and streamed)."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from blitzllm.cli import main
+from tests.server.conftest import ServerProcess, _tiny_llama, running
+from tests.server.server_helpers import check_error, wait_idle
+
+
+@pytest.fixture(scope="module")
+def named(tmp_path_factory):
+    folder = _tiny_llama(tmp_path_factory.mktemp("tiny-llama-names"))
+    srv = ServerProcess(["--model", str(folder), "--served-model-name", "tiny", "tiny-v2", "team/tiny",
+                         "--enable-prompt-tokens-details", "--max-model-len", "512", "--kv-cache-blocks", "64"],
+                        tmp_path_factory.mktemp("tiny-names") / "server.log")
+    for s in running(srv):
+        yield s, folder
+
+
+def test_every_name_is_listed_and_served(named):
+    srv, folder = named
+    ids = [c["id"] for c in httpx.get(srv.url + "/v1/models", timeout=10).json()["data"]]
+    assert ids == ["tiny", "tiny-v2", "team/tiny"]
+    assert httpx.get(srv.url + "/v1/models/team/tiny", timeout=10).json()["id"] == "team/tiny"
+    for name in ("tiny", "tiny-v2", "team/tiny", str(folder)):
+        r = httpx.post(srv.url + "/v1/completions", timeout=60,
+                       json={"model": name, "prompt": "Hi", "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200 and r.json()["model"] == "tiny"
+    check_error(httpx.post(srv.url + "/v1/completions", timeout=60, json={"model": "other", "prompt": "Hi"}),
+                404, "model")
+    wait_idle(srv)
+
+
+@pytest.mark.parametrize("names", [["a", "a"], ["a", " "]])
+def test_bad_names_are_one_line(capsys, names):
+    assert main(["serve", "--model", "smollm2", "--served-model-name", *names]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "blitz: error: --served-model-name takes distinct, non-empty names", err
+
+
+def _streamed_usage(url: str, path: str, body: dict) -> dict:
+    with httpx.stream("POST", url + path, timeout=60, json={**body, "stream": True,
+                                                           "stream_options": {"include_usage": True}}) as r:
+        chunks = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: ") and ln != "data: [DONE]"]
+    return chunks[-1]["usage"]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "A long question about the weather " * 8}]}),
+    ("/v1/completions", {"prompt": ["A long prompt about the sea and its tides " * 6, "Hi"]}),
+])
+def test_prompt_tokens_details_count_the_prefix_cache(named, path, body):
+    srv, _ = named
+    body = {"model": "tiny-v2", "max_tokens": 3, "temperature": 0, **body}
+    first = httpx.post(srv.url + path, json=body, timeout=60).json()["usage"]
+    hits = srv.metrics()["blitz_prefix_cache_hit_tokens_total"]
+    again = httpx.post(srv.url + path, json=body, timeout=60).json()["usage"]
+    served = srv.metrics()["blitz_prefix_cache_hit_tokens_total"] - hits
+    assert served >= 16 and again["prompt_tokens_details"] == {"cached_tokens": served}
+    assert again["prompt_tokens"] == first["prompt_tokens"] and set(first["prompt_tokens_details"]) == {"cached_tokens"}
+    hits = srv.metrics()["blitz_prefix_cache_hit_tokens_total"]
+    streamed = _streamed_usage(srv.url, path, body)
+    assert streamed["prompt_tokens_details"] == {"cached_tokens": srv.metrics()["blitz_prefix_cache_hit_tokens_total"]
+                                                 - hits}
+    wait_idle(srv)
