@@ -40,6 +40,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "another folder's, or none (vllm)")
     g.add_argument("--override-generation-config", default=None, metavar="JSON",
                    help='those keys over the generation config, e.g. \'{"temperature": 0.5}\'')
+    g.add_argument("--tokenizer", default=None, metavar="FOLDER|FILE.gguf|ORG/NAME",
+                   help="the tokenizer from elsewhere than the model (vLLM's): a folder, a .gguf file or a hub id")
     g.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
                    help="a Jinja chat template (a file, or the template itself) instead of the tokenizer's")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
@@ -60,7 +62,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 enforce_eager=a.enforce_eager, weight_dtype=a.weight_dtype,
                 speculative_config=a.speculative_config, tensor_parallel_size=a.tensor_parallel_size,
                 gpu_memory_utilization=a.gpu_memory_utilization, generation_config=a.generation_config,
-                override_generation_config=a.override_generation_config, chat_template=a.chat_template,
+                override_generation_config=a.override_generation_config, chat_template=a.chat_template, tokenizer=a.tokenizer,
                 pooler_config=a.pooler_config)
 
 

@@ -53,6 +53,7 @@ class EngineArgs:
     generation_config: str = "auto"
     override_generation_config: Optional[Union[str, dict]] = None
     chat_template: Optional[str] = None  # a Jinja chat template, or a file holding one, over the tokenizer's
+    tokenizer: Optional[str] = None      # vLLM's: the tokenizer from another folder, .gguf file or hub id
     # vLLM's multi-LoRA (blitzllm/lora, docs/lora.md): adapters per request, max_loras of them in a batch
     enable_lora: bool = False
     max_loras: int = 1

@@ -18,7 +18,7 @@ from ..config import ModelConfig, SchedulerConfig
 from ..distributed.parallel_state import SINGLE
 from ..layers.sampler import SamplingRow
 from ..loader.source import resolve_model
-from ..loader.tokenizer import set_chat_template
+from ..loader.tokenizer import load_tokenizer, set_chat_template
 from ..pooling_params import PoolingParams
 from ..envs import Knobs
 from ..runner.build import build_runner
@@ -103,7 +103,7 @@ class Engine:
 
     def _setup(self, src, cfg: ModelConfig, spec_cfg) -> None:
         args, tp = self.args, self.tp
-        self.tokenizer = src.tokenizer_loader()
+        self.tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer is not None else src.tokenizer_loader()
         if args.chat_template is not None:
             set_chat_template(self.tokenizer, args.chat_template)
         group = tp.group if tp is not None else SINGLE

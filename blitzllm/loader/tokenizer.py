@@ -21,6 +21,29 @@ def load_hf_tokenizer(folder: Path):
     return AutoTokenizer.from_pretrained(str(folder))
 
 
+def load_tokenizer(spec: str):
+    """vLLM's ``tokenizer`` argument: another source of the tokenizer than the model's own, a folder
+    with tokenizer files, a .gguf file (its metadata's) or a hub id; a ValueError says why not."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"tokenizer must be a folder, a .gguf file or a hub id, got {spec!r}")
+    path = Path(os.path.expanduser(spec))
+    if path.is_file() and path.suffix == ".gguf":
+        return load_gguf_tokenizer(path)
+    if path.is_dir():
+        tok = load_hf_tokenizer(path)
+        if tok is None:
+            raise ValueError(f"tokenizer folder {spec} has no tokenizer.json, tokenizer_config.json or tokenizer.model")
+        return tok
+    if spec.count("/") != 1 or spec.startswith((".", "/", "~")):   # (not "owner/name")
+        raise ValueError(f"tokenizer {spec!r} is not a folder, a .gguf file or a hub id")
+    _quiet_transformers()
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(spec)
+    except Exception as e:  # noqa: BLE001 - offline, unknown repo: the user's to fix
+        raise ValueError(f"tokenizer {spec!r} could not be fetched from the hub ({type(e).__name__})") from None
+
+
 def set_chat_template(tok, template: str) -> None:
     """``chat_template`` (vLLM's --chat-template): a file's path or the Jinja text itself, over the
     tokenizer's own; tried on a one-message conversation so a broken template fails at start-up,
