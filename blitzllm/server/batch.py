@@ -102,14 +102,13 @@ def _line(custom_id: str, status: int, request_id: str, body: Optional[dict], er
                        "error": error}, ensure_ascii=False)
 
 
-async def _answer(client, sem: asyncio.Semaphore, cid: str, url: str, body: dict) -> tuple:
+async def _answer(client, cid: str, url: str, body: dict) -> tuple:
     """(ok, the output line) of one request."""
     if body.get("stream"):
         from .errors import bad_request
         return False, _line(cid, 400, uuid.uuid4().hex, None,
                             bad_request("a batch request must not be sent in stream mode", param="stream").body())
-    async with sem:
-        r = await client.post(url, json=body)
+    r = await client.post(url, json=body)
     rid = r.headers.get("x-request-id", "")
     try:
         data = r.json()
@@ -120,9 +119,31 @@ async def _answer(client, sem: asyncio.Semaphore, cid: str, url: str, body: dict
     return False, _line(cid, r.status_code, rid, None, data)
 
 
+class _InOrder:
+    """Lines written in input order as soon as the ones before them are done; the ones that
+    finish early wait here (as many as are out of order, at most)."""
+
+    def __init__(self, out, total: int):
+        self.out, self.total = out, total
+        self.done: dict = {}
+        self.next = self.ok = 0
+        self.shown = time.monotonic()
+
+    def add(self, i: int, result: tuple) -> None:
+        self.done[i] = result
+        while self.next in self.done:
+            good, line = self.done.pop(self.next)
+            self.out.write(line + "\n")
+            self.ok, self.next = self.ok + good, self.next + 1
+        if time.monotonic() - self.shown > 10:
+            self.out.flush()
+            print(f"blitz run-batch: {self.next}/{self.total} done", file=sys.stderr, flush=True)
+            self.shown = time.monotonic()
+
+
 async def _run(app, requests: list, out, concurrency: Optional[int]) -> tuple:
-    """Answer ``requests`` through ``app``, writing each line to ``out`` in input order as soon as
-    the ones before it are done; returns (answered, refused)."""
+    """Answer ``requests`` through ``app``, at most ``concurrency`` (default twice max_num_seqs)
+    in flight, each line written to ``out`` in input order (``_InOrder``); (answered, refused)."""
     import httpx
     aengine = app.state.aengine
     async with app.router.lifespan_context(app):
@@ -132,28 +153,31 @@ async def _run(app, requests: list, out, concurrency: Optional[int]) -> tuple:
             e = aengine.load_error
             raise ValueError(f"failed to load the model: {e}" if isinstance(e, ValueError) else
                              f"failed to load the model: {type(e).__name__}: {e}")
-        limit = concurrency or 2 * aengine.engine.sched_config.max_num_seqs
-        sem = asyncio.Semaphore(limit)
+        sem = asyncio.Semaphore(concurrency or 2 * aengine.engine.sched_config.max_num_seqs)
+        writer = _InOrder(out, len(requests))
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://batch", timeout=None) as client:
-            tasks = [asyncio.create_task(_answer(client, sem, cid, url, body)) for _, cid, url, body in requests]
-            ok = done = 0
-            last = time.monotonic()
+
+            async def one(i, cid, url, body):
+                try:
+                    writer.add(i, await _answer(client, cid, url, body))
+                finally:
+                    sem.release()
+
+            tasks: set = set()
             try:
-                for task in tasks:   # in order: a later task that finishes first waits in its future
-                    good, line = await task
-                    out.write(line + "\n")
-                    ok, done = ok + good, done + 1
-                    if time.monotonic() - last > 10:
-                        out.flush()
-                        print(f"blitz run-batch: {done}/{len(tasks)} done", file=sys.stderr, flush=True)
-                        last = time.monotonic()
+                for i, (_, cid, url, body) in enumerate(requests):
+                    await sem.acquire()   # (a task is made only when it may run: memory stays flat)
+                    task = asyncio.create_task(one(i, cid, url, body))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                await asyncio.gather(*tasks)
             finally:
                 for task in tasks:
                     task.cancel()
     if aengine.fatal_error is not None:
         raise RuntimeError(f"the engine failed: {aengine.fatal_error}")
-    return ok, done - ok
+    return writer.ok, writer.next - writer.ok
 
 
 def _upload(path: str, url: str) -> None:
