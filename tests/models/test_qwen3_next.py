@@ -363,7 +363,7 @@ class EagerGraphs:
             def capture(self):
                 self.graphs = {b: None for b in self.buckets}
 
-            def run(self, ids, pos, slots, lens, block_tables, state_rows=None, state_dst=None):
+            def run(self, ids, pos, slots, lens, block_tables, state_rows=None, state_dst=None, lora_slots=None):
                 n = len(pos)
                 b = next(x for x in self.buckets if x >= n)
                 pad = b - n

@@ -176,7 +176,7 @@ def _serving(tok, max_model_len=1024):
     from types import SimpleNamespace
     from blitzllm.server.serving import Serving
     s = Serving(None, "m")
-    s.setup(SimpleNamespace(sampling_defaults={}, max_model_len=max_model_len, model_config=SimpleNamespace(vocab_size=len(tok))), tok)
+    s.setup(SimpleNamespace(sampling_defaults={}, max_model_len=max_model_len, model_config=SimpleNamespace(vocab_size=len(tok), is_classifier=False, labels=())), tok)
     return s
 
 

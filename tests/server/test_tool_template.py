@@ -37,7 +37,7 @@ def _serving(template: str):
     tok = dummy_tokenizer(512, None)
     tok.chat_template = template
     s = Serving(None, "m")
-    s.setup(SimpleNamespace(sampling_defaults={}, max_model_len=4096, model_config=SimpleNamespace(vocab_size=512)), tok)
+    s.setup(SimpleNamespace(sampling_defaults={}, max_model_len=4096, model_config=SimpleNamespace(vocab_size=512, is_classifier=False, labels=())), tok)
     return s
 
 
