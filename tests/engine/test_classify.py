@@ -24,6 +24,12 @@ DOCS = ["paris is the capital of france .", "bananas are yellow and sweet .", "t
 _MADE = {}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _drop_models():
+    yield
+    _MADE.clear()
+
+
 def classifier(tmp_path_factory, arch: str, num_labels: int):
     """(folder, transformers model) of a tiny classifier, made once per session."""
     key = (arch, num_labels)

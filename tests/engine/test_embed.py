@@ -36,6 +36,12 @@ def close(out, ref: torch.Tensor) -> bool:
 _LLMS = {}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _drop_llms():
+    yield
+    _LLMS.clear()   # (module globals live for the whole session: three SmolLM2 engines, a GB each)
+
+
 def chunked_llm(kind: str) -> LLM:
     """SmolLM2 pooling ``kind`` by default, with a step budget of 64 tokens (LONG runs in chunks)."""
     if kind not in _LLMS:
