@@ -13,20 +13,15 @@ from pydantic import Field
 
 from ..pooling_params import PoolingParams
 from .embeddings import base_model_only, embed_inputs
-from .protocol import Int, PoolingInputs, _Out, _Strict, priority_field
+from .protocol import PoolingFields, PoolingInputs, _Out
 from .serving import Serving, request_id
 
 
-class ClassificationRequest(_Strict):
+class ClassificationRequest(PoolingFields):
     """vLLM's /classify request (its completion form)."""
-    model: Optional[str] = None
     input: PoolingInputs
-    user: Optional[str] = None
-    truncate_prompt_tokens: Optional[Int] = Field(None, ge=-1, description="keep each input's last k tokens "
-                                                                           "(-1: max_model_len)")
     add_special_tokens: Optional[bool] = Field(True, description="the tokenizer's special tokens around a text "
                                                                  "input (a BOS)")
-    priority: Optional[Int] = priority_field()
     use_activation: Optional[bool] = Field(None, description="false: the head's raw logits instead of "
                                                              "probabilities (null: true)")
 

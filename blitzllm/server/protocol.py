@@ -193,17 +193,21 @@ PoolingInputs = Union[Text, TokenIds, Annotated[list[Text], Field(min_length=1, 
                       Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_EMBED_INPUTS)]]
 
 
-class _EmbeddingFields(_Strict):
-    """What both forms of an embeddings request share (OpenAI's fields, vLLM's extras)."""
+class PoolingFields(_Strict):
+    """What every pooling request shares (embeddings, score, rerank, /classify)."""
     model: Optional[str] = None
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Optional[Int] = Field(None, ge=1, description="matryoshka models only: keep the first N values")
     user: Optional[str] = None
     truncate_prompt_tokens: Optional[Int] = Field(None, ge=-1, description="keep each input's last k tokens "
                                                                            "(-1: max_model_len)")
+    priority: Optional[Int] = priority_field()
+
+
+class _EmbeddingFields(PoolingFields):
+    """What both forms of an embeddings request share (OpenAI's fields, vLLM's extras)."""
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[Int] = Field(None, ge=1, description="matryoshka models only: keep the first N values")
     normalize: Optional[bool] = Field(None, description="vLLM's: L2-normalize (null: the server's "
                                                         "--pooler-config, by default true)")
-    priority: Optional[Int] = priority_field()
 
 
 class EmbeddingRequest(_EmbeddingFields):
@@ -230,27 +234,17 @@ class EmbeddingChatRequest(_EmbeddingFields):
 Texts = Union[Text, Annotated[list[Text], Field(min_length=1, max_length=MAX_EMBED_INPUTS)]]
 
 
-class ScoreRequest(_Strict):
+class ScoreRequest(PoolingFields):
     """vLLM's /v1/score: text_1 against each text_2 (one text_1), or pairwise (as many of each)."""
-    model: Optional[str] = None
     text_1: Texts
     text_2: Texts
-    truncate_prompt_tokens: Optional[Int] = Field(None, ge=-1, description="keep each text's last k tokens "
-                                                                           "(-1: max_model_len)")
-    user: Optional[str] = None
-    priority: Optional[Int] = priority_field()
 
 
-class RerankRequest(_Strict):
+class RerankRequest(PoolingFields):
     """vLLM's /v1/rerank (Jina's and Cohere's request)."""
-    model: Optional[str] = None
     query: Text
     documents: Annotated[list[Text], Field(min_length=1, max_length=MAX_EMBED_INPUTS)]
     top_n: Optional[Int] = Field(None, ge=0, description="the best N (0 or null: every document)")
-    truncate_prompt_tokens: Optional[Int] = Field(None, ge=-1, description="keep each text's last k tokens "
-                                                                           "(-1: max_model_len)")
-    user: Optional[str] = None
-    priority: Optional[Int] = priority_field()
 
 
 # ---- responses (the OpenAPI schema's; serving.py builds them as dicts) ---------------------------
