@@ -37,8 +37,9 @@ def expected_active_experts(num_experts: int, top_k: int, batch: int) -> float:
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
 
 
-def _is_mtp(name: str) -> bool:
-    return name.startswith("mtp.") or ".mtp." in name
+def _not_decoded(name: str) -> bool:
+    """An MTP head's or the vision tower's parameter: decode steps read neither."""
+    return name.startswith(("mtp.", "visual.")) or ".mtp." in name
 
 
 def weight_bytes_per_step(model: torch.nn.Module, batch: int) -> int:
@@ -46,8 +47,8 @@ def weight_bytes_per_step(model: torch.nn.Module, batch: int) -> int:
     table, of which only the looked-up rows are read (unless it is tied to the lm_head,
     which reads all of it); MoE expert stacks (modules with ``w13``/``w2`` and
     ``num_experts``/``top_k``) count only the experts expected active for ``batch`` tokens
-    (``expected_active_experts``; their FP8 scales likewise); MTP heads (``mtp.``), which decoding does not run, count
-    nothing."""
+    (``expected_active_experts``; their FP8 scales likewise); MTP heads (``mtp.``) and a vision
+    tower (``visual.``), which decoding does not run, count nothing."""
     seen, total = set(), 0
     embed = getattr(getattr(model, "model", model), "embed_tokens", None)
     lm_head = getattr(model, "lm_head", None)
@@ -63,7 +64,7 @@ def weight_bytes_per_step(model: torch.nn.Module, batch: int) -> int:
         if id(p) in seen:
             continue
         seen.add(id(p))
-        if _is_mtp(name):
+        if _not_decoded(name):
             continue
         if embed is not None and p is embed.weight and not tied:
             total += batch * p.shape[1] * p.element_size()
@@ -73,7 +74,7 @@ def weight_bytes_per_step(model: torch.nn.Module, batch: int) -> int:
         if getattr(mod, "quant", None) is not None:
             total += mod.quant.nbytes()
     for name, b in model.named_buffers():  # weight-only int4 layers keep packed buffers, FP8 ones scales
-        if name.endswith(("qweight", "qscales_zeros", "scale_inv")) and not _is_mtp(name):
+        if name.endswith(("qweight", "qscales_zeros", "scale_inv")) and not _not_decoded(name):
             total += b.numel() * b.element_size() * expert_share.get(id(b), 1.0)
     return int(total)
 

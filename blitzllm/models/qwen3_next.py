@@ -9,9 +9,9 @@ blocks (softmax top-k, ``norm_topk_prob``, on the ``decoder_sparse_step`` grid b
 top-k; MoE blocks add a shared expert scaled by sigmoid(``shared_expert_gate``(x)).
 
 The multimodal checkpoints (``Qwen3_5ForConditionalGeneration``, ``Qwen3_5MoeForConditionalGeneration``)
-load as their text model: ``text_config``, weights under ``model.language_model.*``, the
-vision tower (``model.visual.*``) left out. The multi-token-prediction layers (``mtp.*``, also of
-the multimodal folders) load into ``mtp`` (``qwen3_next_mtp.py``) for MTP speculation.
+load as their text model (``text_config``, weights under ``model.language_model.*``) and their
+vision tower (``model.visual.*``, ``qwen3_5_vision.py``) as ``visual``, run by ``embed_images``. The
+multi-token-prediction layers (``mtp.*``, also of the multimodal folders) load into ``mtp`` (``qwen3_next_mtp.py``) for MTP speculation.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from ..layers.moe import FusedMoE, find_module
 from ..layers.norm import OffsetRMSNorm
 from ..layers.rotary import RotaryEmbedding
 from .llama import DenseMLP, mlp_forward_norm
+from .qwen3_5_vision import Qwen3_5VisionTower
 from .qwen3_moe import MoECausalLM, Qwen3MoeForCausalLM, num_routed_experts, partial_rotary_dim
 from .qwen3_next_mtp import MTPLoading
 
@@ -161,13 +162,32 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
 
 
 class _TextOfMultimodal:
-    """The text model of a multimodal Qwen3.5 folder: ``model.language_model.*`` is ours
-    ``model.*``; the vision tower is not loaded (the MTP layers, top-level ``mtp.*``, are)."""
+    """A multimodal Qwen3.5 folder: ``model.language_model.*`` is ours ``model.*``, the vision tower
+    (``model.visual.*``, when the config has a ``vision_config``) ours ``visual`` (plain
+    parameters, whole on every rank), the MTP layers (top-level ``mtp.*``) ``mtp``."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        hf = cfg.hf_config
+        vision = hf.get("vision_config")
+        self.visual = Qwen3_5VisionTower(vision) if vision else None
+        # (transformers' Qwen3_5Config defaults where config.json leaves them out)
+        self.image_token_id = int(hf.get("image_token_id", 248056))
+        self.vision_start_token_id = int(hf.get("vision_start_token_id", 248053))
+        self.spatial_merge_size = self.visual.merge if self.visual is not None else None
 
     def checkpoint_name(self, name: str):
         if name.startswith("model.visual."):
-            return None
+            return None if self.visual is None else name[len("model."):]
         return "model." + name[len("model.language_model."):] if name.startswith("model.language_model.") else name
+
+    def embed_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """The images' embeddings for their placeholder tokens, [sum(t*h*w) // merge**2, hidden],
+        images in order (pixel_values and grid_thw as ``engine/multimodal.py``'s ImageProcessor gives)."""
+        if self.visual is None:
+            raise ValueError(f"{type(self).__name__} has no vision tower (config.json has no vision_config)")
+        w = self.visual.patch_embed.proj.weight
+        return self.visual(pixel_values.to(device=w.device, dtype=w.dtype), grid_thw)
 
 
 class Qwen3_5ForConditionalGeneration(_TextOfMultimodal, Qwen3_5ForCausalLM):
