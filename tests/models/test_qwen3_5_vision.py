@@ -125,3 +125,16 @@ def test_text_only_folder_has_no_tower(checkpoint, tmp_path):
     assert not any(n.startswith("visual.") for n, _ in model.named_parameters())
     with pytest.raises(ValueError, match="no vision tower"):
         model.embed_images(torch.zeros(4, 96), torch.tensor([[1, 2, 2]]))
+
+
+def test_tensor_parallel_rank_holds_the_whole_tower(checkpoint):
+    """With tensor_parallel_size=2 the tower is not split: rank 0's embeddings are transformers'."""
+    from blitzllm import LLM
+    path, hf = checkpoint
+    pixel_values, grid, _ = _images(path, json.loads((path / "config.json").read_text()))
+    with LLM(str(path), device="cpu", dtype="float32", kv_cache_blocks=16, tensor_parallel_size=2) as llm:
+        model = llm.engine.runner.model
+        assert model.model.layers[1].self_attn.o_proj.weight.shape[1] < hf.config.text_config.hidden_size
+        with torch.no_grad():
+            ours = model.embed_images(pixel_values, grid)
+    torch.testing.assert_close(ours, _reference(hf, pixel_values, grid), atol=1e-5, rtol=1e-5)
