@@ -5,12 +5,13 @@ worker processes; they also stop when this process exits."""
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Iterator, Optional, Sequence, Union
 
 from .engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from .engine.engine import Engine, EngineArgs
 from .engine.intake import truncated
+from .engine.media import split_images
 from .engine.pooling import cosine, pair_ids, score_pairs
 from .engine.request import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput,
                              EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput, gather,
@@ -63,7 +64,9 @@ class LLM:
                  use_tqdm: bool = False, priority: Optional[Sequence[int]] = None,
                  lora_request=None) -> list[RequestOutput]:
         """``prompts``: a prompt or a list of them; a prompt is a string, a list of token ids, or
-        vLLM's ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``. One SamplingParams for all, or
+        vLLM's ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``, with ``"multi_modal_data":
+        {"image": a PIL image or a list}`` beside for a vision model (one image placeholder in the
+        prompt per image, e.g. Qwen3.5's ``<|vision_start|><|image_pad|><|vision_end|>``). One SamplingParams for all, or
         one per prompt. ``priority``: one per prompt (lower first), with
         ``scheduling_policy="priority"``. ``lora_request``: a ``LoRARequest`` for all prompts, or a
         list of one (or None, the base model) per prompt, with ``enable_lora=True``."""
@@ -82,8 +85,8 @@ class LLM:
                                       s["lps"] if p.logprobs is not None else None, s["reason"], s["stop"],
                                       _cumulative(s["ids"], s["lps"]) if p.logprobs is not None else None)
                      for i, s in enumerate(acc[rid])]
-            ptoks = truncated(self.engine.tokenize(prompt), p.truncate_prompt_tokens, self.engine.max_model_len)
-            outs.append(RequestOutput(rid, prompt if isinstance(prompt, str) else None, ptoks, comps, True,
+            text = prompt.prompt if isinstance(prompt, ImagePrompt) else prompt
+            outs.append(RequestOutput(rid, text if isinstance(text, str) else None, acc[rid][0]["prompt_ids"], comps, True,
                                       num_cached_tokens=acc[rid][0]["cached"], prompt_logprobs=acc[rid][0]["plp"]))
         return outs
 
@@ -172,13 +175,16 @@ class LLM:
             for prompt, p, prio, lora in zip(prompts, plist, priority or [0] * len(prompts),
                                              loras or [None] * len(prompts)):
                 rid = f"{kind}-{next(self._ids)}"
-                self.engine.add_request(rid, prompt, p, priority=prio, lora_request=lora)
+                text, images = _with_images(prompt)
+                self.engine.add_request(rid, text, p, priority=prio, lora_request=lora, images=images)
                 rids.append(rid)
         except ValueError:
             for rid in rids:
                 self.engine.abort_request(rid)
             raise
         acc = {rid: [gathered() for _ in range(n)] for rid, n in zip(rids, counts)}
+        for rid in rids:   # (as the engine holds them: truncated, images' placeholders expanded)
+            acc[rid][0]["prompt_ids"] = self.engine.requests[rid][0].prompt_token_ids
         left = sum(counts)
         try:
             self._inbox.update((rid, []) for rid in rids)
@@ -196,8 +202,9 @@ class LLM:
         """One prompt's text as it is generated: yields each step's new text (first sample of
         ``sampling_params.n``); the request is aborted if the caller stops early."""
         rid = f"gen-{next(self._ids)}"
-        self.engine.add_request(rid, _unwrap(prompt), sampling_params or self.get_default_sampling_params(),
-                                lora_request=lora_request)
+        text, images = _with_images(_unwrap(prompt))
+        self.engine.add_request(rid, text, sampling_params or self.get_default_sampling_params(),
+                                lora_request=lora_request, images=images)
         self._inbox[rid] = []
         done = False
         try:
@@ -271,8 +278,13 @@ class LLM:
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts, or a list of such lists")
         convs = [messages] if isinstance(messages[0], dict) else list(messages)
-        return self.generate([self.apply_chat_template(c, **template) for c in convs], sampling_params,
-                             lora_request=lora_request)
+        prompts = []
+        for conv in convs:
+            _check_messages(conv)
+            conv, images = split_images(conv)
+            ids = self.apply_chat_template(conv, **template)
+            prompts.append(ImagePrompt(ids, images) if images else ids)
+        return self.generate(prompts, sampling_params, lora_request=lora_request)
 
     def stats(self) -> dict:
         return self.engine.stats()
@@ -302,15 +314,35 @@ def _params_list(params, prompts: list, kind: type) -> list:
     return plist
 
 
+@dataclass(frozen=True)
+class ImagePrompt:
+    """A prompt (text or token ids) with its images (vLLM's ``multi_modal_data``)."""
+    prompt: Union[str, list]
+    images: list
+
+
 def _unwrap(prompt):
-    """vLLM's prompt dicts -> the text or the token ids inside."""
+    """vLLM's prompt dicts -> the text or the token ids inside (an ImagePrompt with images)."""
     if not isinstance(prompt, dict):
         return prompt
-    (key, value), = prompt.items() if len(prompt) == 1 else ((None, None),)
+    rest = {k: v for k, v in prompt.items() if k != "multi_modal_data"}
+    (key, value), = rest.items() if len(rest) == 1 else ((None, None),)
     if not (key == "prompt" and isinstance(value, str) or key == "prompt_token_ids" and isinstance(value, list)):
         raise ValueError("prompts must be a string, a list of token ids, or a dict of one key: 'prompt' (a string) "
-                         f"or 'prompt_token_ids' (a list of token ids); got a dict of {sorted(map(str, prompt))}")
-    return value
+                         "or 'prompt_token_ids' (a list of token ids), and 'multi_modal_data'; got a dict of "
+                         f"{sorted(map(str, prompt))}")
+    mm = prompt.get("multi_modal_data")
+    if mm is None:
+        return value
+    if not isinstance(mm, dict) or set(mm) - {"image"}:
+        raise ValueError(f"multi_modal_data takes 'image' (a PIL image or a list of them), got {mm!r:.80}")
+    images = mm.get("image")
+    return ImagePrompt(value, list(images) if isinstance(images, (list, tuple)) else [images])
+
+
+def _with_images(prompt) -> tuple:
+    """(text or token ids, images or None) of an unwrapped prompt."""
+    return (prompt.prompt, prompt.images) if isinstance(prompt, ImagePrompt) else (prompt, None)
 
 
 def _cumulative(ids: list, lps: list) -> float:
@@ -322,5 +354,9 @@ def _check_messages(messages) -> None:
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
     for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise ValueError("each message must be a dict with string 'role' and 'content'")
+        content = m.get("content") if isinstance(m, dict) else None
+        parts = isinstance(content, list) and all(isinstance(p, dict) and isinstance(p.get("type"), str)
+                                                  for p in content)
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not (isinstance(content, str) or parts):
+            raise ValueError("each message must be a dict with a string 'role' and a 'content' that is a string "
+                             "or a list of typed parts ({'type': 'text', 'text': ...}, {'type': 'image_url', ...})")

@@ -134,13 +134,14 @@ class AsyncEngine:
 
     async def add_request(self, request_id: str, prompt, params: Union[SamplingParams, PoolingParams],
                           kv_transfer_params: Optional[dict] = None, priority: int = 0,
-                          lora_request=None) -> RequestStream:
+                          lora_request=None, images=None) -> RequestStream:
         """Queue a request; returns its stream once the engine accepted it. Raises
         ValueError (the engine's user-facing message), EngineNotReadyError or QueueFullError.
         ``kv_transfer_params`` (disaggregation, docs/disaggregation.md): a producer's answer on a
         consumer, whose KV is pulled here before the engine sees the request (KVLoadError when
         the pull fails under policy 'fail'); ``{"do_remote_decode": true}`` on a producer. ``priority``,
-        ``lora_request``: as ``Engine.add_request``'s (the priority scheduling policy, a LoRA adapter)."""
+        ``lora_request``, ``images``: as ``Engine.add_request``'s (the priority scheduling policy, a LoRA
+        adapter, PIL images: made into the model's inputs here, off the engine thread)."""
         self._check_ready()
         waiting = (self._stats or {}).get("num_waiting", 0) + self._pending_adds
         if waiting >= self.max_waiting:
@@ -159,6 +160,10 @@ class AsyncEngine:
                 extras["priority"] = priority
             if lora_request is not None:
                 extras["lora_request"] = lora_request
+            if images:
+                intake = self.engine.image_intake
+                extras["images"] = images if intake is None else await asyncio.to_thread(
+                    lambda: [intake.image(im) for im in images])
             if not pooling and params.structured_output is not None:   # compiled here, off the engine thread
                 await asyncio.to_thread(lambda: self.engine.grammar_compiler().compile(params.structured_output))
             self._cmds.put(("add", stream.engine_id, prompt, params, fut, extras))

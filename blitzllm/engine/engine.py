@@ -28,6 +28,7 @@ from .args import (EngineArgs, check_engine_args, check_tp_size, engine_cache_co
                    lora_config, plan_kv_blocks, resolve_device, resolve_dtype, resolve_weight_dtype, sampling_defaults,
                    speculation_runner_kwargs)
 from .detokenizer import IncrementalDetokenizer
+from .images import ImageIntake, check_images, release_images, step_images
 from .intake import check_priority, check_request
 from .kv_cache import KVCacheManager
 from .pooling import Pooling, absorb, pool_spans, vector
@@ -114,6 +115,8 @@ class Engine:
                                    max_num_seqs=args.max_num_seqs, attention_backend=args.attention_backend,
                                    lora=lora_config(args), **speculation_runner_kwargs(args))
         self.lora = self.runner.lora   # with enable_lora: the adapters' slot pool (blitzllm/lora)
+        folder = src.path if src.path is not None and src.path.is_dir() else None
+        self.image_intake = ImageIntake.of(self.runner.model, folder, src.hf_config)   # a vision tower's inputs
         if self.lora is not None:
             self.scheduler.max_loras = args.max_loras
         if self.connector is not None:
@@ -205,14 +208,17 @@ class Engine:
 
     def add_request(self, request_id: str, prompt: Union[str, list], params: Union[SamplingParams, PoolingParams],
                     kv_transfer_params: Optional[dict] = None, kv_payload=None, priority: int = 0,
-                    lora_request=None) -> None:
+                    lora_request=None, images=None) -> None:
         """``params``: a SamplingParams, or a PoolingParams for an embedding (engine/pooling.py).
         ``kv_transfer_params`` / ``kv_payload``: disaggregation (``async_engine.py`` pulls the payload).
         ``priority``: under the priority scheduling policy, lower is served first (vLLM's).
-        ``lora_request``: a ``LoRARequest`` (enable_lora), its adapter read and checked here."""
+        ``lora_request``: a ``LoRARequest`` (enable_lora), its adapter read and checked here.
+        ``images``: PIL images (or ``ImageInput``s), one per placeholder run in the prompt (engine/images.py)."""
         check_priority(priority, self.sched_config.policy)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if images:
+            check_images(self.image_intake, self.model_config.architecture, self.tp, params, kv_transfer_params)
         if isinstance(params, PoolingParams):   # an embedding: one prefill-only sequence
             if lora_request is not None:
                 raise ValueError("embeddings run on the base model: lora_request does not go with PoolingParams")
@@ -230,8 +236,13 @@ class Engine:
         if lora_request is not None and self.lora is None:
             raise ValueError("lora_request needs an engine built with enable_lora=True")
         adapter = self.lora.resolve(lora_request) if lora_request is not None else None
+        ids, prompt_images = self.tokenize(prompt), None
+        if images:
+            ids, prompt_images = self.image_intake.attach(ids, images, params)
+        elif self.image_intake is not None:
+            self.image_intake.check_text(ids)
         ids, params, bad_words = check_request(
-            self.tokenize(prompt), params, vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len,
+            ids, params, vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len,
             max_tokens_cap=self.sampling_defaults.get("max_tokens"), tokenizer=self.tokenizer)
         if self.connector is None:
             kv_transfer_params = kv_payload = None
@@ -250,6 +261,7 @@ class Engine:
             if params.structured_output is not None:
                 req.matcher = self.grammar_compiler().matcher(params.structured_output)
             req.kv_transfer_params, req.kv_payload, req.lora = kv_transfer_params, kv_payload, adapter
+            req.images = prompt_images
             if params.prompt_logprobs is not None and i == 0:
                 req.prompt_logprobs, req.prompt_ranks = [], []
             if self.tokenizer is not None:
@@ -319,8 +331,9 @@ class Engine:
             logits = self._score(seqs, batch, tables, {i: 1 for i in sample_idx}, self._plan_states(seqs))
             result = self.runner.sample(logits, rows)
         else:
-            result = self.runner.execute(batch, tables, sample_idx, rows, self._plan_states(seqs))
+            result = self.runner.execute(batch, tables, sample_idx, rows, self._plan_states(seqs), step_images(seqs))
         self.scheduler.step_done(seqs)
+        release_images(seqs)
         tops = result.top or [None] * len(sampling)
         events = [self._append_token(s.req, tok, lp, top)
                   for s, tok, lp, top in zip(sampling, result.token_ids, result.logprobs, tops)]
@@ -340,6 +353,7 @@ class Engine:
         verified = self.spec.verify(self.runner.sampler, logits, rows, [drafts[i] for i in sample_idx],
                                     self.model_config.vocab_size, self.device)
         self.scheduler.step_done([s for s, d in zip(seqs, drafts) if not d])
+        release_images(seqs)
         events = []
         for i, v in zip(sample_idx, verified):
             s = seqs[i]
@@ -376,7 +390,7 @@ class Engine:
         idx = sorted(set(sample_counts) | set(want))
         counts = [max(sample_counts.get(i, 0), batch[i][2] - want[i][0] if i in want else 0) for i in idx]
         spans = pool_spans(seqs) or None
-        logits = self.runner.score(batch, tables, idx, counts, states, spans)
+        logits = self.runner.score(batch, tables, idx, counts, states, spans, step_images(seqs))
         if spans is not None:
             logits, sums = logits
             absorb(seqs, spans, sums)

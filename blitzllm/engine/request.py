@@ -49,6 +49,7 @@ class Request:
     kv_payload: object = None
     lora: object = None           # its LoRA adapter (blitzllm/lora LoRAAdapter), None for the base model
     pooler: object = None   # an embedding request's pooling state (engine/pooling.py); None for generation
+    images: object = None   # the prompt's images (engine/images.py PromptImages); None for text
 
     @property
     def cache_root(self):
@@ -63,7 +64,15 @@ class Request:
         if self.pooler is not None and self.pooler.needs_every_position:
             return []
         first = self.prompt_logprobs_from
-        return self.all_token_ids if first is None else self.all_token_ids[:first + 1]
+        return self.hash_tokens if first is None else self.hash_tokens[:first + 1]
+
+    @property
+    def hash_tokens(self) -> list:
+        """The tokens as the prefix cache hashes them: an image's placeholder tokens stand as
+        (image key, index), so only the same image shares their KV."""
+        if self.images is None:
+            return self.all_token_ids
+        return self.images.hash_prompt + self.output_token_ids
 
     @property
     def prompt_logprobs_from(self) -> Optional[int]:

@@ -177,4 +177,4 @@ class Scheduler:
         for s in seqs:
             s.req.num_computed_tokens = s.end
             if s.end // bs > len(self.kv.hashes.get(s.req.request_id, ())):
-                self.kv.commit(s.req.request_id, s.req.all_token_ids, s.end, s.req.cache_root)
+                self.kv.commit(s.req.request_id, s.req.hash_tokens, s.end, s.req.cache_root)

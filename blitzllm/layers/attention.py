@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 from torch import nn
@@ -151,6 +152,9 @@ class ForwardContext:
     backend: AttentionBackend
     scratch: dict = field(default_factory=dict)  # per-step values shared by the layers
     lora: object = None      # with enable_lora: each row's adapter slot, one-hot (blitzllm/lora)
+    # M-RoPE steps (images in the chunk): each token's cos/sin row [T, rotary_dim]; positions are
+    # then 0..T-1, indexing these rows instead of the rotary's table
+    rope_rows: Optional[torch.Tensor] = None
 
 
 _CURRENT: list = []
@@ -180,8 +184,15 @@ def step_rotary_tables(rotary, positions: torch.Tensor) -> tuple:
     scratch = get_forward_context().scratch if _CURRENT else {}
     key = ("rope", id(rotary))
     if key not in scratch:
-        scratch[key] = rotary_tables(rotary.cos_sin_cache, positions)
+        scratch[key] = rotary_tables(cos_sin_table(rotary), positions)
     return scratch[key]
+
+
+def cos_sin_table(rotary) -> torch.Tensor:
+    """The cos/sin rows the step's positions index: the rotary's table, or an M-RoPE step's
+    per-token rows (``ForwardContext.rope_rows``)."""
+    rows = _CURRENT[0].rope_rows if _CURRENT else None
+    return rotary.cos_sin_cache if rows is None else rows
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -203,7 +214,7 @@ class TritonAttentionBackend(AttentionBackend):
             return self._fused_decode(layer, positions, qkv, k_cache, v_cache, md,
                                       early_dependents=_next_streams_early(layer, qkv))
         q = fused_qk_norm_rope_cache_triton(
-            qkv, positions, layer.rotary.cos_sin_cache, layer.num_heads, layer.num_kv_heads, layer.head_dim,
+            qkv, positions, cos_sin_table(layer.rotary), layer.num_heads, layer.num_kv_heads, layer.head_dim,
             k_cache, v_cache, md.slot_mapping, full_width_norm=getattr(layer, "full_width_qk_norm", False),
             **_norm_rope_kwargs(layer))
         if md.is_pure_decode:
@@ -222,7 +233,7 @@ class TritonAttentionBackend(AttentionBackend):
         """``fused_decode_attention_triton`` for ``layer`` (its heads, norms, rotary) with ``kw``."""
         from ..kernels.attention.paged import fused_decode_attention_triton
         return fused_decode_attention_triton(
-            qkv, positions, layer.rotary.cos_sin_cache, layer.num_heads, layer.num_kv_heads, layer.head_dim,
+            qkv, positions, cos_sin_table(layer.rotary), layer.num_heads, layer.num_kv_heads, layer.head_dim,
             k_cache, v_cache, md.slot_mapping, md.block_tables, md.seq_lens, layer.scale, **_norm_rope_kwargs(layer),
             **kw)
 

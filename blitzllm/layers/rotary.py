@@ -100,6 +100,21 @@ def apply_rotary_torch(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.
     return torch.cat([out, x[..., rot:]], dim=-1)
 
 
+def mrope_rows(cos_sin: torch.Tensor, positions: torch.Tensor, section: tuple) -> torch.Tensor:
+    """Interleaved M-RoPE (Qwen3-VL, Qwen3.5): [T, rotary_dim] cos/sin rows for positions [3, T]
+    (time, height, width). Frequency i turns with the height position where i % 3 == 1 and
+    i < 3 * section[1], with the width position where i % 3 == 2 and i < 3 * section[2], else
+    with time; a row is gathered from the one-position table, so values equal the 1-D rows
+    where the three positions are equal (text)."""
+    half = cos_sin.shape[-1] // 2
+    i = torch.arange(half, device=positions.device)
+    axis = torch.zeros(half, dtype=torch.int64, device=positions.device)
+    axis[(i % 3 == 1) & (i < 3 * section[1])] = 1
+    axis[(i % 3 == 2) & (i < 3 * section[2])] = 2
+    idx = positions[axis].T                         # [T, half]: each frequency's position
+    return torch.cat([cos_sin[:, :half].gather(0, idx), cos_sin[:, half:].gather(0, idx)], -1)
+
+
 def rotary_tables(cos_sin: torch.Tensor, positions: torch.Tensor):
     """Per-step tables for ``apply_rotary_tables``: (cos, sin), each [T, 1, rotary_dim]
     float32 with the half repeated (sin negated in its first half, the rotate-half sign)."""

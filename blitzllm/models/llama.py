@@ -130,8 +130,9 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(make_layer(cfg, i, rotary) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, get_tp_group())
 
-    def forward(self, input_ids, positions):
-        x, residual = self.embed_tokens(input_ids), None
+    def forward(self, input_ids, positions, inputs_embeds=None):
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
         x, _ = self.norm(x, residual)
@@ -178,9 +179,9 @@ class LlamaForCausalLM(nn.Module):
     def rotary_dim(cfg: ModelConfig) -> int:
         return cfg.head_dim
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Flat tokens [T] -> final hidden states [T, hidden]."""
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds=None) -> torch.Tensor:
+        """Flat tokens [T] (or given embeddings [T, hidden]) -> final hidden states [T, hidden]."""
+        return self.model(input_ids, positions, inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
         """Logits [T, V]: float32, or (``fp32=False``) in the lm_head's dtype for consumers

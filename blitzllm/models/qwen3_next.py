@@ -25,7 +25,7 @@ from ..layers.gdn import GatedDeltaNet
 from ..layers.linear import Linear
 from ..layers.moe import FusedMoE, find_module
 from ..layers.norm import OffsetRMSNorm
-from ..layers.rotary import RotaryEmbedding
+from ..layers.rotary import RotaryEmbedding, mrope_rows
 from .llama import DenseMLP, mlp_forward_norm
 from .qwen3_5_vision import Qwen3_5VisionTower
 from .qwen3_moe import MoECausalLM, Qwen3MoeForCausalLM, num_routed_experts, partial_rotary_dim
@@ -175,6 +175,8 @@ class _TextOfMultimodal:
         self.image_token_id = int(hf.get("image_token_id", 248056))
         self.vision_start_token_id = int(hf.get("vision_start_token_id", 248053))
         self.spatial_merge_size = self.visual.merge if self.visual is not None else None
+        rope = cfg.text_config.get("rope_parameters") or cfg.text_config.get("rope_scaling") or {}
+        self.mrope_section = tuple(rope.get("mrope_section") or (11, 11, 10))
 
     def checkpoint_name(self, name: str):
         if name.startswith("model.visual."):
@@ -188,6 +190,11 @@ class _TextOfMultimodal:
             raise ValueError(f"{type(self).__name__} has no vision tower (config.json has no vision_config)")
         w = self.visual.patch_embed.proj.weight
         return self.visual(pixel_values.to(device=w.device, dtype=w.dtype), grid_thw)
+
+    def mrope_rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """Interleaved M-RoPE cos/sin rows [T, rotary_dim] of positions [3, T] (time, height, width)."""
+        rotary = next(layer.self_attn.attn.rotary for layer in self.model.layers if layer.self_attn is not None)
+        return mrope_rows(rotary.cos_sin_cache, positions, self.mrope_section)
 
 
 class Qwen3_5ForConditionalGeneration(_TextOfMultimodal, Qwen3_5ForCausalLM):

@@ -113,13 +113,16 @@ class ModelRunner:
     def _to_dev(self, data, dtype):
         return torch.tensor(data, dtype=dtype, device="cpu").to(self.device, non_blocking=True)
 
-    def prepare(self, seqs, block_tables):
-        """seqs: list of (token_ids, start, end); block_tables: list of block id lists."""
+    def prepare(self, seqs, block_tables, images: Optional[list] = None):
+        """seqs: list of (token_ids, start, end); block_tables: list of block id lists;
+        ``images``: per sequence its PromptImages (engine/images.py) or None, for the rotary
+        positions of a chunk without image tokens (``_image_inputs`` does the others)."""
         bs = self.cache_cfg.block_size
         ids, pos, slots, qsl, lens = [], [], [], [0], []
-        for (toks, start, end), table in zip(seqs, block_tables):
+        for j, ((toks, start, end), table) in enumerate(zip(seqs, block_tables)):
             ids.extend(toks)
-            pos.extend(range(start, end))
+            rope = images[j].positions_1d(start, end) if images is not None and images[j] is not None else None
+            pos.extend(range(start, end) if rope is None else rope)
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             qsl.append(qsl[-1] + end - start)
             lens.append(end)
@@ -135,16 +138,18 @@ class ModelRunner:
             q_lens_host=q_lens, seq_lens_host=lens)
         return self._to_dev(ids, torch.int64), self._to_dev(pos, torch.int64), md, qsl
 
-    def _decode_inputs(self, seqs, block_tables, ahead: int = 0):
-        """Host lists for a pure-decode step, ``ahead`` positions past the given one;
-        None if a row's block table does not reach that far."""
+    def _decode_inputs(self, seqs, block_tables, ahead: int = 0, images: Optional[list] = None):
+        """Host lists for a pure-decode step, ``ahead`` positions past the given one (rotary
+        positions past a prompt's images shifted by its ``delta``); None if a row's block table
+        does not reach that far."""
         bs = self.cache_cfg.block_size
         pos, slots, lens = [], [], []
-        for (_, start, end), table in zip(seqs, block_tables):
+        for j, ((_, start, end), table) in enumerate(zip(seqs, block_tables)):
             p = start + ahead
             if p // bs >= len(table):
                 return None
-            pos.append(p)
+            im = images[j] if images is not None else None
+            pos.append(p if im is None else im.positions_1d(p, p + 1)[0])
             slots.append(table[p // bs] * bs + p % bs)
             lens.append(end + ahead)
         return pos, slots, lens
@@ -172,14 +177,14 @@ class ModelRunner:
         if ahead is not None and ahead[2] is not None:
             self.states.drop(ahead[2])
 
-    def _decode_step(self, seqs, block_tables, rows, states: Optional[StatePlan] = None):
+    def _decode_step(self, seqs, block_tables, rows, states: Optional[StatePlan] = None, images=None):
         """Pure decode through the CUDA graphs, one step pipelined: right after sampling
         step N, step N+1 is launched on the sampled tokens (still on the device), so the
         host's bookkeeping overlaps the GPU. The look-ahead is used only if the next call
         asks for exactly that step; otherwise it is dropped (its KV writes are rewritten; a
         hybrid model's states it wrote into spare rows, see state_pool.py). Tensor parallel:
         no look-ahead (the other ranks need the tokens on their host)."""
-        cur = self._decode_inputs(seqs, block_tables)
+        cur = self._decode_inputs(seqs, block_tables, images=images)
         if self.driver is not None:
             ids = [t[0] for t, _, _ in seqs]
             with self.driver.step():
@@ -204,7 +209,7 @@ class ModelRunner:
             logits = self.launch_decode_graph([t[0] for t, _, _ in seqs], *cur, block_tables, states)
             out = self.sampler(logits, SamplingMetadata.build(rows, self.cfg.vocab_size, self.device))
         host = _to_host_async(out)
-        nxt = self._decode_inputs(seqs, block_tables, ahead=1)
+        nxt = self._decode_inputs(seqs, block_tables, ahead=1, images=images)
         go = nxt is not None and not any(r.params.needs_previous_token for r in rows)
         spare = self.states.ahead_rows(len(seqs)) if go and self.states is not None else None
         if go and (self.states is None or spare is not None):
@@ -218,21 +223,23 @@ class ModelRunner:
     @torch.inference_mode()
     @_kernel_mode
     def execute(self, seqs, block_tables, sample_idx: list[int], rows: list[SamplingRow],
-                states: Optional[StatePlan] = None) -> StepResult:
+                states: Optional[StatePlan] = None, images: Optional[list] = None) -> StepResult:
         """Run one step. ``sample_idx`` lists the batch rows that sample a token; ``states``: a
-        hybrid model's state plan for the step (engine/state_cache.py)."""
-        if (self.graphs is not None and all(e - s == 1 for _, s, e in seqs) and len(sample_idx) == len(seqs)
-                and self.graphs.can_run(len(seqs))):
-            return _host_result(self._decode_step(seqs, block_tables, rows, states))
+        hybrid model's state plan for the step (engine/state_cache.py); ``images``: per row its
+        prompt's images (engine/images.py) or None."""
+        decode = all(e - s == 1 for _, s, e in seqs) and not _has_image_tokens(seqs, images)
+        if decode and self.graphs is not None and len(sample_idx) == len(seqs) and self.graphs.can_run(len(seqs)):
+            return _host_result(self._decode_step(seqs, block_tables, rows, states, images))
         # (the CPU decode path skips the modules: not while hooks read them, as a hidden-state
         # capture's for EAGLE-3, MTP or draft training)
         body = getattr(self.model, "model", self.model)
         if (self.cpu_decode is not None and self.driver is None and len(sample_idx) == len(seqs)
-                and all(e - s == 1 for _, s, e in seqs) and not body._forward_hooks and not body._forward_pre_hooks):
+                and decode and not body._forward_hooks and not body._forward_pre_hooks):
             self._drop_ahead()
-            cur = self._decode_inputs(seqs, block_tables)
+            cur = self._decode_inputs(seqs, block_tables, images=images)
             return self.sample(self.cpu_decode.run([t[0] for t, _, _ in seqs], *cur, block_tables), rows)
-        return self.sample(self.score(seqs, block_tables, sample_idx, [1] * len(sample_idx), states), rows)
+        return self.sample(self.score(seqs, block_tables, sample_idx, [1] * len(sample_idx), states, images=images),
+                           rows)
 
     @torch.inference_mode()
     @_kernel_mode
@@ -246,7 +253,7 @@ class ModelRunner:
     @torch.inference_mode()
     @_kernel_mode
     def score(self, seqs, block_tables, sample_idx: list[int], counts: list[int],
-              states: Optional[StatePlan] = None, spans: Optional[list] = None):
+              states: Optional[StatePlan] = None, spans: Optional[list] = None, images: Optional[list] = None):
         """Eager forward that returns the logits of the last ``counts[j]`` positions of
         batch row ``sample_idx[j]`` (a speculative verify step: each drafting row scores
         its k drafts plus the bonus position), stacked in row order: [sum(counts), V];
@@ -256,27 +263,33 @@ class ModelRunner:
         # (state layers run a sequence's rows in order: its verify rows cannot be decode rows;
         # the decode graphs hand back logits only, so a pooling step never takes them)
         if (spans is None and self.graphs is not None and self.states is None and len(sample_idx) == len(seqs)
-                and all(c == e - s for c, (_, s, e) in zip(counts, seqs)) and self.graphs.can_run(sum(counts))):
-            return self._score_as_decode_rows(seqs, block_tables)
+                and all(c == e - s for c, (_, s, e) in zip(counts, seqs)) and self.graphs.can_run(sum(counts))
+                and not _has_image_tokens(seqs, images)):
+            return self._score_as_decode_rows(seqs, block_tables, images)
         if self.driver is None:
-            return self.forward(seqs, block_tables, sample_idx, counts, states, spans)
+            return self.forward(seqs, block_tables, sample_idx, counts, states, spans, images)
         with self.driver.step():
             # (the other ranks need no spans: rank 0's final hidden rows are whole, the norm all-reduced them)
             self.driver.send(("forward", seqs, block_tables, sample_idx, counts, states))
             return self.forward(seqs, block_tables, sample_idx, counts, states, spans)
 
     def forward(self, seqs, block_tables, sample_idx: list[int], counts: list[int],
-                states: Optional[StatePlan] = None, spans: Optional[list] = None):
+                states: Optional[StatePlan] = None, spans: Optional[list] = None, images: Optional[list] = None):
         """``score`` without the broadcast (what every tensor-parallel rank runs). ``spans``:
         (batch row, first, end) offsets within the row's chunk; then returns (logits, the
         float32 sum of each span's final hidden rows, [len(spans), hidden])."""
-        input_ids, positions, md, qsl = self.prepare(seqs, block_tables)
+        input_ids, positions, md, qsl = self.prepare(seqs, block_tables, images)
+        rope_rows = embeds = None
+        if _has_image_tokens(seqs, images):
+            positions, rope_rows, embeds = self._image_inputs(seqs, images, input_ids, qsl)
         smd = None
         if self.states is not None:
             smd = self.states.begin(states, seqs, qsl, md.query_start_loc, md.is_pure_decode)
         lora = self.lora.mapping(qsl) if self.lora is not None else None
-        with forward_context(ForwardContext(md, self.kv_caches, self.backend, lora=lora)), state_context(smd):
-            hidden = self.model(input_ids, positions)
+        ctx = ForwardContext(md, self.kv_caches, self.backend, lora=lora, rope_rows=rope_rows)
+        with forward_context(ctx), state_context(smd):
+            hidden = (self.model(input_ids, positions) if embeds is None
+                      else self.model(input_ids, positions, inputs_embeds=embeds))
         if smd is not None:
             self.states.finish(states)
         logits = None
@@ -293,7 +306,32 @@ class ModelRunner:
         (rank 0 alone under tensor parallelism: the head is whole on every rank)."""
         return self.model.classify(pooled)
 
-    def _score_as_decode_rows(self, seqs, block_tables) -> torch.Tensor:
+    def _image_inputs(self, seqs, images, input_ids, qsl) -> tuple:
+        """A step whose chunks hold image tokens: (positions 0..T-1, each token's M-RoPE cos/sin
+        rows, the input embeddings with the images' rows in place of their placeholders). An
+        image's embeddings are computed the first time a chunk reaches it and kept on its
+        PromptImages until the prefill is past it."""
+        pos3, rows, vals = [], [], []
+        for j, (_, start, end) in enumerate(seqs):
+            im = images[j]
+            if im is None:
+                pos3.append(torch.arange(start, end).expand(3, -1))
+                continue
+            pos3.append(im.positions_3d(start, end))
+            for k in im.images_in(start, end):
+                if k not in im.embeds:
+                    img = im.images[k]
+                    im.embeds[k] = self.model.embed_images(img.pixel_values, torch.tensor([img.grid_thw]))
+                o, n = im.offsets[k], im.images[k].num_tokens
+                lo, hi = max(start, o), min(end, o + n)
+                rows.append(torch.arange(lo, hi) - start + qsl[j])
+                vals.append(im.embeds[k][lo - o:hi - o])
+        rope_rows = self.model.mrope_rows(torch.cat(pos3, 1).to(self.device))
+        embeds = self.model.model.embed_tokens(input_ids)
+        embeds[torch.cat(rows).to(self.device)] = torch.cat(vals).to(embeds.dtype)
+        return torch.arange(len(input_ids), device=self.device), rope_rows, embeds
+
+    def _score_as_decode_rows(self, seqs, block_tables, images=None) -> torch.Tensor:
         """A verify step where every position is scored: each position becomes a decode row
         of its own (its sequence's block table, context up to and including itself), so the
         step replays a decode CUDA graph. Every row's K/V is written before any attention
@@ -301,10 +339,12 @@ class ModelRunner:
         attention over the chunk would. Returns the logits in token order."""
         bs = self.cache_cfg.block_size
         ids, pos, slots, lens, tables = [], [], [], [], []
-        for (toks, start, end), table in zip(seqs, block_tables):
+        for i, ((toks, start, end), table) in enumerate(zip(seqs, block_tables)):
+            im = images[i] if images is not None else None
+            rope = range(start, end) if im is None else im.positions_1d(start, end)
             for j, p in enumerate(range(start, end)):
                 ids.append(toks[j])
-                pos.append(p)
+                pos.append(rope[j])
                 slots.append(table[p // bs] * bs + p % bs)
                 lens.append(p + 1)
                 tables.append(table)
@@ -314,6 +354,11 @@ class ModelRunner:
         with self.driver.step():
             self.driver.send(("graph", ids, pos, slots, lens, tables))
             return self.launch_decode_graph(ids, pos, slots, lens, tables)
+
+
+def _has_image_tokens(seqs, images: Optional[list]) -> bool:
+    """Whether a chunk of the step holds image tokens (needs M-RoPE rows and the images' embeddings)."""
+    return images is not None and any(im is not None and im.images_in(s, e) for im, (_, s, e) in zip(images, seqs))
 
 
 def _to_host_async(out):

@@ -109,7 +109,7 @@ class SpecDecoder:
         rid = req.request_id
         req.num_computed_tokens = end + num_accepted
         self.kv.trim(rid, req.num_computed_tokens)
-        self.kv.commit(rid, req.all_token_ids, req.num_computed_tokens)
+        self.kv.commit(rid, req.hash_tokens, req.num_computed_tokens, req.cache_root)
 
     def finish(self, rid: str) -> None:
         self.proposer.finish(rid)

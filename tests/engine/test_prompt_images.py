@@ -1,0 +1,81 @@
+"""Images in a prompt (engine/images.py) against transformers' Qwen3.5 definitions: the
+placeholder expansion and M-RoPE positions of ``get_rope_index``, the interleaved M-RoPE
+cos/sin rows of ``Qwen3_5TextRotaryEmbedding``, the prefix cache's view of image tokens, and
+the errors a request with mismatched placeholders gets."""
+import pytest
+import torch
+
+from blitzllm.engine.images import ImageInput, attach_images
+from blitzllm.layers.rotary import build_cos_sin_cache, mrope_rows
+
+IMG = 7   # the image token of these prompts
+
+
+def _image(t, h, w, seed=0, merge=2):
+    g = torch.Generator().manual_seed(seed)
+    return ImageInput.make(torch.randn(t * h * w, 12, generator=g), (t, h, w), merge)
+
+
+def _hf_rope_index(ids, grids):
+    """transformers' Qwen3_5Model.get_rope_index on one prompt (the method reads only its config)."""
+    import transformers
+    cfg = transformers.Qwen3_5Config(vision_config=dict(spatial_merge_size=2))
+    fake = type("M", (), {"config": cfg})()
+    model_cls = transformers.Qwen3_5Model
+    fake.get_vision_position_ids = model_cls.get_vision_position_ids.__get__(fake)
+    ids_t = torch.tensor([ids])
+    types = (ids_t == IMG).int()
+    return model_cls.get_rope_index(fake, ids_t, types, image_grid_thw=torch.tensor(grids))
+
+
+def test_positions_match_get_rope_index():
+    """Two images (4x6 and 8x4 patch grids, merge 2) among text: the expanded prompt, each token's
+    three positions and the delta past the prompt equal transformers'; text tokens have three equal
+    positions and the prefix cache sees each image token as (image key, index)."""
+    a, b = _image(1, 4, 6, 0), _image(1, 8, 4, 1)
+    ids = [1, 2, IMG, 3, 4, 5, IMG, 6]
+    out, pi = attach_images(ids, [a, b], IMG, 2)
+    assert out == [1, 2] + [IMG] * 6 + [3, 4, 5] + [IMG] * 8 + [6]
+    assert pi.offsets == [2, 11] and [im.num_tokens for im in pi.images] == [6, 8]
+    ref, delta = _hf_rope_index(out, [list(a.grid_thw), list(b.grid_thw)])
+    assert torch.equal(pi.positions, ref[:, 0])
+    assert pi.delta == int(delta)
+    assert pi.hash_prompt[:2] == [1, 2] and pi.hash_prompt[2] == (a.key, 0) and pi.hash_prompt[8] == 3
+    assert pi.positions_1d(0, 2) == [0, 1] and pi.positions_1d(2, 3) is None
+    # past the prompt (generated tokens): index + delta, the same on the three axes
+    assert pi.positions_1d(len(out), len(out) + 2) == [len(out) + pi.delta, len(out) + 1 + pi.delta]
+    p3 = pi.positions_3d(len(out) - 3, len(out) + 1)
+    assert torch.equal(p3[:, :3], ref[:, 0, -3:]) and p3[:, 3].tolist() == [len(out) + pi.delta] * 3
+    assert pi.images_in(0, 3) == [0] and pi.images_in(8, 11) == [] and pi.images_in(0, len(out)) == [0, 1]
+
+
+def test_expanded_placeholders_and_keys():
+    """A placeholder already expanded to the image's token count is taken as it is; equal pixels
+    give equal keys, other pixels other keys (so the prefix cache shares KV of the same image only)."""
+    a = _image(1, 4, 4, 0)
+    out, pi = attach_images([1, IMG, IMG, IMG, IMG, 2], [a], IMG, 2)
+    assert out == [1] + [IMG] * 4 + [2]
+    assert _image(1, 4, 4, 0).key == a.key != _image(1, 4, 4, 1).key
+
+
+@pytest.mark.parametrize("ids, n, msg", [([1, IMG, 2], 2, "1 image placeholder"), ([1, 2], 1, "0 image placeholder"),
+                                         ([1, IMG, IMG, 2], 1, "placeholder of 2 tokens")])
+def test_placeholder_mismatch_is_a_value_error(ids, n, msg):
+    with pytest.raises(ValueError, match=msg):
+        attach_images(ids, [_image(1, 4, 6, i) for i in range(n)], IMG, 2)
+
+
+def test_mrope_rows_match_transformers():
+    """Interleaved M-RoPE rows from the one-position table equal transformers' cos/sin, partial
+    rotary (8 of 16 dims) and Qwen3.5's sections; equal positions give the 1-D table's rows."""
+    import transformers
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
+    cfg = transformers.Qwen3_5TextConfig(head_dim=16, hidden_size=64, num_attention_heads=4, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1]})
+    pos = torch.randint(0, 200, (3, 1, 9), generator=torch.Generator().manual_seed(0))
+    cos, sin = Qwen3_5TextRotaryEmbedding(cfg)(torch.zeros(1), pos)
+    table = build_cos_sin_cache(8, 512, 10000.0)
+    rows = mrope_rows(table, pos[:, 0], (2, 1, 1))
+    assert torch.equal(rows, torch.cat([cos[0, :, :4], sin[0, :, :4]], -1))
+    same = torch.arange(9).expand(3, -1)
+    assert torch.equal(mrope_rows(table, same, (2, 1, 1)), table[:9])
