@@ -17,6 +17,7 @@ from .errors import bad_request
 from .protocol import ChatCompletionRequest
 from .reasoning import END, THINK_PARSERS, fed, make_splitter, prompt_opens_thinking, split_reasoning
 from .tools import FORMATS, Forced, ToolCallSplitter, check_tools, split_tool_calls
+from .vision import chat_images, expand_images
 from .serving import SSE_DONE, Serving, SSEResponse, kv_field, lp_value, pick, request_id, sse, usage
 
 
@@ -75,8 +76,9 @@ class ChatTurn:
     is read (reasoning, tool calls). Chat completions and responses (``responses.py``) both
     build one with ``prepare_turn``."""
 
-    def __init__(self, ids, prompt_text, params, structured_field, tools, tool_mode, one_call):
+    def __init__(self, ids, prompt_text, params, structured_field, tools, tool_mode, one_call, images=()):
         self.ids, self.params, self.structured_field = ids, params, structured_field
+        self.images = list(images)   # the image parts' model inputs (server/vision.py); ids count their tokens
         self.prompt_text = prompt_text  # the rendered prompt where a reasoning parser reads it, else ""
         self.tools, self.tool_mode, self.one_call = tools, tool_mode, one_call
         self.forced = tool_mode if isinstance(tool_mode, Forced) else None
@@ -138,8 +140,14 @@ async def prepare_turn(s: Serving, req, messages, *, tools, tool_choice, paralle
         # parser asks, or its calls could not be found
         params = params.clone(skip_special_tokens=False)
     cut = params.truncate_prompt_tokens is not None
+    images = await chat_images(s, messages)
     ids, prompt_text = await s.chat_prompt(messages, end, template_kwargs, tools if tool_mode is not None else None,
-                                           check_length=not cut, require_tools=tool_mode == "auto", template=template)
+                                           check_length=not cut and not images, require_tools=tool_mode == "auto",
+                                           template=template, images=bool(images))
+    if images:
+        ids = expand_images(s, ids, images)
+        if not cut:
+            s.check_prompt_len(len(ids), "messages")
     if cut:  # (the template's end stays: only the conversation's start goes)
         ids = s.truncated(ids, params, "messages")
     # a reasoning parser reads where the rendered prompt left off (an open <think> block?)
@@ -147,7 +155,7 @@ async def prepare_turn(s: Serving, req, messages, *, tools, tool_choice, paralle
     if structured is not None and s.reasoning_parser in THINK_PARSERS and prompt_opens_thinking(prompt_text):
         # the answer's grammar (a forced call, a response_format) starts after the thinking
         params = params.clone(structured_output={**structured, "start_after": END})
-    return ChatTurn(ids, prompt_text, params, field, tools, tool_mode, parallel_tool_calls is False)
+    return ChatTurn(ids, prompt_text, params, field, tools, tool_mode, parallel_tool_calls is False, images)
 
 
 async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Request) -> Response:
@@ -167,9 +175,12 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
     ids, params = turn.ids, turn.params
     rid = f"chatcmpl-{request_id(raw)}"
     if req.use_beam_search:
+        if turn.images:
+            raise bad_request("use_beam_search takes text only, no images", param="use_beam_search")
         return await _beam_chat(s, req, raw, rid, turn, mt_field, k, as_ids, lora)
     stream = await s.submit(rid, ids, params, "messages", mt_field, structured_field=turn.structured_field,
-                            kv_transfer_params=req.kv_transfer_params, priority=req.priority, lora_request=lora)
+                            kv_transfer_params=req.kv_transfer_params, priority=req.priority, lora_request=lora,
+                            images=turn.images)
     created = int(time.time())
     if req.stream:
         opts = req.stream_options

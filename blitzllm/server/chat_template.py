@@ -18,19 +18,25 @@ _TEMPLATE_ARGS = {"conversation", "messages", "tokenize", "add_generation_prompt
 _KEPT = ("name", "tool_calls", "tool_call_id", "reasoning_content")
 
 
-def conversation(messages) -> list:
-    """``ChatMessage``s as the template's list of dicts; only text content parts are taken."""
+def conversation(messages, images: bool = False) -> list:
+    """``ChatMessage``s as the template's list of dicts: text parts joined; with ``images`` (a
+    vision model's chat), a message with ``image_url`` parts keeps its parts as the template's
+    ``{"type": "text"}`` and ``{"type": "image"}`` items, which it renders as the placeholders."""
     conv = []
     for i, m in enumerate(messages):
         content = m.content
         if isinstance(content, list):
-            texts = []
+            parts = []
             for part in content:
+                if images and part.type == "image_url":
+                    parts.append({"type": "image"})
+                    continue
                 if part.type != "text" or part.text is None:
-                    raise bad_request(f"messages.{i}.content: only text parts are supported, got "
-                                      f"type {part.type!r}", param=f"messages.{i}.content")
-                texts.append(part.text)
-            content = "\n".join(texts)
+                    raise bad_request(f"messages.{i}.content: only text {'and image_url ' if images else ''}parts are "
+                                      f"supported, got type {part.type!r}", param=f"messages.{i}.content")
+                parts.append({"type": "text", "text": part.text})
+            has_image = any(p["type"] == "image" for p in parts)
+            content = parts if has_image else "\n".join(p["text"] for p in parts)
         entry = {"role": m.role, "content": content or ""}
         for key in _KEPT:
             if getattr(m, key) is not None:

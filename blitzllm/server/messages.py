@@ -15,6 +15,7 @@ from .errors import bad_request
 from .messages_items import ContentBuilder, Conversation, message_id
 from .messages_protocol import CountTokensRequest, MessagesRequest
 from .serving import Serving, SSEResponse, engine_error, request_id, typed_sse
+from .vision import chat_images, expand_images
 from .turn_output import feed_whole
 
 
@@ -36,7 +37,7 @@ async def create_message(s: Serving, req: MessagesRequest, raw: Request) -> Resp
         params = params.clone(max_tokens=room)
     rid = f"msg-{request_id(raw)}"
     stream = await s.submit(rid, turn.ids, params, "messages", "max_tokens", structured_field=turn.structured_field,
-                            lora_request=lora)
+                            images=turn.images, lora_request=lora)
     head = {"id": message_id(), "type": "message", "role": "assistant", "model": s.answer_model(lora)}
     builder = ContentBuilder(turn.parser(s))
     if req.stream:
@@ -73,6 +74,7 @@ async def count_tokens(s: Serving, req: CountTokensRequest) -> dict:
     ``usage.cache_read_input_tokens``)."""
     s.check_model(req.model)
     conv = await s.cpu(Conversation, req)
+    images = await chat_images(s, conv.messages)   # (their tokens count)
     ids, _ = await s.chat_prompt(conv.messages, conv.end, conv.template_kwargs, conv.prompt_tools(),
-                                 check_length=False)
-    return {"input_tokens": len(ids)}
+                                 check_length=False, images=bool(images))
+    return {"input_tokens": len(expand_images(s, ids, images) if images else ids)}

@@ -68,24 +68,41 @@ class Conversation:
 
 
 def _user(messages: list, content, where: str) -> None:
-    """Text blocks as user messages (consecutive ones joined), tool results as tool messages, in order."""
+    """Text and image blocks as user messages (consecutive ones joined; images as chat's
+    ``image_url`` parts), tool results as tool messages, in order."""
     if isinstance(content, str):
         messages.append({"role": "user", "content": content})
         return
-    texts: list = []
+    parts: list = []
+
+    def flush():
+        images = any(p["type"] == "image_url" for p in parts)
+        messages.append({"role": "user", "content": list(parts) if images else "\n".join(p["text"] for p in parts)})
+        parts.clear()
+
     for j, block in enumerate(content):
-        if block.type == "text":
-            texts.append(block.text)
+        if block.type in ("text", "image"):
+            parts.append({"type": "text", "text": block.text} if block.type == "text" else
+                         {"type": "image_url", "image_url": {"url": _image_url(block.source, f"{where}.{j}")}})
             continue
         if block.type != "tool_result":
-            raise bad_request(f"{where}.{j}: a user message takes text and tool_result blocks, got {block.type!r}",
-                              param=f"{where}.{j}")
-        if texts:
-            messages.append({"role": "user", "content": "\n".join(texts)})
-            texts = []
+            raise bad_request(f"{where}.{j}: a user message takes text, image and tool_result blocks, got "
+                              f"{block.type!r}", param=f"{where}.{j}")
+        if parts:
+            flush()
         messages.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": _joined(block.content or "")})
-    if texts or not content:
-        messages.append({"role": "user", "content": "\n".join(texts)})
+    if parts or not content:
+        flush()
+
+
+def _image_url(source: dict, where: str) -> str:
+    """An image block's source as a URL: base64 data as a data URL, or the given url."""
+    if source.get("type") == "base64" and isinstance(source.get("data"), str):
+        return f"data:{source.get('media_type') or 'image/png'};base64,{source['data']}"
+    if source.get("type") == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise bad_request(f"{where}.source: an image source is {{type: base64, media_type, data}} or {{type: url, url}}",
+                      param=f"{where}.source")
 
 
 def _assistant(messages: list, content, where: str) -> None:

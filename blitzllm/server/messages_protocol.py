@@ -12,12 +12,19 @@ from pydantic import Field, RootModel
 
 from .protocol import MAX_STOP, Int, SamplingFields, _Out, _Strict, by_type, text_or_list
 
-BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
+BLOCK_TYPES = ("text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking")
 
 
 class TextBlock(_Strict):
     type: Literal["text"]
     text: str
+
+
+class ImageBlock(_Strict):
+    """An image in a user message (for a vision model): ``source`` {"type": "base64", "media_type",
+    "data"} or {"type": "url", "url"}."""
+    type: Literal["image"]
+    source: dict[str, Any]
 
 
 class ToolUseBlock(_Strict):
@@ -53,9 +60,9 @@ class RedactedThinkingBlock(_Strict):
     data: Optional[str] = None
 
 
-ContentBlock = by_type({"text": TextBlock, "tool_use": ToolUseBlock, "tool_result": ToolResultBlock,
+ContentBlock = by_type({"text": TextBlock, "image": ImageBlock, "tool_use": ToolUseBlock, "tool_result": ToolResultBlock,
                         "thinking": ThinkingBlock, "redacted_thinking": RedactedThinkingBlock},
-                       f"a content block's type must be one of {', '.join(BLOCK_TYPES)} (images, documents, "
+                       f"a content block's type must be one of {', '.join(BLOCK_TYPES)} (documents, "
                        "search results and server tools' blocks are not served)")
 
 

@@ -56,6 +56,7 @@ class StreamOptions(_Strict):
 class ContentPart(_Strict):
     type: str
     text: Optional[str] = None
+    image_url: Union[str, dict[str, Any], None] = None   # {"url": "data:image/png;base64,..." or http(s)}
 
 
 class ChatMessage(_Strict):

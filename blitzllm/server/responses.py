@@ -46,7 +46,8 @@ async def create_response(s: Serving, req: ResponsesRequest, raw: Request, store
         if earlier is None:
             raise not_found(req.previous_response_id, "previous_response_id", "previous_response_not_found")
     items = input_items(req)
-    messages = await s.cpu(chat_messages, req.instructions, earlier.conversation if earlier else [], items)
+    vision = s.aengine.engine is not None and s.aengine.engine.image_intake is not None
+    messages = await s.cpu(chat_messages, req.instructions, earlier.conversation if earlier else [], items, vision)
     k = pick(req.top_logprobs, 0) if LOGPROBS in (req.include or ()) else None
     tools = chat_tools(req.tools)
     kwargs = dict(req.chat_template_kwargs or {})
@@ -63,7 +64,8 @@ async def create_response(s: Serving, req: ResponsesRequest, raw: Request, store
         raise
     rid = f"resp-{request_id(raw)}"
     stream = await s.submit(rid, turn.ids, turn.params, "input", "max_output_tokens",
-                            structured_field=turn.structured_field, priority=req.priority, lora_request=lora)
+                            structured_field=turn.structured_field, priority=req.priority, lora_request=lora,
+                            images=turn.images)
     head = _head(s, req, turn.params, store.enabled and req.store is not False, s.answer_model(lora))
     builder = OutputBuilder(s, turn.parser(s), k)
     finish = _Finish(s, store, head, builder, len(turn.ids), earlier, items)

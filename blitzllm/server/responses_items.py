@@ -39,16 +39,44 @@ def _text(content, param: str, kinds=TEXT_PARTS) -> str:
     return "\n".join(texts)
 
 
-def chat_messages(instructions: Optional[str], earlier: list, items: list) -> list:
+def _has_image(content) -> bool:
+    return isinstance(content, list) and any(p.get("type") == "input_image" for p in content)
+
+
+def _parts(content: list, param: str, vision: bool) -> list:
+    """An input message's text and ``input_image`` parts as chat content parts (``image_url``)."""
+    out = []
+    for j, part in enumerate(content):
+        if part.get("type") == "input_image":
+            if not vision:
+                raise bad_request(f"{param}.{j}: this model takes no images (it has no vision tower)",
+                                  param=f"{param}.{j}")
+            if not part.get("image_url"):
+                raise bad_request(f"{param}.{j}: an input_image needs image_url (file_id is not supported)",
+                                  param=f"{param}.{j}")
+            out.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+        elif part.get("type") in TEXT_PARTS and part.get("text") is not None:
+            out.append({"type": "text", "text": part["text"]})
+        else:
+            raise bad_request(f"{param}.{j}: only text and input_image parts are supported, got type "
+                              f"{part.get('type')!r}", param=f"{param}.{j}")
+    return out
+
+
+def chat_messages(instructions: Optional[str], earlier: list, items: list, vision: bool = False) -> list:
     """The chat messages of a conversation: ``instructions`` as a system message first, then the
     items of the earlier turns (a stored conversation, valid) and the request's ``items`` (a
     bad one is a 400 naming its place in ``input``). Function calls become an assistant turn's
-    ``tool_calls``, their outputs ``tool`` messages, reasoning its ``reasoning_content``."""
+    ``tool_calls``, their outputs ``tool`` messages, reasoning its ``reasoning_content``; a user's
+    ``input_image`` parts chat's ``image_url`` parts (``vision``: the model has a vision tower)."""
     messages = [{"role": "system", "content": instructions}] if instructions else []
     for i, item in enumerate(earlier + items):
         where = f"input.{i - len(earlier)}"
         kind = item.get("type") or "message"
         if kind == "message":
+            if item["role"] != "assistant" and _has_image(item["content"]):
+                messages.append({"role": item["role"], "content": _parts(item["content"], f"{where}.content", vision)})
+                continue
             text = _text(item["content"], f"{where}.content")
             if item["role"] == "assistant":
                 add_assistant_part(messages, "content", text)

@@ -20,9 +20,11 @@ LOGPROBS = "message.output_text.logprobs"
 
 class TextPart(_Strict):
     """A text part of an input message (``input_text``, or an earlier answer's ``output_text``),
-    of a function call's output, or of a reasoning item's content / summary."""
+    of a function call's output, or of a reasoning item's content / summary; or an input
+    message's ``input_image`` (for a vision model)."""
     type: str
     text: Optional[str] = None
+    image_url: Optional[str] = None   # input_image: a data URL or an http(s) URL
 
 
 class MessageItem(_Strict):

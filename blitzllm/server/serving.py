@@ -376,10 +376,11 @@ class Serving:
 
     async def submit(self, rid: str, prompt_ids: list, params: SamplingParams, prompt_field: str,
                      max_tokens_field: str = "max_tokens", structured_field: Optional[str] = None,
-                     kv_transfer_params: Optional[dict] = None, priority: Optional[int] = 0, lora_request=None):
+                     kv_transfer_params: Optional[dict] = None, priority: Optional[int] = 0, lora_request=None,
+                     images=None):
         try:
             stream = await self.aengine.add_request(rid, prompt_ids, params, kv_transfer_params, priority or 0,
-                                                    lora_request)
+                                                    lora_request, images)
             log.debug("request %s: %d prompt tokens, max_tokens %s", rid, len(prompt_ids),
                       getattr(params, "max_tokens", 0))   # (0: an embedding)
             return stream
@@ -421,7 +422,8 @@ class Serving:
 
     async def chat_prompt(self, messages, end: Optional[dict] = None, template_kwargs=None, tools=None,
                           check_length: bool = True, require_tools: bool = False,
-                          add_special_tokens: bool = False, template: Optional[str] = None) -> tuple:
+                          add_special_tokens: bool = False, template: Optional[str] = None,
+                          images: bool = False) -> tuple:
         """(token ids, rendered text) of ``messages`` through the model's chat template, with
         ``template_kwargs`` (the request's ``chat_template_kwargs``) and ``tools`` where given, ending as
         ``end`` says (``chat_template.prompt_end``; None: an opened assistant turn), in worker threads. A text past the character bound is refused before it is tokenized;
@@ -429,20 +431,20 @@ class Serving:
         template (vLLM's ``chat_template`` field), refused unless --trust-request-chat-template."""
         template = request_template(template, self.trust_request_chat_template)
         text = await self.cpu(self.render_chat, messages, end or prompt_end(True, False), template_kwargs, tools,
-                              require_tools, template)
+                              require_tools, template, images)
         # (by default what apply_chat_template(tokenize=True) does: no special tokens added to the rendered
         # text; vLLM's embeddings may ask for them, add_special_tokens)
         return await self.tokens(text, add_special_tokens, "messages" if check_length else None), text
 
     def render_chat(self, messages, end: dict, template_kwargs, tools, require_tools: bool = False,
-                    template: Optional[str] = None) -> str:
+                    template: Optional[str] = None, images: bool = False) -> str:
         """The chat template's text (see ``chat_prompt``), in a worker thread. ``require_tools``
         (tool_choice "auto": the model must see the tools to call them): a 400 when the template
         renders the same text without them."""
         tok = self.worker_tokenizer("chat needs a chat template; use /v1/completions with token ids")
         if template is None and not getattr(tok, "chat_template", None):
             raise bad_request("this model has no chat template; use /v1/completions", param="messages")
-        text = render(tok, conversation(messages), end, template_kwargs, tools, require_tools, template)
+        text = render(tok, conversation(messages, images), end, template_kwargs, tools, require_tools, template)
         self.check_prompt_chars(text, "messages")
         return text
 

@@ -41,7 +41,7 @@ CASES = [
     ("messages_empty", CHAT, chat(messages=[]), 400, "messages"),
     ("unknown_role", CHAT, chat(messages=[{"role": "wizard", "content": "x"}]), 400, "messages.0.role"),
     ("image_content_part", CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), 400,
-     "messages.0.content"),
+     "messages.0.content.0"),   # (a text-only model: the part is named)
     ("temperature_wrong_type", CHAT, chat(temperature="hot"), 400, "temperature"),
     ("max_tokens_wrong_type", CMPL, cmpl(max_tokens="ten"), 400, "max_tokens"),
     ("n_bool", CMPL, cmpl(n=True), 400, "n"),

@@ -419,7 +419,7 @@ def test_forced_tool_choices_with_thinking_on(qwen35_server, choice, stream):
     ({"messages": ASK, "chat_template_kwargs": {"tools": []}}, 400, "chat_template_kwargs"),
     ({"messages": [{"role": "developer", "content": "hi"}, *ASK]}, 400, "messages"),  # a role it does not know
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]},
-     400, "messages.0.content"),  # (text only: the vision tower is not loaded)
+     400, "messages.0.content.0"),  # (a text-only folder: no vision tower; the part is named)
     ({"messages": ASK, "max_tokens": "many"}, 400, "max_tokens"),
     ({"messages": [{"role": "user", "content": "x " * 1200}]}, 400, None),  # past the context
     pytest.param({"messages": ASK, "structured_outputs": {"regex": "("}, "max_tokens": 4}, 400,
