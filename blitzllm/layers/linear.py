@@ -169,15 +169,17 @@ INT4_GROUP = 32
 
 def quantize_linear_weights_int4(model: nn.Module, group_size: int = INT4_GROUP) -> int:
     """weight_dtype='int4' (CPU): every decoder Linear whose input size is a multiple of
-    ``group_size`` becomes weight-only int4, the lm_head int8 per output channel (GGUF keeps it
-    in 8 bits, which int4 would coarsen). Returns the layers quantized."""
+    ``group_size`` and output size a multiple of 16 (torch's int4 packing; a 1-row gate such as
+    Qwen3-Next's shared_expert_gate stays bf16) becomes weight-only int4, the lm_head int8 per
+    output channel (GGUF keeps it in 8 bits, which int4 would coarsen). Returns the layers quantized."""
     if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         raise ValueError("weight_dtype='int4' needs torch >= 2.5 (its int4 CPU kernel)")
     cast_linear_weights(model, torch.bfloat16)
     lm_head = getattr(model, "lm_head", None)
     done = 0
     for mod in model.modules():
-        if isinstance(mod, Linear) and mod is not lm_head and mod.in_features % group_size == 0:
+        if isinstance(mod, Linear) and mod is not lm_head and mod.in_features % group_size == 0 \
+                and mod.out_features % 16 == 0:
             mod.quantize_int4(group_size)
             done += 1
     if isinstance(lm_head, Linear) and hasattr(torch.ops.aten, "_weight_int8pack_mm"):

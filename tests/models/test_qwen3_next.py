@@ -249,6 +249,24 @@ def test_shared_expert_of_another_width_is_not_stacked(tmp_path):
     assert all(m.stacks is None and m.w13.shape[0] == MOE["num_experts"] for m in blocks)
 
 
+def test_int4_weights_leave_the_one_row_gate(tmp_path):
+    """weight_dtype='int4' (CPU) on Qwen3-Next: the linears torch's int4 packing takes (output rows
+    a multiple of 16) are packed, the 1-row shared_expert_gate stays bf16 (packing it failed at
+    start-up), and the engine generates."""
+    from blitzllm import LLM, SamplingParams
+    from blitzllm.layers.linear import Linear
+    make_hybrid_checkpoint("qwen3_next", tmp_path, shared_expert_intermediate_size=64)   # (K a multiple of 32)
+    llm = LLM(str(tmp_path), weight_dtype="int4", kv_cache_blocks=64, max_num_seqs=4)
+    lins = {n: m for n, m in llm.engine.runner.model.named_modules() if isinstance(m, Linear)}
+    gates = [m for n, m in lins.items() if n.endswith("shared_expert_gate")]
+    assert gates and all(m.qweight is None and m.weight.dtype == torch.bfloat16 for m in gates)
+    for n, m in lins.items():   # (the lm_head: int8, packed as well)
+        assert (m.qweight is not None) == (n == "lm_head" or m.in_features % 32 == 0 and m.out_features % 16 == 0), n
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 4
+    assert_no_leaks(llm)
+
+
 def test_chunked_prefill_and_preemption(checkpoint):
     """Prompts in chunks of 8 tokens (the state carried from chunk to chunk, decodes beside
     them), then a KV cache and a state pool too small for the load (requests preempted and
