@@ -116,6 +116,22 @@ def test_chunked_prefill_and_prefix_cache(vl):
     llm.engine.close()
 
 
+def test_speculation_keeps_the_tokens(vl):
+    """n-gram speculation over an image prompt (verify steps run as forwards with the rotary
+    positions past the image): transformers' greedy tokens, every block back."""
+    hf, first = vl
+    llm = LLM(first.engine.args.model, dtype="float32", kv_cache_blocks=64, max_num_seqs=4,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    images = _images((40, 32), seed=7)
+    ids = _prompt(1) + list(range(20, 300))   # (most tokens in the prompt: the proposer finds matches)
+    want, _ = _hf_greedy(hf, ids, images, 10)
+    out = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": images}},
+                       SamplingParams(temperature=0, max_tokens=10))[0]
+    assert out.outputs[0].token_ids == want and llm.stats()["kv_blocks_free"] == 64
+    assert llm.stats()["spec_draft_tokens"] > 0
+    llm.engine.close()
+
+
 def test_refusals(vl):
     """Placeholders and images that do not pair up, a non-image, truncation and embeddings are
     ValueErrors naming the problem; the engine serves the next request."""
