@@ -9,6 +9,7 @@ from .errors import bad_request
 from .protocol import DetokenizeRequest, TokenizeRequest
 from .serving import Serving, json_with_ids, pick
 from .tools import check_tools
+from .vision import chat_images, expand_images
 
 LONG_DECODE = 4096      # /detokenize decodes a list this long through the Rust batch call
 
@@ -19,9 +20,12 @@ async def tokenize_request(s: Serving, req: TokenizeRequest) -> Response:
         raise bad_request("give exactly one of 'prompt' or 'messages'", param="prompt")
     if req.messages is not None:
         check_tools(req.tools, "none", None)   # (their shape, as chat checks it; no tool choice here)
+        images = await chat_images(s, req.messages)   # (a vision model's: their tokens count, as in chat)
         ids, _ = await s.chat_prompt(req.messages, prompt_end(req.add_generation_prompt, req.continue_final_message),
                                      req.chat_template_kwargs, req.tools, check_length=False,
-                                     template=req.chat_template)
+                                     template=req.chat_template, images=bool(images))
+        if images:
+            ids = expand_images(s, ids, images)
     else:
         s.need_tokenizer("nothing to tokenize with")
         s.check_prompt_chars(req.prompt, "prompt")  # (O(1): the length of a str)

@@ -119,6 +119,8 @@ def test_chat_with_images_matches_transformers(vl):
             body = _post(srv, {"messages": messages}).json()
             assert body["choices"][0]["message"]["content"] == want
             assert body["usage"]["prompt_tokens"] == n_prompt
+            tokens = httpx.post(srv.url + "/tokenize", json={"messages": messages}, timeout=60).json()
+            assert tokens["count"] == n_prompt   # (/tokenize expands the images as chat does)
             parts, _, _ = stream_chat(srv.url, {"messages": messages, "max_tokens": 8, "temperature": 0,
                                                 "stream": True})
             assert parts["content"] == want
