@@ -11,6 +11,7 @@ import binascii
 import io
 
 MAX_IMAGE_BYTES = 20 * 1024 * 1024   # an encoded image, fetched or inline
+MAX_IMAGE_PIXELS = 8192 * 8192      # decoded (a small file can hold a huge image: checked before decoding)
 FETCH_TIMEOUT_S = 10.0
 IMAGE_PART_TYPES = ("image_url", "input_image", "image_pil", "image")
 
@@ -20,8 +21,10 @@ def open_image(data: bytes):
     from PIL import Image, UnidentifiedImageError
     try:
         img = Image.open(io.BytesIO(data))
+        if img.width * img.height > MAX_IMAGE_PIXELS:
+            raise ValueError(f"{img.width}x{img.height} pixels, over the {MAX_IMAGE_PIXELS} taken")
         img.load()
-    except (UnidentifiedImageError, OSError, ValueError) as e:
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
         raise ValueError(f"the image could not be decoded: {e}") from None
     return img
 

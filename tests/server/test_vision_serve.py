@@ -67,6 +67,13 @@ def _png(w, h, seed) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+def _huge_png() -> str:
+    from PIL import Image
+    buf = io.BytesIO()
+    Image.new("L", (9000, 9000)).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
 def _messages(*urls, text="What is in the picture?"):
     parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
     return [{"role": "user", "content": parts + [{"type": "text", "text": text}]}]
@@ -131,11 +138,13 @@ def test_chat_with_images_matches_transformers(vl):
 
 
 def test_bad_image_parts_are_400s(vl):
-    """A malformed data URL, an unsupported scheme, a non-image file and use_beam_search with an
-    image are 400s naming the part (or field); then the server still answers."""
+    """A malformed data URL, an unsupported scheme, a non-image file, an image of too many pixels
+    and use_beam_search with an image are 400s naming the part (or field); then the server still
+    answers."""
     *_, srv = vl
     bad = [("data:image/png;base64,@@@", "malformed"), ("ftp://example.com/x.png", "unsupported image URL"),
-           ("data:image/png;base64," + base64.b64encode(b"not an image").decode(), "could not be decoded")]
+           ("data:image/png;base64," + base64.b64encode(b"not an image").decode(), "could not be decoded"),
+           (_huge_png(), "over the")]   # (80 kB of PNG, 81M pixels: refused before decoding)
     for url, msg in bad:
         err = check_error(_post(srv, {"messages": _messages(url)}), 400, "messages.0.content.0.image_url")
         assert msg in err["message"]
