@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import urllib.parse
 
 MAX_IMAGE_BYTES = 20 * 1024 * 1024   # an encoded image, fetched or inline
 MAX_IMAGE_PIXELS = 8192 * 8192      # decoded (a small file can hold a huge image: checked before decoding)
@@ -29,8 +30,9 @@ def open_image(data: bytes):
     return img
 
 
-def load_image_url(url: str, allow_fetch: bool = True):
-    """A ``data:image/...;base64,...`` URL or (``allow_fetch``) an http(s) one -> a PIL image."""
+def load_image_url(url: str, allow_fetch: bool = True, domains: tuple = ()):
+    """A ``data:image/...;base64,...`` URL or (``allow_fetch``) an http(s) one -> a PIL image;
+    ``domains``: when given, the only hosts fetched from (the server's --allowed-media-domains)."""
     if not isinstance(url, str) or not url:
         raise ValueError("an image URL must be a non-empty string")
     if url.startswith("data:"):
@@ -47,6 +49,9 @@ def load_image_url(url: str, allow_fetch: bool = True):
     if url.startswith(("http://", "https://")):
         if not allow_fetch:
             raise ValueError("image URLs are not fetched here: send the image inline as a data URL")
+        host = urllib.parse.urlsplit(url).hostname or ""
+        if domains and host not in domains:
+            raise ValueError(f"the image URL's host {host!r} is not one of --allowed-media-domains")
         return open_image(_fetch(url))
     raise ValueError(f"unsupported image URL {url[:40]!r}: give a data:image/...;base64 URL or an http(s) URL")
 

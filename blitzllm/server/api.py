@@ -98,7 +98,7 @@ def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
                       tool_parser=cfg.tool_call_parser, return_tokens_as_token_ids=cfg.return_tokens_as_token_ids,
                       trust_request_chat_template=cfg.trust_request_chat_template, listed=cfg.served_model_aliases,
                       prompt_tokens_details=cfg.enable_prompt_tokens_details,
-                      lora_modules=cfg.lora_modules)
+                      lora_modules=cfg.lora_modules, media_domains=cfg.allowed_media_domains)
     expected_key = cfg.api_key.encode() if cfg.api_key else None
     store = ResponseStore(cfg.max_stored_responses)   # /v1/responses' stored answers
 

@@ -65,6 +65,8 @@ def add_model_serving_args(g) -> None:
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="render a request's own chat_template (chat, /tokenize, embeddings' messages; vLLM's); "
                         "off: such a request is a 400, since its Jinja runs on the server")
+    g.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                   help="the only hosts whose http(s) image URLs are fetched (vLLM's; default: any)")
     g.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="chat and completion usages carry prompt_tokens_details.cached_tokens (the prompt tokens the "
                         "prefix cache served; vLLM's)")
@@ -169,7 +171,8 @@ def model_serving_config(args: argparse.Namespace, kv_transfer_config: Optional[
                        return_tokens_as_token_ids=args.return_tokens_as_token_ids, lora_modules=lora_modules,
                        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
                        trust_request_chat_template=args.trust_request_chat_template,
-                       enable_prompt_tokens_details=args.enable_prompt_tokens_details, **settings)
+                       enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                       allowed_media_domains=tuple(args.allowed_media_domains or ()), **settings)
 
 
 def _lora_kwargs(args: argparse.Namespace, kwargs: dict) -> tuple:

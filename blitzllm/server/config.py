@@ -26,6 +26,7 @@ class ServeConfig:
     allow_runtime_lora_updating: bool = False
     trust_request_chat_template: bool = False   # a request's own chat_template is rendered (else a 400)
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens in chat / completions
+    allowed_media_domains: tuple = ()      # the hosts image URLs are fetched from (empty: any, as vLLM's default)
     # CORS (vLLM's flags), off unless --allowed-origins names some: a server on loopback should not
     # answer every web page's scripts by default
     allowed_origins: tuple = ()

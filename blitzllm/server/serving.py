@@ -146,8 +146,10 @@ class Serving:
     def __init__(self, aengine: AsyncEngine, model_name: str, aliases: tuple = (),
                  reasoning_parser: Optional[str] = None, tool_parser: Optional[str] = None,
                  return_tokens_as_token_ids: bool = False, lora_modules: tuple = (),
-                 trust_request_chat_template: bool = False, listed: tuple = (), prompt_tokens_details: bool = False):
+                 trust_request_chat_template: bool = False, listed: tuple = (), prompt_tokens_details: bool = False,
+                 media_domains: tuple = ()):
         self.aengine = aengine
+        self.media_domains = media_domains   # the hosts image URLs may name (server/vision.py; all when empty)
         self.prompt_tokens_details = prompt_tokens_details
         self.trust_request_chat_template = trust_request_chat_template
         self.loras = ServedLoRAs(lora_modules)   # the adapters a request's model may name (lora_routes.py)

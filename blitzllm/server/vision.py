@@ -34,7 +34,7 @@ async def chat_images(s, messages) -> list:
         for i, j, p in parts:
             url = p.image_url.get("url") if isinstance(p.image_url, dict) else p.image_url
             try:
-                out.append(intake.image(load_image_url(url)))
+                out.append(intake.image(load_image_url(url, domains=s.media_domains)))
             except ValueError as e:
                 raise bad_request(f"messages.{i}.content.{j}.image_url: {e}",
                                   param=f"messages.{i}.content.{j}.image_url") from None

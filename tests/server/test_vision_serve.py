@@ -105,7 +105,8 @@ def vl(tmp_path_factory):
     folder = tmp_path_factory.mktemp("qwen3_5_vl_serve")
     hf, tok = _tiny_vl(folder)
     srv = ServerProcess(["--model", str(folder), "--dtype", "float32", "--served-model-name", "vl",
-                         "--max-model-len", "1024"], folder / "server.log")
+                         "--max-model-len", "1024", "--allowed-media-domains", "images.example.com"],
+                        folder / "server.log")
     for s in running(srv):
         yield hf, tok, folder, s
 
@@ -138,13 +139,13 @@ def test_chat_with_images_matches_transformers(vl):
 
 
 def test_bad_image_parts_are_400s(vl):
-    """A malformed data URL, an unsupported scheme, a non-image file, an image of too many pixels
-    and use_beam_search with an image are 400s naming the part (or field); then the server still
-    answers."""
+    """A malformed data URL, an unsupported scheme, a non-image file, an image of too many pixels, a
+    host outside --allowed-media-domains and use_beam_search with an image are 400s naming the part
+    (or field); then the server still answers."""
     *_, srv = vl
     bad = [("data:image/png;base64,@@@", "malformed"), ("ftp://example.com/x.png", "unsupported image URL"),
            ("data:image/png;base64," + base64.b64encode(b"not an image").decode(), "could not be decoded"),
-           (_huge_png(), "over the")]   # (80 kB of PNG, 81M pixels: refused before decoding)
+           (_huge_png(), "over the"), ("http://127.0.0.1:9/x.png", "allowed-media-domains")]   # (80 kB of PNG, 81M pixels: refused before decoding)
     for url, msg in bad:
         err = check_error(_post(srv, {"messages": _messages(url)}), 400, "messages.0.content.0.image_url")
         assert msg in err["message"]
