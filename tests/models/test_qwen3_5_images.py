@@ -132,6 +132,17 @@ def test_speculation_keeps_the_tokens(vl):
     llm.engine.close()
 
 
+def test_warm_up_sends_no_placeholders(vl, monkeypatch):
+    """The CUDA start-up's warm-up (its random prompts run here on the CPU, its one device sync
+    skipped): no random token is the image placeholder, which a prompt without images may not
+    hold (it stopped a GPU start)."""
+    from blitzllm.engine.warmup import warm_up
+    _, llm = vl
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    warm_up(llm.engine)
+    assert llm.stats()["kv_blocks_free"] == 64
+
+
 def test_refusals(vl):
     """Placeholders and images that do not pair up, a non-image, truncation and embeddings are
     ValueErrors naming the problem; the engine serves the next request."""
