@@ -54,6 +54,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "the model folder's sentence-transformers files, else LAST), normalize (L2; default true)")
 
 
+    g.add_argument("--mm-processor-kwargs", default=None, metavar="JSON",
+                   help='a vision model\'s image bounds over its preprocessor_config.json, e.g. '
+                        '\'{"min_pixels": 65536, "max_pixels": 1048576}\' (fewer pixels: fewer image tokens)')
+    g.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
+                   help='the most images one prompt may hold, e.g. \'{"image": 4}\' (default: no limit)')
+
+
 def engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(model=a.model, dtype=a.dtype, device=a.device, load_format=a.load_format,
                 num_layers=a.num_layers, max_model_len=a.max_model_len, kv_cache_blocks=a.kv_cache_blocks,
@@ -63,7 +70,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 speculative_config=a.speculative_config, tensor_parallel_size=a.tensor_parallel_size,
                 gpu_memory_utilization=a.gpu_memory_utilization, generation_config=a.generation_config,
                 override_generation_config=a.override_generation_config, chat_template=a.chat_template, tokenizer=a.tokenizer,
-                pooler_config=a.pooler_config)
+                pooler_config=a.pooler_config, mm_processor_kwargs=a.mm_processor_kwargs,
+                limit_mm_per_prompt=a.limit_mm_per_prompt)
 
 
 def check_output_file(path: Optional[str], flag: str) -> None:

@@ -61,6 +61,10 @@ class EngineArgs:
     max_cpu_loras: Optional[int] = None
     # embeddings' defaults (vLLM's --pooler-config): {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool}
     pooler_config: Optional[Union[str, dict]] = None
+    # vLLM's, for a vision model (engine/images.py): the image processor's pixel bounds
+    # ({"min_pixels": N, "max_pixels": N} over preprocessor_config.json's) and images per prompt ({"image": N})
+    mm_processor_kwargs: Optional[Union[str, dict]] = None
+    limit_mm_per_prompt: Optional[Union[str, dict]] = None
 
     def __post_init__(self):
         if self.weight_dtype is None and self.dtype is None:
@@ -185,6 +189,8 @@ def check_engine_args(a: EngineArgs) -> None:
     if not isinstance(g, (int, float)) or isinstance(g, bool) or not 0 < g <= 1:
         raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {g!r}")
     parse_pooler_config(a.pooler_config)
+    from .images import parse_mm_args
+    parse_mm_args(a.mm_processor_kwargs, a.limit_mm_per_prompt)
     if a.dtype is not None and not isinstance(a.dtype, (str, torch.dtype)):
         raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {a.dtype!r}")
 

@@ -116,7 +116,7 @@ class Engine:
                                    lora=lora_config(args), **speculation_runner_kwargs(args))
         self.lora = self.runner.lora   # with enable_lora: the adapters' slot pool (blitzllm/lora)
         folder = src.path if src.path is not None and src.path.is_dir() else None
-        self.image_intake = ImageIntake.of(self.runner.model, folder, src.hf_config)   # a vision tower's inputs
+        self.image_intake = ImageIntake.of(self.runner.model, folder, src.hf_config, args)   # a vision tower's inputs
         if self.lora is not None:
             self.scheduler.max_loras = args.max_loras
         if self.connector is not None:

@@ -12,7 +12,9 @@ where a chunk holds image tokens; it computes an image's embeddings once and kee
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -145,18 +147,62 @@ def check_images(intake, architecture: str, tp, params, kv_transfer_params) -> N
         raise ValueError("requests with images are not disaggregated (kv_transfer_params)")
 
 
+def _json_object(value, name: str) -> dict:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be an object, got {value!r}")
+    return value
+
+
+def parse_mm_args(processor_kwargs, limit) -> tuple[dict, Optional[int]]:
+    """(the image processor's overrides, the most images a prompt may hold or None) of vLLM's
+    ``mm_processor_kwargs`` ({"min_pixels", "max_pixels"}) and ``limit_mm_per_prompt`` ({"image": N})."""
+    kw = _json_object(processor_kwargs, "mm_processor_kwargs") if processor_kwargs is not None else {}
+    for key, v in kw.items():
+        if key not in ("min_pixels", "max_pixels"):
+            raise ValueError(f"mm_processor_kwargs takes min_pixels and max_pixels, got {key!r}")
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"mm_processor_kwargs.{key} must be a positive integer, got {v!r}")
+    if kw.get("min_pixels", 1) > kw.get("max_pixels", kw.get("min_pixels", 1)):
+        raise ValueError("mm_processor_kwargs: min_pixels must be <= max_pixels")
+    lim = _json_object(limit, "limit_mm_per_prompt") if limit is not None else {}
+    if set(lim) - {"image"}:
+        raise ValueError(f"limit_mm_per_prompt takes 'image' (images per prompt), got {sorted(lim)}")
+    n = lim.get("image")
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+        raise ValueError(f"limit_mm_per_prompt.image must be an integer >= 0, got {n!r}")
+    return kw, n
+
+
 class ImageIntake:
     """The engine's side of a model with a vision tower: its image processor, placeholder token
     and spatial merge, and the checks an image request passes."""
 
-    def __init__(self, model, folder, hf_config: dict):
+    def __init__(self, model, folder, hf_config: dict, processor_kwargs=None, limit=None):
         from .multimodal import ImageProcessor
-        self.processor = ImageProcessor.from_model(folder, hf_config)
+        kw, self.limit = parse_mm_args(processor_kwargs, limit)
+        proc = ImageProcessor.from_model(folder, hf_config)
+        if "min_pixels" in kw and "max_pixels" not in kw:   # (a floor over the folder's ceiling lifts it)
+            kw["max_pixels"] = max(kw["min_pixels"], proc.max_pixels)
+        if "max_pixels" in kw and "min_pixels" not in kw:
+            kw["min_pixels"] = min(kw["max_pixels"], proc.min_pixels)
+        self.processor = dataclasses.replace(proc, **kw)
         self.token, self.merge = model.image_token_id, model.spatial_merge_size
 
     @staticmethod
-    def of(model, folder, hf_config: dict) -> Optional["ImageIntake"]:
-        return ImageIntake(model, folder, hf_config) if getattr(model, "visual", None) is not None else None
+    def of(model, folder, hf_config: dict, args=None) -> Optional["ImageIntake"]:
+        if getattr(model, "visual", None) is None:
+            return None
+        return ImageIntake(model, folder, hf_config, getattr(args, "mm_processor_kwargs", None),
+                           getattr(args, "limit_mm_per_prompt", None))
+
+    def check_count(self, n: int) -> None:
+        if self.limit is not None and n > self.limit:
+            raise ValueError(f"{n} images in one prompt; at most {self.limit} are taken (limit_mm_per_prompt)")
 
     def image(self, image) -> ImageInput:
         """A PIL image (or an ImageInput made earlier, as the server does off the engine thread)."""
@@ -176,4 +222,5 @@ class ImageIntake:
         if getattr(params, "truncate_prompt_tokens", None) is not None:
             raise ValueError("truncate_prompt_tokens does not go with images (it could cut an image's tokens)")
         images = images if isinstance(images, (list, tuple)) else [images]
+        self.check_count(len(images))
         return attach_images(ids, [self.image(im) for im in images], self.token, self.merge)

@@ -29,6 +29,11 @@ async def chat_images(s, messages) -> list:
         raise bad_request("this model takes no images (it has no vision tower): send text parts only",
                           param=f"messages.{i}.content.{j}")
 
+    try:
+        intake.check_count(len(parts))   # (before any image is read)
+    except ValueError as e:
+        raise bad_request(str(e), param="messages") from None
+
     def load() -> list:
         out = []
         for i, j, p in parts:

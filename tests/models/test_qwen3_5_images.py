@@ -143,6 +143,31 @@ def test_warm_up_sends_no_placeholders(vl, monkeypatch):
     assert llm.stats()["kv_blocks_free"] == 64
 
 
+def test_processor_bounds_and_image_limit(vl):
+    """vLLM's mm_processor_kwargs cap an image's pixels (256 here: the tokens transformers' processor
+    gives with that bound) and limit_mm_per_prompt the images of a prompt; bad values are
+    ValueErrors at start-up."""
+    hf, first = vl
+    path = first.engine.args.model
+    llm = LLM(path, dtype="float32", kv_cache_blocks=64, mm_processor_kwargs={"max_pixels": 256},
+              limit_mm_per_prompt='{"image": 1}')
+    img = _images((64, 48), seed=8)
+    out = llm.generate({"prompt_token_ids": _prompt(1), "multi_modal_data": {"image": img}},
+                       SamplingParams(temperature=0, max_tokens=3))[0]
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    capped = Qwen2VLImageProcessorPil(**{**PREPROCESS, "size": {"shortest_edge": 256, "longest_edge": 256}})
+    assert out.prompt_token_ids.count(IMG) == int(capped(images=img, return_tensors="pt")["image_grid_thw"].prod()) // 4
+    with pytest.raises(ValueError, match="at most 1"):
+        llm.generate({"prompt_token_ids": _prompt(2), "multi_modal_data": {"image": img * 2}})
+    llm.engine.close()
+    for kw, msg in ((dict(mm_processor_kwargs={"max_pixels": 0}), "positive"),
+                    (dict(mm_processor_kwargs={"size": 3}), "takes min_pixels"),
+                    (dict(limit_mm_per_prompt={"video": 1}), "takes 'image'"),
+                    (dict(mm_processor_kwargs="{"), "not valid JSON")):
+        with pytest.raises(ValueError, match=msg):
+            LLM(path, dtype="float32", kv_cache_blocks=64, **kw)
+
+
 def test_refusals(vl):
     """Placeholders and images that do not pair up, a non-image, truncation and embeddings are
     ValueErrors naming the problem; the engine serves the next request."""

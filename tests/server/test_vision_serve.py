@@ -105,7 +105,8 @@ def vl(tmp_path_factory):
     folder = tmp_path_factory.mktemp("qwen3_5_vl_serve")
     hf, tok = _tiny_vl(folder)
     srv = ServerProcess(["--model", str(folder), "--dtype", "float32", "--served-model-name", "vl",
-                         "--max-model-len", "1024", "--allowed-media-domains", "images.example.com"],
+                         "--max-model-len", "1024", "--allowed-media-domains", "images.example.com",
+                         "--limit-mm-per-prompt", '{"image": 2}'],
                         folder / "server.log")
     for s in running(srv):
         yield hf, tok, folder, s
@@ -140,8 +141,8 @@ def test_chat_with_images_matches_transformers(vl):
 
 def test_bad_image_parts_are_400s(vl):
     """A malformed data URL, an unsupported scheme, a non-image file, an image of too many pixels, a
-    host outside --allowed-media-domains and use_beam_search with an image are 400s naming the part
-    (or field); then the server still answers."""
+    host outside --allowed-media-domains, use_beam_search with an image and more images than
+    --limit-mm-per-prompt are 400s naming the part (or field); then the server still answers."""
     *_, srv = vl
     bad = [("data:image/png;base64,@@@", "malformed"), ("ftp://example.com/x.png", "unsupported image URL"),
            ("data:image/png;base64," + base64.b64encode(b"not an image").decode(), "could not be decoded"),
@@ -151,6 +152,8 @@ def test_bad_image_parts_are_400s(vl):
         assert msg in err["message"]
     check_error(_post(srv, {"messages": _messages(_png(16, 16, 0)), "use_beam_search": True, "n": 2}), 400,
                 "use_beam_search")
+    err = check_error(_post(srv, {"messages": _messages(*[_png(16, 16, i) for i in range(3)])}), 400, "messages")
+    assert "at most 2" in err["message"]   # (--limit-mm-per-prompt)
     assert _post(srv, {"messages": _messages(_png(16, 16, 3))}).status_code == 200
 
 
