@@ -67,18 +67,24 @@ class PoolerConfig:
                             normalize=base.normalize if self.normalize is None else self.normalize)
 
 
+def json_object(value: Union[str, dict], name: str) -> dict:
+    """An engine option given as JSON text or a dict (``--pooler-config``, ``--mm-processor-kwargs``, ...)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} must be a JSON object: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
 def parse_pooler_config(value: Union[None, str, dict, PoolerConfig]) -> Optional[PoolerConfig]:
     """``--pooler-config`` / ``LLM(pooler_config=...)``: JSON text or a dict of PoolerConfig's
     keys (``pooling_type`` upper- or lower-case); None when not given."""
     if value is None or isinstance(value, PoolerConfig):
         return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"pooler_config must be a JSON object: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"pooler_config must be a JSON object, got {type(value).__name__}")
+    value = json_object(value, "pooler_config")
     known = {f.name for f in fields(PoolerConfig)}
     unknown = sorted(set(value) - known)
     if unknown:

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+
+from ..pooling_params import PoolingParams, json_object
 
 
 @dataclass(frozen=True, eq=False)
@@ -136,7 +137,6 @@ def release_images(seqs) -> None:
 
 def check_images(intake, architecture: str, tp, params, kv_transfer_params) -> None:
     """What a request with images may not ask for (a ValueError)."""
-    from ..pooling_params import PoolingParams
     if intake is None:
         raise ValueError(f"{architecture} takes no images (this checkpoint has no vision tower)")
     if tp is not None:
@@ -147,21 +147,10 @@ def check_images(intake, architecture: str, tp, params, kv_transfer_params) -> N
         raise ValueError("requests with images are not disaggregated (kv_transfer_params)")
 
 
-def _json_object(value, name: str) -> dict:
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{name} is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{name} must be an object, got {value!r}")
-    return value
-
-
 def parse_mm_args(processor_kwargs, limit) -> tuple[dict, Optional[int]]:
     """(the image processor's overrides, the most images a prompt may hold or None) of vLLM's
     ``mm_processor_kwargs`` ({"min_pixels", "max_pixels"}) and ``limit_mm_per_prompt`` ({"image": N})."""
-    kw = _json_object(processor_kwargs, "mm_processor_kwargs") if processor_kwargs is not None else {}
+    kw = json_object(processor_kwargs, "mm_processor_kwargs") if processor_kwargs is not None else {}
     for key, v in kw.items():
         if key not in ("min_pixels", "max_pixels"):
             raise ValueError(f"mm_processor_kwargs takes min_pixels and max_pixels, got {key!r}")
@@ -169,7 +158,7 @@ def parse_mm_args(processor_kwargs, limit) -> tuple[dict, Optional[int]]:
             raise ValueError(f"mm_processor_kwargs.{key} must be a positive integer, got {v!r}")
     if kw.get("min_pixels", 1) > kw.get("max_pixels", kw.get("min_pixels", 1)):
         raise ValueError("mm_processor_kwargs: min_pixels must be <= max_pixels")
-    lim = _json_object(limit, "limit_mm_per_prompt") if limit is not None else {}
+    lim = json_object(limit, "limit_mm_per_prompt") if limit is not None else {}
     if set(lim) - {"image"}:
         raise ValueError(f"limit_mm_per_prompt takes 'image' (images per prompt), got {sorted(lim)}")
     n = lim.get("image")

@@ -163,7 +163,7 @@ def test_processor_bounds_and_image_limit(vl):
     for kw, msg in ((dict(mm_processor_kwargs={"max_pixels": 0}), "positive"),
                     (dict(mm_processor_kwargs={"size": 3}), "takes min_pixels"),
                     (dict(limit_mm_per_prompt={"video": 1}), "takes 'image'"),
-                    (dict(mm_processor_kwargs="{"), "not valid JSON")):
+                    (dict(mm_processor_kwargs="{"), "must be a JSON object")):
         with pytest.raises(ValueError, match=msg):
             LLM(path, dtype="float32", kv_cache_blocks=64, **kw)
 
