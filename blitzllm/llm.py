@@ -66,7 +66,8 @@ class LLM:
         """``prompts``: a prompt or a list of them; a prompt is a string, a list of token ids, or
         vLLM's ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``, with ``"multi_modal_data":
         {"image": a PIL image or a list}`` beside for a vision model (one image placeholder in the
-        prompt per image, e.g. Qwen3.5's ``<|vision_start|><|image_pad|><|vision_end|>``). One SamplingParams for all, or
+        prompt per image, e.g. Qwen3.5's ``<|vision_start|><|image_pad|><|vision_end|>``). One
+        SamplingParams for all, or
         one per prompt. ``priority``: one per prompt (lower first), with
         ``scheduling_policy="priority"``. ``lora_request``: a ``LoRARequest`` for all prompts, or a
         list of one (or None, the base model) per prompt, with ``enable_lora=True``."""
@@ -86,8 +87,8 @@ class LLM:
                                       _cumulative(s["ids"], s["lps"]) if p.logprobs is not None else None)
                      for i, s in enumerate(acc[rid])]
             text = prompt.prompt if isinstance(prompt, ImagePrompt) else prompt
-            outs.append(RequestOutput(rid, text if isinstance(text, str) else None, acc[rid][0]["prompt_ids"], comps, True,
-                                      num_cached_tokens=acc[rid][0]["cached"], prompt_logprobs=acc[rid][0]["plp"]))
+            outs.append(RequestOutput(rid, text if isinstance(text, str) else None, acc[rid][0]["prompt_ids"], comps,
+                                      True, num_cached_tokens=acc[rid][0]["cached"], prompt_logprobs=acc[rid][0]["plp"]))
         return outs
 
     def beam_search(self, prompts, params: BeamSearchParams, lora_request=None) -> list[BeamSearchOutput]:
@@ -117,10 +118,8 @@ class LLM:
         plist = _params_list(pooling_params if pooling_params is not None else PoolingParams(), prompts,
                              PoolingParams)
         rids, acc = self._run("embd", prompts, plist, [1] * len(plist))
-        return [EmbeddingRequestOutput(rid, EmbeddingOutput(acc[rid][0]["embedding"]),
-                                       truncated(self.engine.tokenize(prompt), p.truncate_prompt_tokens,
-                                                 self.engine.max_model_len), True)
-                for rid, prompt, p in zip(rids, prompts, plist)]
+        return [EmbeddingRequestOutput(rid, EmbeddingOutput(acc[rid][0]["embedding"]), acc[rid][0]["prompt_ids"], True)
+                for rid in rids]
 
     def classify(self, prompts, pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None,
                  use_tqdm: bool = False) -> list[ClassificationRequestOutput]:
@@ -133,9 +132,8 @@ class LLM:
                                                                    PoolingParams)]
         rids, acc = self._run("cls", prompts, plist, [1] * len(plist))
         return [ClassificationRequestOutput(rid, ClassificationOutput(acc[rid][0]["embedding"]),
-                                            truncated(self.engine.tokenize(prompt), p.truncate_prompt_tokens,
-                                                      self.engine.max_model_len), True)
-                for rid, prompt, p in zip(rids, prompts, plist)]
+                                            acc[rid][0]["prompt_ids"], True)
+                for rid in rids]
 
     def score(self, data_1, data_2, truncate_prompt_tokens: Optional[int] = None) -> list[ScoringRequestOutput]:
         """vLLM's ``LLM.score``: per pair, on an embedding model the cosine similarity of the two

@@ -64,8 +64,9 @@ class ImageProcessor:
         min_pixels / max_pixels over ``size``'s shortest_edge / longest_edge, as transformers
         reads them), else the patch sizes of config.json's ``vision_config``, else the defaults."""
         vision = hf_config.get("vision_config") or {}
-        kw = {ours: vision[theirs] for ours, theirs in (("patch_size", "patch_size"), ("merge_size", "spatial_merge_size"),
-                                                      ("temporal_patch_size", "temporal_patch_size"))
+        kw = {ours: vision[theirs] for ours, theirs in (("patch_size", "patch_size"),
+                                                        ("merge_size", "spatial_merge_size"),
+                                                        ("temporal_patch_size", "temporal_patch_size"))
               if vision.get(theirs)}
         path = Path(model_path) / "preprocessor_config.json" if model_path else None
         if path is not None and path.is_file():

@@ -11,7 +11,8 @@ top-k; MoE blocks add a shared expert scaled by sigmoid(``shared_expert_gate``(x
 The multimodal checkpoints (``Qwen3_5ForConditionalGeneration``, ``Qwen3_5MoeForConditionalGeneration``)
 load as their text model (``text_config``, weights under ``model.language_model.*``) and their
 vision tower (``model.visual.*``, ``qwen3_5_vision.py``) as ``visual``, run by ``embed_images``. The
-multi-token-prediction layers (``mtp.*``, also of the multimodal folders) load into ``mtp`` (``qwen3_next_mtp.py``) for MTP speculation.
+multi-token-prediction layers (``mtp.*``, also of the multimodal folders) load into ``mtp``
+(``qwen3_next_mtp.py``) for MTP speculation.
 """
 from __future__ import annotations
 
