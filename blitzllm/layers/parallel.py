@@ -167,7 +167,12 @@ class ParallelLMHead(Linear):
 
 
 def vocab_embedding(vocab: int, hidden: int, tp: TPGroup) -> nn.Module:
-    return nn.Embedding(vocab, hidden) if tp.world_size == 1 else VocabParallelEmbedding(vocab, hidden, tp)
+    if tp.world_size > 1:
+        return VocabParallelEmbedding(vocab, hidden, tp)
+    if torch.get_default_device().type == "meta":
+        # the loader fills it; a meta normal_ would import torch._dynamo (a second of start-up)
+        return nn.Embedding(vocab, hidden, _weight=torch.empty(vocab, hidden))
+    return nn.Embedding(vocab, hidden)
 
 
 def lm_head(hidden: int, vocab: int, tp: TPGroup) -> Linear:

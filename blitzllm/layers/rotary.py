@@ -139,8 +139,13 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, rotary_dim: int, max_positions: int, base: float, scaling: dict | None = None):
         super().__init__()
         self.rotary_dim = rotary_dim
-        self.register_buffer("cos_sin_cache", build_cos_sin_cache(rotary_dim, max_positions, base, scaling),
-                             persistent=False)
+        if torch.get_default_device().type == "meta":
+            # runner/build.py rebuilds the table after to_empty; a meta arange would import
+            # torch._dynamo (1.6 s of every start-up) for nothing
+            table = torch.empty(max_positions, rotary_dim)
+        else:
+            table = build_cos_sin_cache(rotary_dim, max_positions, base, scaling)
+        self.register_buffer("cos_sin_cache", table, persistent=False)
 
     def forward(self, positions, q, k):
         return (apply_rotary_torch(q, positions, self.cos_sin_cache),

@@ -58,8 +58,9 @@ def _build_model(src, cfg, device, dtype, seed, weight_dtype, tp):
     with torch.device("meta"):
         model = cls(cfg)
     # cast on the meta device first: allocating in fp32 and then casting needs twice the memory
-    model = model.to(dtype).to_empty(device=device)
-    # buffers computed at init (rotary tables) are lost by to_empty: rebuild them
+    # (torch.empty, not Module.to_empty: a meta empty_like imports sympy, half a second of start-up)
+    model = model.to(dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+    # buffers computed at init (rotary tables) are lost by the move: rebuild them
     for mod in model.modules():
         if hasattr(mod, "cos_sin_cache"):
             from ..layers.rotary import build_cos_sin_cache
