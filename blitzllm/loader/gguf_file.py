@@ -8,6 +8,10 @@ from typing import Iterator
 import numpy as np
 import torch
 
+Q4_0, Q4_1, Q8_0 = 2, 3, 8  # ggml type ids of the block formats read here without the gguf package
+GRID_TYPES = (Q4_0, Q4_1, Q8_0)
+_BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
+
 _ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 _LAYER_NAMES = {
@@ -87,15 +91,49 @@ def _rope_heads(name: str, config: dict) -> int | None:
     return config[key] if key and config["architectures"][0] == "LlamaForCausalLM" else None
 
 
+def raw_blocks(reader, t) -> tuple:
+    """(kind, q [N, K], d [N, K/32], m [N, K/32] or None) as numpy arrays from a Q4_0 / Q4_1 /
+    Q8_0 tensor's raw bytes (K = ``t.shape[0]``, a multiple of 32)."""
+    k = int(t.shape[0])
+    n = int(np.prod(t.shape[1:]))
+    raw = np.asarray(reader.tensor_data(t)).reshape(n, k // 32, _BLOCK_BYTES[t.tensor_type])
+    d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if t.tensor_type == Q8_0:
+        q = raw[..., 2:].copy().view(np.int8).reshape(n, k)
+        return "q8", q, d, None
+    off = 4 if t.tensor_type == Q4_1 else 2
+    m = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if t.tensor_type == Q4_1 else None
+    qs = raw[..., off:off + 16]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)  # low nibbles first, as ggml
+    return "q4", q, d, m
+
+
+def _dequantize(reader, t) -> np.ndarray:
+    """float32 values in GGUF order; the block formats above in one vectorized pass (the gguf
+    package's codecs split them row group by row group: seconds per model), with its
+    arithmetic, so the values are the same bits (tests/models/test_gguf_dequantize.py)."""
+    import gguf
+    if t.tensor_type not in GRID_TYPES or int(t.shape[0]) % 32:
+        return gguf.quants.dequantize(reader.tensor_data(t), t.tensor_type)
+    kind, q, d, m = raw_blocks(reader, t)
+    n, k = q.shape
+    q = q.reshape(n, k // 32, 32)
+    if t.tensor_type == Q4_0:
+        q = q.astype(np.int8) - np.int8(8)
+    out = d[..., None] * q.astype(np.float32)
+    if m is not None:
+        out += m[..., None]
+    return out
+
+
 def iter_gguf_tensors(reader, config: dict, skip=frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     """``skip``: HF names not to read (weights the model already holds in another form)."""
-    import gguf
     for t in reader.tensors:
         name = _hf_name(t.name)
         if name is None or name in skip:
             continue
         shape = tuple(int(s) for s in reversed(t.shape))
-        arr = gguf.quants.dequantize(reader.tensor_data(t), t.tensor_type).reshape(shape)
+        arr = _dequantize(reader, t).reshape(shape)
         heads = _rope_heads(name, config)
         if heads is not None:
             arr = _unpermute(arr, heads)

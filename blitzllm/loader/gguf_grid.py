@@ -13,28 +13,7 @@ from torch import nn
 
 from ..kernels.cpu_quant import pack_q4, pack_q8_blocks
 from ..layers.linear import Linear, PackedLinear
-from .gguf_file import _hf_name, _rope_heads, _unpermute
-
-Q4_0, Q4_1, Q8_0 = 2, 3, 8
-GRID_TYPES = (Q4_0, Q4_1, Q8_0)
-_BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
-
-
-def _blocks(reader, t) -> tuple:
-    """(kind, q [N, K], d [N, K/32], m [N, K/32] or None) as numpy arrays from the raw bytes."""
-    k = int(t.shape[0])
-    n = int(np.prod(t.shape[1:]))
-    raw = np.asarray(reader.tensor_data(t)).reshape(n, k // 32, _BLOCK_BYTES[t.tensor_type])
-    d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if t.tensor_type == Q8_0:
-        q = raw[..., 2:].copy().view(np.int8).reshape(n, k)
-        return "q8", q, d, None
-    off = 4 if t.tensor_type == Q4_1 else 2
-    m = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if t.tensor_type == Q4_1 else None
-    qs = raw[..., off:off + 16]
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)  # low nibbles first, as ggml
-    return "q4", q, d, m
-
+from .gguf_file import GRID_TYPES, _hf_name, _rope_heads, _unpermute, raw_blocks
 
 def read_grids(reader, config: dict, names=None) -> dict:
     """HF name -> (kind, q, d, m) for every Q4_0 / Q4_1 / Q8_0 2-D tensor (``names``: only those)."""
@@ -45,7 +24,7 @@ def read_grids(reader, config: dict, names=None) -> dict:
             continue
         if names is not None and name not in names:
             continue
-        kind, *arrays = _blocks(reader, t)
+        kind, *arrays = raw_blocks(reader, t)
         heads = _rope_heads(name, config)
         arrays = [a if heads is None or a is None else _unpermute(a, heads) for a in arrays]
         out[name] = (kind, *(None if a is None else torch.from_numpy(np.ascontiguousarray(a)) for a in arrays))
