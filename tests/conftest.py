@@ -125,7 +125,23 @@ def _give_memory_back():
         pass   # (not glibc)
 
 
-def hf_greedy(model, prompt: list, n: int) -> list:
+def hf_greedy(model, prompt: list, n: int, guess: list | None = None) -> list:
+    """transformers' greedy continuation of ``prompt``, ``n`` tokens. With ``guess`` (the
+    engine's answer) and an fp32 model: one forward over ``prompt + guess`` gives transformers'
+    argmax after every prefix of the guess (teacher forcing); the guess is its greedy answer up
+    to the first step where the argmax differs, which is taken, and ``generate`` runs only from
+    there. The same argmaxes as ``generate``'s, computed without the KV cache (fp32 summation
+    order apart), at one forward instead of ``n`` for an answer that agrees."""
+    if guess is not None and model.dtype == torch.float32:
+        guess = list(guess[:n])
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + guess])).logits[0, len(prompt) - 1:]
+        top = logits.argmax(-1).tolist()
+        j = next((i for i, (a, b) in enumerate(zip(guess, top)) if a != b), len(guess))
+        if j == n:
+            return guess
+        agreed = guess[:j] + [top[j]]
+        return agreed + (hf_greedy(model, prompt + agreed, n - len(agreed)) if len(agreed) < n else [])
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
                              eos_token_id=None, pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))

@@ -1,7 +1,6 @@
 """SmolLM2-135M-Instruct (the real default model, Q4_1 GGUF): our greedy output equals
 transformers' greedy output on the same GGUF in fp32, for 10 chat prompts x 64 tokens
 submitted together in one generate call."""
-import pytest
 import torch
 
 from blitzllm import SamplingParams
@@ -21,20 +20,12 @@ QUESTIONS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def hf_model(smollm2_gguf):
-    import transformers
-    m = transformers.AutoModelForCausalLM.from_pretrained(
-        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32)
-    return m.eval()
-
-
-def test_greedy_matches_transformers(smollm2_llm, hf_model):
-    llm = smollm2_llm
+def test_greedy_matches_transformers(smollm2_llm, smollm2_hf):
+    llm, hf_model = smollm2_llm, smollm2_hf  # (tests/conftest.py: transformers on the same GGUF, fp32)
     prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=0))
     for q, prompt, out in zip(QUESTIONS, prompts, outs):
-        ref = hf_greedy(hf_model, prompt, 64)
+        ref = hf_greedy(hf_model, prompt, 64, guess=out.token_ids)
         assert out.token_ids == ref, f"divergence for {q!r}"
         ours = torch.tensor([lp[t] for lp, t in zip(out.logprobs, out.token_ids)])
         torch.testing.assert_close(ours, hf_logprobs(hf_model, prompt, out.token_ids), atol=1e-3, rtol=0)

@@ -21,6 +21,17 @@ def test_tiny_matches_transformers(arch, tmp_path):
     assert llm.stats()["kv_blocks_free"] == 64
 
 
+def test_hf_greedy_from_a_guess_is_generates_answer(tmp_path):
+    """tests/conftest.py's hf_greedy: given a guess, the same tokens as transformers' generate,
+    whether the guess is right, wrong from some step on, or short."""
+    hf = make_tiny_checkpoint("llama", tmp_path, seed=3)
+    for prompt in ([3, 17, 250, 9], [1]):
+        want = hf_greedy(hf, prompt, 20)
+        wrong = want[:6] + [(want[6] + 1) % 320] + want[7:]
+        for guess in (want, wrong, want[:4], [(want[0] + 1) % 320], []):
+            assert hf_greedy(hf, prompt, 20, guess=guess) == want, guess
+
+
 def test_tied_embeddings_and_sharded_index(tmp_path):
     """A checkpoint split over several safetensors files with an index, tied lm_head."""
     hf = make_tiny_checkpoint("qwen3", tmp_path, seed=2, tie_word_embeddings=True)
