@@ -41,12 +41,14 @@ def make_adapter(path, hf_model, targets=ALL, r: int = 8, alpha: float = 16, rsl
     return tensors
 
 
-def merged_model(base_path, adapter_path, **load_kw):
+def merged_model(base_path, adapter_path, base=None, **load_kw):
     """transformers' model of ``base_path`` (fp32; ``load_kw``: more from_pretrained arguments, a
-    ``gguf_file``) with the adapter merged into its weights."""
+    ``gguf_file``), or a copy of the loaded model ``base``, with the adapter merged into its weights."""
+    import copy
+
     import transformers
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(base_path), dtype=torch.float32,
-                                                              **load_kw).eval()
+    model = copy.deepcopy(base) if base is not None else transformers.AutoModelForCausalLM.from_pretrained(
+        str(base_path), dtype=torch.float32, **load_kw).eval()
     from safetensors.torch import load_file
     with open(os.path.join(adapter_path, "adapter_config.json")) as f:
         cfg = json.load(f)

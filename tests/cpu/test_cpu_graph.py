@@ -48,7 +48,7 @@ def test_cpu_decode_greedy_equals_model_forward(tiny_llama, reference, compiled,
 def test_gguf_blocks_decode_compiled_and_eager_equal_model_forward(monkeypatch):
     """The default model's GGUF blocks (our AVX-512 kernel; through a custom op when compiled),
     4 layers: the decode step compiled and eager gives the model forward's greedy tokens."""
-    kw = dict(device="cpu", num_layers=4, max_num_batched_tokens=24, enable_prefix_caching=True)
+    kw = dict(device="cpu", num_layers=4, max_num_batched_tokens=24, enable_prefix_caching=True, kv_cache_blocks=64)
     ref = LLM("smollm2", **kw)
     assert ref.engine.runner.model.lm_head.quant.parts is None
     ref.engine.runner.cpu_decode = None
@@ -66,7 +66,7 @@ def test_one_call_step_equals_layer_by_layer():
     """kernels/cpu_decode's DecodeLayers (every layer in one C call) against the same step layer
     by layer in torch ops (layer_step, the GGUF kernel through Python), logits of a batch of 3
     rows at different lengths on the same caches."""
-    llm = LLM("smollm2", device="cpu", num_layers=6)
+    llm = LLM("smollm2", device="cpu", num_layers=6, kv_cache_blocks=8)  # (the blocks below)
     dec = llm.engine.runner.cpu_decode
     assert dec.step_layers is not None
     bs = dec.block_size

@@ -270,11 +270,11 @@ def test_prompt_logprobs_under_an_adapter(tiny_llama, adapters):
     assert torch.allclose(got, want[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])], atol=1e-4)
 
 
-def test_smollm2_chat_under_an_adapter(smollm2_gguf, smollm2_hf, tmp_path):
+def test_smollm2_chat_under_an_adapter(smollm2_hf, tmp_path):
     """The real model (fp32, as transformers runs it): LLM.chat under an adapter is the merged
     model's greedy answer; on its GGUF grid (the CPU default) the adapter runs too."""
     make_adapter(tmp_path / "smol", smollm2_hf, targets=ATTN + ["down_proj"], r=8, seed=5, std=0.1)
-    oracle = merged_model(smollm2_gguf.parent, tmp_path / "smol", gguf_file=smollm2_gguf.name)
+    oracle = merged_model(None, tmp_path / "smol", base=smollm2_hf)
     lora = LoRARequest("smol", 7, str(tmp_path / "smol"))
     llm = LLM("smollm2", dtype="float32", device="cpu", max_model_len=512, enable_lora=True)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
