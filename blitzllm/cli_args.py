@@ -30,6 +30,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="fcfs: arrival order; priority: each request's priority (lower first, then arrival), and "
                         "a waiting request preempts running ones of a lower priority")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-logprobs", type=int, default=20, metavar="N",
+                   help="the most logprobs / prompt_logprobs a request may ask per token (vLLM's; -1: the vocabulary)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="shard the model over N ranks (GPUs; processes on CPU): one host spawns them, several "
@@ -71,7 +73,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 gpu_memory_utilization=a.gpu_memory_utilization, generation_config=a.generation_config,
                 override_generation_config=a.override_generation_config, chat_template=a.chat_template, tokenizer=a.tokenizer,
                 pooler_config=a.pooler_config, mm_processor_kwargs=a.mm_processor_kwargs,
-                limit_mm_per_prompt=a.limit_mm_per_prompt)
+                limit_mm_per_prompt=a.limit_mm_per_prompt, max_logprobs=a.max_logprobs)
 
 
 def check_output_file(path: Optional[str], flag: str) -> None:

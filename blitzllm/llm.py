@@ -8,9 +8,9 @@ import itertools
 from dataclasses import dataclass, replace
 from typing import Iterator, Optional, Sequence, Union
 
-from .engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from .engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, check_beam_width
 from .engine.engine import Engine, EngineArgs
-from .engine.intake import truncated
+from .engine.intake import logprobs_cap, truncated
 from .engine.media import split_images
 from .engine.pooling import cosine, pair_ids, score_pairs
 from .engine.request import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput,
@@ -97,6 +97,7 @@ class LLM:
         if not isinstance(params, BeamSearchParams):
             raise ValueError("params must be a BeamSearchParams")
         eng = self.engine
+        check_beam_width(params.beam_width, logprobs_cap(eng.args.max_logprobs, eng.model_config.vocab_size))
         searches = [BeamSearch(eng.tokenize(p), params, eng.eos_token_ids, eng.max_model_len)
                     for p in _prompt_list(prompts)]
         step = searches[0].step_params() if searches else None

@@ -97,8 +97,8 @@ class SamplingParams:
             raise _err("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and (not is_int(v) or not 0 <= v <= 20):
-                raise _err(name, "an integer in [0, 20]", v)
+            if v is not None and (not is_int(v) or v < 0):  # (the engine caps it: max_logprobs)
+                raise _err(name, "an integer >= 0", v)
         if self.logit_bias is not None:
             bias = self.logit_bias
             if not isinstance(bias, dict) or not all(is_int(t) and t >= 0 for t in bias):

@@ -71,7 +71,7 @@ def test_prompt_longer_than_max_model_len(capsys):
     ("repetition_penalty", 0.0, "repetition_penalty must be in (0, 10]"),
     ("max_tokens", 0, "max_tokens must be an integer >= 1"),
     ("n", 0, "n must be an integer >= 1"),
-    ("logprobs", 50, "logprobs must be an integer in [0, 20]"),
+    ("logprobs", -1, "logprobs must be an integer >= 0"),  # (the cap is the engine's: test_max_logprobs.py)
     ("seed", -1, "seed must be an integer"),
     ("stop", [1], "stop must be a string or a list of strings"),
     ("stop", 5, "stop must be a string or a list of strings"),
@@ -199,6 +199,7 @@ def test_output_paths_and_names_fail_before_the_run(capsys, argv, msg):
 @pytest.mark.parametrize("argv,msg", [
     (["serve", "--model", "/no/such/model"], "model not found: /no/such/model"),
     (["serve", *TINY_PRESET, "--block-size", "12"], "block_size must be a power of two"),
+    (["serve", *TINY_PRESET, "--max-logprobs", "-2"], "max_logprobs must be an integer >= -1, got -2"),
     (["serve", *TINY_PRESET, "--host", "999.1.1.1"], "--host '999.1.1.1' is not an address to listen on"),
     (["serve", *TINY_PRESET, "--pooler-config", '{"pooling_type": "MAX"}'],
      "pooler_config pooling_type must be one of LAST, MEAN, CLS, got 'MAX'"),

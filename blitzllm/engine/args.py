@@ -65,6 +65,8 @@ class EngineArgs:
     # ({"min_pixels": N, "max_pixels": N} over preprocessor_config.json's) and images per prompt ({"image": N})
     mm_processor_kwargs: Optional[Union[str, dict]] = None
     limit_mm_per_prompt: Optional[Union[str, dict]] = None
+    # vLLM's: the most logprobs / prompt_logprobs a request may ask per token (-1: the whole vocabulary)
+    max_logprobs: int = 20
 
     def __post_init__(self):
         if self.weight_dtype is None and self.dtype is None:
@@ -175,6 +177,7 @@ def check_engine_args(a: EngineArgs) -> None:
     integer("num_layers", 1, optional=True)
     integer("seed", 0, 2**63 - 1)
     integer("block_size", 1)
+    integer("max_logprobs", -1)
     if a.block_size & (a.block_size - 1):
         raise ValueError(f"block_size must be a power of two >= 1, got {a.block_size}")
     for name in ("enable_prefix_caching", "enforce_eager", "warmup", "enable_lora"):

@@ -13,7 +13,8 @@ from typing import Optional
 
 from ..sampling_params import SamplingParams
 
-# the candidates of a beam come from its step's top 2 * beam_width logprobs, at most 20 (SamplingParams')
+# the candidates of a beam come from its step's top 2 * beam_width logprobs, at most 20 (the engine's
+# default max_logprobs; a lower one narrows the beams: check_beam_width)
 MAX_BEAM_WIDTH = 10
 MAX_LENGTH_PENALTY = 10.0
 
@@ -48,6 +49,12 @@ class BeamSearchParams:
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+
+def check_beam_width(beam_width: int, max_logprobs: int) -> None:
+    if 2 * beam_width > max_logprobs:
+        raise ValueError(f"beam_width {beam_width} ranks 2 * {beam_width} candidates a step, more than the "
+                         f"engine's max_logprobs ({max_logprobs})")
 
 
 @dataclass

@@ -243,7 +243,8 @@ class Engine:
             self.image_intake.check_text(ids)
         ids, params, bad_words = check_request(
             ids, params, vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len,
-            max_tokens_cap=self.sampling_defaults.get("max_tokens"), tokenizer=self.tokenizer)
+            max_tokens_cap=self.sampling_defaults.get("max_tokens"), tokenizer=self.tokenizer,
+            max_logprobs=self.args.max_logprobs)
         if self.connector is None:
             kv_transfer_params = kv_payload = None
         elif kv_transfer_params and kv_transfer_params.get("do_remote_decode") and params.n != 1:

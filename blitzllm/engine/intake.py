@@ -48,11 +48,12 @@ def bad_word_ids(words, tokenizer, vocab_size: int) -> tuple:
 
 
 def check_request(ids: list, params: SamplingParams, *, vocab_size: int, max_model_len: int,
-                  max_tokens_cap: Optional[int], tokenizer) -> tuple:
+                  max_tokens_cap: Optional[int], tokenizer, max_logprobs: int = 20) -> tuple:
     """(prompt ids, params, bad word ids) for the engine to queue, or a ValueError saying what is
-    wrong."""
+    wrong. ``max_logprobs``: the engine's cap on logprobs / prompt_logprobs (-1: the vocabulary)."""
     ids = truncated(ids, params.truncate_prompt_tokens, max_model_len)
     V = vocab_size
+    check_logprobs(params, max_logprobs, V)
     if not ids:
         raise ValueError("the prompt is empty")
     if any(t < 0 or t >= V for t in ids):
@@ -72,6 +73,18 @@ def check_request(ids: list, params: SamplingParams, *, vocab_size: int, max_mod
         raise ValueError(f"logit_bias token ids must be in [0, {V})")
     bad = bad_word_ids(params.bad_words, tokenizer, V) if params.bad_words else ()
     return ids, params, bad
+
+
+def logprobs_cap(max_logprobs: int, vocab_size: int) -> int:
+    return vocab_size if max_logprobs == -1 else min(max_logprobs, vocab_size)
+
+
+def check_logprobs(params: SamplingParams, max_logprobs: int, vocab_size: int) -> None:
+    cap = logprobs_cap(max_logprobs, vocab_size)
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(params, name)
+        if k is not None and k > cap:
+            raise ValueError(f"{name} must be at most {cap} (the engine's max_logprobs), got {k}")
 
 
 def check_priority(priority, policy: str) -> None:

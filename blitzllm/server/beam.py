@@ -9,7 +9,7 @@ from typing import Optional
 
 from fastapi import Request
 
-from ..engine.beam_search import MAX_BEAM_WIDTH, BeamSearch, BeamSearchParams
+from ..engine.beam_search import MAX_BEAM_WIDTH, BeamSearch, BeamSearchParams, check_beam_width
 from ..sampling_params import SamplingParams
 from .errors import bad_request
 from .serving import Serving, pick
@@ -47,6 +47,10 @@ async def beam_answers(s: Serving, raw: Request, rid: str, prompts: list, bp: Be
     """Per prompt (token ids) its ``bp.beam_width`` best beams (``BeamSearchSequence``s with their
     text), best first, under ``lora_request``'s adapter (None: the base model); None if the client
     went away."""
+    try:
+        check_beam_width(bp.beam_width, s.max_logprobs)
+    except ValueError as e:
+        raise bad_request(f"n is the beam width with use_beam_search: {e} (--max-logprobs)", param="n") from None
     try:
         searches = [BeamSearch(ids, bp, s.aengine.engine.eos_token_ids, s.max_model_len) for ids in prompts]
     except ValueError as e:

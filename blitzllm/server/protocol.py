@@ -142,7 +142,7 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[Int] = Field(None, ge=1)
     logprobs: Optional[bool] = False
-    top_logprobs: Optional[Int] = Field(None, ge=0, le=20)
+    top_logprobs: Optional[Int] = Field(None, ge=0)
     response_format: Optional[ResponseFormat] = None
     tools: Optional[list] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None  # extra variables for the chat template
@@ -152,7 +152,7 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: Optional[bool] = True
     continue_final_message: Optional[bool] = Field(False, description="the final (assistant) message left open for "
                                                    "the model to continue; needs add_generation_prompt false")
-    prompt_logprobs: Optional[Int] = Field(None, ge=0, le=20, description=PROMPT_LOGPROBS + " (the rendered prompt's)")
+    prompt_logprobs: Optional[Int] = Field(None, ge=0, description=PROMPT_LOGPROBS + " (the rendered prompt's)")
     return_tokens_as_token_ids: Optional[bool] = Field(None, description=AS_TOKEN_IDS)
 
 
@@ -161,10 +161,10 @@ class CompletionRequest(_SamplingRequest):
                   Annotated[list[TokenIds], Field(min_length=1)]]
     max_tokens: Optional[Int] = Field(None, ge=0, description="0 (with echo): score the prompt, generate nothing")
     echo: Optional[bool] = False
-    logprobs: Optional[Int] = Field(None, ge=0, le=20, description="with echo, the prompt tokens' too")
+    logprobs: Optional[Int] = Field(None, ge=0, description="with echo, the prompt tokens' too")
     suffix: Optional[str] = None
     best_of: Optional[Int] = None
-    prompt_logprobs: Optional[Int] = Field(None, ge=0, le=20, description=PROMPT_LOGPROBS)
+    prompt_logprobs: Optional[Int] = Field(None, ge=0, description=PROMPT_LOGPROBS)
     return_tokens_as_token_ids: Optional[bool] = Field(None, description=AS_TOKEN_IDS)
 
 

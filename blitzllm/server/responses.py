@@ -48,6 +48,7 @@ async def create_response(s: Serving, req: ResponsesRequest, raw: Request, store
     items = input_items(req)
     vision = s.aengine.engine is not None and s.aengine.engine.image_intake is not None
     messages = await s.cpu(chat_messages, req.instructions, earlier.conversation if earlier else [], items, vision)
+    s.check_logprobs(req.top_logprobs, "top_logprobs")
     k = pick(req.top_logprobs, 0) if LOGPROBS in (req.include or ()) else None
     tools = chat_tools(req.tools)
     kwargs = dict(req.chat_template_kwargs or {})

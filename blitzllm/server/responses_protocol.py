@@ -121,7 +121,7 @@ class ResponsesRequest(SamplingFields):
                                                     "(in memory, bounded: --max-stored-responses)")
     previous_response_id: Optional[str] = None
     metadata: Optional[Metadata] = None
-    top_logprobs: Optional[Int] = Field(None, ge=0, le=20)
+    top_logprobs: Optional[Int] = Field(None, ge=0)
     include: Optional[list[INCLUDABLE]] = Field(None, description=f"{LOGPROBS}: the message's token logprobs; "
                                                 "the others are accepted and have no effect")
     reasoning: Optional[ReasoningConfig] = None

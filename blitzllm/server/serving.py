@@ -24,7 +24,7 @@ from fastapi.responses import StreamingResponse
 from ..engine.async_engine import (AsyncEngine, DuplicateRequestError, EngineNotReadyError, EngineStepError,
                                    EngineStoppedError, QueueFullError)
 from ..engine.request import gather, gathered
-from ..engine.intake import truncated
+from ..engine.intake import logprobs_cap, truncated
 from ..http_body import until_done_or_gone
 from ..kv_transfer import KVLoadError
 from ..structured import INSTALL as STRUCTURED_INSTALL
@@ -162,7 +162,7 @@ class Serving:
         self.tokenizer = None          # set by setup() once the engine is loaded
         self.defaults: dict = {}       # the engine's sampling_defaults (generation config)
         self.max_model_len = 0
-        self.vocab_size = 0
+        self.vocab_size, self.max_logprobs = 0, 20   # (the engine's max_logprobs, resolved)
         self.classifier, self.labels = False, ()   # a sequence classifier's (server/classify.py, score.py)
         self.created = int(time.time())
         self._tok_str: dict[int, str] = {}
@@ -182,6 +182,7 @@ class Serving:
             log.info("sampling defaults from the generation config, for fields a request leaves unset: %s",
                      self.defaults)
         self.vocab_size = engine.model_config.vocab_size
+        self.max_logprobs = logprobs_cap(getattr(getattr(engine, "args", None), "max_logprobs", 20), self.vocab_size)
         self.classifier, self.labels = engine.model_config.is_classifier, engine.model_config.labels
         self.loras.setup(engine, self.model_names)
         if tokenizer is not None:
@@ -325,6 +326,8 @@ class Serving:
                 raise bad_request("logit_bias keys must be token ids (decimal integers >= 0)", param="logit_bias")
             bias = {int(k): v for k, v in req.logit_bias.items()}
         structured, field, d = *structured, self.defaults
+        self.check_logprobs(logprobs, logprobs_field)
+        self.check_logprobs(prompt_logprobs, "prompt_logprobs")
         try:
             return SamplingParams(
                 n=pick(n, 1), temperature=pick(req.temperature, d.get("temperature", 1.0)),
@@ -341,6 +344,11 @@ class Serving:
                 bad_words=req.bad_words, truncate_prompt_tokens=self.truncation(req))
         except ValueError as e:
             raise self._user_error(e, "prompt", max_tokens_field, logprobs_field, field) from None
+
+    def check_logprobs(self, k: Optional[int], field: str) -> None:
+        if k is not None and k > self.max_logprobs:
+            raise bad_request(f"{field} must be at most {self.max_logprobs} (the server's --max-logprobs), got {k}",
+                              param=field)
 
     def truncation(self, req) -> Optional[int]:
         """The body's truncate_prompt_tokens (chat and completions have one), checked against
