@@ -98,8 +98,10 @@ class LLM:
             raise ValueError("params must be a BeamSearchParams")
         eng = self.engine
         check_beam_width(params.beam_width, logprobs_cap(eng.args.max_logprobs, eng.model_config.vocab_size))
-        searches = [BeamSearch(eng.tokenize(p), params, eng.eos_token_ids, eng.max_model_len)
-                    for p in _prompt_list(prompts)]
+        prompts = _prompt_list(prompts)
+        if any(isinstance(p, ImagePrompt) for p in prompts):
+            raise ValueError("beam_search takes text or token-id prompts; images (multi_modal_data) need generate")
+        searches = [BeamSearch(eng.tokenize(p), params, eng.eos_token_ids, eng.max_model_len) for p in prompts]
         step = searches[0].step_params() if searches else None
         while live := [(s, b) for s in searches for b in s.live()]:
             outs = self.generate([b.tokens for _, b in live], step, lora_request=lora_request)

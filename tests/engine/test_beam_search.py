@@ -103,5 +103,9 @@ def test_a_prompt_too_long_is_refused(tiny_llama):
         llm.beam_search([list(range(1, 40))], BeamSearchParams(beam_width=2, max_tokens=4))
     with pytest.raises(ValueError, match="params must be a BeamSearchParams"):
         llm.beam_search("hi", SamplingParams())
+    from PIL import Image
+    image_prompt = {"prompt_token_ids": [1, 2, 3], "multi_modal_data": {"image": Image.new("RGB", (8, 8))}}
+    with pytest.raises(ValueError, match=r"beam_search takes text or token-id prompts; images \(multi_modal_data\)"):
+        llm.beam_search([[4, 5], image_prompt], BeamSearchParams(beam_width=2, max_tokens=4))
     s = llm.stats()
     assert s["kv_blocks_free"] == s["kv_blocks_total"]
