@@ -26,6 +26,7 @@ class ModelSource:
     torch_dtype: Optional[str]
     slices: Optional[Callable[[], Iterator]] = None  # safetensors: lazy slices (tensor-parallel loading)
     generation_config: dict = field(default_factory=dict)  # an HF folder's generation_config.json
+    gguf_reader: object = None     # a GGUF file's, parsed once (runner/build.py reads its grids from it)
 
 
 def list_presets() -> list[str]:
@@ -51,7 +52,7 @@ def _gguf_source(path: Path) -> ModelSource:
     from .tokenizer import load_gguf_tokenizer
     reader, cfg = open_gguf(path)
     return ModelSource("gguf", path, cfg, lambda: iter_gguf_tensors(reader, cfg), len(reader.tensors),
-                       lambda: load_gguf_tokenizer(path), None)
+                       lambda: load_gguf_tokenizer(path), None, gguf_reader=reader)
 
 
 def read_generation_config(folder: Path) -> dict:

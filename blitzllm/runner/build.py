@@ -71,9 +71,10 @@ def _build_model(src, cfg, device, dtype, seed, weight_dtype, tp):
     if weight_dtype == "auto":  # none asked: a GGUF's quantized linears stay on their grid on the CPU
         weight_dtype = dtype
         if device.type == "cpu" and src.kind == "gguf" and src.tensors is not None and tp.world_size == 1:
-            from ..loader.gguf_file import iter_gguf_tensors, open_gguf
+            from ..loader.gguf_file import gguf_config, iter_gguf_tensors, open_gguf
             from ..loader.gguf_grid import apply_gguf_grids
-            reader, gcfg = open_gguf(src.path)
+            reader = src.gguf_reader if src.gguf_reader is not None else open_gguf(src.path)[0]
+            gcfg = gguf_config(reader)
             skip = apply_gguf_grids(model, reader, gcfg)  # (their float copies are never read)
             src = replace(src, tensors=lambda: iter_gguf_tensors(reader, gcfg, skip),
                           num_tensors=src.num_tensors - len(skip))
