@@ -48,7 +48,7 @@ def bad_word_ids(words, tokenizer, vocab_size: int) -> tuple:
 
 
 def check_request(ids: list, params: SamplingParams, *, vocab_size: int, max_model_len: int,
-                  max_tokens_cap: Optional[int], tokenizer, max_logprobs: int = 20) -> tuple:
+                  max_tokens_cap: Optional[int], tokenizer, max_logprobs: int) -> tuple:
     """(prompt ids, params, bad word ids) for the engine to queue, or a ValueError saying what is
     wrong. ``max_logprobs``: the engine's cap on logprobs / prompt_logprobs (-1: the vocabulary)."""
     ids = truncated(ids, params.truncate_prompt_tokens, max_model_len)

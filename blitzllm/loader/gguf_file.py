@@ -115,7 +115,7 @@ def _dequantize(reader, t) -> np.ndarray:
     import gguf
     if t.tensor_type not in GRID_TYPES or int(t.shape[0]) % 32:
         return gguf.quants.dequantize(reader.tensor_data(t), t.tensor_type)
-    kind, q, d, m = raw_blocks(reader, t)
+    _, q, d, m = raw_blocks(reader, t)
     n, k = q.shape
     q = q.reshape(n, k // 32, 32)
     if t.tensor_type == Q4_0:

@@ -15,6 +15,7 @@ from ..kernels.cpu_quant import pack_q4, pack_q8_blocks
 from ..layers.linear import Linear, PackedLinear
 from .gguf_file import GRID_TYPES, _hf_name, _rope_heads, _unpermute, raw_blocks
 
+
 def read_grids(reader, config: dict, names=None) -> dict:
     """HF name -> (kind, q, d, m) for every Q4_0 / Q4_1 / Q8_0 2-D tensor (``names``: only those)."""
     out = {}
