@@ -6,7 +6,7 @@ compile checks run its functions (tests/kernels/conftest.py ``sm90_compile``).
 
     python3 tools/ptxas_check.py   # the fused decode attention, the decode GEMV at its heuristic
                                    # configs, the direct MoE gate/up GEMM, the norm + router launch,
-                                   # the expert selection and the FP8 weight kernels
+                                   # the expert selection, the FP8 weight kernels and the LoRA kernels
 """
 import os
 import subprocess
@@ -172,6 +172,29 @@ def fp8_weights():
             num_stages=cfg["num_stages"], grid=(k, triton.cdiv(n, cfg["BLOCK_N"])))
         print(f"{name} {kern.asm['ptx'].count('cvt.rn.f16x2.e4m3x2')} {ptxas_report(kern)}")
 
+
+def lora():
+    """The LoRA shrink and expand kernels at Llama-3.1-8B's qkv (K 4096, N 6144, 3 slices) and
+    down (K 14336, SiLU-and-mul input) sizes, rank 16, 4 slots, one row, bf16."""
+    from blitzllm.kernels.lora import lora as lk
+    bf = torch.bfloat16
+    slots = torch.zeros(1, dtype=torch.int64)
+    for name, sr, k, n, silu in (("qkv", 48, 4096, 6144, False), ("down+silu", 16, 14336, 4096, True)):
+        x, y = torch.zeros(1, 2 * k if silu else k, dtype=bf), torch.zeros(1, n, dtype=bf)
+        a, b = torch.zeros(4, sr, k, dtype=bf), torch.zeros(4, sr, n, dtype=bf)
+        part = torch.zeros(8, 1, sr)
+        sr_pad = max(16, triton.next_power_of_2(sr))
+        kern = lk._shrink_kernel.warmup(x, a, slots, part, k, sr, x.stride(0), a.stride(0), a.stride(1),
+                                        part.stride(0), part.stride(1), 512, SILU_MUL=silu, SR_PAD=sr_pad,
+                                        BLOCK_K=lk._BLOCK_K, num_warps=4, grid=(1, 8))
+        print(f"lora shrink {name}: {ptxas_report(kern)}")
+        if not silu:
+            kern = lk._expand_kernel.warmup(y, part, b, slots, n, sr, 8, y.stride(0), part.stride(0),
+                                            part.stride(1), b.stride(0), b.stride(1), SR_PAD=sr_pad,
+                                            BLOCK_N=lk._BLOCK_N, num_warps=4, grid=(1, n // lk._BLOCK_N))
+            print(f"lora expand {name}: {ptxas_report(kern)}")
+
+
 if __name__ == "__main__":
     drv.set_active(_Sm90())
     decode_attention()
@@ -180,3 +203,4 @@ if __name__ == "__main__":
     norm_route()
     select_experts()
     fp8_weights()
+    lora()

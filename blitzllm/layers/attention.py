@@ -151,7 +151,7 @@ class ForwardContext:
     kv_caches: list          # per layer (k_cache, v_cache)
     backend: AttentionBackend
     scratch: dict = field(default_factory=dict)  # per-step values shared by the layers
-    lora: object = None      # with enable_lora: each row's adapter slot, one-hot (blitzllm/lora)
+    lora: object = None      # with enable_lora: the rows' adapter slots (blitzllm/lora LoRARows)
     # M-RoPE steps (images in the chunk): each token's cos/sin row [T, rotary_dim]; positions are
     # then 0..T-1, indexing these rows instead of the rotary's table
     rope_rows: Optional[torch.Tensor] = None

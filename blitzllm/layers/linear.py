@@ -36,6 +36,9 @@ class Linear(nn.Module):
         # kernel forms, set by the runner's decode plan (runner/decode_plan.py):
         # CUDA decode rows on the Triton GEMV (else cuBLAS)
         self.use_gemv = True
+        # gate_up on that GEMV may apply the MLP's SiLU-and-mul in its epilogue (off under LoRA,
+        # whose rows add in before the SiLU)
+        self.glu_epilogue = True
         # decode at 1-2 rows through the TMA GEMV (kernels/gemv/gemv_tma.py), which streams its
         # weights before waiting on the kernel before: set on o_proj and qkv, which follow the
         # latency-bound decode attention and RMSNorm (those let it launch as they start:

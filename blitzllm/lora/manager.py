@@ -10,32 +10,39 @@ slot when a step needs them, and a slot no request of the step uses is given bac
 recently used first. The engine's scheduler guarantees a step never needs more than
 ``max_loras``.
 
-Every row goes through every slot's A at once, ``x @ A_all^T`` [rows, slots * S * R], and a
-one-hot mask of the row's slot keeps its own columns before the B product: a few more FLOPs
-than gathering each slot's rows, but the shapes never depend on which rows hold which adapter,
-so the decode CUDA graphs capture it (the row slots are one more graph input,
-``runner/cuda_graphs.py``).
+A step's LoRA products (``kernels/lora``): decode rows on CUDA run two kernels a linear, each
+row reading only its own slot; other steps run every row through every slot's A at once
+(``x @ A_all^T`` [rows, slots * S * R]) with a one-hot mask of the row's slot before the B
+product. Neither form's shapes depend on which rows hold which adapter, so the decode CUDA
+graphs capture them (the row slots are one more graph input, ``runner/cuda_graphs.py``).
 
 The engine calls ``prepare_step`` with each scheduled sequence's adapter; the runner asks
-``mapping`` (eager forwards) or ``row_slots`` (graph replays) for the step's rows and hands
-the mask to the layers in the forward context.
+``mapping`` (eager forwards) or ``rows`` (graph captures) for the step's ``LoRARows`` and hands
+them to the layers in the forward context.
 """
 from __future__ import annotations
 
 import sys
 from collections import OrderedDict
 from functools import partial
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from ..kernels.activation import silu_and_mul
+from ..kernels.lora import lora_add_triton, reference_lora_add, slot_mask, use_lora_kernels
 from ..layers.attention import get_forward_context
 from .adapter import LoRAAdapter, load_adapter
 from .request import LoRAConfig, LoRARequest
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _WRAPPED = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+class LoRARows(NamedTuple):
+    """A step's rows for the wrapped linears (``ForwardContext.lora``)."""
+    slots: torch.Tensor                 # [rows] int64: each row's slot, -1 for the base model
+    mask: Optional[torch.Tensor]        # their one-hot where the step takes the torch form, else None
 
 
 class LoRAManager:
@@ -63,7 +70,6 @@ class LoRAManager:
         self.cpu: OrderedDict = OrderedDict()      # adapter key -> LoRAAdapter read from disk
         self.step_slots: list = []                 # per scheduled sequence of the step: slot or -1
         self.slot_loads = 0
-        self._slot_ids = torch.arange(n, device=device)
         print(f"[blitz] LoRA: {len(self.modules)} linears wrapped, {n} slot(s) of rank {self.rank} "
               "(no fused CPU decode)", file=sys.stderr)
 
@@ -130,17 +136,19 @@ class LoRAManager:
             return list(self.step_slots)
         return [s for s, c in zip(self.step_slots, counts) for _ in range(c)]
 
-    def mask(self, row_slots: torch.Tensor) -> torch.Tensor:
-        """The one-hot [rows, slots, 1] of each row's slot (all zeros for -1), in the slots' dtype."""
-        return (row_slots[:, None, None] == self._slot_ids[None, :, None]).to(self.dtype)
+    def rows(self, row_slots: torch.Tensor) -> LoRARows:
+        """The layers' view of ``row_slots`` [rows] (on the device): with the one-hot mask unless
+        the step's rows take the kernels."""
+        mask = None if use_lora_kernels(row_slots) else slot_mask(row_slots, len(self.slot_keys), self.dtype)
+        return LoRARows(row_slots, mask)
 
-    def mapping(self, qsl: list) -> Optional[torch.Tensor]:
-        """The step's row mask (``qsl``: the batch's query start offsets); None when no sequence
-        of the step has an adapter (the base model's rows add nothing)."""
+    def mapping(self, qsl: list) -> Optional[LoRARows]:
+        """The step's rows (``qsl``: the batch's query start offsets); None when no sequence of
+        the step has an adapter (the base model's rows add nothing)."""
         if all(s < 0 for s in self.step_slots):
             return None
         slots = self.row_slots([qsl[i + 1] - qsl[i] for i in range(len(self.step_slots))])
-        return self.mask(torch.tensor(slots, device=self.device))
+        return self.rows(torch.tensor(slots, device=self.device))
 
     def stats(self) -> dict:
         return {"lora_slots_used": sum(k is not None for k in self.slot_keys), "lora_slot_loads": self.slot_loads}
@@ -148,23 +156,24 @@ class LoRAManager:
 
 def _wrap(mod, name: str, slots_a: torch.Tensor, slots_b: torch.Tensor) -> None:
     """Give ``mod`` an instance ``forward`` that adds the LoRA rows to its own. The decode forms
-    that run inside ``forward`` stay (the GEMV, o_proj's TMA GEMV); those that bypass it are
-    switched off: gate/up's GEMV epilogue (silu would come before the LoRA adds in) and qkv's TMA
-    GEMV launched from the norm (``forward_norm``)."""
+    that run inside ``forward`` stay (the GEMV, its SiLU-and-mul input, o_proj's TMA GEMV); those
+    that bypass it are switched off: gate/up's GEMV epilogue (silu would come before the LoRA
+    adds in) and qkv's TMA GEMV launched from the norm (``forward_norm``)."""
     if name == "mlp.gate_up_proj":
-        mod.use_gemv = False
+        mod.glu_epilogue = False
     if name == "self_attn.qkv_proj":
         mod.tma_preload = False
     mod.forward = partial(_lora_forward, mod, type(mod).forward, slots_a, slots_b)
 
 
 def _lora_forward(mod, base_forward, slots_a, slots_b, x: torch.Tensor, silu_mul_input: bool = False):
-    if silu_mul_input:  # (down_proj's LoRA reads silu(gate) * up, as the product does)
-        x = silu_and_mul(x)
-    y = base_forward(mod, x)
-    mask = get_forward_context().lora
-    if mask is None:
+    # (down_proj's LoRA reads silu(gate) * up, as its product does)
+    rows = get_forward_context().lora
+    if silu_mul_input and rows is not None and rows.mask is not None:   # the torch form: one silu for both
+        x, silu_mul_input = silu_and_mul(x), False
+    y = base_forward(mod, x, silu_mul_input)    # (y is the product's own: the LoRA rows add in place)
+    if rows is None:
         return y
-    n = slots_a.shape[0]
-    xa = (x @ slots_a.view(-1, slots_a.shape[-1]).t()).view(x.shape[0], n, -1) * mask
-    return y.addmm_(xa.view(x.shape[0], -1), slots_b.view(-1, slots_b.shape[-1]))   # (y is the product's own)
+    if rows.mask is None:
+        return lora_add_triton(y, x, slots_a, slots_b, rows.slots, silu_mul_input)
+    return reference_lora_add(y, x, slots_a, slots_b, rows.mask)

@@ -80,7 +80,7 @@ class DenseMLP(nn.Module):
 
     def glu_ok(self, x: torch.Tensor) -> bool:
         gu = self.gate_up_proj
-        return (x.is_cuda and gu.use_gemv and gu.qweight is None and gu.fp8_block is None
+        return (x.is_cuda and gu.use_gemv and gu.glu_epilogue and gu.qweight is None and gu.fp8_block is None
                 and x.dtype == gu.weight.dtype and glu_ok(x, gu.weight))
 
 

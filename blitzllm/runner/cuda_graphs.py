@@ -4,8 +4,8 @@ to the next bucket (padding rows write nothing and read one cached token).
 
 Each graph covers the model forward and the lm_head; sampling runs after it. A hybrid model's
 state layers read and write the rows in a device buffer of the graphs (padding rows: the pool's
-scratch row). With LoRA, each row's adapter slot is one more input row (-1: none), turned into
-the layers' one-hot mask inside the graph (``blitzllm/lora/manager.py``).
+scratch row). With LoRA, each row's adapter slot is one more input row (-1: none), which the LoRA
+products read inside the graph (``blitzllm/lora/manager.py``).
 """
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ class DecodeGraphs:
         smd = None
         if self.states is not None:
             smd = self.states.decode_metadata(self.state_rows[0, :b], self.state_rows[1, :b], self.query_start_loc[:b + 1])
-        lora = self.lora.mask(self._in64[3, :b]) if self.lora is not None else None
+        lora = self.lora.rows(self._in64[3, :b]) if self.lora is not None else None
         with (forward_context(ForwardContext(self._metadata(b), self.kv_caches, self.backend, lora=lora)),
               state_context(smd)):
             hidden = self.model(self.input_ids[:b], self.positions[:b])

@@ -242,6 +242,25 @@ def test_adapters_in_cuda_graphs_match_the_merged_models(tiny_llama, adapters):
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
 
 
+@pytest.mark.gpu
+def test_decode_batches_past_the_kernel_rows_match_the_merged_models(tiny_llama, adapters):
+    """CUDA graphs at batches on both sides of kernels/lora's KERNEL_MAX_ROWS (decode rows up to it
+    take the shrink / expand kernels, more the one-GEMM form with the one-hot mask): 20 prompts,
+    base rows and two adapters mixed, each row gets its merged model's greedy tokens."""
+    from blitzllm.kernels.lora import KERNEL_MAX_ROWS
+    (la, oa), (lb, ob) = adapters["attn"], adapters["all"]
+    llm = LLM(str(tiny_llama[0]), device="cuda", dtype="float32", kv_cache_blocks=128, max_num_seqs=32,
+              enable_lora=True, max_loras=2)
+    prompts = _prompts(20, seed=17)
+    which = [(None, la, lb)[i % 3] for i in range(20)]
+    assert len(prompts) > KERNEL_MAX_ROWS
+    for n in (KERNEL_MAX_ROWS, 20):
+        got = [o.token_ids for o in llm.generate(prompts[:n], GREEDY, lora_request=which[:n])]
+        for prompt, lo, ids in zip(prompts, which, got):
+            assert ids == hf_greedy(tiny_llama[1] if lo is None else (oa if lo is la else ob), prompt, N)
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+
+
 def test_the_benchs_random_adapter_matches_its_merged_model(tiny_llama, tmp_path):
     """``write_random_adapter`` (``blitz bench latency --lora-rank``) writes a PEFT adapter on
     every wrapped projection that the engine serves as transformers does with it merged."""
