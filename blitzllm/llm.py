@@ -5,9 +5,11 @@ worker processes; they also stop when this process exits."""
 from __future__ import annotations
 
 import itertools
+import sys
 from dataclasses import dataclass, replace
 from typing import Iterator, Optional, Sequence, Union
 
+from . import envs
 from .engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, check_beam_width
 from .engine.engine import Engine, EngineArgs
 from .engine.intake import logprobs_cap, truncated
@@ -61,7 +63,7 @@ class LLM:
         return SamplingParams(**self.engine.sampling_defaults)
 
     def generate(self, prompts, sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = False, priority: Optional[Sequence[int]] = None,
+                 use_tqdm: bool = True, priority: Optional[Sequence[int]] = None,
                  lora_request=None) -> list[RequestOutput]:
         """``prompts``: a prompt or a list of them; a prompt is a string, a list of token ids, or
         vLLM's ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``, with ``"multi_modal_data":
@@ -79,7 +81,7 @@ class LLM:
         loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError(f"got {len(loras)} lora_request entries for {len(prompts)} prompts")
-        rids, acc = self._run("gen", prompts, plist, [p.n for p in plist], priority, loras)
+        rids, acc = self._run("gen", prompts, plist, [p.n for p in plist], priority, loras, use_tqdm)
         outs = []
         for rid, prompt, p in zip(rids, prompts, plist):
             comps = [CompletionOutput(i, "".join(s["text"]), s["ids"],
@@ -104,7 +106,7 @@ class LLM:
         searches = [BeamSearch(eng.tokenize(p), params, eng.eos_token_ids, eng.max_model_len) for p in prompts]
         step = searches[0].step_params() if searches else None
         while live := [(s, b) for s in searches for b in s.live()]:
-            outs = self.generate([b.tokens for _, b in live], step, lora_request=lora_request)
+            outs = self.generate([b.tokens for _, b in live], step, use_tqdm=False, lora_request=lora_request)
             for s in searches:
                 n = len(s.beams)
                 s.advance([o.outputs[0].logprobs[0] for o in outs[:n]])
@@ -113,19 +115,19 @@ class LLM:
         return [BeamSearchOutput(s.best(decode)) for s in searches]
 
     def embed(self, prompts, pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None,
-              use_tqdm: bool = False) -> list[EmbeddingRequestOutput]:
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (prompts as ``generate`` takes them): the model's final hidden
         states pooled as ``pooling_params`` and the engine's pooler config say (by default the last
         token's, L2-normalized). One PoolingParams for all, or one per prompt."""
         prompts = _prompt_list(prompts)
         plist = _params_list(pooling_params if pooling_params is not None else PoolingParams(), prompts,
                              PoolingParams)
-        rids, acc = self._run("embd", prompts, plist, [1] * len(plist))
+        rids, acc = self._run("embd", prompts, plist, [1] * len(plist), use_tqdm=use_tqdm)
         return [EmbeddingRequestOutput(rid, EmbeddingOutput(acc[rid][0]["embedding"]), acc[rid][0]["prompt_ids"], True)
                 for rid in rids]
 
     def classify(self, prompts, pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None,
-                 use_tqdm: bool = False) -> list[ClassificationRequestOutput]:
+                 use_tqdm: bool = True) -> list[ClassificationRequestOutput]:
         """vLLM's ``LLM.classify`` on a sequence classifier: per prompt (as ``generate`` takes them)
         its class probabilities, the model's head on the last token's final hidden state through
         softmax (a sigmoid with one label; raw logits with ``PoolingParams(use_activation=False)``).
@@ -133,24 +135,26 @@ class LLM:
         prompts = _prompt_list(prompts)
         plist = [replace(p, task="classify") for p in _params_list(pooling_params or PoolingParams(), prompts,
                                                                    PoolingParams)]
-        rids, acc = self._run("cls", prompts, plist, [1] * len(plist))
+        rids, acc = self._run("cls", prompts, plist, [1] * len(plist), use_tqdm=use_tqdm)
         return [ClassificationRequestOutput(rid, ClassificationOutput(acc[rid][0]["embedding"]),
                                             acc[rid][0]["prompt_ids"], True)
                 for rid in rids]
 
-    def score(self, data_1, data_2, truncate_prompt_tokens: Optional[int] = None) -> list[ScoringRequestOutput]:
+    def score(self, data_1, data_2, truncate_prompt_tokens: Optional[int] = None,
+              use_tqdm: bool = True) -> list[ScoringRequestOutput]:
         """vLLM's ``LLM.score``: per pair, on an embedding model the cosine similarity of the two
         prompts' embeddings (``embed``'s); on a classifier of one label (a cross-encoder) its
         sigmoid on the pair as one sequence (the tokenizer's pair encoding). ``data_1`` one prompt
         (against each of ``data_2``) or as many as ``data_2`` (pairwise)."""
         left, right = score_pairs(data_1, data_2)
         if self.engine.model_config.is_classifier:
-            return self._cross_encode(left, right, truncate_prompt_tokens)
+            return self._cross_encode(left, right, truncate_prompt_tokens, use_tqdm)
         key = [p if isinstance(p, str) else repr(p) for p in left + right]   # (each distinct prompt embedded once)
         first = {}
         for k, p in zip(key, left + right):
             first.setdefault(k, p)
-        outs = self.embed(list(first.values()), PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens))
+        outs = self.embed(list(first.values()), PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens),
+                          use_tqdm=use_tqdm)
         by = dict(zip(first, outs))
         n = len(left)
         return [ScoringRequestOutput(f"score-{next(self._ids)}",
@@ -158,19 +162,21 @@ class LLM:
                                      by[a].prompt_token_ids + by[b].prompt_token_ids, True)
                 for a, b in zip(key[:n], key[n:])]
 
-    def _cross_encode(self, left: list, right: list, truncate_prompt_tokens: Optional[int]) -> list:
+    def _cross_encode(self, left: list, right: list, truncate_prompt_tokens: Optional[int], use_tqdm: bool) -> list:
         """``score`` on a cross-encoder: one pooling request (task "score") per pair."""
         ids = [pair_ids(self.engine.tokenizer, _unwrap(a), _unwrap(b)) for a, b in zip(left, right)]
         params = PoolingParams(task="score", truncate_prompt_tokens=truncate_prompt_tokens)
-        rids, acc = self._run("score", ids, [params] * len(ids), [1] * len(ids))
+        rids, acc = self._run("score", ids, [params] * len(ids), [1] * len(ids), use_tqdm=use_tqdm)
         return [ScoringRequestOutput(rid, ScoringOutput(acc[rid][0]["embedding"][0]),
                                      truncated(p, truncate_prompt_tokens, self.engine.max_model_len), True)
                 for rid, p in zip(rids, ids)]
 
-    def _run(self, kind: str, prompts: list, plist: list, counts: list, priority=None, loras=None) -> tuple:
+    def _run(self, kind: str, prompts: list, plist: list, counts: list, priority=None, loras=None,
+             use_tqdm: bool = False) -> tuple:
         """Add one request per prompt (all or none: a refused one aborts those added; ``priority``
         and ``loras``: one per prompt, or None) and step until each of its ``counts`` sequences
-        finished; (request ids, per id the ``gathered()`` of each sequence)."""
+        finished; (request ids, per id the ``gathered()`` of each sequence). ``use_tqdm``: a
+        progress bar of the finished prompts on stderr (vLLM's; off with BLITZ_NO_PROGRESS)."""
         rids = []
         try:
             for prompt, p, prio, lora in zip(prompts, plist, priority or [0] * len(prompts),
@@ -186,14 +192,23 @@ class LLM:
         acc = {rid: [gathered() for _ in range(n)] for rid, n in zip(rids, counts)}
         for rid in rids:   # (as the engine holds them: truncated, images' placeholders expanded)
             acc[rid][0]["prompt_ids"] = self.engine.requests[rid][0].prompt_token_ids
-        left = sum(counts)
+        left, unfinished = sum(counts), dict(zip(rids, counts))
+        bar = _progress_bar(len(rids)) if use_tqdm else None
         try:
             self._inbox.update((rid, []) for rid in rids)
             while left:
                 for ev in self._events(rids):
-                    left -= ev.finish_reason is not None
                     gather(acc[ev.request_id][ev.index], ev)
+                    if ev.finish_reason is None:
+                        continue
+                    left -= 1
+                    unfinished[ev.request_id] -= 1
+                    if bar is not None and not unfinished[ev.request_id]:
+                        bar.update(1)
+                        bar.set_postfix_str(_speed(acc, bar.format_dict["elapsed"]), refresh=False)
         finally:
+            if bar is not None:
+                bar.close()
             for rid in rids:
                 self._inbox.pop(rid, None)
                 self.engine.abort_request(rid)   # (a no-op once finished)
@@ -271,7 +286,7 @@ class LLM:
         # (apply_chat_template(tokenize=True) adds no special tokens to the rendered text either)
         return tok(text, add_special_tokens=False).input_ids
 
-    def chat(self, messages, sampling_params: Optional[SamplingParams] = None, use_tqdm: bool = False,
+    def chat(self, messages, sampling_params: Optional[SamplingParams] = None, use_tqdm: bool = True,
              lora_request=None, **template) -> list[RequestOutput]:
         """One conversation (a list of {role, content}) or a list of conversations; a list of outputs
         either way. ``template``: ``apply_chat_template``'s options (vLLM's names). ``lora_request``:
@@ -285,7 +300,7 @@ class LLM:
             conv, images = split_images(conv)
             ids = self.apply_chat_template(conv, **template)
             prompts.append(ImagePrompt(ids, images) if images else ids)
-        return self.generate(prompts, sampling_params, lora_request=lora_request)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def stats(self) -> dict:
         return self.engine.stats()
@@ -293,6 +308,20 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (nothing done) while a request holds KV blocks."""
         return self.engine.reset_prefix_cache()
+
+
+def _progress_bar(total: int):
+    """vLLM's "Processed prompts" bar on stderr (None with BLITZ_NO_PROGRESS)."""
+    if envs.get("BLITZ_NO_PROGRESS"):
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, desc="Processed prompts", unit="prompt", dynamic_ncols=True, file=sys.stderr)
+
+
+def _speed(acc: dict, elapsed: float) -> str:
+    """The bar's postfix: output tokens per second so far."""
+    out = sum(len(c["ids"]) for comps in acc.values() for c in comps)
+    return f"output: {out / max(elapsed, 1e-9):.1f} toks/s"
 
 
 def _prompt_list(prompts) -> list:

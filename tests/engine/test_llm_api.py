@@ -77,3 +77,24 @@ def test_num_cached_tokens_counts_the_prefix_cache_hit(smollm2_llm):
     # the second request finds the first's full blocks of the shared prefix, at most the prompt less one
     assert first.num_cached_tokens < len(ids)
     assert again.num_cached_tokens == (len(ids) // bs) * bs > 0
+
+
+def test_use_tqdm_shows_vllms_progress_bar(smollm2_llm, capsys, monkeypatch):
+    """generate and chat take vLLM's ``use_tqdm`` (default True): a "Processed
+    prompts" bar on stderr that ends at every prompt (n > 1 counts a prompt once all its
+    samples finished); ``use_tqdm=False`` or BLITZ_NO_PROGRESS shows none, and the outputs are
+    the same either way."""
+    monkeypatch.delenv("BLITZ_NO_PROGRESS", raising=False)
+    llm = smollm2_llm
+    prompts = ["The capital of France is", "1 2 3", "Hello"]
+    with_bar = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, n=2))
+    err = capsys.readouterr().err
+    assert "Processed prompts" in err and "3/3" in err and "4/3" not in err and "output:" in err
+    without = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, n=2), use_tqdm=False)
+    assert "Processed prompts" not in capsys.readouterr().err
+    assert [[c.token_ids for c in o.outputs] for o in with_bar] == [[c.token_ids for c in o.outputs] for o in without]
+    llm.chat([{"role": "user", "content": "Hi"}], GREEDY)
+    assert "1/1" in capsys.readouterr().err
+    monkeypatch.setenv("BLITZ_NO_PROGRESS", "1")
+    llm.generate(prompts, GREEDY)
+    assert "Processed prompts" not in capsys.readouterr().err
