@@ -175,7 +175,7 @@ def fp8_weights():
 
 def lora():
     """The LoRA shrink and expand kernels at Llama-3.1-8B's qkv (K 4096, N 6144, 3 slices) and
-    down (K 14336, SiLU-and-mul input) sizes, rank 16, 4 slots, one row, bf16."""
+    down (K 14336, SiLU-and-mul input) sizes, rank 16, 4 slots, one row, bf16, with PDL."""
     from blitzllm.kernels.lora import lora as lk
     bf = torch.bfloat16
     slots = torch.zeros(1, dtype=torch.int64)
@@ -186,13 +186,14 @@ def lora():
         sr_pad = max(16, triton.next_power_of_2(sr))
         kern = lk._shrink_kernel.warmup(x, a, slots, part, k, sr, x.stride(0), a.stride(0), a.stride(1),
                                         part.stride(0), part.stride(1), 512, SILU_MUL=silu, SR_PAD=sr_pad,
-                                        BLOCK_K=lk._BLOCK_K, num_warps=4, grid=(1, 8))
-        print(f"lora shrink {name}: {ptxas_report(kern)}")
+                                        BLOCK_K=lk._BLOCK_K, USE_PDL=True, num_warps=4, grid=(1, 8))
+        print(f"lora shrink {name}: pdl={'griddepcontrol.wait' in kern.asm['ptx']} {ptxas_report(kern)}")
         if not silu:
             kern = lk._expand_kernel.warmup(y, part, b, slots, n, sr, 8, y.stride(0), part.stride(0),
                                             part.stride(1), b.stride(0), b.stride(1), SR_PAD=sr_pad,
-                                            BLOCK_N=lk._BLOCK_N, num_warps=4, grid=(1, n // lk._BLOCK_N))
-            print(f"lora expand {name}: {ptxas_report(kern)}")
+                                            BLOCK_N=lk._BLOCK_N, USE_PDL=True, num_warps=4,
+                                            grid=(1, n // lk._BLOCK_N))
+            print(f"lora expand {name}: pdl={'griddepcontrol.wait' in kern.asm['ptx']} {ptxas_report(kern)}")
 
 
 if __name__ == "__main__":

@@ -6,9 +6,9 @@ Two forms:
 - ``lora_add_triton``: a shrink kernel (each row reads only its own slot's A, split over K so a
   few rows still fill the GPU) and an expand kernel that sums the shrink's partials and adds the
   row's B product into ``y`` in place. Two launches a linear whatever the batch's adapters, and
-  no shape depends on them, so the decode CUDA graphs capture it. Per row it reads its slot's A
-  once per row: meant for decode batches (``KERNEL_MAX_ROWS``), where launches, not FLOPs, are
-  the cost.
+  no shape depends on them, so the decode CUDA graphs capture it. Each row reads its slot's A
+  once: meant for decode batches (``KERNEL_MAX_ROWS``), where launches, not FLOPs, are the cost.
+  On Hopper both launch early (PDL): a tile of A / B loads before the wait on the kernel before.
 - ``reference_lora_add``: torch, every row through every slot's A at once (one GEMM) and a one-hot
   mask of the row's slot (``slot_mask``) before one ``addmm`` of B: more FLOPs, but tensor-core
   GEMMs for a prefill's thousands of rows, and on the CPU.
@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from .._common import device_sms, next_pow2, tl, triton, use_triton
+from .._common import (device_sms, next_pow2, pdl_enabled, pdl_launch_dependents, pdl_launch_kwargs, pdl_wait, tl,
+                       triton, use_triton)
 from ..activation import silu_and_mul
 
 KERNEL_MAX_ROWS = 16   # more rows take the one-GEMM form (each row re-reads its slot's A here)
@@ -28,49 +29,62 @@ _BLOCK_N = 128
 @triton.jit
 def _shrink_kernel(x_ptr, a_ptr, slot_ptr, part_ptr, K, SR, stride_x, stride_as, stride_ar,
                    stride_ps, stride_pr, K_PER_SPLIT, SILU_MUL: tl.constexpr, SR_PAD: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
+                   BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     """part[split, row, :SR] = x[row, this split's K] @ A[slot]^T (fp32), for rows with a slot."""
+    pdl_launch_dependents(USE_PDL)   # (the expand after it only prefetches B before its wait)
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
-    slot = tl.load(slot_ptr + row)
+    slot = tl.load(slot_ptr + row)   # (a step input, written before the kernels of the step)
     if slot >= 0:
         r = tl.arange(0, SR_PAD)
         acc = tl.zeros([SR_PAD], dtype=tl.float32)
         a_rows = a_ptr + slot.to(tl.int64) * stride_as + r[:, None] * stride_ar
         k0 = split * K_PER_SPLIT
-        for k in range(k0, tl.minimum(k0 + K_PER_SPLIT, K), BLOCK_K):
+        k1 = tl.minimum(k0 + K_PER_SPLIT, K)
+        cols = k0 + tl.arange(0, BLOCK_K)
+        # A does not depend on the kernel before: its first tile loads before the PDL wait
+        a = tl.load(a_rows + cols[None, :], mask=(r[:, None] < SR) & (cols < k1)[None, :], other=0.0)
+        pdl_wait(USE_PDL)
+        for k in range(k0, k1, BLOCK_K):
             cols = k + tl.arange(0, BLOCK_K)
-            cm = cols < K
+            cm = cols < k1
             xv = tl.load(x_ptr + row * stride_x + cols, mask=cm, other=0.0)
             if SILU_MUL:  # x is gate | up: the numerics of activation.silu_and_mul
                 up = tl.load(x_ptr + row * stride_x + K + cols, mask=cm, other=0.0)
                 g = xv.to(tl.float32)
                 act = (g / (1.0 + tl.exp(-g))).to(up.dtype)
                 xv = (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
-            a = tl.load(a_rows + cols[None, :], mask=(r[:, None] < SR) & cm[None, :], other=0.0)
+            if k > k0:
+                a = tl.load(a_rows + cols[None, :], mask=(r[:, None] < SR) & cm[None, :], other=0.0)
             acc += tl.sum(a.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
         tl.store(part_ptr + split * stride_ps + row * stride_pr + r, acc, mask=r < SR)
+    else:
+        pdl_wait(USE_PDL)   # (every program waits: the kernel ends after the one before)
 
 
 @triton.jit
 def _expand_kernel(y_ptr, part_ptr, b_ptr, slot_ptr, N, SR, SPLITS, stride_y, stride_ps, stride_pr,
-                   stride_bs, stride_br, SR_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+                   stride_bs, stride_br, SR_PAD: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
     """y[row, this block] += (sum of the row's shrink partials) @ B[slot][:, this block]."""
+    pdl_launch_dependents(USE_PDL)   # (PDL kernels wait for all of this one before they read)
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + row)
     if slot >= 0:
         r = tl.arange(0, SR_PAD)
-        t = tl.zeros([SR_PAD], dtype=tl.float32)
-        for s in range(0, SPLITS):
-            t += tl.load(part_ptr + s * stride_ps + row * stride_pr + r, mask=r < SR, other=0.0)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         cm = cols < N
         b = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + r[:, None] * stride_br + cols[None, :],
                     mask=(r[:, None] < SR) & cm[None, :], other=0.0)
+        pdl_wait(USE_PDL)
+        t = tl.zeros([SR_PAD], dtype=tl.float32)
+        for s in range(0, SPLITS):
+            t += tl.load(part_ptr + s * stride_ps + row * stride_pr + r, mask=r < SR, other=0.0)
         delta = tl.sum(b.to(tl.float32) * t[:, None], axis=0)
         y_ptrs = y_ptr + row * stride_y + cols
         y = tl.load(y_ptrs, mask=cm, other=0.0)
         tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=cm)
+    else:
+        pdl_wait(USE_PDL)   # (every program waits: the kernel ends after the one before)
 
 
 def _splits(rows: int, k: int, sms: int) -> int:
@@ -94,13 +108,16 @@ def lora_add_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.
     splits = triton.cdiv(k, k_per_split)
     part = torch.empty(splits, rows, sr, dtype=torch.float32, device=x.device)
     sr_pad = max(16, next_pow2(sr))
+    pdl = pdl_enabled(x)
     _shrink_kernel[(rows, splits)](x, a, slots, part, k, sr, x.stride(0), a.stride(0), a.stride(1),
                                    part.stride(0), part.stride(1), k_per_split, SILU_MUL=silu_mul_input,
-                                   SR_PAD=sr_pad, BLOCK_K=_BLOCK_K, num_warps=4)
+                                   SR_PAD=sr_pad, BLOCK_K=_BLOCK_K, USE_PDL=pdl, num_warps=4,
+                                   **pdl_launch_kwargs(pdl))
     block_n = min(_BLOCK_N, max(16, next_pow2(n)))
     _expand_kernel[(rows, triton.cdiv(n, block_n))](y, part, b, slots, n, sr, splits, y.stride(0), part.stride(0),
                                                     part.stride(1), b.stride(0), b.stride(1), SR_PAD=sr_pad,
-                                                    BLOCK_N=block_n, num_warps=4)
+                                                    BLOCK_N=block_n, USE_PDL=pdl, num_warps=4,
+                                                    **pdl_launch_kwargs(pdl))
     return y
 
 
