@@ -43,12 +43,13 @@ MTP_LAYERS=${MTP_LAYERS:-$([ "${mem_mib:-0}" -gt 100000 ] && echo 8 || echo 4)}
 M1="--batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8"
 D1="--batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8"
 M32="--batch-size 32 --input-len 128 --output-len 128 --max-num-seqs 32"
-run() {  # run TIMEOUT NAME ARGS...: one latency bench, skipped when the deadline is too near
+run() {  # run TIMEOUT NAME ARGS...: one latency bench, skipped when the deadline is too near (RUN_DIR:
+  # where it runs, default here; python -m puts that folder's blitzllm/ first)
   t=$1; name=$2; shift 2; left=$((DEADLINE - SECONDS))
   if [ $left -lt 45 ]; then echo "== $name skipped (${left}s left)"; return; fi
   [ -f "$R/$name.json" ] && return  # already measured in this call (part key)
   [ $t -gt $left ] && t=$left
-  s0=$SECONDS; timeout $t $B "$@" --json "$R/$name.json" > "$R/$name.log" 2>&1
+  s0=$SECONDS; (cd "${RUN_DIR:-.}" && timeout $t $B "$@" --json "$R/$name.json" > "$R/$name.log" 2>&1)
   echo "== $name rc=$? wall=$((SECONDS-s0))s $(env | grep -o '^BLITZ_[A-Z_]*=[^ ]*' | grep -v NO_PROGRESS | tr '\n' ' ')"; }
 kernels() {  # kernels PART: benchmarks/hybrid_sparse_kernels.py PART within the deadline, its JSON kept
   left=$((DEADLINE - SECONDS - 10)); [ $left -gt 30 ] || return
@@ -131,11 +132,13 @@ for part in "$@"; do case $part in
     L="--model preset:llama-3.1-8b $M1"
     run 120 llama_b1_nolora $L
     run 120 llama_b1_lora $L --lora-rank 16
-    [ -n "${LORA_BASE:-}" ] && PYTHONPATH=$LORA_BASE:$PYTHONPATH run 120 llama_b1_lora_base $L --lora-rank 16
+    [ -n "${LORA_BASE:-}" ] && RUN_DIR=$LORA_BASE run 120 llama_b1_lora_base $L --lora-rank 16
     L8="--model preset:llama-3.1-8b --batch-size 8 --input-len 128 --output-len 128 --max-num-seqs 8"
     run 120 llama_b8_lora $L8 --lora-rank 16
     run 120 llama_b8_nolora $L8
-    [ -n "${LORA_BASE:-}" ] && PYTHONPATH=$LORA_BASE:$PYTHONPATH run 120 llama_b8_lora_base $L8 --lora-rank 16 ;;
+    [ -n "${LORA_BASE:-}" ] && RUN_DIR=$LORA_BASE run 120 llama_b8_lora_base $L8 --lora-rank 16
+    for f in "$R"/llama_b*_lora*.json; do python3 -c "import json, sys; r = json.load(open(sys.argv[1]))
+print(sys.argv[1].split('/')[-1], {k: v for k, v in r.get('kernel_time_us', {}).items() if 'shrink' in k or 'expand' in k or 'gemm' in k.lower()})" "$f"; done ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac; done
 python3 - "$R" <<'PY'

@@ -191,7 +191,7 @@ def lora():
         if not silu:
             kern = lk._expand_kernel.warmup(y, part, b, slots, n, sr, 8, y.stride(0), part.stride(0),
                                             part.stride(1), b.stride(0), b.stride(1), SR_PAD=sr_pad,
-                                            BLOCK_N=lk._BLOCK_N, USE_PDL=True, num_warps=4,
+                                            SPLITS_PAD=8, BLOCK_N=lk._BLOCK_N, USE_PDL=True, num_warps=4,
                                             grid=(1, n // lk._BLOCK_N))
             print(f"lora expand {name}: pdl={'griddepcontrol.wait' in kern.asm['ptx']} {ptxas_report(kern)}")
 

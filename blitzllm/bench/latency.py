@@ -154,7 +154,7 @@ def run(a) -> int:
     if eng.spec is not None:
         res.update(_spec_stats(eng))
     if dev.type == "cuda":
-        res.update(_kernel_counts(eng, cfg, B, I))
+        res.update(_kernel_counts(eng, cfg, B, I, lora))
     if "nospec" in peers:
         res.update(_compare_nospec(eng, B, I, O, cfg, res["tokens_per_s"]))
     if peer_runs is None:
@@ -205,12 +205,12 @@ def _compare_nospec(eng, B, I, O, cfg, ours_tps) -> dict:
     return {"nospec_tokens_per_s": tps, "speedup_vs_nospec": ours_tps / tps}
 
 
-def _kernel_counts(eng, cfg, B, I) -> dict:
+def _kernel_counts(eng, cfg, B, I, lora=None) -> dict:
     # long enough that the profiled step still decodes when speculation emits several
-    # tokens per step
+    # tokens per step; under the timed run's adapter, if any
     params = SamplingParams(temperature=0.0, max_tokens=max(2, min(64, eng.max_model_len - I)), ignore_eos=True)
     for i, p in enumerate(_prompts(B, I, cfg.vocab_size, 3).tolist()):
-        eng.add_request(f"prof-{i}", p, params)
+        eng.add_request(f"prof-{i}", p, params, lora_request=lora)
     eng.step()  # prefill
     eng.step()
     # several pipelined steps: the timeline then shows whether the GPU waits for the host

@@ -24,6 +24,7 @@ from ..activation import silu_and_mul
 KERNEL_MAX_ROWS = 16   # more rows take the one-GEMM form (each row re-reads its slot's A here)
 _BLOCK_K = 128
 _BLOCK_N = 128
+_MAX_SPLITS = 32
 
 
 @triton.jit
@@ -64,7 +65,8 @@ def _shrink_kernel(x_ptr, a_ptr, slot_ptr, part_ptr, K, SR, stride_x, stride_as,
 
 @triton.jit
 def _expand_kernel(y_ptr, part_ptr, b_ptr, slot_ptr, N, SR, SPLITS, stride_y, stride_ps, stride_pr,
-                   stride_bs, stride_br, SR_PAD: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
+                   stride_bs, stride_br, SR_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                   USE_PDL: tl.constexpr):
     """y[row, this block] += (sum of the row's shrink partials) @ B[slot][:, this block]."""
     pdl_launch_dependents(USE_PDL)   # (PDL kernels wait for all of this one before they read)
     row = tl.program_id(0).to(tl.int64)
@@ -76,9 +78,9 @@ def _expand_kernel(y_ptr, part_ptr, b_ptr, slot_ptr, N, SR, SPLITS, stride_y, st
         b = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + r[:, None] * stride_br + cols[None, :],
                     mask=(r[:, None] < SR) & cm[None, :], other=0.0)
         pdl_wait(USE_PDL)
-        t = tl.zeros([SR_PAD], dtype=tl.float32)
-        for s in range(0, SPLITS):
-            t += tl.load(part_ptr + s * stride_ps + row * stride_pr + r, mask=r < SR, other=0.0)
+        sp = tl.arange(0, SPLITS_PAD)   # (every partial in one load, not a chain of them)
+        t = tl.sum(tl.load(part_ptr + sp[:, None] * stride_ps + row * stride_pr + r[None, :],
+                           mask=(sp[:, None] < SPLITS) & (r[None, :] < SR), other=0.0), axis=0)
         delta = tl.sum(b.to(tl.float32) * t[:, None], axis=0)
         y_ptrs = y_ptr + row * stride_y + cols
         y = tl.load(y_ptrs, mask=cm, other=0.0)
@@ -88,8 +90,9 @@ def _expand_kernel(y_ptr, part_ptr, b_ptr, slot_ptr, N, SR, SPLITS, stride_y, st
 
 
 def _splits(rows: int, k: int, sms: int) -> int:
-    """K splits of the shrink: enough programs for about two per SM, each at least one K block."""
-    return max(1, min(triton.cdiv(k, _BLOCK_K), triton.cdiv(2 * sms, max(rows, 1))))
+    """K splits of the shrink: about one program per SM, each at least one K block, at most
+    ``_MAX_SPLITS`` (the expand sums them all)."""
+    return max(1, min(triton.cdiv(k, _BLOCK_K), sms // max(rows, 1), _MAX_SPLITS))
 
 
 def lora_add_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
@@ -116,7 +119,8 @@ def lora_add_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.
     block_n = min(_BLOCK_N, max(16, next_pow2(n)))
     _expand_kernel[(rows, triton.cdiv(n, block_n))](y, part, b, slots, n, sr, splits, y.stride(0), part.stride(0),
                                                     part.stride(1), b.stride(0), b.stride(1), SR_PAD=sr_pad,
-                                                    BLOCK_N=block_n, USE_PDL=pdl, num_warps=4,
+                                                    SPLITS_PAD=next_pow2(splits), BLOCK_N=block_n, USE_PDL=pdl,
+                                                    num_warps=4,
                                                     **pdl_launch_kwargs(pdl))
     return y
 
