@@ -218,7 +218,7 @@ class Engine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if images:
-            check_images(self.image_intake, self.model_config.architecture, self.tp, params, kv_transfer_params)
+            check_images(self.image_intake, self.model_config.architecture, params, kv_transfer_params)
         if isinstance(params, PoolingParams):   # an embedding: one prefill-only sequence
             if lora_request is not None:
                 raise ValueError("embeddings run on the base model: lora_request does not go with PoolingParams")

@@ -135,12 +135,10 @@ def release_images(seqs) -> None:
             s.req.images.release(s.req.num_computed_tokens)
 
 
-def check_images(intake, architecture: str, tp, params, kv_transfer_params) -> None:
+def check_images(intake, architecture: str, params, kv_transfer_params) -> None:
     """What a request with images may not ask for (a ValueError)."""
     if intake is None:
         raise ValueError(f"{architecture} takes no images (this checkpoint has no vision tower)")
-    if tp is not None:
-        raise ValueError("images need tensor_parallel_size 1 (the vision tower runs on rank 0 alone)")
     if isinstance(params, PoolingParams):
         raise ValueError("embeddings and classification take text only, no images")
     if kv_transfer_params:

@@ -30,6 +30,22 @@ from .state_pool import StatePool
 
 
 @dataclass
+class ImageStep:
+    """A step's image inputs as rank 0 makes them (``ModelRunner.image_step``) and every
+    tensor-parallel rank reads: each token's rotary position (index + delta past a prompt's
+    images) and, where chunks hold image tokens, their [3, T] M-RoPE positions and the images'
+    embedding rows (``vals``) with the step's token index of each (``rows``)."""
+    positions: list
+    pos3: Optional[torch.Tensor] = None
+    rows: Optional[torch.Tensor] = None
+    vals: Optional[torch.Tensor] = None
+
+    def to_host(self) -> "ImageStep":
+        """For the broadcast to the other ranks (the embeddings pickled from host memory)."""
+        return ImageStep(self.positions, self.pos3, self.rows, None if self.vals is None else self.vals.cpu())
+
+
+@dataclass
 class StepResult:
     token_ids: list           # one per sampled sequence
     logprobs: list            # chosen-token logprob per sampled sequence
@@ -113,16 +129,16 @@ class ModelRunner:
     def _to_dev(self, data, dtype):
         return torch.tensor(data, dtype=dtype, device="cpu").to(self.device, non_blocking=True)
 
-    def prepare(self, seqs, block_tables, images: Optional[list] = None):
+    def prepare(self, seqs, block_tables, positions: Optional[list] = None):
         """seqs: list of (token_ids, start, end); block_tables: list of block id lists;
-        ``images``: per sequence its PromptImages (engine/images.py) or None, for the rotary
-        positions of a chunk without image tokens (``_image_inputs`` does the others)."""
+        ``positions``: each token's rotary position where they are not its index (a step with
+        images: ``ImageStep.positions``)."""
         bs = self.cache_cfg.block_size
         ids, pos, slots, qsl, lens = [], [], [], [0], []
-        for j, ((toks, start, end), table) in enumerate(zip(seqs, block_tables)):
+        for (toks, start, end), table in zip(seqs, block_tables):
             ids.extend(toks)
-            rope = images[j].positions_1d(start, end) if images is not None and images[j] is not None else None
-            pos.extend(range(start, end) if rope is None else rope)
+            if positions is None:
+                pos.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             qsl.append(qsl[-1] + end - start)
             lens.append(end)
@@ -136,6 +152,7 @@ class ModelRunner:
             block_tables=self._to_dev(bt, torch.int32),
             max_q_len=max(q_lens), max_seq_len=max(lens),
             q_lens_host=q_lens, seq_lens_host=lens)
+        pos = pos if positions is None else positions
         return self._to_dev(ids, torch.int64), self._to_dev(pos, torch.int64), md, qsl
 
     def _decode_inputs(self, seqs, block_tables, ahead: int = 0, images: Optional[list] = None):
@@ -266,22 +283,27 @@ class ModelRunner:
                 and all(c == e - s for c, (_, s, e) in zip(counts, seqs)) and self.graphs.can_run(sum(counts))
                 and not _has_image_tokens(seqs, images)):
             return self._score_as_decode_rows(seqs, block_tables, images)
+        mm = self.image_step(seqs, images)
         if self.driver is None:
-            return self.forward(seqs, block_tables, sample_idx, counts, states, spans, images)
+            return self.forward(seqs, block_tables, sample_idx, counts, states, spans, mm)
         with self.driver.step():
             # (the other ranks need no spans: rank 0's final hidden rows are whole, the norm all-reduced them)
-            self.driver.send(("forward", seqs, block_tables, sample_idx, counts, states))
-            return self.forward(seqs, block_tables, sample_idx, counts, states, spans)
+            self.driver.send(("forward", seqs, block_tables, sample_idx, counts, states, None, mm and mm.to_host()))
+            return self.forward(seqs, block_tables, sample_idx, counts, states, spans, mm)
 
     def forward(self, seqs, block_tables, sample_idx: list[int], counts: list[int],
-                states: Optional[StatePlan] = None, spans: Optional[list] = None, images: Optional[list] = None):
+                states: Optional[StatePlan] = None, spans: Optional[list] = None, mm: Optional[ImageStep] = None):
         """``score`` without the broadcast (what every tensor-parallel rank runs). ``spans``:
         (batch row, first, end) offsets within the row's chunk; then returns (logits, the
-        float32 sum of each span's final hidden rows, [len(spans), hidden])."""
-        input_ids, positions, md, qsl = self.prepare(seqs, block_tables, images)
+        float32 sum of each span's final hidden rows, [len(spans), hidden]). ``mm``: the step's
+        image inputs (``image_step``)."""
+        input_ids, positions, md, qsl = self.prepare(seqs, block_tables, mm.positions if mm is not None else None)
         rope_rows = embeds = None
-        if _has_image_tokens(seqs, images):
-            positions, rope_rows, embeds = self._image_inputs(seqs, images, input_ids, qsl)
+        if mm is not None and mm.rows is not None:   # chunks with image tokens: M-RoPE rows, image embeddings
+            rope_rows = self.model.mrope_rows(mm.pos3.to(self.device))
+            embeds = self.model.model.embed_tokens(input_ids)   # (every rank: a collective under TP)
+            embeds[mm.rows.to(self.device)] = mm.vals.to(self.device, embeds.dtype)
+            positions = torch.arange(len(input_ids), device=self.device)
         smd = None
         if self.states is not None:
             smd = self.states.begin(states, seqs, qsl, md.query_start_loc, md.is_pure_decode)
@@ -306,30 +328,34 @@ class ModelRunner:
         (rank 0 alone under tensor parallelism: the head is whole on every rank)."""
         return self.model.classify(pooled)
 
-    def _image_inputs(self, seqs, images, input_ids, qsl) -> tuple:
-        """A step whose chunks hold image tokens: (positions 0..T-1, each token's M-RoPE cos/sin
-        rows, the input embeddings with the images' rows in place of their placeholders). An
-        image's embeddings are computed the first time a chunk reaches it and kept on its
-        PromptImages until the prefill is past it."""
-        pos3, rows, vals = [], [], []
-        for j, (_, start, end) in enumerate(seqs):
-            im = images[j]
+    def image_step(self, seqs, images: Optional[list]) -> Optional[ImageStep]:
+        """The step's ``ImageStep`` (None when no sequence has images): rank 0 makes it, running
+        the vision tower where a chunk first reaches an image (the embeddings stay on the prompt's
+        PromptImages until the prefill is past it)."""
+        if images is None or all(im is None for im in images):
+            return None
+        pos = []
+        for (_, start, end), im in zip(seqs, images):
+            rope = im.positions_1d(start, end) if im is not None else None
+            pos.extend(range(start, end) if rope is None else rope)
+        if not _has_image_tokens(seqs, images):
+            return ImageStep(pos)
+        pos3, rows, vals, t0 = [], [], [], 0
+        for (_, start, end), im in zip(seqs, images):
             if im is None:
                 pos3.append(torch.arange(start, end).expand(3, -1))
-                continue
-            pos3.append(im.positions_3d(start, end))
-            for k in im.images_in(start, end):
-                if k not in im.embeds:
-                    img = im.images[k]
-                    im.embeds[k] = self.model.embed_images(img.pixel_values, torch.tensor([img.grid_thw]))
-                o, n = im.offsets[k], im.images[k].num_tokens
-                lo, hi = max(start, o), min(end, o + n)
-                rows.append(torch.arange(lo, hi) - start + qsl[j])
-                vals.append(im.embeds[k][lo - o:hi - o])
-        rope_rows = self.model.mrope_rows(torch.cat(pos3, 1).to(self.device))
-        embeds = self.model.model.embed_tokens(input_ids)
-        embeds[torch.cat(rows).to(self.device)] = torch.cat(vals).to(embeds.dtype)
-        return torch.arange(len(input_ids), device=self.device), rope_rows, embeds
+            else:
+                pos3.append(im.positions_3d(start, end))
+                for k in im.images_in(start, end):
+                    if k not in im.embeds:
+                        img = im.images[k]
+                        im.embeds[k] = self.model.embed_images(img.pixel_values, torch.tensor([img.grid_thw]))
+                    o, n = im.offsets[k], im.images[k].num_tokens
+                    lo, hi = max(start, o), min(end, o + n)
+                    rows.append(torch.arange(lo, hi) - start + t0)
+                    vals.append(im.embeds[k][lo - o:hi - o])
+            t0 += end - start
+        return ImageStep(pos, torch.cat(pos3, 1), torch.cat(rows), torch.cat(vals))
 
     def _score_as_decode_rows(self, seqs, block_tables, images=None) -> torch.Tensor:
         """A verify step where every position is scored: each position becomes a decode row

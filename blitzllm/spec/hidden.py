@@ -78,13 +78,13 @@ class HiddenStateProposer(Proposer):
         self._segments = []   # per eager forward: [(toks, start, end, block at start)]
         prepare = runner.prepare
 
-        def recording_prepare(seqs, block_tables, images=None):
+        def recording_prepare(seqs, block_tables, positions=None):
             bs = kv.block_size
             # the record this forward's hooks will append is number len(records)
             self._segments.append((len(self.cap.records),
                                    [(list(t), s, e, tab[s // bs] if s // bs < len(tab) else None)
                                     for (t, s, e), tab in zip(seqs, block_tables)]))
-            return prepare(seqs, block_tables, images)
+            return prepare(seqs, block_tables, positions)
         runner.prepare = recording_prepare
         self.toks: dict = {}    # rid -> input token of each position whose features we hold
         self.feats: dict = {}   # rid -> [m, F] features of those positions

@@ -209,3 +209,23 @@ def test_images_on_cuda_match_transformers(tmp_path, moe):
         assert out.outputs[0].token_ids == want and len(out.prompt_token_ids) == n_prompt
         assert llm.stats()["kv_blocks_free"] == 64
         llm.engine.close()
+
+
+def test_tensor_parallel_matches_transformers(vl):
+    """tensor_parallel_size=2 on the CPU (gloo): rank 0 runs the vision tower and hands every
+    rank the step's image rows and rotary positions; one and two images, and a prefill of
+    16-token chunks that cuts through an image, give transformers' tokens; nothing stays held."""
+    from tests.conftest import hf_greedy
+    hf, first = vl
+    greedy = SamplingParams(temperature=0, max_tokens=5)
+    with LLM(first.engine.args.model, device="cpu", dtype="float32", kv_cache_blocks=64, max_num_seqs=4,
+             tensor_parallel_size=2, max_num_batched_tokens=16, block_size=4) as llm:
+        assert llm.engine.tp is not None
+        for images in (_images((40, 24), seed=5), _images((33, 50), (64, 17), seed=6)):
+            ids = _prompt(len(images))
+            want, n_prompt = _hf_greedy(hf, ids, images, 5)
+            out = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": images}}, greedy)[0]
+            assert out.outputs[0].token_ids == want and len(out.prompt_token_ids) == n_prompt
+        text = llm.generate([_prompt(0)], greedy)[0]   # (a text prompt beside: positions are indices)
+        assert text.outputs[0].token_ids == hf_greedy(hf, _prompt(0), 5)
+        assert llm.stats()["kv_blocks_free"] == 64
