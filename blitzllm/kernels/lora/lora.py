@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .._common import (device_sms, next_pow2, pdl_enabled, pdl_launch_dependents, pdl_launch_kwargs, pdl_wait, tl,
-                       triton, use_triton)
+                       triton, unit_stride, use_triton)
 from ..activation import silu_and_mul
 
 KERNEL_MAX_ROWS = 16   # more rows take the one-GEMM form (each row re-reads its slot's A here)
@@ -103,7 +103,8 @@ def lora_add_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.
     rows, n = y.shape
     k, sr = a.shape[-1], a.shape[1]
     assert x.shape[0] == rows and x.shape[1] == (2 * k if silu_mul_input else k) and b.shape[-1] == n
-    assert x.stride(-1) == 1 and y.stride(-1) == 1 and a.is_contiguous() and b.is_contiguous()
+    assert y.stride(-1) == 1 and a.is_contiguous() and b.is_contiguous()
+    x = unit_stride(x)
     if rows == 0:
         return y
     splits = splits or _splits(rows, k, device_sms(x))
