@@ -19,8 +19,8 @@
 #   serve     blitz serve + blitz bench serve at concurrency 256 (1,000 in / 1,000 out, llama-3.1-8b)
 #   hybrid    qwen3-next-80b-a3b (8 layers) and qwen3.5-397b-a17b (Q35_LAYERS: 8, or 4 on an 80 GB card)
 #             at batch 1 and 32, then benchmarks/hybrid_sparse_kernels.py gdn (post-conv, recurrent rule)
-#   lora      llama-3.1-8b batch 1 and 8 under a rank-16 adapter against none (LORA_BASE: an earlier
-#             commit's blitzllm/ beside, its LoRA the peer)
+#   lora      llama-3.1-8b at batch sizes LORA_BS (default "1 8") under a rank-16 adapter against none
+#             (LORA_NOLORA= to skip that; LORA_BASE: an earlier commit's blitzllm/ beside, its LoRA the peer)
 #   sparse    deepseek-v3.2 against deepseek-v3 (DS_LAYERS) at batch 1 with 128- and 32K-token
 #             prompts, then benchmarks/hybrid_sparse_kernels.py topk
 set -u
@@ -127,18 +127,17 @@ for part in "$@"; do case $part in
     run 200 dsv32_32k --model preset:deepseek-v3.2 --num-layers $DS_LAYERS $L32
     run 200 dsv3_32k --model preset:deepseek-v3 --num-layers $DS_LAYERS $L32
     kernels topk ;;
-  lora)  # llama-3.1-8b under a random rank-16 adapter on every projection against no adapter, batch 1
-    # and 8; with LORA_BASE (a folder holding an earlier commit's blitzllm/), that code's LoRA beside
-    L="--model preset:llama-3.1-8b $M1"
-    run 120 llama_b1_nolora $L
-    run 120 llama_b1_lora $L --lora-rank 16
-    [ -n "${LORA_BASE:-}" ] && RUN_DIR=$LORA_BASE run 120 llama_b1_lora_base $L --lora-rank 16
-    L8="--model preset:llama-3.1-8b --batch-size 8 --input-len 128 --output-len 128 --max-num-seqs 8"
-    run 120 llama_b8_lora $L8 --lora-rank 16
-    run 120 llama_b8_nolora $L8
-    [ -n "${LORA_BASE:-}" ] && RUN_DIR=$LORA_BASE run 120 llama_b8_lora_base $L8 --lora-rank 16
-    for f in "$R"/llama_b*_lora*.json; do python3 -c "import json, sys; r = json.load(open(sys.argv[1]))
-print(sys.argv[1].split('/')[-1], {k: v for k, v in r.get('kernel_time_us', {}).items() if 'shrink' in k or 'expand' in k or 'gemm' in k.lower()})" "$f"; done ;;
+  lora)  # llama-3.1-8b under a random rank-16 adapter on every projection against no adapter at each batch
+    # size of LORA_BS (default "1 8"); with LORA_BASE (a folder holding an earlier commit's blitzllm/),
+    # that code's LoRA beside; then the LoRA kernels' microseconds a step (the profiled step)
+    for bs in ${LORA_BS:-1 8}; do
+      L="--model preset:llama-3.1-8b --batch-size $bs --input-len 128 --output-len 128 --max-num-seqs 8"
+      [ -n "${LORA_NOLORA:-1}" ] && run 120 llama_b${bs}_nolora $L
+      run 120 llama_b${bs}_lora $L --lora-rank 16
+      [ -n "${LORA_BASE:-}" ] && RUN_DIR=$LORA_BASE run 120 llama_b${bs}_lora_base $L --lora-rank 16
+    done
+    for f in "$R"/llama_b*_lora.json; do python3 -c "import json, sys; r = json.load(open(sys.argv[1]))
+print(sys.argv[1].split('/')[-1], {k: v for k, v in r.get('kernel_time_us', {}).items() if 'shrink' in k or 'expand' in k})" "$f"; done ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac; done
 python3 - "$R" <<'PY'

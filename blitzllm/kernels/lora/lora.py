@@ -21,7 +21,8 @@ from .._common import (device_sms, next_pow2, pdl_enabled, pdl_launch_dependents
                        triton, unit_stride, use_triton)
 from ..activation import silu_and_mul
 
-KERNEL_MAX_ROWS = 16   # more rows take the one-GEMM form (each row re-reads its slot's A here)
+KERNEL_MAX_ROWS = 4   # more rows take the one-GEMM form: here each row re-reads its slot's A and B, and
+                      # on an H100 8 rows ran slower than the GEMMs (docs/lora.md)
 _BLOCK_K = 128
 _BLOCK_N = 128
 _MAX_SPLITS = 32
