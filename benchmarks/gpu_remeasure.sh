@@ -20,7 +20,7 @@
 #   hybrid    qwen3-next-80b-a3b (8 layers) and qwen3.5-397b-a17b (Q35_LAYERS: 8, or 4 on an 80 GB card)
 #             at batch 1 and 32, then benchmarks/hybrid_sparse_kernels.py gdn (post-conv, recurrent rule)
 #   lora      llama-3.1-8b at batch sizes LORA_BS (default "1 8") under a rank-16 adapter against none
-#             (LORA_NOLORA= to skip that; LORA_BASE: an earlier commit's blitzllm/ beside, its LoRA the peer)
+#             (LORA_NOLORA=0 skips that; LORA_BASE: an earlier commit's blitzllm/ beside, its LoRA the peer)
 #   sparse    deepseek-v3.2 against deepseek-v3 (DS_LAYERS) at batch 1 with 128- and 32K-token
 #             prompts, then benchmarks/hybrid_sparse_kernels.py topk
 set -u
@@ -132,7 +132,7 @@ for part in "$@"; do case $part in
     # that code's LoRA beside; then the LoRA kernels' microseconds a step (the profiled step)
     for bs in ${LORA_BS:-1 8}; do
       L="--model preset:llama-3.1-8b --batch-size $bs --input-len 128 --output-len 128 --max-num-seqs 8"
-      [ -n "${LORA_NOLORA:-1}" ] && run 120 llama_b${bs}_nolora $L
+      [ "${LORA_NOLORA:-1}" = 1 ] && run 120 llama_b${bs}_nolora $L
       run 120 llama_b${bs}_lora $L --lora-rank 16
       [ -n "${LORA_BASE:-}" ] && RUN_DIR=$LORA_BASE run 120 llama_b${bs}_lora_base $L --lora-rank 16
     done

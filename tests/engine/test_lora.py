@@ -243,14 +243,22 @@ def test_adapters_in_cuda_graphs_match_the_merged_models(tiny_llama, adapters):
 
 
 @pytest.mark.gpu
-def test_decode_batches_past_the_kernel_rows_match_the_merged_models(tiny_llama, adapters):
+def test_decode_batches_past_the_kernel_rows_match_the_merged_models(tiny_llama, adapters, monkeypatch):
     """CUDA graphs at batches on both sides of kernels/lora's KERNEL_MAX_ROWS (decode rows up to it
-    take the shrink / expand kernels, more the one-GEMM form with the one-hot mask): 20 prompts,
-    base rows and two adapters mixed, each row gets its merged model's greedy tokens."""
+    take the shrink / expand kernels, more the one-GEMM form with the one-hot mask; the graphs'
+    capture runs both): 20 prompts, base rows and two adapters mixed, each row gets its merged
+    model's greedy tokens."""
     from blitzllm.kernels.lora import KERNEL_MAX_ROWS
+    from blitzllm.lora import manager
+    calls = {"kernels": set(), "gemm": set()}
+    for name, form in (("lora_add_triton", "kernels"), ("reference_lora_add", "gemm")):
+        fn = getattr(manager, name)
+        monkeypatch.setattr(manager, name, lambda y, *a, _fn=fn, _form=form, **kw: calls[_form].add(y.shape[0])
+                            or _fn(y, *a, **kw))
     (la, oa), (lb, ob) = adapters["attn"], adapters["all"]
     llm = LLM(str(tiny_llama[0]), device="cuda", dtype="float32", kv_cache_blocks=128, max_num_seqs=32,
               enable_lora=True, max_loras=2)
+    assert max(calls["kernels"]) == KERNEL_MAX_ROWS and min(calls["gemm"]) == 2 * KERNEL_MAX_ROWS, calls
     prompts = _prompts(20, seed=17)
     which = [(None, la, lb)[i % 3] for i in range(20)]
     assert len(prompts) > KERNEL_MAX_ROWS

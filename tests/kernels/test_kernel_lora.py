@@ -138,12 +138,15 @@ def test_tolerance_rejects_plausible_bugs(silu):
             close(f(y, x, a, b, slots, silu), ref, dtype, name)
 
 
-def test_dispatch_rule(device):
-    """Kernels for decode rows on CUDA only: never off CUDA, nor past KERNEL_MAX_ROWS."""
+def test_dispatch_rule(device, monkeypatch):
+    """Kernels for the rows' slots (one per row) on CUDA only, up to KERNEL_MAX_ROWS rows; the
+    one-GEMM form off CUDA (here the CUDA check forced, to see the row count decide)."""
     assert not lk.use_lora_kernels(torch.zeros(1, dtype=torch.int64))
-    if device == "cuda":
-        assert lk.use_lora_kernels(torch.zeros(lk.KERNEL_MAX_ROWS, dtype=torch.int64, device=device))
-        assert not lk.use_lora_kernels(torch.zeros(lk.KERNEL_MAX_ROWS + 1, dtype=torch.int64, device=device))
+    monkeypatch.setattr(lk, "use_triton", lambda t: True)
+    for rows in (1, lk.KERNEL_MAX_ROWS):
+        assert lk.use_lora_kernels(torch.zeros(rows, dtype=torch.int64, device=device))
+    for rows in (lk.KERNEL_MAX_ROWS + 1, 20, 4096):
+        assert not lk.use_lora_kernels(torch.zeros(rows, dtype=torch.int64, device=device))
 
 
 @pytest.mark.gpu

@@ -21,8 +21,8 @@ from .._common import (device_sms, next_pow2, pdl_enabled, pdl_launch_dependents
                        triton, unit_stride, use_triton)
 from ..activation import silu_and_mul
 
-KERNEL_MAX_ROWS = 4   # more rows take the one-GEMM form: here each row re-reads its slot's A and B, and
-                      # on an H100 8 rows ran slower than the GEMMs (docs/lora.md)
+KERNEL_MAX_ROWS = 2   # more rows take the one-GEMM form: here each row re-reads its slot's A and B, and
+                      # on an H100 4 rows already ran slower than the GEMMs (docs/lora.md)
 _BLOCK_K = 128
 _BLOCK_N = 128
 _MAX_SPLITS = 32
@@ -144,6 +144,8 @@ def reference_lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: tor
     return y.addmm_(xa.view(x.shape[0], -1), b.view(-1, b.shape[-1]))
 
 
-def use_lora_kernels(x: torch.Tensor) -> bool:
-    """Whether a step of ``x``'s rows takes ``lora_add_triton`` (else ``reference_lora_add``)."""
-    return use_triton(x) and x.numel() // x.shape[-1] <= KERNEL_MAX_ROWS
+def use_lora_kernels(slots: torch.Tensor) -> bool:
+    """Whether a step whose rows have adapter ``slots`` [rows] takes ``lora_add_triton`` (else
+    ``reference_lora_add``)."""
+    assert slots.dim() == 1, "slots: one per row"
+    return use_triton(slots) and slots.numel() <= KERNEL_MAX_ROWS
