@@ -57,6 +57,10 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_tokenizer(self):
+        """vLLM's: the engine's tokenizer (transformers'; None for a model without one)."""
+        return self.engine.tokenizer
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` / ``chat`` / ``stream`` use when given no params: SamplingParams' defaults
         with the model's generation config over them (``generation_config``, as vLLM)."""

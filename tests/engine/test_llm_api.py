@@ -98,3 +98,14 @@ def test_use_tqdm_shows_vllms_progress_bar(smollm2_llm, capsys, monkeypatch):
     monkeypatch.setenv("BLITZ_NO_PROGRESS", "1")
     llm.generate(prompts, GREEDY)
     assert "Processed prompts" not in capsys.readouterr().err
+
+
+def test_get_tokenizer_is_the_engines(smollm2_llm):
+    """vLLM's ``llm.get_tokenizer()``: the tokenizer the engine encodes with, so a script's own
+    chat-template rendering gives the ids ``LLM.chat`` runs."""
+    llm = smollm2_llm
+    tok = llm.get_tokenizer()
+    assert tok is llm.engine.tokenizer
+    chat = [{"role": "user", "content": "Hi"}]
+    text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert tok(text, add_special_tokens=False).input_ids == llm.apply_chat_template(chat)
