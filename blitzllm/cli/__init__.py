@@ -76,7 +76,7 @@ def cmd_chat(a) -> int:
             history = []
             continue
         history.append({"role": "user", "content": line})
-        out = llm.chat(history, params)[0]
+        out = llm.chat(history, params, use_tqdm=False)[0]   # (no progress bar between the turns)
         print(out.text)
         history.append({"role": "assistant", "content": out.text})
     llm.close()
