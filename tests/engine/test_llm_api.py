@@ -109,3 +109,27 @@ def test_get_tokenizer_is_the_engines(smollm2_llm):
     chat = [{"role": "user", "content": "Hi"}]
     text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     assert tok(text, add_special_tokens=False).input_ids == llm.apply_chat_template(chat)
+
+
+def test_blitz_chat_keeps_the_history_and_shows_no_bar(capsys, monkeypatch):
+    """``blitz chat``: each turn's reply is ``LLM.chat``'s on the conversation so far (the earlier
+    replies in it), /reset starts over (the same first question, the same reply), an empty line
+    quits; no progress bar between the turns."""
+    from blitzllm import LLM
+    from blitzllm.cli import main
+    monkeypatch.delenv("BLITZ_NO_PROGRESS", raising=False)
+    lines = iter(["What is the capital of France?", "And of Italy?", "/reset", "What is the capital of France?", ""])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    argv = ["--model", "smollm2", "--device", "cpu", "--max-model-len", "512", "--temperature", "0",
+            "--max-tokens", "8"]
+    assert main(["chat", *argv]) == 0
+    out, err = capsys.readouterr()
+    replies = out.strip("\n").split("\n")
+    assert "Processed prompts" not in err
+    llm = LLM("smollm2", device="cpu", max_model_len=512)
+    p = SamplingParams(temperature=0, max_tokens=8)
+    first = llm.chat([{"role": "user", "content": "What is the capital of France?"}], p, use_tqdm=False)[0].outputs[0]
+    second = llm.chat([{"role": "user", "content": "What is the capital of France?"},
+                       {"role": "assistant", "content": first.text},
+                       {"role": "user", "content": "And of Italy?"}], p, use_tqdm=False)[0].outputs[0]
+    assert "\n".join(replies) == "\n".join([first.text, second.text, first.text])
