@@ -188,14 +188,37 @@ def test_bad_adapters_are_refused_and_the_engine_keeps_serving(tiny_llama, adapt
         llm.generate(prompts[:1], GREEDY, lora_request="attn")
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_ngram_speculation_under_adapters(tiny_llama, adapters, device):
+    """n-gram speculation with LoRA (vLLM's combination): the verify steps run under each row's
+    adapter (on CUDA as decode rows through the graphs, the rows' slots repeated per sequence), so
+    a batch mixing the base model and two adapters gives each merged model's greedy tokens (and
+    logprobs), drafts proposed and accepted; every block back."""
+    (la, oa), (lb, ob) = adapters["attn"], adapters["all"]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    llm = LLM(str(tiny_llama[0]), device=device, dtype="float32", kv_cache_blocks=128, enable_lora=True,
+              max_loras=2, speculative_config=spec)
+    assert (llm.engine.runner.graphs is not None) == (device == "cuda")
+    base = [5, 6, 7, 8, 9, 10, 11, 12]
+    prompts = [base * 3, (base[::-1] + [40, 41]) * 3, base[2:] * 4]   # (repeats: the n-grams find drafts)
+    long = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)   # (greedy settles into loops)
+    outs = llm.generate(prompts, long, lora_request=[la, None, lb])
+    for prompt, out, oracle in zip(prompts, outs, (oa, tiny_llama[1], ob)):
+        assert out.token_ids == hf_greedy(oracle, prompt, 48)
+    _check(llm.generate(prompts[:1], GREEDY, lora_request=la)[0], oa, prompts[0])   # (logprobs too)
+    st = llm.stats()
+    assert st["spec_draft_tokens"] > 0 and st["spec_accepted_tokens"] > 0, st
+    assert st["kv_blocks_free"] == st["kv_blocks_total"]
+
+
 def test_lora_refusals(tiny_llama, adapters):
     lora = adapters["attn"][0]
     plain = LLM(str(tiny_llama[0]), device="cpu", dtype="float32", kv_cache_blocks=32)
     with pytest.raises(ValueError, match="enable_lora"):
         plain.generate([[5, 6, 7]], GREEDY, lora_request=lora)
-    with pytest.raises(ValueError, match="speculative_config"):
+    with pytest.raises(ValueError, match="n-gram speculation only.*'mtp'"):
         LLM(str(tiny_llama[0]), device="cpu", enable_lora=True,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+            speculative_config={"method": "mtp", "num_speculative_tokens": 1})
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM(str(tiny_llama[0]), device="cpu", enable_lora=True, tensor_parallel_size=2)
     for bad in ({"max_loras": 0}, {"max_lora_rank": -1}, {"enable_lora": "yes"}):
