@@ -8,6 +8,13 @@ from typing import Optional, Sequence, Union
 
 _MAX_SEED = 2**63 - 1
 _GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (vLLM's bound too)
+MAX_N = 128           # the most completions a server request may ask for
+
+
+def sample_seed(seed: int, i: int) -> int:
+    """The seed of completion ``i`` of a request seeded ``seed`` (the request's own for the first):
+    the engine's rule, and the disaggregated router's when it splits ``n`` into requests of one."""
+    return seed if i == 0 else (seed * 1_000_003 + i) % (2**63)
 
 
 def _err(name: str, allowed: str, value) -> ValueError:

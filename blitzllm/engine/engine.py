@@ -22,7 +22,7 @@ from ..loader.tokenizer import load_tokenizer, set_chat_template
 from ..pooling_params import PoolingParams
 from ..envs import Knobs
 from ..runner.build import build_runner
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, sample_seed
 from ..spec.config import parse_speculative_config
 from .args import (EngineArgs, check_engine_args, check_tp_size, engine_cache_config, engine_state_layout,
                    lora_config, plan_kv_blocks, resolve_device, resolve_dtype, resolve_weight_dtype, sampling_defaults,
@@ -252,7 +252,7 @@ class Engine:
         seqs = []
         for i in range(params.n):
             if params.seed is not None:
-                seed = params.seed if i == 0 else (params.seed * 1_000_003 + i) % (2**63)
+                seed = sample_seed(params.seed, i)
             else:
                 seed = self._rng.getrandbits(63)
             req = Request(request_id=f"{request_id}#{i}", prompt_token_ids=list(ids), params=params,

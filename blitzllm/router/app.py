@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException
 from .backends import Pool, prefix_keys, probe, watch
 from .bodies import parse_body, prompt_text, read_body
 from .endpoints import install_endpoints
+from .fanout import child_bodies, fan_out_n, merge_answers, merge_streams
 from .proxy import TIMED_OUT, Proxy, anthropic_error, error, forward_headers, timed_out
 
 log = logging.getLogger("blitzllm.router")
@@ -154,8 +155,11 @@ def build_router_app(cfg: RouterConfig) -> FastAPI:
         return await disaggregated(request, path, body, headers, stream, proxy)
 
     async def disaggregated(request, path, body, headers, stream, proxy: Proxy):
-        if body.get("n") not in (None, 1):
-            return error(400, "n > 1 is not supported by the disaggregated router", param="n")
+        n = fan_out_n(body)
+        if n > 1:   # n requests of one completion, their answers merged (fanout.py)
+            answers = await asyncio.gather(*(disaggregated(request, path, child, headers, stream, proxy)
+                                             for child in child_bodies(body, n)))
+            return merge_streams(answers, request) if stream else merge_answers(answers)
         pre = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "min_tokens")}
         pre.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
         if "max_completion_tokens" in pre:

@@ -9,7 +9,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
 
-MAX_N = 128      # the most completions a request may ask for
+from ..sampling_params import MAX_N
+
 MAX_STOP = 32    # the most stop strings
 MAX_EMBED_INPUTS = 2048   # the most inputs of one embeddings request (OpenAI's bound)
 

@@ -8,6 +8,7 @@ import asyncio
 import json
 
 import httpx
+import pytest
 
 from disagg_helpers import settled
 
@@ -83,10 +84,12 @@ def test_64_concurrent_requests_complete_and_free_everything(smol, pd_router):
     assert ms["producer"]["blitz_kv_cache_usage_perc"] == 0 and ms["consumer"]["blitz_kv_cache_usage_perc"] == 0
 
 
-def test_client_dropping_a_stream_frees_both_sides(smol, pd_router):
+@pytest.mark.parametrize("n", [1, 3])
+def test_client_dropping_a_stream_frees_both_sides(smol, pd_router, n):
+    """Also a stream of n = 3 (three children interleaved): every child's decode stops."""
     producer, consumer = smol
     body = {"model": "smollm2", "prompt": "Write a long story about a dragon:", "max_tokens": 400,
-            "ignore_eos": True, "temperature": 0, "stream": True}
+            "ignore_eos": True, "temperature": 0, "stream": True, "n": n}
     with httpx.Client(timeout=120) as client:
         with client.stream("POST", pd_router.url + "/v1/completions", json=body) as r:
             assert r.status_code == 200
@@ -114,4 +117,50 @@ def test_a_truncated_prompt_is_pulled_and_answered_as_a_single_engine(smol, pd_r
     assert after.get("blitz_kv_pulls_failed_total", 0) == before.get("blitz_kv_pulls_failed_total", 0)
     whole = _ask(consumer.url, "/v1/completions", {**body, "truncate_prompt_tokens": None}, stream=False)
     assert whole != single   # (the truncation changed the answer: the check above means something)
+    settled(producer, consumer)
+
+
+def _choices(r: httpx.Response, chat: bool, stream: bool) -> tuple:
+    """(each choice's text by index, usage) of an answer, whole or streamed."""
+    assert r.status_code == 200, r.text
+    if not stream:
+        body = r.json()
+        assert [c["index"] for c in body["choices"]] == list(range(len(body["choices"])))
+        return [c["message"]["content"] if chat else c["text"] for c in body["choices"]], body["usage"]
+    texts, usage = {}, None
+    for line in r.text.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            ev = json.loads(line[6:])
+            assert "error" not in ev, ev
+            if ev.get("usage") is not None and not ev["choices"]:
+                assert usage is None   # (one usage event)
+                usage = ev["usage"]
+            for c in ev["choices"]:
+                piece = (c["delta"].get("content") or "") if chat else c["text"]
+                texts[c["index"]] = texts.get(c["index"], "") + piece
+    assert r.text.rstrip().endswith("data: [DONE]") and r.text.count("data: [DONE]") == 1
+    return [texts[i] for i in sorted(texts)], usage
+
+
+def test_n_completions_are_split_and_merged_as_one_engine_answers(smol, pd_router):
+    """n = 3 through the router (vLLM's P/D proxy splits such a request too): three prefill and
+    decode hops of one completion, each seeded as the engine seeds completion i, merged into one
+    answer, whole or streamed, with the choices, the texts and the usage one engine gives; every
+    child's KV pulled; nothing held after."""
+    producer, consumer = smol
+    cases = [("/v1/completions", {"prompt": PROMPTS[0]}), ("/v1/chat/completions", {"messages": CHATS[0]})]
+    before = consumer.metrics()
+    for path, extra in cases:
+        chat = path.endswith("chat/completions")
+        body = {"model": "smollm2", "max_tokens": 8, "temperature": 0.9, "seed": 1234, "n": 3, **extra}
+        for stream in (False, True):
+            opts = {"stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}
+            single = _choices(httpx.post(consumer.url + path, json={**body, **opts}, timeout=120), chat, stream)
+            routed = _choices(httpx.post(pd_router.url + path, json={**body, **opts}, timeout=120), chat, stream)
+            assert routed == single, (path, stream)
+            assert len(set(single[0])) > 1   # (the seeds differ: three different samples)
+    after = consumer.metrics()
+    assert after["blitz_kv_pulls_ok_total"] - before.get("blitz_kv_pulls_ok_total", 0) == 3 * 2 * len(cases)
+    bad = httpx.post(pd_router.url + "/v1/completions", json={"model": "smollm2", "prompt": "x", "n": 0}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "n"
     settled(producer, consumer)
