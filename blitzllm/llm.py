@@ -196,20 +196,22 @@ class LLM:
         acc = {rid: [gathered() for _ in range(n)] for rid, n in zip(rids, counts)}
         for rid in rids:   # (as the engine holds them: truncated, images' placeholders expanded)
             acc[rid][0]["prompt_ids"] = self.engine.requests[rid][0].prompt_token_ids
-        left, unfinished = sum(counts), dict(zip(rids, counts))
+        left, unfinished, out_tokens = sum(counts), dict(zip(rids, counts)), 0
         bar = _progress_bar(len(rids)) if use_tqdm else None
         try:
             self._inbox.update((rid, []) for rid in rids)
             while left:
                 for ev in self._events(rids):
                     gather(acc[ev.request_id][ev.index], ev)
+                    out_tokens += len(ev.new_token_ids)
                     if ev.finish_reason is None:
                         continue
                     left -= 1
                     unfinished[ev.request_id] -= 1
                     if bar is not None and not unfinished[ev.request_id]:
                         bar.update(1)
-                        bar.set_postfix_str(_speed(acc, bar.format_dict["elapsed"]), refresh=False)
+                        elapsed = max(bar.format_dict["elapsed"], 1e-9)
+                        bar.set_postfix_str(f"output: {out_tokens / elapsed:.1f} toks/s", refresh=False)
         finally:
             if bar is not None:
                 bar.close()
@@ -320,12 +322,6 @@ def _progress_bar(total: int):
         return None
     from tqdm import tqdm
     return tqdm(total=total, desc="Processed prompts", unit="prompt", dynamic_ncols=True, file=sys.stderr)
-
-
-def _speed(acc: dict, elapsed: float) -> str:
-    """The bar's postfix: output tokens per second so far."""
-    out = sum(len(c["ids"]) for comps in acc.values() for c in comps)
-    return f"output: {out / max(elapsed, 1e-9):.1f} toks/s"
 
 
 def _prompt_list(prompts) -> list:
