@@ -199,14 +199,12 @@ def check_engine_args(a: EngineArgs) -> None:
 
 
 def lora_config(a: EngineArgs):
-    """The LoRAConfig of ``enable_lora`` (None without), its ranges checked; LoRA with tensor
-    parallelism or a speculative method other than n-gram is refused (the slots are not sharded,
-    and a draft model or head would propose for the base model)."""
+    """The LoRAConfig of ``enable_lora`` (None without), its ranges checked; LoRA with a
+    speculative method other than n-gram is refused (a draft model or head would propose for the
+    base model)."""
     if not a.enable_lora:
         return None
     from ..lora import LoRAConfig
-    if a.tensor_parallel_size != 1:
-        raise ValueError("enable_lora runs with tensor_parallel_size 1 only")
     spec = parse_speculative_config(a.speculative_config)
     if spec is not None and spec.method != "ngram":
         raise ValueError(f"enable_lora combines with n-gram speculation only, not speculative_config method "

@@ -281,7 +281,7 @@ def _build(args, group, device):
     from ..config import ModelConfig
     from ..loader.source import resolve_model
     from ..runner.build import build_runner
-    from .args import (engine_cache_config, plan_kv_blocks, resolve_dtype, resolve_weight_dtype,
+    from .args import (engine_cache_config, lora_config, plan_kv_blocks, resolve_dtype, resolve_weight_dtype,
                        speculation_runner_kwargs)
     src = resolve_model(args.model, args.load_format)
     cfg = ModelConfig.from_hf(src.hf_config, args.num_layers)
@@ -298,7 +298,7 @@ def _build(args, group, device):
         return build_runner(src, cfg, device=device, dtype=dtype, plan_cache=plan_cache, seed=args.seed, tp=group,
                             weight_dtype=resolve_weight_dtype(args.weight_dtype, device, dtype),
                             max_num_seqs=args.max_num_seqs, attention_backend=args.attention_backend,
-                            **speculation_runner_kwargs(args))
+                            lora=lora_config(args), **speculation_runner_kwargs(args))
     except _Stopped:
         return None
 
@@ -310,10 +310,10 @@ def _serve(runner, group) -> None:
         kind = msg[0]
         if kind == "stop":
             return
-        if kind == "forward":
-            runner.forward(*msg[1:])
-        elif kind == "graph":
-            runner.launch_decode_graph(*msg[1:])
+        if kind in ("forward", "graph"):
+            if msg[1] is not None:   # the step's LoRA slots (and adapters rank 0 loaded for it)
+                runner.lora.apply_step(*msg[1])
+            (runner.forward if kind == "forward" else runner.launch_decode_graph)(*msg[2:])
         elif kind == "kv_land":  # KV pulled from a producer (disaggregation): this rank's heads of it
             from ..kv_transfer import land_shard
             land_shard(runner.kv_caches, *msg[1:], group.rank, group.world_size)

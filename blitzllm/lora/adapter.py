@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..layers.parallel import Part
 from .request import LoRARequest
 
 # a PEFT target module -> (our module's name, slice of it); the fused q/k/v and gate/up take
@@ -40,6 +41,34 @@ class LoRAAdapter:
     def key(self) -> tuple:
         """What the slot pool and the prefix cache tell adapters apart by."""
         return ("lora", self.int_id, self.path)
+
+
+def slice_parts(mod) -> tuple:
+    """(the part of A, [the part of each slice's B]) that this rank's ``mod`` holds of an adapter,
+    None for all of it: under tensor parallelism a column-parallel linear (q/k/v, gate/up) holds
+    its output rows of B and all of A, a row-parallel one (o, down) its input columns of A and all
+    of B, so the LoRA rows it adds are this rank's share of the sum the all-reduce makes."""
+    parts = getattr(mod, "tp_parts", None) or {}
+    packed = hasattr(mod, "shard_sizes")
+    row = parts.get(("weight", None))
+    b_parts = []
+    for i in range(len(mod.shard_sizes) if packed else 1):
+        p = parts.get(("weight", i if packed else None))
+        b_parts.append(p if p is not None and p.dim == 0 else None)
+    return (row if row is not None and row.dim == 1 else None), b_parts
+
+
+def full_shape(mod) -> tuple:
+    """(in_features, [each slice's out_features]) of the whole model's ``mod``: its own sizes, or
+    the checkpoint's that its tensor-parallel parts declare."""
+    a_part, b_parts = slice_parts(mod)
+    sizes = getattr(mod, "shard_sizes", [mod.out_features])
+    return (a_part.full if a_part else mod.in_features), [p.full if p else s for p, s in zip(b_parts, sizes)]
+
+
+def b_columns(part: Part) -> Part:
+    """A slice's B part (rows of B [out, r]) as columns of the B^T the slots hold."""
+    return Part(1, part.start, part.size, part.full)
 
 
 def _config(path: str) -> dict:
@@ -98,7 +127,7 @@ def check_config(cfg: dict, path: str, max_rank: int) -> tuple:
 
 def load_adapter(req: LoRARequest, modules: dict, max_rank: int, dtype: torch.dtype) -> LoRAAdapter:
     """Read ``req``'s folder for the wrapped ``modules`` ({path: PackedLinear or Linear}, paths as
-    ``model.layers.0.self_attn.qkv_proj``)."""
+    ``model.layers.0.self_attn.qkv_proj``): the whole adapter, whatever part of it a rank holds."""
     path = req.lora_path
     r, scale, targets = check_config(_config(path), path, max_rank)
     st = os.path.join(path, "adapter_model.safetensors")
@@ -132,14 +161,13 @@ def load_adapter(req: LoRARequest, modules: dict, max_rank: int, dtype: torch.dt
         raise ValueError(f"LoRA adapter {path!r} holds no LoRA weights")
     out = LoRAAdapter(req.lora_name, req.lora_int_id, path, r, scale)
     for (mod_path, index), ab in pairs.items():
-        mod = modules[mod_path]
-        shard = getattr(mod, "shard_sizes", [mod.out_features])
+        in_f, shard = full_shape(modules[mod_path])
         if set(ab) != {"A", "B"}:
             raise ValueError(f"LoRA adapter {path!r}: {mod_path} slice {index} lacks lora_{'AB'[('A' in ab)]}")
         a, b = ab["A"], ab["B"]
-        if tuple(a.shape) != (r, mod.in_features) or tuple(b.shape) != (shard[index], r):
+        if tuple(a.shape) != (r, in_f) or tuple(b.shape) != (shard[index], r):
             raise ValueError(f"LoRA adapter {path!r}: {mod_path} slice {index} has lora_A {tuple(a.shape)} and "
-                             f"lora_B {tuple(b.shape)}; the model needs ({r}, {mod.in_features}) and "
+                             f"lora_B {tuple(b.shape)}; the model needs ({r}, {in_f}) and "
                              f"({shard[index]}, {r})")
         slices = out.weights.setdefault(mod_path, [None] * len(shard))
         # (scale folded into B in float32, once, before the cast)
@@ -156,11 +184,11 @@ def write_random_adapter(modules: dict, folder: str, rank: int, seed: int = 0, s
     tensors = {}
     for path, mod in modules.items():
         prefix, ours = path.rsplit(".", 1)
-        sizes = getattr(mod, "shard_sizes", [mod.out_features])
+        in_f, sizes = full_shape(mod)
         for target, (name, i) in TARGETS.items():
             if name == ours:
                 base = f"base_model.model.{prefix}.{target}"
-                tensors[f"{base}.lora_A.weight"] = torch.randn(rank, mod.in_features, generator=g) * std
+                tensors[f"{base}.lora_A.weight"] = torch.randn(rank, in_f, generator=g) * std
                 tensors[f"{base}.lora_B.weight"] = torch.randn(sizes[i], rank, generator=g) * std
     with open(os.path.join(folder, "adapter_config.json"), "w") as f:
         json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": sorted(TARGETS),

@@ -19,6 +19,11 @@ graphs capture them (the row slots are one more graph input, ``runner/cuda_graph
 The engine calls ``prepare_step`` with each scheduled sequence's adapter; the runner asks
 ``mapping`` (eager forwards) or ``rows`` (graph captures) for the step's ``LoRARows`` and hands
 them to the layers in the forward context.
+
+Tensor parallelism: every rank wraps its own shards and holds its part of each slot
+(``adapter.slice_parts``). Rank 0 alone reads adapters and decides the slots; its step message
+(``step_message``) carries the step's row slots and the adapters it loaded since the last one,
+whole, which each worker copies its part of (``apply_step``), so the workers read no files.
 """
 from __future__ import annotations
 
@@ -32,7 +37,8 @@ import torch
 from ..kernels.activation import silu_and_mul
 from ..kernels.lora import lora_add_triton, reference_lora_add, slot_mask, use_lora_kernels
 from ..layers.attention import get_forward_context
-from .adapter import LoRAAdapter, load_adapter
+from ..layers.parallel import copy_part
+from .adapter import LoRAAdapter, b_columns, load_adapter, slice_parts
 from .request import LoRAConfig, LoRARequest
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -46,7 +52,8 @@ class LoRARows(NamedTuple):
 
 
 class LoRAManager:
-    def __init__(self, model, architecture: str, cfg: LoRAConfig, device: torch.device, dtype: torch.dtype):
+    def __init__(self, model, architecture: str, cfg: LoRAConfig, device: torch.device, dtype: torch.dtype,
+                 tp_size: int = 1):
         if architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"enable_lora supports {', '.join(SUPPORTED_ARCHITECTURES)}; "
                              f"this model is {architecture}")
@@ -70,6 +77,7 @@ class LoRAManager:
         self.cpu: OrderedDict = OrderedDict()      # adapter key -> LoRAAdapter read from disk
         self.step_slots: list = []                 # per scheduled sequence of the step: slot or -1
         self.slot_loads = 0
+        self.unsent = [] if tp_size > 1 else None  # rank 0: (slot, adapter) loaded since the last step message
         print(f"[blitz] LoRA: {len(self.modules)} linears wrapped, {n} slot(s) of rank {self.rank} "
               "(no fused CPU decode)", file=sys.stderr)
 
@@ -113,21 +121,39 @@ class LoRAManager:
         free = [s for s, k in enumerate(self.slot_keys) if k is None]
         slot = free[0] if free else next(s for s in self.lru if s not in busy)
         self.lru.pop(slot, None)
+        self._copy_in(slot, adapter)
+        if self.unsent is not None:
+            self.unsent.append((slot, adapter))
+        return slot
+
+    def _copy_in(self, slot: int, adapter: LoRAAdapter) -> None:
+        """``adapter`` into ``slot``: this rank's part of each A and B (zeros where it has none)."""
         r, R = adapter.rank, self.rank
-        for path in self.modules:
+        for path, mod in self.modules.items():
             a, b = self.slots_a[path][slot], self.slots_b[path][slot]
             a.zero_()
             b.zero_()
-            mod = self.modules[path]
+            a_part, b_parts = slice_parts(mod)
             for i, ab in enumerate(adapter.weights.get(path, ())):
                 if ab is None:
                     continue
                 rows = mod.shard_slice(i) if hasattr(mod, "shard_slice") else slice(0, mod.out_features)
-                a[i * R:i * R + r].copy_(ab[0])
-                b[i * R:i * R + r, rows].copy_(ab[1].t())
+                copy_part(a[i * R:i * R + r], ab[0], a_part, f"{path} lora_A")
+                copy_part(b[i * R:i * R + r, rows], ab[1].t(), b_parts[i] and b_columns(b_parts[i]), f"{path} lora_B")
         self.slot_keys[slot] = adapter.key
         self.slot_loads += 1
-        return slot
+
+    # ---- tensor parallelism ---------------------------------------------------------
+    def step_message(self) -> tuple:
+        """Rank 0: what the workers need for the step it broadcasts (``apply_step``'s arguments)."""
+        loads, self.unsent = self.unsent, []
+        return tuple(self.step_slots), loads
+
+    def apply_step(self, step_slots: tuple, loads: list) -> None:
+        """A worker: rank 0's slot loads, then its step's row slots."""
+        for slot, adapter in loads:
+            self._copy_in(slot, adapter)
+        self.step_slots = list(step_slots)
 
     def row_slots(self, counts: Optional[list] = None) -> list:
         """Each row's slot (-1: the base model) for the step's sequences of ``counts`` rows each

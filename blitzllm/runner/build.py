@@ -35,7 +35,7 @@ def build_runner(src: ModelSource, cfg: ModelConfig, *, device: torch.device, dt
     manager = None
     if lora is not None:
         from ..lora.manager import LoRAManager
-        manager = LoRAManager(model, cfg.architecture, lora, device, dtype)
+        manager = LoRAManager(model, cfg.architecture, lora, device, dtype, tp.world_size)
     cache, max_model_len = plan_cache()
     if cfg.is_classifier:   # (it never decodes: no decode graphs to capture, on any rank)
         runner_kw["enforce_eager"] = True

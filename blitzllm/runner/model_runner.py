@@ -189,6 +189,11 @@ class ModelRunner:
         self.states.finish(states)
         return logits
 
+    def _broadcast(self, kind: str, *args) -> None:
+        """Send a step's inputs to the other ranks (``engine/tp.py``'s ``_serve`` runs them),
+        with the LoRA slots' part of the step when there are adapters."""
+        self.driver.send((kind, self.lora.step_message() if self.lora is not None else None, *args))
+
     def _drop_ahead(self) -> None:
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead[2] is not None:
@@ -205,7 +210,7 @@ class ModelRunner:
         if self.driver is not None:
             ids = [t[0] for t, _, _ in seqs]
             with self.driver.step():
-                self.driver.send(("graph", ids, *cur, block_tables, states))
+                self._broadcast("graph", ids, *cur, block_tables, states)
                 logits = self.launch_decode_graph(ids, *cur, block_tables, states)
             return _to_host_async(self.sampler(logits, SamplingMetadata.build(rows, self.cfg.vocab_size, self.device)))
         slots = tuple(states.slots) if states is not None else None
@@ -288,7 +293,7 @@ class ModelRunner:
             return self.forward(seqs, block_tables, sample_idx, counts, states, spans, mm)
         with self.driver.step():
             # (the other ranks need no spans: rank 0's final hidden rows are whole, the norm all-reduced them)
-            self.driver.send(("forward", seqs, block_tables, sample_idx, counts, states, None, mm and mm.to_host()))
+            self._broadcast("forward", seqs, block_tables, sample_idx, counts, states, None, mm and mm.to_host())
             return self.forward(seqs, block_tables, sample_idx, counts, states, spans, mm)
 
     def forward(self, seqs, block_tables, sample_idx: list[int], counts: list[int],
@@ -378,8 +383,8 @@ class ModelRunner:
         if self.driver is None:
             return self.launch_decode_graph(ids, pos, slots, lens, tables, lora_counts=counts)
         with self.driver.step():
-            self.driver.send(("graph", ids, pos, slots, lens, tables))
-            return self.launch_decode_graph(ids, pos, slots, lens, tables)
+            self._broadcast("graph", ids, pos, slots, lens, tables, None, None, counts)
+            return self.launch_decode_graph(ids, pos, slots, lens, tables, lora_counts=counts)
 
 
 def _has_image_tokens(seqs, images: Optional[list]) -> bool:

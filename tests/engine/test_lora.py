@@ -219,8 +219,6 @@ def test_lora_refusals(tiny_llama, adapters):
     with pytest.raises(ValueError, match="n-gram speculation only.*'mtp'"):
         LLM(str(tiny_llama[0]), device="cpu", enable_lora=True,
             speculative_config={"method": "mtp", "num_speculative_tokens": 1})
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        LLM(str(tiny_llama[0]), device="cpu", enable_lora=True, tensor_parallel_size=2)
     for bad in ({"max_loras": 0}, {"max_lora_rank": -1}, {"enable_lora": "yes"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             LLM(str(tiny_llama[0]), device="cpu", **{"enable_lora": True, **bad})
