@@ -199,16 +199,13 @@ def check_engine_args(a: EngineArgs) -> None:
 
 
 def lora_config(a: EngineArgs):
-    """The LoRAConfig of ``enable_lora`` (None without), its ranges checked; LoRA with a
-    speculative method other than n-gram is refused (a draft model or head would propose for the
-    base model)."""
+    """The LoRAConfig of ``enable_lora`` (None without), its ranges checked. Any speculative
+    method goes with it: the verify steps run under each row's adapter, so the output is the
+    adapter's whatever proposed the drafts (a draft model or head proposes as it was trained,
+    without the adapter, which only costs acceptance)."""
     if not a.enable_lora:
         return None
     from ..lora import LoRAConfig
-    spec = parse_speculative_config(a.speculative_config)
-    if spec is not None and spec.method != "ngram":
-        raise ValueError(f"enable_lora combines with n-gram speculation only, not speculative_config method "
-                         f"{spec.method!r} (its drafts would come from the base model)")
     return LoRAConfig(a.max_loras, a.max_lora_rank, a.max_cpu_loras)
 
 

@@ -188,16 +188,31 @@ def test_bad_adapters_are_refused_and_the_engine_keeps_serving(tiny_llama, adapt
         llm.generate(prompts[:1], GREEDY, lora_request="attn")
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_ngram_speculation_under_adapters(tiny_llama, adapters, device):
-    """n-gram speculation with LoRA (vLLM's combination): the verify steps run under each row's
-    adapter (on CUDA as decode rows through the graphs, the rows' slots repeated per sequence), so
-    a batch mixing the base model and two adapters gives each merged model's greedy tokens (and
-    logprobs), drafts proposed and accepted; every block back."""
+def _spec_config(method: str, tiny_llama, tmp_path_factory) -> dict:
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    if method == "draft_model":   # (the base checkpoint drafts: the adapters' rows accept less)
+        return {"method": "draft_model", "num_speculative_tokens": 3, "model": str(tiny_llama[0])}
+    from blitzllm.spec.eagle3 import Eagle3Head
+    plain = LLM(str(tiny_llama[0]), device="cpu", dtype="float32", kv_cache_blocks=16)
+    torch.manual_seed(0)   # (an untrained head from the target's own layers and embeddings)
+    head = Eagle3Head.from_target(plain.engine.runner.model, plain.engine.model_config, [0, 1, 1])
+    path = str(tmp_path_factory.mktemp("eagle3") / "head")
+    head.save(path)
+    return {"method": "eagle3", "num_speculative_tokens": 2, "model": path}
+
+
+@pytest.mark.parametrize("device,method", [("cpu", "ngram"), ("cpu", "draft_model"), ("cpu", "eagle3"),
+                                           pytest.param("cuda", "ngram", marks=pytest.mark.gpu)])
+def test_speculation_under_adapters(tiny_llama, adapters, tmp_path_factory, device, method):
+    """Speculative decoding with LoRA: the verify steps run under each row's adapter (on CUDA as
+    decode rows through the graphs, the rows' slots repeated per sequence), so a batch mixing the
+    base model and two adapters gives each merged model's greedy tokens (and logprobs), whatever
+    proposes the drafts (prompt lookup, the base checkpoint as a draft model, or an EAGLE-3 head
+    fed the adapters' hidden states); drafts proposed and accepted; every block back."""
     (la, oa), (lb, ob) = adapters["attn"], adapters["all"]
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
     llm = LLM(str(tiny_llama[0]), device=device, dtype="float32", kv_cache_blocks=128, enable_lora=True,
-              max_loras=2, speculative_config=spec)
+              max_loras=2, speculative_config=_spec_config(method, tiny_llama, tmp_path_factory))
     assert (llm.engine.runner.graphs is not None) == (device == "cuda")
     base = [5, 6, 7, 8, 9, 10, 11, 12]
     prompts = [base * 3, (base[::-1] + [40, 41]) * 3, base[2:] * 4]   # (repeats: the n-grams find drafts)
@@ -216,9 +231,6 @@ def test_lora_refusals(tiny_llama, adapters):
     plain = LLM(str(tiny_llama[0]), device="cpu", dtype="float32", kv_cache_blocks=32)
     with pytest.raises(ValueError, match="enable_lora"):
         plain.generate([[5, 6, 7]], GREEDY, lora_request=lora)
-    with pytest.raises(ValueError, match="n-gram speculation only.*'mtp'"):
-        LLM(str(tiny_llama[0]), device="cpu", enable_lora=True,
-            speculative_config={"method": "mtp", "num_speculative_tokens": 1})
     for bad in ({"max_loras": 0}, {"max_lora_rank": -1}, {"enable_lora": "yes"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             LLM(str(tiny_llama[0]), device="cpu", **{"enable_lora": True, **bad})
