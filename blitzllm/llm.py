@@ -92,7 +92,7 @@ class LLM:
                                       s["lps"] if p.logprobs is not None else None, s["reason"], s["stop"],
                                       _cumulative(s["ids"], s["lps"]) if p.logprobs is not None else None)
                      for i, s in enumerate(acc[rid])]
-            text = prompt.prompt if isinstance(prompt, ImagePrompt) else prompt
+            text = prompt.prompt if isinstance(prompt, PromptInput) else prompt
             outs.append(RequestOutput(rid, text if isinstance(text, str) else None, acc[rid][0]["prompt_ids"], comps,
                                       True, num_cached_tokens=acc[rid][0]["cached"], prompt_logprobs=acc[rid][0]["plp"]))
         return outs
@@ -105,8 +105,9 @@ class LLM:
         eng = self.engine
         check_beam_width(params.beam_width, logprobs_cap(eng.args.max_logprobs, eng.model_config.vocab_size))
         prompts = _prompt_list(prompts)
-        if any(isinstance(p, ImagePrompt) for p in prompts):
-            raise ValueError("beam_search takes text or token-id prompts; images (multi_modal_data) need generate")
+        if any(isinstance(p, PromptInput) for p in prompts):
+            raise ValueError("beam_search takes text or token-id prompts; images (multi_modal_data) and "
+                             "cache_salt need generate")
         searches = [BeamSearch(eng.tokenize(p), params, eng.eos_token_ids, eng.max_model_len) for p in prompts]
         step = searches[0].step_params() if searches else None
         while live := [(s, b) for s in searches for b in s.live()]:
@@ -186,8 +187,8 @@ class LLM:
             for prompt, p, prio, lora in zip(prompts, plist, priority or [0] * len(prompts),
                                              loras or [None] * len(prompts)):
                 rid = f"{kind}-{next(self._ids)}"
-                text, images = _with_images(prompt)
-                self.engine.add_request(rid, text, p, priority=prio, lora_request=lora, images=images)
+                text, extra = _parts(prompt)
+                self.engine.add_request(rid, text, p, priority=prio, lora_request=lora, **extra)
                 rids.append(rid)
         except ValueError:
             for rid in rids:
@@ -224,9 +225,9 @@ class LLM:
         """One prompt's text as it is generated: yields each step's new text (first sample of
         ``sampling_params.n``); the request is aborted if the caller stops early."""
         rid = f"gen-{next(self._ids)}"
-        text, images = _with_images(_unwrap(prompt))
+        text, extra = _parts(_unwrap(prompt))
         self.engine.add_request(rid, text, sampling_params or self.get_default_sampling_params(),
-                                lora_request=lora_request, images=images)
+                                lora_request=lora_request, **extra)
         self._inbox[rid] = []
         done = False
         try:
@@ -305,7 +306,7 @@ class LLM:
             _check_messages(conv)
             conv, images = split_images(conv)
             ids = self.apply_chat_template(conv, **template)
-            prompts.append(ImagePrompt(ids, images) if images else ids)
+            prompts.append(PromptInput(ids, images) if images else ids)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def stats(self) -> dict:
@@ -345,34 +346,44 @@ def _params_list(params, prompts: list, kind: type) -> list:
 
 
 @dataclass(frozen=True)
-class ImagePrompt:
-    """A prompt (text or token ids) with its images (vLLM's ``multi_modal_data``)."""
+class PromptInput:
+    """A prompt (text or token ids) with what vLLM's prompt dicts add: its images
+    (``multi_modal_data``) and its ``cache_salt``."""
     prompt: Union[str, list]
-    images: list
+    images: Optional[list] = None
+    cache_salt: Optional[str] = None
+
+
+_PROMPT_EXTRAS = ("multi_modal_data", "cache_salt")
 
 
 def _unwrap(prompt):
-    """vLLM's prompt dicts -> the text or the token ids inside (an ImagePrompt with images)."""
+    """vLLM's prompt dicts -> the text or the token ids inside (a PromptInput with images or a salt)."""
     if not isinstance(prompt, dict):
         return prompt
-    rest = {k: v for k, v in prompt.items() if k != "multi_modal_data"}
+    rest = {k: v for k, v in prompt.items() if k not in _PROMPT_EXTRAS}
     (key, value), = rest.items() if len(rest) == 1 else ((None, None),)
     if not (key == "prompt" and isinstance(value, str) or key == "prompt_token_ids" and isinstance(value, list)):
         raise ValueError("prompts must be a string, a list of token ids, or a dict of one key: 'prompt' (a string) "
-                         "or 'prompt_token_ids' (a list of token ids), and 'multi_modal_data'; got a dict of "
-                         f"{sorted(map(str, prompt))}")
-    mm = prompt.get("multi_modal_data")
-    if mm is None:
+                         "or 'prompt_token_ids' (a list of token ids), and 'multi_modal_data' or 'cache_salt'; "
+                         f"got a dict of {sorted(map(str, prompt))}")
+    mm, salt = prompt.get("multi_modal_data"), prompt.get("cache_salt")
+    if mm is None and salt is None:
         return value
-    if not isinstance(mm, dict) or set(mm) - {"image"}:
-        raise ValueError(f"multi_modal_data takes 'image' (a PIL image or a list of them), got {mm!r:.80}")
-    images = mm.get("image")
-    return ImagePrompt(value, list(images) if isinstance(images, (list, tuple)) else [images])
+    images = None
+    if mm is not None:
+        if not isinstance(mm, dict) or set(mm) - {"image"}:
+            raise ValueError(f"multi_modal_data takes 'image' (a PIL image or a list of them), got {mm!r:.80}")
+        images = mm.get("image")
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+    return PromptInput(value, images, salt)
 
 
-def _with_images(prompt) -> tuple:
-    """(text or token ids, images or None) of an unwrapped prompt."""
-    return (prompt.prompt, prompt.images) if isinstance(prompt, ImagePrompt) else (prompt, None)
+def _parts(prompt) -> tuple:
+    """(text or token ids, ``Engine.add_request``'s keywords for the rest) of an unwrapped prompt."""
+    if not isinstance(prompt, PromptInput):
+        return prompt, {}
+    return prompt.prompt, {"images": prompt.images, "cache_salt": prompt.cache_salt}
 
 
 def _cumulative(ids: list, lps: list) -> float:

@@ -208,13 +208,17 @@ class Engine:
 
     def add_request(self, request_id: str, prompt: Union[str, list], params: Union[SamplingParams, PoolingParams],
                     kv_transfer_params: Optional[dict] = None, kv_payload=None, priority: int = 0,
-                    lora_request=None, images=None) -> None:
+                    lora_request=None, images=None, cache_salt: Optional[str] = None) -> None:
         """``params``: a SamplingParams, or a PoolingParams for an embedding (engine/pooling.py).
         ``kv_transfer_params`` / ``kv_payload``: disaggregation (``async_engine.py`` pulls the payload).
         ``priority``: under the priority scheduling policy, lower is served first (vLLM's).
         ``lora_request``: a ``LoRARequest`` (enable_lora), its adapter read and checked here.
-        ``images``: PIL images (or ``ImageInput``s), one per placeholder run in the prompt (engine/images.py)."""
+        ``images``: PIL images (or ``ImageInput``s), one per placeholder run in the prompt (engine/images.py).
+        ``cache_salt``: vLLM's, a non-empty string; the prefix cache shares KV only between requests
+        of the same salt (tenants who cannot probe each other's prompts by timing)."""
         check_priority(priority, self.sched_config.policy)
+        if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r:.40}")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if images:
@@ -224,7 +228,7 @@ class Engine:
                 raise ValueError("embeddings run on the base model: lora_request does not go with PoolingParams")
             req = self.pooling.request(f"{request_id}#0", self.tokenize(prompt), params, arrival=next(self._arrival),
                                        vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len)
-            req.priority = priority
+            req.priority, req.cache_salt = priority, cache_salt
             self.requests[request_id] = [req]
             self.scheduler.add(req)
             self.counters["prompt_tokens"] += len(req.prompt_token_ids)
@@ -262,7 +266,7 @@ class Engine:
             if params.structured_output is not None:
                 req.matcher = self.grammar_compiler().matcher(params.structured_output)
             req.kv_transfer_params, req.kv_payload, req.lora = kv_transfer_params, kv_payload, adapter
-            req.images = prompt_images
+            req.images, req.cache_salt = prompt_images, cache_salt
             if params.prompt_logprobs is not None and i == 0:
                 req.prompt_logprobs, req.prompt_ranks = [], []
             if self.tokenizer is not None:

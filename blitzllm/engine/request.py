@@ -50,11 +50,14 @@ class Request:
     lora: object = None           # its LoRA adapter (blitzllm/lora LoRAAdapter), None for the base model
     pooler: object = None   # an embedding request's pooling state (engine/pooling.py); None for generation
     images: object = None   # the prompt's images (engine/images.py PromptImages); None for text
+    cache_salt: Optional[str] = None   # vLLM's: KV is shared only between requests of the same salt
 
     @property
     def cache_root(self):
-        """What its prefix-cache hashes start from: KV is shared only under the same adapter."""
-        return None if self.lora is None else self.lora.key
+        """What its prefix-cache hashes start from: KV is shared only under the same adapter and
+        cache salt."""
+        lora = None if self.lora is None else self.lora.key
+        return lora if self.cache_salt is None else ("salt", self.cache_salt, lora)
 
     @property
     def cacheable_tokens(self) -> list:

@@ -43,10 +43,11 @@ def beam_params(req, params: SamplingParams, room: int) -> BeamSearchParams:
 
 
 async def beam_answers(s: Serving, raw: Request, rid: str, prompts: list, bp: BeamSearchParams, prompt_field: str,
-                       max_tokens_field: str, priority: Optional[int], lora_request=None) -> Optional[list]:
+                       max_tokens_field: str, priority: Optional[int], lora_request=None,
+                       cache_salt: Optional[str] = None) -> Optional[list]:
     """Per prompt (token ids) its ``bp.beam_width`` best beams (``BeamSearchSequence``s with their
-    text), best first, under ``lora_request``'s adapter (None: the base model); None if the client
-    went away."""
+    text), best first, under ``lora_request``'s adapter (None: the base model) and the prefix
+    cache's ``cache_salt``; None if the client went away."""
     try:
         check_beam_width(bp.beam_width, s.max_logprobs)
     except ValueError as e:
@@ -63,7 +64,8 @@ async def beam_answers(s: Serving, raw: Request, rid: str, prompts: list, bp: Be
             streams.clear()
             for i, b in enumerate(live):
                 streams.append(await s.submit(f"{rid}-beam{n_steps}-{i}", b.tokens, step, prompt_field,
-                                              max_tokens_field, priority=priority, lora_request=lora_request))
+                                              max_tokens_field, priority=priority, lora_request=lora_request,
+                                              cache_salt=cache_salt))
             result = await s.collect(streams, 1)
             n_steps += 1
             for search in searches:

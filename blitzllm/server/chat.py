@@ -180,7 +180,7 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
         return await _beam_chat(s, req, raw, rid, turn, mt_field, k, as_ids, lora)
     stream = await s.submit(rid, ids, params, "messages", mt_field, structured_field=turn.structured_field,
                             kv_transfer_params=req.kv_transfer_params, priority=req.priority, lora_request=lora,
-                            images=turn.images)
+                            images=turn.images, cache_salt=req.cache_salt)
     created = int(time.time())
     if req.stream:
         opts = req.stream_options
@@ -215,7 +215,7 @@ async def _beam_chat(s: Serving, req: ChatCompletionRequest, raw: Request, rid: 
         raise bad_request(f"{turn.structured_field} does not go with use_beam_search", param=turn.structured_field)
     ids = turn.ids
     bp = beam_params(req, turn.params, s.max_model_len - len(ids))
-    beams = await beam_answers(s, raw, rid, [ids], bp, "messages", mt_field, req.priority, lora)
+    beams = await beam_answers(s, raw, rid, [ids], bp, "messages", mt_field, req.priority, lora, req.cache_salt)
     if beams is None:
         return Response(status_code=499)
     choices, ntok = [], 0

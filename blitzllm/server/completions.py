@@ -126,7 +126,7 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
         for rid, (ids, _) in zip(rids, prompts):
             streams.append(await s.submit(rid, ids, params, "prompt", structured_field=structured_field,
                                           kv_transfer_params=req.kv_transfer_params, priority=req.priority,
-                                          lora_request=lora))
+                                          lora_request=lora, cache_salt=req.cache_salt))
     except BaseException:  # (only the ones submitted: an id in use may be another request's)
         s.abort(streams)
         raise
@@ -169,7 +169,7 @@ async def _beam_completion(s: Serving, req: CompletionRequest, raw: Request, bas
     """use_beam_search: choice j * n + i is prompt j's i-th best beam (``lora``: the adapter's)."""
     bp = beam_params(req, params, s.max_model_len - max(len(ids) for ids, _ in prompts))
     beams = await beam_answers(s, raw, base, [ids for ids, _ in prompts], bp, "prompt", "max_tokens", req.priority,
-                               lora)
+                               lora, req.cache_salt)
     if beams is None:
         return Response(status_code=499)
     choices, ntok = [], 0

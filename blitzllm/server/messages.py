@@ -37,7 +37,7 @@ async def create_message(s: Serving, req: MessagesRequest, raw: Request) -> Resp
         params = params.clone(max_tokens=room)
     rid = f"msg-{request_id(raw)}"
     stream = await s.submit(rid, turn.ids, params, "messages", "max_tokens", structured_field=turn.structured_field,
-                            images=turn.images, lora_request=lora)
+                            images=turn.images, lora_request=lora, cache_salt=req.cache_salt)
     head = {"id": message_id(), "type": "message", "role": "assistant", "model": s.answer_model(lora)}
     builder = ContentBuilder(turn.parser(s))
     if req.stream:

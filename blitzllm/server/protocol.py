@@ -115,6 +115,8 @@ class SamplingFields(_Strict):
     stream: Optional[bool] = False
     user: Optional[str] = None
     priority: Optional[Int] = priority_field()
+    cache_salt: Optional[str] = Field(None, min_length=1, description="vLLM's: the prefix cache shares KV only "
+                                      "between requests of the same salt (a long random string per tenant)")
 
 
 class _SamplingRequest(SamplingFields):

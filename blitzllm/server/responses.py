@@ -66,7 +66,7 @@ async def create_response(s: Serving, req: ResponsesRequest, raw: Request, store
     rid = f"resp-{request_id(raw)}"
     stream = await s.submit(rid, turn.ids, turn.params, "input", "max_output_tokens",
                             structured_field=turn.structured_field, priority=req.priority, lora_request=lora,
-                            images=turn.images)
+                            images=turn.images, cache_salt=req.cache_salt)
     head = _head(s, req, turn.params, store.enabled and req.store is not False, s.answer_model(lora))
     builder = OutputBuilder(s, turn.parser(s), k)
     finish = _Finish(s, store, head, builder, len(turn.ids), earlier, items)

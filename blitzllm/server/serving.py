@@ -387,10 +387,10 @@ class Serving:
     async def submit(self, rid: str, prompt_ids: list, params: SamplingParams, prompt_field: str,
                      max_tokens_field: str = "max_tokens", structured_field: Optional[str] = None,
                      kv_transfer_params: Optional[dict] = None, priority: Optional[int] = 0, lora_request=None,
-                     images=None):
+                     images=None, cache_salt: Optional[str] = None):
         try:
             stream = await self.aengine.add_request(rid, prompt_ids, params, kv_transfer_params, priority or 0,
-                                                    lora_request, images)
+                                                    lora_request, images, cache_salt)
             log.debug("request %s: %d prompt tokens, max_tokens %s", rid, len(prompt_ids),
                       getattr(params, "max_tokens", 0))   # (0: an embedding)
             return stream

@@ -133,3 +133,29 @@ def test_blitz_chat_keeps_the_history_and_shows_no_bar(capsys, monkeypatch):
                        {"role": "assistant", "content": first.text},
                        {"role": "user", "content": "And of Italy?"}], p, use_tqdm=False)[0].outputs[0]
     assert "\n".join(replies) == "\n".join([first.text, second.text, first.text])
+
+
+def test_cache_salt_keeps_prefixes_apart(smollm2_llm):
+    """vLLM's ``cache_salt``: KV is shared only between requests of the same salt (none being a
+    salt of its own); the salted answers are the unsalted ones; a bad salt is a ValueError that
+    leaves nothing behind."""
+    llm = smollm2_llm
+    ids = llm.tokenize("Tenant preamble kept apart by the salt of each request in the prefix cache. " * 5)
+    bs = llm.engine.args.block_size
+    full = (len(ids) // bs) * bs
+    plain = llm.generate(ids + [7], GREEDY)[0]
+    a1 = llm.generate({"prompt_token_ids": ids + [8], "cache_salt": "tenant-a"}, GREEDY)[0]
+    a2 = llm.generate({"prompt_token_ids": ids + [9], "cache_salt": "tenant-a"}, GREEDY)[0]
+    b1 = llm.generate({"prompt_token_ids": ids + [7], "cache_salt": "tenant-b"}, GREEDY)[0]
+    again = llm.generate(ids + [8], GREEDY)[0]
+    assert a1.num_cached_tokens == 0 and b1.num_cached_tokens == 0   # (neither the unsalted nor a's blocks)
+    assert a2.num_cached_tokens == full > 0 and again.num_cached_tokens == full
+    assert b1.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert a1.outputs[0].token_ids == again.outputs[0].token_ids
+    text = "".join(llm.stream({"prompt": "Hi there", "cache_salt": "s"}, GREEDY))
+    assert text == llm.generate("Hi there", GREEDY)[0].outputs[0].text
+    for bad in ("", 5):
+        with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+            llm.generate([ids, {"prompt_token_ids": ids, "cache_salt": bad}], GREEDY)
+    stats = llm.stats()
+    assert not llm.engine.has_unfinished() and stats["kv_blocks_free"] == stats["kv_blocks_total"]

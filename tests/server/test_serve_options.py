@@ -2,7 +2,8 @@
 (/v1/models lists each, a request may name any, the answer names the first; the --model path is
 still accepted; another name is a 404; bad names are one error line before the model loads), and
 ``--enable-prompt-tokens-details`` (usage's ``prompt_tokens_details.cached_tokens``: the prompt
-tokens the prefix cache served, as /metrics counts them, whole and streamed)."""
+tokens the prefix cache served, as /metrics counts them, whole and streamed), and vLLM's
+``cache_salt`` request field (prefixes shared only between requests of one salt)."""
 from __future__ import annotations
 
 import json
@@ -70,4 +71,32 @@ def test_prompt_tokens_details_count_the_prefix_cache(named, path, body):
     streamed = _streamed_usage(srv.url, path, body)
     assert streamed["prompt_tokens_details"] == {"cached_tokens": srv.metrics()["blitz_prefix_cache_hit_tokens_total"]
                                                  - hits}
+    wait_idle(srv)
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Salted question about the moon " * 8}]}),
+    ("/v1/completions", {"prompt": "A salted prompt about rivers and their deltas " * 6}),
+    ("/v1/responses", {"input": "Salted input about mountains and valleys " * 6, "max_output_tokens": 3}),
+])
+def test_cache_salt_keeps_tenants_apart(named, path, body):
+    """Two tenants send the same prompt: neither is served the other's (or the unsalted) blocks,
+    a repeat under one salt is, and the answers are the same tokens; an empty salt is a 400."""
+    srv, _ = named
+    body = {"model": "tiny", "temperature": 0, **({} if "max_output_tokens" in body else {"max_tokens": 3}), **body}
+    answers = []
+    # (the unsalted request may find earlier tests' blocks: the chat template's opening is common)
+    a, b = f"tenant-a{path}", f"tenant-b{path}"   # (fresh salts: the other cases' prompts open alike too)
+    for salt, cached in ((None, None), (a, False), (b, False), (a, True)):
+        hits = srv.metrics()["blitz_prefix_cache_hit_tokens_total"]
+        r = httpx.post(srv.url + path, json={**body, **({"cache_salt": salt} if salt else {})}, timeout=60)
+        assert r.status_code == 200, r.text
+        served = srv.metrics()["blitz_prefix_cache_hit_tokens_total"] - hits
+        if cached is not None:
+            assert (served >= 16) if cached else served == 0, (salt, served)
+        out = r.json()
+        answers.append(out["output"][-1]["content"][0]["text"] if "output" in out
+                       else out["choices"][0].get("text") or out["choices"][0]["message"]["content"])
+    assert len(set(answers)) == 1 and answers[0], answers
+    check_error(httpx.post(srv.url + path, json={**body, "cache_salt": ""}, timeout=60), 400, "cache_salt")
     wait_idle(srv)
