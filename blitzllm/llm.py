@@ -195,8 +195,8 @@ class LLM:
                 self.engine.abort_request(rid)
             raise
         acc = {rid: [gathered() for _ in range(n)] for rid, n in zip(rids, counts)}
-        for rid in rids:   # (as the engine holds them: truncated, images' placeholders expanded)
-            acc[rid][0]["prompt_ids"] = self.engine.requests[rid][0].prompt_token_ids
+        for rid in rids:   # (as the engine holds them: truncated, images' placeholders expanded; None for embeddings)
+            acc[rid][0]["prompt_ids"] = self.engine.requests[rid][0].known_prompt_ids
         left, unfinished, out_tokens = sum(counts), dict(zip(rids, counts)), 0
         bar = _progress_bar(len(rids)) if use_tqdm else None
         try:
@@ -347,27 +347,34 @@ def _params_list(params, prompts: list, kind: type) -> list:
 
 @dataclass(frozen=True)
 class PromptInput:
-    """A prompt (text or token ids) with what vLLM's prompt dicts add: its images
-    (``multi_modal_data``) and its ``cache_salt``."""
-    prompt: Union[str, list]
+    """A prompt (text or token ids; None for ``prompt_embeds``) with what vLLM's prompt dicts add:
+    its images (``multi_modal_data``), its ``cache_salt``, or embeddings in place of the prompt."""
+    prompt: Union[str, list, None]
     images: Optional[list] = None
     cache_salt: Optional[str] = None
+    prompt_embeds: object = None
 
 
 _PROMPT_EXTRAS = ("multi_modal_data", "cache_salt")
 
 
 def _unwrap(prompt):
-    """vLLM's prompt dicts -> the text or the token ids inside (a PromptInput with images or a salt)."""
+    """vLLM's prompt dicts -> the text or the token ids inside (a PromptInput with images, a salt
+    or embeddings)."""
     if not isinstance(prompt, dict):
         return prompt
     rest = {k: v for k, v in prompt.items() if k not in _PROMPT_EXTRAS}
     (key, value), = rest.items() if len(rest) == 1 else ((None, None),)
-    if not (key == "prompt" and isinstance(value, str) or key == "prompt_token_ids" and isinstance(value, list)):
-        raise ValueError("prompts must be a string, a list of token ids, or a dict of one key: 'prompt' (a string) "
-                         "or 'prompt_token_ids' (a list of token ids), and 'multi_modal_data' or 'cache_salt'; "
-                         f"got a dict of {sorted(map(str, prompt))}")
+    if not (key == "prompt" and isinstance(value, str) or key == "prompt_token_ids" and isinstance(value, list)
+            or key == "prompt_embeds"):
+        raise ValueError("prompts must be a string, a list of token ids, or a dict of one key: 'prompt' (a string), "
+                         "'prompt_token_ids' (a list of token ids) or 'prompt_embeds' (a tensor), and "
+                         f"'multi_modal_data' or 'cache_salt'; got a dict of {sorted(map(str, prompt))}")
     mm, salt = prompt.get("multi_modal_data"), prompt.get("cache_salt")
+    if key == "prompt_embeds":
+        if value is None:
+            raise ValueError("prompt_embeds must be a tensor, got None")
+        return PromptInput(None, None, salt, value)
     if mm is None and salt is None:
         return value
     images = None
@@ -383,7 +390,8 @@ def _parts(prompt) -> tuple:
     """(text or token ids, ``Engine.add_request``'s keywords for the rest) of an unwrapped prompt."""
     if not isinstance(prompt, PromptInput):
         return prompt, {}
-    return prompt.prompt, {"images": prompt.images, "cache_salt": prompt.cache_salt}
+    return prompt.prompt, {"images": prompt.images, "cache_salt": prompt.cache_salt,
+                           "prompt_embeds": prompt.prompt_embeds}
 
 
 def _cumulative(ids: list, lps: list) -> float:

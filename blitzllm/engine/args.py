@@ -59,6 +59,7 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: Optional[int] = None
+    enable_prompt_embeds: bool = False   # vLLM's: prompts may come as input embeddings (engine/prompt_embeds.py)
     # embeddings' defaults (vLLM's --pooler-config): {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool}
     pooler_config: Optional[Union[str, dict]] = None
     # vLLM's, for a vision model (engine/images.py): the image processor's pixel bounds
@@ -180,7 +181,7 @@ def check_engine_args(a: EngineArgs) -> None:
     integer("max_logprobs", -1)
     if a.block_size & (a.block_size - 1):
         raise ValueError(f"block_size must be a power of two >= 1, got {a.block_size}")
-    for name in ("enable_prefix_caching", "enforce_eager", "warmup", "enable_lora"):
+    for name in ("enable_prefix_caching", "enforce_eager", "warmup", "enable_lora", "enable_prompt_embeds"):
         if not isinstance(getattr(a, name), bool):
             raise ValueError(f"{name} must be true or false, got {getattr(a, name)!r}")
     if a.scheduling_policy not in SCHEDULING_POLICIES:

@@ -134,15 +134,16 @@ class AsyncEngine:
 
     async def add_request(self, request_id: str, prompt, params: Union[SamplingParams, PoolingParams],
                           kv_transfer_params: Optional[dict] = None, priority: int = 0,
-                          lora_request=None, images=None, cache_salt: Optional[str] = None) -> RequestStream:
+                          lora_request=None, images=None, cache_salt: Optional[str] = None,
+                          prompt_embeds=None) -> RequestStream:
         """Queue a request; returns its stream once the engine accepted it. Raises
         ValueError (the engine's user-facing message), EngineNotReadyError or QueueFullError.
         ``kv_transfer_params`` (disaggregation, docs/disaggregation.md): a producer's answer on a
         consumer, whose KV is pulled here before the engine sees the request (KVLoadError when
         the pull fails under policy 'fail'); ``{"do_remote_decode": true}`` on a producer. ``priority``,
-        ``lora_request``, ``images``, ``cache_salt``: as ``Engine.add_request``'s (the priority
-        scheduling policy, a LoRA adapter, PIL images: made into the model's inputs here, off the
-        engine thread; the prefix cache's salt)."""
+        ``lora_request``, ``images``, ``cache_salt``, ``prompt_embeds``: as ``Engine.add_request``'s
+        (the priority scheduling policy, a LoRA adapter, PIL images: made into the model's inputs
+        here, off the engine thread; the prefix cache's salt; embeddings in place of ``prompt``)."""
         self._check_ready()
         waiting = (self._stats or {}).get("num_waiting", 0) + self._pending_adds
         if waiting >= self.max_waiting:
@@ -156,6 +157,8 @@ class AsyncEngine:
         fut = self._loop.create_future()
         self._pending_adds += 1
         try:
+            if prompt_embeds is not None and kv_transfer_params:
+                raise ValueError("prompt_embeds are not disaggregated (kv_transfer_params)")
             extras = await self._kv_extras(prompt, params, kv_transfer_params)   # (Engine.add_request's keywords)
             if priority:
                 extras["priority"] = priority
@@ -163,6 +166,8 @@ class AsyncEngine:
                 extras["lora_request"] = lora_request
             if cache_salt is not None:
                 extras["cache_salt"] = cache_salt
+            if prompt_embeds is not None:
+                extras["prompt_embeds"] = prompt_embeds
             if images:
                 intake = self.engine.image_intake
                 extras["images"] = images if intake is None else await asyncio.to_thread(

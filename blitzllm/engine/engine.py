@@ -32,6 +32,7 @@ from .images import ImageIntake, check_images, release_images, step_images
 from .intake import check_priority, check_request
 from .kv_cache import KVCacheManager
 from .pooling import Pooling, absorb, pool_spans, vector
+from .prompt_embeds import embeds_prompt
 from .request import Request, Status, score_prompt
 from .scheduler import Scheduler
 from .state_cache import HybridKVCacheManager
@@ -208,19 +209,24 @@ class Engine:
 
     def add_request(self, request_id: str, prompt: Union[str, list], params: Union[SamplingParams, PoolingParams],
                     kv_transfer_params: Optional[dict] = None, kv_payload=None, priority: int = 0,
-                    lora_request=None, images=None, cache_salt: Optional[str] = None) -> None:
+                    lora_request=None, images=None, cache_salt: Optional[str] = None, prompt_embeds=None) -> None:
         """``params``: a SamplingParams, or a PoolingParams for an embedding (engine/pooling.py).
         ``kv_transfer_params`` / ``kv_payload``: disaggregation (``async_engine.py`` pulls the payload).
         ``priority``: under the priority scheduling policy, lower is served first (vLLM's).
         ``lora_request``: a ``LoRARequest`` (enable_lora), its adapter read and checked here.
         ``images``: PIL images (or ``ImageInput``s), one per placeholder run in the prompt (engine/images.py).
         ``cache_salt``: vLLM's, a non-empty string; the prefix cache shares KV only between requests
-        of the same salt (tenants who cannot probe each other's prompts by timing)."""
+        of the same salt (tenants who cannot probe each other's prompts by timing). ``prompt_embeds``:
+        a [P, hidden] tensor in place of the prompt (None), with ``enable_prompt_embeds``."""
         check_priority(priority, self.sched_config.policy)
         if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r:.40}")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        embedded = None if prompt_embeds is None else embeds_prompt(
+            prompt, prompt_embeds, params, enabled=self.args.enable_prompt_embeds, dtype=self.dtype,
+            hidden_size=self.model_config.hidden_size, max_model_len=self.max_model_len, images=images,
+            kv_transfer_params=kv_transfer_params)
         if images:
             check_images(self.image_intake, self.model_config.architecture, params, kv_transfer_params)
         if isinstance(params, PoolingParams):   # an embedding: one prefill-only sequence
@@ -240,10 +246,10 @@ class Engine:
         if lora_request is not None and self.lora is None:
             raise ValueError("lora_request needs an engine built with enable_lora=True")
         adapter = self.lora.resolve(lora_request) if lora_request is not None else None
-        ids, prompt_images = self.tokenize(prompt), None
+        ids, prompt_images = embedded or (self.tokenize(prompt), None)
         if images:
             ids, prompt_images = self.image_intake.attach(ids, images, params)
-        elif self.image_intake is not None:
+        elif self.image_intake is not None and embedded is None:
             self.image_intake.check_text(ids)
         ids, params, bad_words = check_request(
             ids, params, vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len,
@@ -271,7 +277,7 @@ class Engine:
                 req.prompt_logprobs, req.prompt_ranks = [], []
             if self.tokenizer is not None:
                 req.detok = IncrementalDetokenizer(
-                    self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
+                    self.tokenizer, ids if embedded is None else [], skip_special_tokens=params.skip_special_tokens,
                     stop=list(params.stop), include_stop_str_in_output=params.include_stop_str_in_output,
                     min_tokens=params.min_tokens)
             seqs.append(req)
@@ -419,7 +425,7 @@ class Engine:
 
     @staticmethod
     def _row(req: Request) -> SamplingRow:
-        return SamplingRow(params=req.params, seed=req.seed, prompt_ids=req.prompt_token_ids,
+        return SamplingRow(params=req.params, seed=req.seed, prompt_ids=req.known_prompt_ids or [],
                            output_ids=req.output_token_ids,
                            eos_token_id=req.eos_token_ids[0] if req.eos_token_ids else None, matcher=req.matcher,
                            bad_words=req.bad_words)

@@ -47,10 +47,23 @@ class PromptImages:
     hash_prompt: list            # the prompt for the prefix cache's hashes
     merge: int                   # the vision tower's spatial merge
     embeds: dict = field(default_factory=dict)   # image index -> its embeddings [num_tokens, hidden]
+    mrope = True                 # its chunks with image tokens take M-RoPE rows
+    text_ids = True              # its prompt ids are real tokens (images' placeholders aside)
 
     def images_in(self, start: int, end: int) -> list:
         """Indices of the images with tokens in [start, end)."""
         return [k for k, (o, im) in enumerate(zip(self.offsets, self.images)) if o < end and o + im.num_tokens > start]
+
+    def span(self, k: int) -> tuple:
+        """(first token index, tokens) of image k in the prompt."""
+        return self.offsets[k], self.images[k].num_tokens
+
+    def embeddings(self, k: int, model) -> torch.Tensor:
+        """Image k's embeddings [num_tokens, hidden], from ``model``'s vision tower on first use."""
+        if k not in self.embeds:
+            img = self.images[k]
+            self.embeds[k] = model.embed_images(img.pixel_values, torch.tensor([img.grid_thw]))
+        return self.embeds[k]
 
     def positions_1d(self, start: int, end: int) -> Optional[list]:
         """Rotary positions of tokens [start, end) when none is an image token, else None."""

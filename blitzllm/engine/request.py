@@ -49,7 +49,9 @@ class Request:
     kv_payload: object = None
     lora: object = None           # its LoRA adapter (blitzllm/lora LoRAAdapter), None for the base model
     pooler: object = None   # an embedding request's pooling state (engine/pooling.py); None for generation
-    images: object = None   # the prompt's images (engine/images.py PromptImages); None for text
+    # the prompt's images (engine/images.py PromptImages) or its embeddings (engine/prompt_embeds.py
+    # PromptEmbeds: its token ids are placeholders); None for text
+    images: object = None
     cache_salt: Optional[str] = None   # vLLM's: KV is shared only between requests of the same salt
 
     @property
@@ -68,6 +70,11 @@ class Request:
             return []
         first = self.prompt_logprobs_from
         return self.hash_tokens if first is None else self.hash_tokens[:first + 1]
+
+    @property
+    def known_prompt_ids(self) -> Optional[list]:
+        """The prompt's token ids; None for a prompt given as embeddings (placeholder ids)."""
+        return self.prompt_token_ids if self.images is None or self.images.text_ids else None
 
     @property
     def hash_tokens(self) -> list:

@@ -33,8 +33,9 @@ from .state_pool import StatePool
 class ImageStep:
     """A step's image inputs as rank 0 makes them (``ModelRunner.image_step``) and every
     tensor-parallel rank reads: each token's rotary position (index + delta past a prompt's
-    images) and, where chunks hold image tokens, their [3, T] M-RoPE positions and the images'
-    embedding rows (``vals``) with the step's token index of each (``rows``)."""
+    images); where chunks hold image tokens, their [3, T] M-RoPE positions; and the embedding
+    rows of the images or of prompts given as embeddings (``vals``) with the step's token index
+    of each (``rows``)."""
     positions: list
     pos3: Optional[torch.Tensor] = None
     rows: Optional[torch.Tensor] = None
@@ -108,6 +109,9 @@ class ModelRunner:
             self.backend.fused_decode = False   # verify rows of one sequence read each other's k/v
         self.sampler = Sampler(greedy_kernel=knobs.greedy_kernel)
         self.kv_caches = allocate_kv_caches(cfg, cache, dtype, device, tp.world_size)
+        # under tensor parallelism the token embeddings are partial sums (each rank its vocabulary
+        # rows, the first norm all-reduces them): given rows (images, prompt embeddings) are rank 0's
+        self.given_rows_here = tp.rank == 0
         # hybrid models: the recurrent states of their GDN layers (runner/state_pool.py)
         self.states = (StatePool(model, cache.num_state_rows, dtype, device, cache.num_state_spare)
                        if cache.num_state_rows else None)
@@ -304,11 +308,12 @@ class ModelRunner:
         image inputs (``image_step``)."""
         input_ids, positions, md, qsl = self.prepare(seqs, block_tables, mm.positions if mm is not None else None)
         rope_rows = embeds = None
-        if mm is not None and mm.rows is not None:   # chunks with image tokens: M-RoPE rows, image embeddings
-            rope_rows = self.model.mrope_rows(mm.pos3.to(self.device))
+        if mm is not None and mm.rows is not None:   # chunks with image tokens or prompt embeddings
             embeds = self.model.model.embed_tokens(input_ids)   # (every rank: a collective under TP)
-            embeds[mm.rows.to(self.device)] = mm.vals.to(self.device, embeds.dtype)
-            positions = torch.arange(len(input_ids), device=self.device)
+            embeds[mm.rows.to(self.device)] = mm.vals.to(self.device, embeds.dtype) if self.given_rows_here else 0
+            if mm.pos3 is not None:   # image tokens: M-RoPE rows
+                rope_rows = self.model.mrope_rows(mm.pos3.to(self.device))
+                positions = torch.arange(len(input_ids), device=self.device)
         smd = None
         if self.states is not None:
             smd = self.states.begin(states, seqs, qsl, md.query_start_loc, md.is_pure_decode)
@@ -345,22 +350,18 @@ class ModelRunner:
             pos.extend(range(start, end) if rope is None else rope)
         if not _has_image_tokens(seqs, images):
             return ImageStep(pos)
+        # (M-RoPE rows only where a chunk holds image tokens; prompt embeddings take text positions)
+        mrope = any(im is not None and im.mrope and im.images_in(s, e) for im, (_, s, e) in zip(images, seqs))
         pos3, rows, vals, t0 = [], [], [], 0
         for (_, start, end), im in zip(seqs, images):
-            if im is None:
-                pos3.append(torch.arange(start, end).expand(3, -1))
-            else:
-                pos3.append(im.positions_3d(start, end))
-                for k in im.images_in(start, end):
-                    if k not in im.embeds:
-                        img = im.images[k]
-                        im.embeds[k] = self.model.embed_images(img.pixel_values, torch.tensor([img.grid_thw]))
-                    o, n = im.offsets[k], im.images[k].num_tokens
-                    lo, hi = max(start, o), min(end, o + n)
-                    rows.append(torch.arange(lo, hi) - start + t0)
-                    vals.append(im.embeds[k][lo - o:hi - o])
+            pos3.append(torch.arange(start, end).expand(3, -1) if im is None else im.positions_3d(start, end))
+            for k in im.images_in(start, end) if im is not None else ():
+                o, n = im.span(k)
+                lo, hi = max(start, o), min(end, o + n)
+                rows.append(torch.arange(lo, hi) - start + t0)
+                vals.append(im.embeddings(k, self.model)[lo - o:hi - o])
             t0 += end - start
-        return ImageStep(pos, torch.cat(pos3, 1), torch.cat(rows), torch.cat(vals))
+        return ImageStep(pos, torch.cat(pos3, 1) if mrope else None, torch.cat(rows), torch.cat(vals))
 
     def _score_as_decode_rows(self, seqs, block_tables, images=None) -> torch.Tensor:
         """A verify step where every position is scored: each position becomes a decode row

@@ -73,6 +73,8 @@ def add_model_serving_args(g) -> None:
     g.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="logprobs' tokens as 'token_id:<id>' (vLLM's; a request's return_tokens_as_token_ids "
                         "overrides it)")
+    g.add_argument("--enable-prompt-embeds", action="store_true",
+                   help="completions may give vLLM's prompt_embeds (base64 torch.save'd tensors) in place of a prompt")
     g.add_argument("--enable-lora", action="store_true",
                    help="serve LoRA adapters (docs/lora.md): a request's model names one")
     g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
@@ -162,6 +164,8 @@ def model_serving_config(args: argparse.Namespace, kv_transfer_config: Optional[
         raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together")
     kwargs = engine_kwargs(args)
     lora_modules = _lora_kwargs(args, kwargs)
+    if args.enable_prompt_embeds:
+        kwargs["enable_prompt_embeds"] = True
     _check_engine(kwargs)
     if kv_transfer_config is not None:
         kwargs["kv_transfer_config"] = kv_transfer_config

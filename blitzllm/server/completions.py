@@ -1,7 +1,12 @@
-"""POST /v1/completions: prompt(s) as text or token ids -> one engine request per prompt
-(n sequences each) -> a text_completion body or SSE stream; choice index = prompt * n + i."""
+"""POST /v1/completions: prompt(s) as text or token ids, or vLLM's prompt_embeds -> one engine
+request per prompt (n sequences each) -> a text_completion body or SSE stream; choice index =
+prompt * n + i."""
 from __future__ import annotations
 
+import base64
+import binascii
+import io
+import pickle
 import time
 
 from fastapi import Request
@@ -51,6 +56,35 @@ def _completion_prompts(s: Serving, prompt, echo: bool, params: SamplingParams) 
             if echo:
                 text = s.worker_tokenizer("").decode(p) if s.tokenizer is not None else ""
             out.append((list(p), field, text))
+    return out
+
+
+def _embeds_prompts(s: Serving, req: CompletionRequest, params: SamplingParams) -> list:
+    """[(placeholder ids, tensor [P, hidden])] of vLLM's ``prompt_embeds`` (base64 of
+    ``torch.save``'d tensors, read with ``weights_only``), truncated as ``params`` ask, in a worker
+    thread; the engine checks the rest (``enable_prompt_embeds``, the hidden size, the length)."""
+    import torch
+    if req.prompt is not None:
+        raise bad_request("give prompt or prompt_embeds, not both", param="prompt_embeds")
+    if req.echo or req.use_beam_search:
+        raise bad_request("prompt_embeds have no prompt text to echo or beam-search from",
+                          param="echo" if req.echo else "use_beam_search")
+    items = [req.prompt_embeds] if isinstance(req.prompt_embeds, str) else req.prompt_embeds
+    out = []
+    for j, b64 in enumerate(items):
+        field = "prompt_embeds" if len(items) == 1 else f"prompt_embeds.{j}"
+        try:
+            t = torch.load(io.BytesIO(base64.b64decode(b64, validate=True)), weights_only=True, map_location="cpu")
+        except (binascii.Error, ValueError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
+            raise bad_request(f"{field} must be a base64-encoded torch.save of a tensor ({type(e).__name__})",
+                              param=field) from None
+        if not isinstance(t, torch.Tensor) or t.dim() not in (2, 3) or (t.dim() == 3 and t.shape[0] != 1):
+            raise bad_request(f"{field} must hold a [num_tokens, hidden_size] tensor", param=field)
+        t = t.reshape(t.shape[-2], t.shape[-1])
+        if t.shape[0] == 0:
+            raise bad_request(f"{field} must not be empty", param=field)
+        keep = s.truncated(list(range(t.shape[0])), params, field)
+        out.append(([0] * len(keep), t[t.shape[0] - len(keep):]))
     return out
 
 
@@ -113,8 +147,15 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
     max_tokens = pick(req.max_tokens, min(16, s.defaults.get("max_tokens", 16)))  # (a generation config's cap)
     params = s.sampling_params(req, max_tokens, req.logprobs, structured=requested, prompt_logprobs=scoring)
     structured_field = requested[1]
-    prompts = [await _tokenized(s, p, field, text, params, bool(req.echo))
-               for p, field, text in await s.cpu(_completion_prompts, s, req.prompt, bool(req.echo), params)]
+    if req.prompt_embeds is not None:
+        embedded = await s.cpu(_embeds_prompts, s, req, params)
+        prompts, embeds = [(ids, "") for ids, _ in embedded], [t for _, t in embedded]
+    elif req.prompt is None:
+        raise bad_request("prompt is required (or vLLM's prompt_embeds)", param="prompt")
+    else:
+        prompts = [await _tokenized(s, p, field, text, params, bool(req.echo))
+                   for p, field, text in await s.cpu(_completion_prompts, s, req.prompt, bool(req.echo), params)]
+        embeds = [None] * len(prompts)
     if req.kv_transfer_params and len(prompts) > 1:
         raise bad_request("kv_transfer_params takes a single prompt", param="kv_transfer_params")
     base = f"cmpl-{request_id(raw)}"
@@ -123,10 +164,12 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
     rids = [f"{base}-{j}" for j in range(len(prompts))]
     streams = []
     try:
-        for rid, (ids, _) in zip(rids, prompts):
-            streams.append(await s.submit(rid, ids, params, "prompt", structured_field=structured_field,
-                                          kv_transfer_params=req.kv_transfer_params, priority=req.priority,
-                                          lora_request=lora, cache_salt=req.cache_salt))
+        for rid, (ids, _), emb in zip(rids, prompts, embeds):
+            streams.append(await s.submit(rid, ids if emb is None else None, params,
+                                          "prompt" if emb is None else "prompt_embeds",
+                                          structured_field=structured_field, kv_transfer_params=req.kv_transfer_params,
+                                          priority=req.priority, lora_request=lora, cache_salt=req.cache_salt,
+                                          prompt_embeds=emb))
     except BaseException:  # (only the ones submitted: an id in use may be another request's)
         s.abort(streams)
         raise

@@ -160,8 +160,15 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 class CompletionRequest(_SamplingRequest):
+    # exactly one of prompt and prompt_embeds, as the route checks
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"oneOf": [
+        {"required": ["prompt"], "not": {"required": ["prompt_embeds"]}},
+        {"required": ["prompt_embeds"], "not": {"required": ["prompt"]}}]})
     prompt: Union[Text, TokenIds, Annotated[list[Text], Field(min_length=1)],
-                  Annotated[list[TokenIds], Field(min_length=1)]]
+                  Annotated[list[TokenIds], Field(min_length=1)], None] = None
+    prompt_embeds: Union[str, Annotated[list[str], Field(min_length=1)], None] = Field(
+        None, description="vLLM's, in place of prompt (with --enable-prompt-embeds): base64 of torch.save'd "
+                          "[num_tokens, hidden_size] tensors")
     max_tokens: Optional[Int] = Field(None, ge=0, description="0 (with echo): score the prompt, generate nothing")
     echo: Optional[bool] = False
     logprobs: Optional[Int] = Field(None, ge=0, description="with echo, the prompt tokens' too")

@@ -387,11 +387,12 @@ class Serving:
     async def submit(self, rid: str, prompt_ids: list, params: SamplingParams, prompt_field: str,
                      max_tokens_field: str = "max_tokens", structured_field: Optional[str] = None,
                      kv_transfer_params: Optional[dict] = None, priority: Optional[int] = 0, lora_request=None,
-                     images=None, cache_salt: Optional[str] = None):
+                     images=None, cache_salt: Optional[str] = None, prompt_embeds=None):
         try:
             stream = await self.aengine.add_request(rid, prompt_ids, params, kv_transfer_params, priority or 0,
-                                                    lora_request, images, cache_salt)
-            log.debug("request %s: %d prompt tokens, max_tokens %s", rid, len(prompt_ids),
+                                                    lora_request, images, cache_salt, prompt_embeds)
+            log.debug("request %s: %d prompt tokens, max_tokens %s", rid,
+                      len(prompt_ids) if prompt_embeds is None else len(prompt_embeds),
                       getattr(params, "max_tokens", 0))   # (0: an embedding)
             return stream
         except DuplicateRequestError as e:

@@ -118,7 +118,7 @@ class DraftModelProposer(Proposer):
         (q = None); random ones sample q with noise salted apart from the target's draws
         and return q, the processed distribution the rejection sampler needs."""
         logits = self.runner.score(batch, tables, list(range(len(batch))), [1] * len(batch))
-        rows = [SamplingRow(params=r.params, seed=(r.seed ^ _DRAFT_SALT) & (2**63 - 1), prompt_ids=r.prompt_token_ids,
+        rows = [SamplingRow(params=r.params, seed=(r.seed ^ _DRAFT_SALT) & (2**63 - 1), prompt_ids=r.known_prompt_ids or [],
                             output_ids=list(r.output_token_ids) + d,
                             eos_token_id=r.eos_token_ids[0] if r.eos_token_ids else None, bad_words=r.bad_words)
                 for r, d in zip(reqs, drafts)]

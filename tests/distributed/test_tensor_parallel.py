@@ -275,6 +275,28 @@ def test_embed_tp2_matches_tp1(tiny_llama_path):
                                    atol=1e-4, rtol=1e-4)
 
 
+def test_prompt_embeds_tp2_match_tp1(tiny_llama_path):
+    """Prompt embeddings under tensor parallelism: rank 0's step broadcast carries their rows, which
+    every rank puts in place of the placeholders' (vocabulary-parallel) embeddings; chunked (budget
+    16) beside a token prompt, the tokens and logprobs equal TP=1's."""
+    from safetensors.torch import load_file
+    table = load_file(str(tiny_llama_path / "model.safetensors"))["model.embed_tokens.weight"]
+    g = torch.Generator().manual_seed(3)
+    embeds = [table[p] * 1.3 + 0.05 * torch.randn(len(p), table.shape[1], generator=g) for p in _prompts()[1:]]
+    prompts = [{"prompt_embeds": e} for e in embeds] + [_prompts()[0]]
+    p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    kw = dict(KW, max_num_batched_tokens=16, enable_prompt_embeds=True)
+    ref = LLM(str(tiny_llama_path), **kw).generate(prompts, p)
+    with LLM(str(tiny_llama_path), **kw, tensor_parallel_size=2) as llm:
+        outs = llm.generate(prompts, p)
+        assert llm.stats()["kv_blocks_free"] == 64
+    for a, b in zip(ref, outs):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        torch.testing.assert_close(torch.tensor([lp[t] for lp, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)]),
+                                   torch.tensor([lp[t] for lp, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids)]),
+                                   atol=1e-4, rtol=1e-4)
+
+
 def test_classify_tp2_matches_transformers(tmp_path):
     """A sequence classifier under tensor parallelism: its score head is whole on every rank and
     rank 0 applies it to the pooled row; chunked (budget 16), the probabilities equal

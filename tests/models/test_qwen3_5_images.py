@@ -217,15 +217,20 @@ def test_tensor_parallel_matches_transformers(vl):
     16-token chunks that cuts through an image, give transformers' tokens; nothing stays held."""
     from tests.conftest import hf_greedy
     hf, first = vl
-    greedy = SamplingParams(temperature=0, max_tokens=5)
+    greedy = SamplingParams(temperature=0, max_tokens=5, logprobs=0)
     with LLM(first.engine.args.model, device="cpu", dtype="float32", kv_cache_blocks=64, max_num_seqs=4,
              tensor_parallel_size=2, max_num_batched_tokens=16, block_size=4) as llm:
         assert llm.engine.tp is not None
         for images in (_images((40, 24), seed=5), _images((33, 50), (64, 17), seed=6)):
             ids = _prompt(len(images))
             want, n_prompt = _hf_greedy(hf, ids, images, 5)
-            out = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": images}}, greedy)[0]
+            prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
+            out = llm.generate(prompt, greedy)[0]
             assert out.outputs[0].token_ids == want and len(out.prompt_token_ids) == n_prompt
+            # the logprobs too (an image's rows counted once in the ranks' sum, not once per rank)
+            one = first.generate(prompt, greedy)[0].outputs[0]
+            lps = [torch.tensor([lp[t] for lp, t in zip(o.logprobs, o.token_ids)]) for o in (out.outputs[0], one)]
+            torch.testing.assert_close(lps[0], lps[1], atol=1e-4, rtol=1e-4)
         text = llm.generate([_prompt(0)], greedy)[0]   # (a text prompt beside: positions are indices)
         assert text.outputs[0].token_ids == hf_greedy(hf, _prompt(0), 5)
         assert llm.stats()["kv_blocks_free"] == 64

@@ -3,7 +3,8 @@
 still accepted; another name is a 404; bad names are one error line before the model loads), and
 ``--enable-prompt-tokens-details`` (usage's ``prompt_tokens_details.cached_tokens``: the prompt
 tokens the prefix cache served, as /metrics counts them, whole and streamed), and vLLM's
-``cache_salt`` request field (prefixes shared only between requests of one salt)."""
+``cache_salt`` request field (prefixes shared only between requests of one salt), and
+``--enable-prompt-embeds`` (completions' ``prompt_embeds``: base64 of torch.save'd tensors)."""
 from __future__ import annotations
 
 import json
@@ -20,7 +21,8 @@ from tests.server.server_helpers import check_error, wait_idle
 def named(tmp_path_factory):
     folder = _tiny_llama(tmp_path_factory.mktemp("tiny-llama-names"))
     srv = ServerProcess(["--model", str(folder), "--served-model-name", "tiny", "tiny-v2", "team/tiny",
-                         "--enable-prompt-tokens-details", "--max-model-len", "512", "--kv-cache-blocks", "64"],
+                         "--enable-prompt-tokens-details", "--enable-prompt-embeds", "--max-model-len", "512",
+                         "--kv-cache-blocks", "64"],
                         tmp_path_factory.mktemp("tiny-names") / "server.log")
     for s in running(srv):
         yield s, folder
@@ -99,4 +101,43 @@ def test_cache_salt_keeps_tenants_apart(named, path, body):
                        else out["choices"][0].get("text") or out["choices"][0]["message"]["content"])
     assert len(set(answers)) == 1 and answers[0], answers
     check_error(httpx.post(srv.url + path, json={**body, "cache_salt": ""}, timeout=60), 400, "cache_salt")
+    wait_idle(srv)
+
+
+def _b64_tensor(t) -> str:
+    import base64
+    import io
+
+    import torch
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_prompt_embeds_complete_as_their_tokens(named):
+    """A prompt's own token embeddings, sent as prompt_embeds (one, and a list beside another),
+    complete as its token ids do; what cannot be served is a 400 naming the field."""
+    import torch
+    from safetensors.torch import load_file
+    srv, folder = named
+    table = load_file(str(folder / "model.safetensors"))["model.embed_tokens.weight"]
+    ids = [5, 9, 40, 77, 120, 3, 18]
+    body = {"model": "tiny", "max_tokens": 6, "temperature": 0, "logprobs": 1}
+    want = httpx.post(srv.url + "/v1/completions", json={**body, "prompt": ids}, timeout=60).json()
+    got = httpx.post(srv.url + "/v1/completions", json={**body, "prompt_embeds": _b64_tensor(table[ids])},
+                     timeout=60).json()
+    assert got["choices"][0]["text"] == want["choices"][0]["text"]
+    assert got["choices"][0]["logprobs"]["tokens"] == want["choices"][0]["logprobs"]["tokens"]
+    assert got["usage"]["prompt_tokens"] == len(ids)
+    two = httpx.post(srv.url + "/v1/completions", timeout=60, json={
+        **body, "prompt_embeds": [_b64_tensor(table[ids][None]), _b64_tensor(table[ids[:3]])]}).json()
+    assert [c["index"] for c in two["choices"]] == [0, 1]
+    assert two["choices"][0]["text"] == want["choices"][0]["text"] and two["usage"]["prompt_tokens"] == len(ids) + 3
+    for bad, field in [({"prompt_embeds": "not base64!"}, "prompt_embeds"),
+                       ({"prompt_embeds": _b64_tensor({"a": 1})}, "prompt_embeds"),
+                       ({"prompt_embeds": _b64_tensor(torch.zeros(3, 5))}, "prompt_embeds"),
+                       ({"prompt_embeds": _b64_tensor(table[ids]), "prompt": "Hi"}, "prompt_embeds"),
+                       ({"prompt_embeds": _b64_tensor(table[ids]), "echo": True}, "echo"),
+                       ({}, "prompt")]:
+        check_error(httpx.post(srv.url + "/v1/completions", json={**body, **bad}, timeout=60), 400, field)
     wait_idle(srv)
