@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Union
 from ..pooling_params import PoolingParams
 from ..sampling_params import SamplingParams
 from .intake import truncated
+from .prompt_embeds import make_prompt_embeds
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -166,8 +167,11 @@ class AsyncEngine:
                 extras["lora_request"] = lora_request
             if cache_salt is not None:
                 extras["cache_salt"] = cache_salt
-            if prompt_embeds is not None:
-                extras["prompt_embeds"] = prompt_embeds
+            if prompt_embeds is not None:   # (cast, checked and hashed here, off the engine thread)
+                eng = self.engine
+                extras["prompt_embeds"] = await asyncio.to_thread(
+                    make_prompt_embeds, prompt_embeds, params, hidden_size=eng.model_config.hidden_size,
+                    dtype=eng.dtype, max_model_len=eng.max_model_len)
             if images:
                 intake = self.engine.image_intake
                 extras["images"] = images if intake is None else await asyncio.to_thread(

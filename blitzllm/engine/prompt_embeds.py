@@ -56,10 +56,10 @@ class PromptEmbeds:
 
 def embeds_prompt(prompt, prompt_embeds, params, *, enabled: bool, hidden_size: int, dtype: torch.dtype,
                   max_model_len: int, images=None, kv_transfer_params=None) -> tuple:
-    """(placeholder prompt ids, PromptEmbeds) of a request's ``prompt_embeds`` ([P, hidden] or
-    [1, P, hidden], any float dtype, cast to the model's), or a ValueError saying what is wrong."""
+    """(placeholder prompt ids, PromptEmbeds) of a request's ``prompt_embeds`` (a tensor, or the
+    ``PromptEmbeds`` that ``make_prompt_embeds`` made of it off the engine thread), or a
+    ValueError saying what is wrong."""
     from ..pooling_params import PoolingParams
-    from .intake import truncated
     if not enabled:
         raise ValueError("prompt_embeds needs an engine built with enable_prompt_embeds=True")
     if prompt is not None:
@@ -70,15 +70,25 @@ def embeds_prompt(prompt, prompt_embeds, params, *, enabled: bool, hidden_size: 
         raise ValueError("prompt_embeds are for generation: embeddings and classification take text or token ids")
     if getattr(params, "prompt_logprobs", None) is not None:
         raise ValueError("prompt_logprobs needs the prompt's token ids, which prompt_embeds do not have")
-    t = prompt_embeds
+    pe = prompt_embeds if isinstance(prompt_embeds, PromptEmbeds) else make_prompt_embeds(
+        prompt_embeds, params, hidden_size=hidden_size, dtype=dtype, max_model_len=max_model_len)
+    return [PLACEHOLDER] * pe.tensor.shape[0], pe
+
+
+def make_prompt_embeds(t, params, *, hidden_size: int, dtype: torch.dtype, max_model_len: int) -> PromptEmbeds:
+    """The PromptEmbeds of a tensor ([P, hidden] or [1, P, hidden], any float dtype, cast to the
+    model's), truncated as ``params`` ask and hashed: the tensor work, which the server does in a
+    worker thread so that a large tensor does not stall the engine's steps."""
+    from .intake import truncated
     if not isinstance(t, torch.Tensor) or not t.is_floating_point():
         raise ValueError(f"prompt_embeds must be a floating-point torch.Tensor, got {type(t).__name__}"
                          + (f" of {t.dtype}" if isinstance(t, torch.Tensor) else ""))
+    shape = list(t.shape)
     if t.dim() == 3 and t.shape[0] == 1:
         t = t[0]
     if t.dim() != 2 or t.shape[1] != hidden_size:
         raise ValueError(f"prompt_embeds must be [num_tokens, {hidden_size}] (the model's hidden size), "
-                         f"got {list(prompt_embeds.shape)}")
+                         f"got {shape}")
     if t.shape[0] == 0:
         raise ValueError("the prompt is empty")
     keep = truncated(list(range(t.shape[0])), params.truncate_prompt_tokens, max_model_len)
@@ -86,4 +96,4 @@ def embeds_prompt(prompt, prompt_embeds, params, *, enabled: bool, hidden_size: 
     t = t.detach().to("cpu", dtype)
     if not torch.isfinite(t).all():
         raise ValueError("prompt_embeds hold a NaN or an infinity")
-    return [PLACEHOLDER] * t.shape[0], PromptEmbeds.make(t)
+    return PromptEmbeds.make(t)
