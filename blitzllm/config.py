@@ -78,9 +78,13 @@ class ModelConfig:
         n, h, d = self.kv_cache_entry
         return n, (h if self.is_mla else max(1, h // tp_size)), d
 
-    def kv_bytes_per_token(self, dtype_bytes: int, tp_size: int = 1) -> int:
+    def kv_bytes_per_token(self, dtype_bytes: int, tp_size: int = 1, cache_bytes: Optional[int] = None) -> int:
+        """Paged-cache bytes a token takes over all layers: its K/V (or latent) entries of
+        ``cache_bytes`` each (the KV cache dtype's; default ``dtype_bytes``) and a sparse-attention
+        indexer's keys, which stay in the model's dtype (``dtype_bytes``)."""
         n, h, d = self.kv_cache_entry_for(tp_size)
-        return (n * h * d + self.index_head_dim) * len(self.kv_layers) * dtype_bytes
+        kv = n * h * d * (dtype_bytes if cache_bytes is None else cache_bytes)
+        return (kv + self.index_head_dim * dtype_bytes) * len(self.kv_layers)
 
     @property
     def index_head_dim(self) -> int:
@@ -183,6 +187,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     num_state_rows: int = 0   # hybrid models: rows of the recurrent-state pool (engine/state_cache.py)
     num_state_spare: int = 0  # of those, the runner's decode look-ahead rows (just before the last)
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8: float8 e4m3 (kernels/attention/kv_store.py)
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")

@@ -128,7 +128,8 @@ def run(a) -> int:
     step_s, ttft = _median(runs)
     dtype_bytes = torch.finfo(eng.dtype).bits // 8
     w_bytes = weight_bytes_per_step(eng.runner.model, B)
-    kv_bytes = kv_bytes_per_step(cfg, [I + O // 2] * B, dtype_bytes, tp)  # per rank, like the weights
+    cache_bytes = eng.runner.kv_caches[cfg.kv_layers[0]][0].element_size() if cfg.kv_layers else dtype_bytes
+    kv_bytes = kv_bytes_per_step(cfg, [I + O // 2] * B, dtype_bytes, tp, cache_bytes)  # per rank, like the weights
     st_bytes = state_bytes_per_step(cfg, B, dtype_bytes, tp)  # hybrid models' GDN states, read and written
     bw = copy_bandwidth(dev)
     res = {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Optional
 
 import torch
 
@@ -79,14 +80,18 @@ def weight_bytes_per_step(model: torch.nn.Module, batch: int) -> int:
     return int(total)
 
 
-def kv_bytes_per_step(cfg, context_lens: list, dtype_bytes: int, tp_size: int = 1) -> int:
-    """KV bytes one rank (of ``tp_size``) reads in a decode step; a sparse-attention model
-    (DeepSeek-V3.2) reads every indexer key but only the ``index_topk`` selected latents."""
+def kv_bytes_per_step(cfg, context_lens: list, dtype_bytes: int, tp_size: int = 1,
+                      cache_bytes: Optional[int] = None) -> int:
+    """KV bytes one rank (of ``tp_size``) reads in a decode step, K/V entries of ``cache_bytes``
+    each (the KV cache dtype's; default ``dtype_bytes``); a sparse-attention model (DeepSeek-V3.2)
+    reads every indexer key but only the ``index_topk`` selected latents."""
     if not cfg.index_topk:
-        return sum(context_lens) * cfg.kv_bytes_per_token(dtype_bytes, tp_size)
+        return sum(context_lens) * cfg.kv_bytes_per_token(dtype_bytes, tp_size, cache_bytes)
     n, h, d = cfg.kv_cache_entry_for(tp_size)
-    per_layer = sum(c * cfg.index_head_dim + min(c, cfg.index_topk) * n * h * d for c in context_lens)
-    return per_layer * len(cfg.kv_layers) * dtype_bytes
+    cache_bytes = dtype_bytes if cache_bytes is None else cache_bytes
+    per_layer = sum(c * cfg.index_head_dim * dtype_bytes + min(c, cfg.index_topk) * n * h * d * cache_bytes
+                    for c in context_lens)
+    return per_layer * len(cfg.kv_layers)
 
 
 def state_bytes_per_step(cfg, batch: int, dtype_bytes: int, tp_size: int = 1) -> int:

@@ -11,6 +11,7 @@ from typing import Optional, Union
 import torch
 
 from ..config import SCHEDULING_POLICIES, CacheConfig, ModelConfig
+from ..kernels.attention.kv_store import kv_cache_dtype
 from ..loader.source import read_generation_config
 from ..pooling_params import parse_pooler_config
 from ..sampling_params import SamplingParams
@@ -31,6 +32,7 @@ class EngineArgs:
     load_format: str = "auto"
     max_model_len: Optional[int] = None
     kv_cache_blocks: Optional[int] = None
+    kv_cache_dtype: str = "auto"      # vLLM's: auto (the model's dtype) | fp8 | fp8_e4m3 (kernels/attention/kv_store.py)
     block_size: int = 16
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
@@ -122,7 +124,8 @@ def plan_kv_blocks(a: EngineArgs, cfg: ModelConfig, dtype: torch.dtype, device: 
         if not isinstance(a.kv_cache_blocks, int) or a.kv_cache_blocks < 1:
             raise ValueError(f"kv_cache_blocks must be an integer >= 1, got {a.kv_cache_blocks!r}")
         return a.kv_cache_blocks
-    per_block = cfg.kv_bytes_per_token(torch.finfo(dtype).bits // 8, tp_size) * a.block_size
+    cache_bytes = kv_cache_dtype(a.kv_cache_dtype, dtype).itemsize
+    per_block = cfg.kv_bytes_per_token(torch.finfo(dtype).bits // 8, tp_size, cache_bytes) * a.block_size
     spec = parse_speculative_config(a.speculative_config)
     if spec is not None and spec.method == "mtp" and cfg.state_layers:
         # a hybrid model's MTP layer keeps its K/V in the target's blocks: one attention layer more
@@ -163,7 +166,7 @@ def engine_cache_config(args, cfg: ModelConfig, num_blocks: int) -> CacheConfig:
     """The KV cache (and a hybrid model's state rows) of ``num_blocks`` blocks: the same on every rank."""
     layout = engine_state_layout(args, cfg)
     return CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching,
-                       layout.total if layout else 0, layout.spare if layout else 0)
+                       layout.total if layout else 0, layout.spare if layout else 0, args.kv_cache_dtype)
 
 
 def check_engine_args(a: EngineArgs) -> None:
@@ -184,6 +187,9 @@ def check_engine_args(a: EngineArgs) -> None:
     for name in ("enable_prefix_caching", "enforce_eager", "warmup", "enable_lora", "enable_prompt_embeds"):
         if not isinstance(getattr(a, name), bool):
             raise ValueError(f"{name} must be true or false, got {getattr(a, name)!r}")
+    if not isinstance(a.kv_cache_dtype, str):
+        raise ValueError(f"kv_cache_dtype must be a string (auto, fp8, fp8_e4m3), got {a.kv_cache_dtype!r}")
+    kv_cache_dtype(a.kv_cache_dtype, torch.float32)  # (a ValueError naming the choices)
     if a.scheduling_policy not in SCHEDULING_POLICIES:
         raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                          f"got {a.scheduling_policy!r}")

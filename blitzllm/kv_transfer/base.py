@@ -19,6 +19,8 @@ from typing import Optional
 
 import torch
 
+from ..kernels.attention.kv_store import copy_rows
+
 
 class KVLoadError(RuntimeError):
     """A consumer could not pull a request's KV (with ``kv_load_failure_policy`` 'fail': a 503)."""
@@ -32,7 +34,9 @@ def prompt_digest(ids) -> str:
 @dataclass(frozen=True)
 class CacheLayout:
     """What a block holds: per entry (layer, tensor index) its per-block shape; plus the dtype,
-    tokens per block and the tensor-parallel size. Two engines exchange KV only when equal."""
+    tokens per block and the tensor-parallel size. Two engines exchange KV only when equal.
+    ``dtype`` names the tensors' dtype, or per tensor index joined by "/" where they differ (an fp8
+    latent cache beside a sparse-attention indexer's 16-bit keys: "float8_e4m3fn/bfloat16")."""
     entries: tuple          # ((layer, index, (block_size, heads, dim)), ...)
     dtype: str
     block_size: int
@@ -40,13 +44,20 @@ class CacheLayout:
 
     @classmethod
     def of(cls, kv_caches: list, block_size: int, tp_size: int) -> "CacheLayout":
-        entries, dtype = [], None
+        entries, dtypes = [], {}
         for layer, pair in enumerate(kv_caches):
             for j, t in enumerate(pair):
                 if t is not None and t.shape[0] > 0:   # (layers without a paged cache hold 0 blocks)
                     entries.append((layer, j, tuple(t.shape[1:])))
-                    dtype = str(t.dtype).replace("torch.", "")
-        return cls(tuple(entries), dtype or "none", block_size, tp_size)
+                    dtypes[j] = str(t.dtype).replace("torch.", "")
+        names = [dtypes[j] for j in sorted(dtypes)]
+        return cls(tuple(entries), "/".join(names) if len(set(names)) > 1 else (names or ["none"])[0],
+                   block_size, tp_size)
+
+    def entry_dtype(self, j: int) -> torch.dtype:
+        """The torch dtype of the entries of tensor index ``j``."""
+        names = self.dtype.split("/")
+        return getattr(torch, names[min(j, len(names) - 1)])
 
     def to_dict(self) -> dict:
         return {"entries": [[a, b, list(s)] for a, b, s in self.entries], "dtype": self.dtype,
@@ -98,7 +109,7 @@ def land_shard(kv_caches: list, entries: tuple, block_ids: list, tensors: list, 
     for (layer, j, shape), t in zip(entries, tensors):
         cache = kv_caches[layer][j]
         lo, hi = head_range(t.shape[2], shape[1], rank, world)
-        cache.index_copy_(0, idx.to(cache.device), t[:, :, lo:hi].to(cache.device, cache.dtype))
+        copy_rows(cache, idx.to(cache.device), t[:, :, lo:hi].to(cache.device))
 
 
 @dataclass

@@ -137,10 +137,9 @@ class NixlConnector(KVConnector):
             raise KVLoadError(f"the KV read of {lease} {'failed' if state == 'ERR' else 'timed out'}")
         data = buf[:total].clone()
         tensors, off = [], 0
-        dtype = getattr(torch, self.layout.dtype)
-        for (_, _, shape), nbytes in zip(remote.entries, sizes):   # (full heads: land() re-slices them)
+        for (_, j, shape), nbytes in zip(remote.entries, sizes):   # (full heads: land() re-slices them)
             part = data[off:off + nbytes * len(blocks)]
-            tensors.append(part.view(dtype).view(len(blocks), *shape))
+            tensors.append(part.view(self.layout.entry_dtype(j)).view(len(blocks), *shape))
             off += nbytes * len(blocks)
         return KVPayload(n, tensors)
 

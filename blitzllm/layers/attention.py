@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ..kernels.attention.kv_store import copy_rows
 from .rotary import apply_rotary_tables, rotary_tables
 
 
@@ -50,8 +51,8 @@ def write_kv_torch(k, v, k_cache, v_cache, slot_mapping, padded: bool = True):
     if padded:  # the boolean mask costs a host sync; unpadded batches skip it
         keep = slot_mapping >= 0
         slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
-    k_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    copy_rows(k_cache.view(nb * bs, h, d), slot_mapping, k)
+    copy_rows(v_cache.view(nb * bs, h, d), slot_mapping, v)
 
 
 def _block_index(block_row, length, bs):
@@ -280,8 +281,8 @@ def _long_prompt_sdpa(q, k_cache, v_cache, md, scale):
     once and use torch's flash attention."""
     n = md.seq_lens_host[0]
     g = q.shape[1] // k_cache.shape[2]
-    k = _gather(k_cache, md.block_tables[0], n).transpose(0, 1)
-    v = _gather(v_cache, md.block_tables[0], n).transpose(0, 1)
+    k = _gather(k_cache, md.block_tables[0], n).transpose(0, 1).to(q.dtype)
+    v = _gather(v_cache, md.block_tables[0], n).transpose(0, 1).to(q.dtype)
     if g > 1:
         k, v = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)
     o = nn.functional.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], is_causal=True,

@@ -16,6 +16,7 @@ from .parallel import Part, column_linear, packed_column_linear, row_linear, sha
 from ..distributed.parallel_state import get_tp_group
 from ..kernels.attention import mla_decode as mla_ops
 from ..kernels._common import use_triton
+from ..kernels.attention.kv_store import copy_rows
 from .attention import _gather, get_forward_context, step_rotary_tables
 from .norm import RMSNorm
 from .rotary import apply_rotary_tables, rotary_tables, yarn_mscale
@@ -102,7 +103,7 @@ def write_latent_cache(entry: torch.Tensor, cache: torch.Tensor, slot_mapping: t
         j = slot_mapping.argmax().view(1)  # index_select, not [j]: a 0-dim index reads it on the host
         slot_mapping = torch.where(keep, slot_mapping, slot_mapping.index_select(0, j).clamp(min=0))
         entry = torch.where(keep[:, None], entry, entry.index_select(0, j))
-    cache.view(-1, cache.shape[-1]).index_copy_(0, slot_mapping, entry.to(cache.dtype))
+    copy_rows(cache.view(-1, cache.shape[-1]), slot_mapping, entry)
 
 
 class MLAttention(nn.Module):

@@ -33,7 +33,8 @@ _COMPILE_OPTIONS = {"fx_graph_cache": True}
 
 def supports(model, kv_caches, backend, tp_size: int, states) -> bool:
     """Whether this model's decode can run here: a dense pre-norm decoder of plain layers on
-    the CPU, one rank, the torch attention backend, no recurrent states."""
+    the CPU, one rank, the torch attention backend, no recurrent states, a KV cache of the
+    activations' dtype."""
     inner = getattr(model, "model", None)
     if tp_size != 1 or states is not None or backend.name != "torch" or inner is None:
         return False
@@ -55,7 +56,8 @@ def supports(model, kv_caches, backend, tp_size: int, states) -> bool:
                 return False  # (other weight-only forms: Linear computes those in the weight's dtype)
         if mlp.down_proj.bias is not None or mlp.gate_up_proj.bias is not None or attn.o_proj.bias is not None:
             return False
-    return all(k.device.type == "cpu" for k, _ in kv_caches)
+    # (an fp8 KV cache runs the model's own layers: the step here reads and writes 16/32-bit caches)
+    return all(k.device.type == "cpu" and k.dtype == act for k, _ in kv_caches)
 
 
 def _bf16_native(lin: Linear, act_dtype: torch.dtype) -> bool:

@@ -23,6 +23,7 @@ from ..config import CacheConfig, ModelConfig
 from ..distributed.parallel_state import SINGLE, TPGroup
 from ..envs import Knobs
 from ..kernels._common import reference_ops
+from ..kernels.attention.kv_store import kv_cache_dtype
 from ..layers.attention import AttentionMetadata, ForwardContext, forward_context, select_backend
 from ..layers.sampler import Sampler, SamplingMetadata, SamplingRow
 from ..layers.state import StatePlan, state_context
@@ -58,15 +59,17 @@ def allocate_kv_caches(cfg: ModelConfig, cache: CacheConfig, dtype, device, tp_s
     get (latent_cache, None) with one head of kv_lora_rank + qk_rope_head_dim values, or with a
     sparse-attention indexer (latent_cache, indexer_key_cache [num_blocks, block_size, 1,
     index_head_dim]). With ``tp_size`` ranks, a rank's share of the KV heads. Layers without a
-    KV cache (a hybrid model's state layers) get tensors of no blocks."""
+    KV cache (a hybrid model's state layers) get tensors of no blocks. K/V and latents are of
+    ``cache.kv_cache_dtype`` (fp8: float8 e4m3), an indexer's keys of the model's ``dtype``."""
     n, heads, dim = cfg.kv_cache_entry_for(tp_size)
     kv_layers = set(cfg.kv_layers)
+    kv_dtype = kv_cache_dtype(cache.kv_cache_dtype, dtype)
     out = []
     for i in range(cfg.num_layers):
         shape = (cache.num_blocks if i in kv_layers else 0, cache.block_size, heads, dim)
-        k = torch.zeros(shape, dtype=dtype, device=device)
+        k = torch.zeros(shape, dtype=kv_dtype, device=device)
         if n == 2:
-            second = torch.zeros(shape, dtype=dtype, device=device)
+            second = torch.zeros(shape, dtype=kv_dtype, device=device)
         else:
             second = torch.zeros(shape[:3] + (cfg.index_head_dim,), dtype=dtype, device=device) \
                 if cfg.index_head_dim else None

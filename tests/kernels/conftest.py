@@ -66,7 +66,7 @@ def _fix_interpreter_bf16_rounding():
     GPU's cvt.rn.bf16.f32 rounds to nearest even. Round to nearest even here too, so that
     a bf16 kernel under the interpreter rounds as on the GPU and can be held to the
     reference within an ulp (a truncating cast is 0.5 ulp low on average, as large as the
-    systematic errors the bf16 tests must catch)."""
+    systematic errors the bf16 tests must catch). Casts to fp8 (e4m3) round to nearest even too."""
     try:
         import numpy as np
         import triton.language as tl
@@ -93,12 +93,29 @@ def _fix_interpreter_bf16_rounding():
     def is_f32_to_bf16(src, dst_type):
         return src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16
 
+    def fp8(src):
+        """A 16/32-bit float -> e4m3 (the fp8 KV cache's stores): the interpreter's own cast rounds
+        toward zero; torch's rounds to nearest even, as the GPU's cvt.rn.satfinite does."""
+        import torch
+        data = np.asarray(src.data)
+        if src.dtype.scalar == tl.bfloat16:
+            data = (data.astype(np.uint32) << 16).view(np.float32)
+        wide = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
+        return interpreter.TensorHandle(wide.to(torch.float8_e4m3fn).view(torch.uint8).numpy(), tl.float8e4nv)
+
+    def to_fp8(src, dst_type):
+        return dst_type.scalar == tl.float8e4nv and src.dtype.scalar in (tl.float32, tl.bfloat16, tl.float16)
+
     def cast_impl(self, src, dst_type):
+        if to_fp8(src, dst_type):
+            return fp8(src)
         return rne(src) if is_f32_to_bf16(src, dst_type) else orig_cast(self, src, dst_type)
 
     def create_fp_to_fp(self, src, dst_type, rounding_mode):
         if is_f32_to_bf16(src, dst_type) and rounding_mode in (None, rtne):
             return rne(src)
+        if to_fp8(src, dst_type) and rounding_mode in (None, rtne):
+            return fp8(src)
         return orig_fp_to_fp(self, src, dst_type, rounding_mode)
 
     cast_impl._blitz_fixed = True

@@ -114,3 +114,24 @@ def test_layer_with_fused_prep_matches_torch_steps(monkeypatch):
     for x, y in zip(a, b):
         torch.testing.assert_close(y, x, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(cb, ca, atol=1e-5, rtol=1e-5)
+
+
+def test_mla_prep_fp8_cache_bytes(device):
+    """kv_cache_dtype="fp8": the fused prep writes the bytes of the torch steps (the latent and the
+    rotated rope part rounded to bf16, then to e4m3), a latent past +-448 clamped."""
+    T, H, N, R, P = 6, 4, 32, 64, 32
+    g = torch.Generator().manual_seed(9)
+    q_all = torch.randn(T, H, N + P, generator=g).to(device, torch.bfloat16)
+    kv = torch.randn(T, R + P, generator=g) * 3
+    kv[2, R:R + 4] = torch.tensor([700.0, -2000.0, 5.0, 1.0])    # rope values past the fp8 range
+    kv_a = kv.to(device, torch.bfloat16)
+    pos = torch.randint(0, 200, (T,), generator=g).to(device)
+    cs = rope_cache(256, P).to(device)
+    w = (1 + 0.3 * torch.randn(R, generator=g)).to(device, torch.bfloat16)
+    slots = torch.randperm(64, generator=g)[:T].to(device)
+    cache = torch.zeros(4, 16, 1, R + P, dtype=torch.float8_e4m3fn, device=device)
+    ref_cache = cache.clone()
+    reference_mla_prep(q_all, kv_a, pos, cs, w, 1e-6, ref_cache, slots, N, True)
+    mla_prep_triton(q_all, kv_a, pos, cs, w, 1e-6, cache, slots, N, True)
+    assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
+    assert cache.float().abs().max() == 448 and cache.float().isfinite().all()

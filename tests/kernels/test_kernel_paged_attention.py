@@ -146,8 +146,10 @@ def test_decode_empty_sequence_gives_zeros(device):
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
-def run_prefill(q_lens, ctx_lens, hq, hkv, d, bs, dtype, device="cpu", **kw):
+def run_prefill(q_lens, ctx_lens, hq, hkv, d, bs, dtype, device="cpu", cache_dtype=None, **kw):
     kc, vc, tables, seq = make_cache(ctx_lens, hkv, d, bs, dtype, device)
+    if cache_dtype is not None:
+        kc, vc = kc.to(cache_dtype), vc.to(cache_dtype)
     qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
     qsl[1:] = torch.tensor(q_lens).cumsum(0)
     qsl = qsl.to(device)
@@ -271,3 +273,47 @@ def test_decode_warps_default():
     """8 warps per decode program from 8 query heads per KV head on, else 4."""
     from blitzllm.kernels.attention import paged as pa
     assert [pa.decode_warps(g) for g in (1, 2, 4, 6, 8, 16)] == [4, 4, 4, 4, 8, 8]
+
+
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill", "fused"])
+def test_fp8_cache(kind, device):
+    """An fp8 (e4m3) cache under bf16 queries (kv_cache_dtype="fp8"): the kernels widen its
+    entries to bf16, exactly, so they match the fp32 references over the same fp8 values within
+    the bf16 tolerance (a P @ V in fp8, or keys read as raw bytes, are far off); the fused decode
+    writes the new token's k / v as the reference's ``to_cache`` does, byte for byte, a key
+    past +-448 clamped, not NaN."""
+    from blitzllm.kernels.attention.paged import fused_decode_attention_triton
+    from blitzllm.kernels.attention.qk_norm_rope_cache import reference_qk_norm_rope_cache
+    bf = torch.bfloat16
+    if kind == "prefill":
+        out, ref = run_prefill([9, 3], [9, 37], 6, 2, 64, 16, bf, device, block_m=32, block_n=16, cache_dtype=FP8)
+        return close(out, ref, bf)
+    seq_lens, hq, hkv, d, bs = [16, 17, 33], 6, 2, 64, 16
+    kc, vc, tables, seq = make_cache(seq_lens, hkv, d, bs, bf, device)
+    kc, vc = kc.to(FP8), vc.to(FP8)
+    scale = 1 / math.sqrt(d)
+    if kind == "decode":
+        q = torch.randn(len(seq_lens), hq, d).to(device, bf)
+        out = paged_decode_attention_triton(q, kc, vc, tables, seq, scale, num_splits=2)
+        return close(out, reference_paged_decode_attention(q, kc, vc, tables, seq, scale), bf)
+    g = torch.Generator().manual_seed(5)
+    qkv = (torch.randn(len(seq_lens), (hq + 2 * hkv) * d, generator=g) * 2)
+    qkv[0, (hq + 1) * d:(hq + 1) * d + 4] = torch.tensor([600.0, -900.0, 5e4, 447.0])  # row 0's k head 1
+    qkv = qkv.to(device, bf)
+    pos = seq.long() - 1
+    tab = tables.long().cpu()
+    slots = torch.tensor([int(tab[b, p // bs]) * bs + p % bs for b, p in enumerate(pos.tolist())]).to(device)
+    f = torch.arange(512, dtype=torch.float32)[:, None] * (1.0 / 10000.0 ** (torch.arange(0, d, 2) / d))[None, :]
+    cs = torch.cat([f.cos(), f.sin()], -1).to(device)
+    kr, vr = kc.clone(), vc.clone()
+    q_ref = reference_qk_norm_rope_cache(qkv, pos, cs, hq, hkv, d, kr, vr, slots, None, None, 1e-6, d)
+    ref = reference_paged_decode_attention(q_ref, kr, vr, tables, seq, scale)
+    out = fused_decode_attention_triton(qkv, pos, cs, hq, hkv, d, kc, vc, slots, tables, seq, scale,
+                                        None, None, 1e-6, d, num_splits=2)
+    close(out, ref, bf)
+    assert torch.equal(kc.view(torch.uint8), kr.view(torch.uint8)) and torch.equal(vc.view(torch.uint8), vr.view(torch.uint8))
+    new_k = kr[int(slots[0]) // bs, int(slots[0]) % bs, 1].float()
+    assert new_k.isfinite().all() and new_k.abs().max() == 448

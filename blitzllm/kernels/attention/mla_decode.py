@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from .._common import device_sms, next_pow2, tl, triton, unit_stride, use_triton
+from .kv_store import is_fp8
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 128
@@ -81,9 +82,9 @@ def _mla_split_kernel(
             pos = offs_n
         blk = tl.load(bt + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         row = cache_ptr + blk * stride_cb + (pos % BLOCK_SIZE) * stride_ct
-        c = tl.load(row[:, None] + offs_r[None, :], mask=valid[:, None] & rmask[None, :], other=0.0)
+        c = tl.load(row[:, None] + offs_r[None, :], mask=valid[:, None] & rmask[None, :], other=0.0).to(qn.dtype)
         kr = tl.load(row[:, None] + R + offs_p[None, :], mask=valid[:, None] & pmask[None, :],
-                     other=0.0)
+                     other=0.0).to(qr.dtype)
         if IEEE:
             s = tl.dot(qn, tl.trans(c), input_precision="ieee")
             s = tl.dot(qr, tl.trans(kr), s, input_precision="ieee")
@@ -187,9 +188,10 @@ def _launch(q_latent, q_rope, cache, block_tables, seq_lens, scale, out, max_ctx
     split kernel, then with several splits the combine."""
     B, H, R = q_latent.shape
     P = q_rope.shape[2]
-    # the products run in the cache's precision
-    q_latent, q_rope = unit_stride(q_latent.to(cache.dtype)), unit_stride(q_rope.to(cache.dtype))
-    cfg = mla_config(B, H, R, max_ctx, device_sms(q_latent), config, fp32=cache.dtype == torch.float32)
+    # the products run in the cache's precision, an fp8 cache's in the queries' (its latents widened as they load)
+    dt = q_latent.dtype if is_fp8(cache.dtype) else cache.dtype
+    q_latent, q_rope = unit_stride(q_latent.to(dt)), unit_stride(q_rope.to(dt))
+    cfg = mla_config(B, H, R, max_ctx, device_sms(q_latent), config, fp32=dt == torch.float32)
     s, r_pad, p_pad = cfg["SPLITS"], max(16, next_pow2(R)), max(16, next_pow2(P))
     if s > 1:
         part = torch.empty((B, H, s, r_pad), dtype=torch.float32, device=out.device)
@@ -202,7 +204,7 @@ def _launch(q_latent, q_rope, cache, block_tables, seq_lens, scale, out, max_ctx
         cache.stride(0), cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1), H, float(scale) * _LOG2E,
         R=R, P=P, R_PAD=r_pad, P_PAD=p_pad, BLOCK_H=cfg["BLOCK_H"],
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_SIZE=cache.shape[1], IEEE=cache.dtype == torch.float32,
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_SIZE=cache.shape[1], IEEE=dt == torch.float32,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **sparse,
     )
     if s > 1:

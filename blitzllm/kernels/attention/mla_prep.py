@@ -6,6 +6,7 @@ instead of a dozen torch ops per layer; numerics as ``MLAttention``'s torch step
 import torch
 
 from .._common import next_pow2, tl, triton
+from .kv_store import copy_rows, store_cast
 
 HEADS_PER_PROG = 16
 
@@ -51,10 +52,10 @@ def _mla_prep_kernel(
             normed = (xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / R + eps)).to(x.dtype)
             w = tl.load(nw_ptr + offs_r, mask=rmask, other=0.0).to(tl.float32)
             dst = cache_ptr + slot * stride_cache_slot
-            tl.store(dst + offs_r, (w * normed.to(tl.float32)).to(cache_ptr.dtype.element_ty), mask=rmask)
+            tl.store(dst + offs_r, store_cast((w * normed.to(tl.float32)).to(x.dtype), cache_ptr), mask=rmask)
             first, second = _rotate(row + R, cs, offs_p, pmask, HALF, INTERLEAVE)
-            tl.store(dst + R + offs_p, first.to(cache_ptr.dtype.element_ty), mask=pmask)
-            tl.store(dst + R + HALF + offs_p, second.to(cache_ptr.dtype.element_ty), mask=pmask)
+            tl.store(dst + R + offs_p, store_cast(first.to(x.dtype), cache_ptr), mask=pmask)
+            tl.store(dst + R + HALF + offs_p, store_cast(second.to(x.dtype), cache_ptr), mask=pmask)
     else:
         offs_h = (part - 1) * HB + tl.arange(0, HB)
         hmask = (offs_h < H)[:, None] & pmask[None, :]
@@ -110,5 +111,5 @@ def reference_mla_prep(q, kv_a, positions, cos_sin_cache, norm_weight, eps, cach
     rot = torch.cat([a * c - b * s, b * c + a * s], -1).to(q.dtype)
     keep = slot_mapping >= 0
     entry = torch.cat([latent, rot[:, -1]], -1)[keep]
-    cache.view(-1, R + P).index_copy_(0, slot_mapping[keep].long(), entry.to(cache.dtype))
+    copy_rows(cache.view(-1, R + P), slot_mapping[keep].long(), entry)
     return rot[:, :-1].contiguous()

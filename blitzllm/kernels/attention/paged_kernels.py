@@ -1,15 +1,19 @@
 """The Triton kernels of attention over the paged KV cache (launchers: ``paged.py``). GQA packs
 the Hq // Hkv query heads of a kv head into one tile's rows, so each K/V tile is read once per
 kv head; scores and softmax statistics in fp32 (exp2, scale folded in), the probabilities cast
-to the cache dtype for P @ V, as flash attention does.
+to q's dtype for P @ V, as flash attention does. An fp8 cache's tiles are widened to q's dtype as
+they load; entries are written through ``kv_store.store_cast``.
 """
 from .._common import pdl_launch_dependents, pdl_wait, tl, triton
+from .kv_store import store_cast
 from .qk_norm_rope_cache import _norm_rope_apply, _norm_rope_params
 
 
 @triton.jit
 def _attn_scores(m_i, l_i, q, k, keep, qk_scale, IEEE: tl.constexpr):
-    """Online-softmax statistics of one key tile: returns (p, alpha, m_new, l_new)."""
+    """Online-softmax statistics of one key tile: returns (p, alpha, m_new, l_new). An fp8 cache's
+    keys are widened to q's dtype here."""
+    k = k.to(q.dtype)
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -60,7 +64,7 @@ def _attn_tile(
     p, alpha, m_new, l_i = _attn_scores(m_i, l_i, q, k, keep, qk_scale, IEEE)
     if not EARLY_V:
         v = tl.load(v_ptr + v_off, mask=kmask, other=0.0)
-    return _attn_pv(acc, alpha, p, v, IEEE), m_new, l_i
+    return _attn_pv(acc, alpha, p, v.to(q.dtype), IEEE), m_new, l_i
 
 
 @triton.jit
@@ -173,14 +177,14 @@ def _decode_kernel(
                     one = tl.arange(0, 2)[:, None] < 1
                     k_dst = k_ptr + blk * stride_kb + tok * stride_kt + kvh * stride_kh
                     tl.store(k_dst + tl.arange(0, 2)[:, None] * 0 + offs_d[None, :],
-                             k_new.to(k_ptr.dtype.element_ty), mask=one & dmask[None, :])
+                             store_cast(k_new.to(q_ptr.dtype.element_ty), k_ptr), mask=one & dmask[None, :])
                     v_new = tl.load(row + (Hq + tl.num_programs(1) + kvh) * D + offs_d, mask=dmask, other=0.0)
                     tl.store(v_ptr + blk * stride_vb + tok * stride_vt + kvh * stride_vh + offs_d,
-                             v_new.to(v_ptr.dtype.element_ty), mask=dmask)
+                             store_cast(v_new, v_ptr), mask=dmask)
                     is_new = (offs_n0 == seq_len - 1)[:, None]   # into the prefetched tile, if there
-                    k_row = tl.sum(tl.where(one, k_new, 0.0), axis=0).to(k_ptr.dtype.element_ty)
+                    k_row = store_cast(tl.sum(tl.where(one, k_new, 0.0), axis=0).to(q_ptr.dtype.element_ty), k_ptr)
                     k0 = tl.where(is_new, k_row[None, :], k0)
-                    v0 = tl.where(is_new, v_new.to(v_ptr.dtype.element_ty)[None, :], v0)
+                    v0 = tl.where(is_new, store_cast(v_new, v_ptr)[None, :], v0)
                 tl.debug_barrier()  # the CTA's own k/v stores are visible to its later tiles' loads
         else:
             q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
@@ -192,7 +196,7 @@ def _decode_kernel(
         first = start
         if FUSE_QK:  # the prefetched tile (all masked in an idle split: no change)
             p, alpha, m_i, l_i = _attn_scores(m_i, l_i, q, k0, (offs_n0 < end)[None, :], qk_scale, IEEE)
-            acc = _attn_pv(acc, alpha, p, v0, IEEE)
+            acc = _attn_pv(acc, alpha, p, v0.to(q.dtype), IEEE)
             first = start + BLOCK_N
         for start_n in range(first, end, BLOCK_N):
             acc, m_i, l_i = _attn_tile(

@@ -9,6 +9,7 @@ import torch
 
 from .._common import next_pow2, tl, triton, unit_stride, use_triton
 from ..norm.rmsnorm import reference_rms_norm
+from .kv_store import store_cast, to_cache
 
 
 @triton.jit
@@ -132,13 +133,13 @@ def _qk_norm_rope_cache_kernel(
                                      eps, HAS_NORM, FULL_NORM, HKV_PAD, D, D_PAD, ROT)
                 dst = k_cache_ptr + blk * stride_cb + off * stride_ct
                 tl.store(dst + offs_h[:, None] * D + offs_d[None, :],
-                         k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+                         store_cast(k.to(qkv_ptr.dtype.element_ty), k_cache_ptr), mask=mask)
             else:
                 src = row_ptr + (Hq + Hkv) * D
                 v = tl.load(src + offs_h[:, None] * D + offs_d[None, :], mask=mask, other=0.0)
                 dst = v_cache_ptr + blk * stride_vb + off * stride_vt
                 tl.store(dst + offs_h[:, None] * D + offs_d[None, :],
-                         v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+                         store_cast(v, v_cache_ptr), mask=mask)
 
 
 def _check(qkv, num_heads, num_kv_heads, head_dim, k_cache, v_cache, rotary_dim,
@@ -220,8 +221,8 @@ def reference_qk_norm_rope_cache(
     slots = slot_mapping[keep].long()
     bs = k_cache.shape[1]
     blk, off = slots // bs, slots % bs
-    k_cache[blk, off] = k[keep].to(k_cache.dtype)
-    v_cache[blk, off] = v[keep].to(v_cache.dtype)
+    k_cache[blk, off] = to_cache(k[keep].to(qkv.dtype), k_cache.dtype)
+    v_cache[blk, off] = to_cache(v[keep], v_cache.dtype)
     return q.contiguous()
 
 
