@@ -6,7 +6,8 @@ compile checks run its functions (tests/kernels/conftest.py ``sm90_compile``).
 
     python3 tools/ptxas_check.py   # the fused decode attention, the decode GEMV at its heuristic
                                    # configs, the direct MoE gate/up GEMM, the norm + router launch,
-                                   # the expert selection, the FP8 weight kernels and the LoRA kernels
+                                   # the expert selection, the FP8 weight kernels, the LoRA kernels
+                                   # and the attention kernels over an fp8 KV cache
 """
 import os
 import subprocess
@@ -173,6 +174,57 @@ def fp8_weights():
         print(f"{name} {kern.asm['ptx'].count('cvt.rn.f16x2.e4m3x2')} {ptxas_report(kern)}")
 
 
+def _compiled(launch) -> list:
+    """Run ``launch`` (a Triton launcher called on CPU tensors) with each of its kernel launches
+    compiled for the active target instead of run: [(kernel name, compiled kernel), ...]."""
+    from triton.runtime.jit import JITFunction
+    got, orig = [], JITFunction.__getitem__
+
+    def getitem(self, grid):
+        def compile_only(*args, **kw):
+            got.append((self.fn.__name__, self.warmup(*args, grid=grid, **kw)))
+        return compile_only
+    JITFunction.__getitem__ = getitem
+    try:
+        launch()
+    finally:
+        JITFunction.__getitem__ = orig
+    return got
+
+
+def kv_cache_fp8():
+    """kv_cache_dtype='fp8' (float8 e4m3 caches, bf16 activations) at Qwen3-0.6B's heads and
+    DeepSeek-V3's latents: every kernel that writes or reads the paged cache, through its launcher.
+    One line each: launcher/kernel, the PTX's e4m3 conversions, ptxas report."""
+    from blitzllm.kernels.attention import mla_decode, mla_prep, paged, qk_norm_rope_cache, sparse_mla
+    bf, f8, i32 = torch.bfloat16, torch.float8_e4m3fn, torch.int32
+    hq, hkv, d, bs, b = 16, 8, 128, 16, 2
+    kc, vc = torch.zeros(8, bs, hkv, d, dtype=f8), torch.zeros(8, bs, hkv, d, dtype=f8)
+    qkv, q = torch.zeros(b, (hq + 2 * hkv) * d, dtype=bf), torch.zeros(b, hq, d, dtype=bf)
+    tables, lens, slots = torch.zeros(b, 4, dtype=i32), torch.full((b,), 40, dtype=i32), torch.zeros(b, dtype=torch.int64)
+    pos, cs, w = torch.zeros(b, dtype=torch.int64), torch.zeros(64, d), torch.ones(d, dtype=bf)
+    qsl = torch.tensor([0, 1, 2], dtype=i32)
+    h, r, p = 16, 512, 64
+    cache = torch.zeros(8, bs, 1, r + p, dtype=f8)
+    ql, qr = torch.zeros(b, h, r, dtype=bf), torch.zeros(b, h, p, dtype=bf)
+    launches = {
+        "paged_decode": lambda: paged.paged_decode_attention_triton(q, kc, vc, tables, lens, 0.1),
+        "fused_decode": lambda: paged.fused_decode_attention_triton(qkv, pos, cs, hq, hkv, d, kc, vc, slots, tables,
+                                                                    lens, 0.1, w, w, 1e-6, d),
+        "paged_prefill": lambda: paged.paged_prefill_attention_triton(q, kc, vc, qsl, lens, tables, 0.1, 1),
+        "qk_norm_rope_cache": lambda: qk_norm_rope_cache.fused_qk_norm_rope_cache_triton(
+            qkv, pos, cs, hq, hkv, d, kc, vc, slots, w, w),
+        "mla_prep": lambda: mla_prep.mla_prep_triton(torch.zeros(b, h, 128 + p, dtype=bf),
+                                                     torch.zeros(b, r + p, dtype=bf), pos, torch.zeros(64, p),
+                                                     torch.ones(r, dtype=bf), 1e-6, cache, slots, 128),
+        "mla_decode": lambda: mla_decode.mla_decode_triton(ql, qr, cache, tables, lens, 0.1),
+        "sparse_mla": lambda: sparse_mla.sparse_mla_triton(ql, qr, cache, tables, torch.zeros(b, 64, dtype=i32), 0.1),
+    }
+    for name, launch in launches.items():
+        for kname, kern in _compiled(launch):
+            print(f"{name}/{kname}: {kern.asm['ptx'].count('e4m3x2')} {ptxas_report(kern)}")
+
+
 def lora():
     """The LoRA shrink and expand kernels at Llama-3.1-8B's qkv (K 4096, N 6144, 3 slices) and
     down (K 14336, SiLU-and-mul input) sizes, rank 16, 4 slots, one row, bf16, with PDL."""
@@ -203,5 +255,6 @@ if __name__ == "__main__":
     moe_direct()
     norm_route()
     select_experts()
+    kv_cache_fp8()
     fp8_weights()
     lora()

@@ -317,3 +317,21 @@ def test_fp8_cache(kind, device):
     assert torch.equal(kc.view(torch.uint8), kr.view(torch.uint8)) and torch.equal(vc.view(torch.uint8), vr.view(torch.uint8))
     new_k = kr[int(slots[0]) // bs, int(slots[0]) % bs, 1].float()
     assert new_k.isfinite().all() and new_k.abs().max() == 448
+
+
+def test_fp8_cache_kernels_compile_for_sm90():
+    """Every kernel that writes or reads an fp8 KV cache compiles for sm_90 through its launcher
+    (tools/ptxas_check.py ``kv_cache_fp8``), with e4m3 conversions in its PTX. Spills: none, but
+    the fused decode kernel's 4 bytes (its prefetched fp8 tile beside the widened one, at the
+    128-register cap of its 4 warps; the 16-bit cache's build has none)."""
+    from tests.kernels.conftest import sm90_compile
+    out = sm90_compile("kv_cache_fp8()")
+    rows = dict(ln.split(": ", 1) for ln in out.strip().splitlines())
+    assert {name.split("/")[0] for name in rows} == {"paged_decode", "fused_decode", "paged_prefill",
+                                                     "qk_norm_rope_cache", "mla_prep", "mla_decode", "sparse_mla"}
+    for name, report in rows.items():
+        converts, ptxas = report.split(" ", 1)
+        assert "registers" in ptxas, (name, report)
+        assert int(converts) > 0 or "combine" in name, (name, report)   # (the combines read fp32 partials)
+        spill = int(ptxas.split(" bytes spill stores")[0].rsplit(" ", 1)[-1])
+        assert spill <= (8 if name.startswith("fused_decode") else 0), (name, report)
