@@ -130,11 +130,11 @@ def test_mla_latents_are_the_fp8_rounded_latents(arch, tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("preset,layers", [("qwen3-0.6b", 4), ("llama-3.1-8b", 2)])
+@pytest.mark.parametrize("preset,layers", [("qwen3-0.6b", 4), ("llama-3.1-8b", 2), ("deepseek-v3", 4)])
 def test_gpu_fp8_cache_matches_the_reference_ops(monkeypatch, preset, layers):
     """bf16 over an fp8 cache on the GPU (the Triton prefill, the fused q/k norm + rotary + cache
-    write, the fused decode kernel, CUDA graphs) agrees step by step with the torch reference ops
-    over an fp8 cache of their own (``tests/gpu_parity.py``)."""
+    write, the fused decode kernel, MLA's prep and decode kernels, CUDA graphs) agrees step by step
+    with the torch reference ops over an fp8 cache of their own (``tests/gpu_parity.py``)."""
     from tests.gpu_parity import BF16_TOL, assert_runs_agree
     kw = dict(num_layers=layers, device="cuda", dtype="bfloat16", kv_cache_dtype="fp8", kv_cache_blocks=256,
               max_num_seqs=8, max_model_len=1024)
