@@ -78,10 +78,10 @@ def test_reference_is_the_layer_math():
     torch.testing.assert_close(ref_cache, cache, atol=1e-5, rtol=1e-5)
 
 
-def test_layer_with_fused_prep_matches_torch_steps(monkeypatch):
-    """MLAttention with the fused prologue (the CUDA path, taken here for CPU tensors with the
-    kernel under the interpreter) gives the same output and latent cache as its torch steps, for a prefill
-    chunk and a decode step."""
+def test_layer_with_fused_prep_matches_torch_steps(monkeypatch, device):
+    """MLAttention with the fused prologue (the CUDA path; without a GPU, taken for CPU tensors with
+    the kernel under the interpreter) gives the same output and latent cache as its torch steps, for
+    a prefill chunk and a decode step."""
     from blitzllm.layers import mla
     from blitzllm.layers.attention import AttentionMetadata, ForwardContext, TorchAttentionBackend, forward_context
     from blitzllm.layers.rotary import RotaryEmbedding
@@ -92,20 +92,22 @@ def test_layer_with_fused_prep_matches_torch_steps(monkeypatch):
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0, 0.3)
-    tables = torch.tensor([[1, 0]], dtype=torch.int32)
+    layer = layer.to(device)
+    tables = torch.tensor([[1, 0]], dtype=torch.int32, device=device)
 
     def run(fused):
         monkeypatch.setattr(mla, "use_triton", lambda t: fused)
-        cache = torch.zeros(2, 16, 1, 24)
+        cache = torch.zeros(2, 16, 1, 24, device=device)
         outs = []
         for start, end in ((0, 19), (19, 20)):   # a prefill chunk crossing a block, then one decode
             n = end - start
-            pos = torch.arange(start, end)
+            pos = torch.arange(start, end, device=device)
             md = AttentionMetadata(slot_mapping=tables[0, pos // 16].long() * 16 + pos % 16,
-                                   query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-                                   seq_lens=torch.tensor([end], dtype=torch.int32), block_tables=tables,
-                                   max_q_len=n, max_seq_len=end, q_lens_host=[n], seq_lens_host=[end])
-            x = torch.randn(n, 32, generator=torch.Generator().manual_seed(end))
+                                   query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
+                                   seq_lens=torch.tensor([end], dtype=torch.int32, device=device),
+                                   block_tables=tables, max_q_len=n, max_seq_len=end, q_lens_host=[n],
+                                   seq_lens_host=[end])
+            x = torch.randn(n, 32, generator=torch.Generator().manual_seed(end)).to(device)
             with torch.no_grad(), forward_context(ForwardContext(md, [(cache, None)], TorchAttentionBackend())):
                 outs.append(layer(pos, x))
         return outs, cache
