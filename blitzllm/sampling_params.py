@@ -40,8 +40,8 @@ class SamplingParams:
     logprobs: Optional[int] = None  # top-N logprobs per generated token
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # {"type": "json_object"} or {"type": "json_schema", "schema": {...}}: tokens constrained to
-    # such JSON (blitzllm/structured.py; needs xgrammar)
+    # {"type": "json_object"}, {"type": "json_schema", "schema": {...}}, regex, choice, grammar or
+    # structural_tag: tokens constrained to it (blitzllm/structured.py; needs xgrammar)
     structured_output: Optional[dict] = None
     logit_bias: Optional[dict] = None  # {token id: bias in [-100, 100]}, added to the logits before sampling
     prompt_logprobs: Optional[int] = None  # per prompt token: its logprob and the top-N, from the prefill

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import warnings
 from typing import Optional
 
 import torch
@@ -14,7 +15,8 @@ import torch
 INSTALL = "structured outputs need xgrammar: pip install xgrammar"
 
 
-KINDS = {"json_object": None, "json_schema": "schema", "regex": "pattern", "choice": "choices", "grammar": "grammar"}
+KINDS = {"json_object": None, "json_schema": "schema", "regex": "pattern", "choice": "choices", "grammar": "grammar",
+         "structural_tag": "structural_tag"}
 
 
 def check_structured_output(spec) -> Optional[dict]:
@@ -37,11 +39,14 @@ def check_structured_output(spec) -> Optional[dict]:
 def _check_kind(spec) -> dict:
     if not isinstance(spec, dict) or spec.get("type") not in KINDS:
         raise ValueError("structured_output must be {'type': 'json_object'}, {'type': 'json_schema', 'schema': "
-                         "{...}}, {'type': 'regex', 'pattern': ...}, {'type': 'choice', 'choices': [...]} or "
-                         f"{{'type': 'grammar', 'grammar': ...}}, got {spec!r}")
+                         "{...}}, {'type': 'regex', 'pattern': ...}, {'type': 'choice', 'choices': [...]}, "
+                         "{'type': 'grammar', 'grammar': ...} or {'type': 'structural_tag', 'structural_tag': {...}}, "
+                         f"got {spec!r}")
     kind = spec["type"]
     if kind == "json_object":
         return {"type": "json_object"}
+    if kind == "structural_tag":
+        return {"type": kind, "structural_tag": _structural_tag(spec.get("structural_tag"))}
     if kind in ("regex", "grammar"):
         value = spec.get(KINDS[kind])
         if not isinstance(value, str) or not value:
@@ -67,6 +72,39 @@ def _check_kind(spec) -> dict:
     if not isinstance(schema, dict):
         raise ValueError(f"structured_output json_schema needs a 'schema' object, got {schema!r}")
     return {"type": "json_schema", "schema": json.dumps(schema)}  # (key order kept: it orders the properties)
+
+
+def _structural_tag(tag) -> str:
+    """A structural tag (xgrammar's; vLLM's ``response_format`` ``structural_tag``) as JSON text:
+    free text until one of ``triggers`` begins a tag, then the tag's ``schema`` up to its ``end``
+    (the legacy form, ``{"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}``), or
+    xgrammar's ``{"format": {...}}`` form, which xgrammar checks when it compiles it."""
+    if isinstance(tag, str):
+        try:
+            tag = json.loads(tag)
+        except (ValueError, RecursionError) as e:
+            raise ValueError(f"structured_output structural_tag is not valid JSON: {e}") from None
+    if not isinstance(tag, dict) or ("structures" in tag) == ("format" in tag):
+        raise ValueError("structured_output structural_tag must be an object with 'structures' and 'triggers' "
+                         f"(the legacy form) or with 'format', got {tag!r}")
+    if "format" in tag:
+        if not isinstance(tag["format"], dict):
+            raise ValueError(f"structured_output structural_tag format must be an object, got {tag['format']!r}")
+        return json.dumps({**tag, "type": "structural_tag"})
+    structures, triggers = tag.get("structures"), tag.get("triggers")
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        raise ValueError("structured_output structural_tag needs 'triggers': a list of non-empty strings")
+    if not isinstance(structures, list) or not structures:
+        raise ValueError("structured_output structural_tag needs 'structures': a non-empty list")
+    for s in structures:
+        if (not isinstance(s, dict) or not isinstance(s.get("begin"), str) or not s["begin"]
+                or not isinstance(s.get("end"), str) or not isinstance(s.get("schema", {}), (dict, type(None)))):
+            raise ValueError("each structural_tag structure needs 'begin' (a non-empty string), 'end' (a string) and "
+                             f"'schema' (an object), got {s!r}")
+        if not any(s["begin"].startswith(t) for t in triggers):
+            raise ValueError(f"structural_tag begin {s['begin']!r} starts with none of the triggers {triggers!r}")
+    return json.dumps({"structures": [{"begin": s["begin"], "schema": s.get("schema") or {}, "end": s["end"]}
+                                      for s in structures], "triggers": triggers})
 
 
 class GrammarCompiler:
@@ -97,10 +135,22 @@ class GrammarCompiler:
                 return c.compile_regex(value)
             if kind == "choice":
                 return c.compile_regex("|".join(_regex_escape(s) for s in json.loads(value)))
+            if kind == "structural_tag":
+                return self._structural_tag(value)
             return c.compile_grammar(value)
         except Exception as e:  # (xgrammar's own error for a schema, pattern or grammar it cannot take)
             what = {"json_schema": "schema", "regex": "pattern", "grammar": "grammar"}.get(kind, kind)
             raise ValueError(f"structured_output {what} not supported: {e}") from None
+
+    def _structural_tag(self, value: str):
+        tag = json.loads(value)
+        if "format" in tag:
+            return self.compiler.compile_structural_tag(value)
+        items = [self.xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+                 for s in tag["structures"]]
+        with warnings.catch_warnings():   # (xgrammar keeps the legacy form, which vLLM's API still takes)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return self.compiler.compile_structural_tag(items, tag["triggers"])
 
     def compile(self, spec: dict):
         """The compiled grammar of a spec (``check_structured_output``'s form), cached: ValueError when

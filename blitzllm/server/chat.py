@@ -241,7 +241,10 @@ def structured_output(fmt):
             raise bad_request("response_format json_schema needs json_schema.schema (an object)",
                               param="response_format")
         return {"type": "json_schema", "schema": schema}
-    raise bad_request(f"response_format type must be text, json_object or json_schema, got {fmt.type!r}",
+    if fmt.type == "structural_tag":   # (blitzllm/structured.py checks the parts: a ValueError is a 400 on this field)
+        parts = {k: getattr(fmt, k) for k in ("structures", "triggers", "format") if getattr(fmt, k) is not None}
+        return {"type": "structural_tag", "structural_tag": parts}
+    raise bad_request(f"response_format type must be text, json_object, json_schema or structural_tag, got {fmt.type!r}",
                       param="response_format")
 
 

@@ -72,6 +72,10 @@ class ChatMessage(_Strict):
 class ResponseFormat(_Strict):
     type: str
     json_schema: Optional[dict[str, Any]] = None  # {"name": ..., "schema": {...}, "strict": ...}
+    # vLLM's structural_tag: {"structures": [{"begin", "schema", "end"}], "triggers": [...]}, or xgrammar's "format"
+    structures: Optional[list[Any]] = None
+    triggers: Optional[list[Any]] = None
+    format: Optional[dict[str, Any]] = None
 
 
 def priority_field():

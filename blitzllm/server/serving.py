@@ -304,7 +304,8 @@ class Serving:
         field, kind, value = given[0]
         specs = {"json": lambda v: {"type": "json_schema", "schema": v}, "json_object": lambda v: {"type": "json_object"},
                  "regex": lambda v: {"type": "regex", "pattern": v}, "choice": lambda v: {"type": "choice", "choices": v},
-                 "grammar": lambda v: {"type": "grammar", "grammar": v}}
+                 "grammar": lambda v: {"type": "grammar", "grammar": v},
+                 "structural_tag": lambda v: {"type": "structural_tag", "structural_tag": v}}
         if kind not in specs:
             raise bad_request(f"structured_outputs takes one of {', '.join(specs)}, got {kind!r}", param=field)
         return specs[kind](value), field

@@ -196,3 +196,58 @@ def test_a_grammar_that_matches_nothing_is_a_value_error(smollm2_llm):
         smollm2_llm.generate(["hi"], SamplingParams(max_tokens=4, structured_output={
             "type": "regex", "pattern": r"[^\s\S]"}))
     assert smollm2_llm.stats()["kv_blocks_free"] == smollm2_llm.stats()["kv_blocks_total"]
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False}
+WEATHER = [{"role": "system", "content": "To call a function, write get_weather{json args}."},
+           {"role": "user", "content": "What's the weather in Paris? Call get_weather."}]
+
+
+@needs_xgrammar
+@pytest.mark.parametrize("form", ["legacy", "format"])
+def test_structural_tag(smollm2_llm, form):
+    """vLLM's structural_tag (xgrammar's): free text until a trigger, then the tag's begin, JSON of
+    its schema and its end, then free text again. SmolLM2's greedy answer here opens "To call
+    get_weather, you can": under a tag triggered by " get" the free "To call" stays, " get" must go on
+    as " get_weather", then a {"city": ...} object and ".", in both the legacy form and xgrammar's
+    "format" form; every token was one the grammar allowed."""
+    llm = smollm2_llm
+    if form == "legacy":
+        tag = {"structures": [{"begin": " get_weather", "schema": CITY, "end": "."}], "triggers": [" get"]}
+    else:
+        tag = {"format": {"type": "triggered_tags", "triggers": [" get"], "tags": [
+            {"begin": " get_weather", "content": {"type": "json_schema", "json_schema": CITY}, "end": "."}]}}
+    p = SamplingParams(temperature=0, max_tokens=40, structured_output={"type": "structural_tag", "structural_tag": tag})
+    plain = llm.chat(WEATHER, SamplingParams(temperature=0, max_tokens=40))[0].outputs[0].text
+    assert plain.startswith("To call get_weather,")   # (prose, not the tag's JSON)
+    out = llm.chat(WEATHER, p)[0].outputs[0]
+    assert out.text.startswith("To call get_weather{"), out.text
+    obj, end = json.JSONDecoder().raw_decode(out.text, len("To call get_weather"))
+    assert list(obj) == ["city"] and isinstance(obj["city"], str) and out.text[end] == "."
+    assert _all_allowed(llm, p.structured_output, out.token_ids)
+    as_text = SamplingParams(structured_output={"type": "structural_tag", "structural_tag": json.dumps(tag)})
+    assert as_text.structured_output == p.structured_output    # (a JSON string is the same tag)
+
+
+@pytest.mark.parametrize("tag,match", [
+    ({"triggers": ["<f"]}, "with 'structures' and 'triggers'"),
+    ({"structures": [{"begin": "<f>", "schema": {}, "end": "</f>"}], "triggers": ["<f"], "format": {}}, "or with 'format'"),
+    ({"structures": [{"begin": "<f>", "schema": {}, "end": "</f>"}], "triggers": []}, "'triggers': a list"),
+    ({"structures": [], "triggers": ["<f"]}, "'structures': a non-empty list"),
+    ({"structures": [{"begin": "<f>", "end": 3}], "triggers": ["<f"]}, "each structural_tag structure needs"),
+    ({"structures": [{"begin": "<g>", "schema": {}, "end": "</g>"}], "triggers": ["<f"]}, "starts with none of"),
+    ({"format": "x"}, "format must be an object"),
+    ("{not json", "not valid JSON"),
+])
+def test_structural_tag_errors(tag, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(structured_output={"type": "structural_tag", "structural_tag": tag})
+
+
+@needs_xgrammar
+def test_structural_tag_xgrammar_refuses_is_a_value_error(smollm2_llm):
+    """A "format" that xgrammar cannot take is a ValueError when the request is added; nothing held."""
+    with pytest.raises(ValueError, match="structured_output structural_tag not supported"):
+        smollm2_llm.generate(["hi"], SamplingParams(structured_output={
+            "type": "structural_tag", "structural_tag": {"format": {"type": "no_such_format"}}}))
+    assert smollm2_llm.stats()["kv_blocks_free"] == smollm2_llm.stats()["kv_blocks_total"]

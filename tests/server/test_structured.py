@@ -57,6 +57,9 @@ def test_json_object(smol_server):
 @pytest.mark.parametrize("fmt", [{"type": "json_schema"}, {"type": "json_schema", "json_schema": {"schema": 3}},
                                  {"type": "regex"},
                                  pytest.param({"type": "json_schema", "json_schema": {"schema": {"type": "x"}}},
+                                              marks=needs_xgrammar),
+                                 {"type": "structural_tag", "structures": [], "triggers": ["<f"]},
+                                 pytest.param({"type": "structural_tag", "format": {"type": "no_such_format"}},
                                               marks=needs_xgrammar)])
 def test_bad_formats(smol_server, fmt):
     r = httpx.post(smol_server.url + "/v1/chat/completions", json={"messages": MSG, "response_format": fmt},
@@ -134,3 +137,26 @@ def test_vllm_structured_outputs_errors(smol_server, body, param):
     r = httpx.post(smol_server.url + "/v1/chat/completions",
                    json={"messages": [{"role": "user", "content": "hi"}], **body}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+TAG = {"structures": [{"begin": " get_weather", "schema": WEATHER["function"]["parameters"], "end": "."}],
+       "triggers": [" get"]}
+TAG_ASK = [{"role": "system", "content": "To call a function, write get_weather{json args}."},
+           {"role": "user", "content": "What's the weather in Paris? Call get_weather."}]
+
+
+@needs_xgrammar
+@pytest.mark.parametrize("how", ["response_format", "structured_outputs"])
+def test_structural_tag(smol_server, how):
+    """vLLM's structural_tag, as a response_format (its legacy form's fields beside "type") and as
+    structured_outputs.structural_tag (a JSON string): the free text before the trigger, then the
+    tag's JSON and its end (tests/engine/test_structured_output.py::test_structural_tag)."""
+    extra = ({"response_format": {"type": "structural_tag", **TAG}} if how == "response_format"
+             else {"structured_outputs": {"structural_tag": json.dumps(TAG)}})
+    r = httpx.post(smol_server.url + "/v1/chat/completions",
+                   json={"messages": TAG_ASK, "max_tokens": 40, "temperature": 0, **extra}, timeout=120)
+    assert r.status_code == 200, r.text
+    text = r.json()["choices"][0]["message"]["content"]
+    assert text.startswith("To call get_weather{"), text
+    obj, end = json.JSONDecoder().raw_decode(text, len("To call get_weather"))
+    assert list(obj) == ["city"] and text[end] == "."
