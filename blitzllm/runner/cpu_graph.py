@@ -34,7 +34,7 @@ _COMPILE_OPTIONS = {"fx_graph_cache": True}
 def supports(model, kv_caches, backend, tp_size: int, states) -> bool:
     """Whether this model's decode can run here: a dense pre-norm decoder of plain layers on
     the CPU, one rank, the torch attention backend, no recurrent states, a KV cache of the
-    activations' dtype."""
+    activations' dtype or fp8."""
     inner = getattr(model, "model", None)
     if tp_size != 1 or states is not None or backend.name != "torch" or inner is None:
         return False
@@ -56,8 +56,9 @@ def supports(model, kv_caches, backend, tp_size: int, states) -> bool:
                 return False  # (other weight-only forms: Linear computes those in the weight's dtype)
         if mlp.down_proj.bias is not None or mlp.gate_up_proj.bias is not None or attn.o_proj.bias is not None:
             return False
-    # (an fp8 KV cache runs the model's own layers: the step here reads and writes 16/32-bit caches)
-    return all(k.device.type == "cpu" and k.dtype == act for k, _ in kv_caches)
+    # (an fp8 KV cache: the C forms below read and write it; CpuDecode leaves it to the model's own
+    # layers where none of them applies)
+    return all(k.device.type == "cpu" and k.dtype in (act, torch.float8_e4m3fn) for k, _ in kv_caches)
 
 
 def _bf16_native(lin: Linear, act_dtype: torch.dtype) -> bool:
@@ -179,11 +180,11 @@ class CpuDecode:
         one_dims = len({layer[9] for layer in self.layers}) == 1
         # eager and fp32 end to end (fp32 embeddings and KV cache; every linear GGUF blocks or a
         # bf16 weight through our kernel, or an fp32 weight): the whole step's layers in one C call
-        f32 = torch.float32
+        f32, fp8 = torch.float32, torch.float8_e4m3fn
         self.step_layers = None
         if (not compiled and cpu_decode.available() and native.lib() is not None and self.embed.weight.dtype == f32
                 and self.embed.weight.is_contiguous() and self.norm.weight.dtype == f32
-                and all(k.dtype == f32 and v.dtype == f32 for k, v in kv_caches)
+                and all(k.dtype in (f32, fp8) and v.dtype == k.dtype for k, v in kv_caches)
                 and all(len(w) == 3 or w[0].dtype == f32 for ws in lin_ws for w in ws) and one_dims):
             hq, hkv, d, inter, eps, scale, qk_eps = self.layers[0][9]
             self.step_layers = cpu_decode.DecodeLayers(
@@ -194,7 +195,7 @@ class CpuDecode:
         # (the CPU's bf16 / AMX units) with our C glue between them, layer by layer
         bf = torch.bfloat16
         self.bf16_glue = (not compiled and cpu_decode.available() and self.embed.weight.dtype == bf
-                          and all(k.dtype == bf and v.dtype == bf for k, v in kv_caches)
+                          and all(k.dtype in (bf, fp8) and v.dtype == k.dtype for k, v in kv_caches)
                           and all(len(w) == 1 and w[0].dtype == bf for ws in lin_ws for w in ws)
                           and all(t is None or t.dtype == bf for layer in self.layers for t in layer[:2] + layer[3:6])
                           and all(layer[9][2] % 16 == 0 and layer[9][2] <= 1024 for layer in self.layers))
@@ -347,6 +348,8 @@ def maybe_cpu_decode(model, kv_caches, backend, block_size: int, tp_size: int, s
         return None
     # BLITZ_CPU_COMPILE (envs.py): off by default (docs/cpu.md says why)
     dec = CpuDecode(model, kv_caches, block_size, compiled=bool(envs.get("BLITZ_CPU_COMPILE")))
+    if kv_caches[0][0].dtype == torch.float8_e4m3fn and dec.step_layers is None and not dec.bf16_glue:
+        return None   # (layer_step reads and writes 16/32-bit caches; the model's layers take fp8 ones)
     if dec.compiled:
         dec.warm_up((1, 2))
     return dec

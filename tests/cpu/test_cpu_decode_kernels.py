@@ -118,3 +118,51 @@ def test_greedy_matches_torch_argmax_and_log_softmax():
     x[1, 7] = float("nan")
     assert cd.greedy(x) is None
     assert torch.equal(greedy_sample(x)[0], reference_greedy_sample(x)[0])  # the dispatcher falls back
+
+
+def test_to_e4m3_rounds_as_the_fp8_cache_rule():
+    """The C forms' fp32 -> e4m3 (fp8 KV caches) against kv_store.to_cache (clamp to +-448, torch's
+    round to nearest even), byte for byte: every e4m3 value, the midpoints between neighbours (the
+    ties, to even), points just off them, subnormals, zeros of both signs, values past 448."""
+    from blitzllm.kernels.attention.kv_store import to_cache
+    assert cd.available()
+    codes = torch.arange(256, dtype=torch.uint8)
+    vals = codes.view(torch.float8_e4m3fn).float()
+    finite = vals[vals.isfinite()].unique()                       # (0x7f / 0xff are NaN)
+    mids = (finite[1:] + finite[:-1]) / 2
+    x = torch.cat([finite, mids, mids * (1 + 2 ** -20), mids * (1 - 2 ** -20), -mids,
+                   torch.tensor([0.0, -0.0, 448.0, 449.0, 464.0, 480.0, 1e6, -1e30, 2.0 ** -10, 2.0 ** -12, 3e-3])])
+    got, want = cd.to_e4m3(x), to_cache(x, torch.float8_e4m3fn)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), x[got.view(torch.uint8) != want.view(torch.uint8)]
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("B,hq,hkv,d,bs", [(1, 9, 3, 64, 16), (3, 8, 2, 32, 4), (6, 8, 2, 96, 8)])
+def test_decode_attention_over_an_fp8_cache(bf16, B, hq, hkv, d, bs):
+    """An fp8 (e4m3) cache under fp32 or bf16 activations (kv_cache_dtype="fp8"): the new k / v are
+    written byte for byte as the reference writes them (k rounded to the activations' dtype first),
+    the entries widened exactly, so the output is the reference's over the same caches: to fp32
+    rounding, or under bf16 within test_bf16_decode_attention_matches_reference's bound (torch's bf16
+    SDPA rounds its probabilities)."""
+    assert cd.available()
+    dt = torch.bfloat16 if bf16 else torch.float32
+    g = torch.Generator().manual_seed(B * hq + d + 7)
+    nblk = 12
+    kc = (torch.randn(nblk, bs, hkv, d, generator=g) * 3).to(torch.float8_e4m3fn)
+    vc = (torch.randn(nblk, bs, hkv, d, generator=g) * 3).to(torch.float8_e4m3fn)
+    lens = torch.tensor([1 + 9 * i for i in range(B)])
+    L = int(lens.max())
+    gidx = torch.stack([torch.randperm(nblk * bs, generator=g)[:L] for _ in range(B)])
+    slots = torch.stack([gidx[b, lens[b] - 1] for b in range(B)])
+    qkv = torch.randn(B, (hq + 2 * hkv) * d, generator=g).to(dt)
+    qkv[0, (hq + 2 * hkv - 1) * d] = 1000.0                  # a value past the fp8 range: clamped
+    ang = torch.rand(B, d // 2, generator=g) * 6
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([-ang.sin(), ang.sin()], -1)
+    args = (None, None, 1e-6, cos, sin)
+    k1, v1, k2, v2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    got = cd.decode_attention(qkv.clone(), *args, k1, v1, slots, gidx, lens, hq, hkv, d, d ** -0.5)
+    want = cd.reference_decode_attention(qkv.clone(), *args, k2, v2, slots, gidx, lens, hq, hkv, d, d ** -0.5)
+    assert torch.equal(k1.view(torch.uint8), k2.view(torch.uint8)) and torch.equal(v1.view(torch.uint8), v2.view(torch.uint8))
+    assert v1.float().abs().max() == 448
+    tol = 2e-2 if bf16 else 1e-5
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)

@@ -1,7 +1,8 @@
 /* The glue of a CPU decode layer around its matmuls (kernels/cpu_decode/ops.py builds and
    loads this file; runner/cpu_graph.py calls it): the residual add + RMSNorm, and one call for
    q / k RMSNorm, rotary, the paged KV-cache write and attention over the cache rows; fp32, and
-   a bf16 form of each around torch's bf16 GEMMs. Each is a
+   a bf16 form of each around torch's bf16 GEMMs; either form over an fp8 (e4m3) KV cache
+   (kv_cache_dtype="fp8": entries rounded from the model's dtype, widened as they load). Each is a
    handful of torch ops of a few microseconds' work on a decode row but 10-30 us of dispatch
    each; here one call. Plain C vectorized by the compiler, AVX-512 intrinsics in the bf16 forms
    and the attention (one core for both forms, its sums in registers). */
@@ -44,14 +45,52 @@ static inline void store_bf16x16(uint16_t* p, __m512 v) {
   _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(bf16_bits(v)));
 }
 
+/* ---- fp8 (e4m3) KV-cache entries ---------------------------------------------------------- */
+/* kernels/attention/kv_store.py's rule: clamped to +-448, rounded to nearest even (subnormals
+   below 2^-6 on their 2^-9 grid); no NaN is ever stored. */
+static inline uint8_t to_e4m3(float f) {
+  const uint8_t sign = signbit(f) ? 0x80 : 0;
+  float a = fabsf(f);
+  if (!(a < 448.0f)) a = 448.0f;
+  int e;
+  frexpf(a, &e); /* a = m 2^e, m in [0.5, 1): its binade's exponent is e - 1 */
+  const int ex = e - 1 < -6 ? -6 : e - 1;
+  const float r = nearbyintf(ldexpf(a, 3 - ex)); /* the mantissa steps of the binade (2^(ex-3) each) */
+  if (r == 0.0f) return sign;
+  if (ex == -6 && r < 8.0f) return sign | (uint8_t)r; /* a subnormal: r 2^-9 */
+  /* r in [8, 16]: 16 carries into the next binade */
+  const int ex2 = r >= 16.0f ? ex + 1 : ex, m = r >= 16.0f ? 0 : (int)r - 8;
+  return sign | (uint8_t)((ex2 + 7) << 3) | (uint8_t)m;
+}
+
+/* x [n] -> e4m3 codes y [n] (the rule above; kernels/cpu_decode/ops.py to_e4m3's test hook) */
+void blitz_to_e4m3(const float* x, uint8_t* y, int64_t n) {
+  for (int64_t i = 0; i < n; i++) y[i] = to_e4m3(x[i]);
+}
+
+/* 16 e4m3 values widened to fp32 exactly: each one's bits moved into an fp16 (sign, then its 7
+   magnitude bits under fp16's exponent, whose bias is 8 larger: a factor 2^-8 undone after), then
+   fp16 -> fp32 in hardware (which handles the subnormals) */
+static inline __m512 fp8x16(__m128i b) {
+  const __m512i w = _mm512_cvtepu8_epi32(b);
+  const __m512i h = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(w, _mm512_set1_epi32(0x80)), 8),
+                                    _mm512_slli_epi32(_mm512_and_si512(w, _mm512_set1_epi32(0x7f)), 7));
+  return _mm512_mul_ps(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(h)), _mm512_set1_ps(256.0f));
+}
+
 /* ---- attention of one query row over its cache rows (both forms) -------------------------- */
 
 /* the lanes of a 16-wide step with ``left`` elements to go: all 16, or the first ``left`` */
 static inline __mmask16 lanes(int left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
 
-/* 16 elements of a cache row, fp32 or bf16 (widened exactly), from i on; ``m`` masks a row's tail */
-static inline __m512 ld16(const void* p, size_t i, int bf16, __mmask16 m) {
-  if (bf16)
+/* the KV cache's entries: fp32, bf16 or fp8 (e4m3) */
+enum { KV_F32 = 0, KV_BF16 = 1, KV_FP8 = 2 };
+
+/* 16 elements of a cache row of ``kind`` (widened exactly), from i on; ``m`` masks a row's tail */
+static inline __m512 ld16(const void* p, size_t i, int kind, __mmask16 m) {
+  if (kind == KV_FP8) /* (a 512-bit masked load of the 16 bytes: AVX-512BW without VL) */
+    return fp8x16(_mm512_castsi512_si128(_mm512_maskz_loadu_epi8((__mmask64)m, (const uint8_t*)p + i)));
+  if (kind == KV_BF16)
     return _mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm512_castsi512_si256(_mm512_maskz_loadu_epi16((__mmask32)m, (const uint16_t*)p + i))), 16));
   return _mm512_maskz_loadu_ps(m, (const float*)p + i);
@@ -78,12 +117,12 @@ static inline __m512 exp_le0(__m512 x) {
 #define ND_MAX 64 /* D up to 1024 */
 #define HG_MAX 4
 /* out[g][0..D) = softmax(scale q_g . k_l) v_l for the HG query heads g of one kv head, over the n
-   cache rows gi[0..n) (row r's head at element r * rs + off of kc / vc, bf16 or fp32): each key
+   cache rows gi[0..n) (row r's head at element r * rs + off of kc / vc, of ``kind``): each key
    and value is widened once for the HG heads. q_g at q + g D (fp32), out likewise; p: HG n floats.
    Inlined with ND = ceil(D / 16) and HG constants where D is a common head size, so that the
    queries and the output's sums stay in registers (the sums run over the keys, not through
    memory); fp32 throughout. */
-static inline __attribute__((always_inline)) void attend(const float* q, const void* kc, const void* vc, int bf16,
+static inline __attribute__((always_inline)) void attend(const float* q, const void* kc, const void* vc, int kind,
                                                          const int64_t* gi, int n, size_t rs, size_t off, int D,
                                                          const int ND, const int HG, float scale, float* p,
                                                          float* out) {
@@ -94,7 +133,7 @@ static inline __attribute__((always_inline)) void attend(const float* q, const v
     for (int j = 0; j < ND; j++) qv[g][j] = _mm512_maskz_loadu_ps(MASK(j), q + (size_t)g * D + 16 * j);
   for (int l = 0; l < n; l++) {
     const size_t row = (size_t)gi[l] * rs + off;
-    for (int j = 0; j < ND; j++) kv[j] = ld16(kc, row + 16 * j, bf16, MASK(j));
+    for (int j = 0; j < ND; j++) kv[j] = ld16(kc, row + 16 * j, kind, MASK(j));
     for (int g = 0; g < HG; g++) {
       __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
       for (int j = 1; j < ND; j++) acc = _mm512_fmadd_ps(qv[g][j], kv[j], acc);
@@ -121,7 +160,7 @@ static inline __attribute__((always_inline)) void attend(const float* q, const v
   }
   for (int l = 0; l < n; l++) {
     const size_t row = (size_t)gi[l] * rs + off;
-    for (int j = 0; j < ND; j++) kv[j] = ld16(vc, row + 16 * j, bf16, MASK(j));
+    for (int j = 0; j < ND; j++) kv[j] = ld16(vc, row + 16 * j, kind, MASK(j));
     for (int g = 0; g < HG; g++) {
       const __m512 pl = _mm512_set1_ps(p[(size_t)g * n + l]);
       for (int j = 0; j < ND; j++) o[g][j] = _mm512_fmadd_ps(pl, kv[j], o[g][j]);
@@ -138,7 +177,7 @@ static inline __attribute__((always_inline)) void attend(const float* q, const v
    One task per HG heads of a kv head: HG the largest of 4, 3, 2 that divides the group, keeps a
    task's query vectors (and as many sums) at 12 or fewer and leaves each thread 4 tasks or more;
    else 1. */
-static void attend_all(const float* q, size_t qs, const void* kc, const void* vc, int bf16, const int64_t* gidx,
+static void attend_all(const float* q, size_t qs, const void* kc, const void* vc, int kind, const int64_t* gidx,
                        const int64_t* lens, int L, int B, int Hq, int Hkv, int D, float scale, float* out,
                        float* scratch, int nthreads) {
   const int group = Hq / Hkv, nd = (D + 15) / 16;
@@ -153,7 +192,7 @@ static void attend_all(const float* q, size_t qs, const void* kc, const void* vc
     const int64_t* gi = gidx + (size_t)b * L;
     float *p = scratch + ((size_t)b * Hq + h) * L, *o = out + ((size_t)b * Hq + h) * D;
     const size_t rs = (size_t)Hkv * D, off = (size_t)(h / group) * D;
-#define ATTEND(ND, HG) attend(qh, kc, vc, bf16, gi, n, rs, off, D, ND, HG, scale, p, o)
+#define ATTEND(ND, HG) attend(qh, kc, vc, kind, gi, n, rs, off, D, ND, HG, scale, p, o)
     if (D == 64 && hg == 3) ATTEND(4, 3); /* the common head sizes: their vectors in registers */
     else if (D == 64 && hg == 2) ATTEND(4, 2);
     else if (D == 64) ATTEND(4, 1);
@@ -162,7 +201,7 @@ static void attend_all(const float* q, size_t qs, const void* kc, const void* vc
     else if (D == 32 && hg == 3) ATTEND(2, 3);
     else if (D == 32 && hg == 2) ATTEND(2, 2);
     else if (hg == 1) ATTEND(nd, 1); /* others through memory */
-    else for (int g = 0; g < hg; g++) attend(qh + (size_t)g * D, kc, vc, bf16, gi, n, rs, off, D, nd, 1, scale,
+    else for (int g = 0; g < hg; g++) attend(qh + (size_t)g * D, kc, vc, kind, gi, n, rs, off, D, nd, 1, scale,
                                              p + (size_t)g * L, o + (size_t)g * D);
 #undef ATTEND
   }
@@ -241,12 +280,12 @@ static void rope(float* v, const float* cos, const float* sin, int D) {
 }
 
 /* qkv [B, (Hq + 2 Hkv) D] (modified in place: normed and rotated q and k); k_cache / v_cache
-   [rows, Hkv, D]: row slots[b] gets the new k / v, then row b attends to cache rows
-   gidx[b, 0 .. lens[b]) (its own new row included); out [B, Hq D]. */
+   [rows, Hkv, D], fp32 or (kv_fp8) e4m3: row slots[b] gets the new k / v, then row b attends to
+   cache rows gidx[b, 0 .. lens[b]) (its own new row included); out [B, Hq D]. */
 int blitz_decode_attention(float* qkv, const float* q_norm, const float* k_norm, float qk_eps,
-                           const float* cos, const float* sin, float* k_cache, float* v_cache,
+                           const float* cos, const float* sin, void* k_cache, void* v_cache,
                            const int64_t* slots, const int64_t* gidx, const int64_t* lens, int L, int B, int Hq,
-                           int Hkv, int D, float scale, float* out, float* scratch, int nthreads) {
+                           int Hkv, int D, float scale, float* out, float* scratch, int nthreads, int kv_fp8) {
   if (D > 1024 || D % 2) return 1;
   const int W = (Hq + 2 * Hkv) * D;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (B >= 4)
@@ -259,11 +298,19 @@ int blitz_decode_attention(float* qkv, const float* q_norm, const float* k_norm,
     }
     for (int h = 0; h < Hkv; h++)
       for (int i = 0; i < D; i++) {
-        k_cache[((size_t)slots[b] * Hkv + h) * D + i] = row[(size_t)(Hq + h) * D + i];
-        v_cache[((size_t)slots[b] * Hkv + h) * D + i] = row[(size_t)(Hq + Hkv + h) * D + i];
+        const size_t at = ((size_t)slots[b] * Hkv + h) * D + i;
+        const float k = row[(size_t)(Hq + h) * D + i], v = row[(size_t)(Hq + Hkv + h) * D + i];
+        if (kv_fp8) {
+          ((uint8_t*)k_cache)[at] = to_e4m3(k);
+          ((uint8_t*)v_cache)[at] = to_e4m3(v);
+        } else {
+          ((float*)k_cache)[at] = k;
+          ((float*)v_cache)[at] = v;
+        }
       }
   }
-  attend_all(qkv, Hq + 2 * Hkv, k_cache, v_cache, 0, gidx, lens, L, B, Hq, Hkv, D, scale, out, scratch, nthreads);
+  attend_all(qkv, Hq + 2 * Hkv, k_cache, v_cache, kv_fp8 ? KV_FP8 : KV_F32, gidx, lens, L, B, Hq, Hkv, D, scale,
+             out, scratch, nthreads);
   return 0;
 }
 
@@ -303,12 +350,13 @@ void blitz_add_rms_norm_bf16(const uint16_t* x, const uint16_t* res, uint16_t* r
 }
 
 /* blitz_decode_attention on bf16 tensors: qkv [B, (Hq + 2 Hkv) D], the caches [rows, Hkv, D]
-   and out [B, Hq D] bf16; norms bf16; cos / sin fp32. q / k normed (rounded as the norm above),
-   rotated in fp32 and rounded; scores, softmax and the weighted sum of values in fp32. */
+   (bf16, or e4m3 with kv_fp8: the bf16 values rounded once more) and out [B, Hq D] bf16; norms
+   bf16; cos / sin fp32. q / k normed (rounded as the norm above), rotated in fp32 and rounded;
+   scores, softmax and the weighted sum of values in fp32. */
 int blitz_decode_attention_bf16(uint16_t* qkv, const uint16_t* q_norm, const uint16_t* k_norm, float qk_eps,
-                                const float* cos, const float* sin, uint16_t* k_cache, uint16_t* v_cache,
+                                const float* cos, const float* sin, void* k_cache, void* v_cache,
                                 const int64_t* slots, const int64_t* gidx, const int64_t* lens, int L, int B, int Hq,
-                                int Hkv, int D, float scale, uint16_t* out, float* scratch, int nthreads) {
+                                int Hkv, int D, float scale, uint16_t* out, float* scratch, int nthreads, int kv_fp8) {
   if (D > 1024 || D % 16) return 1;
   const int W = (Hq + 2 * Hkv) * D, half = D / 2;
   float* qf = scratch; /* [B, Hq, D]: the rotated queries, as fp32 */
@@ -333,14 +381,23 @@ int blitz_decode_attention_bf16(uint16_t* qkv, const uint16_t* q_norm, const uin
       if (h < Hq)
         for (int i = 0; i < D; i++) qf[((size_t)b * Hq + h) * D + i] = r[i];
       else
-        for (int i = 0; i < D; i++) k_cache[((size_t)slots[b] * Hkv + (h - Hq)) * D + i] = to_bf(r[i]);
+        for (int i = 0; i < D; i++) {
+          const size_t at = ((size_t)slots[b] * Hkv + (h - Hq)) * D + i;
+          if (kv_fp8) ((uint8_t*)k_cache)[at] = to_e4m3(r[i]); /* (r: rounded to bf16 already) */
+          else ((uint16_t*)k_cache)[at] = to_bf(r[i]);
+        }
     }
     for (int h = 0; h < Hkv; h++)
-      for (int i = 0; i < D; i++)
-        v_cache[((size_t)slots[b] * Hkv + h) * D + i] = row[(size_t)(Hq + Hkv + h) * D + i];
+      for (int i = 0; i < D; i++) {
+        const size_t at = ((size_t)slots[b] * Hkv + h) * D + i;
+        const uint16_t v = row[(size_t)(Hq + Hkv + h) * D + i];
+        if (kv_fp8) ((uint8_t*)v_cache)[at] = to_e4m3(bf(v));
+        else ((uint16_t*)v_cache)[at] = v;
+      }
   }
   /* the outputs in fp32 over the queries (each task reads its query before it writes), then rounded */
-  attend_all(qf, Hq, k_cache, v_cache, 1, gidx, lens, L, B, Hq, Hkv, D, scale, qf, p_all, nthreads);
+  attend_all(qf, Hq, k_cache, v_cache, kv_fp8 ? KV_FP8 : KV_BF16, gidx, lens, L, B, Hq, Hkv, D, scale, qf, p_all,
+             nthreads);
   for (size_t i = 0; i < (size_t)B * Hq * D; i += 16) store_bf16x16(out + i, _mm512_loadu_ps(qf + i));
   return 0;
 }
@@ -363,11 +420,11 @@ typedef struct {
 typedef struct {
   const float *ln1, *ln2, *qkv_bias, *q_norm, *k_norm;
   Linear qkv, o, gate_up, down;
-  float *k_cache, *v_cache;
+  void *k_cache, *v_cache;
 } Layer;
 
 typedef struct {
-  int hq, hkv, d, inter, nthreads;
+  int hq, hkv, d, inter, nthreads, kv_fp8; /* kv_fp8: the caches hold e4m3 entries */
   float eps, qk_eps, scale;
   q4_gemm_fn q4;
   q8_gemm_fn q8;
@@ -398,7 +455,8 @@ static int decode_layers(const Layer* layers, int n_layers, const Dims* dm, floa
       for (int b = 0; b < B; b++)
         for (int i = 0; i < W; i++) qkv[(size_t)b * W + i] += ly->qkv_bias[i];
     rc |= blitz_decode_attention(qkv, ly->q_norm, ly->k_norm, dm->qk_eps, cos, sin, ly->k_cache, ly->v_cache, slots,
-                                 gidx, lens, L, B, dm->hq, dm->hkv, dm->d, dm->scale, o, att, dm->nthreads);
+                                 gidx, lens, L, B, dm->hq, dm->hkv, dm->d, dm->scale, o, att, dm->nthreads,
+                                 dm->kv_fp8);
     rc |= linear(dm, &ly->o, o, x, B);
     blitz_add_rms_norm(x, res, ly->ln2, h, B, H, dm->eps);
     rc |= linear(dm, &ly->gate_up, h, gu, B);
@@ -422,7 +480,7 @@ typedef void (*gemv_bf16_fn)(const uint16_t*, const uint16_t*, const uint16_t*, 
 typedef struct {
   const uint16_t *ln1, *ln2, *qkv_bias, *q_norm, *k_norm;
   const uint16_t *qkv, *o, *gate_up, *down; /* weights [N, K] */
-  uint16_t *k_cache, *v_cache;
+  void *k_cache, *v_cache;
 } LayerBf16;
 
 /* The layer-by-layer bf16 form (runner/cpu_graph.py _run_bf16) for one row without Python between
@@ -441,7 +499,8 @@ int blitz_decode_layers_bf16(const LayerBf16* layers, int n_layers, const Dims* 
     blitz_add_rms_norm_bf16(x, res, res, ly->ln1, h, 1, H, dm->eps);
     gemv(h, ly->qkv, ly->qkv_bias, qkv, W, H, nt);
     rc |= blitz_decode_attention_bf16(qkv, ly->q_norm, ly->k_norm, dm->qk_eps, cos, sin, ly->k_cache, ly->v_cache,
-                                      slots, gidx, lens, L, 1, hq, dm->hkv, dm->d, dm->scale, o, scratch, nt);
+                                      slots, gidx, lens, L, 1, hq, dm->hkv, dm->d, dm->scale, o, scratch, nt,
+                                      dm->kv_fp8);
     gemv(o, ly->o, 0, x, H, HD, nt);
     blitz_add_rms_norm_bf16(x, res, res, ly->ln2, h, 1, H, dm->eps);
     gemv(h, ly->gate_up, 0, gu, 2 * I, H, nt);

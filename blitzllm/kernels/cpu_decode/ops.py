@@ -1,6 +1,7 @@
 """Launchers of ``decode.c`` (built and loaded by ``kernels/_cbuild.py``) and their torch
 references. Every tensor is contiguous on the CPU, fp32, or bf16 throughout (rotary tables
-fp32); the KV caches are viewed as [rows, Hkv, D] (row = block * block_size + offset)."""
+fp32), the KV caches of that dtype or fp8 (e4m3, ``kv_cache_dtype="fp8"``); the caches are
+viewed as [rows, Hkv, D] (row = block * block_size + offset)."""
 from __future__ import annotations
 
 import ctypes
@@ -11,14 +12,15 @@ import torch
 import torch.nn.functional as F
 
 from .. import _cbuild
+from ..attention.kv_store import copy_rows, is_fp8
 from ..norm.rmsnorm import reference_rms_norm
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-_ATTN = ([_P, _P, _P, _F] + [_P] * 7 + [_I] * 5 + [_F, _P, _P, _I], _I)
+_ATTN = ([_P, _P, _P, _F] + [_P] * 7 + [_I] * 5 + [_F, _P, _P, _I, _I], _I)
 _SIGNATURES = {"blitz_add_rms_norm": ([_P] * 4 + [_I, _I, _F], None),
                "blitz_add_rms_norm_bf16": ([_P] * 5 + [_I, _I, _F], None),
                "blitz_decode_attention": _ATTN, "blitz_decode_attention_bf16": _ATTN,
-               "blitz_greedy": ([_P, _I, _I, _P, _P], _I),
+               "blitz_greedy": ([_P, _I, _I, _P, _P], _I), "blitz_to_e4m3": ([_P, _P, ctypes.c_int64], None),
                "blitz_decode_step": ([_P, _I, _P, _P, _I, _I, _P, _P, _I, _P, _P], _I),
                "blitz_decode_step_scratch": ([_P, _I, _I, _I], ctypes.c_size_t),
                "blitz_decode_layers_bf16": ([_P, _I, _P, _P, _P, _P, _I] + [_P] * 5 + [_I, _P, _P], _I)}
@@ -76,7 +78,7 @@ def decode_attention(qkv: torch.Tensor, q_norm: Optional[torch.Tensor], k_norm: 
                      scale: float) -> torch.Tensor:
     """qkv [B, (hq + 2 hkv) d] (q and k normed and rotated in place); cos / sin [B, d]; the new
     k / v written to cache rows ``slots`` [B]; row b attends to rows gidx[b, :lens[b]] ([B, L]
-    int64). Returns o [B, hq d]."""
+    int64); the caches of qkv's dtype or fp8. Returns o [B, hq d]."""
     B, L = gidx.shape
     bf = _bf16(qkv)
     out = qkv.new_empty(B, hq * d)
@@ -84,10 +86,19 @@ def decode_attention(qkv: torch.Tensor, q_norm: Optional[torch.Tensor], k_norm: 
     fn = _state["lib"].blitz_decode_attention_bf16 if bf else _state["lib"].blitz_decode_attention
     rc = fn(qkv.data_ptr(), _ptr(q_norm), _ptr(k_norm), qk_eps, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
             v_cache.data_ptr(), slots.data_ptr(), gidx.data_ptr(), lens.data_ptr(), L, B, hq, hkv, d, scale,
-            out.data_ptr(), scratch.data_ptr(), torch.get_num_threads())
+            out.data_ptr(), scratch.data_ptr(), torch.get_num_threads(), int(is_fp8(k_cache.dtype)))
     if rc:
         raise ValueError(f"CPU decode attention: head dim {d} must be {'a multiple of 16' if bf else 'even'} "
                          "and at most 1024")
+    return out
+
+
+def to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x`` as the e4m3 entries the C forms write into an fp8 cache (reference:
+    ``kernels/attention/kv_store.to_cache``)."""
+    x = x.float().contiguous()
+    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
+    _state["lib"].blitz_to_e4m3(x.data_ptr(), out.data_ptr(), x.numel())
     return out
 
 
@@ -103,10 +114,10 @@ def reference_decode_attention(qkv, q_norm, k_norm, qk_eps, cos, sin, k_cache, v
     qf = qk.float()
     qk.copy_(qf * cos[:, None] + torch.cat([qf[..., half:], qf[..., :half]], -1) * sin[:, None])
     kc, vc = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
-    kc.index_copy_(0, slots, qk[:, hq:])
-    vc.index_copy_(0, slots, v)
-    kg = kc.index_select(0, gidx.reshape(-1)).view(B, L, hkv, d).transpose(1, 2)
-    vg = vc.index_select(0, gidx.reshape(-1)).view(B, L, hkv, d).transpose(1, 2)
+    copy_rows(kc, slots, qk[:, hq:])
+    copy_rows(vc, slots, v)
+    kg = kc.index_select(0, gidx.reshape(-1)).view(B, L, hkv, d).transpose(1, 2).to(qkv.dtype)
+    vg = vc.index_select(0, gidx.reshape(-1)).view(B, L, hkv, d).transpose(1, 2).to(qkv.dtype)
     mask = (torch.arange(L)[None, :] < lens[:, None])[:, None, None, :]
     o = F.scaled_dot_product_attention(qk[:, :hq, None], kg, vg, attn_mask=mask, scale=scale, enable_gqa=hq != hkv)
     return o.reshape(B, hq * d)
@@ -140,7 +151,7 @@ class _Layer(ctypes.Structure):
 
 
 class _Dims(ctypes.Structure):
-    _fields_ = [(n, _I) for n in ("hq", "hkv", "d", "inter", "nthreads")] + \
+    _fields_ = [(n, _I) for n in ("hq", "hkv", "d", "inter", "nthreads", "kv_fp8")] + \
                [(n, _F) for n in ("eps", "qk_eps", "scale")] + [("q4", _P), ("q8", _P), ("dense", _P)]
 
 
@@ -170,7 +181,7 @@ class DecodeLayers:
                 setattr(c, name, _linear(*lin))
             c.k_cache, c.v_cache = kc.data_ptr(), vc.data_ptr()
         self.arr = arr
-        self.dims = _Dims(hq, hkv, d, inter, 1, eps, qk_eps, scale, *gemm)
+        self.dims = _Dims(hq, hkv, d, inter, 1, int(is_fp8(layers[0][9].dtype)), eps, qk_eps, scale, *gemm)
         self.ends = _Ends(embed.data_ptr(), cos_sin.data_ptr(), norm.data_ptr(), norm_eps,
                           _Linear() if head is None else _linear(*head), embed.shape[0], cos_sin.shape[0],
                           self.block_size, layers[0][9].shape[0])
@@ -229,7 +240,7 @@ class DecodeLayersBf16:
             for (name, _), t in zip(_LayerBf16._fields_, ts):
                 setattr(c, name, _ptr(t))
         self.arr = arr
-        self.dims = _Dims(hq, hkv, d, inter, 1, eps, qk_eps, scale, None, None, None)
+        self.dims = _Dims(hq, hkv, d, inter, 1, int(is_fp8(layers[0][9].dtype)), eps, qk_eps, scale, None, None, None)
 
     def run(self, x: torch.Tensor, res: torch.Tensor, cos, sin, slots, gidx, lens) -> None:
         """x, res [1, H] bf16: x the last layer's output, res the residual stream, in place."""
