@@ -32,13 +32,15 @@ def fp8_llm():
 
 
 def test_fp8_cache_follows_the_fp8_rounded_model(fp8_llm, smollm2_hf):
-    """SmolLM2 in fp32 over an fp8 cache: its greedy tokens are those of transformers over fp8-rounded
+    """SmolLM2 in fp32 over an fp8 cache (prefill through the model's layers, decode steps through the C
+    step of kernels/cpu_decode): its greedy tokens are those of transformers over fp8-rounded
     K/V, and its logprobs sit far closer to that model's than to the unrounded one's (the two models
     differ by about 0.05 a token here; the engine follows the rounded one to fp32 noise, which now
     and then moves an element across an fp8 rounding boundary)."""
     from transformers import AttentionInterface
     AttentionInterface.register("blitz_fp8_kv", _fp8_kv_attention)
     assert fp8_llm.engine.runner.kv_caches[0][0].dtype == F8
+    assert fp8_llm.engine.runner.cpu_decode.step_layers is not None   # (decode steps: decode.c's fp8 form)
     tok = fp8_llm.get_tokenizer()
     outs = fp8_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0))
     err_fp8 = err_plain = 0.0
