@@ -87,8 +87,9 @@ def build_app(cfg: ServeConfig, engine_factory: Optional[Callable] = None,
         engine = engine_factory() if engine_factory is not None else Engine(EngineArgs(**cfg.engine_kwargs))
         tok = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
         serving.setup(engine, tok)
-        log.info("model %s loaded in %.1fs: max_model_len=%d, %d KV blocks", cfg.model_name,
-                 time.perf_counter() - t0, engine.max_model_len, engine.kv.num_blocks)
+        log.info("model %s loaded in %.1fs: max_model_len=%d, %d KV blocks (kv_cache_dtype %s)", cfg.model_name,
+                 time.perf_counter() - t0, engine.max_model_len, engine.kv.num_blocks,
+                 getattr(getattr(engine, "args", None), "kv_cache_dtype", "auto"))
         return engine
 
     aengine = AsyncEngine(load, max_waiting=cfg.max_waiting_requests, observer=metrics,
