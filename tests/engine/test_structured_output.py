@@ -161,6 +161,9 @@ def test_more_spec_errors(spec, match):
     {"type": "choice", "choices": ["yes", "no, never", "[1]"]}, {"type": "regex", "pattern": "a+"},
     {"type": "json_schema", "schema": {"type": "object"}}, {"type": "json_object"},
     {"type": "grammar", "grammar": 'root ::= "x"'}, {"type": "choice", "choices": ["a"], "start_after": "</think>"},
+    {"type": "structural_tag", "structural_tag": {"structures": [{"begin": "<f>", "schema": {}, "end": "</f>"}],
+                                                  "triggers": ["<f"]}},
+    {"type": "structural_tag", "structural_tag": {"format": {"type": "const_string", "value": "x"}}},
 ])
 def test_normalised_spec_validates_again(spec):
     """SamplingParams.clone validates the normalised spec again: it must pass and stay the same
