@@ -15,6 +15,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="store linear weights in this dtype: bfloat16 | float16 | int4 (CPU; int4 = GGUF Q4_1-style "
                         "groups of 32, lm_head in bf16) | fp8 (float8 e4m3 with a scale per 128x128 block: the "
                         "decoder's linears and MoE experts), activations keep --dtype")
+    g.add_argument("--quantization", "-q", default=None, choices=("fp8",),
+                   help="vLLM's flag: fp8 is --weight-dtype fp8 here (block-FP8 weights, 16-bit activations)")
+    g.add_argument("--hf-overrides", default=None, metavar="JSON",
+                   help='config.json keys set over the model\'s (vLLM\'s), e.g. \'{"max_position_embeddings": 16384}\'; '
+                        "a *_config object (text_config) takes its keys one by one")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM command lines: blitzllm runs no code from a checkpoint, so nothing changes")
     g.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     g.add_argument("--load-format", default="auto", help="auto | dummy | safetensors | gguf")
     g.add_argument("--num-layers", type=int, default=None, help="keep only the first N layers (speed work)")
@@ -67,12 +74,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
+    weight_dtype = a.weight_dtype
+    if a.quantization is not None:
+        if weight_dtype not in (None, a.quantization):
+            raise ValueError(f"--quantization {a.quantization} and --weight-dtype {weight_dtype}: give one of them")
+        weight_dtype = a.quantization
     return dict(model=a.model, dtype=a.dtype, device=a.device, load_format=a.load_format,
                 num_layers=a.num_layers, max_model_len=a.max_model_len, kv_cache_blocks=a.kv_cache_blocks,
                 kv_cache_dtype=a.kv_cache_dtype,
                 block_size=a.block_size, enable_prefix_caching=not a.no_prefix_caching,
                 max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, scheduling_policy=a.scheduling_policy, seed=a.seed,
-                enforce_eager=a.enforce_eager, weight_dtype=a.weight_dtype,
+                enforce_eager=a.enforce_eager, weight_dtype=weight_dtype, hf_overrides=a.hf_overrides,
                 speculative_config=a.speculative_config, tensor_parallel_size=a.tensor_parallel_size,
                 gpu_memory_utilization=a.gpu_memory_utilization, generation_config=a.generation_config,
                 override_generation_config=a.override_generation_config, chat_template=a.chat_template, tokenizer=a.tokenizer,

@@ -260,7 +260,7 @@ def _peer_timers(a, eng, cfg, peers, B, I, O, dev):
             # our weights are stored in another dtype: the peer runs the model in its plain dtype
             from ..loader.source import resolve_model
             from ..runner.build import build_model
-            model = build_model(resolve_model(a.model, a.load_format), cfg, dev, eng.dtype, a.seed)
+            model = build_model(resolve_model(a.model, a.load_format, a.hf_overrides), cfg, dev, eng.dtype, a.seed)
         hf = build_hf_peer(model, cfg)
         prompts = _prompts(B, I, cfg.vocab_size, 4).to(dev)
         timers["hf_eager"] = lambda: hf_decode_seconds_per_token(hf, prompts, O, compiled=False)

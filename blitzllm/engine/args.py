@@ -12,7 +12,7 @@ import torch
 
 from ..config import SCHEDULING_POLICIES, CacheConfig, ModelConfig
 from ..kernels.attention.kv_store import kv_cache_dtype
-from ..loader.source import read_generation_config
+from ..loader.source import parse_hf_overrides, read_generation_config
 from ..pooling_params import parse_pooler_config
 from ..sampling_params import SamplingParams
 from ..spec.config import parse_speculative_config
@@ -33,6 +33,7 @@ class EngineArgs:
     max_model_len: Optional[int] = None
     kv_cache_blocks: Optional[int] = None
     kv_cache_dtype: str = "auto"      # vLLM's: auto (the model's dtype) | fp8 | fp8_e4m3 (kernels/attention/kv_store.py)
+    hf_overrides: Optional[Union[str, dict]] = None  # vLLM's: config.json keys set over the model's (loader/source.py)
     block_size: int = 16
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
@@ -190,6 +191,7 @@ def check_engine_args(a: EngineArgs) -> None:
     if not isinstance(a.kv_cache_dtype, str):
         raise ValueError(f"kv_cache_dtype must be a string (auto, fp8, fp8_e4m3), got {a.kv_cache_dtype!r}")
     kv_cache_dtype(a.kv_cache_dtype, torch.float32)  # (a ValueError naming the choices)
+    parse_hf_overrides(a.hf_overrides)
     if a.scheduling_policy not in SCHEDULING_POLICIES:
         raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                          f"got {a.scheduling_policy!r}")

@@ -73,7 +73,7 @@ class Engine:
         if spec_cfg is not None and spec_cfg.method in ("eagle3", "mtp") and tp_size > 1:
             # their hooks and draft layers run on rank 0's part of the model alone
             raise ValueError(f"speculative_config method {spec_cfg.method!r} runs with tensor_parallel_size 1 only")
-        src = resolve_model(args.model, args.load_format)
+        src = resolve_model(args.model, args.load_format, args.hf_overrides)
         self.sampling_defaults = sampling_defaults(args, src.generation_config)
         self.model_config = cfg = ModelConfig.from_hf(src.hf_config, args.num_layers)
         folder = src.path if src.path is not None and src.path.is_dir() else None

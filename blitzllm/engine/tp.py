@@ -283,7 +283,7 @@ def _build(args, group, device):
     from ..runner.build import build_runner
     from .args import (engine_cache_config, lora_config, plan_kv_blocks, resolve_dtype, resolve_weight_dtype,
                        speculation_runner_kwargs)
-    src = resolve_model(args.model, args.load_format)
+    src = resolve_model(args.model, args.load_format, args.hf_overrides)
     cfg = ModelConfig.from_hf(src.hf_config, args.num_layers)
     dtype = resolve_dtype(args.dtype, device, src.torch_dtype)
 

