@@ -509,6 +509,10 @@ class Engine:
             "preemptions": self.scheduler.num_preemptions,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
+            # (labels of the server's blitz_cache_config_info, as vLLM's cache_config_info)
+            "cache_config": {"block_size": self.cache_config.block_size, "cache_dtype": self.args.kv_cache_dtype,
+                             "num_gpu_blocks": self.kv.num_blocks,
+                             "enable_prefix_caching": self.cache_config.enable_prefix_caching},
             **self.counters,
             **(self.kv.state_stats() if isinstance(self.kv, HybridKVCacheManager) else {}),
             **(self.spec.stats() if self.spec is not None else {}),

@@ -49,6 +49,13 @@ class _EngineCollector:
         yield counter("blitz_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache.",
                       s.get("prefix_cache_queried_tokens", 0))
         yield counter("blitz_num_preemptions", "Sequences preempted for lack of KV blocks.", s.get("preemptions", 0))
+        if "cache_config" in s:   # (vLLM's cache_config_info: the configuration as labels, the value 1)
+            cc = s["cache_config"]
+            info = GaugeMetricFamily("blitz_cache_config_info", "The KV cache's configuration, as labels.",
+                                     labels=["model_name", *cc])
+            info.add_metric([self._model, *(str(v).lower() if isinstance(v, bool) else str(v) for v in cc.values())],
+                            1.0)
+            yield info
         yield counter("blitz_prompt_tokens", "Prompt tokens of accepted requests.", s.get("prompt_tokens", 0))
         yield counter("blitz_generation_tokens", "Generated tokens.", s.get("generation_tokens", 0))
         if "kv_leases_held" in s:  # prefill/decode disaggregation (docs/disaggregation.md)

@@ -257,6 +257,12 @@ def test_metrics_names(smol_server):
     assert m["blitz_time_to_first_token_seconds_count"] > 0
     assert m["blitz_generation_tokens_total"] > 0 and m["blitz_prompt_tokens_total"] > 0
     assert m["blitz_prefix_cache_hit_tokens_total"] > 0   # the chat system prompt is shared
+    from prometheus_client.parser import text_string_to_metric_families
+    info = [s for f in text_string_to_metric_families(text) for s in f.samples if s.name == "blitz_cache_config_info"]
+    assert len(info) == 1 and info[0].value == 1
+    assert {k: v for k, v in info[0].labels.items() if k != "model_name"} == {
+        "block_size": "16", "cache_dtype": "auto", "num_gpu_blocks": str(int(m["blitz_kv_cache_blocks_total"])),
+        "enable_prefix_caching": "true"}
 
 
 def test_disconnect_mid_stream_frees_blocks(smol_server):
