@@ -136,13 +136,13 @@ class GrammarCompiler:
             if kind == "choice":
                 return c.compile_regex("|".join(_regex_escape(s) for s in json.loads(value)))
             if kind == "structural_tag":
-                return self._structural_tag(value)
+                return self._compile_structural_tag(value)
             return c.compile_grammar(value)
         except Exception as e:  # (xgrammar's own error for a schema, pattern or grammar it cannot take)
             what = {"json_schema": "schema", "regex": "pattern", "grammar": "grammar"}.get(kind, kind)
             raise ValueError(f"structured_output {what} not supported: {e}") from None
 
-    def _structural_tag(self, value: str):
+    def _compile_structural_tag(self, value: str):
         tag = json.loads(value)
         if "format" in tag:
             return self.compiler.compile_structural_tag(value)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from .. import envs
 from ..kernels import cpu_decode, cpu_gemm
+from ..kernels.attention.kv_store import is_fp8
 from ..kernels.cpu_quant import native
 from ..kernels.norm.rmsnorm import reference_rms_norm
 from ..layers.linear import Linear
@@ -58,7 +59,7 @@ def supports(model, kv_caches, backend, tp_size: int, states) -> bool:
             return False
     # (an fp8 KV cache: the C forms below read and write it; CpuDecode leaves it to the model's own
     # layers where none of them applies)
-    return all(k.device.type == "cpu" and k.dtype in (act, torch.float8_e4m3fn) for k, _ in kv_caches)
+    return all(k.device.type == "cpu" and (k.dtype == act or is_fp8(k.dtype)) for k, _ in kv_caches)
 
 
 def _bf16_native(lin: Linear, act_dtype: torch.dtype) -> bool:
@@ -348,7 +349,7 @@ def maybe_cpu_decode(model, kv_caches, backend, block_size: int, tp_size: int, s
         return None
     # BLITZ_CPU_COMPILE (envs.py): off by default (docs/cpu.md says why)
     dec = CpuDecode(model, kv_caches, block_size, compiled=bool(envs.get("BLITZ_CPU_COMPILE")))
-    if kv_caches[0][0].dtype == torch.float8_e4m3fn and dec.step_layers is None and not dec.bf16_glue:
+    if is_fp8(kv_caches[0][0].dtype) and dec.step_layers is None and not dec.bf16_glue:
         return None   # (layer_step reads and writes 16/32-bit caches; the model's layers take fp8 ones)
     if dec.compiled:
         dec.warm_up((1, 2))
