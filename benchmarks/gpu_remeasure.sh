@@ -21,6 +21,8 @@
 #             at batch 1 and 32, then benchmarks/hybrid_sparse_kernels.py gdn (post-conv, recurrent rule)
 #   lora      llama-3.1-8b at batch sizes LORA_BS (default "1 8") under a rank-16 adapter against none
 #             (LORA_NOLORA=0 skips that; LORA_BASE: an earlier commit's blitzllm/ beside, its LoRA the peer)
+#   fp8kv     --kv-cache-dtype fp8 against auto: llama-3.1-8b at batch 32 with 2,048-token prompts and
+#             deepseek-v3 (DS_LAYERS) at batch 8 with 4,096-token prompts (KV reads a large share of a step)
 #   sparse    deepseek-v3.2 against deepseek-v3 (DS_LAYERS) at batch 1 with 128- and 32K-token
 #             prompts, then benchmarks/hybrid_sparse_kernels.py topk
 set -u
@@ -107,6 +109,13 @@ for part in "$@"; do case $part in
     run 100 mm2_fp8 --model preset:minimax-m2 --num-layers 8 $M1 --weight-dtype fp8
     run 100 dsv3_fp8 --model preset:deepseek-v3 --num-layers $DS_LAYERS $M1 --weight-dtype fp8
     run 80 qwen06_fp8 --model preset:qwen3-0.6b $D1 --weight-dtype fp8 ;;
+  fp8kv)
+    K="--model preset:llama-3.1-8b --batch-size 32 --input-len 2048 --output-len 128 --max-num-seqs 32"
+    run 120 llama_kv_auto $K --kv-cache-dtype auto
+    run 120 llama_kv_fp8 $K --kv-cache-dtype fp8
+    K="--model preset:deepseek-v3 --num-layers $DS_LAYERS --batch-size 8 --input-len 4096 --output-len 128 --max-num-seqs 8"
+    run 150 dsv3_kv_auto $K --kv-cache-dtype auto
+    run 150 dsv3_kv_fp8 $K --kv-cache-dtype fp8 ;;
   mtp)
     D="--model preset:deepseek-v3 --num-layers $MTP_LAYERS $M1 --compare nospec"
     run 200 dsv3_mtp1 $D --speculative-config '{"method": "mtp", "num_speculative_tokens": 1, "synthetic_acceptance_rate": 0.9}'

@@ -14,6 +14,7 @@ from .engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, 
 from .engine.engine import Engine, EngineArgs
 from .engine.intake import logprobs_cap, truncated
 from .engine.media import split_images
+from .engine.video import as_video, videos_of
 from .engine.pooling import cosine, pair_ids, score_pairs
 from .engine.request import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput,
                              EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput, gather,
@@ -264,14 +265,10 @@ class LLM:
     def tokenize(self, text: str) -> list:
         return self.engine.tokenize(text)
 
-    def apply_chat_template(self, messages: list, chat_template: Optional[str] = None,
-                            add_generation_prompt: bool = True, continue_final_message: bool = False,
-                            tools: Optional[list] = None, chat_template_kwargs: Optional[dict] = None) -> list:
-        """One conversation's prompt ids through the chat template (the tokenizer's, or
-        ``chat_template``), with vLLM's ``LLM.chat`` options: ``continue_final_message`` leaves the
-        final message open for the model to continue (with ``add_generation_prompt`` false),
-        ``tools`` and ``chat_template_kwargs`` (e.g. Qwen3's ``{"enable_thinking": False}``) reach
-        the template."""
+    def _chat_text(self, messages: list, chat_template: Optional[str] = None, add_generation_prompt: bool = True,
+                   continue_final_message: bool = False, tools: Optional[list] = None,
+                   chat_template_kwargs: Optional[dict] = None) -> str:
+        """The conversation rendered by the chat template (``apply_chat_template``'s options)."""
         tok = self.engine.tokenizer
         if tok is None or not (chat_template or getattr(tok, "chat_template", None)):
             raise ValueError("this model has no chat template")
@@ -290,8 +287,20 @@ class LLM:
             text = tok.apply_chat_template(messages, tokenize=False, **ours, **kwargs)
         except Exception as e:  # noqa: BLE001 - jinja's errors and the template's own raise_exception
             raise ValueError(f"the chat template rejected the messages: {type(e).__name__}: {e}") from None
+        return text
+
+    def apply_chat_template(self, messages: list, chat_template: Optional[str] = None,
+                            add_generation_prompt: bool = True, continue_final_message: bool = False,
+                            tools: Optional[list] = None, chat_template_kwargs: Optional[dict] = None) -> list:
+        """One conversation's prompt ids through the chat template (the tokenizer's, or
+        ``chat_template``), with vLLM's ``LLM.chat`` options: ``continue_final_message`` leaves the
+        final message open for the model to continue (with ``add_generation_prompt`` false),
+        ``tools`` and ``chat_template_kwargs`` (e.g. Qwen3's ``{"enable_thinking": False}``) reach
+        the template."""
         # (apply_chat_template(tokenize=True) adds no special tokens to the rendered text either)
-        return tok(text, add_special_tokens=False).input_ids
+        text = self._chat_text(messages, chat_template, add_generation_prompt, continue_final_message, tools,
+                               chat_template_kwargs)
+        return self.engine.tokenizer(text, add_special_tokens=False).input_ids
 
     def chat(self, messages, sampling_params: Optional[SamplingParams] = None, use_tqdm: bool = True,
              lora_request=None, **template) -> list[RequestOutput]:
@@ -305,8 +314,14 @@ class LLM:
         for conv in convs:
             _check_messages(conv)
             conv, images = split_images(conv)
-            ids = self.apply_chat_template(conv, **template)
-            prompts.append(PromptInput(ids, images) if images else ids)
+            if not images:
+                prompts.append(self.apply_chat_template(conv, **template))
+                continue
+            text, intake = self._chat_text(conv, **template), self.engine.image_intake
+            if intake is not None:   # (videos' frame groups written into the text, as transformers does)
+                images = intake.inputs(images)
+                text = intake.expand_text(text, images)
+            prompts.append(PromptInput(self.engine.tokenizer(text, add_special_tokens=False).input_ids, images))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def stats(self) -> dict:
@@ -379,10 +394,13 @@ def _unwrap(prompt):
         return value
     images = None
     if mm is not None:
-        if not isinstance(mm, dict) or set(mm) - {"image"}:
-            raise ValueError(f"multi_modal_data takes 'image' (a PIL image or a list of them), got {mm!r:.80}")
+        if not isinstance(mm, dict) or set(mm) - {"image", "video"}:
+            raise ValueError("multi_modal_data takes 'image' (a PIL image or a list of them) and 'video' (a video or a "
+                             f"list of them), got {mm!r:.80}")
         images = mm.get("image")
-        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        images = [] if images is None else list(images) if isinstance(images, (list, tuple)) else [images]
+        if mm.get("video") is not None:
+            images += [as_video(v) for v in videos_of(mm["video"])]
     return PromptInput(value, images, salt)
 
 

@@ -175,7 +175,7 @@ class AsyncEngine:
             if images:
                 intake = self.engine.image_intake
                 extras["images"] = images if intake is None else await asyncio.to_thread(
-                    lambda: [intake.image(im) for im in images])
+                    lambda: [intake.media(im) for im in images])
             if not pooling and params.structured_output is not None:   # compiled here, off the engine thread
                 await asyncio.to_thread(lambda: self.engine.grammar_compiler().compile(params.structured_output))
             self._cmds.put(("add", stream.engine_id, prompt, params, fut, extras))

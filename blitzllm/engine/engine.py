@@ -117,7 +117,8 @@ class Engine:
                                    lora=lora_config(args), **speculation_runner_kwargs(args))
         self.lora = self.runner.lora   # with enable_lora: the adapters' slot pool (blitzllm/lora)
         folder = src.path if src.path is not None and src.path.is_dir() else None
-        self.image_intake = ImageIntake.of(self.runner.model, folder, src.hf_config, args)   # a vision tower's inputs
+        # a vision tower's inputs: images and videos (engine/images.py)
+        self.image_intake = ImageIntake.of(self.runner.model, folder, src.hf_config, args, self.tokenizer)
         if self.lora is not None:
             self.scheduler.max_loras = args.max_loras
         if self.connector is not None:
@@ -246,11 +247,14 @@ class Engine:
         if lora_request is not None and self.lora is None:
             raise ValueError("lora_request needs an engine built with enable_lora=True")
         adapter = self.lora.resolve(lora_request) if lora_request is not None else None
-        ids, prompt_images = embedded or (self.tokenize(prompt), None)
-        if images:
-            ids, prompt_images = self.image_intake.attach(ids, images, params)
-        elif self.image_intake is not None and embedded is None:
-            self.image_intake.check_text(ids)
+        if images:   # (a text prompt's videos are written into the text before it is tokenized)
+            images = self.image_intake.inputs(images)
+            text = self.image_intake.expand_text(prompt, images) if isinstance(prompt, str) else prompt
+            ids, prompt_images = self.image_intake.attach(self.tokenize(text), images, params)
+        else:
+            ids, prompt_images = embedded or (self.tokenize(prompt), None)
+            if self.image_intake is not None and embedded is None:
+                self.image_intake.check_text(ids)
         ids, params, bad_words = check_request(
             ids, params, vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len,
             max_tokens_cap=self.sampling_defaults.get("max_tokens"), tokenizer=self.tokenizer,

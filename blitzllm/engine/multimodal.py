@@ -1,10 +1,12 @@
-"""The engine's multimodal pieces. ``ImageProcessor``: one PIL image -> the pixel patches and patch
+"""The engine's multimodal pieces. ``ImageInput`` / ``VideoInput``: an image and a video as the
+processors make them. ``ImageProcessor``: one PIL image -> the pixel patches and patch
 grid a Qwen3.5 vision tower (``models/qwen3_5_vision.py``) reads, exactly as transformers'
 ``Qwen2VLImageProcessorPil`` (the processor of the Qwen3-VL / Qwen3.5 folders) makes them, so the
 embeddings match the checkpoint's training.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -15,6 +17,40 @@ import numpy as np
 import torch
 
 MAX_ASPECT_RATIO = 200
+
+
+@dataclass(frozen=True, eq=False)
+class ImageInput:
+    """One image (or one frame group of a video) as the model's processor made it."""
+    pixel_values: torch.Tensor   # [patches, channels * temporal_patch * patch * patch], float32
+    grid_thw: tuple              # (t, h, w) in patches
+    num_tokens: int              # its embeddings in the prompt: t * h * w // merge**2
+    key: str                     # content hash: equal pixels, equal key
+    video: bool = False          # a video's frame group (its placeholder is the video token)
+
+    @classmethod
+    def make(cls, pixel_values: torch.Tensor, grid_thw: tuple, merge: int, video: bool = False) -> "ImageInput":
+        t, h, w = (int(v) for v in grid_thw)
+        digest = hashlib.sha256(pixel_values.contiguous().numpy().tobytes())
+        digest.update(repr((t, h, w, video)).encode())
+        return cls(pixel_values, (t, h, w), t * h * w // merge ** 2, digest.hexdigest(), video)
+
+
+@dataclass(frozen=True, eq=False)
+class VideoInput:
+    """One video as the processor made it: its frame groups in order and each one's time (s)."""
+    frames: tuple
+    timestamps: tuple
+
+
+def processor_config(model_path: Optional[str], name: str, hf_config: dict) -> tuple[dict, Optional[dict]]:
+    """(the patch sizes of config.json's ``vision_config``, the folder's processor config ``name``
+    or None)."""
+    vision = hf_config.get("vision_config") or {}
+    kw = {ours: vision[theirs] for ours, theirs in (("patch_size", "patch_size"), ("merge_size", "spatial_merge_size"),
+                                                    ("temporal_patch_size", "temporal_patch_size")) if vision.get(theirs)}
+    path = Path(model_path) / name if model_path else None
+    return kw, json.loads(path.read_text()) if path is not None and path.is_file() else None
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -63,14 +99,8 @@ class ImageProcessor:
         """<model_path>/preprocessor_config.json's values where it has them (top-level
         min_pixels / max_pixels over ``size``'s shortest_edge / longest_edge, as transformers
         reads them), else the patch sizes of config.json's ``vision_config``, else the defaults."""
-        vision = hf_config.get("vision_config") or {}
-        kw = {ours: vision[theirs] for ours, theirs in (("patch_size", "patch_size"),
-                                                        ("merge_size", "spatial_merge_size"),
-                                                        ("temporal_patch_size", "temporal_patch_size"))
-              if vision.get(theirs)}
-        path = Path(model_path) / "preprocessor_config.json" if model_path else None
-        if path is not None and path.is_file():
-            pc = json.loads(path.read_text())
+        kw, pc = processor_config(model_path, "preprocessor_config.json", hf_config)
+        if pc is not None:
             size = pc.get("size") or {}
             for ours, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
                 value = pc.get(ours) if pc.get(ours) is not None else size.get(edge, size.get(ours))

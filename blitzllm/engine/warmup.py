@@ -24,10 +24,11 @@ def warm_up(engine) -> float:
               SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)]
     if engine.model_config.is_classifier:   # (it only pools: its prefills are the paths to compile)
         params = [PoolingParams(task="classify")] * 3
-    image = engine.image_intake.token if engine.image_intake is not None else -1   # (text only: no placeholders)
+    intake = engine.image_intake   # (text only: no image or video placeholders)
+    vision = {intake.tokens.image, intake.tokens.video} if intake is not None else set()
     for i, (n, p) in enumerate(zip(lengths, params)):
         ids = [g.randrange(vocab) for _ in range(n)]
-        engine.add_request(f"__warmup-{i}", [t if t != image else 0 for t in ids], p)
+        engine.add_request(f"__warmup-{i}", [t if t not in vision else 0 for t in ids], p)
         if i == 0:  # the first two share a batch; the long prompt runs alone
             continue
         while engine.has_unfinished():

@@ -174,7 +174,9 @@ class _TextOfMultimodal:
         self.visual = Qwen3_5VisionTower(vision) if vision else None
         # (transformers' Qwen3_5Config defaults where config.json leaves them out)
         self.image_token_id = int(hf.get("image_token_id", 248056))
+        self.video_token_id = int(hf.get("video_token_id", 248057))
         self.vision_start_token_id = int(hf.get("vision_start_token_id", 248053))
+        self.vision_end_token_id = int(hf.get("vision_end_token_id", 248054))
         self.spatial_merge_size = self.visual.merge if self.visual is not None else None
         rope = cfg.text_config.get("rope_parameters") or cfg.text_config.get("rope_scaling") or {}
         self.mrope_section = tuple(rope.get("mrope_section") or (11, 11, 10))

@@ -145,7 +145,7 @@ async def prepare_turn(s: Serving, req, messages, *, tools, tool_choice, paralle
                                            check_length=not cut and not images, require_tools=tool_mode == "auto",
                                            template=template, images=bool(images))
     if images:
-        ids = expand_images(s, ids, images)
+        ids = await expand_images(s, ids, prompt_text, images)
         if not cut:
             s.check_prompt_len(len(ids), "messages")
     if cut:  # (the template's end stays: only the conversation's start goes)

@@ -20,22 +20,23 @@ _KEPT = ("name", "tool_calls", "tool_call_id", "reasoning_content")
 
 def conversation(messages, images: bool = False) -> list:
     """``ChatMessage``s as the template's list of dicts: text parts joined; with ``images`` (a
-    vision model's chat), a message with ``image_url`` parts keeps its parts as the template's
-    ``{"type": "text"}`` and ``{"type": "image"}`` items, which it renders as the placeholders."""
+    vision model's chat), a message with ``image_url`` / ``video_url`` parts keeps its parts as the
+    template's ``{"type": "text"}``, ``{"type": "image"}`` and ``{"type": "video"}`` items, which
+    it renders as the placeholders."""
     conv = []
     for i, m in enumerate(messages):
         content = m.content
         if isinstance(content, list):
             parts = []
             for part in content:
-                if images and part.type == "image_url":
-                    parts.append({"type": "image"})
+                if images and part.type in ("image_url", "video_url"):
+                    parts.append({"type": part.type[:5]})
                     continue
                 if part.type != "text" or part.text is None:
-                    raise bad_request(f"messages.{i}.content: only text {'and image_url ' if images else ''}parts are "
+                    raise bad_request(f"messages.{i}.content: only text{', image_url and video_url' if images else ''} parts are "
                                       f"supported, got type {part.type!r}", param=f"messages.{i}.content")
                 parts.append({"type": "text", "text": part.text})
-            has_image = any(p["type"] == "image" for p in parts)
+            has_image = any(p["type"] != "text" for p in parts)
             content = parts if has_image else "\n".join(p["text"] for p in parts)
         entry = {"role": m.role, "content": content or ""}
         for key in _KEPT:

@@ -75,6 +75,6 @@ async def count_tokens(s: Serving, req: CountTokensRequest) -> dict:
     s.check_model(req.model)
     conv = await s.cpu(Conversation, req)
     images = await chat_images(s, conv.messages)   # (their tokens count)
-    ids, _ = await s.chat_prompt(conv.messages, conv.end, conv.template_kwargs, conv.prompt_tools(),
-                                 check_length=False, images=bool(images))
-    return {"input_tokens": len(expand_images(s, ids, images) if images else ids)}
+    ids, text = await s.chat_prompt(conv.messages, conv.end, conv.template_kwargs, conv.prompt_tools(),
+                                    check_length=False, images=bool(images))
+    return {"input_tokens": len(await expand_images(s, ids, text, images) if images else ids)}

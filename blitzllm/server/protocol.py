@@ -58,6 +58,7 @@ class ContentPart(_Strict):
     type: str
     text: Optional[str] = None
     image_url: Union[str, dict[str, Any], None] = None   # {"url": "data:image/png;base64,..." or http(s)}
+    video_url: Union[str, dict[str, Any], None] = None   # vLLM's: {"url": "data:video/mp4;base64,..." or http(s)}
 
 
 class ChatMessage(_Strict):

@@ -21,11 +21,11 @@ async def tokenize_request(s: Serving, req: TokenizeRequest) -> Response:
     if req.messages is not None:
         check_tools(req.tools, "none", None)   # (their shape, as chat checks it; no tool choice here)
         images = await chat_images(s, req.messages)   # (a vision model's: their tokens count, as in chat)
-        ids, _ = await s.chat_prompt(req.messages, prompt_end(req.add_generation_prompt, req.continue_final_message),
+        ids, text = await s.chat_prompt(req.messages, prompt_end(req.add_generation_prompt, req.continue_final_message),
                                      req.chat_template_kwargs, req.tools, check_length=False,
                                      template=req.chat_template, images=bool(images))
         if images:
-            ids = expand_images(s, ids, images)
+            ids = await expand_images(s, ids, text, images)
     else:
         s.need_tokenizer("nothing to tokenize with")
         s.check_prompt_chars(req.prompt, "prompt")  # (O(1): the length of a str)

@@ -1,13 +1,14 @@
-"""Images as clients send them (engine/media.py): data URLs decoded, what is refused before any
-decoding or fetching (malformed base64, other schemes, hosts outside --allowed-media-domains,
-too many pixels), and a conversation's image parts split out for the chat template."""
+"""Images and videos as clients send them (engine/media.py): data URLs decoded, what is refused
+before any decoding or fetching (malformed base64, other schemes, hosts outside
+--allowed-media-domains, too many pixels), a video file's frames and rate (PyAV), and a
+conversation's image and video parts split out for the chat template."""
 import base64
 import io
 
 import pytest
 from PIL import Image
 
-from blitzllm.engine.media import load_image_url, split_images
+from blitzllm.engine.media import load_image_url, load_video_url, split_images
 
 
 def _url(img, fmt="PNG") -> str:
@@ -50,5 +51,43 @@ def test_split_images_for_the_template():
     assert out[1]["content"] == [{"type": "text", "text": "Compare"}, {"type": "image"}, {"type": "image"}]
     assert out[2]["content"] == "one\ntwo" and out[0] == msgs[0]
     assert images[0] is a and images[1].size == (6, 2)
-    with pytest.raises(ValueError, match="text or an image"):
+    with pytest.raises(ValueError, match="text, an image .* or a video"):
         split_images([{"role": "user", "content": [{"type": "audio", "audio": "x"}]}])
+
+
+def video_data_url(frames, fps: int, fmt: str = "matroska", codec: str = "ffv1", pix_fmt: str = "bgr0") -> str:
+    """``frames`` ([T, H, W, 3] uint8) encoded by PyAV as a data URL; by default losslessly (FFV1)."""
+    import av
+    buf = io.BytesIO()
+    with av.open(buf, "w", format=fmt) as c:
+        stream = c.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], pix_fmt
+        for f in frames:
+            c.mux(stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")))
+        c.mux(stream.encode())
+    return f"data:video/{fmt};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_video_urls_decode_and_split():
+    """A lossless video's data URL decodes to its exact frames and rate; a video part of a
+    conversation becomes {"type": "video"} with its Video beside, after the images before it;
+    a file that is not a video and another scheme are refused."""
+    import numpy as np
+    frames = np.random.default_rng(0).integers(0, 256, (6, 10, 14, 3), dtype=np.uint8)
+    url = video_data_url(frames, 5)
+    video = load_video_url(url)
+    assert np.array_equal(video.frames, frames) and video.fps == 5.0 and video.frames_indices is None
+    img = Image.new("RGB", (4, 4))
+    msgs = [{"role": "user", "content": [{"type": "image_pil", "image_pil": img},
+                                         {"type": "video_url", "video_url": {"url": url}},
+                                         {"type": "video", "video": (frames[:4], {"fps": 2.0})},
+                                         {"type": "text", "text": "Compare"}]}]
+    out, items = split_images(msgs)
+    assert out[0]["content"] == [{"type": "image"}, {"type": "video"}, {"type": "video"},
+                                 {"type": "text", "text": "Compare"}]
+    assert items[0] is img and np.array_equal(items[1].frames, frames)
+    assert items[2].fps == 2.0 and items[2].frames.shape == (4, 10, 14, 3)
+    for bad, msg in (("data:video/mp4;base64," + base64.b64encode(b"not a video").decode(), "could not be decoded"),
+                     ("ftp://x/y.mp4", "unsupported video URL")):
+        with pytest.raises(ValueError, match=msg):
+            load_video_url(bad)

@@ -5,10 +5,11 @@ the errors a request with mismatched placeholders gets."""
 import pytest
 import torch
 
-from blitzllm.engine.images import ImageInput, attach_images
+from blitzllm.engine.images import ImageInput, VideoInput, VisionTokens, attach_images, expand_videos
 from blitzllm.layers.rotary import build_cos_sin_cache, mrope_rows
 
-IMG = 7   # the image token of these prompts
+IMG, VID, START, END = 7, 8, 9, 10   # the image, video and start / end tokens of these prompts
+TOKENS = VisionTokens(IMG, VID, START, END)
 
 
 def _image(t, h, w, seed=0, merge=2):
@@ -16,7 +17,7 @@ def _image(t, h, w, seed=0, merge=2):
     return ImageInput.make(torch.randn(t * h * w, 12, generator=g), (t, h, w), merge)
 
 
-def _hf_rope_index(ids, grids):
+def _hf_rope_index(ids, grids, video_grids=None):
     """transformers' Qwen3_5Model.get_rope_index on one prompt (the method reads only its config)."""
     import transformers
     cfg = transformers.Qwen3_5Config(vision_config=dict(spatial_merge_size=2))
@@ -24,8 +25,9 @@ def _hf_rope_index(ids, grids):
     model_cls = transformers.Qwen3_5Model
     fake.get_vision_position_ids = model_cls.get_vision_position_ids.__get__(fake)
     ids_t = torch.tensor([ids])
-    types = (ids_t == IMG).int()
-    return model_cls.get_rope_index(fake, ids_t, types, image_grid_thw=torch.tensor(grids))
+    types = (ids_t == IMG).int() + 2 * (ids_t == VID).int()
+    return model_cls.get_rope_index(fake, ids_t, types, image_grid_thw=torch.tensor(grids) if grids else None,
+                                    video_grid_thw=None if video_grids is None else torch.tensor(video_grids))
 
 
 def test_positions_match_get_rope_index():
@@ -34,7 +36,7 @@ def test_positions_match_get_rope_index():
     positions and the prefix cache sees each image token as (image key, index)."""
     a, b = _image(1, 4, 6, 0), _image(1, 8, 4, 1)
     ids = [1, 2, IMG, 3, 4, 5, IMG, 6]
-    out, pi = attach_images(ids, [a, b], IMG, 2)
+    out, pi = attach_images(ids, [a, b], TOKENS, 2)
     assert out == [1, 2] + [IMG] * 6 + [3, 4, 5] + [IMG] * 8 + [6]
     assert pi.offsets == [2, 11] and [im.num_tokens for im in pi.images] == [6, 8]
     ref, delta = _hf_rope_index(out, [list(a.grid_thw), list(b.grid_thw)])
@@ -49,11 +51,42 @@ def test_positions_match_get_rope_index():
     assert pi.images_in(0, 3) == [0] and pi.images_in(8, 11) == [] and pi.images_in(0, len(out)) == [0, 1]
 
 
+def _video(groups, h, w, seed=0) -> VideoInput:
+    g = torch.Generator().manual_seed(seed)
+    frames = tuple(ImageInput.make(torch.randn(h * w, 12, generator=g), (1, h, w), 2, video=True)
+                   for _ in range(groups))
+    return VideoInput(frames, tuple(0.5 + i for i in range(groups)))
+
+
+def test_video_frames_and_positions_match_get_rope_index():
+    """A video of 3 frame groups (4x6 patches) after an image (8x4), its placeholder wrapped in the
+    start / end tokens: each group follows its timestamp's tokens inside its own start / end, and
+    the positions equal transformers' get_rope_index given the video's grid (3, 4, 6), which it
+    splits into frame groups the same way. An expanded prompt is kept; unpaired ones are errors."""
+    a, v = _image(1, 8, 4, 1), _video(3, 4, 6)
+    encode = lambda text: [100 + len(text), 200]   # noqa: E731 (any tokens: the timestamp's text)
+    ids = expand_videos([1, IMG, 2, START, VID, END, 3], [v], TOKENS, encode)
+    group = [START] + [VID] * 6 + [END]
+    want = [1, IMG, 2]
+    for ts in v.timestamps:
+        want += encode(f"<{ts:.1f} seconds>") + group
+    assert ids == want + [3]
+    assert expand_videos(ids, [v], TOKENS, encode) == ids   # (already expanded: kept)
+    out, pi = attach_images(ids, [a, *v.frames], TOKENS, 2)
+    ref, delta = _hf_rope_index(out, [list(a.grid_thw)], [[3, 4, 6]])
+    assert torch.equal(pi.positions, ref[:, 0]) and pi.delta == int(delta)
+    assert [im.video for im in pi.images] == [False, True, True, True] and out.count(VID) == 18
+    assert pi.hash_prompt[out.index(VID)] == (v.frames[0].key, 0)
+    for ids, msg in (([1, 2], "0 video placeholder"), ([1, VID, VID, 2], "placeholder of 2 tokens")):
+        with pytest.raises(ValueError, match=msg):
+            expand_videos(ids, [v], TOKENS, encode)
+
+
 def test_expanded_placeholders_and_keys():
     """A placeholder already expanded to the image's token count is taken as it is; equal pixels
     give equal keys, other pixels other keys (so the prefix cache shares KV of the same image only)."""
     a = _image(1, 4, 4, 0)
-    out, pi = attach_images([1, IMG, IMG, IMG, IMG, 2], [a], IMG, 2)
+    out, pi = attach_images([1, IMG, IMG, IMG, IMG, 2], [a], TOKENS, 2)
     assert out == [1] + [IMG] * 4 + [2]
     assert _image(1, 4, 4, 0).key == a.key != _image(1, 4, 4, 1).key
 
@@ -62,7 +95,7 @@ def test_expanded_placeholders_and_keys():
                                          ([1, IMG, IMG, 2], 1, "placeholder of 2 tokens")])
 def test_placeholder_mismatch_is_a_value_error(ids, n, msg):
     with pytest.raises(ValueError, match=msg):
-        attach_images(ids, [_image(1, 4, 6, i) for i in range(n)], IMG, 2)
+        attach_images(ids, [_image(1, 4, 6, i) for i in range(n)], TOKENS, 2)
 
 
 def test_mrope_rows_match_transformers():

@@ -162,7 +162,7 @@ def test_processor_bounds_and_image_limit(vl):
     llm.engine.close()
     for kw, msg in ((dict(mm_processor_kwargs={"max_pixels": 0}), "positive"),
                     (dict(mm_processor_kwargs={"size": 3}), "takes min_pixels"),
-                    (dict(limit_mm_per_prompt={"video": 1}), "takes 'image'"),
+                    (dict(limit_mm_per_prompt={"audio": 1}), "takes 'image' and 'video'"),
                     (dict(mm_processor_kwargs="{"), "must be a JSON object")):
         with pytest.raises(ValueError, match=msg):
             LLM(path, dtype="float32", kv_cache_blocks=64, **kw)
@@ -176,7 +176,8 @@ def test_refusals(vl):
     cases = [({"prompt_token_ids": [1, 2], "multi_modal_data": {"image": img}}, "0 image placeholder"),
              ({"prompt_token_ids": [1, IMG, 2], "multi_modal_data": {"image": [img, img]}}, "1 image placeholder"),
              ({"prompt_token_ids": [1, IMG], "multi_modal_data": {"image": "x.png"}}, "PIL"),
-             ({"prompt_token_ids": [1, IMG], "multi_modal_data": {"video": img}}, "takes 'image'"),
+             ({"prompt_token_ids": [1, IMG], "multi_modal_data": {"audio": img}}, "takes 'image'"),
+             ({"prompt_token_ids": [1, IMG], "multi_modal_data": {"video": img}}, "uint8 RGB frames"),
              ([1, IMG, 2], "no images came")]
     for prompt, msg in cases:
         with pytest.raises(ValueError, match=msg):

@@ -1,62 +1,25 @@
-"""Images in chat on a tiny random multimodal Qwen3.5 (vision tower, written by transformers'
-save_pretrained) with SmolLM2's tokenizer plus Qwen's vision tokens and a ChatML template that
-renders image parts as Qwen's placeholder, as Qwen3.5's published template does: ``LLM.chat``
+"""Images and videos in chat on a tiny random multimodal Qwen3.5 (``tests/models/test_qwen3_5_video.py``'s
+``tiny_vl``: SmolLM2's tokenizer plus Qwen's vision tokens and a ChatML template that renders
+image and video parts as Qwen's placeholders, as Qwen3.5's published template does): ``LLM.chat``
 and ``blitz serve``'s /v1/chat/completions (plain and streamed; the OpenAI client's
-``image_url`` parts with base64 data URLs) answer what transformers generates for the same
-image with its own image processor; usage counts every image token; bad parts are 400s that
-name the part, an image for a text-only model is a 400, and the server keeps serving."""
+``image_url`` parts with base64 data URLs, vLLM's ``video_url`` parts with an MP4) answer what
+transformers generates for the same image or video with its own processors; usage counts every
+image and frame token; bad parts are 400s that name the part, an image or a video for a
+text-only model is a 400, and the server keeps serving."""
 from __future__ import annotations
 
 import base64
 import io
-import json
 
 import httpx
 import pytest
 import torch
 
+from tests.engine.test_media import video_data_url
+from tests.models.test_qwen3_5_video import IMAGE_PREPROCESS as PREPROCESS
+from tests.models.test_qwen3_5_video import hf_greedy, tiny_vl, transformers_video_processor
 from tests.server.conftest import ServerProcess, running
 from tests.server.server_helpers import check_error, stream_chat
-
-TAGS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
-TEMPLATE = r"""
-{%- for message in messages %}
-    {{- '<|im_start|>' + message.role + '\n' }}
-    {%- if message.content is string %}{{- message.content }}
-    {%- else %}{%- for item in message.content %}
-        {%- if item.type == 'image' or 'image' in item or 'image_url' in item %}
-            {{- '<|vision_start|><|image_pad|><|vision_end|>' }}
-        {%- elif 'text' in item %}{{- item.text }}{%- endif %}
-    {%- endfor %}{%- endif %}
-    {{- '<|im_end|>\n' }}
-{%- endfor %}
-{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
-""".strip()
-PREPROCESS = {"size": {"shortest_edge": 256, "longest_edge": 4096}, "patch_size": 4, "temporal_patch_size": 2,
-              "merge_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
-
-
-def _tiny_vl(folder):
-    """(transformers' model, tokenizer) of a 4-layer random multimodal Qwen3.5 folder."""
-    import transformers
-    from blitzllm.loader.source import smollm2_path
-    from blitzllm.loader.tokenizer import load_gguf_tokenizer
-    from tests.models.test_qwen3_next import HYBRID, VISION
-    tok = load_gguf_tokenizer(smollm2_path())
-    tok.add_special_tokens({"additional_special_tokens": TAGS})
-    start, pad, end = tok.convert_tokens_to_ids(TAGS)
-    torch.manual_seed(0)
-    text = dict(HYBRID, intermediate_size=96, vocab_size=len(tok), max_position_embeddings=2048,
-                eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"))
-    cfg = transformers.Qwen3_5Config(text_config=text, vision_config=VISION, image_token_id=pad,
-                                     vision_start_token_id=start, vision_end_token_id=end)
-    hf = transformers.Qwen3_5ForConditionalGeneration(cfg).float().eval()
-    hf.save_pretrained(str(folder), safe_serialization=True)
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(str(folder))
-    (folder / "preprocessor_config.json").write_text(json.dumps(PREPROCESS))
-    return hf, tok
-
 
 def _png(w, h, seed) -> str:
     from PIL import Image
@@ -103,10 +66,10 @@ def _hf_answer(hf, tok, messages, n: int) -> tuple:
 @pytest.fixture(scope="module")
 def vl(tmp_path_factory):
     folder = tmp_path_factory.mktemp("qwen3_5_vl_serve")
-    hf, tok = _tiny_vl(folder)
+    hf, tok = tiny_vl(folder)
     srv = ServerProcess(["--model", str(folder), "--dtype", "float32", "--served-model-name", "vl",
                          "--max-model-len", "1024", "--allowed-media-domains", "images.example.com",
-                         "--limit-mm-per-prompt", '{"image": 2}'],
+                         "--limit-mm-per-prompt", '{"image": 2, "video": 1}'],
                         folder / "server.log")
     for s in running(srv):
         yield hf, tok, folder, s
@@ -139,6 +102,46 @@ def test_chat_with_images_matches_transformers(vl):
         llm.engine.close()
 
 
+def _decoded(url: str) -> tuple:
+    """(frames, fps) of a video data URL as PyAV decodes it (what the server reads: the codec is lossy)."""
+    import av
+    import numpy as np
+    with av.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))) as c:
+        stream = c.streams.video[0]
+        return np.stack([f.to_ndarray(format="rgb24") for f in c.decode(stream)]), float(stream.average_rate)
+
+
+def test_chat_with_video_matches_transformers(vl):
+    """vLLM's ``video_url`` part (an MP4 as a base64 data URL) beside text: the answer (plain and
+    streamed) is transformers' on the frames PyAV decodes, sampled at 2 fps by its video processor,
+    with the timestamps its processor writes; usage and /tokenize count every frame group's token.
+    A video that does not decode and a second video over --limit-mm-per-prompt are 400s naming the
+    part (or field)."""
+    import numpy as np
+    hf, tok, folder, srv = vl
+    url = video_data_url(np.random.default_rng(4).integers(0, 256, (20, 32, 48, 3), dtype=np.uint8), 8, "mp4",
+                         "libx264", "yuv420p")
+    messages = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                             {"type": "text", "text": "What happens?"}]}]
+    prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    frames, fps = _decoded(url)
+    with transformers_video_processor() as proc:
+        want, want_ids = hf_greedy(hf, tok, prompt, [(frames, {"fps": fps})], proc, 8)
+    body = _post(srv, {"messages": messages}).json()
+    assert body["choices"][0]["message"]["content"] == tok.decode(want, skip_special_tokens=True)
+    assert body["usage"]["prompt_tokens"] == len(want_ids)
+    assert httpx.post(srv.url + "/tokenize", json={"messages": messages}, timeout=60).json()["tokens"] == want_ids
+    parts, _, _ = stream_chat(srv.url, {"messages": messages, "max_tokens": 8, "temperature": 0, "stream": True})
+    assert parts["content"] == body["choices"][0]["message"]["content"]
+    bad = [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(b"nope").decode()}}]
+    err = check_error(_post(srv, {"messages": [{"role": "user", "content": bad}]}), 400,
+                      "messages.0.content.0.video_url")
+    assert "could not be decoded" in err["message"]
+    two = [{"role": "user", "content": messages[0]["content"][:1] * 2}]
+    assert "at most 1" in check_error(_post(srv, {"messages": two}), 400, "messages")["message"]
+    assert _post(srv, {"messages": messages}).status_code == 200
+
+
 def test_bad_image_parts_are_400s(vl):
     """A malformed data URL, an unsupported scheme, a non-image file, an image of too many pixels, a
     host outside --allowed-media-domains, use_beam_search with an image and more images than
@@ -160,6 +163,10 @@ def test_bad_image_parts_are_400s(vl):
 def test_text_model_refuses_images(smol_server):
     err = check_error(_post(smol_server, {"messages": _messages(_png(16, 16, 0))}), 400, "messages.0.content.0")
     assert "no images" in err["message"]
+    video = [{"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                          {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]}]
+    err = check_error(_post(smol_server, {"messages": video}), 400, "messages.0.content.1")
+    assert "no images or videos" in err["message"]
 
 
 def test_responses_input_image(vl):
