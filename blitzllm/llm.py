@@ -72,10 +72,10 @@ class LLM:
                  lora_request=None) -> list[RequestOutput]:
         """``prompts``: a prompt or a list of them; a prompt is a string, a list of token ids, or
         vLLM's ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``, with ``"multi_modal_data":
-        {"image": a PIL image or a list}`` beside for a vision model (one image placeholder in the
-        prompt per image, e.g. Qwen3.5's ``<|vision_start|><|image_pad|><|vision_end|>``). One
-        SamplingParams for all, or
-        one per prompt. ``priority``: one per prompt (lower first), with
+        {"image": a PIL image or a list, "video": a video or a list}`` beside for a vision model (one
+        placeholder in the prompt per image, e.g. Qwen3.5's ``<|vision_start|><|image_pad|><|vision_end|>``,
+        and per video, ``<|vision_start|><|video_pad|><|vision_end|>``; a video as
+        ``engine/video.py``'s ``as_video`` takes it). One SamplingParams for all, or one per prompt. ``priority``: one per prompt (lower first), with
         ``scheduling_policy="priority"``. ``lora_request``: a ``LoRARequest`` for all prompts, or a
         list of one (or None, the base model) per prompt, with ``enable_lora=True``."""
         prompts = _prompt_list(prompts)
