@@ -27,6 +27,9 @@ from .multimodal import ImageInput, ImageProcessor, VideoInput
 from .video import Video, VideoProcessor
 
 
+EMBED_BATCH_PATCHES = 16384   # the most patches one vision tower call takes (its activations scale with them)
+
+
 @dataclass(frozen=True)
 class VisionTokens:
     """The model's vision placeholders: the image and video tokens and the start / end tokens
@@ -58,10 +61,21 @@ class PromptImages:
         return self.offsets[k], self.images[k].num_tokens
 
     def embeddings(self, k: int, model) -> torch.Tensor:
-        """Image k's embeddings [num_tokens, hidden], from ``model``'s vision tower on first use."""
+        """Image k's embeddings [num_tokens, hidden], from ``model``'s vision tower on first use:
+        one call over k and the images after it not computed yet, up to EMBED_BATCH_PATCHES
+        patches (a video's frame groups go through the tower together, not one call each)."""
         if k not in self.embeds:
-            img = self.images[k]
-            self.embeds[k] = model.embed_images(img.pixel_values, torch.tensor([img.grid_thw]))
+            batch, patches = [], 0
+            for j in range(k, len(self.images)):
+                n = self.images[j].pixel_values.shape[0]
+                if j in self.embeds or (batch and patches + n > EMBED_BATCH_PATCHES):
+                    break
+                batch.append(j)
+                patches += n
+            ims = [self.images[j] for j in batch]
+            out = model.embed_images(torch.cat([im.pixel_values for im in ims]),
+                                     torch.tensor([im.grid_thw for im in ims]))
+            self.embeds.update(zip(batch, out.split([im.num_tokens for im in ims])))
         return self.embeds[k]
 
     def positions_1d(self, start: int, end: int) -> Optional[list]:

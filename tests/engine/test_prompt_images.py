@@ -112,3 +112,29 @@ def test_mrope_rows_match_transformers():
     assert torch.equal(rows, torch.cat([cos[0, :, :4], sin[0, :, :4]], -1))
     same = torch.arange(9).expand(3, -1)
     assert torch.equal(mrope_rows(table, same, (2, 1, 1)), table[:9])
+
+
+def test_tower_runs_once_over_the_items_ahead(monkeypatch):
+    """The first embeddings asked for run the tower once over that item and the ones after it (an
+    image and a video's frame groups), each item's rows what its own call gives; under a patch
+    budget of one item, one call each."""
+    import blitzllm.engine.images as images_mod
+
+    class Tower:
+        calls = []
+
+        def embed_images(self, pixel_values, grid):
+            self.calls.append(grid.tolist())
+            return pixel_values.view(-1, 4, 12).sum(1)   # (a merge block's 4 patches -> its token's row)
+
+    a, v = _image(1, 4, 6, 0), _video(3, 4, 6)
+    ids = expand_videos([1, IMG, START, VID, END], [v], TOKENS, lambda text: [100])
+    for budget, calls in ((images_mod.EMBED_BATCH_PATCHES, 1), (24, 4)):
+        monkeypatch.setattr(images_mod, "EMBED_BATCH_PATCHES", budget)
+        _, pi = attach_images(ids, [a, *v.frames], TOKENS, 2)
+        tower = Tower()
+        tower.calls = []
+        rows = [pi.embeddings(k, tower) for k in range(4)]
+        assert len(tower.calls) == calls and tower.calls[0][0] == [1, 4, 6]
+        for im, r in zip(pi.images, rows):
+            assert torch.equal(r, im.pixel_values.view(-1, 4, 12).sum(1))
