@@ -11,6 +11,7 @@ import torch
 from ..kernels.fp8_weights import dequantize_fp8_block
 
 SCALE_SUFFIX = "_scale_inv"
+INT_METHODS = ("compressed-tensors", "gptq", "awq")   # the other quant_methods read, by loader/quantized.py
 _FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
                                                 "float8_e5m2fnuz") if hasattr(torch, n))
 
@@ -23,9 +24,11 @@ def fp8_block_size(hf_config: dict) -> Optional[tuple[int, int]]:
     if not q:
         return None
     method = q.get("quant_method")
+    if method in INT_METHODS:   # (loader/quantized.py reads them)
+        return None
     if method != "fp8":
         raise ValueError(f"quantization_config quant_method {method!r} is not supported "
-                         "(FP8 block-quantized checkpoints, quant_method 'fp8', are)")
+                         f"(fp8 block-quantized, {', '.join(INT_METHODS)} are)")
     if q.get("activation_scheme", "dynamic") != "dynamic":
         raise ValueError(f"FP8 checkpoints with activation_scheme {q.get('activation_scheme')!r} are not "
                          "supported (only 'dynamic': no stored activation scales)")

@@ -73,6 +73,7 @@ def read_generation_config(folder: Path) -> dict:
 
 def _hf_source(folder: Path) -> ModelSource:
     from .fp8 import dequantize_stream, fp8_block_size
+    from .quantized import quantized_stream
     from .tokenizer import load_hf_tokenizer
     from .weights import iter_safetensors
     cfg_path = folder / "config.json"
@@ -84,10 +85,12 @@ def _hf_source(folder: Path) -> ModelSource:
         raise ValueError(f"{cfg_path} is not valid JSON: {e}") from None
     if not any(folder.glob("*.safetensors")):
         raise ValueError(f"model folder {folder} has no *.safetensors weights")
-    block = fp8_block_size(cfg)
+    block, codes = fp8_block_size(cfg), quantized_stream(cfg)
 
-    def stream(lazy: bool):  # FP8 block-quantized weights are dequantized as they stream in
+    def stream(lazy: bool):  # quantized weights (FP8, int) are dequantized as they stream in
         tensors = iter_safetensors(folder, lazy=lazy)
+        if codes is not None:
+            return codes(tensors)
         return tensors if block is None else dequantize_stream(tensors, block)
 
     return ModelSource("hf", folder, cfg, lambda: stream(False), None, lambda: load_hf_tokenizer(folder),

@@ -161,7 +161,7 @@ def test_fp8_stream_errors():
 
 
 @pytest.mark.parametrize("qc,match", [
-    ({"quant_method": "gptq", "bits": 4}, "not supported"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "not supported"),
     ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]}, "static"),
     ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "weight_block_size"),
     ({"quant_method": "fp8", "weight_block_size": [128, 0]}, "weight_block_size"),
