@@ -100,6 +100,15 @@ def test_fp8_weights_tp2_matches_tp1(tmp_path):
     check_tp_matches_single(tmp_path, check=rank0_holds_fp8_halves, weight_dtype="fp8")
 
 
+def test_awq_checkpoint_tp2_matches_tp1(tmp_path):
+    """An AWQ checkpoint (every linear layer and expert in 4-bit codes): each rank dequantizes the
+    whole weight as it streams in and keeps its part; TP=2 gives TP=1's tokens and logprobs."""
+    from tests.models.test_quantized_checkpoints import awq_in_place
+    make_moe_checkpoint("qwen3_moe", tmp_path, seed=1, mlp_only_layers=[2])
+    awq_in_place(tmp_path)
+    check_tp_matches_single(tmp_path)
+
+
 # ---- sharded loading ------------------------------------------------------------------------
 
 def _rank_model(path, rank: int):

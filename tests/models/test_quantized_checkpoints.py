@@ -259,3 +259,44 @@ def test_refusals(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="'bitsandbytes' is not supported"):
         LLM(str(tmp_path), dtype="float32", kv_cache_blocks=8)
+
+
+def awq_in_place(path, group: int = 32) -> dict:
+    """Rewrite the folder's linear weights (attention, MLP and every expert; not routers, norms,
+    embeddings, lm_head) as AWQ GEMM codes; returns the float weights the codes stand for."""
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(str(path / "model.safetensors"))
+    floats = {}
+    for name in [k for k in tensors if k.endswith(".weight") and k.split(".")[-2] in LINEARS]:
+        module, w = name[:-len(".weight")], tensors.pop(name)
+        q, scale, zero = _minmax_codes(w, group, 4)
+        gi = torch.arange(w.shape[1]) // group
+        floats[name] = ((q - zero.T[:, gi]).half() * scale.T[:, gi]).float()
+        tensors[f"{module}.qweight"] = _pack_cols(q.T.contiguous(), 4, slots=(0, 2, 4, 6, 1, 3, 5, 7))
+        tensors[f"{module}.qzeros"] = _pack_cols(zero, 4, slots=(0, 2, 4, 6, 1, 3, 5, 7))
+        tensors[f"{module}.scales"] = scale
+    save_file(tensors, str(path / "model.safetensors"))
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+                                  "version": "gemm"}
+    (path / "config.json").write_text(json.dumps(cfg))
+    return floats
+
+
+def test_awq_moe_matches_transformers(tmp_path):
+    """Qwen3-MoE with every expert in AWQ codes: transformers' greedy tokens and logprobs on the
+    float model of those codes (the stacked experts are built from the dequantized ones)."""
+    import shutil
+
+    import transformers
+    from safetensors.torch import load_file, save_file
+    from tests.models.test_moe_models import check_matches_transformers, make_moe_checkpoint
+    make_moe_checkpoint("qwen3_moe", tmp_path / "q", seed=1, mlp_only_layers=[2])
+    shutil.copytree(tmp_path / "q", tmp_path / "float")
+    floats = awq_in_place(tmp_path / "q")
+    assert any(".experts." in k for k in floats)
+    # (transformers holds the experts fused: the float folder goes through its loading conversion)
+    save_file({**load_file(str(tmp_path / "float" / "model.safetensors")), **floats},
+              str(tmp_path / "float" / "model.safetensors"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "float"), dtype=torch.float32).eval()
+    check_matches_transformers(hf, tmp_path / "q").engine.close()
