@@ -15,8 +15,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="store linear weights in this dtype: bfloat16 | float16 | int4 (CPU; int4 = GGUF Q4_1-style "
                         "groups of 32, lm_head in bf16) | fp8 (float8 e4m3 with a scale per 128x128 block: the "
                         "decoder's linears and MoE experts), activations keep --dtype")
-    g.add_argument("--quantization", "-q", default=None, choices=("fp8",),
-                   help="vLLM's flag: fp8 is --weight-dtype fp8 here (block-FP8 weights, 16-bit activations)")
+    g.add_argument("--quantization", "-q", default=None,
+                   choices=("fp8", "awq", "awq_marlin", "gptq", "gptq_marlin", "compressed-tensors"),
+                   help="vLLM's flag: fp8 is --weight-dtype fp8 here (block-FP8 weights, 16-bit activations); "
+                        "awq / gptq / compressed-tensors: the checkpoint's method, checked (read from it anyway)")
     g.add_argument("--hf-overrides", default=None, metavar="JSON",
                    help='config.json keys set over the model\'s (vLLM\'s), e.g. \'{"max_position_embeddings": 16384}\'; '
                         "a *_config object (text_config) takes its keys one by one")
@@ -75,11 +77,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
     weight_dtype = a.weight_dtype
-    if a.quantization is not None:
+    if a.quantization == "fp8":
         if weight_dtype not in (None, a.quantization):
             raise ValueError(f"--quantization {a.quantization} and --weight-dtype {weight_dtype}: give one of them")
         weight_dtype = a.quantization
-    return dict(model=a.model, dtype=a.dtype, device=a.device, load_format=a.load_format,
+    return dict(quantization=a.quantization if a.quantization != "fp8" else None, model=a.model, dtype=a.dtype, device=a.device, load_format=a.load_format,
                 num_layers=a.num_layers, max_model_len=a.max_model_len, kv_cache_blocks=a.kv_cache_blocks,
                 kv_cache_dtype=a.kv_cache_dtype,
                 block_size=a.block_size, enable_prefix_caching=not a.no_prefix_caching,

@@ -313,11 +313,12 @@ class LLM:
         prompts = []
         for conv in convs:
             _check_messages(conv)
-            conv, images = split_images(conv)
+            intake = self.engine.image_intake
+            conv, images = split_images(conv, video_sample=intake.video_processor.indices if intake else None)
             if not images:
                 prompts.append(self.apply_chat_template(conv, **template))
                 continue
-            text, intake = self._chat_text(conv, **template), self.engine.image_intake
+            text = self._chat_text(conv, **template)
             if intake is not None:   # (videos' frame groups written into the text, as transformers does)
                 images = intake.inputs(images)
                 text = intake.expand_text(text, images)

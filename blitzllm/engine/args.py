@@ -71,11 +71,21 @@ class EngineArgs:
     limit_mm_per_prompt: Optional[Union[str, dict]] = None
     # vLLM's: the most logprobs / prompt_logprobs a request may ask per token (-1: the whole vocabulary)
     max_logprobs: int = 20
+    # vLLM's: fp8 is weight_dtype fp8; awq / gptq / compressed-tensors (and vLLM's *_marlin names) name
+    # the checkpoint's own quantization, which is checked (it is read either way: loader/quantized.py)
+    quantization: Optional[str] = None
 
     def __post_init__(self):
+        if self.quantization == "fp8":
+            if self.weight_dtype not in (None, "fp8"):
+                raise ValueError(f"quantization fp8 and weight_dtype {self.weight_dtype}: give one of them")
+            self.weight_dtype = "fp8"
         if self.weight_dtype is None and self.dtype is None:
             # neither asked: on the CPU a GGUF's quantized linears stay on their grid (resolve_weight_dtype)
             self.weight_dtype = "auto"
+
+
+QUANTIZATIONS = (None, "fp8", "awq", "awq_marlin", "gptq", "gptq_marlin", "compressed-tensors")
 
 
 def resolve_device(device: Optional[str]) -> torch.device:
@@ -192,6 +202,8 @@ def check_engine_args(a: EngineArgs) -> None:
         raise ValueError(f"kv_cache_dtype must be a string (auto, fp8, fp8_e4m3), got {a.kv_cache_dtype!r}")
     kv_cache_dtype(a.kv_cache_dtype, torch.float32)  # (a ValueError naming the choices)
     parse_hf_overrides(a.hf_overrides)
+    if a.quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(map(str, QUANTIZATIONS))}, got {a.quantization!r}")
     if a.scheduling_policy not in SCHEDULING_POLICIES:
         raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                          f"got {a.scheduling_policy!r}")

@@ -17,6 +17,7 @@ import torch
 from ..config import ModelConfig, SchedulerConfig
 from ..distributed.parallel_state import SINGLE
 from ..layers.sampler import SamplingRow
+from ..loader.quantized import check_quantization
 from ..loader.source import resolve_model
 from ..loader.tokenizer import load_tokenizer, set_chat_template
 from ..pooling_params import PoolingParams
@@ -74,6 +75,7 @@ class Engine:
             # their hooks and draft layers run on rank 0's part of the model alone
             raise ValueError(f"speculative_config method {spec_cfg.method!r} runs with tensor_parallel_size 1 only")
         src = resolve_model(args.model, args.load_format, args.hf_overrides)
+        check_quantization(src.hf_config, args.quantization)
         self.sampling_defaults = sampling_defaults(args, src.generation_config)
         self.model_config = cfg = ModelConfig.from_hf(src.hf_config, args.num_layers)
         folder = src.path if src.path is not None and src.path.is_dir() else None

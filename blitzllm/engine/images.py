@@ -26,7 +26,6 @@ from ..pooling_params import PoolingParams, json_object
 from .multimodal import ImageInput, ImageProcessor, VideoInput
 from .video import Video, VideoProcessor
 
-
 EMBED_BATCH_PATCHES = 16384   # the most patches one vision tower call takes (its activations scale with them)
 
 

@@ -34,32 +34,49 @@ def open_image(data: bytes):
     return img
 
 
-def open_video(data: bytes):
-    """Encoded bytes (mp4, webm, ...) -> a ``Video`` of every frame as RGB and the stream's frame
-    rate, decoded with PyAV (the ``video`` extra)."""
+def open_video(data: bytes, sample=None):
+    """Encoded bytes (mp4, webm, ...) -> a ``Video``: RGB frames and the stream's frame rate,
+    decoded with PyAV (the ``video`` extra). ``sample(total, fps)`` -> frame indices (the video
+    processor's ``indices``): where the container states its frame count, only those frames are
+    kept as they decode (the Video then carries them as sampled), else every frame."""
     import numpy as np
     from .video import Video
     try:
         import av
     except ImportError:
         raise ValueError("video input needs PyAV on the server: pip install av") from None
-    frames, pixels = [], 0
     try:
         with av.open(io.BytesIO(data)) as container:
             if not container.streams.video:
                 raise ValueError("the file has no video stream")
             stream = container.streams.video[0]
-            fps = float(stream.average_rate) if stream.average_rate else None
-            for frame in container.decode(stream):
-                pixels += frame.width * frame.height
-                if pixels > MAX_VIDEO_PIXELS:
-                    raise ValueError(f"the decoded video is over {MAX_VIDEO_PIXELS} pixels (all frames together)")
-                frames.append(frame.to_ndarray(format="rgb24"))
+            fps, count = float(stream.average_rate) if stream.average_rate else None, stream.frames
+            want = sample(count, fps) if sample is not None and count > 0 else None
+            kept, total = _decode(container.decode(stream), None if want is None else set(want))
+        if want is not None and total != count:   # (a count the stream did not keep: all of it)
+            with av.open(io.BytesIO(data)) as container:
+                want, (kept, total) = None, _decode(container.decode(container.streams.video[0]), None)
     except (getattr(av, "FFmpegError", OSError), OSError, ValueError, IndexError) as e:
         raise ValueError(f"the video could not be decoded: {e}") from None
-    if not frames:
+    if not kept:
         raise ValueError("the video could not be decoded: it has no frames")
-    return Video(np.stack(frames), fps)
+    if want is None:
+        return Video(np.stack([kept[i] for i in range(total)]), fps)
+    return Video(np.stack([kept[i] for i in want]), fps, tuple(want))
+
+
+def _decode(frames, keep) -> tuple[dict, int]:
+    """({index: RGB array} of the decoded frames in ``keep`` (None: all), the frames decoded)."""
+    out, pixels, total = {}, 0, 0
+    for i, frame in enumerate(frames):
+        total = i + 1
+        if keep is not None and i not in keep:
+            continue
+        pixels += frame.width * frame.height
+        if pixels > MAX_VIDEO_PIXELS:
+            raise ValueError(f"the decoded video is over {MAX_VIDEO_PIXELS} pixels (the frames kept together)")
+        out[i] = frame.to_ndarray(format="rgb24")
+    return out, total
 
 
 def _url_bytes(url: str, what: str, limit: int, allow_fetch: bool, domains: tuple) -> bytes:
@@ -92,9 +109,9 @@ def load_image_url(url: str, allow_fetch: bool = True, domains: tuple = ()):
     return open_image(_url_bytes(url, "image", MAX_IMAGE_BYTES, allow_fetch, domains))
 
 
-def load_video_url(url: str, allow_fetch: bool = True, domains: tuple = ()):
-    """A video's data or http(s) URL (``_url_bytes``) -> a ``Video`` (``open_video``)."""
-    return open_video(_url_bytes(url, "video", MAX_VIDEO_BYTES, allow_fetch, domains))
+def load_video_url(url: str, allow_fetch: bool = True, domains: tuple = (), sample=None):
+    """A video's data or http(s) URL (``_url_bytes``) -> a ``Video`` (``open_video``, ``sample``)."""
+    return open_video(_url_bytes(url, "video", MAX_VIDEO_BYTES, allow_fetch, domains), sample)
 
 
 def _fetch(url: str, what: str, limit: int) -> bytes:
@@ -130,22 +147,23 @@ def part_image(part: dict, allow_fetch: bool = True):
     return img
 
 
-def part_video(part: dict, allow_fetch: bool = True):
+def part_video(part: dict, allow_fetch: bool = True, sample=None):
     """One video content part (vLLM's ``video_url``, or ``{"type": "video", "video": frames}`` with
-    frames as ``engine/video.py``'s ``as_video`` takes them) -> its ``Video``."""
+    frames as ``engine/video.py``'s ``as_video`` takes them) -> its ``Video`` (``sample``: as
+    ``open_video``'s)."""
     from .video import as_video
     if part.get("type") == "video_url":
         ref = part.get("video_url")
-        return load_video_url(ref.get("url") if isinstance(ref, dict) else ref, allow_fetch)
+        return load_video_url(ref.get("url") if isinstance(ref, dict) else ref, allow_fetch, sample=sample)
     return as_video(part.get("video"))
 
 
-def split_images(messages: list, allow_fetch: bool = True) -> tuple[list, list]:
+def split_images(messages: list, allow_fetch: bool = True, video_sample=None) -> tuple[list, list]:
     """(messages for the chat template, their images and videos in order): a message whose content
     is a list of parts keeps its text parts and has each image part as ``{"type": "image"}`` and
     each video part as ``{"type": "video"}``, which the templates of vision models render as the
     placeholders; a list of text parts alone becomes their text joined by newlines, as the server
-    joins them."""
+    joins them. ``video_sample``: the frames a video file keeps as it decodes (``open_video``)."""
     out, images = [], []
     for m in messages:
         content = m.get("content") if isinstance(m, dict) else None
@@ -158,7 +176,7 @@ def split_images(messages: list, allow_fetch: bool = True) -> tuple[list, list]:
                 images.append(part_image(part, allow_fetch))
                 parts.append({"type": "image"})
             elif isinstance(part, dict) and part.get("type") in VIDEO_PART_TYPES:
-                images.append(part_video(part, allow_fetch))
+                images.append(part_video(part, allow_fetch, video_sample))
                 parts.append({"type": "video"})
             elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
                 parts.append({"type": "text", "text": part["text"]})

@@ -137,17 +137,21 @@ class VideoProcessor:
                 kw["fps"] = float(pc["fps"])
         return cls(**kw)
 
-    def sample(self, video: Video) -> tuple[np.ndarray, list]:
-        """(the frames kept, their indices in the source)."""
-        total = video.frames.shape[0]
-        if video.frames_indices is not None:
-            return video.frames, list(video.frames_indices)
+    def indices(self, total: int, fps: Optional[float]) -> list:
+        """The indices of the frames sampled from a source of ``total`` frames at ``fps`` (None:
+        unknown): ``self.fps`` a second, or ``num_frames``, spread evenly (transformers' sample_frames)."""
         n = self.num_frames
         if n is None:
-            n = int(total / (video.fps or DEFAULT_SOURCE_FPS) * self.fps)
+            n = int(total / (fps or DEFAULT_SOURCE_FPS) * self.fps)
             n = min(max(n, self.min_frames), self.max_frames, total)
-        idx = np.linspace(0, total - 1, n).round().astype(int)
-        return video.frames[idx], idx.tolist()
+        return np.linspace(0, total - 1, n).round().astype(int).tolist()
+
+    def sample(self, video: Video) -> tuple[np.ndarray, list]:
+        """(the frames kept, their indices in the source)."""
+        if video.frames_indices is not None:
+            return video.frames, list(video.frames_indices)
+        idx = self.indices(video.frames.shape[0], video.fps)
+        return video.frames[idx], idx
 
     def timestamps(self, indices: list, fps: Optional[float]) -> list:
         """Each temporal patch's time in seconds: the mean of its first and last frame's (the last

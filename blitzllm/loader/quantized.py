@@ -45,6 +45,17 @@ def quantized_stream(hf_config: dict) -> Optional[Callable[[Iterable], Iterator]
     return None
 
 
+def check_quantization(hf_config: dict, asked: Optional[str]) -> None:
+    """vLLM's ``quantization`` for a checkpoint method (awq, gptq, compressed-tensors; their
+    ``_marlin`` kernels' names too): a ValueError when the checkpoint's quant_method is another."""
+    if asked in (None, "fp8"):   # (fp8: quantize the weights here, engine/args.py)
+        return
+    have = _qconfig(hf_config).get("quant_method")
+    if have != asked.removesuffix("_marlin"):
+        raise ValueError(f"quantization {asked!r} asked, but the checkpoint's quantization_config has quant_method "
+                         f"{have!r} (a quantized checkpoint's method is read from it: leave quantization out)")
+
+
 def _bits(q: dict, key: str = "bits") -> int:
     bits = q.get(key, 4)
     if bits not in (2, 4, 8):
@@ -53,10 +64,11 @@ def _bits(q: dict, key: str = "bits") -> int:
 
 
 class _Collector:
-    """Holds each module's parts (``<module>.<part>``) until ``complete`` says they are all there,
-    then yields ``<module>.weight`` = ``decode(parts)``; other tensors pass as they come."""
+    """Holds each module's parts (``<module>.<part>``) until those ``required`` names are all
+    there, then yields ``<module>.weight`` = ``decode(parts)``; other tensors pass as they come.
+    An optional part (a g_idx) is used when it came first: checkpoints list a module's tensors
+    in name order, where it does; one that comes after the weight was built is a ValueError."""
     parts: tuple = ()            # the suffixes that belong to a quantized module
-    optional: tuple = ()         # parts that may come, before the last required one
 
     def required(self, module: str, have: dict) -> tuple:
         raise NotImplementedError
@@ -123,6 +135,8 @@ class _CompressedTensors(_Collector):
         self.ignore = q.get("ignore") or []
 
     def _scheme(self, module: str) -> dict:
+        if any(_matches(module, t) for t in self.ignore if not t[:1].isupper()):
+            return {}
         for g in self.groups:
             if any(_matches(module, t) for t in g.get("targets") or ()):
                 return g["weights"]

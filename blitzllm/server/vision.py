@@ -42,7 +42,8 @@ async def chat_images(s, messages) -> list:
             ref = getattr(p, p.type)
             url = ref.get("url") if isinstance(ref, dict) else ref
             try:
-                out.append(intake.media(_KINDS[p.type][1](url, domains=s.media_domains)))
+                kw = {"sample": intake.video_processor.indices} if p.type == "video_url" else {}
+                out.append(intake.media(_KINDS[p.type][1](url, domains=s.media_domains, **kw)))
             except ValueError as e:
                 raise bad_request(f"messages.{i}.content.{j}.{p.type}: {e}",
                                   param=f"messages.{i}.content.{j}.{p.type}") from None

@@ -73,3 +73,7 @@ def test_cli_flags(capsys):
     add_engine_args(ap)
     assert engine_kwargs(ap.parse_args(["-q", "fp8"]))["weight_dtype"] == "fp8"
     assert engine_kwargs(ap.parse_args(["--quantization", "fp8", "--weight-dtype", "fp8"]))["weight_dtype"] == "fp8"
+    # a checkpoint method: checked against the checkpoint (a preset has none)
+    assert engine_kwargs(ap.parse_args(["-q", "awq"]))["quantization"] == "awq"
+    code, err = _cli(capsys, *base, short, "-q", "gptq")
+    assert code == 2 and len(err) == 1 and "quant_method None" in err[0], err

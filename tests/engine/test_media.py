@@ -91,3 +91,22 @@ def test_video_urls_decode_and_split():
                      ("ftp://x/y.mp4", "unsupported video URL")):
         with pytest.raises(ValueError, match=msg):
             load_video_url(bad)
+
+
+def test_video_file_keeps_only_the_sampled_frames():
+    """With a sampler (the video processor's ``indices``), an MP4, whose container states its frame
+    count, keeps only the sampled frames as they decode: the same arrays as decoding every frame
+    and picking them, marked as sampled; a Matroska stream that states no count keeps all."""
+    import numpy as np
+    from blitzllm.engine.video import VideoProcessor
+    frames = np.random.default_rng(1).integers(0, 256, (30, 16, 24, 3), dtype=np.uint8)
+    mp4 = video_data_url(frames, 10, "mp4", "libx264", "yuv420p")
+    whole = load_video_url(mp4)
+    proc = VideoProcessor()
+    want = proc.indices(30, 10.0)
+    asked = []
+    sampled = load_video_url(mp4, sample=lambda total, fps: asked.append((total, fps)) or want)
+    assert asked == [(30, 10.0)] and sampled.frames_indices == tuple(want) and len(want) == 6
+    assert np.array_equal(sampled.frames, whole.frames[want]) and sampled.fps == whole.fps
+    mkv = load_video_url(video_data_url(frames[:8], 4), sample=lambda total, fps: [0])
+    assert mkv.frames_indices is None and np.array_equal(mkv.frames, frames[:8])

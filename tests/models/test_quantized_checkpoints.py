@@ -254,6 +254,12 @@ def test_refusals(tmp_path):
         list(stream([("a.qweight", torch.zeros(1, 8, dtype=torch.int32))]))
     ref = _quantized_folder(tmp_path, "awq")
     del ref
+    # vLLM's quantization argument names the checkpoint's method (awq_marlin: the same checkpoints)
+    LLM(str(tmp_path), dtype="float32", kv_cache_blocks=8, quantization="awq_marlin").engine.close()
+    with pytest.raises(ValueError, match="'gptq' asked, but the checkpoint's quantization_config has quant_method 'awq'"):
+        LLM(str(tmp_path), dtype="float32", kv_cache_blocks=8, quantization="gptq")
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        LLM(str(tmp_path), dtype="float32", kv_cache_blocks=8, quantization="bitsandbytes")
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "bitsandbytes"}
     (tmp_path / "config.json").write_text(json.dumps(cfg))

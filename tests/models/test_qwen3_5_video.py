@@ -150,6 +150,7 @@ def hf_greedy(hf, tok, prompt: str, videos: list, proc, n: int, images=()) -> tu
     ids = tok(prompt, add_special_tokens=False, return_tensors="pt").input_ids
     if videos:
         kw.update(pixel_values_videos=torch.cat(pixels), video_grid_thw=torch.cat(grids))
+    ids, kw = ids.to(hf.device), {k: v.to(hf.device) for k, v in kw.items()}
     with torch.no_grad():
         gen = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=(ids == pad).int()
                           + 2 * (ids == vpad).int(), max_new_tokens=n, do_sample=False, **kw)
@@ -183,7 +184,8 @@ def test_processor_matches_transformers(hf_video_processor):
 
 def test_greedy_matches_transformers(vl, hf_video_processor):
     """A video in a prompt; an image and a video; two videos of different sizes: the prompt ids
-    are transformers' (timestamps and frame groups) and so are the greedy tokens."""
+    are transformers' (timestamps and frame groups) and so are the greedy tokens, from the text
+    and (one video) from its token ids."""
     hf, tok, folder = vl
     llm = LLM(str(folder), dtype="float32", kv_cache_blocks=128, max_num_seqs=2)
     greedy = SamplingParams(temperature=0, max_tokens=6)
@@ -204,6 +206,12 @@ def test_greedy_matches_transformers(vl, hf_video_processor):
             out = llm.generate({"prompt": prompt, "multi_modal_data": mm}, greedy)[0]
             assert out.prompt_token_ids == want_ids
             assert out.outputs[0].token_ids == want
+            # the prompt as token ids: the frame groups written in token space (the timestamps
+            # tokenized alone), the same ids here, where a newline or a vision token precedes each
+            if images or prompt.count(WRAP) == 1:
+                ids = tok(prompt, add_special_tokens=False).input_ids
+                out = llm.generate({"prompt_token_ids": ids, "multi_modal_data": mm}, greedy)[0]
+                assert out.prompt_token_ids == want_ids and out.outputs[0].token_ids == want
         assert llm.stats()["kv_blocks_free"] == 128
     finally:
         llm.engine.close()
@@ -269,3 +277,39 @@ def test_processor_options_and_refusals(vl):
                     (dict(limit_mm_per_prompt={"audio": 1}), "takes 'image' and 'video'")):
         with pytest.raises(ValueError, match=msg):
             LLM(str(folder), dtype="float32", kv_cache_blocks=64, **kw)
+
+
+def test_tensor_parallel_video(vl, hf_video_processor):
+    """tensor_parallel_size=2 on the CPU (gloo), 16-token chunks through the frame groups: rank 0
+    runs the tower over the video and hands the ranks its rows; transformers' tokens."""
+    hf, tok, folder = vl
+    video = (_frames(20, 30, 50, 10), {"fps": 10.0})
+    prompt = "<|im_start|>user\n" + WRAP + "Describe.<|im_end|>\n<|im_start|>assistant\n"
+    want, want_ids = hf_greedy(hf, tok, prompt, [video], hf_video_processor, 5)
+    with LLM(str(folder), device="cpu", dtype="float32", kv_cache_blocks=64, max_num_seqs=2, tensor_parallel_size=2,
+             max_num_batched_tokens=16, block_size=4) as llm:
+        out = llm.generate({"prompt": prompt, "multi_modal_data": {"video": video}},
+                           SamplingParams(temperature=0, max_tokens=5))[0]
+        assert out.prompt_token_ids == want_ids and out.outputs[0].token_ids == want
+        assert llm.stats()["kv_blocks_free"] == 64
+
+
+@pytest.mark.gpu
+def test_video_on_cuda_matches_transformers(vl, hf_video_processor):
+    """fp32 on CUDA with the decode graphs captured, whole and in 16-token chunks: transformers'
+    greedy tokens (its model on the GPU too) for a prompt with a video, and no KV left held."""
+    hf, tok, folder = vl
+    video = (_frames(20, 30, 50, 11), {"fps": 10.0})
+    prompt = "<|im_start|>user\n" + WRAP + "Describe.<|im_end|>\n<|im_start|>assistant\n"
+    want, want_ids = hf_greedy(hf.to("cuda"), tok, prompt, [video], hf_video_processor, 8)
+    hf.to("cpu")
+    for kw in (dict(), dict(max_num_batched_tokens=16)):
+        llm = LLM(str(folder), device="cuda", dtype="float32", kv_cache_blocks=64, max_num_seqs=2, **kw)
+        try:
+            assert llm.engine.runner.graphs is not None
+            out = llm.generate({"prompt": prompt, "multi_modal_data": {"video": video}},
+                               SamplingParams(temperature=0, max_tokens=8))[0]
+            assert out.outputs[0].token_ids == want and out.prompt_token_ids == want_ids
+            assert llm.stats()["kv_blocks_free"] == 64
+        finally:
+            llm.engine.close()

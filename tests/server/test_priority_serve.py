@@ -76,7 +76,10 @@ def test_a_request_is_served_by_its_priority_while_a_long_one_streams(priority_s
     assert events["chunks"] >= 2
     m = wait_idle(srv)
     if priority > 5:
-        assert events["long_done"] < answered and m["blitz_num_preemptions_total"] == before
+        # served after the long one ended. (Two client threads read the two sockets: the stream's
+        # last chunk, which the server sends first, was once read 0.3 ms after the answer; served
+        # while the stream ran (0.4 s here), the answer would come long before it ends.)
+        assert events["long_done"] < answered + 0.05 and m["blitz_num_preemptions_total"] == before
     else:
         assert events["long_done"] > answered   # not after the long one ended: it was preempted
         assert m["blitz_num_preemptions_total"] >= before + 1
