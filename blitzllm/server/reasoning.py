@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Optional
 
 START, END = "<think>", "</think>"
-THINK_PARSERS = ("deepseek_r1", "deepseek_v3", "qwen3", "minimax_m2")
+THINK_PARSERS = ("deepseek_r1", "deepseek_v3", "qwen3", "minimax_m2", "glm45")
 PARSERS = THINK_PARSERS + ("minimax_m2_append_think",)
 
 

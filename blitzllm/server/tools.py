@@ -14,8 +14,8 @@ from .errors import bad_request
 from .reasoning import _held_tail, fed
 from .tool_formats import LLAMA3_JSON, MISTRAL, PYTHONIC, tool_call
 
-TOOL_PARSERS = ("hermes", "deepseek_v3", "deepseek_v31", "minimax_m2", "qwen3_coder", "llama3_json", "pythonic",
-                "mistral")
+TOOL_PARSERS = ("hermes", "deepseek_v3", "deepseek_v31", "minimax_m2", "qwen3_coder", "glm45", "glm47", "llama3_json",
+                "pythonic", "mistral")
 START, END = "<tool_call>", "</tool_call>"
 
 
@@ -168,6 +168,24 @@ _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
 _QPARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
 
 
+# GLM-4.5 / 4.6 (newlines between the parts) and GLM-4.7 / 5 (none): <tool_call>NAME, then
+# <arg_key>KEY</arg_key><arg_value>VALUE</arg_value> pairs, </tool_call>
+_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+
+
+def _glm_call(inner: str, tools=None) -> Optional[dict]:
+    """A GLM call: the name up to the first ``<arg_key>``, the values typed by the request's
+    schemas (the templates write a non-string value as JSON)."""
+    name, _, rest = inner.partition("<arg_key>")
+    name = name.strip()
+    if not re.fullmatch(r"[\w.\-]+", name) or (rest and not _GLM_ARG.search("<arg_key>" + rest)):
+        return None   # (a function name, OpenAI's characters and dots; pairs where keys begin)
+    props = next((((t["function"].get("parameters") or {}).get("properties") or {}) for t in tools or ()
+                  if isinstance(t, dict) and isinstance(t.get("function"), dict) and t["function"].get("name") == name),
+                 {})
+    return tool_call(name, {k.strip(): _typed(v, props.get(k.strip())) for k, v in _GLM_ARG.findall(inner)})
+
+
 def _typed(value: str, schema) -> object:
     """An XML-style parameter's text as its schema's type: JSON for non-string types where it parses,
     else the text."""
@@ -227,6 +245,8 @@ FORMATS = {
     "minimax_m2": ToolFormat("<minimax:tool_call>", "</minimax:tool_call>",
                              partial(_xml_calls, invoke=_INVOKE, param=_PARAM)),
     "qwen3_coder": ToolFormat(START, END, partial(_xml_calls, invoke=_FUNCTION, param=_QPARAM)),
+    "glm45": ToolFormat(START, END, _glm_call),
+    "glm47": ToolFormat(START, END, _glm_call),
     "llama3_json": LLAMA3_JSON,
     "pythonic": PYTHONIC,
     "mistral": MISTRAL,
