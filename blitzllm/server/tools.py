@@ -14,8 +14,8 @@ from .errors import bad_request
 from .reasoning import _held_tail, fed
 from .tool_formats import LLAMA3_JSON, MISTRAL, PYTHONIC, tool_call
 
-TOOL_PARSERS = ("hermes", "deepseek_v3", "deepseek_v31", "minimax_m2", "qwen3_coder", "glm45", "glm47", "llama3_json",
-                "pythonic", "mistral")
+TOOL_PARSERS = ("hermes", "deepseek_v3", "deepseek_v31", "kimi_k2", "minimax_m2", "qwen3_coder", "glm45", "glm47",
+                "llama3_json", "pythonic", "mistral")
 START, END = "<tool_call>", "</tool_call>"
 
 
@@ -159,6 +159,21 @@ def _deepseek_v31_call(inner: str, tools=None) -> Optional[dict]:
     return tool_call(name.strip(), args.strip()) if sep else None
 
 
+# Kimi-K2 (DeepSeek-V3's architecture): <|tool_call_begin|>functions.NAME:INDEX
+# <|tool_call_argument_begin|>ARGUMENTS<|tool_call_end|>, in a calls section; the markers are special tokens
+_KIMI = ("<|tool_call_begin|>", "<|tool_call_end|>", "<|tool_call_argument_begin|>")
+_KIMI_DROP = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
+
+
+def _kimi_k2_call(inner: str, tools=None) -> Optional[dict]:
+    """``functions.NAME:INDEX`` (kept as the call's id: Kimi's template writes it back so in
+    later turns), the argument marker, then the arguments' JSON."""
+    ident, sep, args = inner.partition(_KIMI[2])
+    ident = ident.strip()
+    m = re.fullmatch(r"(?:functions\.)?([\w.\-]+?)(?::\d+)?", ident)
+    return tool_call(m.group(1), args.strip(), call_id=ident) if sep and m else None
+
+
 # MiniMax-M2: one or more <invoke name="NAME"><parameter name="KEY">VALUE</parameter>...</invoke>
 _INVOKE = re.compile(r'<invoke name="([^"]+)">(.*?)</invoke>', re.S)
 _PARAM = re.compile(r'<parameter name="([^"]+)">(.*?)</parameter>', re.S)
@@ -218,10 +233,9 @@ class ToolFormat:
     markers around a run of calls, removed from the content. (``tool_formats.BracketFormat``
     has the same ``scan`` / ``calls`` for formats without an end marker.)"""
 
-    special_tokens = False
-
-    def __init__(self, start: str, end: str, parse, drop: tuple = ()):
+    def __init__(self, start: str, end: str, parse, drop: tuple = (), special_tokens: bool = False):
         self.start, self.end, self.parse, self.drop = start, end, parse, drop
+        self.special_tokens = special_tokens   # (its markers are special tokens: its requests decode them)
 
     def scan(self, buf: str, final: bool, memo=None) -> tuple[int, Optional[int]]:
         """(i, j): ``buf[:i]`` is content; ``buf[i:j]`` a block, or with j None, ``buf[i:]`` held
@@ -242,6 +256,7 @@ FORMATS = {
     "hermes": ToolFormat(START, END, _hermes_call),
     "deepseek_v3": ToolFormat(_DS_BEGIN, _DS_END, _deepseek_v3_call, _DS_DROP),
     "deepseek_v31": ToolFormat(_DS_BEGIN, _DS_END, _deepseek_v31_call, _DS_DROP),
+    "kimi_k2": ToolFormat(_KIMI[0], _KIMI[1], _kimi_k2_call, _KIMI_DROP, special_tokens=True),
     "minimax_m2": ToolFormat("<minimax:tool_call>", "</minimax:tool_call>",
                              partial(_xml_calls, invoke=_INVOKE, param=_PARAM)),
     "qwen3_coder": ToolFormat(START, END, partial(_xml_calls, invoke=_FUNCTION, param=_QPARAM)),

@@ -142,6 +142,13 @@ DS_CASES = [
      [("get_weather", '{"city": "Paris"}')]),
     ("deepseek_v31", "plain", "plain", []),
     ("deepseek_v31", B + CB + "f" + SEP + "{broken" + CE + E, CB + "f" + SEP + "{broken" + CE, []),
+    # Kimi-K2 (its markers written out: they are special tokens, decoded for these requests)
+    ("kimi_k2", "Checking.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+     '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>functions.get_time:1'
+     "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>",
+     "Checking.", [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]),
+    ("kimi_k2", "<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{bad<|tool_call_end|>",
+     "<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{bad<|tool_call_end|>", []),
 ]
 
 
@@ -151,6 +158,9 @@ def test_deepseek_formats(parser, text, content, calls):
     got_content, got = split_tool_calls(text, parser)
     assert got_content == content
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in got] == calls
+    if parser == "kimi_k2":   # (Kimi's ids, which its template writes back in later turns)
+        assert [c["id"] for c in got] == [f"functions.{n}:{i}" for i, (n, _) in enumerate(calls)]
+        assert FORMATS[parser].special_tokens
     rng = random.Random(len(text))
     for _ in range(30):  # streamed in random pieces (the markers split anywhere)
         cut = sorted(rng.sample(range(len(text) + 1), min(len(text), 8)))
