@@ -64,3 +64,28 @@ def dequantize_grouped(q: torch.Tensor, scale: torch.Tensor, zero: Optional[torc
         zero = None if zero is None else zero[:, g_idx]
     w = q.to(scale.dtype)
     return (w if zero is None else w - zero.to(scale.dtype)) * scale
+
+
+def q4_blocks(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> Optional[tuple]:
+    """Unsigned 4-bit codes q [N, K] with ``(q - zero) * scale`` per group of consecutive columns
+    (scale / zero [N, groups], a group a multiple of 32 wide) as GGUF Q4_1 blocks of 32 for the CPU
+    kernels (``kernels/cpu_quant``): (q uint8, d fp16 [N, K/32], m fp16 [N, K/32]) with
+    w = d q + m, d = scale and m = -zero * scale rounded to fp16 (exact where zero * scale is an
+    fp16 value, as for symmetric codes: zero 8), or None where a group is not a multiple of 32."""
+    n, k = q.shape
+    per = k // scale.shape[1]
+    if per % 32 or per * scale.shape[1] != k:
+        return None
+    rep = per // 32
+    d = scale.float().repeat_interleave(rep, 1)
+    m = -(zero.float().repeat_interleave(rep, 1) * d)
+    return q.to(torch.uint8), d.half(), m.half()
+
+
+def q8_blocks(q: torch.Tensor, scale: torch.Tensor) -> Optional[tuple]:
+    """Signed 8-bit codes q [N, K] with ``q * scale`` (scale [N, groups], a group a multiple of 32
+    wide) as GGUF Q8_0 blocks: (q int8, d fp16 [N, K/32]), or None where a group is not."""
+    per = q.shape[1] // scale.shape[1]
+    if per % 32 or per * scale.shape[1] != q.shape[1]:
+        return None
+    return q.to(torch.int8), scale.float().repeat_interleave(per // 32, 1).half()

@@ -1,9 +1,10 @@
-"""A GGUF file's quantized linear weights kept on their grid (the CPU default): the raw Q4_0 /
-Q4_1 / Q8_0 blocks of every linear read straight from the file (q/k rows un-permuted for Llama,
-as ``gguf_file`` does for the dequantized tensors), the shards of a packed projection stacked,
-and each ``Linear`` given the packed form of ``kernels/cpu_quant`` in place of its float weight.
-The embedding table keeps its dequantized float values (only looked-up rows are read); a tied
-lm_head gets its own packed copy of the table's blocks.
+"""Quantized linear weights kept on their grid on the CPU (the default there): a GGUF file's raw
+Q4_0 / Q4_1 / Q8_0 blocks read straight from the file (q/k rows un-permuted for Llama, as
+``gguf_file`` does for the dequantized tensors), or a GPTQ / AWQ / compressed-tensors folder's
+codes as such blocks (``loader/quantized.py`` ``quantized_grids``); the shards of a packed
+projection stacked, and each ``Linear`` given the packed form of ``kernels/cpu_quant`` in place
+of its float weight. A GGUF embedding table keeps its dequantized float values (only looked-up
+rows are read); a tied lm_head gets its own packed copy of the table's blocks.
 """
 from __future__ import annotations
 
@@ -58,7 +59,27 @@ def apply_gguf_grids(model: nn.Module, reader, config: dict) -> set:
     Q8_0 becomes packed (``Linear.quant``); others keep their float weights. Returns the
     checkpoint names no float parameter needs any more (the stream may skip them)."""
     targets = _linear_names(model)
-    grids = read_grids(reader, config, {n for names in targets.values() for n in names})
+    return apply_grids(model, targets, read_grids(reader, config, {n for names in targets.values() for n in names}))
+
+
+def apply_checkpoint_grids(model: nn.Module, src):
+    """A GPTQ / AWQ / compressed-tensors folder's linears whose codes the kernels take as they are
+    become packed (as ``apply_gguf_grids``); returns the source whose weight stream leaves out
+    their parts (the others are dequantized as they stream in)."""
+    from dataclasses import replace
+    from .quantized import quantized_grids, quantized_stream
+    from .weights import iter_safetensors
+    targets = _linear_names(model)
+    modules = {n[:-len(".weight")] for names in targets.values() for n in names}
+    found = quantized_grids(iter_safetensors(src.path, lazy=True), src.hf_config, modules)
+    done = apply_grids(model, targets, {f"{m}.weight": g for m, g in found.items()})
+    skip = {n[:-len(".weight")] for n in done}
+    stream = quantized_stream(src.hf_config)
+    return replace(src, tensors=lambda: stream(iter_safetensors(src.path), skip), slices=None)
+
+
+def apply_grids(model: nn.Module, targets: dict, grids: dict) -> set:
+    """``grids``: checkpoint weight name -> (kind, q, d, m); see ``apply_gguf_grids``."""
     done: set = set()
     for mod, names in targets.items():
         if mod.bias is not None and mod.bias.dtype != torch.float32:

@@ -17,7 +17,7 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
-from ..kernels.weight_codes import AWQ_SLOT, dequantize_grouped, unpack_int32
+from ..kernels.weight_codes import AWQ_SLOT, dequantize_grouped, q4_blocks, q8_blocks, unpack_int32
 
 CT_FORMATS = ("pack-quantized", "naive-quantized", "int-quantized", "float-quantized", "dense")
 # tensors of activation quantization and of a quantized KV cache: not read (see above)
@@ -31,18 +31,36 @@ def _qconfig(hf_config: dict) -> dict:
     return hf_config.get("quantization_config") or t.get("quantization_config") or {}
 
 
+def _codec(hf_config: dict) -> Optional["_Collector"]:
+    q = _qconfig(hf_config)
+    method = q.get("quant_method")
+    kinds = {"compressed-tensors": _CompressedTensors, "gptq": _Gptq, "awq": _Awq}
+    return kinds[method](q) if method in kinds else None
+
+
 def quantized_stream(hf_config: dict) -> Optional[Callable[[Iterable], Iterator]]:
     """The weight-stream filter of the checkpoint's quantization (compressed-tensors, GPTQ, AWQ),
     or None when it has none of them; a ValueError names what it cannot read."""
-    q = _qconfig(hf_config)
-    method = q.get("quant_method")
-    if method == "compressed-tensors":
-        return _CompressedTensors(q).stream
-    if method == "gptq":
-        return _Gptq(q).stream
-    if method == "awq":
-        return _Awq(q).stream
-    return None
+    codec = _codec(hf_config)
+    return None if codec is None else codec.stream
+
+
+def quantized_grids(tensors: Iterable, hf_config: dict, modules: set) -> dict:
+    """module -> ("q4", q, d, m) / ("q8", q, d, None): the codes of those of ``modules`` that the
+    CPU's GGUF kernels take as they are (4-bit codes in groups of 32 or more consecutive columns;
+    symmetric 8-bit ones), read from ``tensors`` (the checkpoint's, lazy slices)."""
+    codec, held, out = _codec(hf_config), {}, {}
+    for name, t in tensors:
+        module, _, part = name.rpartition(".")
+        if module not in modules or not codec.claims(module, part, t):
+            continue
+        have = held.setdefault(module, {})
+        have[part] = t if isinstance(t, torch.Tensor) else t[:]
+        if all(p in have for p in codec.required(module, have)):
+            grid = codec.grid(module, held.pop(module))
+            if grid is not None:
+                out[module] = grid
+    return out
 
 
 def check_quantization(hf_config: dict, asked: Optional[str]) -> None:
@@ -76,15 +94,20 @@ class _Collector:
     def decode(self, module: str, parts: dict) -> torch.Tensor:
         raise NotImplementedError
 
+    def grid(self, module: str, parts: dict) -> Optional[tuple]:
+        """The module's codes as GGUF blocks (``quantized_grids``), or None."""
+        return None
+
     def claims(self, module: str, part: str, t) -> bool:
         return part in self.parts
 
-    def stream(self, tensors: Iterable) -> Iterator:
+    def stream(self, tensors: Iterable, skip: set = frozenset()) -> Iterator:
+        """``skip``: modules whose parts are dropped (their codes kept by ``quantized_grids``)."""
         held: dict = {}
         done: set = set()
         for name, t in tensors:
             module, _, part = name.rpartition(".")
-            if part in _DROPPED:
+            if part in _DROPPED or module in skip and self.claims(module, part, t):
                 continue
             if not self.claims(module, part, t):
                 yield name, t
@@ -175,6 +198,29 @@ class _CompressedTensors(_Collector):
             zero = None if zero is None else zero.repeat_interleave(bh, 0)[:out].repeat_interleave(bw, 1)[:, :cols]
         return dequantize_grouped(q, scale, zero, g_idx)
 
+    def grid(self, module: str, p: dict) -> Optional[tuple]:
+        """int4 (any zero points) and symmetric int8 codes in groups or channels, without g_idx."""
+        w, scale, zero = self._scheme(module), p["weight_scale"], p.get("weight_zero_point")
+        if w.get("type") != "int" or w.get("strategy") not in ("group", "channel") or "weight_g_idx" in p:
+            return None
+        if "weight_packed" in p:
+            out, cols = (int(v) for v in p["weight_shape"].tolist())
+            bits = p["weight_packed"].shape[1] * 32 // cols
+            stored = unpack_int32(p["weight_packed"], bits, 1)[:, :cols]     # code + 2 ** (bits - 1)
+            if zero is not None:
+                zero = unpack_int32(zero, bits, 0)[:out] - (1 << (bits - 1))
+        else:
+            bits, stored = 8, p["weight"].to(torch.int32) + 128
+        scale = scale.reshape(stored.shape[0], -1)
+        if bits == 4:
+            offset = 8 if zero is None else 8 + zero.reshape(stored.shape[0], -1)
+            blocks = q4_blocks(stored, scale, torch.as_tensor(offset).expand_as(scale))
+            return None if blocks is None else ("q4", *blocks)
+        if bits == 8 and zero is None:
+            blocks = q8_blocks(stored - 128, scale)
+            return None if blocks is None else ("q8", *blocks, None)
+        return None
+
 
 class _Gptq(_Collector):
     """AutoGPTQ / GPTQModel checkpoints (``checkpoint_format`` gptq: zeros stored minus one;
@@ -191,10 +237,23 @@ class _Gptq(_Collector):
     def required(self, module: str, have: dict) -> tuple:
         return "qweight", "qzeros", "scales"
 
-    def decode(self, module: str, p: dict) -> torch.Tensor:
+    def _codes(self, p: dict) -> tuple:
         q = unpack_int32(p["qweight"], self.bits, 0).T                      # [out, in]
         zero = (unpack_int32(p["qzeros"], self.bits, 1) + self.zero_offset).T    # [out, groups]
-        return dequantize_grouped(q, p["scales"].T, zero[:q.shape[0]], p.get("g_idx"))
+        return q, p["scales"].T, zero[:q.shape[0]]
+
+    def decode(self, module: str, p: dict) -> torch.Tensor:
+        return dequantize_grouped(*self._codes(p), p.get("g_idx"))
+
+    def grid(self, module: str, p: dict) -> Optional[tuple]:
+        """4-bit codes whose groups run in column order (no activation order)."""
+        q, scale, zero = self._codes(p)
+        g = p.get("g_idx")
+        if self.bits != 4 or g is not None and not torch.equal(
+                g.long(), torch.arange(q.shape[1]) // (q.shape[1] // scale.shape[1])):
+            return None
+        blocks = q4_blocks(q, scale, zero)
+        return None if blocks is None else ("q4", *blocks)
 
 
 class _Awq(_Collector):
@@ -210,10 +269,16 @@ class _Awq(_Collector):
     def required(self, module: str, have: dict) -> tuple:
         return "qweight", "qzeros", "scales"
 
+    def _codes(self, p: dict) -> tuple:
+        return unpack_int32(p["qweight"], 4, 1, AWQ_SLOT).T, p["scales"].T, unpack_int32(p["qzeros"], 4, 1, AWQ_SLOT).T
+
     def decode(self, module: str, p: dict) -> torch.Tensor:
-        q = unpack_int32(p["qweight"], 4, 1, AWQ_SLOT).T
-        zero = unpack_int32(p["qzeros"], 4, 1, AWQ_SLOT).T
-        return dequantize_grouped(q, p["scales"].T, zero)
+        q, scale, zero = self._codes(p)
+        return dequantize_grouped(q, scale, zero)
+
+    def grid(self, module: str, p: dict) -> Optional[tuple]:
+        blocks = q4_blocks(*self._codes(p))
+        return None if blocks is None else ("q4", *blocks)
 
 
 def _fp8_dtypes() -> tuple:

@@ -12,6 +12,7 @@ import torch
 from ..config import ModelConfig
 from ..distributed.parallel_state import SINGLE, TPGroup, building
 from ..envs import Knobs
+from ..loader.quantized import quantized_stream
 from ..loader.source import ModelSource
 from ..loader.weights import init_dummy_weights, load_weights
 from ..models.registry import get_model_class
@@ -68,8 +69,11 @@ def _build_model(src, cfg, device, dtype, seed, weight_dtype, tp):
                                                     cfg.rope_theta, cfg.rope_scaling).to(device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    if weight_dtype == "auto":  # none asked: a GGUF's quantized linears stay on their grid on the CPU
-        weight_dtype = dtype
+    if weight_dtype == "auto":  # none asked: a GGUF's quantized linears stay on their grid on the CPU,
+        weight_dtype = dtype    # and so do a GPTQ / AWQ / compressed-tensors folder's 4-bit and 8-bit codes
+        if device.type == "cpu" and src.kind == "hf" and tp.world_size == 1 and quantized_stream(src.hf_config):
+            from ..loader.gguf_grid import apply_checkpoint_grids
+            src = apply_checkpoint_grids(model, src)
         if device.type == "cpu" and src.kind == "gguf" and src.tensors is not None and tp.world_size == 1:
             from ..loader.gguf_file import gguf_config, iter_gguf_tensors, open_gguf
             from ..loader.gguf_grid import apply_gguf_grids

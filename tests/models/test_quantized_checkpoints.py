@@ -149,8 +149,9 @@ def test_compressed_tensors_schemes(tmp_path, weights, fmt):
 
 # ---- GPTQ and AWQ, by their definitions -----------------------------------------------------
 
-def _minmax_codes(w: torch.Tensor, group: int, bits: int, g_idx=None) -> tuple:
-    """Asymmetric min-max codes of w [out, in]: (q [out, in], scale [groups, out] fp16, zero [groups, out])."""
+def _minmax_codes(w: torch.Tensor, group: int, bits: int, g_idx=None, sym: bool = False) -> tuple:
+    """Min-max codes of w [out, in] (``sym``: zero 2 ** (bits - 1), GPTQ's sym): (q [out, in], scale
+    [groups, out] fp16, zero [groups, out])."""
     out, cols = w.shape
     g_idx = torch.arange(cols) // group if g_idx is None else g_idx
     groups = int(g_idx.max()) + 1
@@ -160,8 +161,12 @@ def _minmax_codes(w: torch.Tensor, group: int, bits: int, g_idx=None) -> tuple:
     for g in range(groups):
         cols_g = w[:, g_idx == g]
         mn, mx = cols_g.amin(1).clamp(max=0), cols_g.amax(1).clamp(min=0)
-        scale[g] = ((mx - mn) / top).clamp(min=1e-6).half()
-        zero[g] = torch.round(-mn / scale[g].float()).clamp(0, top).int()
+        if sym:
+            scale[g] = (torch.maximum(-mn, mx) / (top // 2)).clamp(min=1e-6).half()
+            zero[g] = (top + 1) // 2
+        else:
+            scale[g] = ((mx - mn) / top).clamp(min=1e-6).half()
+            zero[g] = torch.round(-mn / scale[g].float()).clamp(0, top).int()
     q = torch.round(w / scale.float().T[:, g_idx] + zero.T[:, g_idx]).clamp(0, top).int()
     return q, scale, zero
 
@@ -186,7 +191,7 @@ def _write(path, tensors: dict, qc: dict) -> None:
                                                   "torch_dtype": "float32", **CFG, "quantization_config": qc}))
 
 
-def _quantized_folder(path, kind: str, desc_act: bool = False) -> object:
+def _quantized_folder(path, kind: str, desc_act: bool = False, sym: bool = False) -> object:
     """The folder of ``kind`` (gptq / awq) for _llama()'s linear layers (groups of 32, 4-bit), and the
     float model whose weights are the codes' (q - zero) * scale."""
     model, bits, group = _llama(), 4, 32
@@ -198,7 +203,7 @@ def _quantized_folder(path, kind: str, desc_act: bool = False) -> object:
         w = mod.weight.data
         cols = w.shape[1]
         g_idx = (torch.randperm(cols, generator=gen) // group) if desc_act else None
-        q, scale, zero = _minmax_codes(w, group, bits, g_idx)
+        q, scale, zero = _minmax_codes(w, group, bits, g_idx, sym)
         gi = torch.arange(cols) // group if g_idx is None else g_idx
         with torch.no_grad():   # the float weights the codes stand for, in fp16 as the kernels compute them
             mod.weight.copy_(((q - zero.T[:, gi]).half() * scale.T[:, gi]).float())
@@ -210,7 +215,7 @@ def _quantized_folder(path, kind: str, desc_act: bool = False) -> object:
             tensors[f"{name}.qweight"] = _pack_cols(q.T.contiguous(), bits, slots=(0, 2, 4, 6, 1, 3, 5, 7))
             tensors[f"{name}.qzeros"] = _pack_cols(zero, bits, slots=(0, 2, 4, 6, 1, 3, 5, 7))
         tensors[f"{name}.scales"] = scale
-    qc = ({"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act, "sym": False,
+    qc = ({"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act, "sym": sym,
            "checkpoint_format": "gptq"} if kind == "gptq" else
           {"quant_method": "awq", "bits": bits, "group_size": group, "zero_point": True, "version": "gemm"})
     _write(path, tensors, qc)
@@ -235,6 +240,33 @@ def test_gptq_and_awq(tmp_path, kind, desc_act):
             got = ours[name + ".weight"] if name + ".weight" in ours else _packed(ours, name)
             assert torch.equal(got, mod.weight), name
     assert tokens == _greedy_hf(ref)
+
+
+@pytest.mark.parametrize("kind", ["gptq-sym", "gptq-act-order", "awq", "ct-w4a16", "ct-w8a16", "ct-fp8"])
+def test_cpu_keeps_the_codes(tmp_path, kind):
+    """On the CPU with no dtype asked, 4-bit codes in column-order groups and symmetric 8-bit codes
+    stay codes (the GGUF blocks of kernels/cpu_quant: Q4_1 with m = -zero * scale, exact for
+    symmetric codes; Q8_0) and run on its kernels; activation-order groups and FP8 are
+    dequantized. The same greedy tokens as the dequantized weights, logprobs within 1e-3 (1e-2
+    where zero points round m to fp16)."""
+    if kind.startswith("ct"):
+        weights = {"ct-w4a16": dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32),
+                   "ct-w8a16": dict(num_bits=8, type="int", symmetric=True, strategy="channel"),
+                   "ct-fp8": dict(num_bits=8, type="float", symmetric=True, strategy="channel")}[kind]
+        _ct_folder(tmp_path, weights, "float-quantized" if kind == "ct-fp8" else "pack-quantized")
+    else:
+        _quantized_folder(tmp_path, kind[:4], desc_act=kind == "gptq-act-order", sym=kind == "gptq-sym")
+    p = SamplingParams(temperature=0, max_tokens=8, logprobs=0)
+    prompts = [{"prompt_token_ids": ids} for ids in PROMPTS]
+    with LLM(str(tmp_path), kv_cache_blocks=32) as codes, LLM(str(tmp_path), dtype="float32", kv_cache_blocks=32) as ref:
+        kept = [m for m in codes.engine.runner.model.modules() if getattr(m, "quant", None) is not None]
+        assert len(kept) == (0 if kind in ("gptq-act-order", "ct-fp8") else 4 * CFG["num_hidden_layers"])
+        assert {m.quant.kind for m in kept} <= {"q8" if kind == "ct-w8a16" else "q4"}
+        for a, b in zip(codes.generate(prompts, p), ref.generate(prompts, p)):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            lps = [torch.tensor([lp[t] for lp, t in zip(o.logprobs, o.token_ids)]) for o in (a.outputs[0], b.outputs[0])]
+            tol = 1e-2 if kind == "awq" else 1e-3
+            torch.testing.assert_close(lps[0], lps[1], atol=tol, rtol=0)
 
 
 def test_refusals(tmp_path):
