@@ -62,6 +62,8 @@ def as_video(value) -> Video:
         shape = getattr(value, "shape", None)
         raise ValueError("a video must be uint8 RGB frames [frames, height, width, 3] (an array, a tensor or a list "
                          f"of PIL images), optionally as (frames, {{'fps': ...}}); got {type(value).__name__} {shape}")
+    if min(value.shape[:3]) < 1:
+        raise ValueError(f"a video of shape {tuple(value.shape)} has no frames or no pixels")
     fps = meta.get("fps")
     if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0):
         raise ValueError(f"a video's fps must be a positive number, got {fps!r}")

@@ -338,3 +338,19 @@ def test_awq_moe_matches_transformers(tmp_path):
               str(tmp_path / "float" / "model.safetensors"))
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "float"), dtype=torch.float32).eval()
     check_matches_transformers(hf, tmp_path / "q").engine.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["gptq", "awq"])
+def test_quantized_checkpoint_on_cuda(tmp_path, kind):
+    """On CUDA (fp32, decode graphs captured) the dequantized weights give the CPU engine's greedy
+    tokens, which equal transformers' (test_gptq_and_awq), and every block comes back."""
+    _quantized_folder(tmp_path, kind)
+    want, _ = _greedy_ours(tmp_path)
+    llm = LLM(str(tmp_path), device="cuda", dtype="float32", kv_cache_blocks=32)
+    try:
+        assert llm.engine.runner.graphs is not None
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=6))
+        assert [o.outputs[0].token_ids for o in outs] == want and llm.stats()["kv_blocks_free"] == 32
+    finally:
+        llm.engine.close()

@@ -261,6 +261,7 @@ def test_processor_options_and_refusals(vl):
     cases = [({"prompt": prompt, "multi_modal_data": {"video": (_frames(1, 24, 40), {"fps": 1.0})}},
               "at least 2 frames"),
              ({"prompt": prompt, "multi_modal_data": {"video": "clip.mp4"}}, "uint8 RGB frames"),
+             ({"prompt": prompt, "multi_modal_data": {"video": _frames(4, 0, 8)}}, "no frames or no pixels"),
              ({"prompt": prompt, "multi_modal_data": {"video": (_frames(4, 8, 8), {"fps": -1})}}, "positive"),
              ({"prompt": "no placeholder", "multi_modal_data": {"video": video}}, "0 video placeholder"),
              ({"prompt": prompt + WRAP, "multi_modal_data": {"video": video}}, "2 video placeholder"),
