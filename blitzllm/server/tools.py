@@ -14,7 +14,7 @@ from .errors import bad_request
 from .reasoning import _held_tail, fed
 from .tool_formats import LLAMA3_JSON, MISTRAL, PYTHONIC, tool_call
 
-TOOL_PARSERS = ("hermes", "deepseek_v3", "deepseek_v31", "kimi_k2", "minimax_m2", "qwen3_coder", "glm45", "glm47",
+TOOL_PARSERS = ("hermes", "deepseek_v3", "deepseek_v31", "deepseek_v32", "kimi_k2", "minimax_m2", "qwen3_coder", "glm45", "glm47",
                 "llama3_json", "pythonic", "mistral")
 START, END = "<tool_call>", "</tool_call>"
 
@@ -159,6 +159,28 @@ def _deepseek_v31_call(inner: str, tools=None) -> Optional[dict]:
     return tool_call(name.strip(), args.strip()) if sep else None
 
 
+# DeepSeek-V3.2's DSML (fullwidth bars as DeepSeek's other markers): <｜DSML｜function_calls>, per call
+# <｜DSML｜invoke name="NAME"> with <｜DSML｜parameter name="KEY" string="true|false">VALUE</｜DSML｜parameter>
+# elements (string="false": the value is JSON), </｜DSML｜invoke>, then </｜DSML｜function_calls>
+_DSML = "\uff5cDSML\uff5c"
+_DSML_INVOKE = re.compile(rf'<{_DSML}invoke name="([^"]+)">(.*?)</{_DSML}invoke>', re.S)
+_DSML_PARAM = re.compile(rf'<{_DSML}parameter name="([^"]+)"(?: string="(true|false)")?>(.*?)</{_DSML}parameter>', re.S)
+
+
+def _dsml_calls(inner: str, tools=None) -> Optional[list]:
+    """A DSML block's invokes; a ``string="false"`` value must be JSON (else the block stays text)."""
+    calls = []
+    for name, body in _DSML_INVOKE.findall(inner):
+        args = {}
+        for key, is_string, value in _DSML_PARAM.findall(body):
+            try:
+                args[key] = value if is_string != "false" else json.loads(value)
+            except (ValueError, RecursionError):
+                return None
+        calls.append(tool_call(name.strip(), args))
+    return calls if calls and all(calls) else None
+
+
 # Kimi-K2 (DeepSeek-V3's architecture): <|tool_call_begin|>functions.NAME:INDEX
 # <|tool_call_argument_begin|>ARGUMENTS<|tool_call_end|>, in a calls section; the markers are special tokens
 _KIMI = ("<|tool_call_begin|>", "<|tool_call_end|>", "<|tool_call_argument_begin|>")
@@ -256,6 +278,7 @@ FORMATS = {
     "hermes": ToolFormat(START, END, _hermes_call),
     "deepseek_v3": ToolFormat(_DS_BEGIN, _DS_END, _deepseek_v3_call, _DS_DROP),
     "deepseek_v31": ToolFormat(_DS_BEGIN, _DS_END, _deepseek_v31_call, _DS_DROP),
+    "deepseek_v32": ToolFormat(f"<{_DSML}function_calls>", f"</{_DSML}function_calls>", _dsml_calls),
     "kimi_k2": ToolFormat(_KIMI[0], _KIMI[1], _kimi_k2_call, _KIMI_DROP, special_tokens=True),
     "minimax_m2": ToolFormat("<minimax:tool_call>", "</minimax:tool_call>",
                              partial(_xml_calls, invoke=_INVOKE, param=_PARAM)),

@@ -142,6 +142,17 @@ DS_CASES = [
      [("get_weather", '{"city": "Paris"}')]),
     ("deepseek_v31", "plain", "plain", []),
     ("deepseek_v31", B + CB + "f" + SEP + "{broken" + CE + E, CB + "f" + SEP + "{broken" + CE, []),
+    # DeepSeek-V3.2's DSML: string="true" values as they are, string="false" ones JSON
+    ("deepseek_v32", "Sure.\n<\uff5cDSML\uff5cfunction_calls>\n<\uff5cDSML\uff5cinvoke name=\"get_weather\">\n"
+     '<\uff5cDSML\uff5cparameter name="city" string="true">New York</\uff5cDSML\uff5cparameter>\n'
+     '<\uff5cDSML\uff5cparameter name="days" string="false">[1, 2]</\uff5cDSML\uff5cparameter>\n'
+     "</\uff5cDSML\uff5cinvoke>\n<\uff5cDSML\uff5cinvoke name=\"get_time\">\n</\uff5cDSML\uff5cinvoke>\n"
+     "</\uff5cDSML\uff5cfunction_calls>",
+     "Sure.\n", [("get_weather", '{"city": "New York", "days": [1, 2]}'), ("get_time", "{}")]),
+    ("deepseek_v32", '<\uff5cDSML\uff5cfunction_calls><\uff5cDSML\uff5cinvoke name="f"><\uff5cDSML\uff5cparameter '
+     'name="n" string="false">{oops</\uff5cDSML\uff5cparameter></\uff5cDSML\uff5cinvoke></\uff5cDSML\uff5cfunction_calls>',
+     '<\uff5cDSML\uff5cfunction_calls><\uff5cDSML\uff5cinvoke name="f"><\uff5cDSML\uff5cparameter '
+     'name="n" string="false">{oops</\uff5cDSML\uff5cparameter></\uff5cDSML\uff5cinvoke></\uff5cDSML\uff5cfunction_calls>', []),
     # Kimi-K2 (its markers written out: they are special tokens, decoded for these requests)
     ("kimi_k2", "Checking.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
      '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>functions.get_time:1'
