@@ -154,7 +154,7 @@ def _deepseek_v3_call(inner: str, tools=None) -> Optional[dict]:
 
 
 def _deepseek_v31_call(inner: str, tools=None) -> Optional[dict]:
-    """DeepSeek-V3.1 / V3.2: ``NAME<｜tool▁sep｜>ARGUMENTS``."""
+    """DeepSeek-V3.1 and V3.2-Exp: ``NAME<｜tool▁sep｜>ARGUMENTS``."""
     name, sep, args = inner.partition(_SEP)
     return tool_call(name.strip(), args.strip()) if sep else None
 
