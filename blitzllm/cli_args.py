@@ -70,9 +70,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
     g.add_argument("--mm-processor-kwargs", default=None, metavar="JSON",
                    help='a vision model\'s image bounds over its preprocessor_config.json, e.g. '
-                        '\'{"min_pixels": 65536, "max_pixels": 1048576}\' (fewer pixels: fewer image tokens)')
+                        '\'{"min_pixels": 65536, "max_pixels": 1048576}\' (fewer pixels: fewer image tokens), and '
+                        'the frames a video is sampled to, \'{"fps": 1}\' or \'{"num_frames": 16}\'')
     g.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
-                   help='the most images one prompt may hold, e.g. \'{"image": 4}\' (default: no limit)')
+                   help='the most images and videos one prompt may hold, e.g. \'{"image": 4, "video": 1}\' '
+                        '(default: no limit)')
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:

@@ -66,7 +66,8 @@ class EngineArgs:
     # embeddings' defaults (vLLM's --pooler-config): {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool}
     pooler_config: Optional[Union[str, dict]] = None
     # vLLM's, for a vision model (engine/images.py): the image processor's pixel bounds
-    # ({"min_pixels": N, "max_pixels": N} over preprocessor_config.json's) and images per prompt ({"image": N})
+    # ({"min_pixels": N, "max_pixels": N} over preprocessor_config.json's), a video's frames
+    # ({"fps": F} or {"num_frames": N}) and the items per prompt ({"image": N, "video": N})
     mm_processor_kwargs: Optional[Union[str, dict]] = None
     limit_mm_per_prompt: Optional[Union[str, dict]] = None
     # vLLM's: the most logprobs / prompt_logprobs a request may ask per token (-1: the whole vocabulary)
