@@ -314,3 +314,28 @@ def test_video_on_cuda_matches_transformers(vl, hf_video_processor):
             assert llm.stats()["kv_blocks_free"] == 64
         finally:
             llm.engine.close()
+
+
+def test_speculation_over_a_video(vl, hf_video_processor):
+    """n-gram speculation over a prompt with a video and 280 tokens after it, 40 tokens generated
+    (drafts where an n-gram recurs; verify steps run as forwards with the rotary positions past the
+    frame groups): transformers' greedy tokens on the same expanded prompt
+    (test_greedy_matches_transformers checks the expansion), every block back."""
+    hf, tok, folder = vl
+    frames, meta = _frames(20, 30, 50, 12), {"fps": 10.0}
+    ids = tok("<|im_start|>user\n" + WRAP, add_special_tokens=False).input_ids + list(range(20, 300))
+    llm = LLM(str(folder), dtype="float32", kv_cache_blocks=64, max_num_seqs=2,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    try:
+        out = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"video": (frames, meta)}},
+                           SamplingParams(temperature=0, max_tokens=40))[0]
+        assert llm.stats()["kv_blocks_free"] == 64 and llm.stats()["spec_draft_tokens"] > 0
+    finally:
+        llm.engine.close()
+    pv, grid, _ = hf_video_inputs(hf_video_processor, frames, meta)
+    x = torch.tensor([out.prompt_token_ids])
+    vpad = tok.convert_tokens_to_ids("<|video_pad|>")
+    with torch.no_grad():
+        gen = hf.generate(input_ids=x, attention_mask=torch.ones_like(x), pixel_values_videos=pv, video_grid_thw=grid,
+                          mm_token_type_ids=2 * (x == vpad).int(), max_new_tokens=40, do_sample=False)
+    assert out.outputs[0].token_ids == gen[0, x.shape[1]:].tolist()
