@@ -75,8 +75,8 @@ class LLM:
         {"image": a PIL image or a list, "video": a video or a list}`` beside for a vision model (one
         placeholder in the prompt per image, e.g. Qwen3.5's ``<|vision_start|><|image_pad|><|vision_end|>``,
         and per video, ``<|vision_start|><|video_pad|><|vision_end|>``; a video as
-        ``engine/video.py``'s ``as_video`` takes it). One SamplingParams for all, or one per prompt. ``priority``: one per prompt (lower first), with
-        ``scheduling_policy="priority"``. ``lora_request``: a ``LoRARequest`` for all prompts, or a
+        ``engine/video.py``'s ``as_video`` takes it). One SamplingParams for all, or one per prompt.
+        ``priority``: one per prompt (lower first), with ``scheduling_policy="priority"``. ``lora_request``: a ``LoRARequest`` for all prompts, or a
         list of one (or None, the base model) per prompt, with ``enable_lora=True``."""
         prompts = _prompt_list(prompts)
         params = sampling_params if sampling_params is not None else self.get_default_sampling_params()

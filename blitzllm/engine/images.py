@@ -315,7 +315,8 @@ class ImageIntake:
             wrapped = out.endswith(start) and after.startswith(end)
             if wrapped:
                 out, after = out[:-len(start)], after[len(end):]
-            out += "".join(f"<{ts:.1f} seconds>{start}{video * f.num_tokens}{end}" for f, ts in zip(v.frames, v.timestamps))
+            out += "".join(f"<{ts:.1f} seconds>{start}{video * f.num_tokens}{end}"
+                           for f, ts in zip(v.frames, v.timestamps))
             out += after
         return out
 
