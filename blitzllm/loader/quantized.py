@@ -52,12 +52,9 @@ def quantized_grids(tensors: Iterable, hf_config: dict, modules: set) -> dict:
     codec, held, out = _codec(hf_config), {}, {}
     for name, t in tensors:
         module, _, part = name.rpartition(".")
-        if module not in modules or not codec.claims(module, part, t):
-            continue
-        have = held.setdefault(module, {})
-        have[part] = t if isinstance(t, torch.Tensor) else t[:]
-        if all(p in have for p in codec.required(module, have)):
-            grid = codec.grid(module, held.pop(module))
+        if module in modules and codec.claims(module, part, t):
+            parts = codec.collect(held, module, part, t)
+            grid = None if parts is None else codec.grid(module, parts)
             if grid is not None:
                 out[module] = grid
     return out
@@ -101,6 +98,12 @@ class _Collector:
     def claims(self, module: str, part: str, t) -> bool:
         return part in self.parts
 
+    def collect(self, held: dict, module: str, part: str, t) -> Optional[dict]:
+        """Adds a claimed part to ``held``; the module's parts once they are all there, else None."""
+        have = held.setdefault(module, {})
+        have[part] = t if isinstance(t, torch.Tensor) else t[:]
+        return held.pop(module) if all(p in have for p in self.required(module, have)) else None
+
     def stream(self, tensors: Iterable, skip: set = frozenset()) -> Iterator:
         """``skip``: modules whose parts are dropped (their codes kept by ``quantized_grids``)."""
         held: dict = {}
@@ -115,10 +118,9 @@ class _Collector:
             if module in done:
                 raise ValueError(f"checkpoint tensor {name!r} comes after its module's weight was built "
                                  f"from the parts before it")
-            have = held.setdefault(module, {})
-            have[part] = t if isinstance(t, torch.Tensor) else t[:]
-            if all(p in have for p in self.required(module, have)):
-                yield module + ".weight", self.decode(module, held.pop(module))
+            parts = self.collect(held, module, part, t)
+            if parts is not None:
+                yield module + ".weight", self.decode(module, parts)
                 done.add(module)
         if held:
             module, have = next(iter(held.items()))
@@ -179,19 +181,22 @@ class _CompressedTensors(_Collector):
             need += ("weight_zero_point",)
         return need
 
+    @staticmethod
+    def _codes(p: dict) -> tuple:
+        """(codes [out, in] as values: signed ints or float8, zero points or None, bits): a packed
+        weight unpacked (its codes and zero points stored plus 2 ** (bits - 1)), else as stored."""
+        zero = p.get("weight_zero_point")
+        if "weight_packed" not in p:
+            return p["weight"], zero, 8
+        out, cols = (int(v) for v in p["weight_shape"].tolist())
+        bits = p["weight_packed"].shape[1] * 32 // cols
+        q = unpack_int32(p["weight_packed"], bits, 1)[:, :cols] - (1 << (bits - 1))
+        return q, None if zero is None else unpack_int32(zero, bits, 0)[:out] - (1 << (bits - 1)), bits
+
     def decode(self, module: str, p: dict) -> torch.Tensor:
-        scale, zero, g_idx = p["weight_scale"], p.get("weight_zero_point"), p.get("weight_g_idx")
-        w = self._scheme(module)
-        if "weight_packed" in p:
-            out, cols = (int(v) for v in p["weight_shape"].tolist())
-            packed = p["weight_packed"]
-            bits = packed.shape[1] * 32 // cols
-            q = unpack_int32(packed, bits, 1)[:, :cols] - (1 << (bits - 1))
-            if zero is not None:
-                zero = unpack_int32(zero, bits, 0)[:out] - (1 << (bits - 1))
-        else:
-            q = p["weight"]
-            out, cols = q.shape
+        scale, g_idx, w = p["weight_scale"], p.get("weight_g_idx"), self._scheme(module)
+        q, zero, _ = self._codes(p)
+        out, cols = q.shape
         if w.get("strategy") == "block":
             bh, bw = w.get("block_structure") or (128, 128)
             scale = scale.repeat_interleave(bh, 0)[:out].repeat_interleave(bw, 1)[:, :cols]
@@ -200,24 +205,17 @@ class _CompressedTensors(_Collector):
 
     def grid(self, module: str, p: dict) -> Optional[tuple]:
         """int4 (any zero points) and symmetric int8 codes in groups or channels, without g_idx."""
-        w, scale, zero = self._scheme(module), p["weight_scale"], p.get("weight_zero_point")
+        w = self._scheme(module)
         if w.get("type") != "int" or w.get("strategy") not in ("group", "channel") or "weight_g_idx" in p:
             return None
-        if "weight_packed" in p:
-            out, cols = (int(v) for v in p["weight_shape"].tolist())
-            bits = p["weight_packed"].shape[1] * 32 // cols
-            stored = unpack_int32(p["weight_packed"], bits, 1)[:, :cols]     # code + 2 ** (bits - 1)
-            if zero is not None:
-                zero = unpack_int32(zero, bits, 0)[:out] - (1 << (bits - 1))
-        else:
-            bits, stored = 8, p["weight"].to(torch.int32) + 128
-        scale = scale.reshape(stored.shape[0], -1)
-        if bits == 4:
-            offset = 8 if zero is None else 8 + zero.reshape(stored.shape[0], -1)
-            blocks = q4_blocks(stored, scale, torch.as_tensor(offset).expand_as(scale))
+        q, zero, bits = self._codes(p)
+        scale = p["weight_scale"].reshape(q.shape[0], -1)
+        if bits == 4:   # (Q4_1 takes unsigned codes: q + 8, its zero 8 + the zero point)
+            offset = 8 if zero is None else 8 + zero.reshape(q.shape[0], -1)
+            blocks = q4_blocks(q.to(torch.int32) + 8, scale, torch.as_tensor(offset).expand_as(scale))
             return None if blocks is None else ("q4", *blocks)
         if bits == 8 and zero is None:
-            blocks = q8_blocks(stored - 128, scale)
+            blocks = q8_blocks(q, scale)
             return None if blocks is None else ("q8", *blocks, None)
         return None
 
